@@ -1,0 +1,86 @@
+#include "autograd/function.h"
+
+namespace tally::autograd {
+
+SavedTensor::SavedTensor(const Tensor& t) {
+  if (!t.defined()) return;
+  // A detached alias: same storage and geometry, no grad_fn, no leaf state (R2).
+  data_ = t.detach();
+  version_ = t.storage().version();
+  // Activations kept for backward are accounted as such until they are released.
+  if (t.storage().owner().category == memory::Category::Activation)
+    t.storage().retag(memory::Category::SavedForBackward);
+}
+
+Tensor SavedTensor::unpack(const char* op) const {
+  if (!data_.defined()) return data_;
+  TALLY_CHECK(data_.storage().version() == version_, "a tensor saved by '", op,
+              "' for backward was modified in place after it was saved (version ", version_, " -> ",
+              data_.storage().version(), "); clone it before modifying");
+  return data_;
+}
+
+Context::Context() = default;
+
+void Context::bind(const char* op_name, const std::vector<Tensor>& inputs) {
+  op_name_ = op_name;
+  needs_input_grad_.resize(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) needs_input_grad_[i] = inputs[i].defined() && inputs[i].requires_grad();
+}
+Context::~Context() = default;
+
+void Context::save_for_backward(const std::vector<Tensor>& tensors) {
+  saved_.clear();
+  saved_.reserve(tensors.size());
+  for (const Tensor& t : tensors) saved_.emplace_back(t);
+}
+
+Tensor Context::saved(size_t i) const {
+  TALLY_CHECK(i < saved_.size(), "op '", op_name_, "' asked for saved tensor ", i, " of ", saved_.size());
+  return saved_[i].unpack(op_name_);
+}
+
+int64_t Context::saved_bytes() const {
+  int64_t bytes = 0;
+  for (const SavedTensor& s : saved_)
+    if (s.defined()) bytes += s.data().numel() * static_cast<int64_t>(dtype_size(s.data().dtype()));
+  return bytes;
+}
+
+bool needs_graph(const std::vector<Tensor>& inputs) {
+  if (!grad_enabled()) return false;
+  for (const Tensor& t : inputs)
+    if (t.defined() && t.requires_grad()) return true;
+  return false;
+}
+
+void connect(Node& node, const std::shared_ptr<Node>& self, const std::vector<Tensor>& inputs,
+             const std::vector<Tensor>& outputs) {
+  auto& edges = node.next_edges();
+  edges.reserve(inputs.size());
+  for (const Tensor& in : inputs) edges.push_back(in.defined() ? gradient_edge(in) : Edge{});
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    auto& state = outputs[i].impl()->autograd();
+    TALLY_CHECK(std::holds_alternative<NoGrad>(state), "output ", i, " of '", node.name(),
+                "' already has autograd state; an op's outputs must be fresh tensors");
+    state = InteriorState{self, static_cast<uint32_t>(i)};
+  }
+}
+
+struct testing_access {
+  static void save_with_graph(Context& ctx, const Tensor& t) {
+    SavedTensor s(t);
+    s.with_graph_ = t;
+    ctx.saved_.push_back(std::move(s));
+  }
+  static const Tensor& with_graph(const SavedTensor& s) { return s.with_graph_; }
+};
+
+namespace testing {
+void save_keeping_graph(Context& ctx, const Tensor& t) { testing_access::save_with_graph(ctx, t); }
+}  // namespace testing
+
+// Used by the cycle check (engine.cc).
+const Tensor& saved_with_graph(const SavedTensor& s) { return testing_access::with_graph(s); }
+
+}  // namespace tally::autograd

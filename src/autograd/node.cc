@@ -1,0 +1,119 @@
+#include "autograd/node.h"
+
+#include <atomic>
+#include <mutex>
+#include <unordered_set>
+
+#include "autograd/function.h"
+#include "memory/owner.h"
+#include "ops/ops.h"
+
+namespace tally::autograd {
+
+namespace {
+std::atomic<uint64_t> g_next_sequence_nr{0};
+
+// The census: every live node. Guarded by a mutex; nodes are created on the training
+// thread, but a graph may be destroyed from another (e.g. a pipeline thread).
+struct Census {
+  std::mutex mutex;
+  std::unordered_set<const Node*> nodes;
+};
+Census& census() {
+  static auto* c = new Census();  // never destroyed: nodes may die during static destruction
+  return *c;
+}
+}  // namespace
+
+Node::Node(uint32_t num_outputs)
+    : num_outputs_(num_outputs),
+      sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)),
+      birth_step_(memory::Clock::step()),
+      birth_microbatch_(memory::Clock::microbatch()),
+      module_path_(memory::current_module_path()) {
+  std::lock_guard<std::mutex> lock(census().mutex);
+  census().nodes.insert(this);
+}
+
+Node::~Node() {
+  // Destroying a long chain of nodes recursively (node -> edge -> node -> ...) would
+  // overflow the stack for deep graphs; move the edges of uniquely owned successors
+  // onto an explicit stack first so each node dies with no edges left.
+  std::vector<std::shared_ptr<Node>> pending;
+  for (Edge& e : next_edges_)
+    if (e.node && e.node.use_count() == 1) pending.push_back(std::move(e.node));
+  next_edges_.clear();
+  while (!pending.empty()) {
+    std::shared_ptr<Node> n = std::move(pending.back());
+    pending.pop_back();
+    for (Edge& e : n->next_edges_)
+      if (e.node && e.node.use_count() == 1) pending.push_back(std::move(e.node));
+    n->next_edges_.clear();
+  }
+  std::lock_guard<std::mutex> lock(census().mutex);
+  census().nodes.erase(this);
+}
+
+void Node::add_pre_hook(uint32_t output_nr, TensorHook hook) { pre_hooks_.emplace_back(output_nr, std::move(hook)); }
+
+AccumulateGrad::AccumulateGrad(const std::shared_ptr<TensorImpl>& leaf) : Node(1), leaf_(leaf) {}
+
+std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads) {
+  std::shared_ptr<TensorImpl> impl = leaf_.lock();
+  if (!impl || !grads[0].defined()) return {};  // the leaf died: nothing to accumulate into
+  Tensor leaf(impl);
+  Tensor grad = grads[0];
+  auto* state = std::get_if<LeafState>(&impl->autograd());
+  TALLY_CHECK(state, "internal: AccumulateGrad for tensor ", leaf.str(), " which is no longer a leaf");
+  for (const TensorHook& hook : state->hooks) {
+    Tensor replaced = hook(grad);
+    if (replaced.defined()) grad = replaced;
+  }
+  TALLY_CHECK(grad.shape() == leaf.shape(), "gradient for ", leaf.str(), " has shape ", shape_str(grad.shape()),
+              ", expected ", shape_str(leaf.shape()));
+  NoGradGuard no_grad;
+  if (!state->grad.defined()) {
+    // The gradient lives as long as the leaf: a persistent allocation owned by it.
+    std::string name = leaf.name().empty() ? "grad" : leaf.name() + ".grad";
+    Tensor g = Tensor::empty(leaf.shape(), leaf.dtype(), leaf.device(),
+                             memory::make_owner(memory::Category::Gradient, name));
+    g.copy_(grad);
+    state->grad = g;
+  } else {
+    ops::add_(state->grad, grad);
+  }
+  return {};
+}
+
+Edge gradient_edge(const Tensor& t) {
+  TensorImpl* impl = t.impl();
+  if (auto* interior = std::get_if<InteriorState>(&impl->autograd())) return {interior->grad_fn, interior->output_nr};
+  if (auto* leaf = std::get_if<LeafState>(&impl->autograd())) {
+    std::shared_ptr<AccumulateGrad> acc = leaf->accumulator.lock();
+    if (!acc) {
+      acc = std::make_shared<AccumulateGrad>(t.impl_ptr());
+      leaf->accumulator = acc;
+    }
+    return {acc, 0};
+  }
+  return {};
+}
+
+std::vector<NodeInfo> live_nodes() {
+  std::lock_guard<std::mutex> lock(census().mutex);
+  std::vector<NodeInfo> out;
+  out.reserve(census().nodes.size());
+  for (const Node* n : census().nodes) {
+    const Context* ctx = n->context();
+    out.push_back({n, n->name(), n->module_path(), n->birth_step(), n->birth_microbatch(),
+                   ctx ? ctx->num_saved() : 0, ctx ? ctx->saved_bytes() : 0});
+  }
+  return out;
+}
+
+size_t live_node_count() {
+  std::lock_guard<std::mutex> lock(census().mutex);
+  return census().nodes.size();
+}
+
+}  // namespace tally::autograd

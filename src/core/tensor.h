@@ -1,0 +1,195 @@
+// Tensor: a view (shape, strides, offset, dtype) over a reference-counted Storage,
+// plus its autograd state.
+//
+// Ownership, as PyTorch writes it down and tally enforces it (memory contract R1, R2):
+//   Tensor --(shared_ptr)--> TensorImpl --(shared_ptr)--> Storage
+//   TensorImpl (interior) --(shared_ptr)--> grad_fn Node --(edges, shared_ptr)--> next Nodes
+//   TensorImpl (leaf) --(weak_ptr)--> AccumulateGrad --(weak_ptr)--> TensorImpl
+// Nothing in the graph holds a tensor strongly except saved tensors, which are saved
+// without autograd state, so a graph can never keep itself alive.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "core/device.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/storage.h"
+#include "memory/owner.h"
+
+namespace tally {
+
+namespace autograd {
+class Node;
+class AccumulateGrad;
+}  // namespace autograd
+
+using Shape = std::vector<int64_t>;
+std::string shape_str(const Shape& shape);
+int64_t shape_numel(const Shape& shape);
+Shape contiguous_strides(const Shape& shape);
+
+class TensorImpl;
+class Tensor;
+
+// A gradient hook: receives the gradient, returns a replacement or an undefined
+// Tensor to keep it unchanged.
+using TensorHook = std::function<Tensor(const Tensor&)>;
+
+class Tensor {
+ public:
+  Tensor() = default;
+  explicit Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
+
+  // ---- creation (owner defaults to memory::current_owner(): category from the
+  // CategoryScope, name from the module path, and the trainer's clock)
+  static Tensor empty(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
+  static Tensor empty(const Shape& shape, DType dtype, Device device, memory::OwnerTag owner);
+  static Tensor zeros(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
+  static Tensor zeros(const Shape& shape, DType dtype, Device device, memory::OwnerTag owner);
+  static Tensor full(const Shape& shape, double value, DType dtype = DType::F32, Device device = Device::cpu());
+  static Tensor ones(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
+  static Tensor scalar(double value, DType dtype = DType::F32);
+  template <class T> static Tensor from_vector(const std::vector<T>& values, const Shape& shape);
+
+  // ---- metadata
+  bool defined() const { return impl_ != nullptr; }
+  TensorImpl* impl() const { return impl_.get(); }
+  const std::shared_ptr<TensorImpl>& impl_ptr() const { return impl_; }
+  const Shape& shape() const;
+  const Shape& strides() const;
+  int64_t offset() const;
+  int64_t dim() const;
+  int64_t size(int64_t d) const;    // negative d counts from the end
+  int64_t stride(int64_t d) const;
+  int64_t numel() const;
+  DType dtype() const;
+  Device device() const;
+  bool is_contiguous() const;
+  Storage& storage() const;
+  const std::shared_ptr<Storage>& storage_ptr() const;
+  const std::string& name() const;
+  const Tensor& set_name(const std::string& name) const;
+  std::string str() const;  // "float32[2,3] 'name'"
+
+  // ---- data (throws if the storage was released, or on a dtype mismatch)
+  template <class T> T* data() const;
+  void* raw_data() const;
+  double item() const;
+  template <class T> std::vector<T> to_vector() const;  // element-converted, in logical order
+
+  // ---- views (autograd-aware: a view of a tensor that requires grad is interior)
+  Tensor view(const Shape& shape) const;      // -1 allowed once; requires compatible strides
+  Tensor reshape(const Shape& shape) const;   // view when possible, else a contiguous copy
+  Tensor transpose(int64_t d0, int64_t d1) const;
+  Tensor permute(const std::vector<int64_t>& dims) const;
+  Tensor slice(int64_t dim, int64_t start, int64_t end, int64_t step = 1) const;
+  Tensor expand(const Shape& shape) const;
+  Tensor unsqueeze(int64_t dim) const;
+  Tensor contiguous() const;
+
+  // ---- copies and in-place writes (in-place writes bump the storage version)
+  Tensor detach() const;  // same storage, no autograd state
+  Tensor clone() const;   // new storage, differentiable
+  Tensor to(DType dtype) const;
+  void copy_(const Tensor& src) const;
+  void fill_(double value) const;
+  void zero_() const { fill_(0.0); }
+
+  // ---- autograd
+  bool requires_grad() const;
+  const Tensor& set_requires_grad(bool enabled) const;  // leaves and plain tensors only (R1)
+  bool is_leaf() const;
+  Tensor grad() const;
+  void set_grad(const Tensor& grad) const;
+  void zero_grad() const;  // fills .grad with zeros, keeping its allocation
+  std::shared_ptr<autograd::Node> grad_fn() const;
+  uint32_t output_nr() const;
+  void backward(const Tensor& gradient = Tensor(), bool retain_graph = false) const;
+  void register_hook(TensorHook hook) const;
+
+ private:
+  std::shared_ptr<TensorImpl> impl_;
+};
+
+namespace autograd {
+// R1: a tensor's autograd state is exactly one of these three.
+struct NoGrad {};
+struct LeafState {
+  Tensor grad;                                   // owned: the accumulated gradient
+  std::weak_ptr<AccumulateGrad> accumulator;     // non-owning: the graph owns it (R2)
+  std::vector<TensorHook> hooks;
+};
+struct InteriorState {
+  std::shared_ptr<Node> grad_fn;  // owning: a tensor keeps the node that made it alive
+  uint32_t output_nr = 0;
+};
+using AutogradState = std::variant<NoGrad, LeafState, InteriorState>;
+}  // namespace autograd
+
+class TensorImpl {
+ public:
+  TensorImpl(std::shared_ptr<Storage> storage, Shape shape, Shape strides, int64_t offset, DType dtype);
+  ~TensorImpl();
+  TensorImpl(const TensorImpl&) = delete;
+  TensorImpl& operator=(const TensorImpl&) = delete;
+
+  const std::shared_ptr<Storage>& storage() const { return storage_; }
+  const Shape& shape() const { return shape_; }
+  const Shape& strides() const { return strides_; }
+  int64_t offset() const { return offset_; }  // in elements
+  DType dtype() const { return dtype_; }
+  int64_t numel() const { return numel_; }
+  bool is_contiguous() const;
+  const std::string& name() const { return name_; }
+  void set_name(std::string name) { name_ = std::move(name); }
+
+  autograd::AutogradState& autograd() { return autograd_; }
+  const autograd::AutogradState& autograd() const { return autograd_; }
+
+ private:
+  std::shared_ptr<Storage> storage_;  // owning: views keep their storage alive (until release())
+  Shape shape_;
+  Shape strides_;
+  int64_t offset_;
+  DType dtype_;
+  int64_t numel_;
+  std::string name_;
+  autograd::AutogradState autograd_;
+};
+
+// Makes a tensor viewing `base`'s storage with new geometry and no autograd state.
+Tensor make_view(const Tensor& base, Shape shape, Shape strides, int64_t offset);
+
+// ---- inline accessors
+inline const Shape& Tensor::shape() const { return impl_->shape(); }
+inline const Shape& Tensor::strides() const { return impl_->strides(); }
+inline int64_t Tensor::offset() const { return impl_->offset(); }
+inline int64_t Tensor::dim() const { return static_cast<int64_t>(impl_->shape().size()); }
+inline int64_t Tensor::numel() const { return impl_->numel(); }
+inline DType Tensor::dtype() const { return impl_->dtype(); }
+inline Device Tensor::device() const { return impl_->storage()->device(); }
+inline bool Tensor::is_contiguous() const { return impl_->is_contiguous(); }
+inline Storage& Tensor::storage() const { return *impl_->storage(); }
+inline const std::shared_ptr<Storage>& Tensor::storage_ptr() const { return impl_->storage(); }
+inline const std::string& Tensor::name() const { return impl_->name(); }
+
+inline void* Tensor::raw_data() const {
+  return static_cast<char*>(impl_->storage()->data(impl_->name())) + impl_->offset() * dtype_size(impl_->dtype());
+}
+
+template <class T> T* Tensor::data() const {
+  TALLY_CHECK(impl_, "data() on an undefined tensor");
+  TALLY_CHECK(DTypeOf<T>::value == impl_->dtype(), "tensor ", str(), " holds ", dtype_name(impl_->dtype()),
+              ", accessed as ", dtype_name(DTypeOf<T>::value));
+  return static_cast<T*>(raw_data());
+}
+
+// Normalizes a possibly negative dimension index against `ndim`.
+int64_t wrap_dim(int64_t d, int64_t ndim, const char* what = "dimension");
+
+}  // namespace tally

@@ -1,0 +1,313 @@
+// Elementwise, reduction and indexing kernels on strided CPU tensors.
+#include <cmath>
+#include <limits>
+
+#include "ops/cpu/kernels.h"
+#include "ops/cpu/strided.h"
+
+namespace tally::ops::cpu {
+
+namespace {
+// `t` when contiguous, else a contiguous copy (kernels never record graphs).
+Tensor dense(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device(), memory::current_owner("contiguous"));
+  copy(c, t);
+  return c;
+}
+}  // namespace
+
+Shape broadcast_strides(const Tensor& t, const Shape& shape) {
+  Shape out(shape.size(), 0);
+  int64_t offset = static_cast<int64_t>(shape.size()) - t.dim();
+  TALLY_CHECK(offset >= 0, "cannot broadcast ", t.str(), " to ", shape_str(shape));
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    int64_t sz = t.shape()[d];
+    TALLY_CHECK(sz == shape[d + offset] || sz == 1, "cannot broadcast ", t.str(), " to ", shape_str(shape));
+    out[d + offset] = sz == 1 ? 0 : t.strides()[d];
+  }
+  return out;
+}
+
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
+  size_t n = std::max(a.size(), b.size());
+  Shape out(n);
+  for (size_t i = 0; i < n; ++i) {
+    int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    TALLY_CHECK(da == db || da == 1 || db == 1, op, ": shapes ", shape_str(a), " and ", shape_str(b),
+                " cannot be broadcast together");
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+void copy(const Tensor& dst, const Tensor& src) {
+  TALLY_CHECK(dst.device().is_cpu() && src.device().is_cpu(), "copy: CPU kernel got ", dst.device().str(), " and ",
+              src.device().str());
+  std::array<Shape, 2> strides{dst.strides(), broadcast_strides(src, dst.shape())};
+  dispatch_all(dst.dtype(), [&](auto dtag) {
+    using D = decltype(dtag);
+    D* d = dst.data<D>();
+    dispatch_all(src.dtype(), [&](auto stag) {
+      using S = decltype(stag);
+      const S* s = src.data<S>();
+      for_each_row<2>(dst.shape(), strides, [&](auto off, int64_t n, auto inc) {
+        D* dp = d + off[0];
+        const S* sp = s + off[1];
+        if (inc[0] == 1 && inc[1] == 1) {
+          for (int64_t i = 0; i < n; ++i) dp[i] = convert<D>(sp[i]);
+        } else {
+          for (int64_t i = 0; i < n; ++i) dp[i * inc[0]] = convert<D>(sp[i * inc[1]]);
+        }
+      });
+    });
+  });
+}
+
+void fill(const Tensor& dst, double value) {
+  std::array<Shape, 1> strides{dst.strides()};
+  dispatch_all(dst.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    T* d = dst.data<T>();
+    T v = convert<T>(value);
+    for_each_row<1>(dst.shape(), strides, [&](auto off, int64_t n, auto inc) {
+      T* p = d + off[0];
+      for (int64_t i = 0; i < n; ++i) p[i * inc[0]] = v;
+    });
+  });
+}
+
+namespace {
+template <class T, class F>
+void binary_loop(const Tensor& out, const Tensor& a, const Tensor& b, F f) {
+  std::array<Shape, 3> strides{out.strides(), broadcast_strides(a, out.shape()), broadcast_strides(b, out.shape())};
+  T* o = out.data<T>();
+  const T* pa = a.data<T>();
+  const T* pb = b.data<T>();
+  for_each_row<3>(out.shape(), strides, [&](auto off, int64_t n, auto inc) {
+    T* op = o + off[0];
+    const T* ap = pa + off[1];
+    const T* bp = pb + off[2];
+    // Specialized unit/zero-stride rows vectorize; the general row does not need to.
+    if (inc[0] == 1 && inc[1] == 1 && inc[2] == 1) {
+      for (int64_t i = 0; i < n; ++i) op[i] = f(ap[i], bp[i]);
+    } else if (inc[0] == 1 && inc[1] == 1 && inc[2] == 0) {
+      const T bv = *bp;
+      for (int64_t i = 0; i < n; ++i) op[i] = f(ap[i], bv);
+    } else if (inc[0] == 1 && inc[1] == 0 && inc[2] == 1) {
+      const T av = *ap;
+      for (int64_t i = 0; i < n; ++i) op[i] = f(av, bp[i]);
+    } else {
+      for (int64_t i = 0; i < n; ++i) op[i * inc[0]] = f(ap[i * inc[1]], bp[i * inc[2]]);
+    }
+  });
+}
+}  // namespace
+
+void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
+  TALLY_CHECK(a.dtype() == b.dtype() && a.dtype() == out.dtype(), "elementwise op on ", a.str(), " and ", b.str(),
+              ": dtypes differ");
+  dispatch_floating(out.dtype(), "elementwise", [&](auto tag) {
+    using T = decltype(tag);
+    switch (op) {
+      case BinaryOp::Add: binary_loop<T>(out, a, b, [](T x, T y) { return x + y; }); break;
+      case BinaryOp::Sub: binary_loop<T>(out, a, b, [](T x, T y) { return x - y; }); break;
+      case BinaryOp::Mul: binary_loop<T>(out, a, b, [](T x, T y) { return x * y; }); break;
+      case BinaryOp::Div: binary_loop<T>(out, a, b, [](T x, T y) { return x / y; }); break;
+    }
+  });
+}
+
+void affine(const Tensor& out, const Tensor& x, double alpha, double beta) {
+  std::array<Shape, 2> strides{out.strides(), broadcast_strides(x, out.shape())};
+  dispatch_floating(out.dtype(), "affine", [&](auto tag) {
+    using T = decltype(tag);
+    T* o = out.data<T>();
+    const T* px = x.data<T>();
+    const T a = static_cast<T>(alpha), b = static_cast<T>(beta);
+    for_each_row<2>(out.shape(), strides, [&](auto off, int64_t n, auto inc) {
+      T* op = o + off[0];
+      const T* xp = px + off[1];
+      if (inc[0] == 1 && inc[1] == 1) {
+        for (int64_t i = 0; i < n; ++i) op[i] = a * xp[i] + b;
+      } else {
+        for (int64_t i = 0; i < n; ++i) op[i * inc[0]] = a * xp[i * inc[1]] + b;
+      }
+    });
+  });
+}
+
+void add_inplace(const Tensor& dst, const Tensor& src, double alpha) {
+  TALLY_CHECK(dst.dtype() == src.dtype(), "add_: dtypes differ: ", dst.str(), " += ", src.str());
+  std::array<Shape, 2> strides{dst.strides(), broadcast_strides(src, dst.shape())};
+  dispatch_floating(dst.dtype(), "add_", [&](auto tag) {
+    using T = decltype(tag);
+    T* d = dst.data<T>();
+    const T* s = src.data<T>();
+    const T a = static_cast<T>(alpha);
+    for_each_row<2>(dst.shape(), strides, [&](auto off, int64_t n, auto inc) {
+      T* dp = d + off[0];
+      const T* sp = s + off[1];
+      if (inc[0] == 1 && inc[1] == 1) {
+        for (int64_t i = 0; i < n; ++i) dp[i] += a * sp[i];
+      } else {
+        for (int64_t i = 0; i < n; ++i) dp[i * inc[0]] += a * sp[i * inc[1]];
+      }
+    });
+  });
+  dst.storage().bump_version();
+}
+
+void sum_into(const Tensor& out, const Tensor& x) {
+  TALLY_CHECK(out.dim() == x.dim(), "sum_into: rank mismatch ", out.str(), " vs ", x.str());
+  TALLY_CHECK(out.is_contiguous(), "sum_into: output must be contiguous");
+  dispatch_floating(x.dtype(), "sum", [&](auto tag) {
+    using T = decltype(tag);
+    // Accumulate in double for fp32 sums over long axes, then store.
+    const int64_t n_out = out.numel();
+    const int64_t n_in = x.numel();
+    T* o = out.data<T>();
+    const T* px = x.data<T>();
+    // Output strides as seen from x's index space: 0 on reduced dims.
+    Shape ostr(x.dim());
+    Shape ocontig = contiguous_strides(out.shape());
+    for (int64_t d = 0; d < x.dim(); ++d) ostr[d] = out.shape()[d] == 1 ? 0 : ocontig[d];
+    std::vector<double> acc(static_cast<size_t>(n_out), 0.0);
+    // Fast path: reducing leading dims of a contiguous tensor (bias gradients: (N,C)->(C)).
+    bool leading = x.is_contiguous();
+    int64_t inner = 1;
+    {
+      int64_t d = x.dim() - 1;
+      for (; d >= 0 && out.shape()[d] == x.shape()[d]; --d) inner *= x.shape()[d];
+      for (; d >= 0; --d) leading = leading && out.shape()[d] == 1;
+    }
+    if (leading && inner == n_out && n_out > 0) {
+      const int64_t rows = n_in / inner;
+#pragma omp parallel for schedule(static) if (n_in > (1 << 15))
+      for (int64_t j = 0; j < inner; ++j) {
+        double s = 0;
+        for (int64_t r = 0; r < rows; ++r) s += px[r * inner + j];
+        acc[j] = s;
+      }
+    } else {
+      // General path (serial: different rows may hit the same output element).
+      const Shape& shape = x.shape();
+      std::vector<int64_t> idx(shape.size(), 0);
+      for (int64_t lin = 0; lin < n_in; ++lin) {
+        int64_t xo = 0, oo = 0;
+        for (size_t d = 0; d < shape.size(); ++d) {
+          xo += idx[d] * x.strides()[d];
+          oo += idx[d] * ostr[d];
+        }
+        acc[oo] += px[xo];
+        for (size_t d = shape.size(); d-- > 0;) {
+          if (++idx[d] < shape[d]) break;
+          idx[d] = 0;
+        }
+      }
+    }
+    for (int64_t i = 0; i < n_out; ++i) o[i] = static_cast<T>(acc[i]);
+  });
+}
+
+void max_dim(const Tensor& values, const Tensor& indices, const Tensor& x, int64_t dim) {
+  Tensor xc = dense(x);
+  int64_t outer = 1, inner = 1, n = xc.shape()[dim];
+  for (int64_t d = 0; d < dim; ++d) outer *= xc.shape()[d];
+  for (int64_t d = dim + 1; d < xc.dim(); ++d) inner *= xc.shape()[d];
+  dispatch_floating(x.dtype(), "max", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = xc.data<T>();
+    T* pv = values.data<T>();
+    int64_t* pi = indices.data<int64_t>();
+#pragma omp parallel for collapse(2) if (outer * inner > 4096)
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t i = 0; i < inner; ++i) {
+        const T* row = px + o * n * inner + i;
+        T best = row[0];
+        int64_t arg = 0;
+        for (int64_t j = 1; j < n; ++j)
+          if (row[j * inner] > best) best = row[j * inner], arg = j;
+        pv[o * inner + i] = best;
+        pi[o * inner + i] = arg;
+      }
+  });
+}
+
+void argmax_last(const Tensor& out, const Tensor& x) {
+  Tensor values = Tensor::empty(out.shape(), x.dtype(), x.device(), memory::current_owner("argmax"));
+  max_dim(values, out, x, x.dim() - 1);
+}
+
+double sum_squares(const Tensor& x) {
+  Tensor xc = dense(x);
+  double total = 0;
+  dispatch_floating(x.dtype(), "norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* p = xc.data<T>();
+    const int64_t n = xc.numel();
+#pragma omp parallel for reduction(+ : total) schedule(static) if (n > (1 << 16))
+    for (int64_t i = 0; i < n; ++i) total += static_cast<double>(p[i]) * static_cast<double>(p[i]);
+  });
+  return total;
+}
+
+namespace {
+int64_t index_at(const Tensor& index, int64_t lin) {
+  return index.dtype() == DType::I64 ? index.data<int64_t>()[lin] : index.data<int32_t>()[lin];
+}
+}  // namespace
+
+void gather(const Tensor& out, const Tensor& x, int64_t dim, const Tensor& index) {
+  Tensor xc = dense(x);
+  Tensor ic = dense(index);
+  Shape xs = contiguous_strides(xc.shape());
+  Shape is = contiguous_strides(ic.shape());
+  const int64_t n = ic.numel();
+  dispatch_floating(x.dtype(), "gather", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = xc.data<T>();
+    T* po = out.data<T>();
+    for (int64_t lin = 0; lin < n; ++lin) {
+      int64_t rem = lin, xo = 0;
+      for (int64_t d = 0; d < ic.dim(); ++d) {
+        int64_t i = rem / is[d];
+        rem %= is[d];
+        if (d == dim) {
+          int64_t j = index_at(ic, lin);
+          TALLY_CHECK(j >= 0 && j < xc.shape()[d], "gather: index ", j, " out of range for dimension ", d, " of size ",
+                      xc.shape()[d]);
+          xo += j * xs[d];
+        } else {
+          xo += i * xs[d];
+        }
+      }
+      po[lin] = px[xo];
+    }
+  });
+}
+
+void scatter_add(const Tensor& dx, int64_t dim, const Tensor& index, const Tensor& src) {
+  Tensor ic = dense(index);
+  Tensor sc = dense(src);
+  Shape xs = contiguous_strides(dx.shape());
+  Shape is = contiguous_strides(ic.shape());
+  const int64_t n = ic.numel();
+  dispatch_floating(dx.dtype(), "scatter_add", [&](auto tag) {
+    using T = decltype(tag);
+    T* pd = dx.data<T>();
+    const T* ps = sc.data<T>();
+    for (int64_t lin = 0; lin < n; ++lin) {
+      int64_t rem = lin, xo = 0;
+      for (int64_t d = 0; d < ic.dim(); ++d) {
+        int64_t i = rem / is[d];
+        rem %= is[d];
+        xo += (d == dim ? index_at(ic, lin) : i) * xs[d];
+      }
+      pd[xo] += ps[lin];
+    }
+  });
+}
+
+}  // namespace tally::ops::cpu

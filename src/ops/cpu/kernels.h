@@ -1,0 +1,60 @@
+// CPU kernels. They write into preallocated outputs and know nothing of autograd; the
+// differentiable ops in ops/*.cc allocate, call them, and record backward.
+#pragma once
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace tally::ops::cpu {
+
+enum class BinaryOp { Add, Sub, Mul, Div };
+
+// ---- elementwise (elementwise.cc)
+void copy(const Tensor& dst, const Tensor& src);  // broadcasts src to dst's shape, converts dtype
+void fill(const Tensor& dst, double value);
+void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b);  // out contiguous
+void affine(const Tensor& out, const Tensor& x, double alpha, double beta);     // out = alpha*x + beta
+void add_inplace(const Tensor& dst, const Tensor& src, double alpha = 1.0);     // dst += alpha*src
+// Reduces x into out, where out.shape has x's rank with 1 on every reduced dimension.
+void sum_into(const Tensor& out, const Tensor& x);
+void max_dim(const Tensor& values, const Tensor& indices, const Tensor& x, int64_t dim);
+void argmax_last(const Tensor& out, const Tensor& x);
+double sum_squares(const Tensor& x);
+
+// ---- GEMM (matmul.cc). C = alpha * op(A) @ op(B) + beta * C for 2-D strided views
+// whose rows or columns are contiguous; fp32 through oneDNN, fp64 with a blocked loop.
+void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c, float alpha = 1.f,
+          float beta = 0.f);
+// Measured fp32 GEMM throughput of this machine in FLOP/s (cached after the first call).
+double measured_gemm_peak_flops();
+
+// ---- neural-network kernels (nn.cc)
+void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices);
+void embedding_backward(const Tensor& dweight, const Tensor& dout, const Tensor& indices);  // accumulates
+void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& w,
+                       const Tensor& b, double eps);
+void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dout, const Tensor& x,
+                        const Tensor& w, const Tensor& mean, const Tensor& rstd);
+void gelu_forward(const Tensor& out, const Tensor& x);
+void gelu_backward(const Tensor& dx, const Tensor& dout, const Tensor& x);
+void softmax_forward(const Tensor& out, const Tensor& x);
+void softmax_backward(const Tensor& dx, const Tensor& dout, const Tensor& y);
+
+// ---- attention (attention.cc)
+void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v);
+void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
+                        const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse);
+
+// ---- loss (cross_entropy.cc)
+// losses[n] = logsumexp(logits[n, :V]) - logits[n, target[n]]; lse[n] saved for backward.
+void cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor& logits, const Tensor& targets,
+                           int64_t valid_vocab);
+// dlogits[n, j] = scale * (softmax_j - [j == target]) for j < V, 0 for padding columns.
+void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse, const Tensor& targets,
+                            int64_t valid_vocab, double scale);
+
+// ---- indexing (elementwise.cc)
+void gather(const Tensor& out, const Tensor& x, int64_t dim, const Tensor& index);
+void scatter_add(const Tensor& dx, int64_t dim, const Tensor& index, const Tensor& src);
+
+}  // namespace tally::ops::cpu

@@ -1,0 +1,114 @@
+// GEMM on CPU: fp32 through oneDNN's sgemm (JIT, AVX-512 where present, OpenMP
+// threads); fp64 (gradient checks only) through a plain blocked loop.
+#include <oneapi/dnnl/dnnl.h>
+
+#include <chrono>
+#include <cstring>
+
+#include "ops/cpu/kernels.h"
+#include "ops/cpu/strided.h"
+
+namespace tally::ops::cpu {
+
+namespace {
+
+// How a 2-D strided view is handed to a row-major BLAS: base pointer, whether the
+// BLAS should transpose it, and its leading dimension.
+struct Operand {
+  Tensor storage_view;  // keeps a contiguous copy alive when one was needed
+  bool trans;
+  int64_t ld;
+};
+
+// `t` is (R, C); the logical operand is t (transpose=false) or t^T (transpose=true).
+Operand describe(const Tensor& t, bool transpose) {
+  const int64_t R = t.shape()[0], C = t.shape()[1];
+  const int64_t sr = t.strides()[0], sc = t.strides()[1];
+  if ((sc == 1 || C == 1) && (R == 1 || sr >= C)) return {t, transpose, std::max<int64_t>(R == 1 ? C : sr, 1)};
+  if ((sr == 1 || R == 1) && (C == 1 || sc >= R)) return {t, !transpose, std::max<int64_t>(C == 1 ? R : sc, 1)};
+  Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device(), memory::current_owner("gemm_copy"));
+  copy(c, t);
+  return {c, transpose, std::max<int64_t>(C, 1)};
+}
+
+template <class T>
+void naive_gemm(int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda, bool ta, const T* B, int64_t ldb,
+                bool tb, T beta, T* C, int64_t ldc) {
+#pragma omp parallel for schedule(static) if (M * N * K > (1 << 18))
+  for (int64_t i = 0; i < M; ++i) {
+    std::vector<T> row(static_cast<size_t>(N), T(0));
+    for (int64_t p = 0; p < K; ++p) {
+      T a = ta ? A[p * lda + i] : A[i * lda + p];
+      if (tb) {
+        for (int64_t j = 0; j < N; ++j) row[j] += a * B[j * ldb + p];
+      } else {
+        const T* b = B + p * ldb;
+        for (int64_t j = 0; j < N; ++j) row[j] += a * b[j];
+      }
+    }
+    T* c = C + i * ldc;
+    for (int64_t j = 0; j < N; ++j) c[j] = alpha * row[j] + (beta == T(0) ? T(0) : beta * c[j]);
+  }
+}
+
+}  // namespace
+
+void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c, float alpha,
+          float beta) {
+  TALLY_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2, "gemm: expected 2-D operands, got ", a.str(), ", ",
+              b.str(), ", ", c.str());
+  const int64_t M = transpose_a ? a.shape()[1] : a.shape()[0];
+  const int64_t K = transpose_a ? a.shape()[0] : a.shape()[1];
+  const int64_t Kb = transpose_b ? b.shape()[1] : b.shape()[0];
+  const int64_t N = transpose_b ? b.shape()[0] : b.shape()[1];
+  TALLY_CHECK(K == Kb, "matmul: inner dimensions differ: ", a.str(), (transpose_a ? "^T" : ""), " @ ", b.str(),
+              (transpose_b ? "^T" : ""));
+  TALLY_CHECK(c.shape()[0] == M && c.shape()[1] == N, "gemm: output ", c.str(), " is not ", M, "x", N);
+  TALLY_CHECK(c.strides()[1] == 1 || N == 1, "gemm: output rows must be contiguous");
+  TALLY_CHECK(a.dtype() == b.dtype() && a.dtype() == c.dtype(), "matmul: dtypes differ: ", a.str(), " @ ", b.str());
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    if (beta == 0.f) fill(c, 0.0);
+    return;
+  }
+  Operand oa = describe(a, transpose_a);
+  Operand ob = describe(b, transpose_b);
+  const int64_t ldc = std::max<int64_t>(N == 1 ? 1 : c.strides()[0], N);
+  switch (c.dtype()) {
+    case DType::F32: {
+      dnnl_status_t st = dnnl_sgemm(oa.trans ? 'T' : 'N', ob.trans ? 'T' : 'N', M, N, K, alpha,
+                                    oa.storage_view.data<float>(), oa.ld, ob.storage_view.data<float>(), ob.ld, beta,
+                                    c.data<float>(), ldc);
+      TALLY_CHECK(st == dnnl_success, "oneDNN sgemm failed with status ", static_cast<int>(st), " for ", M, "x", N,
+                  "x", K);
+      break;
+    }
+    case DType::F64:
+      naive_gemm<double>(M, N, K, alpha, oa.storage_view.data<double>(), oa.ld, oa.trans,
+                         ob.storage_view.data<double>(), ob.ld, ob.trans, beta, c.data<double>(), ldc);
+      break;
+    default: TALLY_FAIL("matmul: dtype ", dtype_name(c.dtype()), " is not supported on CPU (float32, float64)");
+  }
+  c.storage().bump_version();
+}
+
+double measured_gemm_peak_flops() {
+  static double peak = [] {
+    // A square sgemm large enough to reach steady state; best of a few repetitions.
+    const int64_t n = 1024;
+    memory::CategoryScope scope(memory::Category::Workspace);
+    Tensor a = Tensor::full({n, n}, 0.5), b = Tensor::full({n, n}, 0.25), c = Tensor::zeros({n, n});
+    gemm(a, false, b, false, c);  // warm-up (JIT)
+    double best = 1e30;
+    for (int rep = 0; rep < 5; ++rep) {
+      auto t0 = std::chrono::steady_clock::now();
+      gemm(a, false, b, false, c);
+      double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best = std::min(best, s);
+    }
+    return 2.0 * n * n * n / best;
+  }();
+  return peak;
+}
+
+}  // namespace tally::ops::cpu

@@ -1,0 +1,245 @@
+// Neural-network kernels on contiguous CPU tensors: embedding, layernorm, GELU, softmax.
+// Rows are independent and split across OpenMP threads; inner loops run over the
+// contiguous channel dimension so they vectorize.
+#include <omp.h>
+
+#include <cmath>
+#include <vector>
+
+#include "ops/cpu/kernels.h"
+#include "ops/cpu/strided.h"
+
+namespace tally::ops::cpu {
+
+namespace {
+int64_t index_value(const Tensor& idx, int64_t i) {
+  switch (idx.dtype()) {
+    case DType::I32: return idx.data<int32_t>()[i];
+    case DType::I64: return idx.data<int64_t>()[i];
+    case DType::U16: return idx.data<uint16_t>()[i];
+    default: TALLY_FAIL("indices must be an integer tensor, got ", idx.str());
+  }
+}
+}  // namespace
+
+// out[n, :] = weight[indices[n], :]
+void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices) {
+  const int64_t N = indices.numel(), V = weight.shape()[0], C = weight.shape()[1];
+  for (int64_t n = 0; n < N; ++n) {
+    int64_t ix = index_value(indices, n);
+    TALLY_CHECK(ix >= 0 && ix < V, "embedding: index ", ix, " at position ", n, " is out of range for ", weight.str());
+  }
+  dispatch_floating(weight.dtype(), "embedding", [&](auto tag) {
+    using T = decltype(tag);
+    const T* w = weight.data<T>();
+    T* o = out.data<T>();
+#pragma omp parallel for schedule(static) if (N * C > (1 << 15))
+    for (int64_t n = 0; n < N; ++n) {
+      const T* src = w + index_value(indices, n) * C;
+      T* dst = o + n * C;
+      for (int64_t c = 0; c < C; ++c) dst[c] = src[c];
+    }
+  });
+}
+
+// dweight[indices[n], :] += dout[n, :]. Threads own disjoint column ranges, so rows
+// that repeat an index never race.
+void embedding_backward(const Tensor& dweight, const Tensor& dout, const Tensor& indices) {
+  const int64_t N = indices.numel(), C = dweight.shape()[1];
+  dispatch_floating(dweight.dtype(), "embedding backward", [&](auto tag) {
+    using T = decltype(tag);
+    T* dw = dweight.data<T>();
+    const T* g = dout.data<T>();
+#pragma omp parallel if (N * C > (1 << 15))
+    {
+      const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+      const int64_t c0 = C * t / nt, c1 = C * (t + 1) / nt;
+      for (int64_t n = 0; n < N; ++n) {
+        T* dst = dw + index_value(indices, n) * C;
+        const T* src = g + n * C;
+        for (int64_t c = c0; c < c1; ++c) dst[c] += src[c];
+      }
+    }
+  });
+  dweight.storage().bump_version();
+}
+
+// Per row of C: mean, rstd = 1/sqrt(var + eps) (biased variance), out = (x-mean)*rstd*w + b.
+void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& w,
+                       const Tensor& b, double eps) {
+  const int64_t C = x.shape().back(), N = x.numel() / C;
+  dispatch_floating(x.dtype(), "layernorm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    const T* pw = w.data<T>();
+    const T* pb = b.defined() ? b.data<T>() : nullptr;
+    T* po = out.data<T>();
+    T* pm = mean.data<T>();
+    T* pr = rstd.data<T>();
+#pragma omp parallel for schedule(static) if (N * C > (1 << 14))
+    for (int64_t n = 0; n < N; ++n) {
+      const T* row = px + n * C;
+      T m = 0;
+      for (int64_t c = 0; c < C; ++c) m += row[c];
+      m /= static_cast<T>(C);
+      T v = 0;
+      for (int64_t c = 0; c < C; ++c) v += (row[c] - m) * (row[c] - m);
+      v /= static_cast<T>(C);
+      T r = T(1) / std::sqrt(v + static_cast<T>(eps));
+      T* o = po + n * C;
+      if (pb) {
+        for (int64_t c = 0; c < C; ++c) o[c] = (row[c] - m) * r * pw[c] + pb[c];
+      } else {
+        for (int64_t c = 0; c < C; ++c) o[c] = (row[c] - m) * r * pw[c];
+      }
+      pm[n] = m;
+      pr[n] = r;
+    }
+  });
+}
+
+// xhat = (x-mean)*rstd, g = dout*w:
+//   dx = rstd * (g - mean(g) - xhat * mean(g*xhat));  dw = sum_n dout*xhat;  db = sum_n dout.
+// dw/db are reduced from per-thread partial sums (deterministic for a fixed thread count).
+void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dout, const Tensor& x,
+                        const Tensor& w, const Tensor& mean, const Tensor& rstd) {
+  const int64_t C = x.shape().back(), N = x.numel() / C;
+  dispatch_floating(x.dtype(), "layernorm backward", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    const T* pw = w.data<T>();
+    const T* pg = dout.data<T>();
+    const T* pm = mean.data<T>();
+    const T* pr = rstd.data<T>();
+    T* pdx = dx.defined() ? dx.data<T>() : nullptr;
+    const int max_threads = omp_get_max_threads();
+    std::vector<T> partial_w(static_cast<size_t>(max_threads * C), T(0)), partial_b(partial_w.size(), T(0));
+    int used_threads = 1;
+#pragma omp parallel if (N * C > (1 << 14))
+    {
+      const int t = omp_get_thread_num();
+#pragma omp single
+      used_threads = omp_get_num_threads();
+      T* lw = partial_w.data() + t * C;
+      T* lb = partial_b.data() + t * C;
+#pragma omp for schedule(static)
+      for (int64_t n = 0; n < N; ++n) {
+        const T* row = px + n * C;
+        const T* g = pg + n * C;
+        const T m = pm[n], r = pr[n];
+        T mean_g = 0, mean_gx = 0;
+        for (int64_t c = 0; c < C; ++c) {
+          T xhat = (row[c] - m) * r;
+          T gw = g[c] * pw[c];
+          mean_g += gw;
+          mean_gx += gw * xhat;
+          lw[c] += g[c] * xhat;
+          lb[c] += g[c];
+        }
+        mean_g /= static_cast<T>(C);
+        mean_gx /= static_cast<T>(C);
+        if (pdx) {
+          T* d = pdx + n * C;
+          for (int64_t c = 0; c < C; ++c) {
+            T xhat = (row[c] - m) * r;
+            d[c] = r * (g[c] * pw[c] - mean_g - xhat * mean_gx);
+          }
+        }
+      }
+    }
+    if (dw.defined()) {
+      T* pdw = dw.data<T>();
+      for (int64_t c = 0; c < C; ++c) {
+        T s = 0;
+        for (int t = 0; t < used_threads; ++t) s += partial_w[t * C + c];
+        pdw[c] = s;
+      }
+    }
+    if (db.defined()) {
+      T* pdb = db.data<T>();
+      for (int64_t c = 0; c < C; ++c) {
+        T s = 0;
+        for (int t = 0; t < used_threads; ++t) s += partial_b[t * C + c];
+        pdb[c] = s;
+      }
+    }
+  });
+}
+
+// GELU, tanh approximation (GPT-2): y = 0.5 x (1 + tanh(s (x + 0.044715 x^3))), s = sqrt(2/pi).
+void gelu_forward(const Tensor& out, const Tensor& x) {
+  const int64_t n = x.numel();
+  dispatch_floating(x.dtype(), "gelu", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    T* po = out.data<T>();
+    const T s = static_cast<T>(0.7978845608028654);
+#pragma omp parallel for simd schedule(static) if (n > (1 << 15))
+    for (int64_t i = 0; i < n; ++i) {
+      T v = px[i];
+      po[i] = T(0.5) * v * (T(1) + std::tanh(s * (v + T(0.044715) * v * v * v)));
+    }
+  });
+}
+
+// dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) s (1 + 3 * 0.044715 x^2), t = tanh(s (x + 0.044715 x^3)).
+void gelu_backward(const Tensor& dx, const Tensor& dout, const Tensor& x) {
+  const int64_t n = x.numel();
+  dispatch_floating(x.dtype(), "gelu backward", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    const T* pg = dout.data<T>();
+    T* pd = dx.data<T>();
+    const T s = static_cast<T>(0.7978845608028654);
+#pragma omp parallel for simd schedule(static) if (n > (1 << 15))
+    for (int64_t i = 0; i < n; ++i) {
+      T v = px[i];
+      T t = std::tanh(s * (v + T(0.044715) * v * v * v));
+      T local = T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * s * (T(1) + T(3) * T(0.044715) * v * v);
+      pd[i] = pg[i] * local;
+    }
+  });
+}
+
+// Softmax over the last dimension, max-subtracted for stability.
+void softmax_forward(const Tensor& out, const Tensor& x) {
+  const int64_t C = x.shape().back(), N = x.numel() / std::max<int64_t>(C, 1);
+  dispatch_floating(x.dtype(), "softmax", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    T* po = out.data<T>();
+#pragma omp parallel for schedule(static) if (N * C > (1 << 14))
+    for (int64_t n = 0; n < N; ++n) {
+      const T* row = px + n * C;
+      T* o = po + n * C;
+      T m = row[0];
+      for (int64_t c = 1; c < C; ++c) m = std::max(m, row[c]);
+      T s = 0;
+      for (int64_t c = 0; c < C; ++c) s += (o[c] = std::exp(row[c] - m));
+      T inv = T(1) / s;
+      for (int64_t c = 0; c < C; ++c) o[c] *= inv;
+    }
+  });
+}
+
+// dx = y * (dout - sum(dout * y)).
+void softmax_backward(const Tensor& dx, const Tensor& dout, const Tensor& y) {
+  const int64_t C = y.shape().back(), N = y.numel() / std::max<int64_t>(C, 1);
+  dispatch_floating(y.dtype(), "softmax backward", [&](auto tag) {
+    using T = decltype(tag);
+    const T* py = y.data<T>();
+    const T* pg = dout.data<T>();
+    T* pd = dx.data<T>();
+#pragma omp parallel for schedule(static) if (N * C > (1 << 14))
+    for (int64_t n = 0; n < N; ++n) {
+      const T* yr = py + n * C;
+      const T* gr = pg + n * C;
+      T dot = 0;
+      for (int64_t c = 0; c < C; ++c) dot += yr[c] * gr[c];
+      T* d = pd + n * C;
+      for (int64_t c = 0; c < C; ++c) d[c] = yr[c] * (gr[c] - dot);
+    }
+  });
+}
+
+}  // namespace tally::ops::cpu

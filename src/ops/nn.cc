@@ -1,0 +1,210 @@
+// Differentiable neural-network ops: embedding, layernorm, GELU, softmax, causal
+// attention and cross-entropy. The math of each is next to its kernel in ops/cpu.
+#include "ops/op_common.h"
+
+namespace tally::ops {
+
+using detail::materialize;
+using detail::new_output;
+
+namespace {
+
+struct EmbeddingFn {
+  static constexpr const char* kName = "embedding";
+  struct Context : autograd::Context {
+    Shape weight_shape;
+  };
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    Tensor indices = ctx.saved(0);
+    Tensor g = materialize(grads[0]);
+    Tensor dw = Tensor::zeros(ctx.weight_shape, g.dtype(), g.device());
+    cpu::embedding_backward(dw, g, indices);
+    return {dw, Tensor()};
+  }
+};
+
+struct LayerNormFn {
+  static constexpr const char* kName = "layernorm";
+  using Context = autograd::Context;  // saved: x, weight, mean, rstd
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    Tensor x = ctx.saved(0), w = ctx.saved(1), m = ctx.saved(2), r = ctx.saved(3);
+    Tensor g = materialize(grads[0]);
+    Tensor dx = ctx.needs_input_grad(0) ? Tensor::empty(x.shape(), x.dtype(), x.device(), memory::current_owner("layernorm_dx")) : Tensor();
+    Tensor dw = Tensor::empty(w.shape(), w.dtype(), w.device(), memory::current_owner("layernorm_dw"));
+    Tensor db = ctx.needs_input_grad(2) ? Tensor::empty(w.shape(), w.dtype(), w.device(), memory::current_owner("layernorm_db")) : Tensor();
+    cpu::layernorm_backward(dx, dw, db, g, x, w, m, r);
+    return {dx, ctx.needs_input_grad(1) ? dw : Tensor(), db};
+  }
+};
+
+struct GeluFn {
+  static constexpr const char* kName = "gelu";
+  using Context = autograd::Context;  // saved: x
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    Tensor x = ctx.saved(0);
+    Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device(), memory::current_owner("gelu_dx"));
+    cpu::gelu_backward(dx, materialize(grads[0]), x);
+    return {dx};
+  }
+};
+
+struct SoftmaxFn {
+  static constexpr const char* kName = "softmax";
+  using Context = autograd::Context;  // saved: y (the op's own output, saved without its graph)
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    Tensor y = ctx.saved(0);
+    Tensor dx = Tensor::empty(y.shape(), y.dtype(), y.device(), memory::current_owner("softmax_dx"));
+    cpu::softmax_backward(dx, materialize(grads[0]), y);
+    return {dx};
+  }
+};
+
+struct AttentionFn {
+  static constexpr const char* kName = "causal_attention";
+  using Context = autograd::Context;  // saved: q, k, v, out, lse
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    Tensor q = ctx.saved(0), k = ctx.saved(1), v = ctx.saved(2), out = ctx.saved(3), lse = ctx.saved(4);
+    Tensor dq = Tensor::zeros(q.shape(), q.dtype(), q.device());
+    Tensor dk = Tensor::zeros(k.shape(), k.dtype(), k.device());
+    Tensor dv = Tensor::zeros(v.shape(), v.dtype(), v.device());
+    cpu::attention_backward(dq, dk, dv, materialize(grads[0]), q, k, v, out, lse);
+    return {dq, dk, dv};
+  }
+};
+
+struct CrossEntropyFn {
+  static constexpr const char* kName = "cross_entropy";
+  struct Context : autograd::Context {  // saved: logits, lse, targets
+    int64_t valid_vocab;
+    int64_t count;  // rows with a target (the mean's denominator)
+  };
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    Tensor logits = ctx.saved(0), lse = ctx.saved(1), targets = ctx.saved(2);
+    const double g = grads[0].item();
+    Tensor dlogits = Tensor::empty(logits.shape(), logits.dtype(), logits.device(),
+                                   memory::current_owner("cross_entropy_dlogits"));
+    cpu::cross_entropy_backward(dlogits, logits, lse, targets, ctx.valid_vocab,
+                                g / static_cast<double>(std::max<int64_t>(ctx.count, 1)));
+    return {dlogits, Tensor()};
+  }
+};
+
+}  // namespace
+
+Tensor embedding(const Tensor& weight, const Tensor& indices_in) {
+  detail::require_cpu("embedding", {&weight, &indices_in});
+  TALLY_CHECK(weight.dim() == 2, "embedding: weight ", weight.str(), " must be 2-D (vocab, channels)");
+  Tensor w = materialize(weight), indices = materialize(indices_in);
+  Shape shape = indices.shape();
+  shape.push_back(weight.shape()[1]);
+  Tensor out = new_output(shape, weight.dtype(), weight.device(), "embedding");
+  cpu::embedding_forward(out, w, indices);
+  if (autograd::needs_graph({weight})) {
+    auto ctx = std::make_unique<EmbeddingFn::Context>();
+    ctx->weight_shape = weight.shape();
+    ctx->save_for_backward({indices});
+    autograd::record<EmbeddingFn>(std::move(ctx), {weight, indices_in}, {out});
+  }
+  return out;
+}
+
+Tensor layernorm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, double eps) {
+  detail::require_cpu("layernorm", {&x_in, &weight, &bias});
+  const int64_t C = x_in.size(-1);
+  TALLY_CHECK(weight.dim() == 1 && weight.shape()[0] == C, "layernorm: weight ", weight.str(), " must be (", C, ") for input ", x_in.str());
+  TALLY_CHECK(!bias.defined() || (bias.dim() == 1 && bias.shape()[0] == C), "layernorm: bias ", bias.str(), " must be (", C, ")");
+  Tensor x = materialize(x_in);
+  Shape rows(x.shape().begin(), x.shape().end() - 1);
+  Tensor out = new_output(x.shape(), x.dtype(), x.device(), "layernorm");
+  Tensor mean = new_output(rows, x.dtype(), x.device(), "layernorm_mean");
+  Tensor rstd = new_output(rows, x.dtype(), x.device(), "layernorm_rstd");
+  cpu::layernorm_forward(out, mean, rstd, x, materialize(weight), materialize(bias), eps);
+  if (autograd::needs_graph({x_in, weight, bias})) {
+    auto ctx = std::make_unique<LayerNormFn::Context>();
+    ctx->save_for_backward({x, materialize(weight), mean, rstd});
+    autograd::record<LayerNormFn>(std::move(ctx), {x_in, weight, bias}, {out});
+  }
+  return out;
+}
+
+Tensor gelu(const Tensor& x_in) {
+  detail::require_cpu("gelu", {&x_in});
+  Tensor x = materialize(x_in);
+  Tensor out = new_output(x.shape(), x.dtype(), x.device(), "gelu");
+  cpu::gelu_forward(out, x);
+  if (autograd::needs_graph({x_in})) {
+    auto ctx = std::make_unique<GeluFn::Context>();
+    ctx->save_for_backward({x});
+    autograd::record<GeluFn>(std::move(ctx), {x_in}, {out});
+  }
+  return out;
+}
+
+Tensor softmax(const Tensor& x_in) {
+  detail::require_cpu("softmax", {&x_in});
+  Tensor x = materialize(x_in);
+  Tensor out = new_output(x.shape(), x.dtype(), x.device(), "softmax");
+  cpu::softmax_forward(out, x);
+  if (autograd::needs_graph({x_in})) {
+    auto ctx = std::make_unique<SoftmaxFn::Context>();
+    ctx->save_for_backward({out});
+    autograd::record<SoftmaxFn>(std::move(ctx), {x_in}, {out});
+  }
+  return out;
+}
+
+Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in) {
+  detail::require_cpu("causal_attention", {&q_in, &k_in, &v_in});
+  TALLY_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4, "causal_attention: q, k, v must be (B,T,heads,D), got ",
+              q_in.str(), ", ", k_in.str(), ", ", v_in.str());
+  TALLY_CHECK(k_in.shape() == v_in.shape(), "causal_attention: k ", k_in.str(), " and v ", v_in.str(), " differ in shape");
+  const int64_t B = q_in.shape()[0], T = q_in.shape()[1], H = q_in.shape()[2], D = q_in.shape()[3];
+  TALLY_CHECK(k_in.shape()[0] == B && k_in.shape()[1] == T && k_in.shape()[3] == D,
+              "causal_attention: k ", k_in.str(), " does not match q ", q_in.str());
+  const int64_t KV = k_in.shape()[2];
+  TALLY_CHECK(KV > 0 && H % KV == 0, "causal_attention: ", H, " query heads are not a multiple of ", KV, " kv heads");
+  // Kernels need contiguous head vectors; other strides are read in place.
+  auto last_contig = [](const Tensor& t) { return t.strides()[3] == 1 ? t : materialize(t); };
+  Tensor q = last_contig(q_in), k = last_contig(k_in), v = last_contig(v_in);
+  Tensor out = new_output({B, T, H, D}, q.dtype(), q.device(), "attention");
+  Tensor lse = new_output({B, H, T}, q.dtype(), q.device(), "attention_lse");
+  cpu::attention_forward(out, lse, q, k, v);
+  if (autograd::needs_graph({q_in, k_in, v_in})) {
+    auto ctx = std::make_unique<AttentionFn::Context>();
+    ctx->save_for_backward({q, k, v, out, lse});
+    autograd::record<AttentionFn>(std::move(ctx), {q_in, k_in, v_in}, {out});
+  }
+  return out;
+}
+
+Tensor cross_entropy(const Tensor& logits_in, const Tensor& targets_in, int64_t valid_vocab) {
+  detail::require_cpu("cross_entropy", {&logits_in, &targets_in});
+  TALLY_CHECK(logits_in.dim() == 2, "cross_entropy: logits ", logits_in.str(), " must be (N, vocab)");
+  TALLY_CHECK(targets_in.numel() == logits_in.shape()[0], "cross_entropy: ", targets_in.numel(), " targets for ",
+              logits_in.shape()[0], " rows of logits ", logits_in.str());
+  const int64_t V = valid_vocab < 0 ? logits_in.shape()[1] : valid_vocab;
+  TALLY_CHECK(V > 0 && V <= logits_in.shape()[1], "cross_entropy: valid_vocab ", V, " outside 1..", logits_in.shape()[1]);
+  Tensor logits = materialize(logits_in), targets = materialize(targets_in);
+  const int64_t N = logits.shape()[0];
+  Tensor losses = new_output({N}, logits.dtype(), logits.device(), "cross_entropy_rows");
+  Tensor lse = new_output({N}, logits.dtype(), logits.device(), "cross_entropy_lse");
+  cpu::cross_entropy_forward(losses, lse, logits, targets, V);
+  int64_t count = 0;
+  for (int64_t v : targets.to_vector<int64_t>()) count += v >= 0;
+  Tensor loss = new_output({}, logits.dtype(), logits.device(), "loss");
+  {
+    double total = 0;
+    for (double l : losses.to_vector<double>()) total += l;
+    loss.fill_(total / static_cast<double>(std::max<int64_t>(count, 1)));
+  }
+  if (autograd::needs_graph({logits_in})) {
+    auto ctx = std::make_unique<CrossEntropyFn::Context>();
+    ctx->valid_vocab = V;
+    ctx->count = count;
+    ctx->save_for_backward({logits, lse, targets});
+    autograd::record<CrossEntropyFn>(std::move(ctx), {logits_in, targets_in}, {loss});
+  }
+  return loss;
+}
+
+}  // namespace tally::ops

@@ -1,0 +1,82 @@
+// tally's differentiable ops. Each records its backward through the Function API
+// (autograd/function.h) when an input requires grad; kernels live per device in
+// ops/cpu and ops/cuda, selected by the tensors' device and dtype.
+//
+// Dtypes: fp32 and fp64 everywhere; bf16 for matmul/linear (oneDNN) and conversions.
+#pragma once
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace tally::ops {
+
+// ---- elementwise, with NumPy broadcasting
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor scale(const Tensor& x, double factor);
+Tensor add_scalar(const Tensor& x, double value);
+Tensor neg(const Tensor& x);
+// In place, no graph (accumulating gradients, optimizer updates): dst += src.
+void add_(const Tensor& dst, const Tensor& src);
+
+// ---- reductions
+Tensor sum(const Tensor& x);                                      // all elements -> shape []
+Tensor sum(const Tensor& x, std::vector<int64_t> dims, bool keepdim = false);
+Tensor mean(const Tensor& x);
+Tensor mean(const Tensor& x, std::vector<int64_t> dims, bool keepdim = false);
+Tensor max(const Tensor& x, int64_t dim, bool keepdim = false);  // values; gradient to the (first) argmax
+// Sums `x` over broadcast dimensions down to `shape` (the gradient of broadcasting).
+Tensor sum_to(const Tensor& x, const Shape& shape);
+
+// ---- linear algebra
+// a (..., M, K) @ b (..., K, N), batch dims equal or b 2-D; transposes read in place.
+Tensor matmul(const Tensor& a, const Tensor& b, bool transpose_a = false, bool transpose_b = false);
+// x (..., in) @ weight(out, in)^T + bias(out); bias may be undefined.
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+
+// ---- neural-network ops
+Tensor embedding(const Tensor& weight, const Tensor& indices);  // weight (V, C), indices int
+Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
+Tensor gelu(const Tensor& x);     // tanh approximation, as GPT-2
+Tensor softmax(const Tensor& x);  // over the last dimension
+// Causal scaled-dot-product attention. q (B,T,H,D), k and v (B,T,KV,D) with H % KV == 0
+// (grouped-query attention when KV < H); the last dimension must be contiguous, other
+// strides are free (q, k, v are usually slices of one fused qkv projection).
+// Returns (B,T,H,D). Keeps only the output and a (B,H,T) log-sum-exp for backward,
+// never the (B,H,T,T) probabilities.
+Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v);
+// Mean cross-entropy of logits (N, Vp) against targets (N) over the first `valid_vocab`
+// columns (the rest are padding and get zero gradient). Targets < 0 are ignored.
+// The (N, Vp) probabilities are never stored: backward recomputes them row by row.
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t valid_vocab = -1);
+
+// ---- shape and indexing
+Tensor cat(const std::vector<Tensor>& tensors, int64_t dim);
+std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim);
+Tensor gather(const Tensor& x, int64_t dim, const Tensor& index);
+Tensor view(const Tensor& x, const Shape& shape);
+Tensor reshape(const Tensor& x, const Shape& shape);
+Tensor transpose(const Tensor& x, int64_t d0, int64_t d1);
+Tensor permute(const Tensor& x, const std::vector<int64_t>& dims);
+Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step = 1);
+Tensor expand(const Tensor& x, const Shape& shape);
+Tensor contiguous(const Tensor& x);
+Tensor to_dtype(const Tensor& x, DType dtype);
+
+// ---- non-differentiable helpers
+Tensor argmax(const Tensor& x);            // over the last dimension, int64
+double global_norm(const std::vector<Tensor>& tensors);  // sqrt(sum of squares), fp64 accumulation
+
+}  // namespace tally::ops
+
+namespace tally {
+inline Tensor operator+(const Tensor& a, const Tensor& b) { return ops::add(a, b); }
+inline Tensor operator-(const Tensor& a, const Tensor& b) { return ops::sub(a, b); }
+inline Tensor operator*(const Tensor& a, const Tensor& b) { return ops::mul(a, b); }
+inline Tensor operator/(const Tensor& a, const Tensor& b) { return ops::div(a, b); }
+inline Tensor operator*(const Tensor& a, double s) { return ops::scale(a, s); }
+inline Tensor operator*(double s, const Tensor& a) { return ops::scale(a, s); }
+inline Tensor operator-(const Tensor& a) { return ops::neg(a); }
+}  // namespace tally

@@ -1,0 +1,91 @@
+#include "support.h"
+
+#include <cmath>
+
+#include "autograd/grad_mode.h"
+#include "ops/ops.h"
+
+namespace tally::test {
+
+std::string fixture_path(const std::string& name) { return std::string(TALLY_SOURCE_DIR) + "/tests/fixtures/" + name; }
+
+Diff compare(const Tensor& actual, const Tensor& expected) {
+  EXPECT_EQ(actual.shape(), expected.shape()) << actual.str() << " vs " << expected.str();
+  Diff d;
+  if (actual.shape() != expected.shape()) {
+    d.max_abs = INFINITY;
+    return d;
+  }
+  auto a = actual.to_vector<double>();
+  auto e = expected.to_vector<double>();
+  for (size_t i = 0; i < a.size(); ++i) {
+    d.max_abs = std::max(d.max_abs, std::abs(a[i] - e[i]));
+    d.ref_scale = std::max(d.ref_scale, std::abs(e[i]));
+  }
+  return d;
+}
+
+void expect_close(const Tensor& actual, const Tensor& expected, double rtol, double atol, const std::string& what) {
+  ASSERT_TRUE(actual.defined()) << what << ": result undefined";
+  ASSERT_EQ(actual.shape(), expected.shape()) << what << ": " << actual.str() << " vs " << expected.str();
+  auto a = actual.to_vector<double>();
+  auto e = expected.to_vector<double>();
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!(std::abs(a[i] - e[i]) <= atol + rtol * std::abs(e[i]))) {
+      if (bad++ == 0) first = i;
+    }
+  }
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << a.size() << " elements differ; first at " << first
+                     << ": got " << a[first] << ", expected " << e[first] << " (rtol " << rtol << ", atol " << atol
+                     << ")";
+}
+
+Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype) {
+  std::vector<double> v(static_cast<size_t>(shape_numel(shape)));
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (double& x : v) {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    x = static_cast<double>(s >> 11) / static_cast<double>(1ull << 53) * 2.0 - 1.0;
+  }
+  Tensor t = Tensor::from_vector(v, shape);
+  return dtype == DType::F64 ? t : t.to(dtype);
+}
+
+double gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, std::vector<Tensor> inputs, double eps) {
+  for (Tensor& t : inputs)
+    if (is_floating(t.dtype())) t.set_requires_grad(true);
+  Tensor out = f(inputs);
+  Tensor w = random_tensor(out.shape(), 99);
+  Tensor loss = ops::sum(ops::mul(out, w));
+  loss.backward();
+  double worst = 0;
+  for (Tensor& t : inputs) {
+    if (!is_floating(t.dtype())) continue;
+    Tensor analytic = t.grad();
+    EXPECT_TRUE(analytic.defined()) << "no gradient reached " << t.str();
+    if (!analytic.defined()) return INFINITY;
+    auto ga = analytic.to_vector<double>();
+    double* p = t.data<double>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      double orig = p[i];
+      double plus, minus;
+      {
+        autograd::NoGradGuard ng;
+        p[i] = orig + eps;
+        plus = ops::sum(ops::mul(f(inputs), w)).item();
+        p[i] = orig - eps;
+        minus = ops::sum(ops::mul(f(inputs), w)).item();
+        p[i] = orig;
+      }
+      double numeric = (plus - minus) / (2 * eps);
+      double err = std::abs(numeric - ga[i]) / std::max(1.0, std::abs(numeric));
+      worst = std::max(worst, err);
+    }
+  }
+  return worst;
+}
+
+}  // namespace tally::test

@@ -1,0 +1,35 @@
+// Shared test helpers: fixture loading, tensor comparison, finite-difference gradcheck.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace tally::test {
+
+std::string fixture_path(const std::string& name);  // tests/fixtures/<name>
+
+// Largest |a - b| and the largest |b| (the reference's scale).
+struct Diff {
+  double max_abs = 0;
+  double ref_scale = 0;
+};
+Diff compare(const Tensor& actual, const Tensor& expected);
+
+// Expects allclose(actual, expected): |a - e| <= atol + rtol * |e| elementwise.
+void expect_close(const Tensor& actual, const Tensor& expected, double rtol, double atol, const std::string& what);
+
+// Random fp64 tensor with values in [-1, 1) from a fixed seed.
+Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype = DType::F64);
+
+// Finite-difference gradient check in fp64: for f mapping inputs to a tensor, compares
+// autograd's d sum(f(x) * w)/dx (w a fixed random weighting) with central differences.
+// Returns the worst relative error over all inputs and elements.
+double gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, std::vector<Tensor> inputs,
+                 double eps = 1e-6);
+
+}  // namespace tally::test

@@ -1,0 +1,176 @@
+// Tensors: geometry, views over one storage, dtype conversion, explicit release (R6).
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "core/tensor.h"
+#include "memory/ledger.h"
+#include "memory/sanitizer.h"
+#include "ops/ops.h"
+#include "support.h"
+
+using namespace tally;
+
+TEST(Tensor, ContiguousStridesAreRowMajor) {
+  Tensor t = Tensor::zeros({2, 3, 4});
+  EXPECT_EQ(t.strides(), (Shape{12, 4, 1}));
+  EXPECT_EQ(t.numel(), 24);
+  EXPECT_TRUE(t.is_contiguous());
+  EXPECT_EQ(t.dtype(), DType::F32);
+}
+
+TEST(Tensor, TransposeIsAViewWithSwappedStrides) {
+  Tensor t = Tensor::from_vector<float>({0, 1, 2, 3, 4, 5}, {2, 3});
+  Tensor tt = t.transpose(0, 1);
+  EXPECT_EQ(tt.shape(), (Shape{3, 2}));
+  EXPECT_EQ(tt.strides(), (Shape{1, 3}));
+  EXPECT_EQ(&tt.storage(), &t.storage());
+  EXPECT_FALSE(tt.is_contiguous());
+  EXPECT_EQ(tt.contiguous().to_vector<float>(), (std::vector<float>{0, 3, 1, 4, 2, 5}));
+}
+
+TEST(Tensor, SliceWithStepViewsTheRightElements) {
+  Tensor t = Tensor::from_vector<float>({0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, {10});
+  Tensor s = t.slice(0, 1, 9, 3);
+  EXPECT_EQ(s.to_vector<float>(), (std::vector<float>{1, 4, 7}));
+  EXPECT_EQ(s.offset(), 1);
+}
+
+TEST(Tensor, ExpandUsesZeroStrides) {
+  Tensor t = Tensor::from_vector<float>({1, 2, 3}, {3, 1});
+  Tensor e = t.expand({3, 4});
+  EXPECT_EQ(e.strides(), (Shape{1, 0}));
+  EXPECT_EQ(e.contiguous().to_vector<float>(), (std::vector<float>{1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}));
+}
+
+TEST(Tensor, ViewOfNonContiguousTensorFailsButReshapeCopies) {
+  Tensor t = Tensor::zeros({4, 6}).transpose(0, 1);
+  EXPECT_THROW(t.view({24}), Error);
+  Tensor r = t.reshape({24});
+  EXPECT_EQ(r.shape(), (Shape{24}));
+  EXPECT_NE(&r.storage(), &t.storage());
+}
+
+TEST(Tensor, ViewSplitsAContiguousRunWithoutCopy) {
+  Tensor t = Tensor::zeros({2, 12}).slice(1, 0, 12);  // contiguous rows
+  Tensor v = Tensor::zeros({4, 6}).transpose(0, 1).slice(0, 0, 3);  // (3,4) strides (1,6)
+  Tensor u = v.unsqueeze(0);
+  EXPECT_EQ(u.shape(), (Shape{1, 3, 4}));
+  EXPECT_EQ(&u.storage(), &v.storage());
+  (void)t;
+}
+
+TEST(Tensor, PermuteMovesDims) {
+  Tensor t = test::random_tensor({2, 3, 4}, 1);
+  Tensor p = t.permute({2, 0, 1});
+  EXPECT_EQ(p.shape(), (Shape{4, 2, 3}));
+  auto a = t.to_vector<double>();
+  auto b = p.contiguous().to_vector<double>();
+  // p[k][i][j] == t[i][j][k]
+  EXPECT_EQ(b[(3 * 2 + 1) * 3 + 2], a[(1 * 3 + 2) * 4 + 3]);
+}
+
+TEST(Tensor, DtypeConversionRoundsBf16ToNearestEven) {
+  Tensor t = Tensor::from_vector<float>({1.0f, 1.00390625f, 1.01171875f, -2.5f}, {4});
+  Tensor b = t.to(DType::BF16);
+  EXPECT_EQ(b.dtype(), DType::BF16);
+  // 1 + 2^-8 is a tie between 1 and 1+2^-7: rounds to even (1.0); 1+3*2^-8 rounds up.
+  EXPECT_EQ(b.to_vector<float>(), (std::vector<float>{1.0f, 1.0f, 1.015625f, -2.5f}));
+}
+
+TEST(Tensor, ItemRequiresOneElement) {
+  EXPECT_DOUBLE_EQ(Tensor::scalar(3.5).item(), 3.5);
+  EXPECT_THROW(Tensor::zeros({2}).item(), Error);
+}
+
+TEST(Tensor, DataAccessorChecksDtype) {
+  Tensor t = Tensor::zeros({2}, DType::F64);
+  EXPECT_NO_THROW(t.data<double>());
+  EXPECT_THROW(t.data<float>(), Error);
+}
+
+// R6: release returns the bytes at once, even with views alive, and a later use of
+// any view fails naming the releaser.
+TEST(StorageRelease, ReturnsBytesImmediatelyAndViewsFailWithReleaserName) {
+  auto& L = memory::ledger();
+  int64_t before = L.stats().allocated;
+  Tensor padded = Tensor::zeros({1024}, DType::F32, Device::cpu(), memory::make_owner(memory::Category::Parameter, "gathered.w"));
+  Tensor view = padded.slice(0, 0, 1000).set_name("w_view");
+  EXPECT_EQ(L.stats().allocated - before, 4096);
+  padded.storage().release("zero3.release(h.0.attn.w)");
+  EXPECT_EQ(L.stats().allocated, before);
+  try {
+    view.to_vector<float>();
+    FAIL() << "use of a released view did not throw";
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("zero3.release(h.0.attn.w)"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("w_view"), std::string::npos) << msg;
+  }
+}
+
+TEST(StorageHolders, ListsEveryViewOfAStorage) {
+  Tensor base = Tensor::zeros({8}).set_name("base");
+  Tensor a = base.slice(0, 0, 4).set_name("first_half");
+  Tensor b = base.view({2, 4}).set_name("as_matrix");
+  auto holders = memory::storage_holders(base.storage());
+  ASSERT_EQ(holders.size(), 3u);
+  std::string all;
+  for (auto& h : holders) all += h + "\n";
+  EXPECT_NE(all.find("first_half"), std::string::npos) << all;
+  EXPECT_NE(all.find("as_matrix"), std::string::npos) << all;
+  a = Tensor();
+  EXPECT_EQ(memory::storage_holders(base.storage()).size(), 2u);
+}
+
+TEST(Allocator, CachesFreedBlocksBySizeClass) {
+  auto& L = memory::ledger();
+  { Tensor t = Tensor::empty({1000}); }
+  auto s0 = L.stats();
+  { Tensor t = Tensor::empty({1000}); }
+  auto s1 = L.stats();
+  EXPECT_EQ(s1.num_system_allocs, s0.num_system_allocs);
+  EXPECT_EQ(s1.num_cache_hits, s0.num_cache_hits + 1);
+  EXPECT_EQ(s1.reserved, s0.reserved);
+}
+
+TEST(Allocator, SizeClassesWasteAtMostOneEighth) {
+  for (int64_t b : {1, 255, 4096, 4097, 100000, 123456789}) {
+    int64_t c = memory::size_class(b);
+    EXPECT_GE(c, b);
+    EXPECT_LE(c - b, std::max<int64_t>(255, b / 8)) << b;
+  }
+}
+
+TEST(Ledger, TagsAllocationsWithCategoryModuleAndClock) {
+  memory::Clock::set(7, 3);
+  memory::OwnerScope h("h");
+  memory::OwnerScope l("2");
+  Tensor t = Tensor::empty({16});
+  memory::LiveAllocation a = memory::ledger().find(t.storage().allocation_id());
+  EXPECT_EQ(a.owner.category, memory::Category::Activation);
+  EXPECT_EQ(a.owner.name, "h.2");
+  EXPECT_EQ(a.owner.step, 7);
+  EXPECT_EQ(a.owner.microbatch, 3);
+  memory::Clock::set(-1, -1);
+}
+
+TEST(Ledger, ExportsChromeTraceWithCategoryCounters) {
+  auto& L = memory::ledger();
+  L.clear_history();
+  L.enable_history(true, true);
+  { Tensor t = Tensor::empty({1 << 20}, DType::F32, Device::cpu(), memory::make_owner(memory::Category::Workspace, "ws")); }
+  L.enable_history(false);
+  auto events = L.history();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].delta, 4 << 20);
+  EXPECT_EQ(events[1].delta, -(4 << 20));
+  EXPECT_FALSE(events[0].stack.empty());
+  std::string path = ::testing::TempDir() + "/trace.json";
+  memory::write_chrome_trace(path, events);
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(text.find("\"traceEvents\""), std::string::npos);
+  EXPECT_NE(text.find("\"workspace\":4194304"), std::string::npos) << text.substr(0, 400);
+  L.clear_history();
+}
