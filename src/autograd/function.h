@@ -116,6 +116,18 @@ std::shared_ptr<Node> record(std::unique_ptr<typename Fn::Context> ctx, const st
   return node;
 }
 
+// Records a node with no differentiable inputs whose outputs still need gradients:
+// a pipeline receive, whose backward sends the gradient back to the previous stage.
+// The outputs are interior tensors of the node (R1: never leaves with a grad_fn).
+template <class Fn>
+std::shared_ptr<Node> record_source(std::unique_ptr<typename Fn::Context> ctx, const std::vector<Tensor>& outputs) {
+  if (!grad_enabled()) return nullptr;
+  ctx->bind(Fn::kName, {});
+  auto node = std::make_shared<FunctionNode<Fn>>(std::move(ctx), static_cast<uint32_t>(outputs.size()));
+  connect(*node, node, {}, outputs);
+  return node;
+}
+
 namespace testing {
 // Saves `t` WITH its autograd state, the way a buggy framework would. Exists only so
 // tests can reintroduce a reference cycle (seed 000) and see the cycle check report it.

@@ -105,11 +105,13 @@ std::vector<NodeInfo> live_nodes() {
   out.reserve(census().nodes.size());
   for (const Node* n : census().nodes) {
     const Context* ctx = n->context();
-    out.push_back({n, n->name(), n->module_path(), n->birth_step(), n->birth_microbatch(),
+    out.push_back({n, n->sequence_nr(), n->name(), n->module_path(), n->birth_step(), n->birth_microbatch(),
                    ctx ? ctx->num_saved() : 0, ctx ? ctx->saved_bytes() : 0});
   }
   return out;
 }
+
+uint64_t next_sequence_nr() { return g_next_sequence_nr.load(std::memory_order_relaxed); }
 
 size_t live_node_count() {
   std::lock_guard<std::mutex> lock(census().mutex);

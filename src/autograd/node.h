@@ -89,6 +89,7 @@ Edge gradient_edge(const Tensor& t);
 // ---- census (S2)
 struct NodeInfo {
   const Node* node;
+  uint64_t sequence_nr;
   std::string op;
   std::string module_path;
   int64_t step;
@@ -97,6 +98,8 @@ struct NodeInfo {
   int64_t saved_bytes;
 };
 std::vector<NodeInfo> live_nodes();
+// The sequence number the next node will get: a mark to ask "born since".
+uint64_t next_sequence_nr();
 size_t live_node_count();
 
 }  // namespace tally::autograd

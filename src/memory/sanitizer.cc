@@ -90,6 +90,7 @@ void Sanitizer::report(IssueKind kind, const std::string& message) {
 void Sanitizer::begin_step(int64_t step) {
   step_ = step;
   microbatch_ = -1;
+  step_first_node_ = autograd::next_sequence_nr();
   Clock::set(step, -1);
   if (mode_ == SanitizeMode::Off) return;
   for (Device d : devices_) ledger(d).reset_peaks();
@@ -97,6 +98,7 @@ void Sanitizer::begin_step(int64_t step) {
 
 void Sanitizer::begin_microbatch(int64_t microbatch) {
   microbatch_ = microbatch;
+  microbatch_first_node_ = autograd::next_sequence_nr();
   Clock::set(step_, microbatch);
 }
 
@@ -120,8 +122,7 @@ void Sanitizer::check_boundary(bool step_boundary) {
   // S2: nodes born in this step (this microbatch, at a microbatch boundary) still alive.
   std::vector<autograd::NodeInfo> survivors;
   for (const autograd::NodeInfo& n : autograd::live_nodes()) {
-    if (n.step != step_) continue;
-    if (!step_boundary && n.microbatch != microbatch_) continue;
+    if (n.sequence_nr < (step_boundary ? step_first_node_ : microbatch_first_node_)) continue;
     survivors.push_back(n);
     b.live_saved += n.saved_tensors;
   }

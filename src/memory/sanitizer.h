@@ -79,6 +79,8 @@ class Sanitizer {
   int64_t microbatch_ = -1;
   int64_t previous_live_ = 0;
   uint64_t previous_max_id_ = 0;
+  uint64_t step_first_node_ = 0;        // census marks: nodes born since these
+  uint64_t microbatch_first_node_ = 0;
   std::vector<Issue> issues_;
   std::vector<Boundary> boundaries_;
   std::function<void(const Issue&)> printer_;

@@ -53,7 +53,8 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
     T* po = out.data<T>();
     T* pl = lse.data<T>();
     const T scale = T(1) / std::sqrt(static_cast<T>(g.D));
-#pragma omp parallel
+    const bool parallel = g.B * g.H * g.T * g.T * g.D > (1 << 16);
+#pragma omp parallel if (parallel)
     {
       std::vector<T> p(static_cast<size_t>(g.T));
 #pragma omp for collapse(2) schedule(static)
@@ -101,7 +102,8 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
     T* pdk = dk.data<T>();  // contiguous (B,T,KV,D), zero-initialized
     T* pdv = dv.data<T>();
     const T scale = T(1) / std::sqrt(static_cast<T>(g.D));
-#pragma omp parallel
+    const bool parallel = g.B * g.H * g.T * g.T * g.D > (1 << 16);
+#pragma omp parallel if (parallel)
     {
       std::vector<T> p(static_cast<size_t>(g.T)), ds(static_cast<size_t>(g.T));
 #pragma omp for collapse(2) schedule(static)

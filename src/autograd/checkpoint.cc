@@ -1,0 +1,59 @@
+#include "autograd/checkpoint.h"
+
+#include "autograd/engine.h"
+#include "autograd/function.h"
+
+namespace tally::autograd {
+
+namespace {
+struct CheckpointFn {
+  static constexpr const char* kName = "checkpoint";
+  struct Context : autograd::Context {  // saved: the region's inputs
+    Region region;
+  };
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    std::vector<Tensor> detached;
+    for (size_t i = 0; i < ctx.num_saved(); ++i) {
+      Tensor d = ctx.saved(i).detach();
+      if (ctx.needs_input_grad(i)) d.set_requires_grad(true);
+      detached.push_back(d);
+    }
+    Tensor out;
+    {
+      set_grad_enabled(true);  // the engine runs backward under no-grad; recompute records
+      struct Restore {
+        ~Restore() { set_grad_enabled(false); }
+      } restore;
+      out = ctx.region(detached);
+    }
+    std::vector<Tensor> input_grads(detached.size());
+    if (out.requires_grad()) {
+      autograd::backward({out}, {grads[0]});
+      for (size_t i = 0; i < detached.size(); ++i)
+        if (ctx.needs_input_grad(i)) input_grads[i] = detached[i].grad();
+    }
+    return input_grads;  // `detached`, their grads' other owners and `out` die here
+  }
+};
+}  // namespace
+
+Tensor checkpoint(const Region& region, const std::vector<Tensor>& inputs) {
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    out = region(inputs);
+  }
+  // A fresh output: the region's result may alias an input or carry no-grad state.
+  Tensor result = out.detach();
+  if (grad_enabled()) {
+    auto ctx = std::make_unique<CheckpointFn::Context>();
+    ctx->region = region;
+    ctx->save_for_backward(inputs);
+    // Parameters inside the region need the node even when no input requires grad.
+    if (needs_graph(inputs)) record<CheckpointFn>(std::move(ctx), inputs, {result});
+    else record_source<CheckpointFn>(std::move(ctx), {result});
+  }
+  return result;
+}
+
+}  // namespace tally::autograd

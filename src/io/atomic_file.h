@@ -1,0 +1,28 @@
+// Writes a file atomically: data goes to "<path>.tmp", is flushed and fsync'ed, then
+// renamed over <path>. A crash leaves either the old file or the new one, never half.
+#pragma once
+#include <cstdio>
+#include <string>
+
+namespace tally::io {
+
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path);
+  ~AtomicFile();  // removes the temporary file if commit() was not reached
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  void write(const void* data, size_t bytes);
+  void commit();
+
+ private:
+  std::string path_;
+  std::string tmp_path_;
+  std::FILE* file_ = nullptr;
+};
+
+// Reads a whole file; throws naming the path when it cannot.
+std::string read_file(const std::string& path);
+
+}  // namespace tally::io

@@ -1,0 +1,129 @@
+#include "io/safetensors.h"
+
+#include <cstdio>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "io/atomic_file.h"
+
+namespace tally::io {
+
+namespace {
+DType parse_dtype(const std::string& s, const std::string& path, const std::string& name) {
+  if (s == "F32") return DType::F32;
+  if (s == "F64") return DType::F64;
+  if (s == "BF16") return DType::BF16;
+  if (s == "I32") return DType::I32;
+  if (s == "I64") return DType::I64;
+  if (s == "U16") return DType::U16;
+  TALLY_FAIL("safetensors '", path, "': tensor '", name, "' has dtype ", s,
+             ", expected one of F32, F64, BF16, I32, I64, U16");
+}
+
+const char* dtype_code(DType t) {
+  switch (t) {
+    case DType::F32: return "F32";
+    case DType::F64: return "F64";
+    case DType::BF16: return "BF16";
+    case DType::I32: return "I32";
+    case DType::I64: return "I64";
+    case DType::U16: return "U16";
+  }
+  return "?";
+}
+}  // namespace
+
+const Tensor& SafetensorsFile::at(const std::string& name) const {
+  auto it = tensors.find(name);
+  TALLY_CHECK(it != tensors.end(), "safetensors '", path, "': no tensor named '", name, "'");
+  return it->second;
+}
+
+SafetensorsFile read_safetensors(const std::string& path, memory::Category category) {
+  std::ifstream in(path, std::ios::binary);
+  TALLY_CHECK(in.good(), "cannot open safetensors file '", path, "'");
+  in.seekg(0, std::ios::end);
+  const int64_t file_size = in.tellg();
+  in.seekg(0);
+  TALLY_CHECK(file_size >= 8, "safetensors '", path, "': file is ", file_size, " bytes, too short for the 8-byte header length");
+  uint64_t header_len = 0;
+  in.read(reinterpret_cast<char*>(&header_len), 8);
+  TALLY_CHECK(header_len <= static_cast<uint64_t>(file_size - 8), "safetensors '", path, "': header length ", header_len,
+              " exceeds the file size ", file_size);
+  std::string header(header_len, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(header_len));
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(header);
+  } catch (const std::exception& e) {
+    TALLY_FAIL("safetensors '", path, "': header is not valid JSON: ", e.what());
+  }
+  TALLY_CHECK(j.is_object(), "safetensors '", path, "': header must be a JSON object");
+  const int64_t data_start = 8 + static_cast<int64_t>(header_len);
+  const int64_t data_size = file_size - data_start;
+  SafetensorsFile f;
+  f.path = path;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& name = it.key();
+    if (name == "__metadata__") {
+      for (auto m = it->begin(); m != it->end(); ++m)
+        f.metadata[m.key()] = m->is_string() ? m->get<std::string>() : m->dump();
+      continue;
+    }
+    const auto& e = it.value();
+    TALLY_CHECK(e.is_object() && e.contains("dtype") && e.contains("shape") && e.contains("data_offsets"),
+                "safetensors '", path, "': entry '", name, "' needs dtype, shape and data_offsets");
+    DType dt = parse_dtype(e["dtype"].get<std::string>(), path, name);
+    Shape shape = e["shape"].get<Shape>();
+    auto offs = e["data_offsets"].get<std::vector<int64_t>>();
+    TALLY_CHECK(offs.size() == 2 && offs[0] >= 0 && offs[1] >= offs[0] && offs[1] <= data_size, "safetensors '", path,
+                "': tensor '", name, "' has data_offsets outside the ", data_size, "-byte data section");
+    const int64_t expected = shape_numel(shape) * static_cast<int64_t>(dtype_size(dt));
+    TALLY_CHECK(offs[1] - offs[0] == expected, "safetensors '", path, "': tensor '", name, "' ", dtype_name(dt),
+                shape_str(shape), " needs ", expected, " bytes but its data range holds ", offs[1] - offs[0]);
+    Tensor t = Tensor::empty(shape, dt, Device::cpu(), memory::make_owner(category, name));
+    in.seekg(data_start + offs[0]);
+    in.read(static_cast<char*>(t.raw_data()), expected);
+    TALLY_CHECK(in.good(), "safetensors '", path, "': failed reading tensor '", name, "'");
+    t.set_name(name);
+    f.tensors.emplace(name, t);
+    f.order.push_back(name);
+    ranges.emplace_back(offs[0], offs[1]);
+  }
+  // The ranges must tile the data section: no overlap, no hole, nothing after.
+  std::sort(ranges.begin(), ranges.end());
+  int64_t cursor = 0;
+  for (auto [b, e] : ranges) {
+    TALLY_CHECK(b == cursor, "safetensors '", path, "': data ranges overlap or leave a gap at byte ", cursor);
+    cursor = e;
+  }
+  TALLY_CHECK(cursor == data_size, "safetensors '", path, "': ", data_size - cursor, " trailing bytes after the last tensor");
+  return f;
+}
+
+void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  nlohmann::json j = nlohmann::json::object();
+  int64_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    int64_t bytes = t.numel() * static_cast<int64_t>(dtype_size(t.dtype()));
+    j[name] = {{"dtype", dtype_code(t.dtype())}, {"shape", t.shape()}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  if (!metadata.empty()) j["__metadata__"] = metadata;
+  std::string header = j.dump();
+  while (header.size() % 8) header += ' ';
+  AtomicFile out(path);
+  uint64_t len = header.size();
+  out.write(&len, 8);
+  out.write(header.data(), header.size());
+  for (const auto& [name, t] : tensors) {
+    Tensor c = t.contiguous();
+    out.write(c.raw_data(), c.numel() * dtype_size(c.dtype()));
+  }
+  out.commit();
+}
+
+}  // namespace tally::io

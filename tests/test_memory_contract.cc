@@ -1,0 +1,399 @@
+// The five seed bugs of ../shared/docs/memory-contract.md, written with tally's public
+// API. Each scenario runs several steps and checks that memory is flat (exact bytes and
+// an empty graph census at every boundary); where the buggy pattern can still be
+// written, the sanitizer must report it.
+#include <gtest/gtest.h>
+
+#include "autograd/checkpoint.h"
+#include "autograd/engine.h"
+#include "autograd/function.h"
+#include "autograd/node.h"
+#include "memory/sanitizer.h"
+#include "ops/ops.h"
+#include "support.h"
+
+using namespace tally;
+using memory::Category;
+using memory::IssueKind;
+using memory::Sanitizer;
+using memory::SanitizeMode;
+
+namespace {
+
+// A two-layer MLP with persistent, owner-tagged parameters and an SGD step.
+struct TinyMlp {
+  Tensor w1, w2;
+  explicit TinyMlp(int64_t width = 32) {
+    w1 = param("mlp.w1", {width, width}, 1);
+    w2 = param("mlp.w2", {1, width}, 2);
+  }
+  static Tensor param(const std::string& name, const Shape& shape, uint64_t seed) {
+    Tensor t = Tensor::empty(shape, DType::F32, Device::cpu(), memory::make_owner(Category::Parameter, name));
+    t.copy_(test::random_tensor(shape, seed));
+    t.set_name(name).set_requires_grad(true);
+    return t;
+  }
+  Tensor forward(const Tensor& x) const {
+    memory::OwnerScope scope("mlp");
+    return ops::linear(ops::gelu(ops::linear(x, w1)), w2);
+  }
+  void sgd(double lr) const {
+    autograd::NoGradGuard ng;
+    for (const Tensor& p : {w1, w2}) {
+      ops::add_(p, ops::scale(p.grad(), -lr));
+      p.zero_grad();
+    }
+  }
+};
+
+Tensor batch(int64_t rows, int64_t width, uint64_t seed) { return test::random_tensor({rows, width}, seed, DType::F32); }
+
+// Every boundary after the first step has the same live bytes, and no graph survives.
+void expect_flat(const Sanitizer& s) {
+  const auto& b = s.boundaries();
+  ASSERT_GE(b.size(), 3u);
+  for (size_t i = 1; i < b.size(); ++i) {
+    EXPECT_EQ(b[i].live_non_persistent, b[0].live_non_persistent) << "boundary " << i;
+    EXPECT_EQ(b[i].live_nodes, 0u) << "boundary " << i;
+    EXPECT_EQ(b[i].live_saved, 0u) << "boundary " << i;
+  }
+  // Steps after the first allocate the same total and peak, byte for byte.
+  int64_t allocated = -1, peak = -1;
+  for (const auto& x : b) {
+    if (x.microbatch >= 0 || x.step < 1) continue;
+    if (allocated < 0) allocated = x.allocated, peak = x.peak_allocated;
+    EXPECT_EQ(x.allocated, allocated) << "step " << x.step;
+    EXPECT_EQ(x.peak_allocated, peak) << "step " << x.step;
+  }
+  EXPECT_TRUE(s.issues().empty()) << s.issues().front().message;
+}
+
+bool reported(const Sanitizer& s, IssueKind kind, const std::string& needle) {
+  for (const auto& i : s.issues())
+    if (i.kind == kind && i.message.find(needle) != std::string::npos) return true;
+  return false;
+}
+
+// A quiet Warn-mode sanitizer that records issues without printing.
+struct Recorder : Sanitizer {
+  Recorder() : Sanitizer(SanitizeMode::Warn) {
+    set_printer([](const memory::Issue&) {});
+  }
+};
+
+}  // namespace
+
+// ------------------------------------------------------------------ seed 000
+// Pipeline receive: the received activation must carry a gradient back to the previous
+// stage. InfiniTrain made it a leaf *and* IRecv's output: tensor -> IRecv -> accumulator
+// -> tensor, a cycle per step. In tally the receive is a source node and its output is
+// interior (R1); the accumulator never owns a tensor (R2).
+namespace {
+struct Recv {
+  static constexpr const char* kName = "pipeline_recv";
+  struct Context : autograd::Context {
+    Tensor* send_back = nullptr;  // where the gradient goes (the previous stage's buffer)
+  };
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    ctx.send_back->copy_(grads[0]);
+    return {};
+  }
+};
+
+Tensor recv(const Tensor& wire, Tensor* send_back, bool reintroduce_cycle = false) {
+  Tensor buf = Tensor::empty(wire.shape(), wire.dtype(), Device::cpu(), memory::make_owner(Category::Communication, "recv_buffer"));
+  buf.copy_(wire);
+  auto ctx = std::make_unique<Recv::Context>();
+  ctx->send_back = send_back;
+  Recv::Context* raw = ctx.get();
+  autograd::record_source<Recv>(std::move(ctx), {buf});
+  if (reintroduce_cycle) autograd::testing::save_keeping_graph(*raw, buf);  // the seed-000 back-edge
+  return buf;
+}
+}  // namespace
+
+TEST(Seed000PipelineRecv, RecvOutputIsInteriorAndMemoryIsFlat) {
+  TinyMlp mlp;
+  Tensor grad_to_prev = Tensor::zeros({8, 32}, DType::F32, Device::cpu(), memory::make_owner(Category::Communication, "send_buffer", true));
+  Sanitizer s(SanitizeMode::Strict);
+  for (int step = 0; step < 6; ++step) {
+    s.begin_step(step);
+    {
+      Tensor x = recv(batch(8, 32, step), &grad_to_prev);
+      EXPECT_FALSE(x.is_leaf());
+      EXPECT_THROW(x.set_requires_grad(true), Error);  // R1: cannot also be a leaf
+      ops::mean(mlp.forward(x)).backward();
+      mlp.sgd(0.01);
+    }
+    s.end_step();
+  }
+  expect_flat(s);
+  EXPECT_GT(ops::global_norm({grad_to_prev}), 0.0);  // the gradient did reach the previous stage
+}
+
+TEST(Seed000PipelineRecv, ReintroducedCycleIsReportedByTheCycleCheckAndTheBoundaryCheck) {
+  TinyMlp mlp;
+  Tensor grad_to_prev = Tensor::zeros({8, 32}, DType::F32, Device::cpu(), memory::make_owner(Category::Communication, "send_buffer", true));
+  Recorder s;
+  // With backward: the cycle check names it when the graph is about to be released.
+  s.begin_step(0);
+  {
+    Tensor x = recv(batch(8, 32, 0), &grad_to_prev, true);
+    ops::mean(mlp.forward(x)).backward();
+  }
+  s.end_step();
+  EXPECT_TRUE(reported(s, IssueKind::Cycle, "pipeline_recv -> pipeline_recv")) << (s.issues().empty() ? "" : s.issues()[0].message);
+  // Without a backward through it (an evaluation step with grad on), the cycle leaks
+  // the receive buffer: the boundary check reports the growth and the surviving node.
+  std::shared_ptr<autograd::Node> leaked;  // only so the test can break the cycle afterwards
+  s.begin_step(1);
+  {
+    Tensor x = recv(batch(8, 32, 1), &grad_to_prev, true);
+    leaked = x.grad_fn();
+  }
+  s.end_step();
+  EXPECT_TRUE(reported(s, IssueKind::Growth, "recv_buffer"));
+  EXPECT_TRUE(reported(s, IssueKind::LiveGraph, "pipeline_recv"));
+  leaked->release_state();
+}
+
+// ------------------------------------------------------------------ seed 001
+// Fast-LLM kept each microbatch's loss tensor for logging; each held its graph, +164 MiB
+// per microbatch. In tally the trainer's metrics take numbers (R4); and even a kept loss
+// tensor holds only its own emptied node (edges cut, context released after backward).
+TEST(Seed001KeptLosses, LossValuesAcross4096MicrobatchesKeepMemoryFlat) {
+  TinyMlp mlp(16);
+  Sanitizer s(SanitizeMode::Strict);
+  std::vector<double> losses;  // what the trainer's metrics keep: values (R4)
+  s.begin_step(0);
+  for (int mb = 0; mb < 4096; ++mb) {
+    s.begin_microbatch(mb);
+    {
+      Tensor loss = ops::mean(mlp.forward(batch(4, 16, mb % 7)));
+      loss.backward();
+      losses.push_back(loss.item());
+    }
+    s.end_microbatch();
+  }
+  s.end_step();
+  EXPECT_EQ(losses.size(), 4096u);
+  const auto& b = s.boundaries();
+  for (size_t i = 1; i < b.size(); ++i) ASSERT_EQ(b[i].live_non_persistent, b[0].live_non_persistent) << i;
+  EXPECT_TRUE(s.issues().empty());
+}
+
+TEST(Seed001KeptLosses, KeepingLossTensorsIsReportedWithTheirHolder) {
+  TinyMlp mlp(16);
+  Recorder s;
+  std::vector<Tensor> kept;  // the buggy pattern: graph-carrying tensors kept across microbatches
+  s.begin_step(0);
+  for (int mb = 0; mb < 64; ++mb) {
+    s.begin_microbatch(mb);
+    Tensor loss = ops::mean(mlp.forward(batch(4, 16, mb)));
+    loss.set_name("loss");
+    loss.backward();
+    kept.push_back(loss);
+    loss = Tensor();
+    s.end_microbatch();
+  }
+  s.end_step();
+  EXPECT_TRUE(reported(s, IssueKind::LiveGraph, "held by tensor 'loss'"));
+  EXPECT_TRUE(reported(s, IssueKind::Growth, "loss"));
+  // The damage is bounded by construction: one scalar per kept loss, not its graph.
+  const auto& b = s.boundaries();
+  EXPECT_EQ(b[63].live_non_persistent - b[0].live_non_persistent, 63 * 4);
+}
+
+// ------------------------------------------------------------------ seed 002
+// TransformerEngine's fused op hung tensors on the autograd ctx outside
+// save_for_backward; they lived until the next iteration. In tally the context is the
+// only place backward state can live and it is destroyed right after backward (R3).
+namespace {
+struct FusedLinear {
+  static constexpr const char* kName = "fused_linear";
+  struct Context : autograd::Context {
+    Tensor x, w;            // held as plain members, not via save_for_backward
+    Tensor quantized_copy;  // and an extra buffer, like TE's tensor_objects
+  };
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    Tensor g = grads[0];
+    return {ops::matmul(g, ctx.w), ops::matmul(g, ctx.x, true, false)};
+  }
+};
+Tensor fused_linear(const Tensor& x, const Tensor& w) {
+  Tensor out = ops::matmul(x.detach(), w.detach(), false, true);
+  if (autograd::needs_graph({x, w})) {
+    auto ctx = std::make_unique<FusedLinear::Context>();
+    ctx->x = x.detach();
+    ctx->w = w.detach();
+    ctx->quantized_copy = Tensor::empty(w.shape(), DType::BF16, Device::cpu(), memory::current_owner("quantized_w"));
+    autograd::record<FusedLinear>(std::move(ctx), {x, w}, {out});
+  }
+  return out;
+}
+}  // namespace
+
+TEST(Seed002FusedContextState, ExtraContextStateDiesWithBackwardAndMemoryIsFlat) {
+  Tensor w = TinyMlp::param("fused.w", {32, 32}, 3);
+  Sanitizer s(SanitizeMode::Strict);
+  for (int step = 0; step < 6; ++step) {
+    s.begin_step(step);
+    {
+      Tensor loss = ops::mean(fused_linear(batch(8, 32, step), w));
+      int64_t before = memory::ledger().stats().live_non_persistent;
+      loss.backward();
+      // The loss is still alive here (TE's ctx lived until the next iteration).
+      int64_t after = memory::ledger().stats().live_non_persistent;
+      EXPECT_LE(after, before - 8 * 32 * 4 - 32 * 32 * 2) << "context state survived backward";
+      autograd::NoGradGuard ng;
+      w.zero_grad();
+    }
+    s.end_step();
+  }
+  expect_flat(s);
+}
+
+TEST(Seed002FusedContextState, RetainedGraphStateIsReportedAtTheBoundary) {
+  Tensor w = TinyMlp::param("fused.w", {32, 32}, 3);
+  Recorder s;
+  s.begin_step(0);
+  Tensor loss = ops::mean(fused_linear(batch(8, 32, 0), w));
+  loss.set_name("loss");
+  loss.backward({}, /*retain_graph=*/true);
+  s.end_step();
+  EXPECT_TRUE(reported(s, IssueKind::LiveGraph, "fused_linear"));
+  EXPECT_TRUE(reported(s, IssueKind::Growth, "quantized_w"));
+}
+
+// ------------------------------------------------------------------ seed 003
+// verl/Megatron's checkpoint function kept its inputs and their grads after backward.
+// tally's checkpoint saves only the inputs, recomputes, and drops everything (R5).
+TEST(Seed003Recompute, CheckpointedRegionFreesWhatItSavedAndMemoryIsFlat) {
+  TinyMlp mlp;
+  Sanitizer s(SanitizeMode::Strict);
+  for (int step = 0; step < 6; ++step) {
+    s.begin_step(step);
+    {
+      Tensor x = batch(8, 32, step);
+      x.set_requires_grad(true);  // an input that needs its gradient (as in a pipeline stage)
+      Tensor h = autograd::checkpoint([&](const std::vector<Tensor>& in) { return mlp.forward(in[0]); }, {x});
+      ops::mean(h).backward();
+      EXPECT_TRUE(x.grad().defined());
+      mlp.sgd(0.01);
+    }
+    s.end_step();
+  }
+  expect_flat(s);
+}
+
+TEST(Seed003Recompute, CheckpointSavesLessThanTheFullRegion) {
+  TinyMlp mlp(256);
+  auto peak_of = [&](bool use_checkpoint) {
+    Tensor x = batch(64, 256, 1);
+    memory::ledger().reset_peaks();
+    int64_t base = memory::ledger().stats().allocated;
+    Tensor h = use_checkpoint ? autograd::checkpoint([&](const std::vector<Tensor>& in) { return mlp.forward(in[0]); }, {x})
+                              : mlp.forward(x);
+    int64_t held = memory::ledger().stats().allocated - base;
+    ops::mean(h).backward();
+    return held;
+  };
+  int64_t full = peak_of(false), ckpt = peak_of(true);
+  EXPECT_LT(ckpt, full / 2) << "checkpointed forward kept " << ckpt << " bytes vs " << full;
+}
+
+TEST(Seed003Recompute, KeepingDetachedInputGradsOutsideIsReported) {
+  TinyMlp mlp;
+  Recorder s;
+  std::vector<Tensor> leaked;  // the buggy pattern: a recompute helper that stashes its inputs' grads
+  s.begin_step(0);
+  {
+    Tensor x = batch(8, 32, 0).set_name("ckpt_input");
+    Tensor d = x.detach();
+    d.set_requires_grad(true);
+    ops::mean(mlp.forward(d)).backward();
+    leaked.push_back(d);
+  }
+  s.end_step();
+  EXPECT_TRUE(reported(s, IssueKind::Growth, "ckpt_input"));
+}
+
+// ------------------------------------------------------------------ seed 004
+// DeepSpeed's ZeRO-3 release emptied the registry tensor, but a view of the padded
+// gathered buffer kept the storage alive. In tally, release() frees the storage itself,
+// views included, and a stale view fails naming the releaser (R6).
+namespace {
+Tensor gather_padded(const std::string& name, int64_t n, int64_t padded) {
+  Tensor buf = Tensor::zeros({padded}, DType::F32, Device::cpu(), memory::make_owner(Category::Communication, name + ".gathered"));
+  return buf;
+}
+}  // namespace
+
+TEST(Seed004ReleasedStorage, ReleaseFreesThePaddedBufferDespiteLiveViewsAndMemoryIsFlat) {
+  Sanitizer s(SanitizeMode::Strict);
+  for (int step = 0; step < 6; ++step) {
+    s.begin_step(step);
+    Tensor registry = gather_padded("h.0.w", 1000, 1024);
+    Tensor param_view = registry.slice(0, 0, 1000).set_name("h.0.w");  // what the graph uses
+    EXPECT_EQ(memory::storage_holders(registry.storage()).size(), 2u);   // S4
+    int64_t before = memory::ledger().stats().allocated;
+    registry.storage().release("zero3.release_param(h.0.w)");
+    EXPECT_EQ(before - memory::ledger().stats().allocated, 4096);  // freed now, view alive
+    try {
+      ops::sum(param_view);
+      ADD_FAILURE() << "stale view was readable";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("zero3.release_param(h.0.w)"), std::string::npos) << e.what();
+    }
+    s.end_step();
+  }
+  expect_flat(s);
+}
+
+TEST(Seed004ReleasedStorage, DroppingOnlyTheRegistryHandleIsReportedWithTheViewHoldingIt) {
+  Recorder s;
+  Tensor survivor;
+  s.begin_step(0);
+  {
+    Tensor registry = gather_padded("h.0.w", 1000, 1024);
+    survivor = registry.slice(0, 0, 1000).set_name("h.0.w(view)");
+    registry = Tensor();  // the buggy release: the registry forgets, the view keeps the storage
+  }
+  s.end_step();
+  EXPECT_TRUE(reported(s, IssueKind::Growth, "held by 'h.0.w(view)'"));
+}
+
+// ------------------------------------------------------------------ sanitizer mechanics
+TEST(Sanitizer, StrictModeThrowsOnGrowth) {
+  Sanitizer s(SanitizeMode::Strict);
+  std::vector<Tensor> leak;
+  s.begin_step(0);
+  leak.push_back(Tensor::zeros({100}));
+  EXPECT_THROW(s.end_step(), Error);
+}
+
+TEST(Sanitizer, PersistentAllocationsAreNotGrowth) {
+  Sanitizer s(SanitizeMode::Strict);
+  std::vector<Tensor> states;
+  s.begin_step(0);
+  states.push_back(Tensor::zeros({100}, DType::F32, Device::cpu(), memory::make_owner(Category::OptimizerState, "adamw.m")));
+  states.push_back(Tensor::zeros({100}, DType::F32, Device::cpu(), memory::make_owner(Category::Data, "loader", true)));
+  EXPECT_NO_THROW(s.end_step());
+}
+
+TEST(Sanitizer, GrowthReportNamesOwnerSizeAndBirth) {
+  Recorder s;
+  std::vector<Tensor> leak;
+  s.begin_step(3);
+  s.begin_microbatch(5);
+  {
+    memory::OwnerScope scope("h.7.mlp");
+    leak.push_back(Tensor::zeros({256}));
+  }
+  s.end_microbatch();
+  ASSERT_FALSE(s.issues().empty());
+  const std::string& m = s.issues()[0].message;
+  EXPECT_NE(m.find("h.7.mlp"), std::string::npos) << m;
+  EXPECT_NE(m.find("1.0 KiB"), std::string::npos) << m;
+  EXPECT_NE(m.find("born step 3 microbatch 5"), std::string::npos) << m;
+}

@@ -1,0 +1,239 @@
+// Every op against PyTorch (fixtures from scripts/gen_op_fixtures.py, fp64) and against
+// finite differences (fp64 gradcheck).
+//
+// Tolerances: both sides compute in fp64, so results agree to rounding of differently
+// ordered sums: rtol 1e-9 / atol 1e-12 leaves ~1e6 ulps of headroom and still catches
+// any formula error (those show up at 1e-3 or worse). The gradcheck uses central
+// differences with eps 1e-6: truncation error ~eps^2 and rounding ~1e-16/eps, so a
+// relative error above 1e-6 means a wrong gradient.
+#include <gtest/gtest.h>
+
+#include "autograd/engine.h"
+#include "io/safetensors.h"
+#include "ops/ops.h"
+#include "support.h"
+
+using namespace tally;
+using test::expect_close;
+
+namespace {
+
+const io::SafetensorsFile& fx() {
+  static io::SafetensorsFile f = io::read_safetensors(test::fixture_path("ops.safetensors"));
+  return f;
+}
+
+Tensor input(const std::string& name) {
+  Tensor t = fx().at(name).clone();  // a fresh leaf per test
+  if (is_floating(t.dtype())) t.set_requires_grad(true);
+  return t;
+}
+
+constexpr double kRtol = 1e-9, kAtol = 1e-12;
+
+// Runs backward from `out` with the fixture's upstream gradient and checks out and
+// the gradients of the named inputs.
+void check_case(const std::string& c, const Tensor& out, const std::vector<std::pair<std::string, Tensor>>& inputs) {
+  expect_close(out, fx().at(c + ".out"), kRtol, kAtol, c + ".out");
+  autograd::backward({out}, {fx().at(c + ".dout")});
+  for (const auto& [name, t] : inputs) expect_close(t.grad(), fx().at(c + ".d" + name), kRtol, kAtol, c + ".d" + name);
+}
+
+}  // namespace
+
+TEST(OpsVsTorch, Matmul) {
+  Tensor a = input("matmul.a"), b = input("matmul.b");
+  check_case("matmul", ops::matmul(a, b), {{"a", a}, {"b", b}});
+}
+TEST(OpsVsTorch, MatmulTransposedRight) {
+  Tensor a = input("matmul_bt.a"), b = input("matmul_bt.b");
+  check_case("matmul_bt", ops::matmul(a, b, false, true), {{"a", a}, {"b", b}});
+}
+TEST(OpsVsTorch, Linear) {
+  Tensor x = input("linear.x"), w = input("linear.w"), b = input("linear.b");
+  check_case("linear", ops::linear(x, w, b), {{"x", x}, {"w", w}, {"b", b}});
+}
+TEST(OpsVsTorch, BroadcastAdd) {
+  Tensor a = input("add_bcast.a"), b = input("add_bcast.b");
+  check_case("add_bcast", a + b, {{"a", a}, {"b", b}});
+}
+TEST(OpsVsTorch, BroadcastSub) {
+  Tensor a = input("sub_bcast.a"), b = input("sub_bcast.b");
+  check_case("sub_bcast", a - b, {{"a", a}, {"b", b}});
+}
+TEST(OpsVsTorch, BroadcastMul) {
+  Tensor a = input("mul_bcast.a"), b = input("mul_bcast.b");
+  check_case("mul_bcast", a * b, {{"a", a}, {"b", b}});
+}
+TEST(OpsVsTorch, BroadcastDiv) {
+  Tensor a = input("div_bcast.a"), b = input("div_bcast.b");
+  check_case("div_bcast", a / b, {{"a", a}, {"b", b}});
+}
+TEST(OpsVsTorch, Scale) {
+  Tensor x = input("scale.x");
+  check_case("scale", 2.5 * x, {{"x", x}});
+}
+TEST(OpsVsTorch, SumOverDim) {
+  Tensor x = input("sum_dim.x");
+  check_case("sum_dim", ops::sum(x, {1}), {{"x", x}});
+}
+TEST(OpsVsTorch, SumAll) {
+  Tensor x = input("sum_all.x");
+  check_case("sum_all", ops::sum(x), {{"x", x}});
+}
+TEST(OpsVsTorch, MeanKeepdim) {
+  Tensor x = input("mean_dim.x");
+  check_case("mean_dim", ops::mean(x, {-1}, true), {{"x", x}});
+}
+TEST(OpsVsTorch, MaxOverDim) {
+  Tensor x = input("max_dim.x");
+  check_case("max_dim", ops::max(x, 2), {{"x", x}});
+}
+TEST(OpsVsTorch, Embedding) {
+  Tensor w = input("embedding.weight");
+  check_case("embedding", ops::embedding(w, fx().at("embedding.idx")), {{"weight", w}});
+}
+TEST(OpsVsTorch, LayerNorm) {
+  Tensor x = input("layernorm.x"), w = input("layernorm.w"), b = input("layernorm.b");
+  check_case("layernorm", ops::layernorm(x, w, b, 1e-5), {{"x", x}, {"w", w}, {"b", b}});
+}
+TEST(OpsVsTorch, GeluTanh) {
+  Tensor x = input("gelu.x");
+  check_case("gelu", ops::gelu(x), {{"x", x}});
+}
+TEST(OpsVsTorch, Softmax) {
+  Tensor x = input("softmax.x");
+  check_case("softmax", ops::softmax(x), {{"x", x}});
+}
+TEST(OpsVsTorch, CausalAttention) {
+  Tensor q = input("attention.q"), k = input("attention.k"), v = input("attention.v");
+  check_case("attention", ops::causal_attention(q, k, v), {{"q", q}, {"k", k}, {"v", v}});
+}
+TEST(OpsVsTorch, GroupedQueryAttention) {
+  Tensor q = input("attention_gqa.q"), k = input("attention_gqa.k"), v = input("attention_gqa.v");
+  check_case("attention_gqa", ops::causal_attention(q, k, v), {{"q", q}, {"k", k}, {"v", v}});
+}
+TEST(OpsVsTorch, CrossEntropyOverPaddedVocab) {
+  Tensor logits = input("cross_entropy.logits");
+  int64_t V = fx().at("cross_entropy.valid_vocab").to_vector<int64_t>()[0];
+  check_case("cross_entropy", ops::cross_entropy(logits, fx().at("cross_entropy.targets"), V), {{"logits", logits}});
+}
+TEST(OpsVsTorch, Cat) {
+  Tensor a = input("cat.a"), b = input("cat.b");
+  check_case("cat", ops::cat({a, b}, 1), {{"a", a}, {"b", b}});
+}
+TEST(OpsVsTorch, Split) {
+  Tensor x = input("split.x");
+  auto outs = ops::split(x, {2, 3, 4}, 1);
+  for (int i = 0; i < 3; ++i) expect_close(outs[i], fx().at("split.out" + std::to_string(i)), kRtol, kAtol, "split.out");
+  autograd::backward(outs, {fx().at("split.dout0"), fx().at("split.dout1"), fx().at("split.dout2")});
+  expect_close(x.grad(), fx().at("split.dx"), kRtol, kAtol, "split.dx");
+}
+TEST(OpsVsTorch, Slice) {
+  Tensor x = input("slice.x");
+  check_case("slice", x.slice(0, 1, 3).slice(1, 2, 5), {{"x", x}});
+}
+TEST(OpsVsTorch, Gather) {
+  Tensor x = input("gather.x");
+  check_case("gather", ops::gather(x, 1, fx().at("gather.index")), {{"x", x}});
+}
+TEST(OpsVsTorch, Permute) {
+  Tensor x = input("permute.x");
+  check_case("permute", x.permute({2, 0, 1}).contiguous(), {{"x", x}});
+}
+
+// ---------------------------------------------------------------- finite differences
+
+namespace {
+using Fn = std::function<Tensor(const std::vector<Tensor>&)>;
+constexpr double kGradTol = 1e-6;
+}  // namespace
+
+TEST(Gradcheck, ElementwiseWithBroadcast) {
+  Fn f = [](auto& in) { return ops::div(ops::mul(ops::sub(ops::add(in[0], in[1]), in[1]), in[0]), ops::add_scalar(in[1], 3.0)); };
+  EXPECT_LT(test::gradcheck(f, {test::random_tensor({2, 3, 4}, 1), test::random_tensor({3, 1}, 2)}), kGradTol);
+}
+TEST(Gradcheck, Reductions) {
+  Fn f = [](auto& in) { return ops::add(ops::sum(in[0], {0, 2}, true), ops::mean(in[0], {0, 2}, true)); };
+  EXPECT_LT(test::gradcheck(f, {test::random_tensor({2, 3, 4}, 3)}), kGradTol);
+  Fn g = [](auto& in) { return ops::max(in[0], 1); };
+  EXPECT_LT(test::gradcheck(g, {test::random_tensor({3, 5}, 4)}), kGradTol);
+}
+TEST(Gradcheck, MatmulWithTransposes) {
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      Fn f = [=](auto& in) { return ops::matmul(in[0], in[1], ta, tb); };
+      Tensor a = ta ? test::random_tensor({2, 4, 3}, 5) : test::random_tensor({2, 3, 4}, 5);
+      Tensor b = tb ? test::random_tensor({2, 5, 4}, 6) : test::random_tensor({2, 4, 5}, 6);
+      EXPECT_LT(test::gradcheck(f, {a, b}), kGradTol) << "ta=" << ta << " tb=" << tb;
+    }
+}
+TEST(Gradcheck, MatmulOfStridedViews) {
+  Fn f = [](auto& in) { return ops::matmul(in[0].transpose(0, 1), in[1].slice(1, 1, 4)); };
+  EXPECT_LT(test::gradcheck(f, {test::random_tensor({4, 3}, 7), test::random_tensor({4, 5}, 8)}), kGradTol);
+}
+TEST(Gradcheck, LinearLayerNormGelu) {
+  Fn f = [](auto& in) { return ops::gelu(ops::layernorm(ops::linear(in[0], in[1], in[2]), in[3], in[4])); };
+  EXPECT_LT(test::gradcheck(f, {test::random_tensor({2, 3, 5}, 9), test::random_tensor({6, 5}, 10),
+                                test::random_tensor({6}, 11), test::random_tensor({6}, 12), test::random_tensor({6}, 13)}),
+            kGradTol);
+}
+TEST(Gradcheck, SoftmaxAndEmbedding) {
+  Tensor idx = Tensor::from_vector<int64_t>({1, 3, 1, 0}, {2, 2});
+  Fn f = [&](auto& in) { return ops::softmax(ops::embedding(in[0], idx)); };
+  EXPECT_LT(test::gradcheck(f, {test::random_tensor({4, 6}, 14)}), kGradTol);
+}
+TEST(Gradcheck, AttentionOnSlicesOfFusedQkv) {
+  // q, k, v as strided slices of one (B,T,3*H*D) projection, the way GPT-2 uses it.
+  Fn f = [](auto& in) {
+    auto parts = ops::split(in[0], {6, 6, 6}, 2);
+    auto heads = [](const Tensor& t) { return t.view({2, 4, 3, 2}); };
+    return ops::causal_attention(heads(parts[0].contiguous()), parts[1].view({2, 4, 3, 2}), parts[2].view({2, 4, 3, 2}));
+  };
+  EXPECT_LT(test::gradcheck(f, {test::random_tensor({2, 4, 18}, 15)}), kGradTol);
+}
+TEST(Gradcheck, GroupedQueryAttention) {
+  Fn f = [](auto& in) { return ops::causal_attention(in[0], in[1], in[2]); };
+  EXPECT_LT(test::gradcheck(f, {test::random_tensor({1, 4, 4, 3}, 16), test::random_tensor({1, 4, 2, 3}, 17),
+                                test::random_tensor({1, 4, 2, 3}, 18)}),
+            kGradTol);
+}
+TEST(Gradcheck, CrossEntropyIgnoresPaddingAndNegativeTargets) {
+  Tensor targets = Tensor::from_vector<int32_t>({2, -1, 0, 4}, {4});
+  Fn f = [&](auto& in) { return ops::cross_entropy(in[0], targets, 5); };
+  EXPECT_LT(test::gradcheck(f, {test::random_tensor({4, 7}, 19)}), kGradTol);
+}
+TEST(Gradcheck, ShapeOps) {
+  Tensor index = Tensor::from_vector<int64_t>({0, 2, 2, 1, 0, 0}, {3, 2});
+  Fn f = [&](auto& in) {
+    Tensor c = ops::cat({in[0], in[1].transpose(0, 1)}, 1);                 // (3, 6)
+    Tensor g = ops::gather(c, 1, index);                                     // (3, 2)
+    Tensor e = in[0].slice(1, 0, 1).expand({3, 2});                          // (3, 2)
+    return ops::add(ops::mul(g, e), c.reshape({2, 9}).slice(0, 0, 1).view({3, 3}).slice(1, 0, 2));
+  };
+  EXPECT_LT(test::gradcheck(f, {test::random_tensor({3, 2}, 20), test::random_tensor({4, 3}, 21)}), kGradTol);
+}
+TEST(Gradcheck, DtypeConversionRoundTrip) {
+  Fn f = [](auto& in) { return ops::to_dtype(ops::scale(ops::to_dtype(in[0], DType::F32), 2.0), DType::F64); };
+  // fp32 in the middle: the finite difference sees fp32 rounding, so compare loosely.
+  EXPECT_LT(test::gradcheck(f, {test::random_tensor({5}, 22)}, 1e-3), 1e-3);
+}
+
+TEST(Ops, Fp32MatmulMatchesFp64WithinSinglePrecision) {
+  // oneDNN sgemm vs the fp64 reference loop: relative error bounded by ~K * 2^-24.
+  Tensor a = test::random_tensor({64, 300}, 30), b = test::random_tensor({300, 50}, 31);
+  Tensor ref = ops::matmul(a, b);
+  Tensor got = ops::matmul(a.to(DType::F32), b.to(DType::F32));
+  expect_close(got, ref, 0, 300 * 6e-8 * 4, "sgemm vs fp64");
+}
+
+TEST(Ops, ShapeErrorsNameTheOperands) {
+  try {
+    ops::add(Tensor::zeros({2, 3}), Tensor::zeros({4}));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[2,3] and [4]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(ops::matmul(Tensor::zeros({2, 3}), Tensor::zeros({4, 5})), Error);
+  EXPECT_THROW(ops::linear(Tensor::zeros({2, 3}), Tensor::zeros({5, 4})), Error);
+}
