@@ -40,6 +40,17 @@ Tensor Context::saved(size_t i) const {
   return saved_[i].unpack(op_name_);
 }
 
+Tensor Context::grad_sink(size_t i) const {
+  if (!edges_ || i >= edges_->size()) return Tensor();
+  auto* acc = dynamic_cast<AccumulateGrad*>((*edges_)[i].node.get());
+  if (!acc) return Tensor();
+  std::shared_ptr<TensorImpl> leaf = acc->leaf();
+  if (!leaf) return Tensor();
+  auto* state = std::get_if<LeafState>(&leaf->autograd());
+  if (!state || !state->hooks.empty() || !state->grad.defined()) return Tensor();
+  return state->grad;
+}
+
 int64_t Context::saved_bytes() const {
   int64_t bytes = 0;
   for (const SavedTensor& s : saved_)

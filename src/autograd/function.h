@@ -68,14 +68,22 @@ class Context {
 
   const char* op_name() const { return op_name_; }
 
+  // The gradient buffer of forward input i when that input is a leaf whose .grad is
+  // already allocated (and has no hooks): backward may accumulate into it directly
+  // (GEMM with beta=1, scatter-add) and return an undefined tensor for that input,
+  // saving a temporary and an extra pass, as llm.c does. Undefined otherwise.
+  Tensor grad_sink(size_t i) const;
+
   // Called by record(): names the op and notes which inputs need gradients.
   void bind(const char* op_name, const std::vector<Tensor>& inputs);
 
  private:
   friend struct testing_access;
+  template <class Fn> friend class FunctionNode;
   std::vector<SavedTensor> saved_;
   std::vector<bool> needs_input_grad_;
   const char* op_name_ = "";
+  const std::vector<Edge>* edges_ = nullptr;  // non-owning: set by the node during backward
 };
 
 // True when grad mode is on and some input requires grad: only then is a graph recorded
@@ -95,6 +103,7 @@ template <class Fn> class FunctionNode final : public Node {
     TALLY_CHECK(ctx_, "backward through '", Fn::kName,
                 "' a second time: its saved state was freed after the first backward "
                 "(pass retain_graph=true to the first backward to keep it)");
+    ctx_->edges_ = &next_edges();
     return Fn::backward(*ctx_, grads);
   }
   void release_state() override { ctx_.reset(); }

@@ -139,12 +139,22 @@ struct LinearFn {
     }
     if (ctx.needs_input_grad(1)) {
       Tensor x2 = make_view(x, {rows, in_f}, {in_f, 1}, x.offset());
-      dw = Tensor::empty(w.shape(), w.dtype(), w.device(), memory::current_owner("linear_dw"));
-      cpu::gemm(g2, true, x2, false, dw);
+      Tensor sink = ctx.grad_sink(1);
+      if (sink.defined() && sink.is_contiguous() && sink.dtype() == w.dtype()) {
+        cpu::gemm(g2, true, x2, false, sink, 1.f, 1.f);  // dW accumulated in place
+      } else {
+        dw = Tensor::empty(w.shape(), w.dtype(), w.device(), memory::current_owner("linear_dw"));
+        cpu::gemm(g2, true, x2, false, dw);
+      }
     }
     if (ctx.needs_input_grad(2)) {
       db = Tensor::empty({out_f}, g.dtype(), g.device(), memory::current_owner("linear_db"));
       cpu::sum_into(make_view(db, {1, out_f}, {out_f, 1}, 0), g2);
+      Tensor sink = ctx.grad_sink(2);
+      if (sink.defined() && sink.dtype() == db.dtype()) {
+        cpu::add_inplace(sink, db);
+        db = Tensor();
+      }
     }
     return {dx, dw, db};
   }

@@ -17,6 +17,11 @@ struct EmbeddingFn {
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor indices = ctx.saved(0);
     Tensor g = materialize(grads[0]);
+    Tensor sink = ctx.grad_sink(0);
+    if (sink.defined() && sink.is_contiguous() && sink.dtype() == g.dtype()) {
+      cpu::embedding_backward(sink, g, indices);  // scatter-add straight into the leaf's grad
+      return {Tensor(), Tensor()};
+    }
     Tensor dw = Tensor::zeros(ctx.weight_shape, g.dtype(), g.device());
     cpu::embedding_backward(dw, g, indices);
     return {dw, Tensor()};
@@ -81,8 +86,12 @@ struct CrossEntropyFn {
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor logits = ctx.saved(0), lse = ctx.saved(1), targets = ctx.saved(2);
     const double g = grads[0].item();
-    Tensor dlogits = Tensor::empty(logits.shape(), logits.dtype(), logits.device(),
-                                   memory::current_owner("cross_entropy_dlogits"));
+    // When this context holds the only reference to the logits (the model dropped its
+    // own), the gradient overwrites them in place: one (N, V) buffer instead of two.
+    const bool sole_owner = logits.storage_ptr().use_count() == 1 && logits.storage().views().size() == 1;
+    Tensor dlogits = sole_owner ? logits
+                                : Tensor::empty(logits.shape(), logits.dtype(), logits.device(),
+                                                memory::current_owner("cross_entropy_dlogits"));
     cpu::cross_entropy_backward(dlogits, logits, lse, targets, ctx.valid_vocab,
                                 g / static_cast<double>(std::max<int64_t>(ctx.count, 1)));
     return {dlogits, Tensor()};

@@ -1,0 +1,270 @@
+#include "train/trainer.h"
+
+#include <omp.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "autograd/grad_mode.h"
+#include "data/loader.h"
+#include "data/tokenizer.h"
+#include "io/checkpoint.h"
+#include "io/model_files.h"
+#include "memory/ledger.h"
+#include "memory/sanitizer.h"
+#include "nn/transformer.h"
+#include "ops/cpu/kernels.h"
+#include "ops/ops.h"
+#include "optim/adamw.h"
+#include "train/sampler.h"
+
+namespace tally::train {
+
+namespace fs = std::filesystem;
+using memory::format_bytes;
+
+double learning_rate(const TrainConfig& c, int64_t step) {
+  if (c.warmup_steps > 0 && step < c.warmup_steps)
+    return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
+  if (c.lr_schedule == "constant") return c.lr;
+  TALLY_CHECK(c.lr_schedule == "cosine", "--lr-schedule: expected constant or cosine, got '", c.lr_schedule, "'");
+  const double min_lr = c.lr * c.min_lr_frac;
+  const int64_t decay_steps = std::max<int64_t>(c.steps - c.warmup_steps, 1);
+  const double progress = std::min(1.0, static_cast<double>(step - c.warmup_steps) / static_cast<double>(decay_steps));
+  return min_lr + 0.5 * (1.0 + std::cos(M_PI * progress)) * (c.lr - min_lr);
+}
+
+namespace {
+
+void validate(const TrainConfig& c) {
+  TALLY_CHECK(!c.train_data.empty(), "--train-data is required (a glob of llm.c token shards; make them with `tally tokenize`)");
+  TALLY_CHECK(c.batch_size > 0, "--batch-size must be positive, got ", c.batch_size);
+  TALLY_CHECK(c.seq_len > 0, "--seq-len must be positive, got ", c.seq_len);
+  TALLY_CHECK(c.grad_accum > 0, "--grad-accum must be positive, got ", c.grad_accum);
+  TALLY_CHECK(c.steps >= 0, "--steps must be >= 0, got ", c.steps);
+  TALLY_CHECK(c.lr > 0, "--lr must be positive, got ", c.lr);
+  TALLY_CHECK(c.min_lr_frac >= 0 && c.min_lr_frac <= 1, "--min-lr-frac must be in [0, 1], got ", c.min_lr_frac);
+  TALLY_CHECK(c.beta1 >= 0 && c.beta1 < 1 && c.beta2 >= 0 && c.beta2 < 1, "--beta1/--beta2 must be in [0, 1)");
+  TALLY_CHECK(c.eps > 0, "--eps must be positive");
+  TALLY_CHECK(c.grad_clip >= 0, "--grad-clip must be >= 0 (0 = off)");
+  TALLY_CHECK(c.weight_decay >= 0, "--weight-decay must be >= 0");
+  TALLY_CHECK(c.model_file.empty() || c.init_from.empty(), "--model-file and --init-from are exclusive");
+  TALLY_CHECK(c.lr_schedule == "constant" || c.lr_schedule == "cosine", "--lr-schedule: expected constant or cosine, got '",
+              c.lr_schedule, "'");
+}
+
+std::unique_ptr<nn::Transformer> build_model(const TrainConfig& c) {
+  nn::TransformerConfig mc;
+  if (!c.model_file.empty()) mc = io::read_llmc_gpt2_config(c.model_file);
+  else if (!c.init_from.empty()) mc = io::read_hf_gpt2_config(c.init_from);
+  else mc = nn::TransformerConfig::preset(c.model);
+  auto model = std::make_unique<nn::Transformer>(mc);
+  if (!c.model_file.empty()) io::load_llmc_gpt2(c.model_file, *model);
+  else if (!c.init_from.empty()) io::load_hf_gpt2(c.init_from, *model);
+  else model->init_weights(c.seed);
+  return model;
+}
+
+// Decodes samples when a tokenizer is available; otherwise prints token ids.
+struct Detokenizer {
+  std::unique_ptr<data::Gpt2Tokenizer> tok;
+  explicit Detokenizer(const std::string& dir) {
+    if (dir.empty()) return;
+    if (fs::is_regular_file(dir)) tok = std::make_unique<data::Gpt2Tokenizer>(data::Gpt2Tokenizer::load_llmc(dir));
+    else
+      tok = std::make_unique<data::Gpt2Tokenizer>(data::Gpt2Tokenizer::load((fs::path(dir) / "encoder.json").string(),
+                                                                             (fs::path(dir) / "vocab.bpe").string()));
+  }
+  std::string text(const std::vector<int32_t>& ids) const {
+    if (tok) {
+      std::vector<int32_t> valid;
+      for (int32_t i : ids)
+        if (i >= 0 && i < tok->vocab_size()) valid.push_back(i);
+      return tok->decode(valid);
+    }
+    std::string s;
+    for (int32_t i : ids) s += std::to_string(i) + " ";
+    return s;
+  }
+  int32_t start_token(int64_t vocab) const { return tok ? tok->eot_id() : static_cast<int32_t>(vocab - 1); }
+};
+
+double evaluate(const nn::Transformer& model, data::TokenLoader& loader, int64_t batches) {
+  autograd::InferenceModeGuard inference;
+  memory::OwnerScope scope("eval");
+  double total = 0;
+  for (int64_t i = 0; i < batches; ++i) {
+    const data::Batch& b = loader.batch_from(i * loader.tokens_per_batch());
+    total += model.forward(b.inputs, b.targets).loss.item();
+  }
+  return total / static_cast<double>(std::max<int64_t>(batches, 1));
+}
+
+}  // namespace
+
+TrainResult run_training(const TrainConfig& c, const std::function<void(const StepMetrics&)>& on_step) {
+  validate(c);
+  if (c.threads > 0) omp_set_num_threads(c.threads);
+  auto log = [&](const char* fmt, auto... args) {
+    if (!c.quiet) std::printf(fmt, args...), std::fflush(stdout);
+  };
+
+  memory::SanitizeMode mode = memory::parse_sanitize_mode(c.sanitize);
+  auto& ledger = memory::ledger();
+  if (!c.mem_trace.empty()) ledger.enable_history(true, false);
+
+  std::unique_ptr<nn::Transformer> model = build_model(c);
+  const auto& mc = model->config();
+  TALLY_CHECK(c.seq_len <= mc.max_seq_len, "--seq-len ", c.seq_len, " exceeds the model's maximum sequence length ",
+              mc.max_seq_len);
+  optim::AdamWConfig ac;
+  ac.beta1 = c.beta1;
+  ac.beta2 = c.beta2;
+  ac.eps = c.eps;
+  ac.weight_decay = c.weight_decay;
+  optim::AdamW opt(model->params(), ac);
+  data::TokenLoader train_loader(c.train_data, c.batch_size, c.seq_len, mc.vocab_size);
+  std::unique_ptr<data::TokenLoader> val_loader;
+  if (!c.val_data.empty()) val_loader = std::make_unique<data::TokenLoader>(c.val_data, c.batch_size, c.seq_len, mc.vocab_size);
+  Detokenizer detok(c.tokenizer_dir);
+  Rng sample_rng(c.seed + 1);
+
+  int64_t start_step = 0;
+  if (!c.resume.empty()) {
+    std::string dir = io::resolve_checkpoint(c.resume);
+    io::TrainingState st = io::load_checkpoint(dir, *model, opt);
+    start_step = st.step;
+    sample_rng.set_state(st.rng_state);
+    log("resumed from %s at step %lld\n", dir.c_str(), static_cast<long long>(start_step));
+  }
+
+  const int64_t N = c.grad_accum, B = c.batch_size, T = c.seq_len;
+  const int64_t tokens_per_step = N * B * T;
+  const double step_flops = model->flops_per_token(T) * static_cast<double>(tokens_per_step);
+  const double gemm_peak = ops::cpu::measured_gemm_peak_flops();
+  const int64_t P = model->num_parameters();
+  log("model: %s, %lld parameters\n", mc.describe().c_str(), static_cast<long long>(P));
+  log("data: %lld train tokens in %zu shard(s)%s; step = %lld microbatch(es) x %lld x %lld = %lld tokens\n",
+      static_cast<long long>(train_loader.total_tokens()), train_loader.files().size(),
+      val_loader ? (", " + std::to_string(val_loader->total_tokens()) + " val tokens").c_str() : "",
+      static_cast<long long>(N), static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(tokens_per_step));
+  log("threads: %d, measured fp32 GEMM peak %.0f GFLOP/s\n", omp_get_max_threads(), gemm_peak / 1e9);
+
+  std::unique_ptr<std::ofstream> json_log;
+  if (!c.log_json.empty()) {
+    json_log = std::make_unique<std::ofstream>(c.log_json, start_step > 0 ? std::ios::app : std::ios::trunc);
+    TALLY_CHECK(json_log->good(), "--log-json: cannot write '", c.log_json, "'");
+  }
+
+  memory::Sanitizer sanitizer(mode);
+  TrainResult result;
+  int64_t predicted_min = 0;
+  const int64_t states_bytes = 16 * P;  // fp32 param, grad, m, v
+
+  for (int64_t step = start_step; step < c.steps; ++step) {
+    auto t0 = std::chrono::steady_clock::now();
+    sanitizer.begin_step(step);
+    ledger.reset_peaks();
+    double loss_sum = 0;
+    for (int64_t mb = 0; mb < N; ++mb) {
+      sanitizer.begin_microbatch(mb);
+      {
+        const data::Batch& batch = train_loader.batch_at(step, mb, N);
+        Tensor loss = model->forward(batch.inputs, batch.targets).loss;
+        if (predicted_min == 0) {
+          // Activations this configuration must hold: what one microbatch keeps alive
+          // between forward and backward (read from the ledger, not estimated).
+          // At the end of the first forward, the live set is exactly model states +
+          // loader buffers + saved activations: the floor any schedule of this step needs.
+          predicted_min = ledger.stats().allocated;
+        }
+        loss_sum += loss.item();  // R4: only the number escapes the microbatch
+        (N == 1 ? loss : ops::scale(loss, 1.0 / static_cast<double>(N))).backward();
+      }
+      sanitizer.end_microbatch();
+    }
+    const double norm = ops::global_norm({model->params().flat_grads()});
+    const double lr = learning_rate(c, step);
+    {
+      autograd::NoGradGuard ng;
+      memory::OwnerScope scope("optimizer");
+      opt.step(lr, optim::clip_scale(norm, c.grad_clip));
+      model->params().zero_grad();
+    }
+    sanitizer.end_step();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+    memory::Stats s = ledger.stats();
+    StepMetrics m;
+    m.step = step + 1;
+    m.loss = loss_sum / static_cast<double>(N);
+    m.lr = lr;
+    m.grad_norm = norm;
+    m.ms = seconds * 1e3;
+    m.tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
+    m.gemm_peak_frac = step_flops / seconds / gemm_peak;
+    m.live_bytes = s.allocated;
+    m.peak_bytes = s.peak_allocated;
+    m.reserved_bytes = s.reserved;
+    m.predicted_min_bytes = predicted_min;
+    if (step == start_step) {
+      log("memory: predicted minimum %s (params+grads+adam %s, activations of one microbatch %s)\n",
+          format_bytes(predicted_min).c_str(), format_bytes(states_bytes).c_str(),
+          format_bytes(predicted_min - states_bytes).c_str());
+    }
+    log("step %5lld/%lld | loss %.4f | norm %.3f | lr %.2e | %.0f ms | %.1f%% of GEMM peak | %.0f tok/s | mem %s live, %s peak\n",
+        static_cast<long long>(m.step), static_cast<long long>(c.steps), m.loss, m.grad_norm, m.lr, m.ms,
+        100.0 * m.gemm_peak_frac, m.tokens_per_s, format_bytes(m.live_bytes).c_str(), format_bytes(m.peak_bytes).c_str());
+
+    nlohmann::json j = {{"step", m.step},       {"loss", m.loss},           {"lr", m.lr},
+                        {"grad_norm", m.grad_norm}, {"ms", m.ms},           {"tokens_per_s", m.tokens_per_s},
+                        {"gemm_peak_frac", m.gemm_peak_frac}, {"live_bytes", m.live_bytes}, {"peak_bytes", m.peak_bytes},
+                        {"reserved_bytes", m.reserved_bytes}, {"predicted_min_bytes", m.predicted_min_bytes}};
+    const bool last = step + 1 == c.steps;
+    if (val_loader && ((c.val_every > 0 && m.step % c.val_every == 0) || last)) {
+      double vl = evaluate(*model, *val_loader, c.val_batches);
+      result.final_val_loss = vl;
+      j["val_loss"] = vl;
+      log("val loss %.4f\n", vl);
+    }
+    if ((c.sample_every > 0 && m.step % c.sample_every == 0) || (last && c.sample_tokens > 0 && c.sample_every >= 0)) {
+      SampleOptions so;
+      so.tokens = c.sample_tokens;
+      so.temperature = c.temperature;
+      so.top_k = c.top_k;
+      auto ids = sample(*model, {detok.start_token(mc.vocab_size)}, so, sample_rng);
+      log("sample:\n---\n%s\n---\n", detok.text(ids).c_str());
+    }
+    if (c.save_every > 0 && (m.step % c.save_every == 0 || last)) {
+      io::TrainingState st;
+      st.step = m.step;
+      st.rng_state = sample_rng.state();
+      result.last_checkpoint = io::save_checkpoint(c.out_dir, *model, opt, st);
+      log("saved %s\n", result.last_checkpoint.c_str());
+    }
+    if (json_log) {
+      *json_log << j.dump() << "\n";
+      json_log->flush();
+    }
+    result.history.push_back(m);
+    result.final_loss = m.loss;
+    result.steps_run++;
+    if (on_step) on_step(m);
+  }
+  result.boundaries = sanitizer.boundaries();
+  if (!c.mem_trace.empty()) {
+    memory::write_chrome_trace(c.mem_trace, ledger.history());
+    ledger.enable_history(false);
+    ledger.clear_history();
+    log("memory trace written to %s (open in ui.perfetto.dev or chrome://tracing)\n", c.mem_trace.c_str());
+  }
+  return result;
+}
+
+}  // namespace tally::train

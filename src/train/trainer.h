@@ -1,0 +1,85 @@
+// The trainer: one loop for every mode. Each step runs N microbatches (forward, backward
+// with the loss scaled by 1/N), clips the gradient norm, takes an AdamW step, and logs.
+// The sanitizer scopes every step and microbatch, so --sanitize strict turns any growth
+// of live memory or surviving graph into an error.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "memory/sanitizer.h"
+
+namespace tally::train {
+
+struct TrainConfig {
+  // model
+  std::string model = "d6";
+  std::string model_file;  // llm.c .bin to start from
+  std::string init_from;   // HuggingFace model.safetensors to start from
+  // data
+  std::string train_data;
+  std::string val_data;
+  std::string tokenizer_dir;  // encoder.json + vocab.bpe, or an llm.c tokenizer .bin, to print samples
+  // shape of a step
+  int64_t batch_size = 4;
+  int64_t seq_len = 64;
+  int64_t grad_accum = 1;
+  int64_t steps = 20;
+  // optimizer
+  double lr = 3e-4;
+  int64_t warmup_steps = 0;
+  std::string lr_schedule = "cosine";
+  double min_lr_frac = 0.0;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;
+  // run
+  int threads = 0;  // 0: OpenMP's default
+  uint64_t seed = 1337;
+  int64_t val_every = 0;
+  int64_t val_batches = 8;
+  int64_t sample_every = 0;
+  int64_t sample_tokens = 64;
+  double temperature = 1.0;
+  int64_t top_k = 40;
+  int64_t save_every = 0;
+  std::string out_dir = "out";
+  std::string resume;
+  std::string log_json;
+  std::string sanitize = "off";
+  std::string mem_trace;
+  bool quiet = false;
+};
+
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = 0;
+  double lr = 0;
+  double grad_norm = 0;
+  double ms = 0;
+  double tokens_per_s = 0;
+  double gemm_peak_frac = 0;
+  int64_t live_bytes = 0;
+  int64_t peak_bytes = 0;
+  int64_t reserved_bytes = 0;
+  int64_t predicted_min_bytes = 0;
+};
+
+struct TrainResult {
+  int64_t steps_run = 0;
+  double final_loss = 0;
+  double final_val_loss = -1;
+  std::vector<StepMetrics> history;
+  std::string last_checkpoint;
+  std::vector<memory::Boundary> boundaries;  // the sanitizer's step/microbatch records
+};
+
+double learning_rate(const TrainConfig& c, int64_t step);
+
+// Runs the configured training. `on_step` (optional) sees each step's metrics.
+TrainResult run_training(const TrainConfig& config, const std::function<void(const StepMetrics&)>& on_step = {});
+
+}  // namespace tally::train

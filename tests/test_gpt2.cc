@@ -1,0 +1,284 @@
+// GPT-2 end to end against PyTorch (fixtures from scripts/gen_gpt2_reference.py), the
+// llm.c and HuggingFace file formats, bit-exact resume, and memory flatness of training.
+//
+// Tolerances (fp32 on both sides, different summation orders): logits and loss agree to
+// ~1e-7 relative; we allow 2e-5 absolute on logits (|logits| <= 0.54) and 1e-5 on each
+// loss, 100x the observed noise yet far below the 8e-3 the loss moves per step, so a
+// wrong update or a wrong gradient fails. Gradients are compared relative to each tensor's
+// largest entry (some, like ln_1.weight's, are ~1e-3 in total): 1e-4.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "autograd/engine.h"
+#include "data/token_shard.h"
+#include "io/atomic_file.h"
+#include "io/model_files.h"
+#include "io/safetensors.h"
+#include "nn/transformer.h"
+#include "ops/ops.h"
+#include "optim/adamw.h"
+#include "support.h"
+#include "train/trainer.h"
+
+using namespace tally;
+namespace fs = std::filesystem;
+
+namespace {
+const io::SafetensorsFile& ref() {
+  static io::SafetensorsFile f = io::read_safetensors(test::fixture_path("gpt2_tiny_ref.safetensors"));
+  return f;
+}
+
+std::unique_ptr<nn::Transformer> tiny_model() {
+  const std::string path = test::fixture_path("gpt2_tiny.bin");
+  auto m = std::make_unique<nn::Transformer>(io::read_llmc_gpt2_config(path));
+  io::load_llmc_gpt2(path, *m);
+  return m;
+}
+
+// The stacked llm.c gradient `name` gathered from the model's per-layer gradients.
+Tensor stacked_grad(const nn::Transformer& m, const std::string& name) {
+  int64_t offset = 0;
+  for (auto& [n, shape] : nn::llmc_tensor_layout(m.config())) {
+    if (n == name) return make_view(m.params().flat_grads(), shape, contiguous_strides(shape), offset);
+    offset += shape_numel(shape);
+  }
+  ADD_FAILURE() << "no llm.c tensor " << name;
+  return Tensor();
+}
+
+double relative_max_diff(const Tensor& a, const Tensor& b) {
+  test::Diff d = test::compare(a, b);
+  return d.max_abs / std::max(d.ref_scale, 1e-30);
+}
+
+std::vector<double> train_on_fixture_batch(nn::Transformer& m, optim::AdamWConfig ac, double lr, double clip,
+                                           std::vector<double>* norms) {
+  optim::AdamW opt(m.params(), ac);
+  std::vector<double> losses;
+  for (int i = 0; i < 10; ++i) {
+    Tensor loss = m.forward(ref().at("x"), ref().at("y")).loss;
+    losses.push_back(loss.item());
+    loss.backward();
+    double norm = ops::global_norm({m.params().flat_grads()});
+    if (norms) norms->push_back(norm);
+    opt.step(lr, optim::clip_scale(norm, clip));
+    m.params().zero_grad();
+  }
+  return losses;
+}
+}  // namespace
+
+TEST(Gpt2Parity, LogitsLossAndEveryGradientMatchPyTorchAtStepZero) {
+  auto m = tiny_model();
+  auto r = m->forward(ref().at("x"), ref().at("y"), true);
+  test::expect_close(r.logits, ref().at("logits"), 0, 2e-5, "logits");
+  EXPECT_NEAR(r.loss.item(), ref().at("loss").item(), 1e-5);
+  r.logits = Tensor();
+  r.loss.backward();
+  for (auto& [name, shape] : nn::llmc_tensor_layout(m->config())) {
+    double rel = relative_max_diff(stacked_grad(*m, name), ref().at("grad." + name));
+    EXPECT_LT(rel, 1e-4) << "gradient of " << name;
+  }
+}
+
+TEST(Gpt2Parity, TenAdamWStepsMatchPyTorchLosses) {
+  auto m = tiny_model();
+  optim::AdamWConfig ac{0.9, 0.999, 1e-8, 0.01, /*decay_all=*/true};
+  auto losses = train_on_fixture_batch(*m, ac, 1e-4, 0, nullptr);
+  auto expected = ref().at("losses").to_vector<double>();
+  for (int i = 0; i < 10; ++i) EXPECT_NEAR(losses[i], expected[i], 1e-5) << "step " << i;
+}
+
+TEST(Gpt2Parity, DecayOn2dWeightsAndClippingMatchPyTorch) {
+  auto m = tiny_model();
+  optim::AdamWConfig ac{0.9, 0.95, 1e-8, 0.1, /*decay_all=*/false};
+  std::vector<double> norms;
+  auto losses = train_on_fixture_batch(*m, ac, 3e-4, 1.0, &norms);
+  auto expected = ref().at("losses_wd2d").to_vector<double>();
+  auto expected_norms = ref().at("grad_norms_wd2d").to_vector<double>();
+  for (int i = 0; i < 10; ++i) {
+    EXPECT_NEAR(losses[i], expected[i], 1e-5) << "step " << i;
+    EXPECT_NEAR(norms[i], expected_norms[i], 1e-4 * expected_norms[i]) << "step " << i;
+  }
+}
+
+TEST(Gpt2Files, LlmcRoundTripIsExactInFp32AndRoundedInBf16) {
+  auto m = tiny_model();
+  std::string p32 = ::testing::TempDir() + "/tiny32.bin", p16 = ::testing::TempDir() + "/tiny16.bin";
+  io::save_llmc_gpt2(p32, *m);
+  io::save_llmc_gpt2(p16, *m, true);
+  EXPECT_EQ(fs::file_size(p32), fs::file_size(test::fixture_path("gpt2_tiny.bin")));
+  EXPECT_EQ(fs::file_size(p16), 1024 + 2 * static_cast<uintmax_t>(m->num_parameters()));
+  nn::Transformer a(io::read_llmc_gpt2_config(p32)), b(io::read_llmc_gpt2_config(p16));
+  io::load_llmc_gpt2(p32, a);
+  io::load_llmc_gpt2(p16, b);
+  test::expect_close(a.params().flat_params(), m->params().flat_params(), 0, 0, "fp32 round trip");
+  test::expect_close(b.params().flat_params(), m->params().flat_params(), 1.0 / 256, 1e-30, "bf16 round trip");
+}
+
+TEST(Gpt2Files, CorruptModelFilesFailNamingTheFileAndTheMismatch) {
+  std::string good = test::fixture_path("gpt2_tiny.bin");
+  std::string bytes = io::read_file(good);
+  auto expect_error = [&](const std::string& content, const std::string& needle) {
+    std::string p = ::testing::TempDir() + "/bad.bin";
+    { std::ofstream(p, std::ios::binary) << content; }
+    try {
+      io::read_llmc_gpt2_config(p);
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error(bytes.substr(0, bytes.size() - 4), "needs 123392 bytes");  // truncated
+  std::string bad_magic = bytes;
+  bad_magic[0] = 1;
+  expect_error(bad_magic, "magic");
+  std::string bad_version = bytes;
+  bad_version[4] = 9;
+  expect_error(bad_version, "version 9");
+  expect_error("short", "1024-byte header");
+}
+
+TEST(Gpt2Files, HuggingFaceSafetensorsImportTransposesConv1dWeights) {
+  auto m = tiny_model();
+  // Write the model the way HuggingFace stores GPT-2: Conv1D weights as (in, out).
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (size_t i = 0; i < m->params().size(); ++i) {
+    std::string name = m->params().spec(i).name;
+    Tensor p = m->params()[i].detach();
+    bool conv = name.rfind("h.", 0) == 0 && name.find(".weight") != std::string::npos && name.find("ln_") == std::string::npos;
+    if (name == "wte") p = p.slice(0, 0, m->config().vocab_size);
+    if (name == "wte" || name == "wpe") name += ".weight";
+    tensors.emplace_back("transformer." + name, conv ? p.transpose(0, 1).contiguous() : p);
+  }
+  std::string path = ::testing::TempDir() + "/model.safetensors";
+  io::write_safetensors(path, tensors, {{"n_head", "4"}});
+  nn::TransformerConfig c = io::read_hf_gpt2_config(path);
+  EXPECT_EQ(c.n_layer, 2);
+  EXPECT_EQ(c.n_head, 4);
+  EXPECT_EQ(c.padded_vocab_size, 128);
+  nn::Transformer h(c);
+  io::load_hf_gpt2(path, h);
+  test::expect_close(h.params().flat_params(), m->params().flat_params(), 0, 0, "HF import");
+}
+
+// ---------------------------------------------------------------- trainer
+namespace {
+std::string write_random_shard(const std::string& name, int64_t n, int vocab, uint64_t seed) {
+  std::vector<int32_t> tokens(static_cast<size_t>(n));
+  Rng rng(seed);
+  for (auto& t : tokens) t = static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(vocab));
+  std::string path = ::testing::TempDir() + "/" + name;
+  data::write_token_shard(path, tokens, data::TokenWidth::U16);
+  return path;
+}
+
+train::TrainConfig tiny_config() {
+  train::TrainConfig c;
+  c.model_file = test::fixture_path("gpt2_tiny.bin");
+  c.train_data = write_random_shard("train.bin", 5000, 97, 1);
+  c.batch_size = 2;
+  c.seq_len = 16;
+  c.grad_accum = 2;
+  c.lr = 1e-3;
+  c.warmup_steps = 2;
+  c.quiet = true;
+  c.sample_every = -1;
+  c.sample_tokens = 0;
+  return c;
+}
+}  // namespace
+
+TEST(Trainer, ResumeIsBitExact) {
+  // An 8-step run that checkpoints at step 4; resuming from that checkpoint must
+  // reproduce steps 5..8 exactly (same losses and gradient norms, bit for bit).
+  train::TrainConfig c = tiny_config();
+  c.steps = 8;
+  c.save_every = 4;
+  c.out_dir = ::testing::TempDir() + "/ckpt";
+  fs::remove_all(c.out_dir);
+  auto full = train::run_training(c);
+  c.save_every = 0;
+  c.resume = c.out_dir + "/step_00000004";
+  auto resumed = train::run_training(c);
+  ASSERT_EQ(resumed.history.size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(resumed.history[i].loss, full.history[4 + i].loss) << "step " << 5 + i;  // exact, not near
+    EXPECT_EQ(resumed.history[i].grad_norm, full.history[4 + i].grad_norm) << "step " << 5 + i;
+  }
+}
+
+TEST(Trainer, LearningRateScheduleWarmsUpThenDecays) {
+  train::TrainConfig c;
+  c.lr = 1.0;
+  c.steps = 110;
+  c.warmup_steps = 10;
+  c.min_lr_frac = 0.1;
+  EXPECT_DOUBLE_EQ(train::learning_rate(c, 0), 0.1);
+  EXPECT_DOUBLE_EQ(train::learning_rate(c, 9), 1.0);
+  EXPECT_NEAR(train::learning_rate(c, 60), 0.55, 1e-12);
+  EXPECT_NEAR(train::learning_rate(c, 110), 0.1, 1e-12);
+  c.lr_schedule = "constant";
+  EXPECT_DOUBLE_EQ(train::learning_rate(c, 60), 1.0);
+}
+
+TEST(Trainer, BadFlagsFailWithTheFlagName) {
+  train::TrainConfig c = tiny_config();
+  c.steps = 1;
+  c.grad_accum = 0;
+  try {
+    train::run_training(c);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--grad-accum"), std::string::npos) << e.what();
+  }
+  c = tiny_config();
+  c.train_data = "/nonexistent/*.bin";
+  EXPECT_THROW(train::run_training(c), std::exception);
+}
+
+TEST(Trainer, LossFallsOnRepeatedData) {
+  train::TrainConfig c = tiny_config();
+  c.train_data = write_random_shard("small.bin", 2 * 16 * 2 + 1, 97, 7);  // one step's worth: memorizable
+  c.steps = 30;
+  c.lr = 3e-3;
+  auto r = train::run_training(c);
+  EXPECT_LT(r.history.back().loss, r.history.front().loss - 1.0);
+}
+
+// Issue 3, item 7: d2-sized model, many steps x microbatches under --sanitize strict:
+// live bytes at every step boundary identical, census empty, peak identical from step 2.
+TEST(Trainer, MemoryIsFlatAcrossStepsAndMicrobatchesUnderStrictSanitizer) {
+  const char* steps_env = std::getenv("TALLY_FLAT_STEPS");
+  const char* mb_env = std::getenv("TALLY_FLAT_MICROBATCHES");
+  train::TrainConfig c;
+  c.model = "d2";
+  c.train_data = write_random_shard("flat.bin", 20000, 50257, 3);
+  c.batch_size = 1;
+  c.seq_len = 8;
+  c.steps = steps_env ? std::atoll(steps_env) : 200;
+  c.grad_accum = mb_env ? std::atoll(mb_env) : 64;
+  c.sanitize = "strict";
+  c.quiet = true;
+  c.sample_every = -1;
+  c.sample_tokens = 0;
+  auto r = train::run_training(c);  // strict: any growth or surviving graph throws
+  int64_t live = -1, peak = -1;
+  size_t steps_seen = 0;
+  for (const auto& b : r.boundaries) {
+    EXPECT_EQ(b.live_nodes, 0u);
+    EXPECT_EQ(b.live_saved, 0u);
+    if (b.microbatch >= 0) continue;
+    ++steps_seen;
+    if (b.step < 1) continue;
+    if (live < 0) live = b.allocated, peak = b.peak_allocated;
+    ASSERT_EQ(b.allocated, live) << "step " << b.step;
+    ASSERT_EQ(b.peak_allocated, peak) << "step " << b.step;
+  }
+  EXPECT_EQ(steps_seen, static_cast<size_t>(c.steps));
+}
