@@ -1,0 +1,74 @@
+// Work W1 (../shared/docs/anchors.md): GPT-2 124M, batch 4, sequence 64, fp32, AdamW,
+// one training step, timed over several steps after warm-up. Prints one JSON line.
+//   bench_w1 [steps=10] [threads=2]
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "core/random.h"
+#include "memory/ledger.h"
+#include "nn/transformer.h"
+#include "ops/cpu/kernels.h"
+#include "ops/ops.h"
+#include "optim/adamw.h"
+
+using namespace tally;
+
+namespace {
+int64_t peak_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  return -1;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int steps = argc > 1 ? std::atoi(argv[1]) : 10;
+  const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
+  omp_set_num_threads(threads);
+  const int64_t B = 4, T = 64;
+  nn::Transformer model(nn::TransformerConfig::preset("gpt2"));
+  model.init_weights(1);
+  optim::AdamW opt(model.params(), optim::AdamWConfig{0.9, 0.999, 1e-8, 0.0, false});
+  Rng rng(2);
+  std::vector<int32_t> toks(B * T + 1);
+  for (auto& t : toks) t = static_cast<int32_t>(rng.next_u64() % 50257);
+  Tensor x = Tensor::from_vector(std::vector<int32_t>(toks.begin(), toks.end() - 1), {B, T});
+  Tensor y = Tensor::from_vector(std::vector<int32_t>(toks.begin() + 1, toks.end()), {B, T});
+  const double gemm_peak = ops::cpu::measured_gemm_peak_flops();
+
+  auto& ledger = memory::ledger();
+  int64_t predicted = 0;
+  std::vector<double> ms;
+  double loss_value = 0;
+  for (int s = 0; s < steps + 2; ++s) {
+    auto t0 = std::chrono::steady_clock::now();
+    Tensor loss = model.forward(x, y).loss;
+    if (s == 0) predicted = ledger.stats().allocated;
+    loss.backward();
+    loss_value = loss.item();
+    opt.step(1e-4, 1.0);
+    model.params().zero_grad();
+    double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (s >= 2) ms.push_back(dt);  // two warm-up steps (JIT, first-touch, cache fill)
+  }
+  std::sort(ms.begin(), ms.end());
+  const double median = ms[ms.size() / 2];
+  const double flops = model.flops_per_token(T) * B * T;
+  std::printf(
+      "{\"system\": \"tally\", \"ms_per_step\": %.1f, \"min_ms\": %.1f, \"tokens_per_s\": %.0f, \"gemm_peak_gflops\": %.0f, "
+      "\"pct_gemm_peak\": %.1f, \"peak_rss_bytes\": %lld, \"peak_allocated_bytes\": %lld, \"reserved_bytes\": %lld, "
+      "\"predicted_min_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d}\n",
+      median, ms.front(), B * T / (median / 1e3), gemm_peak / 1e9, 100.0 * flops / (median / 1e3) / gemm_peak,
+      static_cast<long long>(peak_rss_bytes()), static_cast<long long>(ledger.stats().peak_allocated),
+      static_cast<long long>(ledger.stats().reserved), static_cast<long long>(predicted),
+      static_cast<long long>(model.num_parameters()), loss_value, threads);
+  return 0;
+}

@@ -1,0 +1,71 @@
+#!/usr/bin/python3
+"""Work W1 in PyTorch (Debian's python3-torch): GPT-2 124M, B=4, T=64, fp32, AdamW, one
+training step, timed over several steps after two warm-up steps. Same model as tally's
+(pre-LN, tanh GELU, tied head, padded vocab 50304, loss over the first 50257 columns).
+Prints one JSON line.  usage: w1_torch.py [steps=10] [threads=2]"""
+import json, math, resource, sys, time
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+steps = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+torch.set_num_threads(threads)
+torch.manual_seed(0)
+V, Vp, L, H, C, maxT, B, T = 50257, 50304, 12, 12, 768, 1024, 4, 64
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.c_fc, self.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def forward(self, x):
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
+        # torch 1.13 has no fused SDPA; this is the standard eager formulation.
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // H)
+        att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        x = x + self.c_proj(y)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(Vp, C), nn.Embedding(maxT, C)
+        self.h = nn.ModuleList(Block() for _ in range(L))
+        self.ln_f = nn.LayerNorm(C)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(T))
+        for b in self.h:
+            x = b(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits[..., :V].reshape(-1, V), targets.reshape(-1))
+
+
+model = GPT()
+params = sum(p.numel() for p in model.parameters())
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+x = torch.randint(0, V, (B, T))
+y = torch.randint(0, V, (B, T))
+times = []
+for s in range(steps + 2):
+    t0 = time.perf_counter()
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    dt = (time.perf_counter() - t0) * 1e3
+    if s >= 2:
+        times.append(dt)
+times.sort()
+median = times[len(times) // 2]
+print(json.dumps({"system": "pytorch " + torch.__version__, "ms_per_step": round(median, 1), "min_ms": round(times[0], 1),
+                  "tokens_per_s": round(B * T / (median / 1e3)),
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "params": params, "loss": round(loss.item(), 4), "threads": threads}))
