@@ -1,0 +1,559 @@
+#include "data/tokenizer.h"
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <queue>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+#include "core/error.h"
+#include "data/unicode_tables.h"
+
+namespace tally::data {
+namespace {
+
+constexpr int32_t kLlmcTokenizerMagic = 20240328;
+constexpr int kLlmcHeaderInts = 256;
+constexpr int32_t kGpt2Eot = 50256;
+constexpr const char* kEotString = "<|endoftext|>";
+
+// Pieces longer than this are BPE'd on every call instead of cached: they are rare (long runs
+// of punctuation or digits) and would only bloat the cache.
+constexpr std::size_t kMaxCachedPieceBytes = 128;
+// The cache is dropped when it reaches this many entries, bounding memory on endless streams
+// of novel words (~100 MB worst case); English text needs far fewer.
+constexpr std::size_t kMaxCacheEntries = 1 << 20;
+// Pieces at least this long use the O(n log n) heap BPE; shorter ones the plain O(n^2) loop,
+// which is faster for the short words that make up nearly all text.
+constexpr std::size_t kHeapBpeMinBytes = 48;
+
+std::string read_file(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  TALLY_CHECK(in.good(), "cannot open ", what, " '", path, "': ", std::strerror(errno));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  TALLY_CHECK(!in.bad(), "error reading ", what, " '", path, "'");
+  return std::move(ss).str();
+}
+
+// Shortens arbitrary (possibly huge or binary-looking) file content for an error message.
+std::string excerpt(std::string_view s) {
+  constexpr std::size_t kMax = 60;
+  if (s.size() <= kMax) return std::string(s);
+  return std::string(s.substr(0, kMax)) + "...";
+}
+
+// ---------------------------------------------------------------------------------------------
+// UTF-8
+
+// Decodes one UTF-8 sequence at s[i]; returns its length, or 0 if it is not a valid, shortest
+// form encoding of a non-surrogate code point (the caller then treats one byte as a character).
+inline std::size_t decode_utf8(std::string_view s, std::size_t i, char32_t* cp) {
+  const auto b0 = static_cast<unsigned char>(s[i]);
+  if (b0 < 0x80) {
+    *cp = b0;
+    return 1;
+  }
+  std::size_t len;
+  char32_t c, min;
+  if ((b0 & 0xE0) == 0xC0) {
+    len = 2, c = b0 & 0x1F, min = 0x80;
+  } else if ((b0 & 0xF0) == 0xE0) {
+    len = 3, c = b0 & 0x0F, min = 0x800;
+  } else if ((b0 & 0xF8) == 0xF0) {
+    len = 4, c = b0 & 0x07, min = 0x10000;
+  } else {
+    return 0;
+  }
+  if (i + len > s.size()) return 0;
+  for (std::size_t k = 1; k < len; ++k) {
+    const auto b = static_cast<unsigned char>(s[i + k]);
+    if ((b & 0xC0) != 0x80) return 0;
+    c = (c << 6) | (b & 0x3F);
+  }
+  if (c < min || c > 0x10FFFF || (c >= 0xD800 && c <= 0xDFFF)) return 0;
+  *cp = c;
+  return len;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pre-tokenization: GPT-2's regex, by hand.
+//   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+
+enum class CharClass : uint8_t { kLetter, kNumber, kSpace, kOther };
+
+struct CharInfo {
+  std::size_t len;  // bytes
+  CharClass cls;
+};
+
+constexpr std::array<CharClass, 128> make_ascii_classes() {
+  std::array<CharClass, 128> t{};
+  for (int c = 0; c < 128; ++c) {
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'))
+      t[c] = CharClass::kLetter;
+    else if (c >= '0' && c <= '9')
+      t[c] = CharClass::kNumber;
+    else if (c == ' ' || (c >= 0x09 && c <= 0x0D))
+      t[c] = CharClass::kSpace;
+    else
+      t[c] = CharClass::kOther;
+  }
+  return t;
+}
+constexpr std::array<CharClass, 128> kAsciiClass = make_ascii_classes();
+
+inline CharInfo char_at(std::string_view s, std::size_t i) {
+  const auto b0 = static_cast<unsigned char>(s[i]);
+  if (b0 < 0x80) return {1, kAsciiClass[b0]};
+  char32_t cp;
+  const std::size_t len = decode_utf8(s, i, &cp);
+  // Invalid UTF-8 has no GPT-2 reference (encoder.py works on decoded str). Each bad byte is
+  // one character of the "other" class, as U+FFFD (a symbol) would be, and keeps its own bytes
+  // so that decode(encode(s)) == s.
+  if (len == 0) return {1, CharClass::kOther};
+  if (unicode::is_letter(cp)) return {len, CharClass::kLetter};
+  if (unicode::is_number(cp)) return {len, CharClass::kNumber};
+  if (unicode::is_white_space(cp)) return {len, CharClass::kSpace};
+  return {len, CharClass::kOther};
+}
+
+// Calls emit(piece) for each regex match, in order. The matches tile the whole text.
+template <class Emit>
+void split_gpt2(std::string_view text, Emit&& emit) {
+  const std::size_t n = text.size();
+  std::size_t i = 0;
+  while (i < n) {
+    // 's|'t|'re|'ve|'m|'ll|'d : tried first, so "'sup" splits as "'s" + "up" (as in GPT-2).
+    if (text[i] == '\'' && i + 1 < n) {
+      const char a = text[i + 1];
+      if (a == 's' || a == 't' || a == 'm' || a == 'd') {
+        emit(text.substr(i, 2));
+        i += 2;
+        continue;
+      }
+      if (i + 2 < n) {
+        const char b = text[i + 2];
+        if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) {
+          emit(text.substr(i, 3));
+          i += 3;
+          continue;
+        }
+      }
+    }
+    // " ?X+" for X in {letters, numbers, other}: an optional ASCII space, then a run of one
+    // class. The class is decided by the character after the space (if there is a space).
+    std::size_t j = (text[i] == ' ' && i + 1 < n) ? i + 1 : i;
+    CharInfo c = char_at(text, j);
+    if (c.cls != CharClass::kSpace) {
+      const CharClass cls = c.cls;
+      std::size_t k = j + c.len;
+      while (k < n) {
+        c = char_at(text, k);
+        if (c.cls != cls) break;
+        k += c.len;
+      }
+      emit(text.substr(i, k - i));
+      i = k;
+      continue;
+    }
+    // Whitespace at i (a ' ' followed by whitespace lands here too).
+    //   \s+(?!\S): the longest run that is not followed by a non-space: the whole run at the
+    //              end of the text, else the run minus its last character (which then becomes
+    //              the optional ' ' of the next piece, or a piece of its own);
+    //   \s+      : otherwise (a single whitespace character before a non-space).
+    std::size_t last = i;  // start of the last whitespace character seen
+    std::size_t k = i;
+    while (k < n) {
+      c = char_at(text, k);
+      if (c.cls != CharClass::kSpace) break;
+      last = k;
+      k += c.len;
+    }
+    const std::size_t end = (k == n || last == i) ? k : last;
+    emit(text.substr(i, end - i));
+    i = end;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// OpenAI's bytes_to_unicode(): printable Latin-1 bytes map to themselves, the other 68 bytes
+// to U+0100.. in byte order, so every token string in encoder.json / vocab.bpe is printable.
+
+struct ByteAlphabet {
+  std::array<char32_t, 256> byte_to_cp{};
+  std::array<int16_t, 512> cp_to_byte{};  // -1 if the code point encodes no byte
+  ByteAlphabet() {
+    cp_to_byte.fill(-1);
+    int next = 0;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE);
+      byte_to_cp[b] = printable ? b : 256 + next++;
+      cp_to_byte[byte_to_cp[b]] = static_cast<int16_t>(b);
+    }
+  }
+};
+const ByteAlphabet& byte_alphabet() {
+  static const ByteAlphabet a;
+  return a;
+}
+
+// Token string as written in encoder.json / vocab.bpe -> raw bytes. Returns false (and the
+// offending code point) if it uses a character outside the byte alphabet.
+bool unmap_token(std::string_view s, std::string* out, char32_t* bad) {
+  const ByteAlphabet& a = byte_alphabet();
+  out->clear();
+  for (std::size_t i = 0; i < s.size();) {
+    char32_t cp;
+    const std::size_t len = decode_utf8(s, i, &cp);
+    if (len == 0) {
+      *bad = static_cast<unsigned char>(s[i]);
+      return false;
+    }
+    if (cp >= a.cp_to_byte.size() || a.cp_to_byte[cp] < 0) {
+      *bad = cp;
+      return false;
+    }
+    out->push_back(static_cast<char>(a.cp_to_byte[cp]));
+    i += len;
+  }
+  return true;
+}
+
+std::string code_point_name(char32_t cp) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "U+%04X", static_cast<unsigned>(cp));
+  return buf;
+}
+
+inline uint64_t pair_key(int32_t a, int32_t b) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
+}
+
+// Heterogeneous lookup so the cache can be probed with a string_view without allocating.
+struct StringHash {
+  using is_transparent = void;
+  std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+struct Gpt2Tokenizer::Impl {
+  std::vector<std::string> id_to_bytes;
+  int32_t eot = kGpt2Eot;
+  bool can_encode = false;
+  std::string llmc_path;  // set by load_llmc, for the message of encode()
+
+  // Encoding tables (load() only).
+  std::array<int32_t, 256> byte_id{};
+  struct Merge {
+    int32_t rank;
+    int32_t id;  // id of the merged token
+  };
+  std::unordered_map<uint64_t, Merge> merges;
+
+  mutable std::mutex cache_mu;
+  mutable std::unordered_map<std::string, std::vector<int32_t>, StringHash, std::equal_to<>> cache;
+
+  // True when every merge's operands are single bytes or made only by lower-ranked merges (as
+  // BPE training guarantees; checked at load). Then no merge can create a pair that outranks
+  // the merge that created it, which makes bpe_heap() give the same result as bpe_simple().
+  bool ranks_well_ordered = false;
+
+  void bpe(std::string_view piece, std::vector<int32_t>& out) const {
+    if (piece.size() >= kHeapBpeMinBytes && ranks_well_ordered)
+      bpe_heap(piece, out);
+    else
+      bpe_simple(piece, out);
+  }
+
+  // BPE exactly as OpenAI's encoder.py: repeatedly take the adjacent pair with the lowest merge
+  // rank and merge every occurrence of it, left to right, until no adjacent pair has a rank.
+  // O(n^2) in the piece length.
+  void bpe_simple(std::string_view piece, std::vector<int32_t>& out) const {
+    std::vector<int32_t> word;
+    word.reserve(piece.size());
+    for (unsigned char b : piece) word.push_back(byte_id[b]);
+    std::vector<int32_t> next;
+    next.reserve(word.size());
+    while (word.size() > 1) {
+      int32_t best_rank = INT32_MAX, best_id = -1, first = -1, second = -1;
+      for (std::size_t i = 0; i + 1 < word.size(); ++i) {
+        const auto it = merges.find(pair_key(word[i], word[i + 1]));
+        if (it != merges.end() && it->second.rank < best_rank) {
+          best_rank = it->second.rank;
+          best_id = it->second.id;
+          first = word[i];
+          second = word[i + 1];
+        }
+      }
+      if (best_id < 0) break;
+      next.clear();
+      for (std::size_t i = 0; i < word.size();) {
+        if (i + 1 < word.size() && word[i] == first && word[i + 1] == second) {
+          next.push_back(best_id);
+          i += 2;
+        } else {
+          next.push_back(word[i]);
+          i += 1;
+        }
+      }
+      word.swap(next);
+    }
+    out.insert(out.end(), word.begin(), word.end());
+  }
+
+  // The same merges in O(n log n), for long pieces (a 100 KB run of letters, e.g. base64, takes
+  // seconds with bpe_simple). Symbols form a linked list; a min-heap holds candidate pairs keyed
+  // by (rank, position of the left symbol), so all occurrences of the lowest-ranked pair are
+  // merged left to right before any higher-ranked pair, as in bpe_simple. Entries made stale by
+  // an earlier merge are recognised when popped and skipped.
+  void bpe_heap(std::string_view piece, std::vector<int32_t>& out) const {
+    const auto n = static_cast<int32_t>(piece.size());
+    struct Sym {
+      int32_t id, prev, next;  // prev/next: neighbour indices, -1 at the ends; id -1: merged away
+    };
+    std::vector<Sym> sym(n);
+    for (int32_t i = 0; i < n; ++i) sym[i] = {byte_id[static_cast<unsigned char>(piece[i])], i - 1, i + 1 < n ? i + 1 : -1};
+    struct Cand {
+      int32_t rank, left, right;
+      bool operator>(const Cand& o) const { return rank != o.rank ? rank > o.rank : left > o.left; }
+    };
+    std::priority_queue<Cand, std::vector<Cand>, std::greater<Cand>> heap;
+    const auto push = [&](int32_t left) {
+      if (left < 0) return;
+      const int32_t right = sym[left].next;
+      if (right < 0) return;
+      const auto it = merges.find(pair_key(sym[left].id, sym[right].id));
+      if (it != merges.end()) heap.push({it->second.rank, left, right});
+    };
+    for (int32_t i = 0; i + 1 < n; ++i) push(i);
+    while (!heap.empty()) {
+      const Cand c = heap.top();
+      heap.pop();
+      if (sym[c.left].id < 0 || sym[c.left].next != c.right) continue;  // a neighbour changed
+      const auto it = merges.find(pair_key(sym[c.left].id, sym[c.right].id));
+      if (it == merges.end() || it->second.rank != c.rank) continue;    // a symbol changed
+      Sym& l = sym[c.left];
+      l.id = it->second.id;
+      l.next = sym[c.right].next;
+      if (l.next >= 0) sym[l.next].prev = c.left;
+      sym[c.right].id = -1;
+      push(l.prev);
+      push(c.left);
+    }
+    for (int32_t i = 0; i >= 0; i = sym[i].next) out.push_back(sym[i].id);
+  }
+
+  void encode_piece(std::string_view piece, std::vector<int32_t>& out) const {
+    if (piece.size() == 1) {  // single byte: no merge can apply
+      out.push_back(byte_id[static_cast<unsigned char>(piece[0])]);
+      return;
+    }
+    const bool cacheable = piece.size() <= kMaxCachedPieceBytes;
+    if (cacheable) {
+      std::lock_guard<std::mutex> lock(cache_mu);
+      const auto it = cache.find(piece);
+      if (it != cache.end()) {
+        out.insert(out.end(), it->second.begin(), it->second.end());
+        return;
+      }
+    }
+    const std::size_t start = out.size();
+    bpe(piece, out);
+    if (cacheable) {
+      std::vector<int32_t> ids(out.begin() + static_cast<std::ptrdiff_t>(start), out.end());
+      std::lock_guard<std::mutex> lock(cache_mu);
+      if (cache.size() >= kMaxCacheEntries) cache.clear();
+      cache.emplace(std::string(piece), std::move(ids));
+    }
+  }
+};
+
+Gpt2Tokenizer::Gpt2Tokenizer() : impl_(std::make_unique<Impl>()) {}
+Gpt2Tokenizer::Gpt2Tokenizer(Gpt2Tokenizer&&) noexcept = default;
+Gpt2Tokenizer& Gpt2Tokenizer::operator=(Gpt2Tokenizer&&) noexcept = default;
+Gpt2Tokenizer::~Gpt2Tokenizer() = default;
+
+Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& encoder_json_path, const std::string& vocab_bpe_path) {
+  Gpt2Tokenizer tok;
+  Impl& m = *tok.impl_;
+
+  // --- encoder.json: {"token string": id, ...}, ids dense in [0, N).
+  const std::string json_text = read_file(encoder_json_path, "GPT-2 encoder.json");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(json_text);
+  } catch (const nlohmann::json::parse_error& e) {
+    TALLY_FAIL("GPT-2 encoder.json '", encoder_json_path, "': invalid JSON: ", e.what());
+  }
+  TALLY_CHECK(j.is_object(), "GPT-2 encoder.json '", encoder_json_path,
+              "': expected a JSON object mapping token strings to ids, found a JSON ", j.type_name());
+  TALLY_CHECK(!j.empty(), "GPT-2 encoder.json '", encoder_json_path, "': expected token entries, found an empty object");
+  const std::size_t n = j.size();
+  m.id_to_bytes.assign(n, std::string());
+  std::vector<bool> seen(n, false);
+  std::unordered_map<std::string, int32_t> bytes_to_id;
+  bytes_to_id.reserve(n);
+  std::string bytes;
+  for (const auto& [key, value] : j.items()) {
+    TALLY_CHECK(value.is_number_integer(), "GPT-2 encoder.json '", encoder_json_path, "': token \"", excerpt(key),
+                "\" has value ", excerpt(value.dump()), ", expected an integer id");
+    const int64_t id = value.get<int64_t>();
+    TALLY_CHECK(id >= 0 && id < static_cast<int64_t>(n), "GPT-2 encoder.json '", encoder_json_path, "': token \"",
+                excerpt(key), "\" has id ", id, ", expected 0 <= id < ", n, " (the number of entries)");
+    TALLY_CHECK(!seen[id], "GPT-2 encoder.json '", encoder_json_path, "': id ", id,
+                " is used twice, expected each id in [0, ", n, ") exactly once");
+    seen[id] = true;
+    char32_t bad = 0;
+    TALLY_CHECK(unmap_token(key, &bytes, &bad), "GPT-2 encoder.json '", encoder_json_path, "': token \"", excerpt(key),
+                "\" contains ", code_point_name(bad), ", which is not in GPT-2's byte-to-unicode alphabet");
+    m.id_to_bytes[id] = bytes;
+    bytes_to_id.emplace(bytes, static_cast<int32_t>(id));
+  }
+  for (int b = 0; b < 256; ++b) {
+    const auto it = bytes_to_id.find(std::string(1, static_cast<char>(b)));
+    TALLY_CHECK(it != bytes_to_id.end(), "GPT-2 encoder.json '", encoder_json_path, "': expected a token for every byte, found none for byte ",
+                b, " (", code_point_name(byte_alphabet().byte_to_cp[b]), ")");
+    m.byte_id[b] = it->second;
+  }
+  const auto eot = bytes_to_id.find(kEotString);
+  TALLY_CHECK(eot != bytes_to_id.end(), "GPT-2 encoder.json '", encoder_json_path, "': expected a \"", kEotString,
+              "\" token, found none");
+  m.eot = eot->second;
+
+  // --- vocab.bpe: "#version: 0.2" then "a b" per line; the line order is the merge rank.
+  const std::string bpe_text = read_file(vocab_bpe_path, "GPT-2 vocab.bpe");
+  std::string_view rest(bpe_text);
+  int line_no = 0;
+  int32_t rank = 0;
+  std::unordered_map<uint64_t, int> merge_line;  // for duplicate-merge messages
+  std::string a_bytes, b_bytes;
+  while (!rest.empty()) {
+    const std::size_t eol = rest.find('\n');
+    const std::string_view line = rest.substr(0, eol);
+    rest = eol == std::string_view::npos ? std::string_view() : rest.substr(eol + 1);
+    ++line_no;
+    if (line_no == 1) {
+      TALLY_CHECK(line.substr(0, 8) == "#version", "GPT-2 vocab.bpe '", vocab_bpe_path,
+                  "': line 1: expected a '#version: ...' header, found '", excerpt(line), "'");
+      continue;
+    }
+    if (line.empty() && rest.empty()) break;  // the file's final newline
+    const std::size_t sp = line.find(' ');
+    TALLY_CHECK(sp != std::string_view::npos && sp > 0 && sp + 1 < line.size() &&
+                    line.find(' ', sp + 1) == std::string_view::npos,
+                "GPT-2 vocab.bpe '", vocab_bpe_path, "': line ", line_no,
+                ": expected a merge 'a b' (two tokens separated by one space), found '", excerpt(line), "'");
+    const std::string_view a = line.substr(0, sp), b = line.substr(sp + 1);
+    char32_t bad = 0;
+    TALLY_CHECK(unmap_token(a, &a_bytes, &bad) && unmap_token(b, &b_bytes, &bad), "GPT-2 vocab.bpe '", vocab_bpe_path,
+                "': line ", line_no, ": merge '", excerpt(line), "' contains ", code_point_name(bad),
+                ", which is not in GPT-2's byte-to-unicode alphabet");
+    const auto ia = bytes_to_id.find(a_bytes), ib = bytes_to_id.find(b_bytes), iab = bytes_to_id.find(a_bytes + b_bytes);
+    if (ia == bytes_to_id.end() || ib == bytes_to_id.end() || iab == bytes_to_id.end()) {
+      const std::string missing = ia == bytes_to_id.end()   ? std::string(a)
+                                  : ib == bytes_to_id.end() ? std::string(b)
+                                                            : std::string(a) + std::string(b);
+      TALLY_FAIL("GPT-2 vocab.bpe '", vocab_bpe_path, "': line ", line_no, ": merge '", excerpt(line), "': expected '",
+                 excerpt(missing), "' to be a token of encoder.json '", encoder_json_path, "', found it missing");
+    }
+    const uint64_t key = pair_key(ia->second, ib->second);
+    const auto [it, inserted] = merge_line.emplace(key, line_no);
+    TALLY_CHECK(inserted, "GPT-2 vocab.bpe '", vocab_bpe_path, "': line ", line_no, ": merge '", excerpt(line),
+                "' duplicates line ", it->second, ", expected each merge once");
+    m.merges.emplace(key, Impl::Merge{rank++, iab->second});
+  }
+  TALLY_CHECK(line_no >= 1, "GPT-2 vocab.bpe '", vocab_bpe_path, "': expected a '#version: ...' header, found an empty file");
+  // Check the property that lets long pieces use bpe_heap (see ranks_well_ordered).
+  std::vector<int32_t> last_made(n, -1);  // highest rank of a merge producing each token
+  for (const auto& [key, merge] : m.merges) last_made[merge.id] = std::max(last_made[merge.id], merge.rank);
+  m.ranks_well_ordered = true;
+  for (const auto& [key, merge] : m.merges) {
+    const auto a = static_cast<int32_t>(key >> 32), b = static_cast<int32_t>(key & 0xFFFFFFFFu);
+    if (last_made[a] >= merge.rank || last_made[b] >= merge.rank) m.ranks_well_ordered = false;
+  }
+  m.can_encode = true;
+  return tok;
+}
+
+Gpt2Tokenizer Gpt2Tokenizer::load_llmc(const std::string& path) {
+  Gpt2Tokenizer tok;
+  Impl& m = *tok.impl_;
+  m.llmc_path = path;
+  const std::string data = read_file(path, "llm.c tokenizer");
+  constexpr std::size_t kHeaderBytes = kLlmcHeaderInts * sizeof(int32_t);
+  TALLY_CHECK(data.size() >= kHeaderBytes, "llm.c tokenizer '", path, "': file is ", data.size(),
+              " bytes, expected at least ", kHeaderBytes, " (the 256 x int32 header)");
+  int32_t header[4];
+  std::memcpy(header, data.data(), sizeof header);
+  TALLY_CHECK(header[0] == kLlmcTokenizerMagic, "llm.c tokenizer '", path, "': bad magic ", header[0], ", expected ",
+              kLlmcTokenizerMagic);
+  TALLY_CHECK(header[1] == 1 || header[1] == 2, "llm.c tokenizer '", path, "': unsupported version ", header[1],
+              ", expected 1 or 2");
+  const int32_t vocab = header[2];
+  TALLY_CHECK(vocab > 0, "llm.c tokenizer '", path, "': vocab size ", vocab, ", expected > 0");
+  m.eot = header[1] == 1 ? kGpt2Eot : header[3];
+  TALLY_CHECK(m.eot >= 0 && m.eot < vocab, "llm.c tokenizer '", path, "': end-of-text id ", m.eot,
+              " is outside the vocabulary, expected 0 <= id < ", vocab);
+  m.id_to_bytes.resize(vocab);
+  std::size_t pos = kHeaderBytes;
+  for (int32_t id = 0; id < vocab; ++id) {
+    TALLY_CHECK(pos < data.size(), "llm.c tokenizer '", path, "': truncated: file is ", data.size(),
+                " bytes but header says ", vocab, " tokens; token ", id, " would start at byte ", pos);
+    const auto len = static_cast<unsigned char>(data[pos]);
+    TALLY_CHECK(len > 0, "llm.c tokenizer '", path, "': token ", id, " at byte ", pos, " has length 0, expected 1..255");
+    TALLY_CHECK(pos + 1 + len <= data.size(), "llm.c tokenizer '", path, "': truncated: token ", id, " needs bytes ",
+                pos + 1, "..", pos + len, " but the file is ", data.size(), " bytes");
+    m.id_to_bytes[id].assign(data, pos + 1, len);
+    pos += 1 + len;
+  }
+  TALLY_CHECK(pos == data.size(), "llm.c tokenizer '", path, "': file is ", data.size(), " bytes, expected ", pos,
+              " for ", vocab, " tokens (", data.size() - pos, " trailing bytes)");
+  m.can_encode = false;
+  return tok;
+}
+
+std::vector<int32_t> Gpt2Tokenizer::encode(std::string_view text) const {
+  const Impl& m = *impl_;
+  if (!m.can_encode)
+    throw std::logic_error("tally: Gpt2Tokenizer loaded from llm.c tokenizer '" + m.llmc_path +
+                           "' has no BPE merges and can only decode; load encoder.json + vocab.bpe to encode");
+  std::vector<int32_t> out;
+  out.reserve(text.size() / 3);
+  split_gpt2(text, [&](std::string_view piece) { m.encode_piece(piece, out); });
+  return out;
+}
+
+std::string Gpt2Tokenizer::decode_token(int32_t id) const {
+  const auto n = static_cast<int64_t>(impl_->id_to_bytes.size());
+  if (id < 0 || id >= n)
+    throw std::invalid_argument("tally: token id " + std::to_string(id) + " is out of range for a vocabulary of " +
+                                std::to_string(n) + " tokens (expected 0 <= id < " + std::to_string(n) + ")");
+  return impl_->id_to_bytes[id];
+}
+
+std::string Gpt2Tokenizer::decode(const std::vector<int32_t>& ids) const {
+  std::string out;
+  out.reserve(ids.size() * 4);
+  const auto n = static_cast<int64_t>(impl_->id_to_bytes.size());
+  for (int32_t id : ids) {
+    if (id < 0 || id >= n) decode_token(id);  // throws with the message
+    out += impl_->id_to_bytes[id];
+  }
+  return out;
+}
+
+int Gpt2Tokenizer::vocab_size() const { return static_cast<int>(impl_->id_to_bytes.size()); }
+int Gpt2Tokenizer::eot_id() const { return impl_->eot; }
+bool Gpt2Tokenizer::can_encode() const { return impl_->can_encode; }
+
+}  // namespace tally::data

