@@ -48,17 +48,29 @@ int main(int argc, char** argv) {
   int64_t predicted = 0;
   std::vector<double> ms;
   double loss_value = 0;
+  using clock = std::chrono::steady_clock;
+  auto since = [](clock::time_point t) { return std::chrono::duration<double, std::milli>(clock::now() - t).count(); };
+  double phase[4] = {0, 0, 0, 0};  // forward, backward, norm + AdamW, zero_grad (summed over timed steps)
   for (int s = 0; s < steps + 2; ++s) {
-    auto t0 = std::chrono::steady_clock::now();
+    auto t0 = clock::now();
     Tensor loss = model.forward(x, y).loss;
+    double t_fwd = since(t0);
     if (s == 0) predicted = ledger.stats().allocated;
     loss.backward();
     loss_value = loss.item();
-    opt.step(1e-4, 1.0);
-    model.params().zero_grad();
-    double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (s >= 2) ms.push_back(dt);  // two warm-up steps (JIT, first-touch, cache fill)
+    double t_bwd = since(t0);
+    double norm = ops::global_norm({model.params().flat_grads()});
+    opt.step(1e-4, optim::clip_scale(norm, 1.0), /*zero_grad=*/true);
+    double t_opt = since(t0);
+    double dt = since(t0);
+    if (s >= 2) {  // two warm-up steps (JIT, first-touch, cache fill)
+      ms.push_back(dt);
+      phase[0] += t_fwd, phase[1] += t_bwd - t_fwd, phase[2] += t_opt - t_bwd, phase[3] += dt - t_opt /* loss.item() etc. */;
+    }
   }
+  for (double& p : phase) p /= steps;
+  std::fprintf(stderr, "phases (mean ms): forward %.0f, backward %.0f, grad norm + AdamW (zeroing grads) %.0f, other %.0f\n", phase[0],
+               phase[1], phase[2], phase[3]);
   std::sort(ms.begin(), ms.end());
   const double median = ms[ms.size() / 2];
   const double flops = model.flops_per_token(T) * B * T;

@@ -49,6 +49,15 @@ class GPT(nn.Module):
 
 
 model = GPT()
+with torch.no_grad():  # GPT-2 initialization, as tally's (keeps the loss in the same range)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.zero_()
+        elif "ln_" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02 / math.sqrt(2 * L) if name.endswith(("c_proj.weight", "mlp_proj.weight")) else 0.02)
+    model.wte.weight[V:].zero_()
 params = sum(p.numel() for p in model.parameters())
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
 x = torch.randint(0, V, (B, T))

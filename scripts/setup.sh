@@ -24,7 +24,7 @@ packages=(
   nlohmann-json3-dev     # JSON (safetensors headers, logs, traces)
   libopenmpi-dev openmpi-bin   # multi-process CPU runs
 )
-[ "$want_torch" = 1 ] && packages+=(python3-torch python3-numpy)
+[ "$want_torch" = 1 ] && packages+=(python3-torch python3-numpy libopenblas0-pthread)  # torch on Debian falls back to the reference BLAS without OpenBLAS
 [ "$want_corpus" = 1 ] && packages+=(fortunes fortunes-min npm)
 
 missing=()

@@ -10,7 +10,7 @@ AdamW::AdamW(nn::ParameterStore& params, AdamWConfig config) : params_(params), 
   v_ = Tensor::zeros(p.shape(), p.dtype(), p.device(), memory::make_owner(memory::Category::OptimizerState, "adamw.v"));
 }
 
-void AdamW::step(double lr, double grad_scale) {
+void AdamW::step(double lr, double grad_scale, bool zero_grad) {
   ++t_;
   const float b1 = static_cast<float>(config_.beta1), b2 = static_cast<float>(config_.beta2);
   const double bc1 = 1.0 - std::pow(config_.beta1, static_cast<double>(t_));
@@ -20,7 +20,7 @@ void AdamW::step(double lr, double grad_scale) {
   const float eps = static_cast<float>(config_.eps);
   const float gs = static_cast<float>(grad_scale);
   float* p = params_.flat_params().data<float>();
-  const float* g = params_.flat_grads().data<float>();
+  float* g = params_.flat_grads().data<float>();
   float* m = m_.data<float>();
   float* v = v_.data<float>();
 #pragma omp parallel
@@ -36,9 +36,11 @@ void AdamW::step(double lr, double grad_scale) {
       m[j] = mj;
       v[j] = vj;
       p[j] = p[j] * keep - step_size * mj / (std::sqrt(vj) / bc2_sqrt + eps);
+      if (zero_grad) g[j] = 0.f;
     }
   }
   params_.flat_params().storage().bump_version();
+  if (zero_grad) params_.flat_grads().storage().bump_version();
 }
 
 double clip_scale(double norm, double max_norm) {

@@ -25,8 +25,9 @@ class AdamW {
   AdamW(nn::ParameterStore& params, AdamWConfig config);
 
   // One update with learning rate `lr`. grad_scale multiplies every gradient first
-  // (1 when not clipping). Returns nothing: metrics are computed by the caller.
-  void step(double lr, double grad_scale = 1.0);
+  // (1 when not clipping). With zero_grad, each gradient is zeroed in the same pass that
+  // reads it (saves a separate pass over the gradient block).
+  void step(double lr, double grad_scale = 1.0, bool zero_grad = false);
 
   int64_t steps_taken() const { return t_; }
   void set_steps_taken(int64_t t) { t_ = t; }

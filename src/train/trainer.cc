@@ -194,8 +194,7 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
     {
       autograd::NoGradGuard ng;
       memory::OwnerScope scope("optimizer");
-      opt.step(lr, optim::clip_scale(norm, c.grad_clip));
-      model->params().zero_grad();
+      opt.step(lr, optim::clip_scale(norm, c.grad_clip), /*zero_grad=*/true);
     }
     sanitizer.end_step();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

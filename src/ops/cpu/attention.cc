@@ -17,6 +17,7 @@
 
 #include "ops/cpu/kernels.h"
 #include "ops/cpu/strided.h"
+#include "ops/cpu/vec_math.h"
 
 namespace tally::ops::cpu {
 
@@ -69,7 +70,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
               m = std::max(m, p[j]);
             }
             T sum = 0;
-            for (int64_t j = 0; j <= t; ++j) sum += (p[j] = std::exp(p[j] - m));
+            for (int64_t j = 0; j <= t; ++j) sum += (p[j] = vexp(p[j] - m));
             const T inv = T(1) / sum;
             T* orow = po + ((b * g.T + t) * g.H + h) * g.D;
             for (int64_t d = 0; d < g.D; ++d) orow[d] = 0;
@@ -119,7 +120,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
               for (int64_t j = 0; j <= t; ++j) {
                 const T* krow = pk + b * g.kb + j * g.kt + kvh * g.kh;
                 const T* vrow = pv + b * g.vb + j * g.vt + kvh * g.vh;
-                p[j] = std::exp(scale * dot(qrow, krow, g.D) - l);
+                p[j] = vexp(scale * dot(qrow, krow, g.D) - l);
                 ds[j] = p[j] * (dot(dorow, vrow, g.D) - Dt);
               }
               T* dqrow = pdq + ((b * g.T + t) * g.H + h) * g.D;

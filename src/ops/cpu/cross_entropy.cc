@@ -5,6 +5,7 @@
 
 #include "ops/cpu/kernels.h"
 #include "ops/cpu/strided.h"
+#include "ops/cpu/vec_math.h"
 
 namespace tally::ops::cpu {
 
@@ -38,7 +39,7 @@ void cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor
       for (int64_t j = 1; j < V; ++j) m = std::max(m, row[j]);
       T s = 0;
 #pragma omp simd reduction(+ : s)
-      for (int64_t j = 0; j < V; ++j) s += std::exp(row[j] - m);
+      for (int64_t j = 0; j < V; ++j) s += vexp(row[j] - m);
       const T l = m + std::log(s);
       plse[n] = l;
       const int64_t t = target_at(targets, n);
@@ -67,7 +68,7 @@ void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const T
       }
       const T l = plse[n];
 #pragma omp simd
-      for (int64_t j = 0; j < V; ++j) d[j] = sc * std::exp(row[j] - l);
+      for (int64_t j = 0; j < V; ++j) d[j] = sc * vexp(row[j] - l);
       d[t] -= sc;
       for (int64_t j = V; j < Vp; ++j) d[j] = 0;
     }

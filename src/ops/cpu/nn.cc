@@ -8,6 +8,7 @@
 
 #include "ops/cpu/kernels.h"
 #include "ops/cpu/strided.h"
+#include "ops/cpu/vec_math.h"
 
 namespace tally::ops::cpu {
 
@@ -177,7 +178,7 @@ void gelu_forward(const Tensor& out, const Tensor& x) {
 #pragma omp parallel for simd schedule(static) if (n > (1 << 15))
     for (int64_t i = 0; i < n; ++i) {
       T v = px[i];
-      po[i] = T(0.5) * v * (T(1) + std::tanh(s * (v + T(0.044715) * v * v * v)));
+      po[i] = T(0.5) * v * (T(1) + vtanh(s * (v + T(0.044715) * v * v * v)));
     }
   });
 }
@@ -194,7 +195,7 @@ void gelu_backward(const Tensor& dx, const Tensor& dout, const Tensor& x) {
 #pragma omp parallel for simd schedule(static) if (n > (1 << 15))
     for (int64_t i = 0; i < n; ++i) {
       T v = px[i];
-      T t = std::tanh(s * (v + T(0.044715) * v * v * v));
+      T t = vtanh(s * (v + T(0.044715) * v * v * v));
       T local = T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * s * (T(1) + T(3) * T(0.044715) * v * v);
       pd[i] = pg[i] * local;
     }
@@ -215,7 +216,7 @@ void softmax_forward(const Tensor& out, const Tensor& x) {
       T m = row[0];
       for (int64_t c = 1; c < C; ++c) m = std::max(m, row[c]);
       T s = 0;
-      for (int64_t c = 0; c < C; ++c) s += (o[c] = std::exp(row[c] - m));
+      for (int64_t c = 0; c < C; ++c) s += (o[c] = vexp(row[c] - m));
       T inv = T(1) / s;
       for (int64_t c = 0; c < C; ++c) o[c] *= inv;
     }

@@ -1,0 +1,44 @@
+// exp and tanh that the compiler can vectorize. glibc's expf/tanhf are scalar calls
+// (their SIMD variants are only declared under -ffast-math), and GELU/softmax/cross-entropy
+// call them millions of times per step. fp32 uses the Cephes polynomial (max relative
+// error ~2 ulp); fp64 keeps the libm functions, which gradient checks rely on.
+#pragma once
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+namespace tally::ops::cpu {
+
+// exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n ln2 in [-ln2/2, ln2/2];
+// exp(r) by a degree-6 minimax polynomial; 2^n assembled in the exponent bits.
+inline float vexp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);  // (std::fmin/fmax are libm calls: no SIMD)
+  // Round to nearest by truncating x/ln2 +- 0.5 (std::floor blocks GCC's vectorizer).
+  const float t = x * 1.44269504088896341f;
+  const int32_t ni = static_cast<int32_t>(t + std::copysign(0.5f, t));
+  const float n = static_cast<float>(ni);
+  float r = x - n * 0.693359375f;  // ln2 split in two for an exact first product
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (ni + 127) << 23;
+  return p * std::bit_cast<float>(bits);
+}
+inline double vexp(double x) { return std::exp(x); }
+
+// tanh(x) = sign(x) (1 - 2 / (exp(2|x|) + 1)): absolute error ~1e-7, which is what GELU
+// needs (it uses tanh inside 0.5 x (1 + tanh(.))).
+inline float vtanh(float x) {
+  const float e = vexp(2.0f * std::fabs(x));
+  const float t = 1.0f - 2.0f / (e + 1.0f);
+  return std::copysign(t, x);
+}
+inline double vtanh(double x) { return std::tanh(x); }
+
+}  // namespace tally::ops::cpu
