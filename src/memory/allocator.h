@@ -67,7 +67,7 @@ class CpuAllocator final : public CachingAllocator {
 // The allocator of a device. CUDA devices exist only in builds with TALLY_CUDA.
 DeviceAllocator& allocator(Device device = Device::cpu());
 
-// Registers the allocator for a device kind (the CUDA backend calls this at startup).
-void register_allocator(DeviceType type, DeviceAllocator* (*factory)(int index));
+// Number of visible CUDA devices (0 in builds without TALLY_CUDA or without a GPU).
+int cuda_device_count();
 
 }  // namespace tally::memory

@@ -66,6 +66,7 @@ void copy(const Tensor& dst, const Tensor& src) {
 }
 
 void fill(const Tensor& dst, double value) {
+  TALLY_CHECK(dst.device().is_cpu(), "fill: CPU kernel got ", dst.str(), " on ", dst.device().str());
   std::array<Shape, 1> strides{dst.strides()};
   dispatch_all(dst.dtype(), [&](auto tag) {
     using T = decltype(tag);
