@@ -237,3 +237,14 @@ TEST(Ops, ShapeErrorsNameTheOperands) {
   EXPECT_THROW(ops::matmul(Tensor::zeros({2, 3}), Tensor::zeros({4, 5})), Error);
   EXPECT_THROW(ops::linear(Tensor::zeros({2, 3}), Tensor::zeros({5, 4})), Error);
 }
+
+TEST(Ops, Bf16MatmulThroughOneDnnMatchesFp32WithinBf16Rounding) {
+  // bf16 inputs are exact in fp32, so the only differences are the bf16 output rounding
+  // (relative 2^-8) and accumulation order: compare at 1/128 relative to the scale.
+  Tensor a = test::random_tensor({32, 64}, 40).to(DType::BF16), b = test::random_tensor({48, 64}, 41).to(DType::BF16);
+  Tensor ref = ops::matmul(a.to(DType::F32), b.to(DType::F32), false, true);
+  Tensor got = ops::matmul(a, b, false, true);
+  EXPECT_EQ(got.dtype(), DType::BF16);
+  test::Diff d = test::compare(got.to(DType::F32), ref);
+  EXPECT_LT(d.max_abs, d.ref_scale / 128) << d.max_abs << " vs scale " << d.ref_scale;
+}

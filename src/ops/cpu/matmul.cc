@@ -1,6 +1,7 @@
 // GEMM on CPU: fp32 through oneDNN's sgemm (JIT, AVX-512 where present, OpenMP
 // threads); fp64 (gradient checks only) through a plain blocked loop.
 #include <oneapi/dnnl/dnnl.h>
+#include <oneapi/dnnl/dnnl.hpp>
 
 #include <chrono>
 #include <cstring>
@@ -51,6 +52,32 @@ void naive_gemm(int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t ld
   }
 }
 
+// bf16 GEMM through oneDNN's matmul primitive (AMX / AVX-512 BF16 where the CPU has
+// them), fp32 accumulation, bf16 output. Strided operands are described as-is; oneDNN
+// caches the primitive per shape.
+void bf16_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c, float alpha, float beta) {
+  using dnnl::memory;
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  static dnnl::stream stream(engine);
+  auto desc = [](const Tensor& t, bool transpose) {
+    memory::dims dims = {t.shape()[0], t.shape()[1]}, strides = {t.strides()[0], t.strides()[1]};
+    if (transpose) std::swap(dims[0], dims[1]), std::swap(strides[0], strides[1]);
+    return memory::desc(dims, memory::data_type::bf16, strides);
+  };
+  memory::desc ad = desc(a, ta), bd = desc(b, tb), cd = desc(c, false);
+  dnnl::primitive_attr attr;
+  if (alpha != 1.f) attr.set_output_scales(0, {alpha});
+  if (beta != 0.f) {
+    dnnl::post_ops po;
+    po.append_sum(beta);
+    attr.set_post_ops(po);
+  }
+  dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), attr, engine);
+  memory am(ad, engine, a.raw_data()), bm(bd, engine, b.raw_data()), cm(cd, engine, c.raw_data());
+  dnnl::matmul(pd).execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  stream.wait();
+}
+
 }  // namespace
 
 void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c, float alpha,
@@ -71,6 +98,11 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
     if (beta == 0.f) fill(c, 0.0);
     return;
   }
+  if (c.dtype() == DType::BF16) {
+    bf16_gemm(a, transpose_a, b, transpose_b, c, alpha, beta);
+    c.storage().bump_version();
+    return;
+  }
   Operand oa = describe(a, transpose_a);
   Operand ob = describe(b, transpose_b);
   const int64_t ldc = std::max<int64_t>(N == 1 ? 1 : c.strides()[0], N);
@@ -87,7 +119,7 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
       naive_gemm<double>(M, N, K, alpha, oa.storage_view.data<double>(), oa.ld, oa.trans,
                          ob.storage_view.data<double>(), ob.ld, ob.trans, beta, c.data<double>(), ldc);
       break;
-    default: TALLY_FAIL("matmul: dtype ", dtype_name(c.dtype()), " is not supported on CPU (float32, float64)");
+    default: TALLY_FAIL("matmul: dtype ", dtype_name(c.dtype()), " is not supported on CPU (float32, bfloat16, float64)");
   }
   c.storage().bump_version();
 }
