@@ -158,6 +158,8 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
 
   std::unique_ptr<std::ofstream> json_log;
   if (!c.log_json.empty()) {
+    fs::path parent = fs::path(c.log_json).parent_path();
+    if (!parent.empty()) fs::create_directories(parent);
     json_log = std::make_unique<std::ofstream>(c.log_json, start_step > 0 ? std::ios::app : std::ios::trunc);
     TALLY_CHECK(json_log->good(), "--log-json: cannot write '", c.log_json, "'");
   }
@@ -258,6 +260,8 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
   }
   result.boundaries = sanitizer.boundaries();
   if (!c.mem_trace.empty()) {
+    fs::path parent = fs::path(c.mem_trace).parent_path();
+    if (!parent.empty()) fs::create_directories(parent);
     memory::write_chrome_trace(c.mem_trace, ledger.history());
     ledger.enable_history(false);
     ledger.clear_history();
