@@ -232,3 +232,14 @@ TEST(Checkpoint, GradientsEqualTheUncheckpointedRegion) {
   test::expect_close(x2.grad(), x1.grad(), 0, 0, "dx");
   test::expect_close(w.grad(), gw, 0, 0, "dw");
 }
+
+TEST(AutogradContract, SavedActivationsAreAccountedAsSavedOnlyWhileSaved) {
+  auto& L = memory::ledger();
+  const int saved = static_cast<int>(memory::Category::SavedForBackward);
+  int64_t before = L.stats().allocated_by_category[saved];
+  Tensor x = leaf({1, 2, 3, 4});
+  Tensor h = ops::gelu(x * 2.0);  // gelu saves its input, an activation of 4 doubles
+  EXPECT_EQ(L.stats().allocated_by_category[saved] - before, 32);
+  ops::sum(h).backward();
+  EXPECT_EQ(L.stats().allocated_by_category[saved], before);  // released: an activation again
+}

@@ -7,9 +7,17 @@ SavedTensor::SavedTensor(const Tensor& t) {
   // A detached alias: same storage and geometry, no grad_fn, no leaf state (R2).
   data_ = t.detach();
   version_ = t.storage().version();
-  // Activations kept for backward are accounted as such until they are released.
-  if (t.storage().owner().category == memory::Category::Activation)
-    t.storage().retag(memory::Category::SavedForBackward);
+  // Activations kept for backward are accounted as such while they are kept.
+  data_.storage().add_saver();
+}
+
+SavedTensor::SavedTensor(SavedTensor&& other) noexcept
+    : data_(std::move(other.data_)), version_(other.version_), with_graph_(std::move(other.with_graph_)) {
+  other.data_ = Tensor();
+}
+
+SavedTensor::~SavedTensor() {
+  if (data_.defined()) data_.storage().remove_saver();
 }
 
 Tensor SavedTensor::unpack(const char* op) const {

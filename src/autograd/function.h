@@ -38,6 +38,10 @@ class SavedTensor {
  public:
   SavedTensor() = default;
   explicit SavedTensor(const Tensor& t);
+  ~SavedTensor();
+  SavedTensor(SavedTensor&& other) noexcept;
+  SavedTensor& operator=(SavedTensor&&) = delete;
+  SavedTensor(const SavedTensor&) = delete;
   Tensor unpack(const char* op) const;
   const Tensor& data() const { return data_; }
   bool defined() const { return data_.defined(); }

@@ -49,6 +49,22 @@ void Storage::rename(const std::string& name) const {
   if (!released_) memory::ledger(device_).set_name(block_.id, name);
 }
 
+void Storage::add_saver() {
+  std::lock_guard<std::mutex> lock(views_mutex_);
+  if (savers_++ == 0 && !released_ && owner().category == memory::Category::Activation) {
+    retag(memory::Category::SavedForBackward);
+    retagged_by_save_ = true;
+  }
+}
+
+void Storage::remove_saver() {
+  std::lock_guard<std::mutex> lock(views_mutex_);
+  if (--savers_ == 0 && retagged_by_save_) {
+    retag(memory::Category::Activation);
+    retagged_by_save_ = false;
+  }
+}
+
 std::vector<const TensorImpl*> Storage::views() const {
   std::lock_guard<std::mutex> lock(views_mutex_);
   return views_;

@@ -48,6 +48,12 @@ class Storage {
   void retag(memory::Category category) const;
   void rename(const std::string& name) const;
 
+  // Saved-for-backward accounting: while any saved tensor refers to this storage, an
+  // activation is counted as saved_for_backward; when the last one goes, it is an
+  // activation again.
+  void add_saver();
+  void remove_saver();
+
   // Version counter, bumped by in-place writes; saved tensors check it in backward.
   uint64_t version() const { return version_.load(std::memory_order_relaxed); }
   void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }
@@ -63,6 +69,8 @@ class Storage {
   bool released_ = false;
   std::string released_by_;
   std::atomic<uint64_t> version_{0};
+  int savers_ = 0;
+  bool retagged_by_save_ = false;
   mutable std::mutex views_mutex_;
   std::vector<const TensorImpl*> views_;
 };
