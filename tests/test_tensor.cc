@@ -174,3 +174,20 @@ TEST(Ledger, ExportsChromeTraceWithCategoryCounters) {
   EXPECT_NE(text.find("\"workspace\":4194304"), std::string::npos) << text.substr(0, 400);
   L.clear_history();
 }
+
+TEST(Ledger, WritesASelfContainedHtmlReportWithPlotAndLargestOwners) {
+  auto& L = memory::ledger();
+  L.clear_history();
+  L.enable_history(true);
+  { Tensor t = Tensor::empty({1 << 18}, DType::F32, Device::cpu(), memory::make_owner(memory::Category::Activation, "h.0.mlp<fc>")); }
+  L.enable_history(false);
+  std::string path = ::testing::TempDir() + "/memory.html";
+  memory::write_html_report(path, L.history());
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(text.find("<svg"), std::string::npos);
+  EXPECT_NE(text.find("peak 1.00 MiB"), std::string::npos) << text.substr(0, 400);
+  EXPECT_NE(text.find("h.0.mlp&lt;fc>"), std::string::npos);  // owner names are escaped
+  EXPECT_EQ(text.find("<script"), std::string::npos);         // self-contained, nothing to run
+  L.clear_history();
+}

@@ -59,7 +59,7 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
   t->add_option("--resume", c.resume, "Resume from a checkpoint directory (or an --out-dir with 'latest')");
   t->add_option("--log-json", c.log_json, "Append one JSON object per step to this file");
   t->add_option("--sanitize", c.sanitize, "Memory sanitizer: off, warn or strict")->check(CLI::IsMember({"off", "warn", "strict"}))->capture_default_str();
-  t->add_option("--mem-trace", c.mem_trace, "Write a Perfetto/Chrome memory trace to this file");
+  t->add_option("--mem-trace", c.mem_trace, "Write the memory history: a Perfetto/Chrome trace (.json) or an HTML report with a plot (.html)");
   t->add_flag("--quiet", c.quiet, "Print nothing per step");
 }
 

@@ -103,6 +103,10 @@ Ledger& ledger(Device device = Device::cpu());
 void write_chrome_trace(const std::string& path, const std::vector<MemoryEvent>& events,
                         int64_t instant_min_bytes = 1 << 20);
 
+// Writes `events` as a self-contained HTML page: a plot of live bytes per category over
+// time (inline SVG, no scripts or network), the peak, and the largest allocations.
+void write_html_report(const std::string& path, const std::vector<MemoryEvent>& events);
+
 // Human-readable symbol for a return address (function name when available).
 std::string symbolize(void* address);
 

@@ -16,7 +16,7 @@ void AdamW::step(double lr, double grad_scale, bool zero_grad) {
   const double bc1 = 1.0 - std::pow(config_.beta1, static_cast<double>(t_));
   const double bc2 = 1.0 - std::pow(config_.beta2, static_cast<double>(t_));
   const float step_size = static_cast<float>(lr / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const float inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));  // one division per element, not two
   const float eps = static_cast<float>(config_.eps);
   const float gs = static_cast<float>(grad_scale);
   float* p = params_.flat_params().data<float>();
@@ -35,7 +35,7 @@ void AdamW::step(double lr, double grad_scale, bool zero_grad) {
       const float vj = b2 * v[j] + (1.f - b2) * gj * gj;
       m[j] = mj;
       v[j] = vj;
-      p[j] = p[j] * keep - step_size * mj / (std::sqrt(vj) / bc2_sqrt + eps);
+      p[j] = p[j] * keep - step_size * mj / (std::sqrt(vj) * inv_bc2_sqrt + eps);
       if (zero_grad) g[j] = 0.f;
     }
   }

@@ -214,10 +214,12 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
     m.peak_bytes = s.peak_allocated;
     m.reserved_bytes = s.reserved;
     m.predicted_min_bytes = predicted_min;
-    if (step == start_step) {
-      log("memory: predicted minimum %s (params+grads+adam %s, activations of one microbatch %s)\n",
-          format_bytes(predicted_min).c_str(), format_bytes(states_bytes).c_str(),
-          format_bytes(predicted_min - states_bytes).c_str());
+    if (step == start_step + 1 || (step == start_step && c.steps == start_step + 1)) {
+      // From the second step on the peak is the steady one (the first also builds caches).
+      log("memory: measured peak %s = predicted minimum %s (params+grads+adam %s, activations and data of one "
+          "microbatch %s) + transients %s\n",
+          format_bytes(m.peak_bytes).c_str(), format_bytes(predicted_min).c_str(), format_bytes(states_bytes).c_str(),
+          format_bytes(predicted_min - states_bytes).c_str(), format_bytes(m.peak_bytes - predicted_min).c_str());
     }
     log("step %5lld/%lld | loss %.4f | norm %.3f | lr %.2e | %.0f ms | %.1f%% of GEMM peak | %.0f tok/s | mem %s live, %s peak\n",
         static_cast<long long>(m.step), static_cast<long long>(c.steps), m.loss, m.grad_norm, m.lr, m.ms,
@@ -262,10 +264,13 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
   if (!c.mem_trace.empty()) {
     fs::path parent = fs::path(c.mem_trace).parent_path();
     if (!parent.empty()) fs::create_directories(parent);
-    memory::write_chrome_trace(c.mem_trace, ledger.history());
+    const bool html = c.mem_trace.size() > 5 && c.mem_trace.compare(c.mem_trace.size() - 5, 5, ".html") == 0;
+    if (html) memory::write_html_report(c.mem_trace, ledger.history());
+    else memory::write_chrome_trace(c.mem_trace, ledger.history());
     ledger.enable_history(false);
     ledger.clear_history();
-    log("memory trace written to %s (open in ui.perfetto.dev or chrome://tracing)\n", c.mem_trace.c_str());
+    log("memory %s written to %s\n", html ? "report" : "trace (open in ui.perfetto.dev or chrome://tracing)",
+        c.mem_trace.c_str());
   }
   return result;
 }
