@@ -135,12 +135,19 @@ TEST(AutogradContract, InteriorTensorCannotBecomeALeaf) {
 }
 
 TEST(AutogradContract, LeafHasNoGradFnAndOwnsItsGrad) {
+  // A parameter's gradient is a persistent Gradient allocation; any other leaf's is an
+  // activation (it must not hide from the step-boundary check).
+  Tensor w = Tensor::zeros({2}, DType::F64, Device::cpu(), memory::make_owner(memory::Category::Parameter, "w"));
+  w.set_name("w").set_requires_grad(true);
   Tensor x = leaf({1, 2});
   EXPECT_TRUE(x.is_leaf());
   EXPECT_EQ(x.grad_fn(), nullptr);
-  ops::sum(x * x).backward();
-  auto owner = memory::ledger().find(x.grad().storage().allocation_id()).owner;
-  EXPECT_EQ(owner.category, memory::Category::Gradient);
+  ops::sum(x * w).backward();
+  auto wg = memory::ledger().find(w.grad().storage().allocation_id()).owner;
+  EXPECT_EQ(wg.category, memory::Category::Gradient);
+  EXPECT_EQ(wg.name, "w.grad");
+  auto xg = memory::ledger().find(x.grad().storage().allocation_id()).owner;
+  EXPECT_EQ(xg.category, memory::Category::Activation);
 }
 
 // ---- R2: no owning back-edges
@@ -242,4 +249,23 @@ TEST(AutogradContract, SavedActivationsAreAccountedAsSavedOnlyWhileSaved) {
   EXPECT_EQ(L.stats().allocated_by_category[saved] - before, 32);
   ops::sum(h).backward();
   EXPECT_EQ(L.stats().allocated_by_category[saved], before);  // released: an activation again
+}
+
+TEST(Autograd, HookReturningAWrongShapeIsAnError) {
+  Tensor x = leaf({1, 2});
+  Tensor y = 2.0 * x;
+  y.register_hook([](const Tensor&) { return Tensor::zeros({3}, DType::F64); });
+  EXPECT_THROW(ops::sum(y).backward(), Error);
+}
+
+TEST(AutogradContract, HooksAreReleasedWithTheGraph) {
+  auto alive = std::make_shared<int>(0);
+  std::weak_ptr<int> watch = alive;
+  Tensor x = leaf({1, 2});
+  Tensor loss = ops::sum(2.0 * x);
+  Tensor y = loss;
+  y.register_hook([alive](const Tensor& g) { return g; });  // the hook captures state
+  alive.reset();
+  loss.backward();
+  EXPECT_TRUE(watch.expired()) << "a hook outlived the backward that ran it";
 }

@@ -248,3 +248,22 @@ TEST(Ops, Bf16MatmulThroughOneDnnMatchesFp32WithinBf16Rounding) {
   test::Diff d = test::compare(got.to(DType::F32), ref);
   EXPECT_LT(d.max_abs, d.ref_scale / 128) << d.max_abs << " vs scale " << d.ref_scale;
 }
+
+TEST(Ops, CrossEntropyWithRetainedGraphGivesTheSameGradientTwice) {
+  // The in-place gradient reuse of the logits must not happen when the graph is retained.
+  Tensor logits = test::random_tensor({4, 7}, 50);
+  logits.set_requires_grad(true);
+  Tensor targets = Tensor::from_vector<int64_t>({1, 2, 3, 4}, {4});
+  Tensor loss = ops::cross_entropy(ops::scale(logits, 1.0), targets);
+  loss.backward({}, true);
+  Tensor first = logits.grad().clone();
+  logits.zero_grad();
+  loss.backward();
+  test::expect_close(logits.grad(), first, 0, 0, "second backward");
+}
+
+TEST(Ops, GatherRejectsAnIndexLargerThanTheInput) {
+  Tensor x = test::random_tensor({2, 3}, 51);
+  Tensor index = Tensor::zeros({3, 1}, DType::I64);  // 3 rows > 2
+  EXPECT_THROW(ops::gather(x, 1, index), Error);
+}

@@ -17,6 +17,7 @@ const Tensor& saved_with_graph(const SavedTensor& s);  // function.cc
 
 namespace {
 bool g_cycle_check = false;
+thread_local bool t_retaining = false;
 
 // Per-node gradient buffer: one slot per forward output of the node.
 struct InputBuffer {
@@ -50,6 +51,7 @@ std::vector<Node*> successors(Node* n) {
 }  // namespace
 
 void set_cycle_check(bool enabled) { g_cycle_check = enabled; }
+bool graph_retained() { return t_retaining; }
 bool cycle_check_enabled() { return g_cycle_check; }
 
 std::vector<std::string> find_cycles(const std::vector<Tensor>& roots) {
@@ -108,6 +110,11 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_
       memory::report_issue(memory::IssueKind::Cycle, "reference cycle in the autograd graph: " + c);
   }
   NoGradGuard no_grad;  // backward formulas never record graphs (no double backward)
+  struct Retaining {
+    bool previous = t_retaining;
+    explicit Retaining(bool r) { t_retaining = r; }
+    ~Retaining() { t_retaining = previous; }
+  } retaining(retain_graph);
 
   // Seed the root edges.
   std::unordered_map<Node*, InputBuffer> buffers;
@@ -177,7 +184,11 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_
     for (const auto& [slot, hook] : node->pre_hooks()) {
       if (!grads[slot].defined()) continue;
       Tensor replaced = hook(grads[slot]);
-      if (replaced.defined()) grads[slot] = replaced;
+      if (!replaced.defined()) continue;
+      TALLY_CHECK(replaced.shape() == grads[slot].shape() && replaced.dtype() == grads[slot].dtype(),
+                  "a hook on output ", slot, " of '", node->name(), "' returned ", replaced.str(), " for a gradient ",
+                  grads[slot].str());
+      grads[slot] = replaced;
     }
     std::vector<Tensor> input_grads;
     bool any_grad = false;
@@ -202,7 +213,10 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_
     input_grads.clear();
     // Cut the traversed edges: a root kept alive after backward then holds only its own
     // emptied node, never the graph behind it.
-    if (!retain_graph) node->clear_edges();
+    if (!retain_graph) {
+      node->clear_edges();
+      node->clear_hooks();  // hooks are backward state too (R3): a hook capturing a tensor must not outlive it
+    }
   }
 }
 

@@ -17,6 +17,10 @@ namespace tally::autograd {
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_grads = {},
               bool retain_graph = false);
 
+// True while a backward that retains its graph is running (ops must then not overwrite
+// what they saved, since a later backward will read it again).
+bool graph_retained();
+
 // S3: searches node -> edge -> node and node -> saved tensor -> grad_fn links for
 // cycles. Returns one line per cycle ("a -> b -> a"), empty when the graph is a DAG.
 std::vector<std::string> find_cycles(const std::vector<Tensor>& roots);

@@ -102,6 +102,7 @@ template <class Fn> class FunctionNode final : public Node {
  public:
   FunctionNode(std::unique_ptr<typename Fn::Context> ctx, uint32_t num_outputs)
       : Node(num_outputs), ctx_(std::move(ctx)) {}
+  ~FunctionNode() override { unregister(); }
   const char* name() const override { return Fn::kName; }
   std::vector<Tensor> apply(std::vector<Tensor>&& grads) override {
     TALLY_CHECK(ctx_, "backward through '", Fn::kName,

@@ -50,8 +50,14 @@ Node::~Node() {
       if (e.node && e.node.use_count() == 1) pending.push_back(std::move(e.node));
     n->next_edges_.clear();
   }
+  unregister();
+}
+
+void Node::unregister() {
   std::lock_guard<std::mutex> lock(census().mutex);
+  if (!registered_) return;
   census().nodes.erase(this);
+  registered_ = false;
 }
 
 void Node::add_pre_hook(uint32_t output_nr, TensorHook hook) { pre_hooks_.emplace_back(output_nr, std::move(hook)); }
@@ -67,16 +73,22 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads) {
   TALLY_CHECK(state, "internal: AccumulateGrad for tensor ", leaf.str(), " which is no longer a leaf");
   for (const TensorHook& hook : state->hooks) {
     Tensor replaced = hook(grad);
-    if (replaced.defined()) grad = replaced;
+    if (!replaced.defined()) continue;
+    TALLY_CHECK(replaced.shape() == grad.shape() && replaced.dtype() == grad.dtype(), "a hook on ", leaf.str(),
+                " returned ", replaced.str(), " for a gradient ", grad.str());
+    grad = replaced;
   }
   TALLY_CHECK(grad.shape() == leaf.shape(), "gradient for ", leaf.str(), " has shape ", shape_str(grad.shape()),
               ", expected ", shape_str(leaf.shape()));
   NoGradGuard no_grad;
   if (!state->grad.defined()) {
     // The gradient lives as long as the leaf: a persistent allocation owned by it.
+    // A parameter's gradient lives as long as the parameter (persistent); the gradient of
+    // any other leaf (a detached input, a test tensor) is an ordinary activation.
     std::string name = leaf.name().empty() ? "grad" : leaf.name() + ".grad";
+    const bool of_parameter = leaf.storage().owner().category == memory::Category::Parameter;
     Tensor g = Tensor::empty(leaf.shape(), leaf.dtype(), leaf.device(),
-                             memory::make_owner(memory::Category::Gradient, name));
+                             memory::make_owner(of_parameter ? memory::Category::Gradient : memory::Category::Activation, name));
     g.copy_(grad);
     state->grad = g;
   } else {

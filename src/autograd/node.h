@@ -32,6 +32,9 @@ class Node {
  public:
   explicit Node(uint32_t num_outputs);
   virtual ~Node();
+  // Leaves the census; the most-derived destructor calls it first, so a concurrent census
+  // never sees a half-destroyed node. Idempotent.
+  void unregister();
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
 
@@ -49,6 +52,7 @@ class Node {
   std::vector<Edge>& next_edges() { return next_edges_; }
   const std::vector<Edge>& next_edges() const { return next_edges_; }
   void clear_edges() { next_edges_.clear(); }
+  void clear_hooks() { pre_hooks_.clear(); }
 
   uint64_t sequence_nr() const { return sequence_nr_; }
   int64_t birth_step() const { return birth_step_; }
@@ -67,6 +71,7 @@ class Node {
   int64_t birth_microbatch_;
   std::string module_path_;
   std::vector<std::pair<uint32_t, TensorHook>> pre_hooks_;
+  bool registered_ = true;
 };
 
 // Accumulates incoming gradients into a leaf's .grad. Holds the leaf weakly (R2): a
@@ -74,6 +79,7 @@ class Node {
 class AccumulateGrad final : public Node {
  public:
   explicit AccumulateGrad(const std::shared_ptr<TensorImpl>& leaf);
+  ~AccumulateGrad() override { unregister(); }
   const char* name() const override { return "AccumulateGrad"; }
   std::vector<Tensor> apply(std::vector<Tensor>&& grads) override;
   std::shared_ptr<TensorImpl> leaf() const { return leaf_.lock(); }

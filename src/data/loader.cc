@@ -28,6 +28,7 @@ const Batch& TokenLoader::batch_at(int64_t step, int64_t microbatch, int64_t mic
 
 const Batch& TokenLoader::batch_from(int64_t first_token) {
   const int64_t n = B_ * T_ + 1;
+  TALLY_CHECK(first_token >= 0, "data loader: negative token position ", first_token);
   int64_t pos = first_token % total_;
   int64_t filled = 0;
   while (filled < n) {

@@ -92,6 +92,8 @@ TrainingState load_checkpoint(const std::string& dir, nn::Transformer& model, op
   TALLY_CHECK(h.version == kStateVersion, "training state '", path, "': version ", h.version, ", expected ", kStateVersion);
   TALLY_CHECK(h.numel == opt.m().numel(), "training state '", path, "' has moments for ", h.numel,
               " parameters but the model has ", opt.m().numel());
+  TALLY_CHECK(h.step >= 0 && h.adam_steps >= 0, "training state '", path, "': negative step (", h.step,
+              ") or AdamW step count (", h.adam_steps, "): the file is corrupt");
   TALLY_CHECK(size == 1024 + 8 * h.numel, "training state '", path, "' is ", size, " bytes, expected ", 1024 + 8 * h.numel);
   in.read(static_cast<char*>(opt.m().raw_data()), h.numel * 4);
   in.read(static_cast<char*>(opt.v().raw_data()), h.numel * 4);

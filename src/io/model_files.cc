@@ -126,6 +126,9 @@ nn::TransformerConfig read_hf_gpt2_config(const std::string& path) {
   SafetensorsFile f = read_safetensors(path, memory::Category::Other);
   const Tensor& wte = f.at(hf_key(f, "wte.weight"));
   const Tensor& wpe = f.at(hf_key(f, "wpe.weight"));
+  TALLY_CHECK(wte.dim() == 2 && wpe.dim() == 2 && wte.shape()[1] == wpe.shape()[1], "HuggingFace GPT-2 file '", path,
+              "': wte.weight ", shape_str(wte.shape()), " and wpe.weight ", shape_str(wpe.shape()),
+              " must be 2-D with the same width");
   nn::TransformerConfig c;
   c.vocab_size = wte.shape()[0];
   c.padded_vocab_size = (c.vocab_size + 127) / 128 * 128;
@@ -135,11 +138,23 @@ nn::TransformerConfig read_hf_gpt2_config(const std::string& path) {
   while (f.has("h." + std::to_string(L) + ".ln_1.weight") || f.has("transformer.h." + std::to_string(L) + ".ln_1.weight")) ++L;
   TALLY_CHECK(L > 0, "HuggingFace GPT-2 file '", path, "': no layers (h.0.ln_1.weight) found");
   c.n_layer = L;
-  // Head count is not stored in the weights; GPT-2 uses 64-wide heads.
-  c.n_head = c.n_embd / 64;
-  c.n_kv_head = c.n_head;
+  // The head count is not in the weights. It is read from the metadata when present;
+  // otherwise GPT-2's 64-wide heads are assumed (true of gpt2, -medium, -large and -xl).
   auto it = f.metadata.find("n_head");
-  if (it != f.metadata.end()) c.n_head = c.n_kv_head = std::stoll(it->second);
+  if (it != f.metadata.end()) {
+    try {
+      c.n_head = std::stoll(it->second);
+    } catch (const std::exception&) {
+      TALLY_FAIL("HuggingFace GPT-2 file '", path, "': metadata n_head '", it->second, "' is not a number");
+    }
+  } else {
+    TALLY_CHECK(c.n_embd % 64 == 0, "HuggingFace GPT-2 file '", path, "': width ", c.n_embd,
+                " is not a multiple of GPT-2's 64-wide heads and the file has no n_head metadata");
+    c.n_head = c.n_embd / 64;
+  }
+  TALLY_CHECK(c.n_head > 0 && c.n_embd % c.n_head == 0, "HuggingFace GPT-2 file '", path, "': ", c.n_head,
+              " heads do not divide the width ", c.n_embd);
+  c.n_kv_head = c.n_head;
   return c;
 }
 

@@ -68,16 +68,27 @@ SafetensorsFile read_safetensors(const std::string& path, memory::Category categ
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string& name = it.key();
     if (name == "__metadata__") {
+      TALLY_CHECK(it->is_object(), "safetensors '", path, "': __metadata__ must be an object");
       for (auto m = it->begin(); m != it->end(); ++m)
         f.metadata[m.key()] = m->is_string() ? m->get<std::string>() : m->dump();
       continue;
     }
     const auto& e = it.value();
-    TALLY_CHECK(e.is_object() && e.contains("dtype") && e.contains("shape") && e.contains("data_offsets"),
-                "safetensors '", path, "': entry '", name, "' needs dtype, shape and data_offsets");
+    TALLY_CHECK(e.is_object() && e.contains("dtype") && e.contains("shape") && e.contains("data_offsets") &&
+                    e["dtype"].is_string() && e["shape"].is_array() && e["data_offsets"].is_array(),
+                "safetensors '", path, "': entry '", name,
+                "' needs a string dtype, an array shape and an array data_offsets");
     DType dt = parse_dtype(e["dtype"].get<std::string>(), path, name);
-    Shape shape = e["shape"].get<Shape>();
-    auto offs = e["data_offsets"].get<std::vector<int64_t>>();
+    Shape shape;
+    std::vector<int64_t> offs;
+    try {
+      shape = e["shape"].get<Shape>();
+      offs = e["data_offsets"].get<std::vector<int64_t>>();
+    } catch (const std::exception&) {
+      TALLY_FAIL("safetensors '", path, "': tensor '", name, "' has a non-integer shape or data_offsets");
+    }
+    for (int64_t d : shape)
+      TALLY_CHECK(d >= 0, "safetensors '", path, "': tensor '", name, "' has a negative dimension in ", shape_str(shape));
     TALLY_CHECK(offs.size() == 2 && offs[0] >= 0 && offs[1] >= offs[0] && offs[1] <= data_size, "safetensors '", path,
                 "': tensor '", name, "' has data_offsets outside the ", data_size, "-byte data section");
     const int64_t expected = shape_numel(shape) * static_cast<int64_t>(dtype_size(dt));

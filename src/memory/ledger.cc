@@ -106,6 +106,7 @@ void Ledger::retag(uint64_t id, Category category) {
   OwnerTag& owner = it->second.owner;
   if (owner.category == category) return;
   int64_t bytes = it->second.bytes;
+  const Category previous = owner.category;
   bool was_persistent = owner.is_persistent();
   stats_.allocated_by_category[static_cast<int>(owner.category)] -= bytes;
   owner.category = category;
@@ -115,6 +116,11 @@ void Ledger::retag(uint64_t id, Category category) {
   bool now_persistent = owner.is_persistent();
   if (was_persistent && !now_persistent) stats_.live_non_persistent += bytes;
   if (!was_persistent && now_persistent) stats_.live_non_persistent -= bytes;
+  if (history_enabled_) {  // a move between categories: -bytes from the old, +bytes to the new
+    const double t = now_us();
+    history_.push_back({t, -bytes, previous, owner.name, owner.step, owner.microbatch, {}, true});
+    history_.push_back({t, bytes, category, owner.name, owner.step, owner.microbatch, {}, true});
+  }
 }
 
 void Ledger::set_name(uint64_t id, const std::string& name) {
@@ -211,7 +217,7 @@ void write_chrome_trace(const std::string& path, const std::vector<MemoryEvent>&
     json args = json::object();
     for (int c = 0; c < kNumCategories; ++c) args[category_name(static_cast<Category>(c))] = current[c];
     trace_events.push_back({{"ph", "C"}, {"name", "memory"}, {"ts", ev.time_us}, {"pid", 0}, {"tid", 0}, {"args", args}});
-    if (ev.delta >= instant_min_bytes || -ev.delta >= instant_min_bytes) {
+    if (!ev.retag && (ev.delta >= instant_min_bytes || -ev.delta >= instant_min_bytes)) {
       json iargs = {{"bytes", ev.delta}, {"owner", ev.name}, {"category", category_name(ev.category)},
                     {"step", ev.step}, {"microbatch", ev.microbatch}};
       if (!ev.stack.empty()) {
@@ -280,7 +286,7 @@ void write_html_report(const std::string& path, const std::vector<MemoryEvent>& 
   // The largest allocations seen, with their owners.
   std::vector<const MemoryEvent*> allocs;
   for (const MemoryEvent& ev : events)
-    if (ev.delta > 0) allocs.push_back(&ev);
+    if (ev.delta > 0 && !ev.retag) allocs.push_back(&ev);
   std::sort(allocs.begin(), allocs.end(), [](auto* a, auto* b) { return a->delta > b->delta; });
   html += "<h2>Largest allocations</h2><table><tr><th>size</th><th>category</th><th>owner</th><th>step</th><th>microbatch</th></tr>";
   for (size_t i = 0; i < allocs.size() && i < 30; ++i) {

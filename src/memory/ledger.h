@@ -50,6 +50,7 @@ struct MemoryEvent {
   int64_t step = -1;
   int64_t microbatch = -1;
   std::vector<void*> stack;
+  bool retag = false;  // one half of a category change, not an allocation or a free
 };
 
 class Ledger {

@@ -1,5 +1,6 @@
 // Differentiable neural-network ops: embedding, layernorm, GELU, softmax, causal
 // attention and cross-entropy. The math of each is next to its kernel in ops/cpu.
+#include "autograd/engine.h"
 #include "ops/op_common.h"
 
 namespace tally::ops {
@@ -88,12 +89,15 @@ struct CrossEntropyFn {
     const double g = grads[0].item();
     // When this context holds the only reference to the logits (the model dropped its
     // own), the gradient overwrites them in place: one (N, V) buffer instead of two.
-    const bool sole_owner = logits.storage_ptr().use_count() == 1 && logits.storage().views().size() == 1;
+    // With a retained graph the logits will be read again: never overwrite them then.
+    const bool sole_owner = !autograd::graph_retained() && logits.storage_ptr().use_count() == 1 &&
+                            logits.storage().views().size() == 1;
     Tensor dlogits = sole_owner ? logits
                                 : Tensor::empty(logits.shape(), logits.dtype(), logits.device(),
                                                 memory::current_owner("cross_entropy_dlogits"));
     cpu::cross_entropy_backward(dlogits, logits, lse, targets, ctx.valid_vocab,
                                 g / static_cast<double>(std::max<int64_t>(ctx.count, 1)));
+    dlogits.storage().bump_version();
     return {dlogits, Tensor()};
   }
 };
@@ -120,6 +124,7 @@ Tensor embedding(const Tensor& weight, const Tensor& indices_in) {
 Tensor layernorm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, double eps) {
   detail::require_cpu("layernorm", {&x_in, &weight, &bias});
   const int64_t C = x_in.size(-1);
+  TALLY_CHECK(weight.defined(), "layernorm: a weight of shape (", C, ") is required");
   TALLY_CHECK(weight.dim() == 1 && weight.shape()[0] == C, "layernorm: weight ", weight.str(), " must be (", C, ") for input ", x_in.str());
   TALLY_CHECK(!bias.defined() || (bias.dim() == 1 && bias.shape()[0] == C), "layernorm: bias ", bias.str(), " must be (", C, ")");
   Tensor x = materialize(x_in);

@@ -360,6 +360,9 @@ Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
   detail::require_cpu("gather", {&x, &index});
   dim = wrap_dim(dim, x.dim());
   TALLY_CHECK(index.dim() == x.dim(), "gather: index ", index.str(), " must have the rank of ", x.str());
+  for (int64_t d = 0; d < x.dim(); ++d)
+    TALLY_CHECK(d == dim || index.shape()[d] <= x.shape()[d], "gather: index ", index.str(), " is larger than ", x.str(),
+                " in dimension ", d);
   Tensor out = new_output(index.shape(), x.dtype(), x.device(), "gather");
   cpu::gather(out, x, dim, index);
   if (autograd::needs_graph({x})) {

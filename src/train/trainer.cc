@@ -52,6 +52,10 @@ void validate(const TrainConfig& c) {
   TALLY_CHECK(c.min_lr_frac >= 0 && c.min_lr_frac <= 1, "--min-lr-frac must be in [0, 1], got ", c.min_lr_frac);
   TALLY_CHECK(c.beta1 >= 0 && c.beta1 < 1 && c.beta2 >= 0 && c.beta2 < 1, "--beta1/--beta2 must be in [0, 1)");
   TALLY_CHECK(c.eps > 0, "--eps must be positive");
+  TALLY_CHECK(c.warmup_steps >= 0, "--warmup-steps must be >= 0, got ", c.warmup_steps);
+  TALLY_CHECK(c.val_batches > 0, "--val-batches must be positive, got ", c.val_batches);
+  TALLY_CHECK(c.sample_tokens >= 0, "--sample-tokens must be >= 0, got ", c.sample_tokens);
+  TALLY_CHECK(c.temperature >= 0, "--temperature must be >= 0, got ", c.temperature);
   TALLY_CHECK(c.grad_clip >= 0, "--grad-clip must be >= 0 (0 = off)");
   TALLY_CHECK(c.weight_decay >= 0, "--weight-decay must be >= 0");
   TALLY_CHECK(c.model_file.empty() || c.init_from.empty(), "--model-file and --init-from are exclusive");
@@ -193,6 +197,9 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
     }
     const double norm = ops::global_norm({model->params().flat_grads()});
     const double lr = learning_rate(c, step);
+    // A non-finite loss or gradient would silently turn every parameter into NaN.
+    TALLY_CHECK(std::isfinite(loss_sum) && std::isfinite(norm), "step ", step + 1, ": loss ", loss_sum / N,
+                ", gradient norm ", norm, " is not finite; stopping before the update (try a lower --lr or --grad-clip)");
     {
       autograd::NoGradGuard ng;
       memory::OwnerScope scope("optimizer");

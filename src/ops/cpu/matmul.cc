@@ -105,7 +105,7 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
   }
   Operand oa = describe(a, transpose_a);
   Operand ob = describe(b, transpose_b);
-  const int64_t ldc = std::max<int64_t>(N == 1 ? 1 : c.strides()[0], N);
+  const int64_t ldc = std::max<int64_t>(c.strides()[0], N);
   switch (c.dtype()) {
     case DType::F32: {
       dnnl_status_t st = dnnl_sgemm(oa.trans ? 'T' : 'N', ob.trans ? 'T' : 'N', M, N, K, alpha,
