@@ -1,6 +1,8 @@
 #include "support.h"
 
 #include <cmath>
+#include <fstream>
+#include <sstream>
 
 #include "autograd/grad_mode.h"
 #include "ops/ops.h"
@@ -8,6 +10,19 @@
 namespace tally::test {
 
 std::string fixture_path(const std::string& name) { return std::string(TALLY_SOURCE_DIR) + "/tests/fixtures/" + name; }
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_all(const std::string& path, const std::string& data) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << data;
+  ASSERT_TRUE(out.good()) << "cannot write " << path;
+}
 
 Diff compare(const Tensor& actual, const Tensor& expected) {
   EXPECT_EQ(actual.shape(), expected.shape()) << actual.str() << " vs " << expected.str();

@@ -13,6 +13,10 @@ namespace tally::test {
 
 std::string fixture_path(const std::string& name);  // tests/fixtures/<name>
 
+// Whole-file helpers for tests that build (corrupt) files byte by byte.
+std::string read_all(const std::string& path);
+void write_all(const std::string& path, const std::string& data);
+
 // Largest |a - b| and the largest |b| (the reference's scale).
 struct Diff {
   double max_abs = 0;

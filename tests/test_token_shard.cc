@@ -1,6 +1,8 @@
 // Tests for llm.c token shards (write_token_shard / TokenShard) and expand_glob.
 #include <gtest/gtest.h>
 
+#include "support.h"
+
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -28,18 +30,8 @@ std::string scratch_dir() {
   return dir.string();
 }
 
-std::string read_all(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_all(const std::string& path, const std::string& data) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << data;
-  ASSERT_TRUE(out.good()) << "cannot write " << path;
-}
+using tally::test::read_all;
+using tally::test::write_all;
 
 std::string header(int32_t magic, int32_t version, int32_t ntok) {
   int32_t h[256] = {};

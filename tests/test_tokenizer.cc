@@ -7,6 +7,8 @@
 // are skipped. Loading and error handling are also tested on small files written here.
 #include <gtest/gtest.h>
 
+#include "support.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -36,18 +38,8 @@ std::string corpus_dir() {
   return env != nullptr && *env != '\0' ? env : std::string(TALLY_SOURCE_DIR) + "/data/corpus";
 }
 
-std::string read_all(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_all(const std::string& path, const std::string& data) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << data;
-  ASSERT_TRUE(out.good()) << "cannot write " << path;
-}
+using tally::test::read_all;
+using tally::test::write_all;
 
 // A fresh directory per test, under gtest's temp dir.
 std::string scratch_dir() {

@@ -37,6 +37,15 @@ void AtomicFile::commit() {
               "': ", std::strerror(errno));
 }
 
+std::ifstream open_input(const std::string& path, const char* what, int64_t* size) {
+  std::ifstream in(path, std::ios::binary);
+  TALLY_CHECK(in.good(), "cannot open ", what, " '", path, "'");
+  in.seekg(0, std::ios::end);
+  *size = in.tellg();
+  in.seekg(0);
+  return in;
+}
+
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   TALLY_CHECK(in.good(), "cannot open '", path, "'");

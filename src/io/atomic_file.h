@@ -1,7 +1,9 @@
 // Writes a file atomically: data goes to "<path>.tmp", is flushed and fsync'ed, then
 // renamed over <path>. A crash leaves either the old file or the new one, never half.
 #pragma once
+#include <cstdint>
 #include <cstdio>
+#include <fstream>
 #include <string>
 
 namespace tally::io {
@@ -24,5 +26,9 @@ class AtomicFile {
 
 // Reads a whole file; throws naming the path when it cannot.
 std::string read_file(const std::string& path);
+
+// Opens `path` for binary reading and reports its size; `what` names the kind of file in
+// the error ("safetensors file", "training state", ...).
+std::ifstream open_input(const std::string& path, const char* what, int64_t* size);
 
 }  // namespace tally::io

@@ -80,11 +80,8 @@ std::string resolve_checkpoint(const std::string& path) {
 TrainingState load_checkpoint(const std::string& dir, nn::Transformer& model, optim::AdamW& opt) {
   load_llmc_gpt2((fs::path(dir) / "model.bin").string(), model);
   const std::string path = (fs::path(dir) / "state.bin").string();
-  std::ifstream in(path, std::ios::binary);
-  TALLY_CHECK(in.good(), "cannot open training state '", path, "'");
-  in.seekg(0, std::ios::end);
-  const int64_t size = in.tellg();
-  in.seekg(0);
+  int64_t size = 0;
+  std::ifstream in = open_input(path, "training state", &size);
   TALLY_CHECK(size >= 1024, "training state '", path, "' is ", size, " bytes, shorter than its 1024-byte header");
   StateHeader h;
   in.read(reinterpret_cast<char*>(&h), sizeof h);

@@ -16,11 +16,9 @@ struct Header {
   int32_t ints[256];
 };
 
+// Opens an llm.c model file positioned after its header.
 Header read_header(const std::string& path, std::ifstream& in, int64_t* file_size) {
-  TALLY_CHECK(in.good(), "cannot open model file '", path, "'");
-  in.seekg(0, std::ios::end);
-  *file_size = in.tellg();
-  in.seekg(0);
+  in = open_input(path, "model file", file_size);
   TALLY_CHECK(*file_size >= 1024, "model file '", path, "' is ", *file_size, " bytes; an llm.c model needs a 1024-byte header");
   Header h;
   in.read(reinterpret_cast<char*>(h.ints), 1024);
@@ -35,7 +33,7 @@ int64_t layout_numel(const nn::TransformerConfig& c) {
 }  // namespace
 
 nn::TransformerConfig read_llmc_gpt2_config(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+  std::ifstream in;
   int64_t file_size = 0;
   Header h = read_header(path, in, &file_size);
   TALLY_CHECK(h.ints[0] == kGpt2Magic, "model file '", path, "': magic ", h.ints[0], ", expected ", kGpt2Magic,
@@ -67,7 +65,7 @@ void load_llmc_gpt2(const std::string& path, nn::Transformer& model) {
   TALLY_CHECK(c.n_layer == m.n_layer && c.n_embd == m.n_embd && c.n_head == m.n_head &&
                   c.padded_vocab_size == m.padded_vocab_size && c.max_seq_len == m.max_seq_len,
               "model file '", path, "' holds ", c.describe(), " but the model is ", m.describe());
-  std::ifstream in(path, std::ios::binary);
+  std::ifstream in;
   int64_t file_size = 0;
   Header h = read_header(path, in, &file_size);
   const Tensor& flat = model.params().flat_params();

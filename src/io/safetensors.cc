@@ -41,11 +41,8 @@ const Tensor& SafetensorsFile::at(const std::string& name) const {
 }
 
 SafetensorsFile read_safetensors(const std::string& path, memory::Category category) {
-  std::ifstream in(path, std::ios::binary);
-  TALLY_CHECK(in.good(), "cannot open safetensors file '", path, "'");
-  in.seekg(0, std::ios::end);
-  const int64_t file_size = in.tellg();
-  in.seekg(0);
+  int64_t file_size = 0;
+  std::ifstream in = open_input(path, "safetensors file", &file_size);
   TALLY_CHECK(file_size >= 8, "safetensors '", path, "': file is ", file_size, " bytes, too short for the 8-byte header length");
   uint64_t header_len = 0;
   in.read(reinterpret_cast<char*>(&header_len), 8);
