@@ -13,6 +13,16 @@ namespace tally::test {
 
 std::string fixture_path(const std::string& name);  // tests/fixtures/<name>
 
+// The exception message of fn(), or "" if it did not throw E.
+template <class E, class F> std::string message_of(F&& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // Whole-file helpers for tests that build (corrupt) files byte by byte.
 std::string read_all(const std::string& path);
 void write_all(const std::string& path, const std::string& data);

@@ -41,15 +41,7 @@ std::string header(int32_t magic, int32_t version, int32_t ntok) {
   return std::string(reinterpret_cast<const char*>(h), sizeof h);
 }
 
-template <class E, class F>
-std::string message_of(F&& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "";
-}
+using tally::test::message_of;
 
 // ---------------------------------------------------------------------------------------------
 

@@ -50,16 +50,7 @@ std::string scratch_dir() {
   return dir.string();
 }
 
-// The exception message of fn(), or "" if it did not throw E.
-template <class E, class F>
-std::string message_of(F&& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "";
-}
+using tally::test::message_of;
 
 // OpenAI's byte -> printable code point mapping, as UTF-8 (to write synthetic encoder.json).
 std::string byte_token(unsigned char b) {

@@ -16,12 +16,7 @@ inline Tensor new_output(const Shape& shape, DType dtype, Device device, const c
 
 // `t` itself when contiguous, otherwise a contiguous copy. Never records a graph: used
 // inside ops and backward formulas to feed kernels.
-inline Tensor materialize(const Tensor& t) {
-  if (!t.defined() || t.is_contiguous()) return t;
-  Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device(), memory::current_owner("contiguous"));
-  cpu::copy(c, t);
-  return c;
-}
+inline Tensor materialize(const Tensor& t) { return cpu::dense(t); }
 
 // CPU is the only backend whose kernels are linked in this build's op layer; CUDA tensors
 // are rejected with a clear message instead of being read from host code.

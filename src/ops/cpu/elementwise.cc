@@ -7,15 +7,12 @@
 
 namespace tally::ops::cpu {
 
-namespace {
-// `t` when contiguous, else a contiguous copy (kernels never record graphs).
 Tensor dense(const Tensor& t) {
-  if (t.is_contiguous()) return t;
+  if (!t.defined() || t.is_contiguous()) return t;
   Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device(), memory::current_owner("contiguous"));
   copy(c, t);
   return c;
 }
-}  // namespace
 
 Shape broadcast_strides(const Tensor& t, const Shape& shape) {
   Shape out(shape.size(), 0);

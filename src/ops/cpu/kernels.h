@@ -11,6 +11,8 @@ enum class BinaryOp { Add, Sub, Mul, Div };
 
 // ---- elementwise (elementwise.cc)
 void copy(const Tensor& dst, const Tensor& src);  // broadcasts src to dst's shape, converts dtype
+// `t` itself when contiguous (or undefined), else a contiguous copy. Records no graph.
+Tensor dense(const Tensor& t);
 void fill(const Tensor& dst, double value);
 void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b);  // out contiguous
 void affine(const Tensor& out, const Tensor& x, double alpha, double beta);     // out = alpha*x + beta
