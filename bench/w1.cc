@@ -11,9 +11,10 @@
 #include <vector>
 
 #include "core/random.h"
-#include "memory/ledger.h"
+#include "memory/report.h"
+#include "runtime/backend.h"
 #include "nn/transformer.h"
-#include "ops/cpu/kernels.h"
+#include "runtime/backend.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
 
@@ -42,9 +43,9 @@ int main(int argc, char** argv) {
   for (auto& t : toks) t = static_cast<int32_t>(rng.next_u64() % 50257);
   Tensor x = Tensor::from_vector(std::vector<int32_t>(toks.begin(), toks.end() - 1), {B, T});
   Tensor y = Tensor::from_vector(std::vector<int32_t>(toks.begin() + 1, toks.end()), {B, T});
-  const double gemm_peak = ops::cpu::measured_gemm_peak_flops();
+  const double gemm_peak = runtime::backend(Device::cpu()).measured_gemm_peak_flops();
 
-  auto& ledger = memory::ledger();
+  auto& ledger = runtime::ledger();
   int64_t predicted = 0;
   std::vector<double> ms;
   double loss_value = 0;

@@ -3,10 +3,12 @@
 #include <gtest/gtest.h>
 
 #include "autograd/checkpoint.h"
+#include "autograd/cycles.h"
 #include "autograd/engine.h"
 #include "autograd/function.h"
 #include "autograd/node.h"
 #include "ops/ops.h"
+#include "runtime/backend.h"
 #include "support.h"
 
 using namespace tally;
@@ -135,19 +137,21 @@ TEST(AutogradContract, InteriorTensorCannotBecomeALeaf) {
 }
 
 TEST(AutogradContract, LeafHasNoGradFnAndOwnsItsGrad) {
-  // A parameter's gradient is a persistent Gradient allocation; any other leaf's is an
-  // activation (it must not hide from the step-boundary check).
-  Tensor w = Tensor::zeros({2}, DType::F64, Device::cpu(), memory::make_owner(memory::Category::Parameter, "w"));
-  w.set_name("w").set_requires_grad(true);
+  // A registered parameter's gradient is a persistent Gradient allocation; any other
+  // leaf's is a non-persistent Gradient that must not hide from the boundary checks.
+  Tensor w = Tensor::zeros({2}, DType::F64, Device::cpu(), make_owner(Category::Parameter, "w"));
+  w.set_name("w").set_parameter();
   Tensor x = leaf({1, 2});
   EXPECT_TRUE(x.is_leaf());
   EXPECT_EQ(x.grad_fn(), nullptr);
   ops::sum(x * w).backward();
-  auto wg = memory::ledger().find(w.grad().storage().allocation_id()).owner;
-  EXPECT_EQ(wg.category, memory::Category::Gradient);
-  EXPECT_EQ(wg.name, "w.grad");
-  auto xg = memory::ledger().find(x.grad().storage().allocation_id()).owner;
-  EXPECT_EQ(xg.category, memory::Category::Activation);
+  auto wg = runtime::ledger().find(w.grad().storage().allocation_id()).owner;
+  EXPECT_EQ(wg.category, Category::Gradient);
+  EXPECT_TRUE(wg.is_persistent());
+  EXPECT_EQ(wg.name_str(), "w.grad");
+  auto xg = runtime::ledger().find(x.grad().storage().allocation_id()).owner;
+  EXPECT_EQ(xg.category, Category::Gradient);
+  EXPECT_FALSE(xg.is_persistent());
 }
 
 // ---- R2: no owning back-edges
@@ -191,7 +195,7 @@ Tensor fused_scale(const Tensor& x, double f, int64_t extra_elems) {
     auto ctx = std::make_unique<FusedScale::Context>();
     ctx->factor = f;
     ctx->extra = Tensor::zeros({extra_elems}, DType::F64, Device::cpu(),
-                               memory::make_owner(memory::Category::Workspace, "fused_scale.extra"));
+                               make_owner(Category::Workspace, "fused_scale.extra"));
     autograd::record<FusedScale>(std::move(ctx), {x}, {out});
   }
   return out;
@@ -205,14 +209,14 @@ TEST(AutogradContract, CustomFunctionRunsItsBackward) {
 }
 
 TEST(AutogradContract, ContextStateIsFreedRightAfterBackwardEvenWhileTheLossLives) {
-  auto& L = memory::ledger();
+  auto& L = runtime::ledger();
   Tensor x = leaf({1, 2});
-  int64_t before = L.stats().allocated_by_category[static_cast<int>(memory::Category::Workspace)];
+  int64_t before = L.stats().allocated_by_category[static_cast<int>(Category::Workspace)];
   Tensor loss = ops::sum(fused_scale(x, 3.0, 1 << 16));
-  EXPECT_EQ(L.stats().allocated_by_category[static_cast<int>(memory::Category::Workspace)] - before, 8 << 16);
+  EXPECT_EQ(L.stats().allocated_by_category[static_cast<int>(Category::Workspace)] - before, 8 << 16);
   loss.backward();
   // `loss` is still in scope; its graph's context (and the extra tensor) is already gone.
-  EXPECT_EQ(L.stats().allocated_by_category[static_cast<int>(memory::Category::Workspace)], before);
+  EXPECT_EQ(L.stats().allocated_by_category[static_cast<int>(Category::Workspace)], before);
 }
 
 TEST(AutogradContract, EdgesAreCutAfterBackwardSoAKeptRootHoldsOneNode) {
@@ -241,8 +245,8 @@ TEST(Checkpoint, GradientsEqualTheUncheckpointedRegion) {
 }
 
 TEST(AutogradContract, SavedActivationsAreAccountedAsSavedOnlyWhileSaved) {
-  auto& L = memory::ledger();
-  const int saved = static_cast<int>(memory::Category::SavedForBackward);
+  auto& L = runtime::ledger();
+  const int saved = static_cast<int>(Category::SavedForBackward);
   int64_t before = L.stats().allocated_by_category[saved];
   Tensor x = leaf({1, 2, 3, 4});
   Tensor h = ops::gelu(x * 2.0);  // gelu saves its input, an activation of 4 doubles

@@ -3,8 +3,9 @@
 #include <gtest/gtest.h>
 
 #include "core/tensor.h"
-#include "memory/allocator.h"
-#include "memory/ledger.h"
+#include "memory/caching_allocator.h"
+#include "memory/report.h"
+#include "runtime/backend.h"
 
 using namespace tally;
 
@@ -13,7 +14,7 @@ void require_gpu() {
 #ifndef TALLY_CUDA
   GTEST_SKIP() << "built without CUDA (-DTALLY_CUDA=OFF)";
 #else
-  if (memory::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible";
+  if (runtime::device_count(DeviceType::CUDA) == 0) GTEST_SKIP() << "no CUDA device visible";
 #endif
 }
 }  // namespace
@@ -21,13 +22,13 @@ void require_gpu() {
 TEST(CudaAllocator, TagsAndCountsGpuAllocations) {
   require_gpu();
   if (::testing::Test::IsSkipped()) return;
-  auto& L = memory::ledger(Device::cuda(0));
+  auto& L = runtime::ledger(Device::cuda(0));
   int64_t before = L.stats().allocated;
   {
     Tensor t = Tensor::empty({1 << 20}, DType::F32, Device::cuda(0),
-                             memory::make_owner(memory::Category::Activation, "gpu.test"));
+                             make_owner(Category::Activation, "gpu.test"));
     EXPECT_EQ(L.stats().allocated - before, 4 << 20);
-    EXPECT_EQ(L.find(t.storage().allocation_id()).owner.name, "gpu.test");
+    EXPECT_EQ(L.find(t.storage().allocation_id()).owner.name_str(), "gpu.test");
   }
   EXPECT_EQ(L.stats().allocated, before);
   { Tensor t = Tensor::empty({1 << 20}, DType::F32, Device::cuda(0)); }

@@ -10,6 +10,7 @@ struct CheckpointFn {
   static constexpr const char* kName = "checkpoint";
   struct Context : autograd::Context {  // saved: the region's inputs
     Region region;
+    bool inputs_are_edges = false;  // recorded with the inputs (not as a source)
   };
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     std::vector<Tensor> detached;
@@ -26,7 +27,8 @@ struct CheckpointFn {
       } restore;
       out = ctx.region(detached);
     }
-    std::vector<Tensor> input_grads(detached.size());
+    // One gradient per edge: none when the node was recorded as a source.
+    std::vector<Tensor> input_grads(ctx.inputs_are_edges ? detached.size() : 0);
     if (out.requires_grad()) {
       autograd::backward({out}, {grads[0]});
       for (size_t i = 0; i < detached.size(); ++i)
@@ -50,7 +52,8 @@ Tensor checkpoint(const Region& region, const std::vector<Tensor>& inputs) {
     ctx->region = region;
     ctx->save_for_backward(inputs);
     // Parameters inside the region need the node even when no input requires grad.
-    if (needs_graph(inputs)) record<CheckpointFn>(std::move(ctx), inputs, {result});
+    ctx->inputs_are_edges = needs_graph(inputs);
+    if (ctx->inputs_are_edges) record<CheckpointFn>(std::move(ctx), inputs, {result});
     else record_source<CheckpointFn>(std::move(ctx), {result});
   }
   return result;

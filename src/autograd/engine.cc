@@ -1,6 +1,7 @@
 #include "autograd/engine.h"
 
 #include <algorithm>
+#include <mutex>
 #include <queue>
 #include <unordered_map>
 #include <unordered_set>
@@ -8,128 +9,109 @@
 #include "autograd/function.h"
 #include "autograd/grad_mode.h"
 #include "autograd/node.h"
-#include "memory/sanitizer.h"
-#include "ops/ops.h"
+#include "autograd/observer.h"
+#include "runtime/backend.h"
 
 namespace tally::autograd {
 
-const Tensor& saved_with_graph(const SavedTensor& s);  // function.cc
+// ---------------------------------------------------------------- observers
 
 namespace {
-bool g_cycle_check = false;
-thread_local bool t_retaining = false;
+struct Observers {
+  std::mutex mutex;
+  std::vector<EngineObserver*> list;
+};
+Observers& observers() {
+  static auto* o = new Observers();  // never destroyed
+  return *o;
+}
+}  // namespace
+
+ObserverRegistration::ObserverRegistration(EngineObserver& observer) : observer_(&observer) {
+  std::lock_guard<std::mutex> lock(observers().mutex);
+  observers().list.push_back(observer_);
+}
+
+ObserverRegistration::~ObserverRegistration() {
+  std::lock_guard<std::mutex> lock(observers().mutex);
+  std::erase(observers().list, observer_);
+}
+
+std::vector<EngineObserver*> engine_observers() {
+  std::lock_guard<std::mutex> lock(observers().mutex);
+  return observers().list;
+}
+
+// ---------------------------------------------------------------- the engine
+
+namespace {
 
 // Per-node gradient buffer: one slot per forward output of the node.
 struct InputBuffer {
   std::vector<Tensor> grads;
 };
 
+// Adds `grad` into slot `slot` (out of place: the slot may alias a tensor the user holds).
 void accumulate_into(InputBuffer& buf, uint32_t slot, const Tensor& grad) {
   Tensor& cur = buf.grads[slot];
   if (!cur.defined()) {
     cur = grad;
-  } else {
-    cur = ops::add(cur, grad);  // out of place: `cur` may alias a tensor the user holds
+    return;
   }
+  Tensor sum = Tensor::empty(cur.shape(), cur.dtype(), cur.device(), current_owner("grad_sum"));
+  runtime::backend(cur.device()).binary(runtime::BinaryOp::Add, sum, cur, grad);
+  cur = sum;
 }
 
-// The nodes a node links to: its next edges, plus (only in the buggy pattern the
-// testing hook reintroduces) the grad_fn of a tensor its context saved with its graph.
-std::vector<Node*> successors(Node* n) {
-  std::vector<Node*> out;
-  for (const Edge& e : n->next_edges())
-    if (e.node) out.push_back(e.node.get());
-  if (const Context* ctx = n->context()) {
-    for (const SavedTensor& s : ctx->saved_tensors()) {
-      const Tensor& t = saved_with_graph(s);
-      if (t.defined())
-        if (auto fn = t.grad_fn()) out.push_back(fn.get());
-    }
-  }
-  return out;
+std::string describe(const TensorMeta& m) {
+  return std::string(dtype_name(m.dtype)) + shape_str(m.shape) + " on " + m.device.str();
 }
+
+// A gradient must match the input it is for exactly: no silent broadcasting.
+void validate(const Node& node, size_t input, const Tensor& grad, const TensorMeta& meta) {
+  if (grad.shape() == meta.shape && grad.dtype() == meta.dtype && grad.device() == meta.device) return;
+  TALLY_FAIL("the backward of '", node.name(), "'",
+             node.module_path().empty() ? std::string() : " [" + node.module_path() + "]", " returned a gradient ",
+             dtype_name(grad.dtype()), shape_str(grad.shape()), " on ", grad.device().str(), " for its input ", input,
+             ", which is ", describe(meta), " (a Function's gradient must have its input's shape, dtype and device)");
+}
+
+// Tells the observers the backward ended, however it ends.
+struct EndNotice {
+  const std::vector<EngineObserver*>& observers;
+  ~EndNotice() {
+    for (EngineObserver* o : observers) o->backward_ends();
+  }
+};
+
 }  // namespace
-
-void set_cycle_check(bool enabled) { g_cycle_check = enabled; }
-bool graph_retained() { return t_retaining; }
-bool cycle_check_enabled() { return g_cycle_check; }
-
-std::vector<std::string> find_cycles(const std::vector<Tensor>& roots) {
-  // Iterative three-colour DFS; a grey successor closes a cycle.
-  enum Colour { White, Grey, Black };
-  std::unordered_map<Node*, Colour> colour;
-  std::vector<std::string> cycles;
-  for (const Tensor& r : roots) {
-    if (!r.defined() || !r.grad_fn()) continue;
-    Node* start = r.grad_fn().get();
-    if (colour[start] != White) continue;
-    struct Frame {
-      Node* node;
-      std::vector<Node*> succ;
-      size_t next = 0;
-    };
-    std::vector<Frame> stack;
-    stack.push_back({start, successors(start)});
-    colour[start] = Grey;
-    while (!stack.empty()) {
-      Frame& f = stack.back();
-      if (f.next == f.succ.size()) {
-        colour[f.node] = Black;
-        stack.pop_back();
-        continue;
-      }
-      Node* s = f.succ[f.next++];
-      Colour c = colour[s];
-      if (c == Grey) {
-        std::string line;
-        bool in_cycle = false;
-        for (const Frame& g : stack) {
-          if (g.node == s) in_cycle = true;
-          if (in_cycle) {
-            line += g.node->name();
-            if (!g.node->module_path().empty()) line += "[" + g.node->module_path() + "]";
-            line += " -> ";
-          }
-        }
-        line += s->name();
-        cycles.push_back(line);
-      } else if (c == White) {
-        colour[s] = Grey;
-        stack.push_back({s, successors(s)});
-      }
-    }
-  }
-  return cycles;
-}
 
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_grads, bool retain_graph) {
   TALLY_CHECK(root_grads.empty() || root_grads.size() == roots.size(), "backward: ", roots.size(), " roots but ",
               root_grads.size(), " gradients");
-  if (g_cycle_check) {
-    for (const std::string& c : find_cycles(roots))
-      memory::report_issue(memory::IssueKind::Cycle, "reference cycle in the autograd graph: " + c);
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const Tensor& r = roots[i];
+    TALLY_CHECK(r.defined() && r.requires_grad(), "backward: root ", i, " (", r.defined() ? r.str() : "undefined",
+                ") does not require grad; nothing to differentiate");
   }
+  const std::vector<EngineObserver*> watching = engine_observers();
+  for (EngineObserver* o : watching) o->backward_begins(roots);
+  EndNotice end_notice{watching};
   NoGradGuard no_grad;  // backward formulas never record graphs (no double backward)
-  struct Retaining {
-    bool previous = t_retaining;
-    explicit Retaining(bool r) { t_retaining = r; }
-    ~Retaining() { t_retaining = previous; }
-  } retaining(retain_graph);
 
   // Seed the root edges.
   std::unordered_map<Node*, InputBuffer> buffers;
   std::vector<std::shared_ptr<Node>> root_nodes;
   for (size_t i = 0; i < roots.size(); ++i) {
     const Tensor& r = roots[i];
-    TALLY_CHECK(r.defined() && r.requires_grad(), "backward: root ", i, " (", r.defined() ? r.str() : "undefined",
-                ") does not require grad; nothing to differentiate");
     Tensor g = i < root_grads.size() && root_grads[i].defined() ? root_grads[i] : Tensor();
     if (!g.defined()) {
-      TALLY_CHECK(r.numel() == 1, "backward: root ", r.str(),
-                  " is not a scalar; pass its gradient explicitly");
+      TALLY_CHECK(r.numel() == 1, "backward: root ", r.str(), " is not a scalar; pass its gradient explicitly");
       g = Tensor::ones(r.shape(), r.dtype(), r.device());
     }
-    TALLY_CHECK(g.shape() == r.shape(), "backward: gradient for root ", r.str(), " has shape ", shape_str(g.shape()));
+    TALLY_CHECK(g.shape() == r.shape() && g.dtype() == r.dtype() && g.device() == r.device(), "backward: gradient ",
+                g.str(), " on ", g.device().str(), " for root ", r.str(), " on ", r.device().str(),
+                " (it must have the root's shape, dtype and device)");
     Edge e = gradient_edge(r);
     auto& buf = buffers[e.node.get()];
     buf.grads.resize(e.node->num_outputs());
@@ -181,11 +163,13 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_
       }
     }
     grads.resize(node->num_outputs());
-    for (const auto& [slot, hook] : node->pre_hooks()) {
-      if (!grads[slot].defined()) continue;
-      Tensor replaced = hook(grads[slot]);
+    for (const auto& entry : node->pre_hooks()) {
+      const uint32_t slot = entry->output_nr;
+      if (!entry->hook || slot >= grads.size() || !grads[slot].defined()) continue;
+      Tensor replaced = (*entry->hook)(grads[slot]);
       if (!replaced.defined()) continue;
-      TALLY_CHECK(replaced.shape() == grads[slot].shape() && replaced.dtype() == grads[slot].dtype(),
+      TALLY_CHECK(replaced.shape() == grads[slot].shape() && replaced.dtype() == grads[slot].dtype() &&
+                      replaced.device() == grads[slot].device(),
                   "a hook on output ", slot, " of '", node->name(), "' returned ", replaced.str(), " for a gradient ",
                   grads[slot].str());
       grads[slot] = replaced;
@@ -194,16 +178,19 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_
     bool any_grad = false;
     for (const Tensor& g : grads) any_grad = any_grad || g.defined();
     if (any_grad) {  // a node no gradient reached contributes nothing; skip its backward
-      memory::OwnerScope scope(node->module_path().empty() ? std::string("backward") : node->module_path());
-      input_grads = node->apply(std::move(grads));
+      OwnerScope scope(node->module_path().empty() ? std::string_view("backward") : node->module_path());
+      input_grads = node->apply(std::move(grads), /*will_release=*/!retain_graph);
     }
     if (!retain_graph) node->release_state();  // R3: the context dies here
 
     const std::vector<Edge>& edges = node->next_edges();
+    TALLY_CHECK(input_grads.size() <= edges.size(), "the backward of '", node->name(), "' returned ",
+                input_grads.size(), " gradients for its ", edges.size(), " inputs");
     for (size_t i = 0; i < edges.size(); ++i) {
       const Edge& e = edges[i];
       if (!e.node) continue;
       if (i < input_grads.size() && input_grads[i].defined()) {
+        validate(*node, i, input_grads[i], e.meta);
         auto& buf = buffers[e.node.get()];
         if (buf.grads.empty()) buf.grads.resize(e.node->num_outputs());
         accumulate_into(buf, e.input_nr, input_grads[i]);
@@ -211,6 +198,12 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_
       if (--dependencies[e.node.get()] == 0) ready.push(e.node);
     }
     input_grads.clear();
+    if (!watching.empty()) {
+      // A processed accumulator means its leaf gets nothing more in this backward.
+      if (auto* acc = dynamic_cast<AccumulateGrad*>(node.get()))
+        if (std::shared_ptr<TensorImpl> leaf = acc->leaf())
+          for (EngineObserver* o : watching) o->gradient_ready(Tensor(leaf));
+    }
     // Cut the traversed edges: a root kept alive after backward then holds only its own
     // emptied node, never the graph behind it.
     if (!retain_graph) {

@@ -1,7 +1,13 @@
 // The backward engine: iterative (no recursion, so graph depth is unbounded),
 // dependency counts computed from the graph reachable from the roots at backward time.
+//
+// The engine trusts no Function: every gradient a node returns is checked against the
+// shape, dtype and device of the input it is for (recorded on the edge), and a mismatch
+// is an error naming the Function and both shapes. It knows nothing of particular ops,
+// devices or the sanitizer: gradients are summed through the device's backend, and
+// observers (autograd/observer.h) hear when a backward begins and when each leaf's
+// gradient is final.
 #pragma once
-#include <string>
 #include <vector>
 
 #include "core/tensor.h"
@@ -16,17 +22,5 @@ namespace tally::autograd {
 // for logging) keeps at most its own, emptied, node alive.
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_grads = {},
               bool retain_graph = false);
-
-// True while a backward that retains its graph is running (ops must then not overwrite
-// what they saved, since a later backward will read it again).
-bool graph_retained();
-
-// S3: searches node -> edge -> node and node -> saved tensor -> grad_fn links for
-// cycles. Returns one line per cycle ("a -> b -> a"), empty when the graph is a DAG.
-std::vector<std::string> find_cycles(const std::vector<Tensor>& roots);
-
-// Runs find_cycles at the start of every backward and reports cycles to the sanitizer.
-void set_cycle_check(bool enabled);
-bool cycle_check_enabled();
 
 }  // namespace tally::autograd

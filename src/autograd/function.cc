@@ -1,8 +1,9 @@
 #include "autograd/function.h"
 
+
 namespace tally::autograd {
 
-SavedTensor::SavedTensor(const Tensor& t) {
+SavedTensor::SavedTensor(const Tensor& t, bool check_version) : check_version_(check_version) {
   if (!t.defined()) return;
   // A detached alias: same storage and geometry, no grad_fn, no leaf state (R2).
   data_ = t.detach();
@@ -12,7 +13,10 @@ SavedTensor::SavedTensor(const Tensor& t) {
 }
 
 SavedTensor::SavedTensor(SavedTensor&& other) noexcept
-    : data_(std::move(other.data_)), version_(other.version_), with_graph_(std::move(other.with_graph_)) {
+    : data_(std::move(other.data_)),
+      version_(other.version_),
+      check_version_(other.check_version_),
+      with_graph_(std::move(other.with_graph_)) {
   other.data_ = Tensor();
 }
 
@@ -22,25 +26,44 @@ SavedTensor::~SavedTensor() {
 
 Tensor SavedTensor::unpack(const char* op) const {
   if (!data_.defined()) return data_;
-  TALLY_CHECK(data_.storage().version() == version_, "a tensor saved by '", op,
+  TALLY_CHECK(!check_version_ || data_.storage().version() == version_, "a tensor saved by '", op,
               "' for backward was modified in place after it was saved (version ", version_, " -> ",
               data_.storage().version(), "); clone it before modifying");
   return data_;
 }
 
 Context::Context() = default;
+Context::~Context() = default;
 
 void Context::bind(const char* op_name, const std::vector<Tensor>& inputs) {
   op_name_ = op_name;
-  needs_input_grad_.resize(inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) needs_input_grad_[i] = inputs[i].defined() && inputs[i].requires_grad();
+  needs_input_grad_mask_ = 0;
+  needs_input_grad_more_.clear();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const bool needs = inputs[i].defined() && inputs[i].requires_grad();
+    if (i < 64) {
+      if (needs) needs_input_grad_mask_ |= uint64_t{1} << i;
+    } else {
+      needs_input_grad_more_.resize(inputs.size() - 64);
+      needs_input_grad_more_[i - 64] = needs;
+    }
+  }
 }
-Context::~Context() = default;
+
+bool Context::needs_input_grad(size_t i) const {
+  if (i < 64) return (needs_input_grad_mask_ >> i) & 1u;
+  return i - 64 < needs_input_grad_more_.size() && needs_input_grad_more_[i - 64];
+}
 
 void Context::save_for_backward(const std::vector<Tensor>& tensors) {
   saved_.clear();
   saved_.reserve(tensors.size());
-  for (const Tensor& t : tensors) saved_.emplace_back(t);
+  for (const Tensor& t : tensors) saved_.emplace_back(t, /*check_version=*/true);
+}
+
+size_t Context::keep(const Tensor& t) {
+  saved_.emplace_back(t, /*check_version=*/false);
+  return saved_.size() - 1;
 }
 
 Tensor Context::saved(size_t i) const {
@@ -50,19 +73,25 @@ Tensor Context::saved(size_t i) const {
 
 Tensor Context::grad_sink(size_t i) const {
   if (!edges_ || i >= edges_->size()) return Tensor();
-  auto* acc = dynamic_cast<AccumulateGrad*>((*edges_)[i].node.get());
+  const Edge& edge = (*edges_)[i];
+  auto* acc = dynamic_cast<AccumulateGrad*>(edge.node.get());
   if (!acc) return Tensor();
   std::shared_ptr<TensorImpl> leaf = acc->leaf();
   if (!leaf) return Tensor();
-  auto* state = std::get_if<LeafState>(&leaf->autograd());
-  if (!state || !state->hooks.empty() || !state->grad.defined()) return Tensor();
-  return state->grad;
+  const auto* state = std::get_if<LeafState>(&leaf->autograd());
+  if (!state || !state->grad.defined()) return Tensor();
+  for (const auto& h : state->hooks)
+    if (h->hook) return Tensor();  // hooks must see the gradient: no bypass
+  const Tensor& g = state->grad;
+  if (g.shape() != edge.meta.shape || g.dtype() != edge.meta.dtype || g.device() != edge.meta.device)
+    return Tensor();
+  return g;
 }
 
 int64_t Context::saved_bytes() const {
   int64_t bytes = 0;
   for (const SavedTensor& s : saved_)
-    if (s.defined()) bytes += s.data().numel() * static_cast<int64_t>(dtype_size(s.data().dtype()));
+    if (s.defined()) bytes += s.data().nbytes();
   return bytes;
 }
 
@@ -79,16 +108,28 @@ void connect(Node& node, const std::shared_ptr<Node>& self, const std::vector<Te
   edges.reserve(inputs.size());
   for (const Tensor& in : inputs) edges.push_back(in.defined() ? gradient_edge(in) : Edge{});
   for (size_t i = 0; i < outputs.size(); ++i) {
-    auto& state = outputs[i].impl()->autograd();
+    AutogradState& state = detail::StateAccess::state(outputs[i]);
     TALLY_CHECK(std::holds_alternative<NoGrad>(state), "output ", i, " of '", node.name(),
                 "' already has autograd state; an op's outputs must be fresh tensors");
     state = InteriorState{self, static_cast<uint32_t>(i)};
   }
 }
 
+void check_context_holds_no_output(std::span<const std::byte> context, const char* op,
+                                   const std::vector<Tensor>& outputs) {
+  for (const Tensor& out : outputs) {
+    if (bytes_hold_tensor(context, out)) {
+      TALLY_FAIL("op '", op, "' keeps its own output ", out.str(),
+                 " in its context as a plain Tensor member: that is a reference cycle (node -> context -> "
+                 "output -> node) that outlives any graph never run backward (memory contract R2). Keep it with "
+                 "ctx.save_for_backward() or ctx.keep(), which store it without its graph");
+    }
+  }
+}
+
 struct testing_access {
   static void save_with_graph(Context& ctx, const Tensor& t) {
-    SavedTensor s(t);
+    SavedTensor s(t, true);
     s.with_graph_ = t;
     ctx.saved_.push_back(std::move(s));
   }
@@ -99,7 +140,7 @@ namespace testing {
 void save_keeping_graph(Context& ctx, const Tensor& t) { testing_access::save_with_graph(ctx, t); }
 }  // namespace testing
 
-// Used by the cycle check (engine.cc).
+// Used by the cycle check (cycles.cc).
 const Tensor& saved_with_graph(const SavedTensor& s) { return testing_access::with_graph(s); }
 
 }  // namespace tally::autograd

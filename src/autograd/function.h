@@ -3,7 +3,7 @@
 //
 //   struct Scale {
 //     static constexpr const char* kName = "scale";
-//     struct Context : autograd::Context { double factor; };   // all backward state
+//     struct Context : autograd::Context { double factor; };   // plain values only
 //     static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads);
 //   };
 //   Tensor scale(const Tensor& x, double f) {
@@ -16,12 +16,22 @@
 //     return out;
 //   }
 //
-// R3 by construction: the Context is the only object a Function has, it is owned by its
-// node, and the engine destroys it (saved tensors and every other member) right after
-// the node's backward runs unless the graph is retained. Storing extra tensors on the
-// context (the TransformerEngine bug) therefore cannot outlive the backward.
+// The lifetime rules are structural:
+//  - R3: the Context is the only object a Function has; its node owns it and the engine
+//    destroys it (saved tensors and every other member) right after the node's backward
+//    runs, unless the graph is retained.
+//  - A context holds tensors only through save_for_backward() and keep(), which store
+//    them detached (without their graph) and count their bytes. A plain Tensor member is
+//    not part of the API: a context holding its own node's output that way is a
+//    reference cycle (node -> context -> output -> node), and record() refuses it on the
+//    spot; the cycle check (S3) scans contexts for any other tensor held that way.
+//  - Backward asks its context, not engine globals, whether its state is about to be
+//    destroyed (will_release()) and whether an input's gradient buffer may be written in
+//    place (grad_sink()).
 #pragma once
+#include <cstddef>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -37,7 +47,7 @@ namespace tally::autograd {
 class SavedTensor {
  public:
   SavedTensor() = default;
-  explicit SavedTensor(const Tensor& t);
+  SavedTensor(const Tensor& t, bool check_version);
   ~SavedTensor();
   SavedTensor(SavedTensor&& other) noexcept;
   SavedTensor& operator=(SavedTensor&&) = delete;
@@ -50,6 +60,7 @@ class SavedTensor {
   friend struct testing_access;
   Tensor data_;
   uint64_t version_ = 0;
+  bool check_version_ = true;
   Tensor with_graph_;  // only set by testing::save_keeping_graph (reintroduces seed 000)
 };
 
@@ -60,7 +71,11 @@ class Context {
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
 
+  // Tensors backward reads: inputs or outputs, stored detached and version-checked.
   void save_for_backward(const std::vector<Tensor>& tensors);
+  // Keeps any other tensor for backward (a workspace, a quantized copy): stored detached
+  // and counted with the saved bytes, not version-checked. Returns its index for saved().
+  size_t keep(const Tensor& t);
   Tensor saved(size_t i) const;
   size_t num_saved() const { return saved_.size(); }
   const std::vector<SavedTensor>& saved_tensors() const { return saved_; }
@@ -68,14 +83,20 @@ class Context {
 
   // needs_input_grad(i): whether forward input i needs a gradient; backward may skip
   // computing the others (and return undefined tensors for them).
-  bool needs_input_grad(size_t i) const { return i < needs_input_grad_.size() && needs_input_grad_[i]; }
+  bool needs_input_grad(size_t i) const;
 
   const char* op_name() const { return op_name_; }
 
+  // Whether the engine destroys this context right after the running backward (no
+  // retain_graph). Only then may backward overwrite what it saved, since nothing will
+  // read it again.
+  bool will_release() const { return will_release_; }
+
   // The gradient buffer of forward input i when that input is a leaf whose .grad is
-  // already allocated (and has no hooks): backward may accumulate into it directly
-  // (GEMM with beta=1, scatter-add) and return an undefined tensor for that input,
-  // saving a temporary and an extra pass, as llm.c does. Undefined otherwise.
+  // already allocated, has the input's shape, dtype and device, and has no hooks:
+  // backward may accumulate into it directly (GEMM with beta=1, scatter-add) and return
+  // an undefined tensor for that input, saving a temporary and a pass, as llm.c does.
+  // The engine still reports that leaf's gradient as final. Undefined otherwise.
   Tensor grad_sink(size_t i) const;
 
   // Called by record(): names the op and notes which inputs need gradients.
@@ -85,18 +106,26 @@ class Context {
   friend struct testing_access;
   template <class Fn> friend class FunctionNode;
   std::vector<SavedTensor> saved_;
-  std::vector<bool> needs_input_grad_;
+  uint64_t needs_input_grad_mask_ = 0;  // inputs 0..63
+  std::vector<bool> needs_input_grad_more_;  // inputs 64.. (cat of many tensors)
   const char* op_name_ = "";
   const std::vector<Edge>* edges_ = nullptr;  // non-owning: set by the node during backward
+  bool will_release_ = false;
 };
 
 // True when grad mode is on and some input requires grad: only then is a graph recorded
 // (and only then should an op save anything).
 bool needs_graph(const std::vector<Tensor>& inputs);
 
-// Wires `node` to `inputs` (next edges) and marks `outputs` interior tensors of it.
+// Wires `node` to `inputs` (next edges, each with the input's metadata) and marks
+// `outputs` interior tensors of it.
 void connect(Node& node, const std::shared_ptr<Node>& self, const std::vector<Tensor>& inputs,
              const std::vector<Tensor>& outputs);
+
+// Refuses a context whose own bytes hold one of its node's outputs (a plain Tensor
+// member): the reference cycle node -> context -> output -> node.
+void check_context_holds_no_output(std::span<const std::byte> context, const char* op,
+                                   const std::vector<Tensor>& outputs);
 
 template <class Fn> class FunctionNode final : public Node {
  public:
@@ -104,15 +133,22 @@ template <class Fn> class FunctionNode final : public Node {
       : Node(num_outputs), ctx_(std::move(ctx)) {}
   ~FunctionNode() override { unregister(); }
   const char* name() const override { return Fn::kName; }
-  std::vector<Tensor> apply(std::vector<Tensor>&& grads) override {
+  std::vector<Tensor> apply(std::vector<Tensor>&& grads, bool will_release) override {
     TALLY_CHECK(ctx_, "backward through '", Fn::kName,
                 "' a second time: its saved state was freed after the first backward "
                 "(pass retain_graph=true to the first backward to keep it)");
     ctx_->edges_ = &next_edges();
-    return Fn::backward(*ctx_, grads);
+    ctx_->will_release_ = will_release;
+    std::vector<Tensor> out = Fn::backward(*ctx_, grads);
+    ctx_->edges_ = nullptr;
+    return out;
   }
   void release_state() override { ctx_.reset(); }
   const Context* context() const override { return ctx_.get(); }
+  std::span<const std::byte> context_bytes() const override {
+    if (!ctx_) return {};
+    return {reinterpret_cast<const std::byte*>(ctx_.get()), sizeof(typename Fn::Context)};
+  }
 
  private:
   std::unique_ptr<typename Fn::Context> ctx_;  // owning: all of this node's backward state
@@ -124,18 +160,22 @@ template <class Fn>
 std::shared_ptr<Node> record(std::unique_ptr<typename Fn::Context> ctx, const std::vector<Tensor>& inputs,
                              const std::vector<Tensor>& outputs) {
   if (!needs_graph(inputs)) return nullptr;
+  check_context_holds_no_output({reinterpret_cast<const std::byte*>(ctx.get()), sizeof(typename Fn::Context)},
+                                Fn::kName, outputs);
   ctx->bind(Fn::kName, inputs);
   auto node = std::make_shared<FunctionNode<Fn>>(std::move(ctx), static_cast<uint32_t>(outputs.size()));
   connect(*node, node, inputs, outputs);
   return node;
 }
 
-// Records a node with no differentiable inputs whose outputs still need gradients:
-// a pipeline receive, whose backward sends the gradient back to the previous stage.
-// The outputs are interior tensors of the node (R1: never leaves with a grad_fn).
+// Records a node with no differentiable inputs whose outputs still need gradients
+// (activation recomputation whose region holds parameters). The outputs are interior
+// tensors of the node (R1: never leaves with a grad_fn).
 template <class Fn>
 std::shared_ptr<Node> record_source(std::unique_ptr<typename Fn::Context> ctx, const std::vector<Tensor>& outputs) {
   if (!grad_enabled()) return nullptr;
+  check_context_holds_no_output({reinterpret_cast<const std::byte*>(ctx.get()), sizeof(typename Fn::Context)},
+                                Fn::kName, outputs);
   ctx->bind(Fn::kName, {});
   auto node = std::make_shared<FunctionNode<Fn>>(std::move(ctx), static_cast<uint32_t>(outputs.size()));
   connect(*node, node, {}, outputs);

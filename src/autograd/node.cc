@@ -2,37 +2,66 @@
 
 #include <atomic>
 #include <mutex>
-#include <unordered_set>
 
 #include "autograd/function.h"
-#include "memory/owner.h"
-#include "ops/ops.h"
+#include "autograd/grad_mode.h"
+#include "runtime/backend.h"
 
 namespace tally::autograd {
 
 namespace {
 std::atomic<uint64_t> g_next_sequence_nr{0};
+}  // namespace
 
-// The census: every live node. Guarded by a mutex; nodes are created on the training
-// thread, but a graph may be destroyed from another (e.g. a pipeline thread).
+// The census: every live node, as an intrusive doubly linked list. Guarded by a mutex;
+// nodes are created on the training thread, but a graph may be destroyed from another.
 struct Census {
   std::mutex mutex;
-  std::unordered_set<const Node*> nodes;
+  Node* head = nullptr;
+  size_t count = 0;
+
+  static Census& get() {
+    static auto* c = new Census();  // never destroyed: nodes may die during static destruction
+    return *c;
+  }
+  void add(Node* n) {
+    std::lock_guard<std::mutex> lock(mutex);
+    n->census_next_ = head;
+    if (head) head->census_prev_ = n;
+    head = n;
+    n->registered_ = true;
+    ++count;
+  }
+  void remove(Node* n) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!n->registered_) return;
+    if (n->census_prev_) n->census_prev_->census_next_ = n->census_next_;
+    else head = n->census_next_;
+    if (n->census_next_) n->census_next_->census_prev_ = n->census_prev_;
+    n->census_prev_ = n->census_next_ = nullptr;
+    n->registered_ = false;
+    --count;
+  }
+  // Every live node, as shared_ptrs. A node whose last owner is gone but whose
+  // destructor waits for the lock fails to lock and is skipped: never handed out
+  // half-destroyed.
+  std::vector<std::shared_ptr<const Node>> snapshot() {
+    std::lock_guard<std::mutex> lock(mutex);
+    std::vector<std::shared_ptr<const Node>> out;
+    out.reserve(count);
+    for (Node* n = head; n; n = n->census_next_)
+      if (auto p = n->weak_from_this().lock()) out.push_back(std::move(p));
+    return out;
+  }
 };
-Census& census() {
-  static auto* c = new Census();  // never destroyed: nodes may die during static destruction
-  return *c;
-}
-}  // namespace
 
 Node::Node(uint32_t num_outputs)
     : num_outputs_(num_outputs),
       sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)),
-      birth_step_(memory::Clock::step()),
-      birth_microbatch_(memory::Clock::microbatch()),
-      module_path_(memory::current_module_path()) {
-  std::lock_guard<std::mutex> lock(census().mutex);
-  census().nodes.insert(this);
+      birth_step_(Clock::step()),
+      birth_microbatch_(Clock::microbatch()),
+      module_path_(current_module_path_id()) {
+  Census::get().add(this);
 }
 
 Node::~Node() {
@@ -53,69 +82,61 @@ Node::~Node() {
   unregister();
 }
 
-void Node::unregister() {
-  std::lock_guard<std::mutex> lock(census().mutex);
-  if (!registered_) return;
-  census().nodes.erase(this);
-  registered_ = false;
-}
-
-void Node::add_pre_hook(uint32_t output_nr, TensorHook hook) { pre_hooks_.emplace_back(output_nr, std::move(hook)); }
+void Node::unregister() { Census::get().remove(this); }
 
 AccumulateGrad::AccumulateGrad(const std::shared_ptr<TensorImpl>& leaf) : Node(1), leaf_(leaf) {}
 
-std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads) {
+std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads, bool) {
   std::shared_ptr<TensorImpl> impl = leaf_.lock();
   if (!impl || !grads[0].defined()) return {};  // the leaf died: nothing to accumulate into
   Tensor leaf(impl);
   Tensor grad = grads[0];
-  auto* state = std::get_if<LeafState>(&impl->autograd());
+  auto* state = std::get_if<LeafState>(&detail::StateAccess::state(*impl));
   TALLY_CHECK(state, "internal: AccumulateGrad for tensor ", leaf.str(), " which is no longer a leaf");
-  for (const TensorHook& hook : state->hooks) {
-    Tensor replaced = hook(grad);
+  for (const auto& entry : state->hooks) {
+    if (!entry->hook) continue;  // removed through its handle
+    Tensor replaced = (*entry->hook)(grad);
     if (!replaced.defined()) continue;
-    TALLY_CHECK(replaced.shape() == grad.shape() && replaced.dtype() == grad.dtype(), "a hook on ", leaf.str(),
-                " returned ", replaced.str(), " for a gradient ", grad.str());
+    TALLY_CHECK(replaced.shape() == grad.shape() && replaced.dtype() == grad.dtype() &&
+                    replaced.device() == grad.device(),
+                "a hook on ", leaf.str(), " returned ", replaced.str(), " for a gradient ", grad.str());
     grad = replaced;
   }
-  TALLY_CHECK(grad.shape() == leaf.shape(), "gradient for ", leaf.str(), " has shape ", shape_str(grad.shape()),
-              ", expected ", shape_str(leaf.shape()));
   NoGradGuard no_grad;
   if (!state->grad.defined()) {
-    // The gradient lives as long as the leaf: a persistent allocation owned by it.
-    // A parameter's gradient lives as long as the parameter (persistent); the gradient of
-    // any other leaf (a detached input, a test tensor) is an ordinary activation.
+    // The gradient lives as long as the leaf. A registered parameter's gradient is
+    // persistent model state; any other leaf's (an input, an alias of a weight) is a
+    // non-persistent gradient that the sanitizer holds to its microbatch (S1).
     std::string name = leaf.name().empty() ? "grad" : leaf.name() + ".grad";
-    const bool of_parameter = leaf.storage().owner().category == memory::Category::Parameter;
     Tensor g = Tensor::empty(leaf.shape(), leaf.dtype(), leaf.device(),
-                             memory::make_owner(of_parameter ? memory::Category::Gradient : memory::Category::Activation, name));
+                             make_owner(Category::Gradient, name, /*persistent=*/state->parameter));
     g.copy_(grad);
     state->grad = g;
   } else {
-    ops::add_(state->grad, grad);
+    runtime::backend(grad.device()).add_inplace(state->grad, grad);
   }
   return {};
 }
 
 Edge gradient_edge(const Tensor& t) {
-  TensorImpl* impl = t.impl();
-  if (auto* interior = std::get_if<InteriorState>(&impl->autograd())) return {interior->grad_fn, interior->output_nr};
-  if (auto* leaf = std::get_if<LeafState>(&impl->autograd())) {
+  AutogradState& st = detail::StateAccess::state(t);
+  if (auto* interior = std::get_if<InteriorState>(&st)) return {interior->grad_fn, interior->output_nr, TensorMeta::of(t)};
+  if (auto* leaf = std::get_if<LeafState>(&st)) {
     std::shared_ptr<AccumulateGrad> acc = leaf->accumulator.lock();
     if (!acc) {
       acc = std::make_shared<AccumulateGrad>(t.impl_ptr());
       leaf->accumulator = acc;
     }
-    return {acc, 0};
+    return {acc, 0, TensorMeta::of(t)};
   }
   return {};
 }
 
 std::vector<NodeInfo> live_nodes() {
-  std::lock_guard<std::mutex> lock(census().mutex);
+  std::vector<std::shared_ptr<const Node>> nodes = Census::get().snapshot();
   std::vector<NodeInfo> out;
-  out.reserve(census().nodes.size());
-  for (const Node* n : census().nodes) {
+  out.reserve(nodes.size());
+  for (auto& n : nodes) {
     const Context* ctx = n->context();
     out.push_back({n, n->sequence_nr(), n->name(), n->module_path(), n->birth_step(), n->birth_microbatch(),
                    ctx ? ctx->num_saved() : 0, ctx ? ctx->saved_bytes() : 0});
@@ -126,8 +147,9 @@ std::vector<NodeInfo> live_nodes() {
 uint64_t next_sequence_nr() { return g_next_sequence_nr.load(std::memory_order_relaxed); }
 
 size_t live_node_count() {
-  std::lock_guard<std::mutex> lock(census().mutex);
-  return census().nodes.size();
+  Census& c = Census::get();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return c.count;
 }
 
 }  // namespace tally::autograd

@@ -2,81 +2,89 @@
 
 #include <algorithm>
 
+#include "core/device_hooks.h"
 #include "core/error.h"
+#include "core/tensor.h"
 
 namespace tally {
 
-Storage::Storage(int64_t nbytes, Device device, memory::OwnerTag owner) : device_(device) {
-  block_ = memory::allocator(device).allocate(nbytes, std::move(owner));
-  memory::ledger(device).attach_storage(block_.id, this);
+std::shared_ptr<Storage> Storage::create(int64_t nbytes, Device device, const OwnerTag& owner) {
+  Allocator& allocator = device_hooks(device).allocator();
+  auto storage = std::make_shared<Storage>(Private{}, device, &allocator);
+  storage->allocation_ = allocator.allocate(nbytes, owner, storage);
+  return storage;
 }
 
 Storage::~Storage() {
-  if (!released_) {
-    memory::ledger(device_).detach_storage(block_.id);
-    memory::allocator(device_).free(block_);
-  }
+  if (!released_) allocator_->free(allocation_);
 }
 
-void* Storage::data(const std::string& user) const {
-  if (released_) {
-    TALLY_FAIL("tensor '", user.empty() ? "<unnamed>" : user, "' uses a storage of ", block_.bytes,
-               " bytes that was released by '", released_by_,
-               "'; its bytes are back in the allocator, so this view must not be used "
-               "(re-gather or recompute it instead)");
-  }
-  return block_.ptr;
+void Storage::fail_released(const std::string& user) const {
+  TALLY_FAIL("tensor '", user.empty() ? "<unnamed>" : user, "' uses a storage of ", allocation_.bytes,
+             " bytes that was released by '", released_by_,
+             "'; its bytes are back in the allocator, so this view must not be used "
+             "(re-gather or recompute it instead)");
 }
 
 void Storage::release(const std::string& releaser) {
   TALLY_CHECK(!released_, "storage already released by '", released_by_, "', released again by '", releaser, "'");
-  memory::ledger(device_).detach_storage(block_.id);
-  memory::allocator(device_).free(block_);
+  allocator_->free(allocation_);
   released_ = true;
   released_by_ = releaser;
 }
 
-memory::OwnerTag Storage::owner() const {
+OwnerTag Storage::owner() const {
   if (released_) return {};
-  return memory::ledger(device_).find(block_.id).owner;
+  return allocator_->owner(allocation_);
 }
 
-void Storage::retag(memory::Category category) const {
-  if (!released_) memory::ledger(device_).retag(block_.id, category);
+void Storage::retag(Category category) const {
+  if (!released_) allocator_->retag(allocation_, category);
 }
 
 void Storage::rename(const std::string& name) const {
-  if (!released_) memory::ledger(device_).set_name(block_.id, name);
+  if (!released_) allocator_->rename(allocation_, intern_name(name));
 }
 
 void Storage::add_saver() {
-  std::lock_guard<std::mutex> lock(views_mutex_);
-  if (savers_++ == 0 && !released_ && owner().category == memory::Category::Activation) {
-    retag(memory::Category::SavedForBackward);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (savers_++ == 0 && !released_ && owner().category == Category::Activation) {
+    retag(Category::SavedForBackward);
     retagged_by_save_ = true;
   }
 }
 
 void Storage::remove_saver() {
-  std::lock_guard<std::mutex> lock(views_mutex_);
+  std::lock_guard<std::mutex> lock(mutex_);
   if (--savers_ == 0 && retagged_by_save_) {
-    retag(memory::Category::Activation);
+    retag(Category::Activation);
     retagged_by_save_ = false;
   }
 }
 
-std::vector<const TensorImpl*> Storage::views() const {
-  std::lock_guard<std::mutex> lock(views_mutex_);
-  return views_;
+std::vector<std::shared_ptr<const TensorImpl>> Storage::views() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::shared_ptr<const TensorImpl>> out;
+  out.reserve(views_.size());
+  // A view whose last owner is gone but whose destructor is still waiting for this
+  // lock fails to lock: it is skipped, never handed out half-destroyed.
+  for (const TensorImpl* v : views_)
+    if (auto p = v->weak_from_this().lock()) out.push_back(std::move(p));
+  return out;
+}
+
+size_t Storage::num_views() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return views_.size();
 }
 
 void Storage::add_view(const TensorImpl* view) {
-  std::lock_guard<std::mutex> lock(views_mutex_);
+  std::lock_guard<std::mutex> lock(mutex_);
   views_.push_back(view);
 }
 
 void Storage::remove_view(const TensorImpl* view) {
-  std::lock_guard<std::mutex> lock(views_mutex_);
+  std::lock_guard<std::mutex> lock(mutex_);
   auto it = std::find(views_.begin(), views_.end(), view);
   if (it != views_.end()) {
     *it = views_.back();

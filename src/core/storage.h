@@ -1,9 +1,10 @@
 // A Storage owns one allocation; tensors are views (shape, strides, offset) over it.
 //
-// Ownership: every TensorImpl that views a storage holds a shared_ptr to it; the
-// storage holds only raw, non-owning back-pointers to its views so that the ledger can
-// answer "who holds this storage" (memory contract S4). Views unregister themselves on
-// destruction, so the back-pointers are never dangling.
+// Ownership: every TensorImpl that views a storage holds a shared_ptr to it. The storage
+// keeps a list of its views so that anyone can ask "who holds this storage" (memory
+// contract S4); views() hands them out as shared_ptrs locked under the list's mutex, so
+// no raw view pointer outlives the lock that made it safe. The device's ledger refers to
+// the storage weakly, for the same question asked from the allocation's side.
 //
 // Explicit release (R6): release() hands the bytes back to the allocator at once, even
 // while views exist. Any later data access through any view throws an error that names
@@ -16,36 +17,44 @@
 #include <string>
 #include <vector>
 
+#include "core/allocator.h"
 #include "core/device.h"
-#include "memory/allocator.h"
-#include "memory/owner.h"
+#include "core/owner.h"
 
 namespace tally {
 
 class TensorImpl;
 
 class Storage {
+  struct Private {};
+
  public:
-  Storage(int64_t nbytes, Device device, memory::OwnerTag owner);
+  // Allocates `nbytes` on `device` through that device's allocator, tagged with `owner`.
+  static std::shared_ptr<Storage> create(int64_t nbytes, Device device, const OwnerTag& owner);
+  Storage(Private, Device device, Allocator* allocator) : device_(device), allocator_(allocator) {}
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
   // Pointer to the bytes; throws if the storage was released. `user` names the tensor
   // asking, for the error message.
-  void* data(const std::string& user = "") const;
-  int64_t nbytes() const { return block_.bytes; }
+  void* data(const std::string& user = "") const {
+    if (released_) fail_released(user);
+    return allocation_.ptr;
+  }
+  int64_t nbytes() const { return allocation_.bytes; }
   Device device() const { return device_; }
-  uint64_t allocation_id() const { return block_.id; }
+  uint64_t allocation_id() const { return allocation_.id; }
 
   // Returns the bytes to the allocator now (R6). `releaser` is named in later errors.
   void release(const std::string& releaser);
   bool released() const { return released_; }
   const std::string& released_by() const { return released_by_; }
 
-  // The owner recorded in the ledger (category, name, birth step/microbatch).
-  memory::OwnerTag owner() const;
-  void retag(memory::Category category) const;
+  // The owner recorded in the ledger (category, name, birth step/microbatch); a
+  // default tag once released.
+  OwnerTag owner() const;
+  void retag(Category category) const;
   void rename(const std::string& name) const;
 
   // Saved-for-backward accounting: while any saved tensor refers to this storage, an
@@ -58,21 +67,25 @@ class Storage {
   uint64_t version() const { return version_.load(std::memory_order_relaxed); }
   void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }
 
-  // Views currently referring to this storage (S4).
-  std::vector<const TensorImpl*> views() const;
+  // The tensors currently viewing this storage (S4), kept alive while the caller holds them.
+  std::vector<std::shared_ptr<const TensorImpl>> views() const;
+  size_t num_views() const;
   void add_view(const TensorImpl* view);
   void remove_view(const TensorImpl* view);
 
  private:
-  memory::Block block_;
+  [[noreturn]] void fail_released(const std::string& user) const;
+
+  Allocation allocation_;
   Device device_;
+  Allocator* allocator_;  // non-owning: allocators live for the whole process
   bool released_ = false;
   std::string released_by_;
   std::atomic<uint64_t> version_{0};
+  mutable std::mutex mutex_;  // guards views_ and savers_
   int savers_ = 0;
   bool retagged_by_save_ = false;
-  mutable std::mutex views_mutex_;
-  std::vector<const TensorImpl*> views_;
+  std::vector<const TensorImpl*> views_;  // registered by each view's constructor, removed by its destructor
 };
 
 }  // namespace tally

@@ -1,35 +1,13 @@
 #include "core/tensor.h"
 
-#include <sstream>
+#include <algorithm>
+#include <atomic>
+#include <cstring>
 
-#include "autograd/engine.h"
-#include "autograd/node.h"
-#include "ops/cpu/kernels.h"
-#include "ops/ops.h"
+#include "core/device_hooks.h"
+#include "core/tensor_methods.h"
 
 namespace tally {
-
-std::string shape_str(const Shape& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-int64_t shape_numel(const Shape& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
-Shape contiguous_strides(const Shape& shape) {
-  Shape strides(shape.size());
-  int64_t s = 1;
-  for (size_t i = shape.size(); i-- > 0;) {
-    strides[i] = s;
-    s *= shape[i];
-  }
-  return strides;
-}
 
 int64_t wrap_dim(int64_t d, int64_t ndim, const char* what) {
   int64_t w = d < 0 ? d + ndim : d;
@@ -37,32 +15,52 @@ int64_t wrap_dim(int64_t d, int64_t ndim, const char* what) {
   return w;
 }
 
+// ---------------------------------------------------------------- the methods registry
+
+namespace {
+std::atomic<TensorMethods*>& methods_slot() {
+  static std::atomic<TensorMethods*> slot{nullptr};
+  return slot;
+}
+}  // namespace
+
+void register_tensor_methods(TensorMethods* methods) { methods_slot().store(methods, std::memory_order_release); }
+
+TensorMethods& tensor_methods() {
+  TensorMethods* m = methods_slot().load(std::memory_order_acquire);
+  TALLY_CHECK(m, "this Tensor method is implemented by tally's ops layer, which is not linked (link tally_ops)");
+  return *m;
+}
+
 // ---------------------------------------------------------------- TensorImpl
+
+namespace {
+bool compute_contiguous(const Shape& shape, const Shape& strides) {
+  int64_t expected = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    if (shape[i] == 1) continue;
+    if (strides[i] != expected) return false;
+    expected *= shape[i];
+  }
+  return true;
+}
+}  // namespace
 
 TensorImpl::TensorImpl(std::shared_ptr<Storage> storage, Shape shape, Shape strides, int64_t offset, DType dtype)
     : storage_(std::move(storage)),
-      shape_(std::move(shape)),
-      strides_(std::move(strides)),
+      shape_(shape),
+      strides_(strides),
       offset_(offset),
       dtype_(dtype),
+      contiguous_(compute_contiguous(shape_, strides_)),
       numel_(shape_numel(shape_)) {
   storage_->add_view(this);
 }
 
 TensorImpl::~TensorImpl() { storage_->remove_view(this); }
 
-bool TensorImpl::is_contiguous() const {
-  int64_t expected = 1;
-  for (size_t i = shape_.size(); i-- > 0;) {
-    if (shape_[i] == 1) continue;
-    if (strides_[i] != expected) return false;
-    expected *= shape_[i];
-  }
-  return true;
-}
-
 Tensor make_view(const Tensor& base, Shape shape, Shape strides, int64_t offset) {
-  auto impl = std::make_shared<TensorImpl>(base.storage_ptr(), std::move(shape), std::move(strides), offset, base.dtype());
+  auto impl = std::make_shared<TensorImpl>(base.storage_ptr(), shape, strides, offset, base.dtype());
   impl->set_name(base.name());
   return Tensor(std::move(impl));
 }
@@ -70,14 +68,14 @@ Tensor make_view(const Tensor& base, Shape shape, Shape strides, int64_t offset)
 // ---------------------------------------------------------------- creation
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
-  return empty(shape, dtype, device, memory::current_owner());
+  return empty(shape, dtype, device, current_owner());
 }
 
-Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, memory::OwnerTag owner) {
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, const OwnerTag& owner) {
   for (int64_t d : shape) TALLY_CHECK(d >= 0, "negative dimension in shape ", shape_str(shape));
   int64_t bytes = shape_numel(shape) * static_cast<int64_t>(dtype_size(dtype));
-  auto storage = std::make_shared<Storage>(bytes, device, std::move(owner));
-  return Tensor(std::make_shared<TensorImpl>(std::move(storage), shape, contiguous_strides(shape), 0, dtype));
+  return Tensor(std::make_shared<TensorImpl>(Storage::create(bytes, device, owner), shape, contiguous_strides(shape),
+                                             0, dtype));
 }
 
 Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
@@ -86,8 +84,8 @@ Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
   return t;
 }
 
-Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device, memory::OwnerTag owner) {
-  Tensor t = empty(shape, dtype, device, std::move(owner));
+Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device, const OwnerTag& owner) {
+  Tensor t = empty(shape, dtype, device, owner);
   t.fill_(0.0);
   return t;
 }
@@ -143,8 +141,8 @@ double Tensor::item() const {
 template <class T> std::vector<T> Tensor::to_vector() const {
   Tensor src = *this;
   if (!device().is_cpu() || dtype() != DTypeOf<T>::value || !is_contiguous()) {
-    Tensor tmp = Tensor::empty(shape(), DTypeOf<T>::value, Device::cpu(), memory::current_owner("to_vector"));
-    ops::cpu::copy(tmp, *this);
+    Tensor tmp = Tensor::empty(shape(), DTypeOf<T>::value, Device::cpu(), current_owner("to_vector"));
+    copy_hooks(Device::cpu(), device()).copy(tmp, *this);
     src = tmp;
   }
   const T* p = src.data<T>();
@@ -158,52 +156,57 @@ template std::vector<uint16_t> Tensor::to_vector() const;
 
 // ---------------------------------------------------------------- views
 
-Tensor Tensor::view(const Shape& s) const { return ops::view(*this, s); }
-Tensor Tensor::reshape(const Shape& s) const { return ops::reshape(*this, s); }
-Tensor Tensor::transpose(int64_t d0, int64_t d1) const { return ops::transpose(*this, d0, d1); }
-Tensor Tensor::permute(const std::vector<int64_t>& dims) const { return ops::permute(*this, dims); }
+Tensor Tensor::view(const Shape& s) const { return tensor_methods().view(*this, s); }
+Tensor Tensor::reshape(const Shape& s) const { return tensor_methods().reshape(*this, s); }
+Tensor Tensor::transpose(int64_t d0, int64_t d1) const { return tensor_methods().transpose(*this, d0, d1); }
+Tensor Tensor::permute(const std::vector<int64_t>& dims) const { return tensor_methods().permute(*this, dims); }
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
-  return ops::slice(*this, d, start, end, step);
+  return tensor_methods().slice(*this, d, start, end, step);
 }
-Tensor Tensor::expand(const Shape& s) const { return ops::expand(*this, s); }
+Tensor Tensor::expand(const Shape& s) const { return tensor_methods().expand(*this, s); }
 Tensor Tensor::unsqueeze(int64_t d) const {
   int64_t w = wrap_dim(d, dim() + 1);
   Shape s = shape();
   s.insert(s.begin() + w, 1);
-  return ops::reshape(*this, s);
+  return reshape(s);
 }
-Tensor Tensor::contiguous() const { return ops::contiguous(*this); }
+Tensor Tensor::contiguous() const { return tensor_methods().contiguous(*this); }
 
 // ---------------------------------------------------------------- copies
 
 Tensor Tensor::detach() const { return make_view(*this, shape(), strides(), offset()); }
 
-Tensor Tensor::clone() const { return ops::scale(*this, 1.0); }
+Tensor Tensor::clone() const { return tensor_methods().clone(*this); }
 
-Tensor Tensor::to(DType t) const { return ops::to_dtype(*this, t); }
+Tensor Tensor::to(DType t) const { return tensor_methods().to_dtype(*this, t); }
+
+Tensor Tensor::to(Device d) const { return d == device() ? *this : tensor_methods().to_device(*this, d); }
 
 void Tensor::copy_(const Tensor& src) const {
-  ops::cpu::copy(*this, src);
+  TALLY_CHECK(src.defined(), "copy_ into ", str(), " from an undefined tensor");
+  copy_hooks(device(), src.device()).copy(*this, src);
   storage().bump_version();
 }
 
 void Tensor::fill_(double value) const {
-  ops::cpu::fill(*this, value);
+  device_hooks(device()).fill(*this, value);
   storage().bump_version();
 }
 
 // ---------------------------------------------------------------- autograd
 
 bool Tensor::requires_grad() const {
-  return !std::holds_alternative<autograd::NoGrad>(impl_->autograd());
+  return !std::holds_alternative<autograd::NoGrad>(impl_->autograd_);
 }
 
 const Tensor& Tensor::set_requires_grad(bool enabled) const {
-  auto& state = impl_->autograd();
-  TALLY_CHECK(!std::holds_alternative<autograd::InteriorState>(state), "set_requires_grad on ", str(),
-              ", the output of '", std::get<autograd::InteriorState>(state).grad_fn->name(),
-              "': only leaves can be made to require grad. An interior tensor already receives "
-              "its gradient through its grad_fn (memory contract R1)");
+  auto& state = impl_->autograd_;
+  if (auto* interior = std::get_if<autograd::InteriorState>(&state)) {
+    (void)interior;
+    TALLY_FAIL("set_requires_grad on ", str(),
+               ", the output of an op: only leaves can be made to require grad. An interior tensor already "
+               "receives its gradient through its grad_fn (memory contract R1)");
+  }
   if (enabled && std::holds_alternative<autograd::NoGrad>(state)) {
     TALLY_CHECK(is_floating(dtype()), "set_requires_grad on ", str(), ": only floating tensors can require grad");
     state = autograd::LeafState{};
@@ -213,48 +216,77 @@ const Tensor& Tensor::set_requires_grad(bool enabled) const {
   return *this;
 }
 
-bool Tensor::is_leaf() const { return !std::holds_alternative<autograd::InteriorState>(impl_->autograd()); }
+const Tensor& Tensor::set_parameter() const {
+  set_requires_grad(true);
+  std::get<autograd::LeafState>(impl_->autograd_).parameter = true;
+  return *this;
+}
+
+bool Tensor::is_parameter() const {
+  auto* leaf = std::get_if<autograd::LeafState>(&impl_->autograd_);
+  return leaf && leaf->parameter;
+}
+
+bool Tensor::is_leaf() const { return !std::holds_alternative<autograd::InteriorState>(impl_->autograd_); }
 
 Tensor Tensor::grad() const {
-  if (auto* leaf = std::get_if<autograd::LeafState>(&impl_->autograd())) return leaf->grad;
+  if (auto* leaf = std::get_if<autograd::LeafState>(&impl_->autograd_)) return leaf->grad;
   return Tensor();
 }
 
 void Tensor::set_grad(const Tensor& g) const {
-  auto* leaf = std::get_if<autograd::LeafState>(&impl_->autograd());
+  auto* leaf = std::get_if<autograd::LeafState>(&impl_->autograd_);
   TALLY_CHECK(leaf, "set_grad on ", str(), " which is not a leaf that requires grad");
-  TALLY_CHECK(!g.defined() || g.shape() == shape(), "set_grad: gradient shape ", shape_str(g.shape()), " for ", str());
+  TALLY_CHECK(!g.defined() || (g.shape() == shape() && g.dtype() == dtype() && g.device() == device()),
+              "set_grad: gradient ", g.str(), " on ", g.defined() ? g.device().str() : "", " for ", str(), " on ",
+              device().str());
   leaf->grad = g;
 }
 
 void Tensor::zero_grad() const {
-  if (auto* leaf = std::get_if<autograd::LeafState>(&impl_->autograd()))
+  if (auto* leaf = std::get_if<autograd::LeafState>(&impl_->autograd_))
     if (leaf->grad.defined()) leaf->grad.fill_(0.0);
 }
 
 std::shared_ptr<autograd::Node> Tensor::grad_fn() const {
-  if (auto* in = std::get_if<autograd::InteriorState>(&impl_->autograd())) return in->grad_fn;
+  if (auto* in = std::get_if<autograd::InteriorState>(&impl_->autograd_)) return in->grad_fn;
   return nullptr;
 }
 
 uint32_t Tensor::output_nr() const {
-  if (auto* in = std::get_if<autograd::InteriorState>(&impl_->autograd())) return in->output_nr;
+  if (auto* in = std::get_if<autograd::InteriorState>(&impl_->autograd_)) return in->output_nr;
   return 0;
 }
 
 void Tensor::backward(const Tensor& gradient, bool retain_graph) const {
-  autograd::backward({*this}, {gradient}, retain_graph);
+  tensor_methods().backward(*this, gradient, retain_graph);
 }
 
-void Tensor::register_hook(TensorHook hook) const {
-  auto& state = impl_->autograd();
-  if (auto* leaf = std::get_if<autograd::LeafState>(&state)) {
-    leaf->hooks.push_back(std::move(hook));
-  } else if (auto* in = std::get_if<autograd::InteriorState>(&state)) {
-    in->grad_fn->add_pre_hook(in->output_nr, std::move(hook));
+bool bytes_hold_tensor(std::span<const std::byte> bytes, const Tensor& t) {
+  static_assert(sizeof(Tensor) == 2 * sizeof(void*), "a Tensor is one shared_ptr: {object, control block}");
+  if (!t.defined()) return false;
+  std::byte handle[sizeof(Tensor)];
+  std::memcpy(handle, static_cast<const void*>(&t), sizeof handle);
+  for (size_t i = 0; i + sizeof handle <= bytes.size(); i += alignof(void*))
+    if (std::memcmp(bytes.data() + i, handle, sizeof handle) == 0) return true;
+  return false;
+}
+
+HookHandle Tensor::add_hook(std::unique_ptr<GradHook> hook) const {
+  TALLY_CHECK(defined() && requires_grad(), "register_hook on ", str(), " which does not require grad");
+  auto entry = std::make_shared<HookEntry>();
+  entry->captures_own_tensor = bytes_hold_tensor(hook->captured_bytes(), *this);
+  entry->hook = std::move(hook);
+  HookHandle handle(entry);
+  if (auto* leaf = std::get_if<autograd::LeafState>(&impl_->autograd_)) {
+    std::erase_if(leaf->hooks, [](const std::shared_ptr<HookEntry>& e) { return !e->hook; });
+    entry->output_nr = 0;
+    leaf->hooks.push_back(std::move(entry));
   } else {
-    TALLY_FAIL("register_hook on ", str(), " which does not require grad");
+    entry->output_nr = output_nr();
+    tensor_methods().add_interior_hook(*this, std::move(entry));
   }
+  return handle;
 }
 
 }  // namespace tally

@@ -7,9 +7,14 @@
 //   TensorImpl (leaf) --(weak_ptr)--> AccumulateGrad --(weak_ptr)--> TensorImpl
 // Nothing in the graph holds a tensor strongly except saved tensors, which are saved
 // without autograd state, so a graph can never keep itself alive.
+//
+// Layering: core knows the *shape* of autograd state (the three-way variant below) but
+// none of its behaviour. Differentiable methods (views, backward, interior hooks) reach
+// the ops layer through TensorMethods; copies and fills reach the device's backend
+// through DeviceHooks. The state itself is private: only autograd's internals may change
+// it, so R1 (leaf xor interior) cannot be bypassed through a public accessor.
 #pragma once
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <variant>
@@ -18,39 +23,34 @@
 #include "core/device.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/grad_hook.h"
+#include "core/owner.h"
+#include "core/shape.h"
 #include "core/storage.h"
-#include "memory/owner.h"
 
 namespace tally {
 
 namespace autograd {
 class Node;
 class AccumulateGrad;
+namespace detail {
+struct StateAccess;  // autograd's internals: the only code that changes autograd state
+}
 }  // namespace autograd
 
-using Shape = std::vector<int64_t>;
-std::string shape_str(const Shape& shape);
-int64_t shape_numel(const Shape& shape);
-Shape contiguous_strides(const Shape& shape);
-
 class TensorImpl;
-class Tensor;
-
-// A gradient hook: receives the gradient, returns a replacement or an undefined
-// Tensor to keep it unchanged.
-using TensorHook = std::function<Tensor(const Tensor&)>;
 
 class Tensor {
  public:
   Tensor() = default;
   explicit Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
 
-  // ---- creation (owner defaults to memory::current_owner(): category from the
-  // CategoryScope, name from the module path, and the trainer's clock)
+  // ---- creation (owner defaults to current_owner(): category from the CategoryScope,
+  // name from the module path, and the clock)
   static Tensor empty(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
-  static Tensor empty(const Shape& shape, DType dtype, Device device, memory::OwnerTag owner);
+  static Tensor empty(const Shape& shape, DType dtype, Device device, const OwnerTag& owner);
   static Tensor zeros(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
-  static Tensor zeros(const Shape& shape, DType dtype, Device device, memory::OwnerTag owner);
+  static Tensor zeros(const Shape& shape, DType dtype, Device device, const OwnerTag& owner);
   static Tensor full(const Shape& shape, double value, DType dtype = DType::F32, Device device = Device::cpu());
   static Tensor ones(const Shape& shape, DType dtype = DType::F32, Device device = Device::cpu());
   static Tensor scalar(double value, DType dtype = DType::F32);
@@ -64,9 +64,10 @@ class Tensor {
   const Shape& strides() const;
   int64_t offset() const;
   int64_t dim() const;
-  int64_t size(int64_t d) const;    // negative d counts from the end
+  int64_t size(int64_t d) const;  // negative d counts from the end
   int64_t stride(int64_t d) const;
   int64_t numel() const;
+  int64_t nbytes() const;
   DType dtype() const;
   Device device() const;
   bool is_contiguous() const;
@@ -83,8 +84,8 @@ class Tensor {
   template <class T> std::vector<T> to_vector() const;  // element-converted, in logical order
 
   // ---- views (autograd-aware: a view of a tensor that requires grad is interior)
-  Tensor view(const Shape& shape) const;      // -1 allowed once; requires compatible strides
-  Tensor reshape(const Shape& shape) const;   // view when possible, else a contiguous copy
+  Tensor view(const Shape& shape) const;     // -1 allowed once; requires compatible strides
+  Tensor reshape(const Shape& shape) const;  // view when possible, else a contiguous copy
   Tensor transpose(int64_t d0, int64_t d1) const;
   Tensor permute(const std::vector<int64_t>& dims) const;
   Tensor slice(int64_t dim, int64_t start, int64_t end, int64_t step = 1) const;
@@ -96,6 +97,7 @@ class Tensor {
   Tensor detach() const;  // same storage, no autograd state
   Tensor clone() const;   // new storage, differentiable
   Tensor to(DType dtype) const;
+  Tensor to(Device device) const;  // differentiable; this tensor itself when already there
   void copy_(const Tensor& src) const;
   void fill_(double value) const;
   void zero_() const { fill_(0.0); }
@@ -103,6 +105,12 @@ class Tensor {
   // ---- autograd
   bool requires_grad() const;
   const Tensor& set_requires_grad(bool enabled) const;  // leaves and plain tensors only (R1)
+  // Registers this leaf as a model parameter: it requires grad, and its .grad is
+  // persistent state rather than an activation (sanitizer S1). Whether a gradient is
+  // persistent is decided here, by the leaf, never by the storage it shares: an alias of
+  // a weight (w.detach() made to require grad) is not a parameter.
+  const Tensor& set_parameter() const;
+  bool is_parameter() const;
   bool is_leaf() const;
   Tensor grad() const;
   void set_grad(const Tensor& grad) const;
@@ -110,19 +118,39 @@ class Tensor {
   std::shared_ptr<autograd::Node> grad_fn() const;
   uint32_t output_nr() const;
   void backward(const Tensor& gradient = Tensor(), bool retain_graph = false) const;
-  void register_hook(TensorHook hook) const;
+  // Hooks the gradient: a leaf's before it is accumulated, an interior tensor's before
+  // its grad_fn runs. `f(grad)` returns a replacement, or an undefined Tensor to keep it.
+  // A leaf's hooks live as long as the leaf; an interior tensor's die with its graph.
+  // The handle removes the hook (and destroys its captures) early.
+  template <class F> HookHandle register_hook(F&& f) const {
+    return add_hook(std::make_unique<GradHookOf<std::decay_t<F>>>(std::forward<F>(f)));
+  }
 
  private:
+  HookHandle add_hook(std::unique_ptr<GradHook> hook) const;
   std::shared_ptr<TensorImpl> impl_;
+};
+
+template <class F> class GradHookOf final : public GradHook {
+ public:
+  explicit GradHookOf(F f) : f_(std::move(f)) {}
+  Tensor operator()(const Tensor& grad) const override { return f_(grad); }
+  std::span<const std::byte> captured_bytes() const override {
+    return {reinterpret_cast<const std::byte*>(&f_), sizeof(F)};
+  }
+
+ private:
+  F f_;
 };
 
 namespace autograd {
 // R1: a tensor's autograd state is exactly one of these three.
 struct NoGrad {};
 struct LeafState {
-  Tensor grad;                                   // owned: the accumulated gradient
-  std::weak_ptr<AccumulateGrad> accumulator;     // non-owning: the graph owns it (R2)
-  std::vector<TensorHook> hooks;
+  Tensor grad;                                     // owned: the accumulated gradient
+  std::weak_ptr<AccumulateGrad> accumulator;       // non-owning: the graph owns it (R2)
+  std::vector<std::shared_ptr<HookEntry>> hooks;   // owned: live as long as the leaf
+  bool parameter = false;                          // a registered model parameter
 };
 struct InteriorState {
   std::shared_ptr<Node> grad_fn;  // owning: a tensor keeps the node that made it alive
@@ -131,7 +159,7 @@ struct InteriorState {
 using AutogradState = std::variant<NoGrad, LeafState, InteriorState>;
 }  // namespace autograd
 
-class TensorImpl {
+class TensorImpl : public std::enable_shared_from_this<TensorImpl> {
  public:
   TensorImpl(std::shared_ptr<Storage> storage, Shape shape, Shape strides, int64_t offset, DType dtype);
   ~TensorImpl();
@@ -144,23 +172,33 @@ class TensorImpl {
   int64_t offset() const { return offset_; }  // in elements
   DType dtype() const { return dtype_; }
   int64_t numel() const { return numel_; }
-  bool is_contiguous() const;
+  bool is_contiguous() const { return contiguous_; }
   const std::string& name() const { return name_; }
   void set_name(std::string name) { name_ = std::move(name); }
 
-  autograd::AutogradState& autograd() { return autograd_; }
+  // Read-only view of the autograd state (mutation: autograd internals only).
   const autograd::AutogradState& autograd() const { return autograd_; }
 
  private:
+  friend struct autograd::detail::StateAccess;
+  friend class Tensor;
   std::shared_ptr<Storage> storage_;  // owning: views keep their storage alive (until release())
   Shape shape_;
   Shape strides_;
   int64_t offset_;
   DType dtype_;
+  bool contiguous_;
   int64_t numel_;
   std::string name_;
   autograd::AutogradState autograd_;
 };
+
+// Whether `bytes` contain a by-value handle of `t` (a Tensor, or the shared_ptr inside
+// one): its exact object representation, the TensorImpl pointer followed by the
+// control-block pointer. Matching both words means a stray pointer that happens to equal
+// the tensor's address (one past a neighbouring buffer, say) is not mistaken for a
+// reference. Used to find tensors kept in contexts and hooks (memory contract S3).
+bool bytes_hold_tensor(std::span<const std::byte> bytes, const Tensor& t);
 
 // Makes a tensor viewing `base`'s storage with new geometry and no autograd state.
 Tensor make_view(const Tensor& base, Shape shape, Shape strides, int64_t offset);
@@ -171,6 +209,7 @@ inline const Shape& Tensor::strides() const { return impl_->strides(); }
 inline int64_t Tensor::offset() const { return impl_->offset(); }
 inline int64_t Tensor::dim() const { return static_cast<int64_t>(impl_->shape().size()); }
 inline int64_t Tensor::numel() const { return impl_->numel(); }
+inline int64_t Tensor::nbytes() const { return impl_->numel() * static_cast<int64_t>(dtype_size(impl_->dtype())); }
 inline DType Tensor::dtype() const { return impl_->dtype(); }
 inline Device Tensor::device() const { return impl_->storage()->device(); }
 inline bool Tensor::is_contiguous() const { return impl_->is_contiguous(); }

@@ -16,7 +16,7 @@ TokenLoader::TokenLoader(const std::string& pattern, int64_t batch_size, int64_t
   TALLY_CHECK(total_ >= B_ * T_ + 1, "data '", pattern, "' holds ", total_, " tokens; one batch of ", B_, "x", T_,
               " needs ", B_ * T_ + 1);
   // Persistent, owner-tagged buffers reused for every batch: the loader never grows.
-  auto owner = [](const char* n) { return memory::make_owner(memory::Category::Data, n, /*persistent=*/true); };
+  auto owner = [](const char* n) { return make_owner(Category::Data, n, /*persistent=*/true); };
   batch_.inputs = Tensor::empty({B_, T_}, DType::I32, Device::cpu(), owner("loader.inputs"));
   batch_.targets = Tensor::empty({B_, T_}, DType::I32, Device::cpu(), owner("loader.targets"));
   window_.resize(static_cast<size_t>(B_ * T_ + 1));

@@ -121,7 +121,7 @@ std::string hf_key(const SafetensorsFile& f, const std::string& name) {
 }  // namespace
 
 nn::TransformerConfig read_hf_gpt2_config(const std::string& path) {
-  SafetensorsFile f = read_safetensors(path, memory::Category::Other);
+  SafetensorsFile f = read_safetensors(path, Category::Other);
   const Tensor& wte = f.at(hf_key(f, "wte.weight"));
   const Tensor& wpe = f.at(hf_key(f, "wpe.weight"));
   TALLY_CHECK(wte.dim() == 2 && wpe.dim() == 2 && wte.shape()[1] == wpe.shape()[1], "HuggingFace GPT-2 file '", path,
@@ -157,7 +157,7 @@ nn::TransformerConfig read_hf_gpt2_config(const std::string& path) {
 }
 
 void load_hf_gpt2(const std::string& path, nn::Transformer& model) {
-  SafetensorsFile f = read_safetensors(path, memory::Category::Other);
+  SafetensorsFile f = read_safetensors(path, Category::Other);
   auto& params = model.params();
   const auto& c = model.config();
   autograd::NoGradGuard ng;

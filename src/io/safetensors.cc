@@ -40,7 +40,7 @@ const Tensor& SafetensorsFile::at(const std::string& name) const {
   return it->second;
 }
 
-SafetensorsFile read_safetensors(const std::string& path, memory::Category category) {
+SafetensorsFile read_safetensors(const std::string& path, Category category) {
   int64_t file_size = 0;
   std::ifstream in = open_input(path, "safetensors file", &file_size);
   TALLY_CHECK(file_size >= 8, "safetensors '", path, "': file is ", file_size, " bytes, too short for the 8-byte header length");
@@ -91,7 +91,7 @@ SafetensorsFile read_safetensors(const std::string& path, memory::Category categ
     const int64_t expected = shape_numel(shape) * static_cast<int64_t>(dtype_size(dt));
     TALLY_CHECK(offs[1] - offs[0] == expected, "safetensors '", path, "': tensor '", name, "' ", dtype_name(dt),
                 shape_str(shape), " needs ", expected, " bytes but its data range holds ", offs[1] - offs[0]);
-    Tensor t = Tensor::empty(shape, dt, Device::cpu(), memory::make_owner(category, name));
+    Tensor t = Tensor::empty(shape, dt, Device::cpu(), make_owner(category, name));
     in.seekg(data_start + offs[0]);
     in.read(static_cast<char*>(t.raw_data()), expected);
     TALLY_CHECK(in.good(), "safetensors '", path, "': failed reading tensor '", name, "'");

@@ -22,7 +22,7 @@ struct SafetensorsFile {
 
 // Reads and validates the whole file (header JSON, dtypes, shapes vs byte ranges, ranges
 // inside the file and tiling the data section). Errors name the file and the problem.
-SafetensorsFile read_safetensors(const std::string& path, memory::Category category = memory::Category::Data);
+SafetensorsFile read_safetensors(const std::string& path, Category category = Category::Data);
 
 // Writes tensors atomically (temporary file, then rename).
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,

@@ -1,18 +1,21 @@
 // The ledger: every live allocation of one device, with its owner, and the device's
-// memory statistics. The allocator reports to it; the sanitizer and the trainer read it.
+// memory statistics. Each caching allocator owns the ledger of its device and updates it
+// under its own lock, so an allocation costs one lock, not two; the sanitizer and the
+// trainer read it.
 //
-// It also keeps an optional history of alloc/free events (off by default; when off the
-// cost is one branch per event) that exports as a Perfetto/Chrome trace.
+// Records live in slots reused through a free list (no node allocation per record);
+// owner names are interned ids. The optional history of alloc/free events (off by
+// default: one branch per event when off) exports as a Perfetto/Chrome trace or an HTML
+// report (memory/report.h).
 #pragma once
 #include <array>
 #include <cstdint>
-#include <map>
+#include <memory>
 #include <mutex>
-#include <string>
 #include <vector>
 
 #include "core/device.h"
-#include "memory/owner.h"
+#include "core/owner.h"
 
 namespace tally {
 class Storage;
@@ -34,83 +37,73 @@ struct Stats {
   int64_t num_system_allocs = 0;
 };
 
+// Native return addresses of an allocation site, shared between the history and the record.
+using StackTrace = std::vector<void*>;
+
 struct LiveAllocation {
-  uint64_t id = 0;
+  uint64_t id = 0;  // 0: not live
   int64_t bytes = 0;
   OwnerTag owner;
-  const Storage* storage = nullptr;  // non-owning: the storage unregisters before it dies
-  std::vector<void*> stack;          // native return addresses, when history asks for them
+  std::weak_ptr<const Storage> storage;     // non-owning: who holds it is asked of the storage (S4)
+  std::shared_ptr<const StackTrace> stack;  // when history asks for stacks
 };
 
 struct MemoryEvent {
   double time_us = 0;
   int64_t delta = 0;  // +bytes on alloc, -bytes on free
   Category category = Category::Other;
-  std::string name;
+  NameId name = 0;
   int64_t step = -1;
   int64_t microbatch = -1;
-  std::vector<void*> stack;
+  std::shared_ptr<const StackTrace> stack;
   bool retag = false;  // one half of a category change, not an allocation or a free
 };
+
+class CachingAllocator;
 
 class Ledger {
  public:
   explicit Ledger(Device device) : device_(device) {}
+  Ledger(const Ledger&) = delete;
+  Ledger& operator=(const Ledger&) = delete;
 
   Device device() const { return device_; }
-
-  // Allocator hooks.
-  uint64_t on_alloc(int64_t bytes, OwnerTag owner);
-  void on_free(uint64_t id);
-  void on_reserve(int64_t delta_bytes);
-  void on_cache_hit();
-
-  // Storage hooks: lets the ledger answer "who holds this storage" (S4).
-  void attach_storage(uint64_t id, const Storage* storage);
-  void detach_storage(uint64_t id);
-
-  // Changes an allocation's category (e.g. activation -> saved_for_backward when an
-  // op saves it, activation -> gradient when the engine hands it to a leaf).
-  void retag(uint64_t id, Category category);
-  void set_name(uint64_t id, const std::string& name);
 
   Stats stats() const;
   void reset_peaks();
   std::vector<LiveAllocation> live() const;
   LiveAllocation find(uint64_t id) const;  // id 0 when not live
+  // The largest id handed out so far: allocations with a larger id are born after this call.
+  uint64_t last_id() const;
 
   // History: alloc/free events, optionally with native stacks.
   void enable_history(bool enabled, bool with_stacks = false);
-  bool history_enabled() const { return history_enabled_; }
+  bool history_enabled() const;
   std::vector<MemoryEvent> history() const;
   void clear_history();
 
  private:
+  // The allocator updates the ledger with its own lock held (mutex_ below).
+  friend class CachingAllocator;
+  // Each returns or takes the slot of the record; `mutex_` must be held.
+  uint32_t record_alloc(int64_t bytes, const OwnerTag& owner, std::weak_ptr<const Storage> storage, uint64_t* id);
+  void record_free(uint32_t slot, uint64_t id);
+  void record_reserve(int64_t delta_bytes);
+  void record_cache_hit() { stats_.num_cache_hits++; }
+  LiveAllocation* record_at(uint32_t slot, uint64_t id);
+  const LiveAllocation* record_at(uint32_t slot, uint64_t id) const;
+  void record_retag(uint32_t slot, uint64_t id, Category category);
+  void record_rename(uint32_t slot, uint64_t id, NameId name);
+
   Device device_;
-  mutable std::mutex mutex_;
+  mutable std::mutex mutex_;  // guards everything below (and the allocator's cache)
   uint64_t next_id_ = 1;
-  std::map<uint64_t, LiveAllocation> live_;
+  std::vector<LiveAllocation> slots_;  // a record is live when its id is not 0
+  std::vector<uint32_t> free_slots_;
   Stats stats_;
   bool history_enabled_ = false;
   bool history_stacks_ = false;
   std::vector<MemoryEvent> history_;
 };
-
-// The ledger of a device (created on first use).
-Ledger& ledger(Device device = Device::cpu());
-
-// Writes `events` as a Chrome/Perfetto trace: one counter track per category
-// ("ph":"C") plus an instant event per allocation larger than `instant_min_bytes`.
-void write_chrome_trace(const std::string& path, const std::vector<MemoryEvent>& events,
-                        int64_t instant_min_bytes = 1 << 20);
-
-// Writes `events` as a self-contained HTML page: a plot of live bytes per category over
-// time (inline SVG, no scripts or network), the peak, and the largest allocations.
-void write_html_report(const std::string& path, const std::vector<MemoryEvent>& events);
-
-// Human-readable symbol for a return address (function name when available).
-std::string symbolize(void* address);
-
-std::string format_bytes(int64_t bytes);
 
 }  // namespace tally::memory

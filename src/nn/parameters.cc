@@ -11,15 +11,16 @@ size_t ParameterStore::declare(std::string name, Shape shape, bool decay) {
 }
 
 void ParameterStore::allocate(DType dtype, Device device) {
-  flat_params_ = Tensor::empty({total_}, dtype, device, memory::make_owner(memory::Category::Parameter, "parameters"));
-  flat_grads_ = Tensor::zeros({total_}, dtype, device, memory::make_owner(memory::Category::Gradient, "gradients"));
+  flat_params_ = Tensor::empty({total_}, dtype, device, make_owner(Category::Parameter, "parameters"));
+  // The gradients of registered parameters are persistent model state (sanitizer S1).
+  flat_grads_ = Tensor::zeros({total_}, dtype, device, make_owner(Category::Gradient, "gradients", /*persistent=*/true));
   flat_params_.set_name("parameters");
   params_.clear();
   for (size_t i = 0; i < specs_.size(); ++i) {
     const Shape& shape = specs_[i].shape;
     Tensor p = make_view(flat_params_, shape, contiguous_strides(shape), offsets_[i]);
     p.set_name(specs_[i].name);
-    p.set_requires_grad(true);
+    p.set_parameter();
     Tensor g = make_view(flat_grads_, shape, contiguous_strides(shape), offsets_[i]);
     g.set_name(specs_[i].name + ".grad");
     p.set_grad(g);

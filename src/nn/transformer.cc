@@ -4,7 +4,7 @@
 #include <sstream>
 
 #include "autograd/grad_mode.h"
-#include "memory/owner.h"
+#include "core/owner.h"
 #include "ops/ops.h"
 
 namespace tally::nn {
@@ -116,14 +116,14 @@ ForwardResult Transformer::forward(const Tensor& tokens, const Tensor& targets, 
   // Embeddings: x = wte[tokens] + wpe[0:T]
   Tensor x;
   {
-    memory::OwnerScope scope("embed");
+    OwnerScope scope("embed");
     x = ops::add(ops::embedding(params_[wte_], tokens), params_[wpe_].slice(0, 0, T));
   }
   for (int64_t l = 0; l < c.n_layer; ++l) {
-    memory::OwnerScope layer_scope("h." + std::to_string(l));
+    OwnerScope layer_scope("h." + std::to_string(l));
     const Layer& p = layers_[l];
     {
-      memory::OwnerScope scope("attn");
+      OwnerScope scope("attn");
       Tensor h = ops::layernorm(x, params_[p.ln1w], params_[p.ln1b], c.norm_eps);
       Tensor qkv = ops::linear(h, params_[p.qkvw], params_[p.qkvb]);                  // (B,T,3C)
       std::vector<Tensor> parts = ops::split(qkv, {C, C, C}, 2);                        // strided views
@@ -132,14 +132,14 @@ ForwardResult Transformer::forward(const Tensor& tokens, const Tensor& targets, 
       x = ops::add(x, ops::linear(a, params_[p.attprojw], params_[p.attprojb]));
     }
     {
-      memory::OwnerScope scope("mlp");
+      OwnerScope scope("mlp");
       Tensor h = ops::layernorm(x, params_[p.ln2w], params_[p.ln2b], c.norm_eps);
       Tensor f = ops::gelu(ops::linear(h, params_[p.fcw], params_[p.fcb]));
       x = ops::add(x, ops::linear(f, params_[p.fcprojw], params_[p.fcprojb]));
     }
   }
   ForwardResult result;
-  memory::OwnerScope scope("head");
+  OwnerScope scope("head");
   x = ops::layernorm(x, params_[lnfw_], params_[lnfb_], c.norm_eps);
   Tensor logits = ops::linear(x, params_[wte_]);  // (B,T,Vp), tied to the embedding
   if (targets.defined()) {

@@ -4,18 +4,18 @@
 #include <numeric>
 
 #include "ops/op_common.h"
-#include "ops/cpu/strided.h"
 
 namespace tally::ops {
 
 using detail::materialize;
 using detail::new_output;
+using detail::on;
 
 namespace {
 
 struct BinaryFn {
   struct Context : autograd::Context {
-    cpu::BinaryOp op;
+    runtime::BinaryOp op;
     Shape a_shape, b_shape;
   };
 };
@@ -59,12 +59,12 @@ std::vector<Tensor> DivFn::backward(Context& ctx, std::vector<Tensor>& grads) {
           ctx.needs_input_grad(1) ? neg(sum_to(div(mul(ga, a), b), ctx.b_shape)) : Tensor()};
 }
 
-template <class Fn> Tensor binary_op(cpu::BinaryOp op, const Tensor& a, const Tensor& b, bool save_inputs) {
-  detail::require_cpu(Fn::kName, {&a, &b});
+template <class Fn> Tensor binary_op(runtime::BinaryOp op, const Tensor& a, const Tensor& b, bool save_inputs) {
+  detail::require_same_device(Fn::kName, {&a, &b});
   detail::require_same_dtype(Fn::kName, a, b);
-  Shape shape = cpu::broadcast_shapes(a.shape(), b.shape(), Fn::kName);
+  Shape shape = broadcast_shapes(a.shape(), b.shape(), Fn::kName);
   Tensor out = new_output(shape, a.dtype(), a.device(), Fn::kName);
-  cpu::binary(op, out, a, b);
+  on(out).binary(op, out, a, b);
   if (autograd::needs_graph({a, b})) {
     auto ctx = std::make_unique<BinaryFn::Context>();
     ctx->op = op;
@@ -88,9 +88,9 @@ struct AffineFn {
 };
 
 Tensor affine_op(const Tensor& x, double alpha, double beta) {
-  detail::require_cpu("scale", {&x});
+  detail::require_same_device("scale", {&x});
   Tensor out = new_output(x.shape(), x.dtype(), x.device(), "scale");
-  cpu::affine(out, x, alpha, beta);
+  on(out).affine(out, x, alpha, beta);
   if (autograd::needs_graph({x})) {
     auto ctx = std::make_unique<AffineFn::Context>();
     ctx->alpha = alpha;
@@ -101,17 +101,18 @@ Tensor affine_op(const Tensor& x, double alpha, double beta) {
 
 }  // namespace
 
-Tensor add(const Tensor& a, const Tensor& b) { return binary_op<AddFn>(cpu::BinaryOp::Add, a, b, false); }
-Tensor sub(const Tensor& a, const Tensor& b) { return binary_op<SubFn>(cpu::BinaryOp::Sub, a, b, false); }
-Tensor mul(const Tensor& a, const Tensor& b) { return binary_op<MulFn>(cpu::BinaryOp::Mul, a, b, true); }
-Tensor div(const Tensor& a, const Tensor& b) { return binary_op<DivFn>(cpu::BinaryOp::Div, a, b, true); }
+Tensor add(const Tensor& a, const Tensor& b) { return binary_op<AddFn>(runtime::BinaryOp::Add, a, b, false); }
+Tensor sub(const Tensor& a, const Tensor& b) { return binary_op<SubFn>(runtime::BinaryOp::Sub, a, b, false); }
+Tensor mul(const Tensor& a, const Tensor& b) { return binary_op<MulFn>(runtime::BinaryOp::Mul, a, b, true); }
+Tensor div(const Tensor& a, const Tensor& b) { return binary_op<DivFn>(runtime::BinaryOp::Div, a, b, true); }
 Tensor scale(const Tensor& x, double factor) { return affine_op(x, factor, 0.0); }
 Tensor add_scalar(const Tensor& x, double value) { return affine_op(x, 1.0, value); }
 Tensor neg(const Tensor& x) { return affine_op(x, -1.0, 0.0); }
+Tensor clone(const Tensor& x) { return affine_op(x, 1.0, 0.0); }
 
 void add_(const Tensor& dst, const Tensor& src) {
-  detail::require_cpu("add_", {&dst, &src});
-  cpu::add_inplace(dst, src);
+  detail::require_same_device("add_", {&dst, &src});
+  on(dst).add_inplace(dst, src);
 }
 
 // ---------------------------------------------------------------- reductions
@@ -147,19 +148,19 @@ struct SumFn {
   };
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor g = materialize(grads[0]).view(ctx.keep_shape);
-    Tensor out = Tensor::empty(ctx.input_shape, g.dtype(), g.device(), memory::current_owner("sum_backward"));
-    cpu::affine(out, g, ctx.factor, 0.0);
+    Tensor out = Tensor::empty(ctx.input_shape, g.dtype(), g.device(), current_owner("sum_backward"));
+    on(out).affine(out, g, ctx.factor, 0.0);
     return {out};
   }
 };
 
 Tensor reduce_sum(const Tensor& x, std::vector<int64_t> dims, bool keepdim, double factor, const char* name) {
-  detail::require_cpu(name, {&x});
+  detail::require_same_device(name, {&x});
   dims = normalize_dims(std::move(dims), x.dim());
   Shape keep = keepdim_shape(x.shape(), dims);
   Tensor out = new_output(keep, x.dtype(), x.device(), name);
-  cpu::sum_into(out, x);
-  if (factor != 1.0) cpu::affine(out, out, factor, 0.0);
+  on(out).sum_into(out, x);
+  if (factor != 1.0) on(out).affine(out, out, factor, 0.0);
   if (!keepdim) out = make_view(out, dropdim_shape(x.shape(), dims), contiguous_strides(dropdim_shape(x.shape(), dims)), 0);
   if (autograd::needs_graph({x})) {
     auto ctx = std::make_unique<SumFn::Context>();
@@ -188,7 +189,7 @@ struct MaxFn {
     Tensor indices = ctx.saved(0);
     Tensor g = materialize(grads[0]).view(ctx.keep_shape);
     Tensor dx = Tensor::zeros(ctx.input_shape, g.dtype(), g.device());
-    cpu::scatter_add(dx, ctx.dim, indices.view(ctx.keep_shape), g);
+    on(dx).scatter_add(dx, ctx.dim, indices.view(ctx.keep_shape), g);
     return {dx};
   }
 };
@@ -209,12 +210,12 @@ Tensor mean(const Tensor& x, std::vector<int64_t> dims, bool keepdim) {
 }
 
 Tensor max(const Tensor& x, int64_t dim, bool keepdim) {
-  detail::require_cpu("max", {&x});
+  detail::require_same_device("max", {&x});
   dim = wrap_dim(dim, x.dim());
   Shape keep = keepdim_shape(x.shape(), {dim});
   Tensor values = new_output(keep, x.dtype(), x.device(), "max");
   Tensor indices = new_output(keep, DType::I64, x.device(), "max_indices");
-  cpu::max_dim(values, indices, x, dim);
+  on(values).max_dim(values, indices, x, dim);
   if (!keepdim) values = make_view(values, dropdim_shape(x.shape(), {dim}), contiguous_strides(dropdim_shape(x.shape(), {dim})), 0);
   if (autograd::needs_graph({x})) {
     auto ctx = std::make_unique<MaxFn::Context>();
@@ -242,7 +243,7 @@ Tensor argmax(const Tensor& x) {
   Shape s = x.shape();
   s.back() = 1;
   Tensor out = new_output(s, DType::I64, x.device(), "argmax");
-  cpu::argmax_last(out, x);
+  on(out).argmax_last(out, x);
   s.pop_back();
   return make_view(out, s, contiguous_strides(s), 0);
 }
@@ -250,7 +251,7 @@ Tensor argmax(const Tensor& x) {
 double global_norm(const std::vector<Tensor>& tensors) {
   double total = 0;
   for (const Tensor& t : tensors)
-    if (t.defined()) total += cpu::sum_squares(t);
+    if (t.defined()) total += on(t).sum_squares(t);
   return std::sqrt(total);
 }
 

@@ -6,6 +6,7 @@ namespace tally::ops {
 
 using detail::materialize;
 using detail::new_output;
+using detail::on;
 
 namespace {
 
@@ -41,7 +42,7 @@ void batched_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tens
   if (b.dim() == 2 && a.dim() > 2 && !ta) {
     Tensor a2, c2;
     if (flatten_rows(a, &a2) && flatten_rows(c, &c2)) {
-      cpu::gemm(a2, false, b, tb, c2, 1.f, beta0);
+      on(a2).gemm(a2, false, b, tb, c2, 1.f, beta0);
       return;
     }
   }
@@ -50,7 +51,7 @@ void batched_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tens
     Tensor ai = a.dim() == 2 ? a : batch_matrix(a, i);
     Tensor bi = b.dim() == 2 ? b : batch_matrix(b, i);
     Tensor ci = c.dim() == 2 ? c : batch_matrix(c, i);
-    cpu::gemm(ai, ta, bi, tb, ci, 1.f, (accumulate_over_batch && i > 0) ? 1.f : beta0);
+    on(ai).gemm(ai, ta, bi, tb, ci, 1.f, (accumulate_over_batch && i > 0) ? 1.f : beta0);
   }
 }
 
@@ -66,20 +67,20 @@ struct MatmulFn {
     Tensor g = materialize(grads[0]);
     Tensor da, db;
     if (ctx.needs_input_grad(0)) {
-      da = Tensor::empty(a.shape(), a.dtype(), a.device(), memory::current_owner("matmul_da"));
+      da = Tensor::empty(a.shape(), a.dtype(), a.device(), current_owner("matmul_da"));
       if (!ctx.ta) batched_gemm(g, false, b, !ctx.tb, da, false);
       else batched_gemm(b, ctx.tb, g, true, da, false);
     }
     if (ctx.needs_input_grad(1)) {
-      db = Tensor::empty(b.shape(), b.dtype(), b.device(), memory::current_owner("matmul_db"));
+      db = Tensor::empty(b.shape(), b.dtype(), b.device(), current_owner("matmul_db"));
       if (b.dim() == 2 && a.dim() > 2) {
         // Shared right operand: its gradient sums over the batch; one GEMM over flattened rows.
         Tensor a2 = materialize(a), g2;
         a2 = make_view(a2, {a2.numel() / a2.shape().back(), a2.shape().back()}, {a2.shape().back(), 1}, a2.offset());
         g2 = make_view(g, {g.numel() / g.shape().back(), g.shape().back()}, {g.shape().back(), 1}, g.offset());
         TALLY_CHECK(!ctx.ta, "matmul: transposed batched left operand with a shared right operand is not supported");
-        if (!ctx.tb) cpu::gemm(a2, true, g2, false, db);
-        else cpu::gemm(g2, true, a2, false, db);
+        if (!ctx.tb) on(a2).gemm(a2, true, g2, false, db);
+        else on(g2).gemm(g2, true, a2, false, db);
       } else if (!ctx.tb) {
         batched_gemm(a, !ctx.ta, g, false, db, false);
       } else {
@@ -93,7 +94,7 @@ struct MatmulFn {
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
-  detail::require_cpu("matmul", {&a, &b});
+  detail::require_same_device("matmul", {&a, &b});
   detail::require_same_dtype("matmul", a, b);
   TALLY_CHECK(a.dim() >= 2 && b.dim() >= 2, "matmul: operands must have at least 2 dimensions, got ", a.str(), " and ",
               b.str());
@@ -134,25 +135,25 @@ struct LinearFn {
     Tensor g2 = make_view(g, {rows, out_f}, {out_f, 1}, g.offset());
     Tensor dx, dw, db;
     if (ctx.needs_input_grad(0)) {
-      dx = Tensor::empty(x.shape(), x.dtype(), x.device(), memory::current_owner("linear_dx"));
-      cpu::gemm(g2, false, w, false, make_view(dx, {rows, in_f}, {in_f, 1}, 0));
+      dx = Tensor::empty(x.shape(), x.dtype(), x.device(), current_owner("linear_dx"));
+      on(g2).gemm(g2, false, w, false, make_view(dx, {rows, in_f}, {in_f, 1}, 0));
     }
     if (ctx.needs_input_grad(1)) {
       Tensor x2 = make_view(x, {rows, in_f}, {in_f, 1}, x.offset());
       Tensor sink = ctx.grad_sink(1);
       if (sink.defined() && sink.is_contiguous() && sink.dtype() == w.dtype()) {
-        cpu::gemm(g2, true, x2, false, sink, 1.f, 1.f);  // dW accumulated in place
+        on(g2).gemm(g2, true, x2, false, sink, 1.f, 1.f);  // dW accumulated in place
       } else {
-        dw = Tensor::empty(w.shape(), w.dtype(), w.device(), memory::current_owner("linear_dw"));
-        cpu::gemm(g2, true, x2, false, dw);
+        dw = Tensor::empty(w.shape(), w.dtype(), w.device(), current_owner("linear_dw"));
+        on(g2).gemm(g2, true, x2, false, dw);
       }
     }
     if (ctx.needs_input_grad(2)) {
-      db = Tensor::empty({out_f}, g.dtype(), g.device(), memory::current_owner("linear_db"));
-      cpu::sum_into(make_view(db, {1, out_f}, {out_f, 1}, 0), g2);
+      db = Tensor::empty({out_f}, g.dtype(), g.device(), current_owner("linear_db"));
+      on(db).sum_into(make_view(db, {1, out_f}, {out_f, 1}, 0), g2);
       Tensor sink = ctx.grad_sink(2);
       if (sink.defined() && sink.dtype() == db.dtype()) {
-        cpu::add_inplace(sink, db);
+        on(sink).add_inplace(sink, db);
         db = Tensor();
       }
     }
@@ -162,7 +163,7 @@ struct LinearFn {
 }  // namespace
 
 Tensor linear(const Tensor& x_in, const Tensor& w, const Tensor& b) {
-  detail::require_cpu("linear", {&x_in, &w, &b});
+  detail::require_same_device("linear", {&x_in, &w, &b});
   detail::require_same_dtype("linear", x_in, w);
   TALLY_CHECK(w.dim() == 2, "linear: weight ", w.str(), " must be 2-D (out_features, in_features)");
   TALLY_CHECK(x_in.dim() >= 1 && x_in.size(-1) == w.shape()[1], "linear: input ", x_in.str(), " has ",
@@ -177,10 +178,10 @@ Tensor linear(const Tensor& x_in, const Tensor& w, const Tensor& b) {
   Tensor out2 = make_view(out, {rows, out_f}, {out_f, 1}, 0);
   Tensor w_c = materialize(w);
   if (b.defined()) {
-    cpu::copy(out2, b);  // broadcast the bias into every row, then accumulate the GEMM
-    cpu::gemm(make_view(x, {rows, in_f}, {in_f, 1}, x.offset()), false, w_c, true, out2, 1.f, 1.f);
+    on(out2).copy(out2, b);  // broadcast the bias into every row, then accumulate the GEMM
+    on(x).gemm(make_view(x, {rows, in_f}, {in_f, 1}, x.offset()), false, w_c, true, out2, 1.f, 1.f);
   } else {
-    cpu::gemm(make_view(x, {rows, in_f}, {in_f, 1}, x.offset()), false, w_c, true, out2, 1.f, 0.f);
+    on(x).gemm(make_view(x, {rows, in_f}, {in_f, 1}, x.offset()), false, w_c, true, out2, 1.f, 0.f);
   }
   if (autograd::needs_graph({x_in, w, b})) {
     auto ctx = std::make_unique<LinearFn::Context>();

@@ -1,12 +1,12 @@
 // Differentiable neural-network ops: embedding, layernorm, GELU, softmax, causal
 // attention and cross-entropy. The math of each is next to its kernel in ops/cpu.
-#include "autograd/engine.h"
 #include "ops/op_common.h"
 
 namespace tally::ops {
 
 using detail::materialize;
 using detail::new_output;
+using detail::on;
 
 namespace {
 
@@ -20,11 +20,11 @@ struct EmbeddingFn {
     Tensor g = materialize(grads[0]);
     Tensor sink = ctx.grad_sink(0);
     if (sink.defined() && sink.is_contiguous() && sink.dtype() == g.dtype()) {
-      cpu::embedding_backward(sink, g, indices);  // scatter-add straight into the leaf's grad
+      on(sink).embedding_backward(sink, g, indices);  // scatter-add straight into the leaf's grad
       return {Tensor(), Tensor()};
     }
     Tensor dw = Tensor::zeros(ctx.weight_shape, g.dtype(), g.device());
-    cpu::embedding_backward(dw, g, indices);
+    on(dw).embedding_backward(dw, g, indices);
     return {dw, Tensor()};
   }
 };
@@ -35,10 +35,10 @@ struct LayerNormFn {
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor x = ctx.saved(0), w = ctx.saved(1), m = ctx.saved(2), r = ctx.saved(3);
     Tensor g = materialize(grads[0]);
-    Tensor dx = ctx.needs_input_grad(0) ? Tensor::empty(x.shape(), x.dtype(), x.device(), memory::current_owner("layernorm_dx")) : Tensor();
-    Tensor dw = Tensor::empty(w.shape(), w.dtype(), w.device(), memory::current_owner("layernorm_dw"));
-    Tensor db = ctx.needs_input_grad(2) ? Tensor::empty(w.shape(), w.dtype(), w.device(), memory::current_owner("layernorm_db")) : Tensor();
-    cpu::layernorm_backward(dx, dw, db, g, x, w, m, r);
+    Tensor dx = ctx.needs_input_grad(0) ? Tensor::empty(x.shape(), x.dtype(), x.device(), current_owner("layernorm_dx")) : Tensor();
+    Tensor dw = Tensor::empty(w.shape(), w.dtype(), w.device(), current_owner("layernorm_dw"));
+    Tensor db = ctx.needs_input_grad(2) ? Tensor::empty(w.shape(), w.dtype(), w.device(), current_owner("layernorm_db")) : Tensor();
+    on(dx).layernorm_backward(dx, dw, db, g, x, w, m, r);
     return {dx, ctx.needs_input_grad(1) ? dw : Tensor(), db};
   }
 };
@@ -48,8 +48,8 @@ struct GeluFn {
   using Context = autograd::Context;  // saved: x
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor x = ctx.saved(0);
-    Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device(), memory::current_owner("gelu_dx"));
-    cpu::gelu_backward(dx, materialize(grads[0]), x);
+    Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device(), current_owner("gelu_dx"));
+    on(dx).gelu_backward(dx, materialize(grads[0]), x);
     return {dx};
   }
 };
@@ -59,8 +59,8 @@ struct SoftmaxFn {
   using Context = autograd::Context;  // saved: y (the op's own output, saved without its graph)
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor y = ctx.saved(0);
-    Tensor dx = Tensor::empty(y.shape(), y.dtype(), y.device(), memory::current_owner("softmax_dx"));
-    cpu::softmax_backward(dx, materialize(grads[0]), y);
+    Tensor dx = Tensor::empty(y.shape(), y.dtype(), y.device(), current_owner("softmax_dx"));
+    on(dx).softmax_backward(dx, materialize(grads[0]), y);
     return {dx};
   }
 };
@@ -73,7 +73,7 @@ struct AttentionFn {
     Tensor dq = Tensor::zeros(q.shape(), q.dtype(), q.device());
     Tensor dk = Tensor::zeros(k.shape(), k.dtype(), k.device());
     Tensor dv = Tensor::zeros(v.shape(), v.dtype(), v.device());
-    cpu::attention_backward(dq, dk, dv, materialize(grads[0]), q, k, v, out, lse);
+    on(dq).attention_backward(dq, dk, dv, materialize(grads[0]), q, k, v, out, lse);
     return {dq, dk, dv};
   }
 };
@@ -88,14 +88,14 @@ struct CrossEntropyFn {
     Tensor logits = ctx.saved(0), lse = ctx.saved(1), targets = ctx.saved(2);
     const double g = grads[0].item();
     // When this context holds the only reference to the logits (the model dropped its
-    // own), the gradient overwrites them in place: one (N, V) buffer instead of two.
-    // With a retained graph the logits will be read again: never overwrite them then.
-    const bool sole_owner = !autograd::graph_retained() && logits.storage_ptr().use_count() == 1 &&
-                            logits.storage().views().size() == 1;
+    // own) and is about to be destroyed, the gradient overwrites them in place: one
+    // (N, V) buffer instead of two. With a retained graph the logits will be read again.
+    const bool sole_owner =
+        ctx.will_release() && logits.storage_ptr().use_count() == 1 && logits.storage().num_views() == 1;
     Tensor dlogits = sole_owner ? logits
                                 : Tensor::empty(logits.shape(), logits.dtype(), logits.device(),
-                                                memory::current_owner("cross_entropy_dlogits"));
-    cpu::cross_entropy_backward(dlogits, logits, lse, targets, ctx.valid_vocab,
+                                                current_owner("cross_entropy_dlogits"));
+    on(dlogits).cross_entropy_backward(dlogits, logits, lse, targets, ctx.valid_vocab,
                                 g / static_cast<double>(std::max<int64_t>(ctx.count, 1)));
     dlogits.storage().bump_version();
     return {dlogits, Tensor()};
@@ -105,13 +105,13 @@ struct CrossEntropyFn {
 }  // namespace
 
 Tensor embedding(const Tensor& weight, const Tensor& indices_in) {
-  detail::require_cpu("embedding", {&weight, &indices_in});
+  detail::require_same_device("embedding", {&weight, &indices_in});
   TALLY_CHECK(weight.dim() == 2, "embedding: weight ", weight.str(), " must be 2-D (vocab, channels)");
   Tensor w = materialize(weight), indices = materialize(indices_in);
   Shape shape = indices.shape();
   shape.push_back(weight.shape()[1]);
   Tensor out = new_output(shape, weight.dtype(), weight.device(), "embedding");
-  cpu::embedding_forward(out, w, indices);
+  on(out).embedding_forward(out, w, indices);
   if (autograd::needs_graph({weight})) {
     auto ctx = std::make_unique<EmbeddingFn::Context>();
     ctx->weight_shape = weight.shape();
@@ -122,7 +122,7 @@ Tensor embedding(const Tensor& weight, const Tensor& indices_in) {
 }
 
 Tensor layernorm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, double eps) {
-  detail::require_cpu("layernorm", {&x_in, &weight, &bias});
+  detail::require_same_device("layernorm", {&x_in, &weight, &bias});
   const int64_t C = x_in.size(-1);
   TALLY_CHECK(weight.defined(), "layernorm: a weight of shape (", C, ") is required");
   TALLY_CHECK(weight.dim() == 1 && weight.shape()[0] == C, "layernorm: weight ", weight.str(), " must be (", C, ") for input ", x_in.str());
@@ -132,7 +132,7 @@ Tensor layernorm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, d
   Tensor out = new_output(x.shape(), x.dtype(), x.device(), "layernorm");
   Tensor mean = new_output(rows, x.dtype(), x.device(), "layernorm_mean");
   Tensor rstd = new_output(rows, x.dtype(), x.device(), "layernorm_rstd");
-  cpu::layernorm_forward(out, mean, rstd, x, materialize(weight), materialize(bias), eps);
+  on(out).layernorm_forward(out, mean, rstd, x, materialize(weight), materialize(bias), eps);
   if (autograd::needs_graph({x_in, weight, bias})) {
     auto ctx = std::make_unique<LayerNormFn::Context>();
     ctx->save_for_backward({x, materialize(weight), mean, rstd});
@@ -142,10 +142,10 @@ Tensor layernorm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, d
 }
 
 Tensor gelu(const Tensor& x_in) {
-  detail::require_cpu("gelu", {&x_in});
+  detail::require_same_device("gelu", {&x_in});
   Tensor x = materialize(x_in);
   Tensor out = new_output(x.shape(), x.dtype(), x.device(), "gelu");
-  cpu::gelu_forward(out, x);
+  on(out).gelu_forward(out, x);
   if (autograd::needs_graph({x_in})) {
     auto ctx = std::make_unique<GeluFn::Context>();
     ctx->save_for_backward({x});
@@ -155,10 +155,10 @@ Tensor gelu(const Tensor& x_in) {
 }
 
 Tensor softmax(const Tensor& x_in) {
-  detail::require_cpu("softmax", {&x_in});
+  detail::require_same_device("softmax", {&x_in});
   Tensor x = materialize(x_in);
   Tensor out = new_output(x.shape(), x.dtype(), x.device(), "softmax");
-  cpu::softmax_forward(out, x);
+  on(out).softmax_forward(out, x);
   if (autograd::needs_graph({x_in})) {
     auto ctx = std::make_unique<SoftmaxFn::Context>();
     ctx->save_for_backward({out});
@@ -168,7 +168,7 @@ Tensor softmax(const Tensor& x_in) {
 }
 
 Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in) {
-  detail::require_cpu("causal_attention", {&q_in, &k_in, &v_in});
+  detail::require_same_device("causal_attention", {&q_in, &k_in, &v_in});
   TALLY_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4, "causal_attention: q, k, v must be (B,T,heads,D), got ",
               q_in.str(), ", ", k_in.str(), ", ", v_in.str());
   TALLY_CHECK(k_in.shape() == v_in.shape(), "causal_attention: k ", k_in.str(), " and v ", v_in.str(), " differ in shape");
@@ -182,7 +182,7 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   Tensor q = last_contig(q_in), k = last_contig(k_in), v = last_contig(v_in);
   Tensor out = new_output({B, T, H, D}, q.dtype(), q.device(), "attention");
   Tensor lse = new_output({B, H, T}, q.dtype(), q.device(), "attention_lse");
-  cpu::attention_forward(out, lse, q, k, v);
+  on(out).attention_forward(out, lse, q, k, v);
   if (autograd::needs_graph({q_in, k_in, v_in})) {
     auto ctx = std::make_unique<AttentionFn::Context>();
     ctx->save_for_backward({q, k, v, out, lse});
@@ -192,7 +192,7 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
 }
 
 Tensor cross_entropy(const Tensor& logits_in, const Tensor& targets_in, int64_t valid_vocab) {
-  detail::require_cpu("cross_entropy", {&logits_in, &targets_in});
+  detail::require_same_device("cross_entropy", {&logits_in, &targets_in});
   TALLY_CHECK(logits_in.dim() == 2, "cross_entropy: logits ", logits_in.str(), " must be (N, vocab)");
   TALLY_CHECK(targets_in.numel() == logits_in.shape()[0], "cross_entropy: ", targets_in.numel(), " targets for ",
               logits_in.shape()[0], " rows of logits ", logits_in.str());
@@ -202,7 +202,7 @@ Tensor cross_entropy(const Tensor& logits_in, const Tensor& targets_in, int64_t 
   const int64_t N = logits.shape()[0];
   Tensor losses = new_output({N}, logits.dtype(), logits.device(), "cross_entropy_rows");
   Tensor lse = new_output({N}, logits.dtype(), logits.device(), "cross_entropy_lse");
-  cpu::cross_entropy_forward(losses, lse, logits, targets, V);
+  on(losses).cross_entropy_forward(losses, lse, logits, targets, V);
   int64_t count = 0;
   for (int64_t v : targets.to_vector<int64_t>()) count += v >= 0;
   Tensor loss = new_output({}, logits.dtype(), logits.device(), "loss");

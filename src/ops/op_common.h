@@ -4,27 +4,33 @@
 
 #include "autograd/function.h"
 #include "core/tensor.h"
-#include "ops/cpu/kernels.h"
 #include "ops/ops.h"
+#include "runtime/backend.h"
 
 namespace tally::ops::detail {
 
+// The backend of the device `t` lives on: where its kernels run.
+inline runtime::Backend& on(const Tensor& t) { return runtime::backend(t.device()); }
+
 // A fresh output tensor for `op`, owned by the current module path (":op" appended).
 inline Tensor new_output(const Shape& shape, DType dtype, Device device, const char* op) {
-  return Tensor::empty(shape, dtype, device, memory::current_owner(op));
+  return Tensor::empty(shape, dtype, device, current_owner(op));
 }
 
 // `t` itself when contiguous, otherwise a contiguous copy. Never records a graph: used
 // inside ops and backward formulas to feed kernels.
-inline Tensor materialize(const Tensor& t) { return cpu::dense(t); }
+inline Tensor materialize(const Tensor& t) { return t.defined() && !t.is_contiguous() ? on(t).dense(t) : t; }
 
-// CPU is the only backend whose kernels are linked in this build's op layer; CUDA tensors
-// are rejected with a clear message instead of being read from host code.
-inline void require_cpu(const char* op, std::initializer_list<const Tensor*> ts) {
-  for (const Tensor* t : ts)
-    if (t->defined())
-      TALLY_CHECK(t->device().is_cpu(), op, ": tensor ", t->str(), " is on ", t->device().str(),
-                  "; this op has no kernel for that device yet");
+// An op's tensors must share one device; the error names the op and both devices.
+inline void require_same_device(const char* op, std::initializer_list<const Tensor*> ts) {
+  const Tensor* first = nullptr;
+  for (const Tensor* t : ts) {
+    if (!t->defined()) continue;
+    if (!first) first = t;
+    else
+      TALLY_CHECK(t->device() == first->device(), op, ": tensors on different devices: ", first->str(), " on ",
+                  first->device().str(), " and ", t->str(), " on ", t->device().str());
+  }
 }
 
 inline void require_same_dtype(const char* op, const Tensor& a, const Tensor& b) {

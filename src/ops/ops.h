@@ -1,6 +1,6 @@
 // tally's differentiable ops. Each records its backward through the Function API
-// (autograd/function.h) when an input requires grad; kernels live per device in
-// ops/cpu and ops/cuda, selected by the tensors' device and dtype.
+// (autograd/function.h) when an input requires grad; its kernels run on the backend of
+// its tensors' device (runtime/backend.h), which dispatches on dtype.
 //
 // Dtypes: fp32 and fp64 everywhere; bf16 for matmul/linear (oneDNN) and conversions.
 #pragma once
@@ -64,6 +64,8 @@ Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t s
 Tensor expand(const Tensor& x, const Shape& shape);
 Tensor contiguous(const Tensor& x);
 Tensor to_dtype(const Tensor& x, DType dtype);
+Tensor to_device(const Tensor& x, Device device);  // differentiable host <-> device copy
+Tensor clone(const Tensor& x);                     // a differentiable copy into new storage
 
 // ---- non-differentiable helpers
 Tensor argmax(const Tensor& x);            // over the last dimension, int64

@@ -8,6 +8,7 @@ namespace tally::ops {
 
 using detail::materialize;
 using detail::new_output;
+using detail::on;
 
 namespace {
 
@@ -95,7 +96,7 @@ struct SliceFn {
   };
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor dx = Tensor::zeros(ctx.input_shape, grads[0].dtype(), grads[0].device());
-    cpu::copy(ops::slice(dx, ctx.dim, ctx.start, ctx.end, ctx.step), grads[0]);
+    on(dx).copy(ops::slice(dx, ctx.dim, ctx.start, ctx.end, ctx.step), grads[0]);
     return {dx};
   }
 };
@@ -122,8 +123,20 @@ struct ToDtypeFn {
     DType input_dtype;
   };
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
-    Tensor g = Tensor::empty(grads[0].shape(), ctx.input_dtype, grads[0].device(), memory::current_owner("to_dtype_grad"));
-    cpu::copy(g, grads[0]);
+    Tensor g = Tensor::empty(grads[0].shape(), ctx.input_dtype, grads[0].device(), current_owner("to_dtype_grad"));
+    on(g).copy(g, grads[0]);
+    return {g};
+  }
+};
+
+struct ToDeviceFn {
+  static constexpr const char* kName = "to_device";
+  struct Context : autograd::Context {
+    Device input_device;
+  };
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    Tensor g = Tensor::empty(grads[0].shape(), grads[0].dtype(), ctx.input_device, current_owner("to_device_grad"));
+    g.copy_(grads[0]);
     return {g};
   }
 };
@@ -158,12 +171,12 @@ struct SplitFn {
     Device dev = Device::cpu();
     for (const Tensor& g : grads)
       if (g.defined()) dt = g.dtype(), dev = g.device();
-    Tensor dx = Tensor::empty(ctx.input_shape, dt, dev, memory::current_owner("split_dx"));
+    Tensor dx = Tensor::empty(ctx.input_shape, dt, dev, current_owner("split_dx"));
     int64_t offset = 0;
     for (size_t i = 0; i < ctx.sizes.size(); ++i) {
       Tensor part = ops::slice(dx, ctx.dim, offset, offset + ctx.sizes[i]);
-      if (grads[i].defined()) cpu::copy(part, grads[i]);
-      else cpu::fill(part, 0.0);
+      if (grads[i].defined()) on(part).copy(part, grads[i]);
+      else on(part).fill(part, 0.0);
       offset += ctx.sizes[i];
     }
     return {dx};
@@ -179,7 +192,7 @@ struct GatherFn {
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor index = ctx.saved(0);
     Tensor dx = Tensor::zeros(ctx.input_shape, grads[0].dtype(), grads[0].device());
-    cpu::scatter_add(dx, ctx.dim, index, grads[0]);
+    on(dx).scatter_add(dx, ctx.dim, index, grads[0]);
     return {dx, Tensor()};
   }
 };
@@ -284,14 +297,26 @@ Tensor expand(const Tensor& x, const Shape& shape) {
 Tensor contiguous(const Tensor& x) {
   if (x.is_contiguous()) return x;
   Tensor out = new_output(x.shape(), x.dtype(), x.device(), "contiguous");
-  cpu::copy(out, x);
+  on(out).copy(out, x);
   if (autograd::needs_graph({x})) autograd::record<CopyFn>(std::make_unique<CopyFn::Context>(), {x}, {out});
+  return out;
+}
+
+Tensor to_device(const Tensor& x, Device device) {
+  if (x.device() == device) return x;
+  Tensor out = new_output(x.shape(), x.dtype(), device, "to_device");
+  out.copy_(x);
+  if (autograd::needs_graph({x})) {
+    auto ctx = std::make_unique<ToDeviceFn::Context>();
+    ctx->input_device = x.device();
+    autograd::record<ToDeviceFn>(std::move(ctx), {x}, {out});
+  }
   return out;
 }
 
 Tensor to_dtype(const Tensor& x, DType dtype) {
   Tensor out = new_output(x.shape(), dtype, x.device(), "to_dtype");
-  cpu::copy(out, x);
+  on(out).copy(out, x);
   if (is_floating(dtype) && autograd::needs_graph({x})) {
     auto ctx = std::make_unique<ToDtypeFn::Context>();
     ctx->input_dtype = x.dtype();
@@ -320,7 +345,7 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
   {
     autograd::NoGradGuard no_grad;
     for (const Tensor& t : tensors) {
-      cpu::copy(ops::slice(out, dim, offset, offset + t.shape()[dim]), t);
+      on(out).copy(ops::slice(out, dim, offset, offset + t.shape()[dim]), t);
       offset += t.shape()[dim];
     }
   }
@@ -357,14 +382,14 @@ std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, in
 }
 
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
-  detail::require_cpu("gather", {&x, &index});
+  detail::require_same_device("gather", {&x, &index});
   dim = wrap_dim(dim, x.dim());
   TALLY_CHECK(index.dim() == x.dim(), "gather: index ", index.str(), " must have the rank of ", x.str());
   for (int64_t d = 0; d < x.dim(); ++d)
     TALLY_CHECK(d == dim || index.shape()[d] <= x.shape()[d], "gather: index ", index.str(), " is larger than ", x.str(),
                 " in dimension ", d);
   Tensor out = new_output(index.shape(), x.dtype(), x.device(), "gather");
-  cpu::gather(out, x, dim, index);
+  on(out).gather(out, x, dim, index);
   if (autograd::needs_graph({x})) {
     auto ctx = std::make_unique<GatherFn::Context>();
     ctx->input_shape = x.shape();

@@ -6,8 +6,8 @@ namespace tally::optim {
 
 AdamW::AdamW(nn::ParameterStore& params, AdamWConfig config) : params_(params), config_(config) {
   const Tensor& p = params_.flat_params();
-  m_ = Tensor::zeros(p.shape(), p.dtype(), p.device(), memory::make_owner(memory::Category::OptimizerState, "adamw.m"));
-  v_ = Tensor::zeros(p.shape(), p.dtype(), p.device(), memory::make_owner(memory::Category::OptimizerState, "adamw.v"));
+  m_ = Tensor::zeros(p.shape(), p.dtype(), p.device(), make_owner(Category::OptimizerState, "adamw.m"));
+  v_ = Tensor::zeros(p.shape(), p.dtype(), p.device(), make_owner(Category::OptimizerState, "adamw.v"));
 }
 
 void AdamW::step(double lr, double grad_scale, bool zero_grad) {

@@ -10,7 +10,7 @@ namespace tally::train {
 std::vector<int32_t> sample(const nn::Transformer& model, std::vector<int32_t> tokens, const SampleOptions& opt,
                             Rng& rng) {
   autograd::InferenceModeGuard inference;
-  memory::OwnerScope scope("sample");
+  OwnerScope scope("sample");
   const auto& c = model.config();
   TALLY_CHECK(!tokens.empty(), "sample: the prompt must hold at least one token");
   std::vector<int32_t> generated;

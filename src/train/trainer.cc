@@ -16,12 +16,12 @@
 #include "data/tokenizer.h"
 #include "io/checkpoint.h"
 #include "io/model_files.h"
-#include "memory/ledger.h"
-#include "memory/sanitizer.h"
+#include "memory/report.h"
 #include "nn/transformer.h"
-#include "ops/cpu/kernels.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
+#include "runtime/backend.h"
+#include "sanitizer/sanitizer.h"
 #include "train/sampler.h"
 
 namespace tally::train {
@@ -101,7 +101,7 @@ struct Detokenizer {
 
 double evaluate(const nn::Transformer& model, data::TokenLoader& loader, int64_t batches) {
   autograd::InferenceModeGuard inference;
-  memory::OwnerScope scope("eval");
+  OwnerScope scope("eval");
   double total = 0;
   for (int64_t i = 0; i < batches; ++i) {
     const data::Batch& b = loader.batch_from(i * loader.tokens_per_batch());
@@ -119,8 +119,8 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
     if (!c.quiet) std::printf(fmt, args...), std::fflush(stdout);
   };
 
-  memory::SanitizeMode mode = memory::parse_sanitize_mode(c.sanitize);
-  auto& ledger = memory::ledger();
+  sanitizer::SanitizeMode mode = sanitizer::parse_sanitize_mode(c.sanitize);
+  auto& ledger = runtime::ledger();
   if (!c.mem_trace.empty()) ledger.enable_history(true, false);
 
   std::unique_ptr<nn::Transformer> model = build_model(c);
@@ -151,7 +151,7 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
   const int64_t N = c.grad_accum, B = c.batch_size, T = c.seq_len;
   const int64_t tokens_per_step = N * B * T;
   const double step_flops = model->flops_per_token(T) * static_cast<double>(tokens_per_step);
-  const double gemm_peak = ops::cpu::measured_gemm_peak_flops();
+  const double gemm_peak = runtime::backend(Device::cpu()).measured_gemm_peak_flops();
   const int64_t P = model->num_parameters();
   log("model: %s, %lld parameters\n", mc.describe().c_str(), static_cast<long long>(P));
   log("data: %lld train tokens in %zu shard(s)%s; step = %lld microbatch(es) x %lld x %lld = %lld tokens\n",
@@ -168,7 +168,7 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
     TALLY_CHECK(json_log->good(), "--log-json: cannot write '", c.log_json, "'");
   }
 
-  memory::Sanitizer sanitizer(mode);
+  sanitizer::Sanitizer sanitizer(mode);
   TrainResult result;
   int64_t predicted_min = 0;
   const int64_t states_bytes = 16 * P;  // fp32 param, grad, m, v
@@ -202,7 +202,7 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
                 ", gradient norm ", norm, " is not finite; stopping before the update (try a lower --lr or --grad-clip)");
     {
       autograd::NoGradGuard ng;
-      memory::OwnerScope scope("optimizer");
+      OwnerScope scope("optimizer");
       opt.step(lr, optim::clip_scale(norm, c.grad_clip), /*zero_grad=*/true);
     }
     sanitizer.end_step();

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "memory/sanitizer.h"
+#include "sanitizer/sanitizer.h"
 
 namespace tally::train {
 
@@ -74,7 +74,7 @@ struct TrainResult {
   double final_val_loss = -1;
   std::vector<StepMetrics> history;
   std::string last_checkpoint;
-  std::vector<memory::Boundary> boundaries;  // the sanitizer's step/microbatch records
+  std::vector<sanitizer::Boundary> boundaries;  // the sanitizer's step/microbatch records
 };
 
 double learning_rate(const TrainConfig& c, int64_t step);

@@ -2,14 +2,14 @@
 #include <cmath>
 #include <limits>
 
-#include "ops/cpu/kernels.h"
-#include "ops/cpu/strided.h"
+#include "runtime/cpu/kernels.h"
+#include "runtime/cpu/strided.h"
 
-namespace tally::ops::cpu {
+namespace tally::runtime::cpu {
 
 Tensor dense(const Tensor& t) {
   if (!t.defined() || t.is_contiguous()) return t;
-  Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device(), memory::current_owner("contiguous"));
+  Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device(), current_owner("contiguous"));
   copy(c, t);
   return c;
 }
@@ -26,18 +26,6 @@ Shape broadcast_strides(const Tensor& t, const Shape& shape) {
   return out;
 }
 
-Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
-  size_t n = std::max(a.size(), b.size());
-  Shape out(n);
-  for (size_t i = 0; i < n; ++i) {
-    int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
-    int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
-    TALLY_CHECK(da == db || da == 1 || db == 1, op, ": shapes ", shape_str(a), " and ", shape_str(b),
-                " cannot be broadcast together");
-    out[i] = da == 1 ? db : da;
-  }
-  return out;
-}
 
 void copy(const Tensor& dst, const Tensor& src) {
   TALLY_CHECK(dst.device().is_cpu() && src.device().is_cpu(), "copy: CPU kernel got ", dst.device().str(), " and ",
@@ -234,7 +222,7 @@ void max_dim(const Tensor& values, const Tensor& indices, const Tensor& x, int64
 }
 
 void argmax_last(const Tensor& out, const Tensor& x) {
-  Tensor values = Tensor::empty(out.shape(), x.dtype(), x.device(), memory::current_owner("argmax"));
+  Tensor values = Tensor::empty(out.shape(), x.dtype(), x.device(), current_owner("argmax"));
   max_dim(values, out, x, x.dim() - 1);
 }
 
@@ -318,4 +306,4 @@ void scatter_add(const Tensor& dx, int64_t dim, const Tensor& index, const Tenso
   });
 }
 
-}  // namespace tally::ops::cpu
+}  // namespace tally::runtime::cpu

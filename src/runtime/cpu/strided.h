@@ -13,12 +13,10 @@
 
 #include "core/tensor.h"
 
-namespace tally::ops::cpu {
+namespace tally::runtime::cpu {
 
 // Broadcast strides of `t` viewed as `shape` (zero where t has size 1 or is missing).
 Shape broadcast_strides(const Tensor& t, const Shape& shape);
-// The broadcast shape of a and b; throws naming both shapes when incompatible.
-Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
 
 template <size_t N> struct Rows {
   Shape shape;                       // coalesced, last dim is the row
@@ -57,9 +55,7 @@ void for_each_row(const Shape& shape, const std::array<Shape, N>& strides, Body&
   for (int64_t d = 0; d + 1 < ndim; ++d) rows *= r.shape[d];
   std::array<int64_t, N> inner;
   for (size_t k = 0; k < N; ++k) inner[k] = r.strides[k].back();
-  const bool parallel = rows > 1 && rows * row_len >= (1 << 15);
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t row = 0; row < rows; ++row) {
+  auto run_row = [&](int64_t row) {
     std::array<int64_t, N> off{};
     int64_t rem = row;
     for (int64_t d = ndim - 2; d >= 0; --d) {
@@ -68,7 +64,14 @@ void for_each_row(const Shape& shape, const std::array<Shape, N>& strides, Body&
       for (size_t k = 0; k < N; ++k) off[k] += i * r.strides[k][d];
     }
     body(off, row_len, inner);
+  };
+  // Small work runs inline: even a one-thread OpenMP region costs more than a small op.
+  if (rows == 1 || rows * row_len < (1 << 15)) {
+    for (int64_t row = 0; row < rows; ++row) run_row(row);
+    return;
   }
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < rows; ++row) run_row(row);
 }
 
 // Runs f.template operator()<T>() for a floating dtype (fp32 or fp64).
@@ -98,4 +101,4 @@ template <class To, class From> inline To convert(From v) {
   else return static_cast<To>(v);
 }
 
-}  // namespace tally::ops::cpu
+}  // namespace tally::runtime::cpu

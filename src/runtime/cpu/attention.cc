@@ -15,11 +15,11 @@
 #include <limits>
 #include <vector>
 
-#include "ops/cpu/kernels.h"
-#include "ops/cpu/strided.h"
-#include "ops/cpu/vec_math.h"
+#include "runtime/cpu/kernels.h"
+#include "runtime/cpu/strided.h"
+#include "runtime/cpu/vec_math.h"
 
-namespace tally::ops::cpu {
+namespace tally::runtime::cpu {
 
 namespace {
 struct Geometry {
@@ -141,4 +141,4 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
   });
 }
 
-}  // namespace tally::ops::cpu
+}  // namespace tally::runtime::cpu

@@ -6,10 +6,10 @@
 #include <chrono>
 #include <cstring>
 
-#include "ops/cpu/kernels.h"
-#include "ops/cpu/strided.h"
+#include "runtime/cpu/kernels.h"
+#include "runtime/cpu/strided.h"
 
-namespace tally::ops::cpu {
+namespace tally::runtime::cpu {
 
 namespace {
 
@@ -27,7 +27,7 @@ Operand describe(const Tensor& t, bool transpose) {
   const int64_t sr = t.strides()[0], sc = t.strides()[1];
   if ((sc == 1 || C == 1) && (R == 1 || sr >= C)) return {t, transpose, std::max<int64_t>(R == 1 ? C : sr, 1)};
   if ((sr == 1 || R == 1) && (C == 1 || sc >= R)) return {t, !transpose, std::max<int64_t>(C == 1 ? R : sc, 1)};
-  Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device(), memory::current_owner("gemm_copy"));
+  Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device(), current_owner("gemm_copy"));
   copy(c, t);
   return {c, transpose, std::max<int64_t>(C, 1)};
 }
@@ -128,7 +128,7 @@ double measured_gemm_peak_flops() {
   static double peak = [] {
     // A square sgemm large enough to reach steady state; best of a few repetitions.
     const int64_t n = 1024;
-    memory::CategoryScope scope(memory::Category::Workspace);
+    CategoryScope scope(Category::Workspace);
     Tensor a = Tensor::full({n, n}, 0.5), b = Tensor::full({n, n}, 0.25), c = Tensor::zeros({n, n});
     gemm(a, false, b, false, c);  // warm-up (JIT)
     double best = 1e30;
@@ -143,4 +143,4 @@ double measured_gemm_peak_flops() {
   return peak;
 }
 
-}  // namespace tally::ops::cpu
+}  // namespace tally::runtime::cpu

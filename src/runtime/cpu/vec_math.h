@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
-namespace tally::ops::cpu {
+namespace tally::runtime::cpu {
 
 // exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n ln2 in [-ln2/2, ln2/2];
 // exp(r) by a degree-6 minimax polynomial; 2^n assembled in the exponent bits.
@@ -41,4 +41,4 @@ inline float vtanh(float x) {
 }
 inline double vtanh(double x) { return std::tanh(x); }
 
-}  // namespace tally::ops::cpu
+}  // namespace tally::runtime::cpu

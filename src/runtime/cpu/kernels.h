@@ -1,13 +1,13 @@
-// CPU kernels. They write into preallocated outputs and know nothing of autograd; the
-// differentiable ops in ops/*.cc allocate, call them, and record backward.
+// The CPU kernels: plain functions behind the CPU backend's typed entries
+// (runtime/backend.h documents each). They write into preallocated outputs and know
+// nothing of autograd. OpenMP threads them; oneDNN runs the GEMMs.
 #pragma once
 #include <vector>
 
 #include "core/tensor.h"
+#include "runtime/backend.h"
 
-namespace tally::ops::cpu {
-
-enum class BinaryOp { Add, Sub, Mul, Div };
+namespace tally::runtime::cpu {
 
 // ---- elementwise (elementwise.cc)
 void copy(const Tensor& dst, const Tensor& src);  // broadcasts src to dst's shape, converts dtype
@@ -59,4 +59,4 @@ void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const T
 void gather(const Tensor& out, const Tensor& x, int64_t dim, const Tensor& index);
 void scatter_add(const Tensor& dx, int64_t dim, const Tensor& index, const Tensor& src);
 
-}  // namespace tally::ops::cpu
+}  // namespace tally::runtime::cpu

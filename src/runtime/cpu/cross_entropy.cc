@@ -3,11 +3,11 @@
 // (N, V) probabilities never exist as a tensor.
 #include <cmath>
 
-#include "ops/cpu/kernels.h"
-#include "ops/cpu/strided.h"
-#include "ops/cpu/vec_math.h"
+#include "runtime/cpu/kernels.h"
+#include "runtime/cpu/strided.h"
+#include "runtime/cpu/vec_math.h"
 
-namespace tally::ops::cpu {
+namespace tally::runtime::cpu {
 
 namespace {
 int64_t target_at(const Tensor& targets, int64_t n) {
@@ -75,4 +75,4 @@ void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const T
   });
 }
 
-}  // namespace tally::ops::cpu
+}  // namespace tally::runtime::cpu

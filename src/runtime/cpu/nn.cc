@@ -6,11 +6,11 @@
 #include <cmath>
 #include <vector>
 
-#include "ops/cpu/kernels.h"
-#include "ops/cpu/strided.h"
-#include "ops/cpu/vec_math.h"
+#include "runtime/cpu/kernels.h"
+#include "runtime/cpu/strided.h"
+#include "runtime/cpu/vec_math.h"
 
-namespace tally::ops::cpu {
+namespace tally::runtime::cpu {
 
 namespace {
 int64_t index_value(const Tensor& idx, int64_t i) {
@@ -243,4 +243,4 @@ void softmax_backward(const Tensor& dx, const Tensor& dout, const Tensor& y) {
   });
 }
 
-}  // namespace tally::ops::cpu
+}  // namespace tally::runtime::cpu

@@ -1,0 +1,30 @@
+// The cycle check (memory contract S3): reference cycles among graph nodes and tensors.
+//
+// The strong references the public API can create are followed:
+//   node -> next node (edges)            tensor (interior) -> its grad_fn node
+//   node -> tensor its context holds     tensor (leaf) -> tensor one of its hooks captures
+//   node -> tensor a pre-hook captures   node -> tensor saved with its graph (testing only)
+// Tensors held as plain members of a context, or captured by value in a hook, are found
+// by scanning those objects' bytes for the address of a live tensor (the way
+// LeakSanitizer scans memory for pointers); only addresses of tensors that are alive
+// right now are followed, so the scan never touches anything else. Tensors reached only
+// through a container member (a std::vector<Tensor> in a context) are not seen.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "autograd/node.h"
+#include "core/tensor.h"
+
+namespace tally::autograd {
+
+// Every cycle reachable from `roots`, one line each, e.g.
+//   "fused_linear [h.0] -> (context member) tensor 'y' -> fused_linear [h.0]".
+// Empty when the graph is a DAG.
+std::vector<std::string> find_cycles(const std::vector<Tensor>& roots);
+// The cycles through `node` (why it is still alive, when nothing outside holds it).
+std::vector<std::string> find_cycles_through(const Node& node);
+// The cycles through a tensor (a leaf kept alive by a hook capturing it).
+std::vector<std::string> find_cycles_through(const TensorImpl& tensor);
+
+}  // namespace tally::autograd

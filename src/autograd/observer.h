@@ -1,0 +1,40 @@
+// Observers of the backward engine: the interface through which higher layers watch
+// backward without the engine knowing them. The sanitizer checks for reference cycles
+// when a backward begins (S3); data parallel starts a bucket's all-reduce as soon as the
+// gradients in it are final.
+#pragma once
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace tally::autograd {
+
+class EngineObserver {
+ public:
+  virtual ~EngineObserver() = default;
+  // Before any node of the backward runs; `roots` are the tensors being differentiated.
+  virtual void backward_begins(const std::vector<Tensor>& roots) {}
+  // Every contribution to `leaf`'s gradient in this backward has been accumulated into
+  // its .grad (or written there in place through a grad sink). Fires once per leaf the
+  // backward reaches, in backward order, sunk gradients included.
+  virtual void gradient_ready(const Tensor& leaf) {}
+  // After the last node ran (also when backward ends with an error).
+  virtual void backward_ends() {}
+};
+
+// Registers an observer for as long as the registration lives.
+class ObserverRegistration {
+ public:
+  explicit ObserverRegistration(EngineObserver& observer);
+  ~ObserverRegistration();
+  ObserverRegistration(const ObserverRegistration&) = delete;
+  ObserverRegistration& operator=(const ObserverRegistration&) = delete;
+
+ private:
+  EngineObserver* observer_;  // non-owning: the registration must not outlive it
+};
+
+// The registered observers, in registration order (a snapshot).
+std::vector<EngineObserver*> engine_observers();
+
+}  // namespace tally::autograd

@@ -1,0 +1,60 @@
+// Gradient hooks and the handles that remove them.
+//
+// A hook is called with a gradient and returns a replacement (or an undefined tensor to
+// keep it). It is stored as the callable's own type, not a std::function, for one
+// reason: its captures stay visible. The cycle check (sanitizer S3) scans a hook's bytes
+// for tensors it captures by value, so "a hook on x that captures x" is named as the
+// reference cycle it is (hook -> x -> hook), the way LeakSanitizer scans memory for
+// pointers. A std::function passed as the hook hides its captures behind a heap pointer:
+// pass the lambda itself.
+//
+// Ownership: the hook list (a leaf's state, or the node that made an interior tensor)
+// owns each HookEntry; a HookHandle refers to it weakly. remove() destroys the callable
+// and its captures at once, which breaks any cycle it formed.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <utility>
+
+namespace tally {
+
+class Tensor;
+
+class GradHook {
+ public:
+  virtual ~GradHook() = default;
+  virtual Tensor operator()(const Tensor& grad) const = 0;
+  // The callable's object representation: where by-value captures live.
+  virtual std::span<const std::byte> captured_bytes() const = 0;
+};
+
+// The hook for a callable of type F (defined in core/tensor.h, where Tensor is complete).
+template <class F> class GradHookOf;
+
+struct HookEntry {
+  std::unique_ptr<GradHook> hook;  // owning; null once removed
+  uint32_t output_nr = 0;          // for a node's hooks: which forward output's gradient
+  bool captures_own_tensor = false;  // found at registration: the hook holds the tensor it hooks
+};
+
+class HookHandle {
+ public:
+  HookHandle() = default;
+  explicit HookHandle(std::weak_ptr<HookEntry> entry) : entry_(std::move(entry)) {}
+  // Removes the hook and destroys its captures now. Idempotent; a no-op once the hook's
+  // owner (its graph, or its leaf) is gone.
+  void remove() {
+    if (auto e = entry_.lock()) e->hook.reset();
+  }
+  bool active() const {
+    auto e = entry_.lock();
+    return e && e->hook;
+  }
+
+ private:
+  std::weak_ptr<HookEntry> entry_;  // non-owning: the hook list owns the entry
+};
+
+}  // namespace tally

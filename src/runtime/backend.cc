@@ -1,0 +1,109 @@
+#include "runtime/backend.h"
+
+#include <array>
+#include <atomic>
+
+#include "core/error.h"
+
+namespace tally::runtime {
+
+namespace {
+struct Registration {
+  std::atomic<BackendFactory> factory{nullptr};
+  std::atomic<DeviceCounter> count{nullptr};
+};
+std::array<Registration, 2>& registry() {
+  static std::array<Registration, 2> r;
+  return r;
+}
+std::atomic<Backend*> g_cpu{nullptr};  // the hot path: most ops run on the CPU backend
+
+DeviceHooks* hooks_of(int index, DeviceType type) {
+  BackendFactory f = registry()[static_cast<size_t>(type)].factory.load(std::memory_order_acquire);
+  return f ? f(index) : nullptr;
+}
+DeviceHooks* cpu_hooks(int index) { return hooks_of(index, DeviceType::CPU); }
+DeviceHooks* cuda_hooks(int index) { return hooks_of(index, DeviceType::CUDA); }
+}  // namespace
+
+void register_backend(DeviceType type, BackendFactory factory, DeviceCounter count) {
+  Registration& r = registry()[static_cast<size_t>(type)];
+  r.factory.store(factory, std::memory_order_release);
+  r.count.store(count, std::memory_order_release);
+  register_device_hooks(type, type == DeviceType::CPU ? cpu_hooks : cuda_hooks);
+}
+
+Backend& backend(Device device) {
+  if (device.is_cpu()) {
+    if (Backend* b = g_cpu.load(std::memory_order_acquire)) return *b;
+  }
+  BackendFactory f = registry()[static_cast<size_t>(device.type)].factory.load(std::memory_order_acquire);
+  TALLY_CHECK(f, "device ", device.str(), ": no backend is registered for it",
+              device.is_cuda() ? " (this build of tally has no CUDA backend; configure with -DTALLY_CUDA=ON)" : "");
+  Backend* b = f(device.index);
+  TALLY_CHECK(b, "device ", device.str(), " is not available (", device_count(device.type), " ",
+              device.is_cpu() ? "CPU" : "CUDA", " device(s) visible)");
+  if (device.is_cpu()) g_cpu.store(b, std::memory_order_release);
+  return *b;
+}
+
+memory::Ledger& ledger(Device device) { return backend(device).ledger(); }
+
+int device_count(DeviceType type) {
+  DeviceCounter c = registry()[static_cast<size_t>(type)].count.load(std::memory_order_acquire);
+  return c ? c() : 0;
+}
+
+std::vector<Backend*> active_backends() {
+  std::vector<Backend*> out{&backend(Device::cpu())};
+  for (int i = 0; i < device_count(DeviceType::CUDA); ++i) out.push_back(&backend(Device::cuda(i)));
+  return out;
+}
+
+// ---------------------------------------------------------------- kernels a backend lacks
+
+void Backend::no_kernel(const char* kernel) const {
+  TALLY_FAIL(kernel, ": device ", device().str(), " has no kernel for it yet");
+}
+
+Tensor Backend::dense(const Tensor&) { no_kernel("contiguous"); }
+void Backend::binary(BinaryOp, const Tensor&, const Tensor&, const Tensor&) { no_kernel("elementwise binary op"); }
+void Backend::affine(const Tensor&, const Tensor&, double, double) { no_kernel("scale"); }
+void Backend::add_inplace(const Tensor&, const Tensor&, double) { no_kernel("add_"); }
+void Backend::sum_into(const Tensor&, const Tensor&) { no_kernel("sum"); }
+void Backend::max_dim(const Tensor&, const Tensor&, const Tensor&, int64_t) { no_kernel("max"); }
+void Backend::argmax_last(const Tensor&, const Tensor&) { no_kernel("argmax"); }
+double Backend::sum_squares(const Tensor&) { no_kernel("sum of squares"); }
+void Backend::gemm(const Tensor&, bool, const Tensor&, bool, const Tensor&, float, float) { no_kernel("matmul"); }
+double Backend::measured_gemm_peak_flops() { no_kernel("GEMM peak measurement"); }
+void Backend::embedding_forward(const Tensor&, const Tensor&, const Tensor&) { no_kernel("embedding"); }
+void Backend::embedding_backward(const Tensor&, const Tensor&, const Tensor&) { no_kernel("embedding backward"); }
+void Backend::layernorm_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, double) {
+  no_kernel("layernorm");
+}
+void Backend::layernorm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                 const Tensor&, const Tensor&, const Tensor&) {
+  no_kernel("layernorm backward");
+}
+void Backend::gelu_forward(const Tensor&, const Tensor&) { no_kernel("gelu"); }
+void Backend::gelu_backward(const Tensor&, const Tensor&, const Tensor&) { no_kernel("gelu backward"); }
+void Backend::softmax_forward(const Tensor&, const Tensor&) { no_kernel("softmax"); }
+void Backend::softmax_backward(const Tensor&, const Tensor&, const Tensor&) { no_kernel("softmax backward"); }
+void Backend::attention_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  no_kernel("causal_attention");
+}
+void Backend::attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                 const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  no_kernel("causal_attention backward");
+}
+void Backend::cross_entropy_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t) {
+  no_kernel("cross_entropy");
+}
+void Backend::cross_entropy_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, double) {
+  no_kernel("cross_entropy backward");
+}
+void Backend::gather(const Tensor&, const Tensor&, int64_t, const Tensor&) { no_kernel("gather"); }
+void Backend::scatter_add(const Tensor&, int64_t, const Tensor&, const Tensor&) { no_kernel("scatter_add"); }
+
+}  // namespace tally::runtime

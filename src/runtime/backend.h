@@ -1,0 +1,99 @@
+// The backend of one device: its memory (the caching allocator, which owns the device's
+// ledger), its streams, and the typed kernel entries every op dispatches to.
+//
+// Ops find the backend of their tensors' device (runtime::backend(device)) and call its
+// kernels; nothing above this layer names a device's implementation. Kernels write into
+// preallocated outputs and know nothing of autograd; the differentiable ops (ops/*.cc)
+// allocate, call them, and record backward. A backend that lacks a kernel reports it
+// with the kernel's and the device's name. `cpu/` implements every entry; a CUDA
+// backend plugs in beside it.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/device_hooks.h"
+#include "core/tensor.h"
+#include "memory/caching_allocator.h"
+#include "runtime/stream.h"
+
+namespace tally::runtime {
+
+enum class BinaryOp { Add, Sub, Mul, Div };
+
+class Backend : public DeviceHooks {
+ public:
+  // ---- memory
+  virtual memory::CachingAllocator& caching_allocator() = 0;
+  Allocator& allocator() final { return caching_allocator(); }
+  memory::Ledger& ledger() { return caching_allocator().ledger(); }
+
+  // ---- streams
+  virtual Stream& default_stream() = 0;
+
+  // ---- elementwise and reductions. copy() and fill() come from DeviceHooks.
+  // `t` itself when contiguous (or undefined), else a contiguous copy. Records no graph.
+  virtual Tensor dense(const Tensor& t);
+  virtual void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b);  // out contiguous
+  virtual void affine(const Tensor& out, const Tensor& x, double alpha, double beta);     // out = alpha*x + beta
+  virtual void add_inplace(const Tensor& dst, const Tensor& src, double alpha = 1.0);     // dst += alpha*src
+  // Reduces x into out, where out.shape has x's rank with 1 on every reduced dimension.
+  virtual void sum_into(const Tensor& out, const Tensor& x);
+  virtual void max_dim(const Tensor& values, const Tensor& indices, const Tensor& x, int64_t dim);
+  virtual void argmax_last(const Tensor& out, const Tensor& x);
+  virtual double sum_squares(const Tensor& x);
+
+  // ---- GEMM: C = alpha * op(A) @ op(B) + beta * C for 2-D strided views whose rows or
+  // columns are contiguous.
+  virtual void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c,
+                    float alpha = 1.f, float beta = 0.f);
+  // Measured fp32 GEMM throughput of this device in FLOP/s (cached after the first call).
+  virtual double measured_gemm_peak_flops();
+
+  // ---- neural-network kernels
+  virtual void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices);
+  virtual void embedding_backward(const Tensor& dweight, const Tensor& dout, const Tensor& indices);  // accumulates
+  virtual void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                                 const Tensor& w, const Tensor& b, double eps);
+  virtual void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dout,
+                                  const Tensor& x, const Tensor& w, const Tensor& mean, const Tensor& rstd);
+  virtual void gelu_forward(const Tensor& out, const Tensor& x);
+  virtual void gelu_backward(const Tensor& dx, const Tensor& dout, const Tensor& x);
+  virtual void softmax_forward(const Tensor& out, const Tensor& x);
+  virtual void softmax_backward(const Tensor& dx, const Tensor& dout, const Tensor& y);
+  virtual void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                                 const Tensor& v);
+  virtual void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
+                                  const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                  const Tensor& lse);
+  // losses[n] = logsumexp(logits[n, :V]) - logits[n, target[n]]; lse[n] saved for backward.
+  virtual void cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor& logits,
+                                     const Tensor& targets, int64_t valid_vocab);
+  // dlogits[n, j] = scale * (softmax_j - [j == target]) for j < V, 0 for padding columns.
+  virtual void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse,
+                                      const Tensor& targets, int64_t valid_vocab, double scale);
+
+  // ---- indexing
+  virtual void gather(const Tensor& out, const Tensor& x, int64_t dim, const Tensor& index);
+  virtual void scatter_add(const Tensor& dx, int64_t dim, const Tensor& index, const Tensor& src);
+
+ protected:
+  [[noreturn]] void no_kernel(const char* kernel) const;
+};
+
+// The backend of `device` (throws naming the device when there is none).
+Backend& backend(Device device);
+// The ledger of `device`'s allocator.
+memory::Ledger& ledger(Device device = Device::cpu());
+// Every backend created so far (CPU first): what the sanitizer walks to see all memory.
+std::vector<Backend*> active_backends();
+
+// A backend's factory (nullptr for an index that does not exist), registered once per
+// device type by the backend's own translation unit. Registering also makes the backend
+// core's DeviceHooks for that device type.
+using BackendFactory = Backend* (*)(int index);
+using DeviceCounter = int (*)();
+void register_backend(DeviceType type, BackendFactory factory, DeviceCounter count);
+// Number of devices of `type` this process can use (CPU: 1).
+int device_count(DeviceType type);
+
+}  // namespace tally::runtime

@@ -1,0 +1,138 @@
+// The CPU backend: host memory through the caching allocator, a synchronous stream, and
+// the kernels of runtime/cpu. It registers itself (as core's DeviceHooks for the CPU,
+// and as the runtime's CPU backend) when this translation unit is linked; tally_runtime's
+// link options keep it linked (see tally_cpu_backend_anchor).
+#include <cstdlib>
+
+#include "runtime/backend.h"
+#include "runtime/cpu/kernels.h"
+
+namespace tally::runtime {
+
+namespace {
+
+class CpuMemory final : public memory::SystemMemory {
+ public:
+  Device device() const override { return Device::cpu(); }
+  // 64-byte alignment: one cache line, the width of an AVX-512 register. `bytes` is a
+  // multiple of 64 (the caching allocator's block size).
+  void* allocate(int64_t bytes) override { return std::aligned_alloc(64, static_cast<size_t>(bytes)); }
+  void free(void* ptr, int64_t) override { std::free(ptr); }
+  bool host_accessible() const override { return true; }
+};
+
+// Kernels run on the calling thread as they are submitted, so every event is ready the
+// moment it is recorded.
+class CpuEvent final : public Event {
+ public:
+  bool ready() const override { return true; }
+  void synchronize() const override {}
+};
+
+class CpuStream final : public Stream {
+ public:
+  Device device() const override { return Device::cpu(); }
+  std::shared_ptr<Event> record() override { return std::make_shared<CpuEvent>(); }
+  void wait(const Event&) override {}
+  void synchronize() override {}
+};
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend() : allocator_(std::make_unique<CpuMemory>()) {}
+
+  Device device() const override { return Device::cpu(); }
+  memory::CachingAllocator& caching_allocator() override { return allocator_; }
+  Stream& default_stream() override { return stream_; }
+
+  void copy(const Tensor& dst, const Tensor& src) override {
+    TALLY_CHECK(dst.device().is_cpu() && src.device().is_cpu(), "copy: the CPU backend got ", dst.device().str(),
+                " <- ", src.device().str());
+    cpu::copy(dst, src);
+  }
+  void fill(const Tensor& dst, double value) override { cpu::fill(dst, value); }
+  Tensor dense(const Tensor& t) override { return cpu::dense(t); }
+  void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) override { cpu::binary(op, out, a, b); }
+  void affine(const Tensor& out, const Tensor& x, double alpha, double beta) override {
+    cpu::affine(out, x, alpha, beta);
+  }
+  void add_inplace(const Tensor& dst, const Tensor& src, double alpha) override { cpu::add_inplace(dst, src, alpha); }
+  void sum_into(const Tensor& out, const Tensor& x) override { cpu::sum_into(out, x); }
+  void max_dim(const Tensor& values, const Tensor& indices, const Tensor& x, int64_t dim) override {
+    cpu::max_dim(values, indices, x, dim);
+  }
+  void argmax_last(const Tensor& out, const Tensor& x) override { cpu::argmax_last(out, x); }
+  double sum_squares(const Tensor& x) override { return cpu::sum_squares(x); }
+  void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c, float alpha, float beta) override {
+    cpu::gemm(a, ta, b, tb, c, alpha, beta);
+  }
+  double measured_gemm_peak_flops() override { return cpu::measured_gemm_peak_flops(); }
+  void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices) override {
+    cpu::embedding_forward(out, weight, indices);
+  }
+  void embedding_backward(const Tensor& dweight, const Tensor& dout, const Tensor& indices) override {
+    cpu::embedding_backward(dweight, dout, indices);
+  }
+  void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& w,
+                         const Tensor& b, double eps) override {
+    cpu::layernorm_forward(out, mean, rstd, x, w, b, eps);
+  }
+  void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dout, const Tensor& x,
+                          const Tensor& w, const Tensor& mean, const Tensor& rstd) override {
+    cpu::layernorm_backward(dx, dw, db, dout, x, w, mean, rstd);
+  }
+  void gelu_forward(const Tensor& out, const Tensor& x) override { cpu::gelu_forward(out, x); }
+  void gelu_backward(const Tensor& dx, const Tensor& dout, const Tensor& x) override { cpu::gelu_backward(dx, dout, x); }
+  void softmax_forward(const Tensor& out, const Tensor& x) override { cpu::softmax_forward(out, x); }
+  void softmax_backward(const Tensor& dx, const Tensor& dout, const Tensor& y) override {
+    cpu::softmax_backward(dx, dout, y);
+  }
+  void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                         const Tensor& v) override {
+    cpu::attention_forward(out, lse, q, k, v);
+  }
+  void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
+                          const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse) override {
+    cpu::attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
+  }
+  void cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor& logits, const Tensor& targets,
+                             int64_t valid_vocab) override {
+    cpu::cross_entropy_forward(losses, lse, logits, targets, valid_vocab);
+  }
+  void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse, const Tensor& targets,
+                              int64_t valid_vocab, double scale) override {
+    cpu::cross_entropy_backward(dlogits, logits, lse, targets, valid_vocab, scale);
+  }
+  void gather(const Tensor& out, const Tensor& x, int64_t dim, const Tensor& index) override {
+    cpu::gather(out, x, dim, index);
+  }
+  void scatter_add(const Tensor& dx, int64_t dim, const Tensor& index, const Tensor& src) override {
+    cpu::scatter_add(dx, dim, index, src);
+  }
+
+ private:
+  memory::CachingAllocator allocator_;
+  CpuStream stream_;
+};
+
+Backend* cpu_backend(int index) {
+  // Never destroyed: tensors in static storage may be freed after main returns.
+  static auto* backend = new CpuBackend();
+  return index == 0 ? backend : nullptr;
+}
+
+int cpu_count() { return 1; }
+
+}  // namespace
+
+}  // namespace tally::runtime
+
+// Registration at static initialization. The symbol is what tally_runtime's link options
+// name with --undefined, so the linker keeps this object (and its registration) in every
+// program that links the runtime, even one that only creates tensors through core.
+extern "C" {
+int tally_cpu_backend_anchor = [] {
+  tally::runtime::register_backend(tally::DeviceType::CPU, tally::runtime::cpu_backend, tally::runtime::cpu_count);
+  return 1;
+}();
+}
