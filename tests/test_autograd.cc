@@ -7,6 +7,7 @@
 #include "autograd/engine.h"
 #include "autograd/function.h"
 #include "autograd/node.h"
+#include "autograd/observer.h"
 #include "ops/ops.h"
 #include "runtime/backend.h"
 #include "support.h"
@@ -272,4 +273,224 @@ TEST(AutogradContract, HooksAreReleasedWithTheGraph) {
   alive.reset();
   loss.backward();
   EXPECT_TRUE(watch.expired()) << "a hook outlived the backward that ran it";
+}
+
+// ---- the engine validates every gradient against the input it is for
+namespace {
+// A Function whose backward returns whatever gradient the test asks for.
+struct Rogue {
+  static constexpr const char* kName = "rogue";
+  struct Context : autograd::Context {
+    Shape grad_shape;
+    DType grad_dtype = DType::F64;
+    int extra_grads = 0;
+  };
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>&) {
+    std::vector<Tensor> out{Tensor::zeros(ctx.grad_shape, ctx.grad_dtype)};
+    for (int i = 0; i < ctx.extra_grads; ++i) out.push_back(Tensor::zeros({1}, DType::F64));
+    return out;
+  }
+};
+Tensor rogue(const Tensor& x, Shape grad_shape, DType grad_dtype = DType::F64, int extra_grads = 0) {
+  Tensor out = ops::scale(x.detach(), 1.0);
+  auto ctx = std::make_unique<Rogue::Context>();
+  ctx->grad_shape = grad_shape;
+  ctx->grad_dtype = grad_dtype;
+  ctx->extra_grads = extra_grads;
+  autograd::record<Rogue>(std::move(ctx), {x}, {out});
+  return out;
+}
+}  // namespace
+
+TEST(EngineValidation, AShorterGradientIsAnErrorNamingTheFunctionAndBothShapes) {
+  Tensor x = leaf({1, 2, 3, 4});
+  Tensor h = x * 2.0;  // an interior input: its gradient flows on into mul's backward
+  std::string m = test::message_of<Error>([&] { ops::sum(rogue(h, {2})).backward(); });
+  EXPECT_NE(m.find("'rogue'"), std::string::npos) << m;
+  EXPECT_NE(m.find("[2]"), std::string::npos) << m;
+  EXPECT_NE(m.find("[4]"), std::string::npos) << m;
+  EXPECT_FALSE(x.grad().defined()) << "nothing was accumulated from a bad gradient";
+}
+
+TEST(EngineValidation, AOneElementGradientIsNotSilentlyBroadcast) {
+  Tensor x = leaf({1, 2, 3, 4});
+  Tensor h = x * 2.0;
+  std::string m = test::message_of<Error>([&] { ops::sum(rogue(h, {1})).backward(); });
+  EXPECT_FALSE(x.grad().defined()) << "nothing was broadcast into x's gradient";
+  EXPECT_NE(m.find("float64[1]"), std::string::npos) << m;
+  EXPECT_NE(m.find("float64[4]"), std::string::npos) << m;
+}
+
+TEST(EngineValidation, AGradientOfTheWrongDtypeIsAnError) {
+  Tensor x = leaf({1, 2});
+  std::string m = test::message_of<Error>([&] { ops::sum(rogue(x, {2}, DType::F32)).backward(); });
+  EXPECT_NE(m.find("float32[2]"), std::string::npos) << m;
+  EXPECT_NE(m.find("float64[2]"), std::string::npos) << m;
+}
+
+TEST(EngineValidation, MoreGradientsThanInputsIsAnError) {
+  Tensor x = leaf({1, 2});
+  std::string m = test::message_of<Error>([&] { ops::sum(rogue(x, {2}, DType::F64, 1)).backward(); });
+  EXPECT_NE(m.find("2 gradients for its 1 inputs"), std::string::npos) << m;
+}
+
+TEST(EngineValidation, ARootGradientMustMatchTheRoot) {
+  Tensor x = leaf({1, 2});
+  Tensor y = x * 2.0;
+  EXPECT_THROW(y.backward(Tensor::ones({2}, DType::F32)), Error);  // dtype
+  EXPECT_THROW(y.backward(Tensor::ones({1}, DType::F64)), Error);  // shape
+}
+
+// ---- the Function API makes the lifetime rules structural
+namespace {
+struct KeepsOwnOutput {
+  static constexpr const char* kName = "keeps_own_output";
+  struct Context : autograd::Context {
+    Tensor out;  // the bug: a plain member holding the node's own output
+  };
+  static std::vector<Tensor> backward(Context&, std::vector<Tensor>& grads) { return {grads[0]}; }
+};
+
+struct KeepsAWorkspace {
+  static constexpr const char* kName = "keeps_a_workspace";
+  struct Context : autograd::Context {
+    size_t workspace = 0;  // index into the kept tensors
+    bool will_release_seen = false;
+  };
+  static inline bool last_will_release = false;
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    last_will_release = ctx.will_release();
+    EXPECT_EQ(ctx.saved(ctx.workspace).numel(), 1 << 14);
+    return {grads[0]};
+  }
+};
+Tensor keeps_a_workspace(const Tensor& x) {
+  Tensor out = ops::scale(x.detach(), 1.0);
+  auto ctx = std::make_unique<KeepsAWorkspace::Context>();
+  ctx->workspace = ctx->keep(Tensor::zeros({1 << 14}, DType::F64, Device::cpu(), make_owner(Category::Workspace, "ws")));
+  autograd::record<KeepsAWorkspace>(std::move(ctx), {x}, {out});
+  return out;
+}
+}  // namespace
+
+TEST(FunctionApi, AContextHoldingItsOwnOutputIsRefusedWhenRecorded) {
+  Tensor x = leaf({1, 2});
+  Tensor out = ops::scale(x.detach(), 1.0);
+  auto ctx = std::make_unique<KeepsOwnOutput::Context>();
+  ctx->out = out;
+  std::string m =
+      test::message_of<Error>([&] { autograd::record<KeepsOwnOutput>(std::move(ctx), {x}, {out}); });
+  EXPECT_NE(m.find("keeps_own_output"), std::string::npos) << m;
+  EXPECT_NE(m.find("reference cycle"), std::string::npos) << m;
+  EXPECT_NE(m.find("ctx.keep()"), std::string::npos) << m;
+}
+
+TEST(FunctionApi, KeptTensorsAreDetachedCountedAndFreedWithTheContext) {
+  auto& L = runtime::ledger();
+  const int ws = static_cast<int>(Category::Workspace);
+  const int64_t before = L.stats().allocated_by_category[ws];
+  Tensor x = leaf({1, 2});
+  Tensor y = keeps_a_workspace(x);
+  EXPECT_EQ(L.stats().allocated_by_category[ws] - before, 8 << 14);
+  const autograd::Context* ctx = y.grad_fn()->context();
+  ASSERT_NE(ctx, nullptr);
+  EXPECT_EQ(ctx->saved_bytes(), 8 << 14) << "kept bytes are counted with the saved ones";
+  EXPECT_FALSE(ctx->saved_tensors()[0].data().requires_grad()) << "kept detached";
+  ops::sum(y).backward();
+  EXPECT_EQ(L.stats().allocated_by_category[ws], before);
+}
+
+TEST(FunctionApi, BackwardSeesWhetherItsContextWillBeReleased) {
+  Tensor x = leaf({1, 2});
+  Tensor y = ops::sum(keeps_a_workspace(x));
+  y.backward({}, /*retain_graph=*/true);
+  EXPECT_FALSE(KeepsAWorkspace::last_will_release);
+  y.backward();
+  EXPECT_TRUE(KeepsAWorkspace::last_will_release);
+}
+
+TEST(FunctionApi, CrossEntropyOverwritesItsLogitsOnlyWhenItsContextWillBeReleased) {
+  Tensor logits = test::random_tensor({3, 5}, 7);
+  logits.set_requires_grad(true);
+  Tensor targets = Tensor::from_vector<int64_t>({0, 2, 4}, {3});
+  Tensor l = logits * 1.0;  // an interior tensor whose only other holder is the loss's context
+  Tensor loss = ops::cross_entropy(l, targets);
+  l = Tensor();
+  loss.backward({}, true);
+  Tensor g1 = logits.grad().clone();
+  loss.backward();  // reads the same logits again: the first backward must not have overwritten them
+  test::expect_close(logits.grad(), ops::scale(g1, 2.0), 1e-12, 1e-15, "grad after two backwards");
+}
+
+// ---- hooks return handles and die with their graph
+TEST(Hooks, RemovingAHookStopsItAndDestroysItsCaptures) {
+  auto alive = std::make_shared<int>(0);
+  std::weak_ptr<int> watch = alive;
+  Tensor x = leaf({1, 2});
+  int calls = 0;
+  HookHandle h = x.register_hook([alive, &calls](const Tensor& g) {
+    ++calls;
+    return g;
+  });
+  alive.reset();
+  EXPECT_TRUE(h.active());
+  ops::sum(2.0 * x).backward();
+  EXPECT_EQ(calls, 1);
+  h.remove();
+  EXPECT_FALSE(h.active());
+  EXPECT_TRUE(watch.expired()) << "remove() destroys the hook's captures at once";
+  ops::sum(2.0 * x).backward();
+  EXPECT_EQ(calls, 1);
+  h.remove();  // idempotent
+}
+
+TEST(Hooks, AnInteriorHooksHandleOutlivingItsGraphIsHarmless) {
+  HookHandle h;
+  {
+    Tensor x = leaf({1});
+    Tensor y = 2.0 * x;
+    h = y.register_hook([](const Tensor& g) { return g; });
+    EXPECT_TRUE(h.active());
+  }
+  EXPECT_FALSE(h.active()) << "the hook died with its graph";
+  h.remove();
+}
+
+// ---- "the gradient of this leaf is final": for every parameter, in backward order
+namespace {
+struct ReadyRecorder : autograd::EngineObserver {
+  std::vector<std::string> order;
+  void gradient_ready(const Tensor& leaf) override { order.push_back(leaf.name()); }
+};
+}  // namespace
+
+TEST(GradientReady, FiresOnceForEveryLeafInBackwardOrderIncludingSunkGradients) {
+  Tensor w1 = test::random_tensor({4, 3}, 2).set_name("w1");
+  Tensor w2 = test::random_tensor({2, 4}, 3).set_name("w2");
+  w1.set_parameter();
+  w2.set_parameter();
+  w1.set_grad(Tensor::zeros({4, 3}, DType::F64));  // preallocated: linear writes dW in place (grad sink)
+  w2.set_grad(Tensor::zeros({2, 4}, DType::F64));
+  Tensor x = test::random_tensor({5, 3}, 1);
+  ReadyRecorder rec;
+  autograd::ObserverRegistration reg(rec);
+  Tensor loss = ops::sum(ops::linear(ops::gelu(ops::linear(x, w1)), w2));
+  loss.backward();
+  EXPECT_EQ(rec.order, (std::vector<std::string>{"w2", "w1"}));
+  EXPECT_GT(ops::global_norm({w1.grad()}), 0.0) << "the sunk gradient did arrive";
+}
+
+// ---- R1 cannot be bypassed: no public mutable access to a tensor's autograd state
+namespace {
+template <class Impl>
+constexpr bool state_assignable = requires(Impl& impl) { impl.autograd() = autograd::AutogradState{}; };
+template <class Impl>
+constexpr bool state_member_reachable = requires(Impl& impl) { impl.autograd_ = autograd::AutogradState{}; };
+template <class Impl> constexpr bool state_readable = requires(const Impl& impl) { impl.autograd().index(); };
+}  // namespace
+
+TEST(AutogradContract, AutogradStateHasNoPublicMutableAccessor) {
+  EXPECT_FALSE(state_assignable<TensorImpl>) << "autograd() must hand out const access only";
+  EXPECT_FALSE(state_member_reachable<TensorImpl>) << "the state itself must be private";
+  EXPECT_TRUE(state_readable<TensorImpl>);
 }

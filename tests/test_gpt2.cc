@@ -11,8 +11,10 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "autograd/engine.h"
+#include "autograd/observer.h"
 #include "data/token_shard.h"
 #include "io/atomic_file.h"
 #include "io/model_files.h"
@@ -103,6 +105,33 @@ TEST(Gpt2Parity, DecayOn2dWeightsAndClippingMatchPyTorch) {
   for (int i = 0; i < 10; ++i) {
     EXPECT_NEAR(losses[i], expected[i], 1e-5) << "step " << i;
     EXPECT_NEAR(norms[i], expected_norms[i], 1e-4 * expected_norms[i]) << "step " << i;
+  }
+}
+
+// Data parallel buckets its all-reduce on "this parameter's gradient is final": every
+// parameter must be announced exactly once per backward, in backward order, although the
+// linear and embedding weights' gradients are written in place (grad sinks), and the
+// tied token embedding (used by the first and the last op) only once both uses are done.
+TEST(Gpt2Backward, EveryParameterIsAnnouncedFinalOnceInBackwardOrder) {
+  auto m = tiny_model();
+  struct Recorder : autograd::EngineObserver {
+    std::vector<std::string> order;
+    void gradient_ready(const Tensor& leaf) override { order.push_back(leaf.name()); }
+  } rec;
+  autograd::ObserverRegistration reg(rec);
+  for (int pass = 0; pass < 2; ++pass) {  // the second backward has its gradient sinks allocated
+    rec.order.clear();
+    m->forward(ref().at("x"), ref().at("y")).loss.backward();
+    ASSERT_EQ(rec.order.size(), m->params().size()) << "pass " << pass;
+    std::set<std::string> unique(rec.order.begin(), rec.order.end());
+    EXPECT_EQ(unique.size(), m->params().size()) << "pass " << pass;
+    auto at = [&](const std::string& n) { return std::find(rec.order.begin(), rec.order.end(), n) - rec.order.begin(); };
+    const int64_t L = m->config().n_layer;
+    EXPECT_LT(at("ln_f.weight"), at("h." + std::to_string(L - 1) + ".mlp.c_proj.weight"));
+    EXPECT_LT(at("h." + std::to_string(L - 1) + ".ln_1.weight"), at("h.0.mlp.c_fc.weight"));
+    EXPECT_LT(at("h.0.ln_1.weight"), at("wpe"));
+    EXPECT_EQ(rec.order.back(), "wte") << "the tied embedding is final only after the embedding's backward, "
+                                          "not when the head (its first use in backward) is done";
   }
 }
 

@@ -4,6 +4,11 @@
 // written, the sanitizer must report it.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <thread>
+
 #include "autograd/checkpoint.h"
 #include "autograd/engine.h"
 #include "autograd/function.h"
@@ -48,16 +53,23 @@ struct TinyMlp {
 
 Tensor batch(int64_t rows, int64_t width, uint64_t seed) { return test::random_tensor({rows, width}, seed, DType::F32); }
 
-// Every boundary after the first step has the same live bytes, and no graph survives.
+// Flat: every boundary has the live bytes of the same boundary (same microbatch id, or the
+// step's end) in the first step, no graph survives any boundary, and from step 1 on every
+// step ends with the same allocated and peak bytes. (With several microbatches in flight,
+// different boundaries of one step legitimately differ: at the end of microbatch 0 of
+// F0 F1 B0 B1, microbatch 1's activations are alive.)
 void expect_flat(const Sanitizer& s) {
   const auto& b = s.boundaries();
   ASSERT_GE(b.size(), 3u);
-  for (size_t i = 1; i < b.size(); ++i) {
-    EXPECT_EQ(b[i].live_non_persistent, b[0].live_non_persistent) << "boundary " << i;
+  std::map<int64_t, int64_t> first_live;  // microbatch id (-1: step end) -> live bytes
+  for (size_t i = 0; i < b.size(); ++i) {
+    auto [it, inserted] = first_live.emplace(b[i].microbatch, b[i].live_non_persistent);
+    if (!inserted) {
+      EXPECT_EQ(b[i].live_non_persistent, it->second) << "boundary " << i;
+    }
     EXPECT_EQ(b[i].live_nodes, 0u) << "boundary " << i;
     EXPECT_EQ(b[i].live_saved, 0u) << "boundary " << i;
   }
-  // Steps after the first allocate the same total and peak, byte for byte.
   int64_t allocated = -1, peak = -1;
   for (const auto& x : b) {
     if (x.microbatch >= 0 || x.step < 1) continue;
@@ -398,4 +410,307 @@ TEST(Sanitizer, GrowthReportNamesOwnerSizeAndBirth) {
   EXPECT_NE(m.find("h.7.mlp"), std::string::npos) << m;
   EXPECT_NE(m.find("1.0 KiB"), std::string::npos) << m;
   EXPECT_NE(m.find("born step 3 microbatch 5"), std::string::npos) << m;
+}
+
+// ------------------------------------------------------------------ microbatches in flight
+// Real schedules keep several microbatch graphs alive at once. Each microbatch carries an
+// explicit id; ending it declares its backward has run.
+TEST(SanitizerSchedules, PipelineOrderF0F1B0B1PassesStrict) {
+  TinyMlp mlp;
+  Sanitizer s(SanitizeMode::Strict);
+  for (int step = 0; step < 4; ++step) {
+    s.begin_step(step);
+    Tensor loss0, loss1;
+    s.begin_microbatch(0);
+    loss0 = ops::mean(mlp.forward(batch(8, 32, 2 * step)));
+    s.begin_microbatch(1);
+    loss1 = ops::mean(mlp.forward(batch(8, 32, 2 * step + 1)));
+    EXPECT_EQ(s.in_flight().size(), 2u);
+    s.begin_microbatch(0);
+    loss0.backward();
+    loss0 = Tensor();
+    s.end_microbatch(0);
+    s.begin_microbatch(1);
+    loss1.backward();
+    loss1 = Tensor();
+    s.end_microbatch(1);
+    mlp.sgd(0.01);
+    s.end_step();
+  }
+  expect_flat(s);
+}
+
+TEST(SanitizerSchedules, SummedLossesOfSeveralMicrobatchesWithOneBackwardPassStrict) {
+  TinyMlp mlp;
+  Sanitizer s(SanitizeMode::Strict);
+  for (int step = 0; step < 4; ++step) {
+    s.begin_step(step);
+    {
+      Tensor total;
+      for (int mb = 0; mb < 4; ++mb) {
+        s.begin_microbatch(mb);
+        Tensor loss = ops::mean(mlp.forward(batch(8, 32, mb)));
+        total = total.defined() ? total + loss : loss;
+      }
+      total.backward();
+    }
+    for (int mb = 0; mb < 4; ++mb) s.end_microbatch(mb);
+    mlp.sgd(0.01);
+    s.end_step();
+  }
+  expect_flat(s);
+}
+
+TEST(SanitizerSchedules, AGraphKeptAfterItsOwnBackwardFailsWhileAnotherIsInFlight) {
+  TinyMlp mlp;
+  Recorder s;
+  s.begin_step(0);
+  s.begin_microbatch(0);
+  Tensor loss0 = ops::mean(mlp.forward(batch(8, 32, 0))).set_name("loss0");
+  s.begin_microbatch(1);
+  Tensor loss1 = ops::mean(mlp.forward(batch(8, 32, 1)));
+  s.begin_microbatch(0);
+  loss0.backward();  // loss0 is kept (with its node) after its backward
+  s.end_microbatch(0);
+  EXPECT_TRUE(reported(s, IssueKind::LiveGraph, "held by tensor 'loss0'"));
+  EXPECT_FALSE(reported(s, IssueKind::LiveGraph, "microbatch 1")) << "microbatch 1 is legitimately in flight";
+  loss1.backward();
+  loss1 = Tensor();
+  s.end_microbatch(1);
+}
+
+TEST(SanitizerSchedules, EndingAMicrobatchThatWasNotBegunIsAnError) {
+  Sanitizer s(SanitizeMode::Strict);
+  s.begin_step(0);
+  s.begin_microbatch(0);
+  s.end_microbatch(0);
+  EXPECT_THROW(s.end_microbatch(0), Error);
+  EXPECT_THROW(s.end_microbatch(5), Error);
+}
+
+// ------------------------------------------------------------------ what may outlive a microbatch
+// The Fast-LLM fix (R4): keep each microbatch's loss as a detached value for logging.
+TEST(SanitizerKeptValues, DetachedLossesKeptForTheStepPassStrict) {
+  TinyMlp mlp(16);
+  Sanitizer s(SanitizeMode::Strict);
+  for (int step = 0; step < 3; ++step) {
+    s.begin_step(step);
+    std::vector<Tensor> logged;
+    for (int mb = 0; mb < 8; ++mb) {
+      s.begin_microbatch(mb);
+      {
+        Tensor loss = ops::mean(mlp.forward(batch(4, 16, mb)));
+        loss.backward();
+        logged.push_back(loss.detach());  // a value, no graph
+      }
+      s.end_microbatch();
+    }
+    EXPECT_EQ(logged.size(), 8u);
+    logged.clear();  // logged by the end of the step
+    mlp.sgd(0.01);
+    s.end_step();
+  }
+  EXPECT_TRUE(s.issues().empty());
+  int64_t live = -1;
+  for (const auto& b : s.boundaries()) {
+    EXPECT_EQ(b.live_nodes, 0u);
+    if (b.microbatch >= 0) {
+      EXPECT_EQ(b.live_non_persistent, 4 * (b.microbatch + 1)) << "one detached scalar per microbatch so far";
+      continue;
+    }
+    if (live < 0) live = b.live_non_persistent;
+    EXPECT_EQ(b.live_non_persistent, live) << "step " << b.step;
+  }
+}
+
+TEST(SanitizerKeptValues, KeepingTheLossWithItsGraphFailsStrict) {
+  TinyMlp mlp(16);
+  Sanitizer s(SanitizeMode::Strict);
+  std::vector<Tensor> kept;
+  s.begin_step(0);
+  s.begin_microbatch(0);
+  Tensor loss = ops::mean(mlp.forward(batch(4, 16, 0)));
+  loss.backward();
+  kept.push_back(loss);
+  loss = Tensor();
+  EXPECT_THROW(s.end_microbatch(), Error);
+}
+
+TEST(SanitizerKeptValues, KeepingAnActivationFailsStrict) {
+  TinyMlp mlp(16);
+  Sanitizer s(SanitizeMode::Strict);
+  std::vector<Tensor> kept;
+  s.begin_step(0);
+  s.begin_microbatch(0);
+  {
+    Tensor h = mlp.forward(batch(4, 16, 0));
+    ops::mean(h).backward();
+    kept.push_back(h);
+  }
+  EXPECT_THROW(s.end_microbatch(), Error);
+}
+
+TEST(SanitizerKeptValues, KeepingAnInputsGradFailsStrict) {
+  TinyMlp mlp(16);
+  Sanitizer s(SanitizeMode::Strict);
+  std::vector<Tensor> kept;
+  s.begin_step(0);
+  s.begin_microbatch(0);
+  {
+    Tensor x = batch(4, 16, 0);
+    x.set_requires_grad(true);  // an input (a received activation, say), not a parameter
+    ops::mean(mlp.forward(x)).backward();
+    kept.push_back(x.grad());
+  }
+  std::string m = test::message_of<Error>([&] { s.end_microbatch(); });
+  EXPECT_NE(m.find("gradient"), std::string::npos) << m;
+}
+
+// Whether a .grad is persistent is decided by the leaf being a registered parameter: an
+// alias of a weight (w.detach() made to require grad) shares the weight's storage but is
+// not a parameter, and its gradients growing every microbatch are caught.
+TEST(SanitizerParameters, AGrowingGradientOfAnAliasOfAWeightIsCaught) {
+  TinyMlp mlp;
+  Recorder s;
+  std::vector<Tensor> aliases;
+  s.begin_step(0);
+  for (int mb = 0; mb < 4; ++mb) {
+    s.begin_microbatch(mb);
+    Tensor w = mlp.w1.detach();  // same storage as the parameter, a new leaf
+    w.set_requires_grad(true);
+    ops::mean(ops::linear(batch(8, 32, mb), w)).backward();
+    EXPECT_FALSE(runtime::ledger().find(w.grad().storage().allocation_id()).owner.is_persistent());
+    aliases.push_back(w);
+    s.end_microbatch();
+  }
+  size_t growth = 0;
+  for (const auto& i : s.issues()) growth += i.kind == IssueKind::Growth && i.message.find("mlp.w1.grad") != std::string::npos;
+  EXPECT_EQ(growth, 4u) << "one report per microbatch";
+  EXPECT_FALSE(mlp.w1.grad().defined()) << "the parameter itself received nothing";
+}
+
+// ------------------------------------------------------------------ cycles (S3) named by S2
+TEST(SanitizerCycles, AHookCapturingItsOwnTensorIsNamedAsTheCycleThatKeepsItsGraphAlive) {
+  TinyMlp mlp;
+  Recorder s;
+  HookHandle handle;
+  s.begin_step(0);
+  s.begin_microbatch(0);
+  {
+    Tensor h = mlp.forward(batch(8, 32, 0)).set_name("h");
+    handle = h.register_hook([h](const Tensor& g) { return g; });  // hook -> h -> its node -> hook
+  }  // no backward: only the cycle holds the graph now
+  s.end_microbatch();
+  EXPECT_TRUE(reported(s, IssueKind::LiveGraph, "kept alive by a reference cycle"))
+      << (s.issues().empty() ? "" : s.issues()[0].message);
+  EXPECT_TRUE(reported(s, IssueKind::LiveGraph, "(hook capture) tensor 'h'"));
+  EXPECT_FALSE(reported(s, IssueKind::LiveGraph, "keep a number or a detached copy"))
+      << "a cycle is named, not answered with advice to detach";
+  handle.remove();  // breaks the cycle: the graph goes
+  EXPECT_EQ(autograd::live_node_count(), 0u);
+}
+
+TEST(SanitizerCycles, AHookCapturingItsOwnTensorIsReportedWhenBackwardBegins) {
+  TinyMlp mlp;
+  Recorder s;
+  s.begin_step(0);
+  s.begin_microbatch(0);
+  {
+    Tensor h = mlp.forward(batch(8, 32, 0)).set_name("h");
+    h.register_hook([h](const Tensor& g) { return g; });
+    ops::mean(h).backward();  // backward clears the hook (R3), which also ends the cycle
+  }
+  s.end_microbatch();
+  EXPECT_TRUE(reported(s, IssueKind::Cycle, "(hook capture) tensor 'h'"));
+  EXPECT_FALSE(reported(s, IssueKind::LiveGraph, "")) << "the graph itself was freed";
+}
+
+TEST(SanitizerCycles, ALeafHookCapturingItsOwnLeafIsNamed) {
+  Recorder s;
+  HookHandle handle;
+  s.begin_step(0);
+  s.begin_microbatch(0);
+  {
+    Tensor x = Tensor::zeros({64}).set_name("stage_input");
+    x.set_requires_grad(true);
+    handle = x.register_hook([x](const Tensor& g) { return g; });  // the leaf holds a hook that holds the leaf
+  }
+  s.end_microbatch();
+  EXPECT_TRUE(reported(s, IssueKind::Growth, "tensor 'stage_input' -> (hook capture) tensor 'stage_input'"))
+      << (s.issues().empty() ? "" : s.issues()[0].message);
+  handle.remove();
+  s.end_step();
+  EXPECT_EQ(s.issues().size(), 1u) << "gone once the hook is removed";
+}
+
+// ------------------------------------------------------------------ boundaries
+TEST(SanitizerBoundaries, NodesRecordedBetweenStepsAreChecked) {
+  TinyMlp mlp;
+  Recorder s;
+  s.begin_step(0);
+  s.end_step();
+  Tensor kept_eval = ops::mean(mlp.forward(batch(8, 32, 0))).set_name("eval_loss");  // grad mode on, kept
+  s.begin_step(1);
+  EXPECT_TRUE(reported(s, IssueKind::LiveGraph, "recorded between steps"))
+      << (s.issues().empty() ? "" : s.issues()[0].message);
+  EXPECT_TRUE(reported(s, IssueKind::LiveGraph, "held by tensor 'eval_loss'"));
+}
+
+TEST(SanitizerBoundaries, TheFirstBoundaryListsOnlyWhatWasBornAfterTheSanitizerStarted) {
+  Tensor before = Tensor::zeros({1000}).set_name("made_before");
+  Recorder s;
+  std::vector<Tensor> leak;
+  s.begin_step(0);
+  leak.push_back(Tensor::zeros({10}).set_name("made_in_step_0"));
+  s.end_step();
+  EXPECT_TRUE(reported(s, IssueKind::Growth, "made_in_step_0"));
+  EXPECT_FALSE(reported(s, IssueKind::Growth, "made_before"));
+}
+
+TEST(SanitizerBoundaries, WarmUpIsExplicit) {
+  auto run = [](int64_t warmup) {
+    Recorder s;
+    s.set_warmup_steps(warmup);
+    std::vector<Tensor> cache;  // filled lazily on the first step, then reused
+    for (int step = 0; step < 3; ++step) {
+      s.begin_step(step);
+      if (cache.empty()) cache.push_back(Tensor::zeros({100}).set_name("lazy_cache"));
+      s.end_step();
+    }
+    return s.issues().size();
+  };
+  EXPECT_EQ(run(0), 1u) << "without warm-up the lazily filled cache is growth";
+  EXPECT_EQ(run(1), 0u) << "declared warm-up makes it the baseline";
+}
+
+// ------------------------------------------------------------------ no raw pointers outlive their lock
+TEST(LedgerRecords, ReferToStoragesWeakly) {
+  Tensor t = Tensor::zeros({16}).set_name("short_lived");
+  const uint64_t id = t.storage().allocation_id();
+  memory::LiveAllocation rec = runtime::ledger().find(id);
+  ASSERT_EQ(rec.id, id);
+  EXPECT_FALSE(rec.storage.expired());
+  t = Tensor();
+  EXPECT_TRUE(rec.storage.expired()) << "a record copied out of the ledger cannot reach a dead storage";
+}
+
+TEST(LedgerRecords, HoldersCanBeListedWhileAnotherThreadMakesAndDropsTensors) {
+  // Under AddressSanitizer a raw pointer that outlived its lock here is a use-after-free.
+  std::atomic<bool> stop{false};
+  std::thread churn([&] {
+    while (!stop) {
+      Tensor t = Tensor::zeros({64});
+      Tensor v = t.slice(0, 0, 32).set_name("churning_view");
+    }
+  });
+  size_t seen = 0;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (seen < 200 && std::chrono::steady_clock::now() < until) {
+    for (const memory::LiveAllocation& a : runtime::ledger().live())
+      if (auto st = a.storage.lock())
+        for (const std::string& h : sanitizer::storage_holders(*st)) seen += h.find("churning_view") != std::string::npos;
+  }
+  stop = true;
+  churn.join();
+  EXPECT_GE(seen, 200u) << "the other thread's views were seen while it made and dropped them";
 }

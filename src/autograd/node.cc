@@ -139,7 +139,8 @@ std::vector<NodeInfo> live_nodes() {
   for (auto& n : nodes) {
     const Context* ctx = n->context();
     out.push_back({n, n->sequence_nr(), n->name(), n->module_path(), n->birth_step(), n->birth_microbatch(),
-                   ctx ? ctx->num_saved() : 0, ctx ? ctx->saved_bytes() : 0});
+                   ctx ? ctx->num_saved() : 0, ctx ? ctx->saved_bytes() : 0,
+                   dynamic_cast<const AccumulateGrad*>(n.get()) != nullptr});
   }
   return out;
 }

@@ -126,6 +126,7 @@ struct NodeInfo {
   int64_t microbatch;
   size_t saved_tensors;
   int64_t saved_bytes;
+  bool accumulator;  // an AccumulateGrad: it belongs to its leaf, shared by every graph using it
 };
 std::vector<NodeInfo> live_nodes();
 // The sequence number the next node will get.

@@ -67,9 +67,14 @@ std::vector<std::shared_ptr<const TensorImpl>> Storage::views() const {
   std::vector<std::shared_ptr<const TensorImpl>> out;
   out.reserve(views_.size());
   // A view whose last owner is gone but whose destructor is still waiting for this
-  // lock fails to lock: it is skipped, never handed out half-destroyed.
-  for (const TensorImpl* v : views_)
-    if (auto p = v->weak_from_this().lock()) out.push_back(std::move(p));
+  // lock fails to lock: it is skipped, never handed out half-destroyed. The weak pointer
+  // is taken from the non-const object on purpose: converting weak_ptr<T> to
+  // weak_ptr<const T> locks it inside libstdc++, and that temporary could be the last
+  // owner, running the view's destructor (which takes this lock) right here.
+  for (const TensorImpl* v : views_) {
+    std::weak_ptr<TensorImpl> weak = const_cast<TensorImpl*>(v)->weak_from_this();
+    if (std::shared_ptr<TensorImpl> p = weak.lock()) out.push_back(std::move(p));
+  }
   return out;
 }
 

@@ -117,7 +117,11 @@ ForwardResult Transformer::forward(const Tensor& tokens, const Tensor& targets, 
   Tensor x;
   {
     OwnerScope scope("embed");
-    x = ops::add(ops::embedding(params_[wte_], tokens), params_[wpe_].slice(0, 0, T));
+    // Named steps, not nested calls: C++ leaves argument evaluation order unspecified,
+    // and the order ops are recorded in is the order backward runs them in reverse.
+    Tensor token_embedding = ops::embedding(params_[wte_], tokens);
+    Tensor position_embedding = params_[wpe_].slice(0, 0, T);
+    x = ops::add(token_embedding, position_embedding);
   }
   for (int64_t l = 0; l < c.n_layer; ++l) {
     OwnerScope layer_scope("h." + std::to_string(l));

@@ -113,7 +113,10 @@ std::vector<autograd::NodeInfo> Sanitizer::surviving_nodes(int64_t step, std::op
   std::vector<autograd::NodeInfo> out;
   for (autograd::NodeInfo& n : autograd::live_nodes()) {
     if (n.sequence_nr < first_node_ || n.step != step) continue;
-    if (microbatch && n.microbatch != *microbatch) continue;
+    // A leaf's accumulator is made by the first graph that uses the leaf and shared by
+    // every later one, so a microbatch still in flight may hold it: it is checked at the
+    // step boundary, where every graph of the step must be gone.
+    if (microbatch && (n.microbatch != *microbatch || n.accumulator)) continue;
     out.push_back(std::move(n));
   }
   std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) { return x.saved_bytes > y.saved_bytes; });

@@ -1,0 +1,214 @@
+// The runtime layer: per-device backends, streams and events, and the promise that core
+// and autograd reach a device only through its backend (nothing there names the CPU).
+//
+// A fake device proves the last point: a backend over host memory that counts its calls,
+// registered in the CUDA slot of this test program (in a CUDA build it replaces the real
+// CUDA backend here, which no test in this program uses). Tensor creation, copy_, fill_,
+// to(Device), the engine's gradient sums and AccumulateGrad must all land in it.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "autograd/engine.h"
+#include "autograd/function.h"
+#include "memory/caching_allocator.h"
+#include "ops/ops.h"
+#include "runtime/backend.h"
+#include "support.h"
+
+using namespace tally;
+
+namespace {
+
+class HostMemory final : public memory::SystemMemory {
+ public:
+  Device device() const override { return Device::cuda(0); }
+  void* allocate(int64_t bytes) override { return std::aligned_alloc(64, static_cast<size_t>(bytes)); }
+  void free(void* p, int64_t) override { std::free(p); }
+  bool host_accessible() const override { return true; }
+};
+
+class NullStream final : public runtime::Stream {
+ public:
+  Device device() const override { return Device::cuda(0); }
+  std::shared_ptr<runtime::Event> record() override { return nullptr; }
+  void wait(const runtime::Event&) override {}
+  void synchronize() override {}
+};
+
+// Float32, contiguous tensors only: enough to watch the calls go by.
+class FakeDevice final : public runtime::Backend {
+ public:
+  FakeDevice() : allocator_(std::make_unique<HostMemory>()) {}
+  Device device() const override { return Device::cuda(0); }
+  memory::CachingAllocator& caching_allocator() override { return allocator_; }
+  runtime::Stream& default_stream() override { return stream_; }
+
+  void copy(const Tensor& dst, const Tensor& src) override {
+    ++copies;
+    EXPECT_TRUE(dst.device() == device() || src.device() == device());
+    ASSERT_TRUE(dst.is_contiguous() && src.is_contiguous() && dst.shape() == src.shape());
+    std::memcpy(dst.raw_data(), src.raw_data(), static_cast<size_t>(dst.nbytes()));
+  }
+  void fill(const Tensor& dst, double value) override {
+    ++fills;
+    float* p = dst.data<float>();
+    for (int64_t i = 0; i < dst.numel(); ++i) p[i] = static_cast<float>(value);
+  }
+  Tensor dense(const Tensor& t) override { return t; }
+  void binary(runtime::BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) override {
+    ++binaries;
+    EXPECT_EQ(op, runtime::BinaryOp::Add);
+    for (int64_t i = 0; i < out.numel(); ++i) out.data<float>()[i] = a.data<float>()[i] + b.data<float>()[i];
+  }
+  void add_inplace(const Tensor& dst, const Tensor& src, double alpha) override {
+    ++accumulations;
+    for (int64_t i = 0; i < dst.numel(); ++i) dst.data<float>()[i] += static_cast<float>(alpha) * src.data<float>()[i];
+  }
+
+  int copies = 0, fills = 0, binaries = 0, accumulations = 0;
+
+ private:
+  memory::CachingAllocator allocator_;
+  NullStream stream_;
+};
+
+FakeDevice& fake() {
+  static auto* device = new FakeDevice();
+  return *device;
+}
+
+const Device kFake = Device::cuda(0);
+
+struct FakeDeviceRegistered : ::testing::Test {
+  void SetUp() override {
+    runtime::register_backend(
+        DeviceType::CUDA, [](int index) -> runtime::Backend* { return index == 0 ? &fake() : nullptr; },
+        [] { return 1; });
+  }
+};
+
+// A function on the fake device: y = x (identity), its gradient the incoming one.
+struct Identity {
+  static constexpr const char* kName = "identity";
+  using Context = autograd::Context;
+  static std::vector<Tensor> backward(Context&, std::vector<Tensor>& grads) { return {grads[0]}; }
+};
+Tensor identity(const Tensor& x) {
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
+  out.copy_(x);
+  autograd::record<Identity>(std::make_unique<Identity::Context>(), {x}, {out});
+  return out;
+}
+
+}  // namespace
+
+TEST_F(FakeDeviceRegistered, TensorsAllocateFillAndCopyThroughTheirDevicesBackend) {
+  const int64_t before = fake().ledger().stats().allocated;
+  Tensor t = Tensor::zeros({4}, DType::F32, kFake);
+  EXPECT_EQ(t.device(), kFake);
+  EXPECT_EQ(fake().ledger().stats().allocated - before, 16) << "allocated through the fake device's allocator";
+  EXPECT_EQ(runtime::ledger().find(t.storage().allocation_id()).id, 0u) << "not in the CPU ledger";
+  const int fills = fake().fills;
+  t.fill_(3.0);
+  EXPECT_EQ(fake().fills, fills + 1);
+
+  const int copies = fake().copies;
+  Tensor host = Tensor::from_vector<float>({1, 2, 3, 4}, {4});
+  Tensor moved = host.to(kFake);
+  EXPECT_EQ(moved.device(), kFake);
+  EXPECT_EQ(fake().copies, copies + 1);
+  EXPECT_EQ(moved.to_vector<float>(), (std::vector<float>{1, 2, 3, 4}));  // to_vector copies back: the same hooks
+  EXPECT_EQ(fake().copies, copies + 2);
+  EXPECT_EQ(host.to(Device::cpu()).impl(), host.impl()) << "to() the tensor's own device is the tensor itself";
+}
+
+TEST_F(FakeDeviceRegistered, EngineSumsAndAccumulateGradRunOnTheGradientsDevice) {
+  Tensor x = Tensor::zeros({3}, DType::F32, kFake);
+  x.set_requires_grad(true);
+  Tensor a = identity(x), b = identity(x);  // two paths: the engine must sum them
+  Tensor seed = Tensor::zeros({3}, DType::F32, kFake);
+  seed.fill_(1.0);
+  const int binaries = fake().binaries, copies = fake().copies, accumulations = fake().accumulations;
+  autograd::backward({a, b}, {seed, seed});
+  EXPECT_GE(fake().binaries, binaries + 1) << "the engine summed the two paths on the fake device";
+  EXPECT_GE(fake().copies, copies + 1) << "AccumulateGrad made .grad with a device copy";
+  EXPECT_EQ(x.grad().device(), kFake);
+  EXPECT_EQ(x.grad().to_vector<float>(), (std::vector<float>{2, 2, 2}));
+  autograd::backward({identity(x)}, {seed});
+  EXPECT_EQ(fake().accumulations, accumulations + 1) << "a second backward accumulates through the backend";
+  EXPECT_EQ(x.grad().to_vector<float>(), (std::vector<float>{3, 3, 3}));
+}
+
+TEST_F(FakeDeviceRegistered, AKernelTheDeviceLacksIsAClearError) {
+  Tensor t = Tensor::zeros({2, 2}, DType::F32, kFake);
+  std::string m = test::message_of<Error>([&] { runtime::backend(kFake).gelu_forward(t, t); });
+  EXPECT_NE(m.find("gelu"), std::string::npos) << m;
+  EXPECT_NE(m.find("cuda:0"), std::string::npos) << m;
+}
+
+TEST(Runtime, OpsOnTensorsOfDifferentDevicesNameBothDevices) {
+  runtime::register_backend(
+      DeviceType::CUDA, [](int index) -> runtime::Backend* { return index == 0 ? &fake() : nullptr; },
+      [] { return 1; });
+  Tensor a = Tensor::zeros({2}), b = Tensor::zeros({2}, DType::F32, kFake);
+  std::string m = test::message_of<Error>([&] { ops::add(a, b); });
+  EXPECT_NE(m.find("different devices"), std::string::npos) << m;
+  EXPECT_NE(m.find("cuda:0"), std::string::npos) << m;
+}
+
+TEST(Runtime, CpuStreamEventsAreReadyWhenRecorded) {
+  runtime::Stream& s = runtime::backend(Device::cpu()).default_stream();
+  EXPECT_EQ(s.device(), Device::cpu());
+  std::shared_ptr<runtime::Event> e = s.record();
+  ASSERT_TRUE(e);
+  EXPECT_TRUE(e->ready());  // CPU kernels run on the calling thread as they are submitted
+  s.wait(*e);
+  e->synchronize();
+  s.synchronize();
+}
+
+TEST(Runtime, EachBackendOwnsItsLedger) {
+  runtime::Backend& cpu = runtime::backend(Device::cpu());
+  EXPECT_EQ(&cpu.ledger(), &runtime::ledger(Device::cpu()));
+  EXPECT_EQ(&cpu.ledger(), &cpu.caching_allocator().ledger());
+  EXPECT_EQ(&cpu.allocator(), static_cast<Allocator*>(&cpu.caching_allocator()));
+}
+
+// ---- AddressSanitizer sees tensor memory (TALLY_SANITIZE builds)
+#if defined(__SANITIZE_ADDRESS__)
+TEST(AsanPoisoning, ReadingACachedBlockThroughAStalePointerFails) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        float* stale;
+        {
+          Tensor t = Tensor::zeros({64});
+          stale = t.data<float>();
+        }  // the block goes back to the cache, poisoned
+        volatile float v = stale[3];
+        (void)v;
+      },
+      "use-after-poison");
+}
+
+TEST(AsanPoisoning, ReadingPastATensorsBytesFails) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        Tensor t = Tensor::zeros({5});  // 20 bytes in a 256-byte block: the rest is slack
+        volatile float v = t.data<float>()[5];
+        (void)v;
+      },
+      "use-after-poison");
+}
+
+TEST(AsanPoisoning, AReusedBlockIsAddressableAgainUpToItsNewSize) {
+  { Tensor t = Tensor::zeros({60}); }
+  Tensor u = Tensor::zeros({60});  // the same cached block
+  EXPECT_EQ(u.data<float>()[59], 0.f);
+}
+#else
+TEST(AsanPoisoning, OnlyInAddressSanitizerBuilds) { GTEST_SKIP() << "built without -DTALLY_SANITIZE=ON"; }
+#endif
