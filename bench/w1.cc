@@ -1,4 +1,4 @@
-// Work W1 (../shared/docs/anchors.md): GPT-2 124M, batch 4, sequence 64, fp32, AdamW,
+// Work W1 (bench/RESULTS.md): GPT-2 124M, batch 4, sequence 64, fp32, AdamW,
 // one training step, timed over several steps after warm-up. Prints one JSON line.
 //   bench_w1 [steps=10] [threads=2]
 #include <omp.h>

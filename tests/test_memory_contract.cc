@@ -1,4 +1,5 @@
-// The five seed bugs of ../shared/docs/memory-contract.md, written with tally's public
+// The five real leaks of docs/memory-contract.md (InfiniTrain, Fast-LLM, TransformerEngine,
+// verl/Megatron, DeepSpeed), written with tally's public
 // API. Each scenario runs several steps and checks that memory is flat (exact bytes and
 // an empty graph census at every boundary); where the buggy pattern can still be
 // written, the sanitizer must report it.

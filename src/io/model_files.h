@@ -1,4 +1,4 @@
-// Model files tally reads and writes (formats: ../shared/docs/formats.md).
+// Model files tally reads and writes.
 //   llm.c GPT-2 (.bin): 256 x int32 header (magic 20240326, version 3 = fp32, 5 = bf16),
 //     then the 16 stacked tensors in llm.c order. Read and written.
 //   HuggingFace GPT-2 model.safetensors: read (Conv1D weights are (in, out): transposed).
