@@ -1,5 +1,7 @@
 #include "support.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -8,6 +10,12 @@
 #include "ops/ops.h"
 
 namespace tally::test {
+
+std::string temp_path(const std::string& name) {
+  const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::string test = info ? std::string(info->test_suite_name()) + "." + info->name() : "no_test";
+  return ::testing::TempDir() + "/tally_" + test + "_" + std::to_string(::getpid()) + "_" + name;
+}
 
 std::string fixture_path(const std::string& name) { return std::string(TALLY_SOURCE_DIR) + "/tests/fixtures/" + name; }
 

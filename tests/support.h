@@ -12,6 +12,9 @@
 namespace tally::test {
 
 std::string fixture_path(const std::string& name);  // tests/fixtures/<name>
+// A path for a file the running test writes: unique to the test (suite and name) and
+// the process, so tests run in parallel (ctest -j, MPI ranks) never share a file.
+std::string temp_path(const std::string& name);
 
 // The exception message of fn(), or "" if it did not throw E.
 template <class E, class F> std::string message_of(F&& fn) {

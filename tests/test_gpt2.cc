@@ -43,10 +43,11 @@ std::unique_ptr<nn::Transformer> tiny_model() {
 
 // The stacked llm.c gradient `name` gathered from the model's per-layer gradients.
 Tensor stacked_grad(const nn::Transformer& m, const std::string& name) {
-  int64_t offset = 0;
-  for (auto& [n, shape] : nn::llmc_tensor_layout(m.config())) {
-    if (n == name) return make_view(m.params().flat_grads(), shape, contiguous_strides(shape), offset);
-    offset += shape_numel(shape);
+  for (const nn::LlmcTensor& t : m.llmc_tensors()) {
+    if (t.name != name) continue;
+    std::vector<Tensor> parts;
+    for (size_t i : t.params) parts.push_back(m.params()[i].grad().reshape({-1}));
+    return ops::cat(parts, 0).reshape(t.shape);
   }
   ADD_FAILURE() << "no llm.c tensor " << name;
   return Tensor();
@@ -137,7 +138,7 @@ TEST(Gpt2Backward, EveryParameterIsAnnouncedFinalOnceInBackwardOrder) {
 
 TEST(Gpt2Files, LlmcRoundTripIsExactInFp32AndRoundedInBf16) {
   auto m = tiny_model();
-  std::string p32 = ::testing::TempDir() + "/tiny32.bin", p16 = ::testing::TempDir() + "/tiny16.bin";
+  std::string p32 = test::temp_path("tiny32.bin"), p16 = test::temp_path("tiny16.bin");
   io::save_llmc_gpt2(p32, *m);
   io::save_llmc_gpt2(p16, *m, true);
   EXPECT_EQ(fs::file_size(p32), fs::file_size(test::fixture_path("gpt2_tiny.bin")));
@@ -153,7 +154,7 @@ TEST(Gpt2Files, CorruptModelFilesFailNamingTheFileAndTheMismatch) {
   std::string good = test::fixture_path("gpt2_tiny.bin");
   std::string bytes = io::read_file(good);
   auto expect_error = [&](const std::string& content, const std::string& needle) {
-    std::string p = ::testing::TempDir() + "/bad.bin";
+    std::string p = test::temp_path("bad.bin");
     { std::ofstream(p, std::ios::binary) << content; }
     try {
       io::read_llmc_gpt2_config(p);
@@ -185,7 +186,7 @@ TEST(Gpt2Files, HuggingFaceSafetensorsImportTransposesConv1dWeights) {
     if (name == "wte" || name == "wpe") name += ".weight";
     tensors.emplace_back("transformer." + name, conv ? p.transpose(0, 1).contiguous() : p);
   }
-  std::string path = ::testing::TempDir() + "/model.safetensors";
+  std::string path = test::temp_path("model.safetensors");
   io::write_safetensors(path, tensors, {{"n_head", "4"}});
   nn::TransformerConfig c = io::read_hf_gpt2_config(path);
   EXPECT_EQ(c.n_layer, 2);
@@ -202,7 +203,7 @@ std::string write_random_shard(const std::string& name, int64_t n, int vocab, ui
   std::vector<int32_t> tokens(static_cast<size_t>(n));
   Rng rng(seed);
   for (auto& t : tokens) t = static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(vocab));
-  std::string path = ::testing::TempDir() + "/" + name;
+  std::string path = test::temp_path(name);
   data::write_token_shard(path, tokens, data::TokenWidth::U16);
   return path;
 }
@@ -229,7 +230,7 @@ TEST(Trainer, ResumeIsBitExact) {
   train::TrainConfig c = tiny_config();
   c.steps = 8;
   c.save_every = 4;
-  c.out_dir = ::testing::TempDir() + "/ckpt";
+  c.out_dir = test::temp_path("ckpt");
   fs::remove_all(c.out_dir);
   auto full = train::run_training(c);
   c.save_every = 0;

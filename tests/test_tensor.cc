@@ -168,7 +168,7 @@ TEST(Ledger, ExportsChromeTraceWithCategoryCounters) {
   EXPECT_EQ(events[1].delta, -(4 << 20));
   ASSERT_TRUE(events[0].stack);
   EXPECT_FALSE(events[0].stack->empty());
-  std::string path = ::testing::TempDir() + "/trace.json";
+  std::string path = test::temp_path("trace.json");
   memory::write_chrome_trace(path, events);
   std::ifstream in(path);
   std::string text((std::istreambuf_iterator<char>(in)), {});
@@ -183,7 +183,7 @@ TEST(Ledger, WritesASelfContainedHtmlReportWithPlotAndLargestOwners) {
   L.enable_history(true);
   { Tensor t = Tensor::empty({1 << 18}, DType::F32, Device::cpu(), make_owner(Category::Activation, "h.0.mlp<fc>")); }
   L.enable_history(false);
-  std::string path = ::testing::TempDir() + "/memory.html";
+  std::string path = test::temp_path("memory.html");
   memory::write_html_report(path, L.history());
   std::ifstream in(path);
   std::string text((std::istreambuf_iterator<char>(in)), {});

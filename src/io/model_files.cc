@@ -68,22 +68,29 @@ void load_llmc_gpt2(const std::string& path, nn::Transformer& model) {
   std::ifstream in;
   int64_t file_size = 0;
   Header h = read_header(path, in, &file_size);
-  const Tensor& flat = model.params().flat_params();
-  const int64_t n = flat.numel();
-  if (h.ints[1] == 3) {
-    in.read(static_cast<char*>(flat.raw_data()), n * 4);
-  } else {
-    std::vector<uint16_t> raw(static_cast<size_t>(n));
-    in.read(reinterpret_cast<char*>(raw.data()), n * 2);
-    float* p = flat.data<float>();
-    for (int64_t i = 0; i < n; ++i) {
-      BFloat16 b;
-      b.bits = raw[i];
-      p[i] = static_cast<float>(b);
+  // The file stacks each kind over layers; read each layer's slice straight into its
+  // parameter (the parameters are contiguous views).
+  std::vector<uint16_t> raw;
+  for (const nn::LlmcTensor& t : model.llmc_tensors()) {
+    for (size_t i : t.params) {
+      const Tensor& p = model.params()[i];
+      const int64_t n = p.numel();
+      if (h.ints[1] == 3) {
+        in.read(static_cast<char*>(p.raw_data()), n * 4);
+      } else {
+        raw.resize(static_cast<size_t>(n));
+        in.read(reinterpret_cast<char*>(raw.data()), n * 2);
+        float* d = p.data<float>();
+        for (int64_t j = 0; j < n; ++j) {
+          BFloat16 b;
+          b.bits = raw[j];
+          d[j] = static_cast<float>(b);
+        }
+      }
+      p.storage().bump_version();
     }
   }
   TALLY_CHECK(in.good(), "model file '", path, "': read failed");
-  flat.storage().bump_version();
 }
 
 void save_llmc_gpt2(const std::string& path, const nn::Transformer& model, bool bf16) {
@@ -100,14 +107,19 @@ void save_llmc_gpt2(const std::string& path, const nn::Transformer& model, bool 
   h.ints[7] = static_cast<int32_t>(c.padded_vocab_size);
   AtomicFile out(path);
   out.write(h.ints, 1024);
-  const Tensor& flat = model.params().flat_params();
-  if (!bf16) {
-    out.write(flat.raw_data(), static_cast<size_t>(flat.numel()) * 4);
-  } else {
-    const float* p = flat.data<float>();
-    std::vector<uint16_t> raw(static_cast<size_t>(flat.numel()));
-    for (size_t i = 0; i < raw.size(); ++i) raw[i] = BFloat16(p[i]).bits;
-    out.write(raw.data(), raw.size() * 2);
+  std::vector<uint16_t> raw;
+  for (const nn::LlmcTensor& t : model.llmc_tensors()) {
+    for (size_t i : t.params) {
+      const Tensor& p = model.params()[i];
+      if (!bf16) {
+        out.write(p.raw_data(), static_cast<size_t>(p.numel()) * 4);
+      } else {
+        const float* d = p.data<float>();
+        raw.resize(static_cast<size_t>(p.numel()));
+        for (size_t j = 0; j < raw.size(); ++j) raw[j] = BFloat16(d[j]).bits;
+        out.write(raw.data(), raw.size() * 2);
+      }
+    }
   }
   out.commit();
 }

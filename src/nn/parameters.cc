@@ -2,11 +2,20 @@
 
 namespace tally::nn {
 
+size_t ParameterStore::begin_unit(std::string name) {
+  TALLY_CHECK(!flat_params_.defined(), "unit '", name, "' declared after allocation");
+  units_.push_back({std::move(name), total_, total_, specs_.size(), specs_.size()});
+  return units_.size() - 1;
+}
+
 size_t ParameterStore::declare(std::string name, Shape shape, bool decay) {
   TALLY_CHECK(!flat_params_.defined(), "parameter '", name, "' declared after allocation");
+  if (units_.empty()) begin_unit("all");
   offsets_.push_back(total_);
   total_ += shape_numel(shape);
-  specs_.push_back({std::move(name), std::move(shape), decay});
+  specs_.push_back({std::move(name), std::move(shape), decay, units_.size() - 1});
+  units_.back().end = total_;
+  units_.back().last = specs_.size();
   return specs_.size() - 1;
 }
 
@@ -28,10 +37,26 @@ void ParameterStore::allocate(DType dtype, Device device) {
   }
 }
 
-const Tensor& ParameterStore::get(const std::string& name) const {
+void ParameterStore::rebind(size_t i, const Tensor& param) {
+  TALLY_CHECK(i < params_.size(), "parameter index ", i, " out of range");
+  TALLY_CHECK(param.shape() == specs_[i].shape, "rebinding '", specs_[i].name, "' ", shape_str(specs_[i].shape),
+              " to ", param.str());
+  param.set_name(specs_[i].name);
+  param.set_parameter();
+  params_[i] = param;
+}
+
+void ParameterStore::release_blocks() {
+  flat_params_ = Tensor();
+  flat_grads_ = Tensor();
+}
+
+size_t ParameterStore::index_of(const std::string& name) const {
   for (size_t i = 0; i < specs_.size(); ++i)
-    if (specs_[i].name == name) return params_[i];
+    if (specs_[i].name == name) return i;
   TALLY_FAIL("no parameter named '", name, "'");
 }
+
+const Tensor& ParameterStore::get(const std::string& name) const { return params_[index_of(name)]; }
 
 }  // namespace tally::nn

@@ -2,9 +2,17 @@
 // block, and its gradient a view at the same offset of ONE gradient block. Sizes are
 // known before anything is allocated; the optimizer's state mirrors the same layout.
 //
-// Why one block: loading/saving a model is one read/write, zero_grad and the gradient
-// norm are one pass each, AdamW runs as one fused loop, and the memory report shows
-// exactly two allocations of 4 bytes per parameter.
+// Why one block: zero_grad and the gradient norm are one pass each, AdamW runs as one
+// fused loop, and the memory report shows exactly two allocations of 4 bytes per
+// parameter.
+//
+// The block is ordered by *unit*: a unit is a group of parameters used together (the
+// embeddings, one transformer layer, the final norm), declared one after the other, so
+// each unit is a contiguous range of the block and the block's tail is what backward
+// finishes first. Data parallel all-reduces contiguous ranges of the gradient block in
+// that reverse order, and ZeRO shards, gathers and reduce-scatters per unit.
+// (llm.c's files stack each kind of weight over layers instead; io/model_files.cc maps
+// between the two.)
 #pragma once
 #include <string>
 #include <vector>
@@ -17,11 +25,21 @@ struct ParameterSpec {
   std::string name;   // e.g. "h.3.attn.c_attn.weight"
   Shape shape;
   bool decay = true;  // weight decay applies (2-D weights); false for biases and norms
+  size_t unit = 0;    // the unit it belongs to
+};
+
+struct ParameterUnit {
+  std::string name;          // "embed", "h.3", "ln_f"
+  int64_t begin = 0, end = 0;  // element range in the blocks
+  size_t first = 0, last = 0;  // parameter indices [first, last)
+  int64_t numel() const { return end - begin; }
 };
 
 class ParameterStore {
  public:
-  // Declares a parameter; returns its index. Only before allocate().
+  // Starts a new unit; parameters declared next belong to it. Only before allocate().
+  size_t begin_unit(std::string name);
+  // Declares a parameter in the current unit; returns its index. Only before allocate().
   size_t declare(std::string name, Shape shape, bool decay);
   // Allocates the parameter and gradient blocks and creates the views.
   void allocate(DType dtype = DType::F32, Device device = Device::cpu());
@@ -31,15 +49,25 @@ class ParameterStore {
   const Tensor& param(size_t i) const { return params_[i]; }
   const Tensor& operator[](size_t i) const { return params_[i]; }
   const Tensor& get(const std::string& name) const;
+  size_t index_of(const std::string& name) const;
   int64_t offset(size_t i) const { return offsets_[i]; }  // element offset in the blocks
   int64_t numel() const { return total_; }
+  size_t num_units() const { return units_.size(); }
+  const ParameterUnit& unit(size_t u) const { return units_[u]; }
 
   const Tensor& flat_params() const { return flat_params_; }  // (numel), Category::Parameter
   const Tensor& flat_grads() const { return flat_grads_; }    // (numel), Category::Gradient
   void zero_grad() const { flat_grads_.zero_(); }
 
+  // Replaces parameter i with `param` (same shape; a view of another storage, e.g. a
+  // ZeRO-3 unit buffer). The new tensor becomes a registered parameter named like the old.
+  void rebind(size_t i, const Tensor& param);
+  // Drops the blocks (after rebinding every parameter elsewhere, as ZeRO-3 does).
+  void release_blocks();
+
  private:
   std::vector<ParameterSpec> specs_;
+  std::vector<ParameterUnit> units_;
   std::vector<int64_t> offsets_;
   std::vector<Tensor> params_;
   int64_t total_ = 0;

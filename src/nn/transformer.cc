@@ -60,46 +60,79 @@ Transformer::Transformer(const TransformerConfig& config) : config_(config) {
   TALLY_CHECK(c.padded_vocab_size >= c.vocab_size, "model: padded vocab ", c.padded_vocab_size, " < vocab ", c.vocab_size);
   const int64_t L = c.n_layer, C = c.n_embd;
   layers_.resize(static_cast<size_t>(L));
+  // Units in forward order: the embeddings, each layer, the final norm (parameters.h).
+  params_.begin_unit("embed");
   wte_ = params_.declare("wte", {c.padded_vocab_size, C}, true);
   wpe_ = params_.declare("wpe", {c.max_seq_len, C}, true);
-  auto per_layer = [&](size_t Layer::*field, const std::string& suffix, Shape shape, bool decay) {
-    for (int64_t l = 0; l < L; ++l) layers_[l].*field = params_.declare("h." + std::to_string(l) + "." + suffix, shape, decay);
-  };
-  per_layer(&Layer::ln1w, "ln_1.weight", {C}, false);
-  per_layer(&Layer::ln1b, "ln_1.bias", {C}, false);
-  per_layer(&Layer::qkvw, "attn.c_attn.weight", {3 * C, C}, true);
-  per_layer(&Layer::qkvb, "attn.c_attn.bias", {3 * C}, false);
-  per_layer(&Layer::attprojw, "attn.c_proj.weight", {C, C}, true);
-  per_layer(&Layer::attprojb, "attn.c_proj.bias", {C}, false);
-  per_layer(&Layer::ln2w, "ln_2.weight", {C}, false);
-  per_layer(&Layer::ln2b, "ln_2.bias", {C}, false);
-  per_layer(&Layer::fcw, "mlp.c_fc.weight", {4 * C, C}, true);
-  per_layer(&Layer::fcb, "mlp.c_fc.bias", {4 * C}, false);
-  per_layer(&Layer::fcprojw, "mlp.c_proj.weight", {C, 4 * C}, true);
-  per_layer(&Layer::fcprojb, "mlp.c_proj.bias", {C}, false);
+  for (int64_t l = 0; l < L; ++l) {
+    const std::string h = "h." + std::to_string(l) + ".";
+    Layer& p = layers_[l];
+    params_.begin_unit("h." + std::to_string(l));
+    p.ln1w = params_.declare(h + "ln_1.weight", {C}, false);
+    p.ln1b = params_.declare(h + "ln_1.bias", {C}, false);
+    p.qkvw = params_.declare(h + "attn.c_attn.weight", {3 * C, C}, true);
+    p.qkvb = params_.declare(h + "attn.c_attn.bias", {3 * C}, false);
+    p.attprojw = params_.declare(h + "attn.c_proj.weight", {C, C}, true);
+    p.attprojb = params_.declare(h + "attn.c_proj.bias", {C}, false);
+    p.ln2w = params_.declare(h + "ln_2.weight", {C}, false);
+    p.ln2b = params_.declare(h + "ln_2.bias", {C}, false);
+    p.fcw = params_.declare(h + "mlp.c_fc.weight", {4 * C, C}, true);
+    p.fcb = params_.declare(h + "mlp.c_fc.bias", {4 * C}, false);
+    p.fcprojw = params_.declare(h + "mlp.c_proj.weight", {C, 4 * C}, true);
+    p.fcprojb = params_.declare(h + "mlp.c_proj.bias", {C}, false);
+  }
+  params_.begin_unit("ln_f");
   lnfw_ = params_.declare("ln_f.weight", {C}, false);
   lnfb_ = params_.declare("ln_f.bias", {C}, false);
   params_.allocate();
 }
 
+std::vector<LlmcTensor> Transformer::llmc_tensors() const {
+  std::vector<LlmcTensor> out;
+  for (auto& [name, shape] : llmc_tensor_layout(config_)) {
+    LlmcTensor t{name, shape, {}};
+    if (name == "wte") t.params = {wte_};
+    else if (name == "wpe") t.params = {wpe_};
+    else if (name == "lnfw") t.params = {lnfw_};
+    else if (name == "lnfb") t.params = {lnfb_};
+    else {
+      static const std::pair<const char*, size_t Layer::*> kinds[] = {
+          {"ln1w", &Layer::ln1w}, {"ln1b", &Layer::ln1b},         {"qkvw", &Layer::qkvw},     {"qkvb", &Layer::qkvb},
+          {"attprojw", &Layer::attprojw}, {"attprojb", &Layer::attprojb}, {"ln2w", &Layer::ln2w}, {"ln2b", &Layer::ln2b},
+          {"fcw", &Layer::fcw},   {"fcb", &Layer::fcb},           {"fcprojw", &Layer::fcprojw}, {"fcprojb", &Layer::fcprojb}};
+      for (auto& [kind, field] : kinds)
+        if (name == kind)
+          for (const Layer& layer : layers_) t.params.push_back(layer.*field);
+    }
+    TALLY_CHECK(!t.params.empty(), "internal: llm.c tensor '", name, "' maps to no parameter");
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 void Transformer::init_weights(uint64_t seed) {
   Rng rng(seed);
   const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config_.n_layer));
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const std::string& name = params_.spec(i).name;
-    const Tensor& p = params_[i];
-    float* d = p.data<float>();
-    const int64_t n = p.numel();
-    bool is_norm_weight = name.find("ln_") != std::string::npos && name.find(".weight") != std::string::npos;
-    bool is_bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
-    if (is_norm_weight) {
-      for (int64_t j = 0; j < n; ++j) d[j] = 1.f;
-    } else if (is_bias) {
-      for (int64_t j = 0; j < n; ++j) d[j] = 0.f;
-    } else {
-      bool residual = name.find("c_proj.weight") != std::string::npos;
-      double std = residual ? residual_std : 0.02;
-      for (int64_t j = 0; j < n; ++j) d[j] = static_cast<float>(rng.normal() * std);
+  // Draws in llm.c's tensor order (each kind over all layers), so a seed gives the same
+  // weights whatever order the parameter block keeps them in.
+  for (const LlmcTensor& t : llmc_tensors()) {
+    for (size_t i : t.params) {
+      const std::string& name = params_.spec(i).name;
+      const Tensor& p = params_[i];
+      float* d = p.data<float>();
+      const int64_t n = p.numel();
+      bool is_norm_weight = name.find("ln_") != std::string::npos && name.find(".weight") != std::string::npos;
+      bool is_bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+      if (is_norm_weight) {
+        for (int64_t j = 0; j < n; ++j) d[j] = 1.f;
+      } else if (is_bias) {
+        for (int64_t j = 0; j < n; ++j) d[j] = 0.f;
+      } else {
+        bool residual = name.find("c_proj.weight") != std::string::npos;
+        double std = residual ? residual_std : 0.02;
+        for (int64_t j = 0; j < n; ++j) d[j] = static_cast<float>(rng.normal() * std);
+      }
+      p.storage().bump_version();
     }
   }
   // Padding rows of the embedding are never looked up or predicted: keep them zero.

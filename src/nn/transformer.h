@@ -2,8 +2,9 @@
 //
 // GPT-2 (the family implemented): learned position embeddings, pre-LayerNorm blocks,
 // fused qkv projection with bias, causal attention, GELU(tanh) MLP of width 4C, final
-// LayerNorm, LM head tied to the token embedding. The parameter layout is llm.c's
-// (each kind stacked over layers), so llm.c model files load with one read.
+// LayerNorm, LM head tied to the token embedding. Parameters are kept layer by layer
+// (parameters.h); llmc_tensors() maps them to llm.c's file layout, which stacks each
+// kind of weight over the layers.
 //
 // LLaMA-3 slots: Norm::RMS, Position::Rope, Mlp::SwiGlu and n_kv_head < n_head (GQA)
 // are config fields; the attention op already takes grouped kv heads. The forward
@@ -40,6 +41,14 @@ struct TransformerConfig {
   static std::vector<std::string> preset_names();
 };
 
+// One tensor of an llm.c model file and the parameters it is made of: one, or one per
+// layer for the kinds llm.c stacks over layers ("qkvw" is (L, 3C, C)).
+struct LlmcTensor {
+  std::string name;
+  Shape shape;
+  std::vector<size_t> params;  // parameter indices, in file order
+};
+
 struct ForwardResult {
   Tensor loss;    // scalar mean cross-entropy (defined when targets were given)
   Tensor logits;  // (B, T, Vp) when asked for (sampling, parity tests)
@@ -62,6 +71,9 @@ class Transformer {
   // grad mode is on.
   ForwardResult forward(const Tensor& tokens, const Tensor& targets, bool return_logits = false) const;
 
+  // The llm.c file layout of this model's parameters (file order).
+  std::vector<LlmcTensor> llmc_tensors() const;
+
   // FLOPs of one training token (forward + backward): 6N + 6*L*C*T (attention), the
   // formula llm.c and the PaLM paper use for MFU.
   double flops_per_token(int64_t seq_len) const;
@@ -69,9 +81,8 @@ class Transformer {
  private:
   TransformerConfig config_;
   ParameterStore params_;
-  // Parameter indices. Per-layer parameters are declared kind by kind, layer by layer,
-  // so each kind's layers are adjacent in the block: exactly llm.c's stacked (L, ...)
-  // tensors, while every layer's weight is its own leaf (its own gradient view).
+  // Parameter indices. Each layer's parameters are one unit of the block (parameters.h);
+  // every layer's weight is its own leaf (its own gradient view).
   size_t wte_ = 0, wpe_ = 0, lnfw_ = 0, lnfb_ = 0;
   struct Layer {
     size_t ln1w, ln1b, qkvw, qkvb, attprojw, attprojb, ln2w, ln2b, fcw, fcb, fcprojw, fcprojb;
