@@ -7,6 +7,8 @@
 #include <sstream>
 
 #include "autograd/grad_mode.h"
+#include "core/random.h"
+#include "data/token_shard.h"
 #include "ops/ops.h"
 
 namespace tally::test {
@@ -15,6 +17,15 @@ std::string temp_path(const std::string& name) {
   const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
   std::string test = info ? std::string(info->test_suite_name()) + "." + info->name() : "no_test";
   return ::testing::TempDir() + "/tally_" + test + "_" + std::to_string(::getpid()) + "_" + name;
+}
+
+std::string write_random_shard(const std::string& name, int64_t n, int vocab, uint64_t seed) {
+  std::vector<int32_t> tokens(static_cast<size_t>(n));
+  Rng rng(seed);
+  for (auto& t : tokens) t = static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(vocab));
+  std::string path = temp_path(name);
+  data::write_token_shard(path, tokens, data::TokenWidth::U16);
+  return path;
 }
 
 std::string fixture_path(const std::string& name) { return std::string(TALLY_SOURCE_DIR) + "/tests/fixtures/" + name; }

@@ -30,6 +30,9 @@ template <class E, class F> std::string message_of(F&& fn) {
 std::string read_all(const std::string& path);
 void write_all(const std::string& path, const std::string& data);
 
+// An llm.c token shard of `n` random tokens below `vocab` (uint16), at temp_path(name).
+std::string write_random_shard(const std::string& name, int64_t n, int vocab, uint64_t seed);
+
 // Largest |a - b| and the largest |b| (the reference's scale).
 struct Diff {
   double max_abs = 0;

@@ -199,19 +199,11 @@ TEST(Gpt2Files, HuggingFaceSafetensorsImportTransposesConv1dWeights) {
 
 // ---------------------------------------------------------------- trainer
 namespace {
-std::string write_random_shard(const std::string& name, int64_t n, int vocab, uint64_t seed) {
-  std::vector<int32_t> tokens(static_cast<size_t>(n));
-  Rng rng(seed);
-  for (auto& t : tokens) t = static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(vocab));
-  std::string path = test::temp_path(name);
-  data::write_token_shard(path, tokens, data::TokenWidth::U16);
-  return path;
-}
 
 train::TrainConfig tiny_config() {
   train::TrainConfig c;
   c.model_file = test::fixture_path("gpt2_tiny.bin");
-  c.train_data = write_random_shard("train.bin", 5000, 97, 1);
+  c.train_data = test::write_random_shard("train.bin", 5000, 97, 1);
   c.batch_size = 2;
   c.seq_len = 16;
   c.grad_accum = 2;
@@ -274,7 +266,7 @@ TEST(Trainer, BadFlagsFailWithTheFlagName) {
 
 TEST(Trainer, LossFallsOnRepeatedData) {
   train::TrainConfig c = tiny_config();
-  c.train_data = write_random_shard("small.bin", 2 * 16 * 2 + 1, 97, 7);  // one step's worth: memorizable
+  c.train_data = test::write_random_shard("small.bin", 2 * 16 * 2 + 1, 97, 7);  // one step's worth: memorizable
   c.steps = 30;
   c.lr = 3e-3;
   auto r = train::run_training(c);
@@ -288,7 +280,7 @@ TEST(Trainer, MemoryIsFlatAcrossStepsAndMicrobatchesUnderStrictSanitizer) {
   const char* mb_env = std::getenv("TALLY_FLAT_MICROBATCHES");
   train::TrainConfig c;
   c.model = "d2";
-  c.train_data = write_random_shard("flat.bin", 20000, 50257, 3);
+  c.train_data = test::write_random_shard("flat.bin", 20000, 50257, 3);
   c.batch_size = 1;
   c.seq_len = 8;
   c.steps = steps_env ? std::atoll(steps_env) : 200;

@@ -10,6 +10,7 @@
 #include "core/random.h"
 #include "data/token_shard.h"
 #include "data/tokenizer.h"
+#include "dist/world.h"
 #include "io/model_files.h"
 #include "nn/transformer.h"
 #include "train/sampler.h"
@@ -61,6 +62,13 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
   t->add_option("--sanitize", c.sanitize, "Memory sanitizer: off, warn or strict")->check(CLI::IsMember({"off", "warn", "strict"}))->capture_default_str();
   t->add_option("--mem-trace", c.mem_trace, "Write the memory history: a Perfetto/Chrome trace (.json) or an HTML report with a plot (.html)");
   t->add_flag("--quiet", c.quiet, "Print nothing per step");
+  t->add_option("--dp", c.dp, "Data-parallel ranks (0 = world size / (tp x pp)); launch with mpirun -np N")->capture_default_str();
+  t->add_option("--tp", c.tp, "Tensor-parallel ranks (not implemented yet: 1)")->capture_default_str();
+  t->add_option("--pp", c.pp, "Pipeline-parallel stages (not implemented yet: 1)")->capture_default_str();
+  t->add_option("--zero", c.zero, "ZeRO stage over the data-parallel group: 0 (off), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)")
+      ->check(CLI::Range(0, 3))->capture_default_str();
+  t->add_option("--bucket-mb", c.bucket_mb, "Gradient all-reduce bucket size in MiB (data parallel, ZeRO-1)")->capture_default_str();
+  t->add_flag("--log-json-all-ranks", c.log_json_all_ranks, "Also write <log-json>.rank<R> on every rank");
 }
 
 struct SampleArgs {
@@ -155,8 +163,21 @@ int main(int argc, char** argv) {
   k->add_option("inputs", ta.inputs, "Text files")->required()->check(CLI::ExistingFile);
 
   CLI11_PARSE(app, argc, argv);
+  if (app.got_subcommand("train")) {
+    // Under mpirun every rank runs this; a rank that fails ends the whole job (never a
+    // hang of the others in a collective), naming itself and the error.
+    std::unique_ptr<dist::World> world;
+    try {
+      world = dist::World::create({tc.dp, tc.tp, tc.pp});
+      train::run_training(tc, *world);
+      return 0;
+    } catch (const std::exception& e) {
+      if (world && world->size() > 1) world->abort(e.what());
+      std::fprintf(stderr, "%s\n", e.what());
+      return 1;
+    }
+  }
   try {
-    if (app.got_subcommand("train")) return train::run_training(tc).steps_run >= 0 ? 0 : 1;
     if (app.got_subcommand("sample")) return run_sample(sa);
     if (app.got_subcommand("tokenize")) return run_tokenize(ta);
   } catch (const std::exception& e) {

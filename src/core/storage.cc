@@ -12,7 +12,24 @@ std::shared_ptr<Storage> Storage::create(int64_t nbytes, Device device, const Ow
   Allocator& allocator = device_hooks(device).allocator();
   auto storage = std::make_shared<Storage>(Private{}, device, &allocator);
   storage->allocation_ = allocator.allocate(nbytes, owner, storage);
+  storage->nbytes_ = nbytes;
   return storage;
+}
+
+std::shared_ptr<Storage> Storage::create_released(int64_t nbytes, Device device, const std::string& why) {
+  auto storage = std::make_shared<Storage>(Private{}, device, &device_hooks(device).allocator());
+  storage->nbytes_ = nbytes;
+  storage->released_ = true;
+  storage->released_by_ = why;
+  return storage;
+}
+
+void Storage::reacquire(const OwnerTag& owner) {
+  TALLY_CHECK(released_, "reacquire on a storage that holds its bytes (", nbytes_, " bytes, owner '",
+              this->owner().name_str(), "')");
+  allocation_ = allocator_->allocate(nbytes_, owner, weak_from_this());
+  released_ = false;
+  released_by_.clear();
 }
 
 Storage::~Storage() {
@@ -20,7 +37,7 @@ Storage::~Storage() {
 }
 
 void Storage::fail_released(const std::string& user) const {
-  TALLY_FAIL("tensor '", user.empty() ? "<unnamed>" : user, "' uses a storage of ", allocation_.bytes,
+  TALLY_FAIL("tensor '", user.empty() ? "<unnamed>" : user, "' uses a storage of ", nbytes_,
              " bytes that was released by '", released_by_,
              "'; its bytes are back in the allocator, so this view must not be used "
              "(re-gather or recompute it instead)");

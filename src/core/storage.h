@@ -25,12 +25,14 @@ namespace tally {
 
 class TensorImpl;
 
-class Storage {
+class Storage : public std::enable_shared_from_this<Storage> {
   struct Private {};
 
  public:
   // Allocates `nbytes` on `device` through that device's allocator, tagged with `owner`.
   static std::shared_ptr<Storage> create(int64_t nbytes, Device device, const OwnerTag& owner);
+  // A storage of `nbytes` that starts released: no bytes until reacquire().
+  static std::shared_ptr<Storage> create_released(int64_t nbytes, Device device, const std::string& why);
   Storage(Private, Device device, Allocator* allocator) : device_(device), allocator_(allocator) {}
   ~Storage();
   Storage(const Storage&) = delete;
@@ -42,13 +44,19 @@ class Storage {
     if (released_) fail_released(user);
     return allocation_.ptr;
   }
-  int64_t nbytes() const { return allocation_.bytes; }
+  int64_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
   uint64_t allocation_id() const { return allocation_.id; }
 
   // Returns the bytes to the allocator now (R6). `releaser` is named in later errors.
   void release(const std::string& releaser);
   bool released() const { return released_; }
+  // Gives a released storage bytes again, owned by `owner`: ZeRO-3 gathers a layer's
+  // parameters into the same storage before each use and releases it after, so the
+  // parameter tensors (views of it) stay the same objects. The contents are undefined
+  // until written. The version counter is not bumped: re-gathering restores values, it
+  // does not modify them, so tensors saved for backward stay valid.
+  void reacquire(const OwnerTag& owner);
   const std::string& released_by() const { return released_by_; }
 
   // The owner recorded in the ledger (category, name, birth step/microbatch); a
@@ -77,6 +85,7 @@ class Storage {
   [[noreturn]] void fail_released(const std::string& user) const;
 
   Allocation allocation_;
+  int64_t nbytes_ = 0;  // what the storage holds when it holds anything
   Device device_;
   Allocator* allocator_;  // non-owning: allocators live for the whole process
   bool released_ = false;

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 
 #include "io/atomic_file.h"
 #include "io/model_files.h"
@@ -15,7 +16,7 @@ namespace fs = std::filesystem;
 
 namespace {
 constexpr int32_t kStateMagic = 20261121;
-constexpr int32_t kStateVersion = 1;
+constexpr int32_t kStateVersion = 2;  // 2: moments in the parameter block's order (1: llm.c's file order)
 
 struct StateHeader {
   int32_t magic, version;
@@ -32,14 +33,24 @@ std::string step_dir_name(int64_t step) {
 }
 }  // namespace
 
-std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& model, const optim::AdamW& opt,
-                            const TrainingState& state) {
-  fs::create_directories(out_dir);
+std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& model, optim::Optimizer& opt,
+                            const TrainingState& state, const dist::World& world) {
+  const bool writer = world.is_root();
   const std::string final_dir = (fs::path(out_dir) / step_dir_name(state.step)).string();
   const std::string tmp_dir = final_dir + ".tmp";
-  fs::remove_all(tmp_dir);
-  fs::create_directories(tmp_dir);
-  save_llmc_gpt2((fs::path(tmp_dir) / "model.bin").string(), model);
+  if (writer) {
+    fs::create_directories(out_dir);
+    fs::remove_all(tmp_dir);
+    fs::create_directories(tmp_dir);
+  }
+  // ZeRO-3 keeps parameters sharded: gather every unit while the model file is written.
+  nn::ParameterResidency* residency = model.residency();
+  const size_t units = model.params().num_units();
+  if (residency)
+    for (size_t u = 0; u < units; ++u) residency->acquire(u, false);
+  if (writer) save_llmc_gpt2((fs::path(tmp_dir) / "model.bin").string(), model);
+  if (residency)
+    for (size_t u = 0; u < units; ++u) residency->release(u, false);
   {
     StateHeader h;
     std::memset(&h, 0, sizeof h);
@@ -47,20 +58,32 @@ std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& m
     h.version = kStateVersion;
     h.step = state.step;
     h.adam_steps = opt.steps_taken();
-    h.numel = opt.m().numel();
+    h.numel = model.params().numel();
     for (int i = 0; i < 4; ++i) h.rng[i] = state.rng_state[i];
-    AtomicFile out((fs::path(tmp_dir) / "state.bin").string());
-    out.write(&h, sizeof h);
-    out.write(opt.m().raw_data(), static_cast<size_t>(h.numel) * 4);
-    out.write(opt.v().raw_data(), static_cast<size_t>(h.numel) * 4);
-    out.commit();
+    std::unique_ptr<AtomicFile> out;
+    if (writer) {
+      out = std::make_unique<AtomicFile>((fs::path(tmp_dir) / "state.bin").string());
+      out->write(&h, sizeof h);
+    }
+    // m for every unit, then v: the parameter block's order. Every rank takes part in
+    // each gather; only the writer keeps the bytes.
+    for (int which = 0; which < 2; ++which) {
+      for (size_t u = 0; u < units; ++u) {
+        Tensor values = opt.moment_unit(which, u).contiguous();
+        if (out) out->write(values.raw_data(), static_cast<size_t>(values.nbytes()));
+      }
+    }
+    if (out) out->commit();
   }
-  fs::remove_all(final_dir);
-  fs::rename(tmp_dir, final_dir);
-  AtomicFile latest((fs::path(out_dir) / "latest").string());
-  std::string name = step_dir_name(state.step) + "\n";
-  latest.write(name.data(), name.size());
-  latest.commit();
+  if (writer) {
+    fs::remove_all(final_dir);
+    fs::rename(tmp_dir, final_dir);
+    AtomicFile latest((fs::path(out_dir) / "latest").string());
+    std::string name = step_dir_name(state.step) + "\n";
+    latest.write(name.data(), name.size());
+    latest.commit();
+  }
+  world.world().barrier();  // nobody moves on (or reads `latest`) before the writer is done
   return final_dir;
 }
 
@@ -77,23 +100,51 @@ std::string resolve_checkpoint(const std::string& path) {
   return dir;
 }
 
-TrainingState load_checkpoint(const std::string& dir, nn::Transformer& model, optim::AdamW& opt) {
+void load_checkpoint_model(const std::string& dir, nn::Transformer& model) {
   load_llmc_gpt2((fs::path(dir) / "model.bin").string(), model);
+}
+
+TrainingState load_checkpoint_state(const std::string& dir, const nn::Transformer& model, optim::Optimizer& opt) {
   const std::string path = (fs::path(dir) / "state.bin").string();
+  const nn::ParameterStore& params = model.params();
   int64_t size = 0;
   std::ifstream in = open_input(path, "training state", &size);
   TALLY_CHECK(size >= 1024, "training state '", path, "' is ", size, " bytes, shorter than its 1024-byte header");
   StateHeader h;
   in.read(reinterpret_cast<char*>(&h), sizeof h);
   TALLY_CHECK(h.magic == kStateMagic, "training state '", path, "': magic ", h.magic, ", expected ", kStateMagic);
-  TALLY_CHECK(h.version == kStateVersion, "training state '", path, "': version ", h.version, ", expected ", kStateVersion);
-  TALLY_CHECK(h.numel == opt.m().numel(), "training state '", path, "' has moments for ", h.numel,
-              " parameters but the model has ", opt.m().numel());
+  TALLY_CHECK(h.version == 1 || h.version == kStateVersion, "training state '", path, "': version ", h.version,
+              ", expected 1 or ", kStateVersion);
+  TALLY_CHECK(h.numel == params.numel(), "training state '", path, "' has moments for ", h.numel,
+              " parameters but the model has ", params.numel());
   TALLY_CHECK(h.step >= 0 && h.adam_steps >= 0, "training state '", path, "': negative step (", h.step,
               ") or AdamW step count (", h.adam_steps, "): the file is corrupt");
   TALLY_CHECK(size == 1024 + 8 * h.numel, "training state '", path, "' is ", size, " bytes, expected ", 1024 + 8 * h.numel);
-  in.read(static_cast<char*>(opt.m().raw_data()), h.numel * 4);
-  in.read(static_cast<char*>(opt.v().raw_data()), h.numel * 4);
+  for (int which = 0; which < 2; ++which) {
+    if (h.version == kStateVersion) {
+      // Version 2: the parameter block's order, unit by unit.
+      for (size_t u = 0; u < params.num_units(); ++u) {
+        Tensor values = Tensor::empty({params.unit(u).numel()}, DType::F32, Device::cpu(),
+                                      make_owner(Category::Other, "checkpoint.read"));
+        in.read(static_cast<char*>(values.raw_data()), values.nbytes());
+        opt.set_moment_unit(which, u, values);
+      }
+    } else {
+      // Version 1 kept the moments in llm.c's file order (each kind over the layers).
+      Tensor file_order = Tensor::empty({h.numel}, DType::F32, Device::cpu(), make_owner(Category::Other, "checkpoint.read"));
+      in.read(static_cast<char*>(file_order.raw_data()), h.numel * 4);
+      Tensor block = Tensor::empty({h.numel}, DType::F32, Device::cpu(), make_owner(Category::Other, "checkpoint.read"));
+      int64_t at = 0;
+      for (const nn::LlmcTensor& t : model.llmc_tensors())
+        for (size_t i : t.params) {
+          const int64_t n = params.spec(i).shape.empty() ? 1 : shape_numel(params.spec(i).shape);
+          make_view(block, {n}, {1}, params.offset(i)).copy_(make_view(file_order, {n}, {1}, at));
+          at += n;
+        }
+      for (size_t u = 0; u < params.num_units(); ++u)
+        opt.set_moment_unit(which, u, make_view(block, {params.unit(u).numel()}, {1}, params.unit(u).begin));
+    }
+  }
   TALLY_CHECK(in.good(), "training state '", path, "': read failed");
   opt.set_steps_taken(h.adam_steps);
   TrainingState s;

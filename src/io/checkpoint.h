@@ -5,13 +5,22 @@
 // Each file is written atomically, then the directory is renamed into place, and
 // <out_dir>/latest is replaced atomically to name it. A crash leaves the previous
 // checkpoint intact.
+//
+// With data parallel or ZeRO, saving is collective: every rank takes part in gathering
+// the model and the moments (unit by unit, so no rank holds more than one unit extra),
+// and rank 0 writes; the others wait for it, so all agree on what `latest` names. The
+// moments are stored in the parameter block's order whatever the layout, so any --dp and
+// --zero can resume from any other (each rank keeps its own shard of what it reads).
+// Loading reads the files on every rank: the directory must be visible to all of them
+// (one machine, or a shared filesystem, as the data shards are).
 #pragma once
 #include <array>
 #include <cstdint>
 #include <string>
 
+#include "dist/world.h"
 #include "nn/transformer.h"
-#include "optim/adamw.h"
+#include "optim/optimizer.h"
 
 namespace tally::io {
 
@@ -21,12 +30,15 @@ struct TrainingState {
 };
 
 // Writes <out_dir>/step_<step>/ and points <out_dir>/latest at it. Returns the directory.
-std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& model, const optim::AdamW& opt,
-                            const TrainingState& state);
+// Collective over `world`; under ZeRO-3 the model's units are gathered while it writes.
+std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& model, optim::Optimizer& opt,
+                            const TrainingState& state, const dist::World& world);
 
 // `path` is a checkpoint directory or an out_dir with a `latest` file.
 std::string resolve_checkpoint(const std::string& path);
-// Loads weights, optimizer moments and state (configs must match; errors name the file).
-TrainingState load_checkpoint(const std::string& dir, nn::Transformer& model, optim::AdamW& opt);
+// Loads the weights (configs must match; errors name the file). Before ZeRO shards the model.
+void load_checkpoint_model(const std::string& dir, nn::Transformer& model);
+// Loads the optimizer moments and step count and returns the training state.
+TrainingState load_checkpoint_state(const std::string& dir, const nn::Transformer& model, optim::Optimizer& opt);
 
 }  // namespace tally::io

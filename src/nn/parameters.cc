@@ -46,10 +46,12 @@ void ParameterStore::rebind(size_t i, const Tensor& param) {
   params_[i] = param;
 }
 
-void ParameterStore::release_blocks() {
-  flat_params_ = Tensor();
+void ParameterStore::release_grads() {
+  for (const Tensor& p : params_) p.set_grad(Tensor());
   flat_grads_ = Tensor();
 }
+
+void ParameterStore::release_params() { flat_params_ = Tensor(); }
 
 size_t ParameterStore::index_of(const std::string& name) const {
   for (size_t i = 0; i < specs_.size(); ++i)

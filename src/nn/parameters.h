@@ -62,8 +62,11 @@ class ParameterStore {
   // Replaces parameter i with `param` (same shape; a view of another storage, e.g. a
   // ZeRO-3 unit buffer). The new tensor becomes a registered parameter named like the old.
   void rebind(size_t i, const Tensor& param);
-  // Drops the blocks (after rebinding every parameter elsewhere, as ZeRO-3 does).
-  void release_blocks();
+  // Drops the gradient block; the parameters' .grad become undefined (ZeRO-2 and -3 give
+  // them views of per-unit staging buffers during backward instead).
+  void release_grads();
+  // Drops the parameter block (after rebinding every parameter elsewhere, as ZeRO-3 does).
+  void release_params();
 
  private:
   std::vector<ParameterSpec> specs_;

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "autograd/function.h"
 #include "autograd/grad_mode.h"
 #include "core/owner.h"
 #include "ops/ops.h"
@@ -140,25 +141,82 @@ void Transformer::init_weights(uint64_t seed) {
   wte.slice(0, config_.vocab_size, config_.padded_vocab_size).detach().zero_();
 }
 
+namespace {
+// An identity on an activation whose backward tells the residency to acquire or release
+// parameter units: placed at a unit's output it runs before the unit's backward, at its
+// input after it.
+struct UnitBorder {
+  static constexpr const char* kName = "unit_border";
+  struct Context : autograd::Context {
+    ParameterResidency* residency = nullptr;  // non-owning: outlives the graph (the trainer holds it)
+    std::vector<size_t> units;
+    bool acquire = false;
+  };
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    for (size_t u : ctx.units) ctx.acquire ? ctx.residency->acquire(u, true) : ctx.residency->release(u, true);
+    return {grads[0]};
+  }
+};
+}  // namespace
+
+void Transformer::enter(const std::vector<size_t>& units) const {
+  if (!residency_) return;
+  for (size_t u : units) residency_->acquire(u, false);
+}
+
+void Transformer::leave(const std::vector<size_t>& units) const {
+  if (!residency_) return;
+  for (size_t u : units) residency_->release(u, false);
+}
+
+Tensor Transformer::released_in_backward(const Tensor& x, const std::vector<size_t>& units) const {
+  return border(x, units, false);
+}
+
+Tensor Transformer::acquired_in_backward(const Tensor& x, const std::vector<size_t>& units) const {
+  return border(x, units, true);
+}
+
+Tensor Transformer::border(const Tensor& x, const std::vector<size_t>& units, bool acquire) const {
+  if (!residency_ || !autograd::needs_graph({x})) return x;
+  Tensor out = x.detach();  // the same values, a fresh tensor for the marker's output
+  auto ctx = std::make_unique<UnitBorder::Context>();
+  ctx->residency = residency_;
+  ctx->units = units;
+  ctx->acquire = acquire;
+  autograd::record<UnitBorder>(std::move(ctx), {x}, {out});
+  return out;
+}
+
 ForwardResult Transformer::forward(const Tensor& tokens, const Tensor& targets, bool return_logits) const {
   const auto& c = config_;
   TALLY_CHECK(tokens.dim() == 2, "model: tokens must be (B, T), got ", tokens.str());
   const int64_t B = tokens.shape()[0], T = tokens.shape()[1], C = c.n_embd, H = c.n_head, D = c.head_dim();
   TALLY_CHECK(T <= c.max_seq_len, "model: sequence length ", T, " exceeds the model's maximum ", c.max_seq_len);
+  // Each unit's parameters are acquired around its ops (see residency.h); without a
+  // residency every call below on units is a no-op.
+  const std::vector<size_t> embed{embed_unit()}, head{final_unit(), embed_unit()};
 
   // Embeddings: x = wte[tokens] + wpe[0:T]
   Tensor x;
   {
     OwnerScope scope("embed");
+    enter(embed);
+    if (residency_) residency_->prefetch(layer_unit(0));
     // Named steps, not nested calls: C++ leaves argument evaluation order unspecified,
     // and the order ops are recorded in is the order backward runs them in reverse.
     Tensor token_embedding = ops::embedding(params_[wte_], tokens);
     Tensor position_embedding = params_[wpe_].slice(0, 0, T);
-    x = ops::add(token_embedding, position_embedding);
+    x = acquired_in_backward(ops::add(token_embedding, position_embedding), embed);
+    leave(embed);
   }
   for (int64_t l = 0; l < c.n_layer; ++l) {
     OwnerScope layer_scope("h." + std::to_string(l));
     const Layer& p = layers_[l];
+    const std::vector<size_t> unit{layer_unit(l)};
+    enter(unit);
+    if (residency_) residency_->prefetch(l + 1 < c.n_layer ? layer_unit(l + 1) : final_unit());
+    x = released_in_backward(x, unit);
     {
       OwnerScope scope("attn");
       Tensor h = ops::layernorm(x, params_[p.ln1w], params_[p.ln1b], c.norm_eps);
@@ -174,16 +232,22 @@ ForwardResult Transformer::forward(const Tensor& tokens, const Tensor& targets, 
       Tensor f = ops::gelu(ops::linear(h, params_[p.fcw], params_[p.fcb]));
       x = ops::add(x, ops::linear(f, params_[p.fcprojw], params_[p.fcprojb]));
     }
+    x = acquired_in_backward(x, unit);
+    leave(unit);
   }
   ForwardResult result;
   OwnerScope scope("head");
+  enter(head);
+  x = released_in_backward(x, head);
   x = ops::layernorm(x, params_[lnfw_], params_[lnfb_], c.norm_eps);
   Tensor logits = ops::linear(x, params_[wte_]);  // (B,T,Vp), tied to the embedding
   if (targets.defined()) {
     TALLY_CHECK(targets.shape() == tokens.shape(), "model: targets ", targets.str(), " do not match tokens ", tokens.str());
     result.loss = ops::cross_entropy(logits.view({B * T, c.padded_vocab_size}), targets.view({B * T}), c.vocab_size);
+    result.loss = acquired_in_backward(result.loss, head);
   }
   if (return_logits) result.logits = logits;
+  leave(head);
   return result;
 }
 

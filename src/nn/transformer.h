@@ -16,6 +16,7 @@
 #include "core/random.h"
 #include "core/tensor.h"
 #include "nn/parameters.h"
+#include "nn/residency.h"
 
 namespace tally::nn {
 
@@ -71,6 +72,14 @@ class Transformer {
   // grad mode is on.
   ForwardResult forward(const Tensor& tokens, const Tensor& targets, bool return_logits = false) const;
 
+  // Where the parameters live while the model runs (ZeRO-3 sets one; null: always
+  // resident). Not owned.
+  void set_residency(ParameterResidency* residency) { residency_ = residency; }
+  ParameterResidency* residency() const { return residency_; }
+  size_t embed_unit() const { return 0; }
+  size_t layer_unit(int64_t layer) const { return static_cast<size_t>(layer) + 1; }
+  size_t final_unit() const { return static_cast<size_t>(config_.n_layer) + 1; }
+
   // The llm.c file layout of this model's parameters (file order).
   std::vector<LlmcTensor> llmc_tensors() const;
 
@@ -79,8 +88,16 @@ class Transformer {
   double flops_per_token(int64_t seq_len) const;
 
  private:
+  // Unit bookkeeping around a region of the forward (no-ops without a residency).
+  void enter(const std::vector<size_t>& units) const;
+  void leave(const std::vector<size_t>& units) const;
+  Tensor released_in_backward(const Tensor& x, const std::vector<size_t>& units) const;
+  Tensor acquired_in_backward(const Tensor& x, const std::vector<size_t>& units) const;
+  Tensor border(const Tensor& x, const std::vector<size_t>& units, bool acquire) const;
+
   TransformerConfig config_;
   ParameterStore params_;
+  ParameterResidency* residency_ = nullptr;  // non-owning
   // Parameter indices. Each layer's parameters are one unit of the block (parameters.h);
   // every layer's weight is its own leaf (its own gradient view).
   size_t wte_ = 0, wpe_ = 0, lnfw_ = 0, lnfb_ = 0;

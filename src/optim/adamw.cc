@@ -1,8 +1,41 @@
 #include "optim/adamw.h"
 
+#include <omp.h>
+
 #include <cmath>
 
 namespace tally::optim {
+
+AdamWCoefficients adamw_coefficients(const AdamWConfig& c, int64_t t, double lr, double grad_scale) {
+  const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(t));
+  const double bc2 = 1.0 - std::pow(c.beta2, static_cast<double>(t));
+  AdamWCoefficients k;
+  k.beta1 = static_cast<float>(c.beta1);
+  k.beta2 = static_cast<float>(c.beta2);
+  k.step_size = static_cast<float>(lr / bc1);
+  k.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));  // one division per element, not two
+  k.eps = static_cast<float>(c.eps);
+  k.grad_scale = static_cast<float>(grad_scale);
+  k.lr = lr;
+  k.weight_decay = c.weight_decay;
+  return k;
+}
+
+void adamw_update(float* p, float* g, float* m, float* v, int64_t n, const AdamWCoefficients& k, bool decay,
+                  bool zero_grad) {
+  const float b1 = k.beta1, b2 = k.beta2, step_size = k.step_size, inv_bc2_sqrt = k.inv_bc2_sqrt, eps = k.eps,
+              gs = k.grad_scale, keep = k.keep(decay);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float gj = g[j] * gs;
+    const float mj = b1 * m[j] + (1.f - b1) * gj;
+    const float vj = b2 * v[j] + (1.f - b2) * gj * gj;
+    m[j] = mj;
+    v[j] = vj;
+    p[j] = p[j] * keep - step_size * mj / (std::sqrt(vj) * inv_bc2_sqrt + eps);
+    if (zero_grad) g[j] = 0.f;
+  }
+}
 
 AdamW::AdamW(nn::ParameterStore& params, AdamWConfig config) : params_(params), config_(config) {
   const Tensor& p = params_.flat_params();
@@ -12,35 +45,39 @@ AdamW::AdamW(nn::ParameterStore& params, AdamWConfig config) : params_(params), 
 
 void AdamW::step(double lr, double grad_scale, bool zero_grad) {
   ++t_;
-  const float b1 = static_cast<float>(config_.beta1), b2 = static_cast<float>(config_.beta2);
-  const double bc1 = 1.0 - std::pow(config_.beta1, static_cast<double>(t_));
-  const double bc2 = 1.0 - std::pow(config_.beta2, static_cast<double>(t_));
-  const float step_size = static_cast<float>(lr / bc1);
-  const float inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));  // one division per element, not two
-  const float eps = static_cast<float>(config_.eps);
-  const float gs = static_cast<float>(grad_scale);
+  const AdamWCoefficients k = adamw_coefficients(config_, t_, lr, grad_scale);
   float* p = params_.flat_params().data<float>();
   float* g = params_.flat_grads().data<float>();
   float* m = m_.data<float>();
   float* v = v_.data<float>();
+  // Every parameter's range split into chunks across the threads (static schedule over a
+  // flat index of (parameter, chunk) pairs keeps the work even).
+  constexpr int64_t kChunk = 1 << 14;
 #pragma omp parallel
   for (size_t i = 0; i < params_.size(); ++i) {
-    const int64_t begin = params_.offset(i), end = begin + params_[i].numel();
+    const int64_t begin = params_.offset(i), n = params_[i].numel();
     const bool decay = config_.decay_all || params_.spec(i).decay;
-    const float keep = decay ? static_cast<float>(1.0 - lr * config_.weight_decay) : 1.f;
-#pragma omp for simd schedule(static) nowait
-    for (int64_t j = begin; j < end; ++j) {
-      const float gj = g[j] * gs;
-      const float mj = b1 * m[j] + (1.f - b1) * gj;
-      const float vj = b2 * v[j] + (1.f - b2) * gj * gj;
-      m[j] = mj;
-      v[j] = vj;
-      p[j] = p[j] * keep - step_size * mj / (std::sqrt(vj) * inv_bc2_sqrt + eps);
-      if (zero_grad) g[j] = 0.f;
+#pragma omp for schedule(static) nowait
+    for (int64_t c = 0; c < n; c += kChunk) {
+      const int64_t j = begin + c;
+      adamw_update(p + j, g + j, m + j, v + j, std::min(kChunk, n - c), k, decay, zero_grad);
     }
   }
   params_.flat_params().storage().bump_version();
   if (zero_grad) params_.flat_grads().storage().bump_version();
+}
+
+Tensor AdamW::moment_unit(int which, size_t unit) {
+  const nn::ParameterUnit& u = params_.unit(unit);
+  const Tensor& moment = which == 0 ? m_ : v_;
+  return make_view(moment, {u.numel()}, {1}, u.begin);
+}
+
+void AdamW::set_moment_unit(int which, size_t unit, const Tensor& values) {
+  Tensor dst = moment_unit(which, unit);
+  TALLY_CHECK(values.numel() == dst.numel(), "AdamW: ", values.numel(), " moment values for unit '",
+              params_.unit(unit).name, "' of ", dst.numel(), " parameters");
+  dst.copy_(values.reshape({-1}));
 }
 
 double clip_scale(double norm, double max_norm) {

@@ -9,6 +9,7 @@
 
 #include "core/tensor.h"
 #include "nn/parameters.h"
+#include "optim/optimizer.h"
 
 namespace tally::optim {
 
@@ -20,7 +21,21 @@ struct AdamWConfig {
   bool decay_all = false;  // llm.c's CPU reference decays every parameter; default: 2-D only
 };
 
-class AdamW {
+// The per-step constants of one AdamW update (step t counts from 1).
+struct AdamWCoefficients {
+  float beta1, beta2, step_size, inv_bc2_sqrt, eps, grad_scale;
+  double lr, weight_decay;
+  float keep(bool decay) const { return decay ? static_cast<float>(1.0 - lr * weight_decay) : 1.f; }
+};
+AdamWCoefficients adamw_coefficients(const AdamWConfig& config, int64_t t, double lr, double grad_scale);
+
+// Updates n consecutive elements in place (parameters p, gradients g, moments m and v);
+// with zero_grad, each gradient is zeroed in the same pass that reads it. Runs on the
+// calling thread: callers parallelize over ranges.
+void adamw_update(float* p, float* g, float* m, float* v, int64_t n, const AdamWCoefficients& k, bool decay,
+                  bool zero_grad);
+
+class AdamW final : public Optimizer {
  public:
   AdamW(nn::ParameterStore& params, AdamWConfig config);
 
@@ -29,8 +44,10 @@ class AdamW {
   // reads it (saves a separate pass over the gradient block).
   void step(double lr, double grad_scale = 1.0, bool zero_grad = false);
 
-  int64_t steps_taken() const { return t_; }
-  void set_steps_taken(int64_t t) { t_ = t; }
+  int64_t steps_taken() const override { return t_; }
+  void set_steps_taken(int64_t t) override { t_ = t; }
+  Tensor moment_unit(int which, size_t unit) override;
+  void set_moment_unit(int which, size_t unit, const Tensor& values) override;
   const Tensor& m() const { return m_; }
   const Tensor& v() const { return v_; }
   const AdamWConfig& config() const { return config_; }
@@ -42,8 +59,8 @@ class AdamW {
   int64_t t_ = 0;
 };
 
-// Global L2 norm of the gradient block (fp64 accumulation) and the scale that clips it
-// to max_norm (torch's clip_grad_norm_: max_norm / (norm + 1e-6) when norm > max_norm).
+// The scale that clips a gradient of global L2 norm `norm` to max_norm (torch's
+// clip_grad_norm_: max_norm / (norm + 1e-6) when norm > max_norm, else 1).
 double clip_scale(double norm, double max_norm);
 
 }  // namespace tally::optim

@@ -14,6 +14,9 @@
 #include "autograd/grad_mode.h"
 #include "data/loader.h"
 #include "data/tokenizer.h"
+#include "dist/data_parallel.h"
+#include "dist/world.h"
+#include "dist/zero.h"
 #include "io/checkpoint.h"
 #include "io/model_files.h"
 #include "memory/report.h"
@@ -112,27 +115,75 @@ double evaluate(const nn::Transformer& model, data::TokenLoader& loader, int64_t
 
 }  // namespace
 
+namespace {
+
+// The full parameter block in its order, on every rank (ZeRO-3 gathers each unit).
+Tensor gather_parameters(const nn::Transformer& model) {
+  const nn::ParameterStore& params = model.params();
+  Tensor out = Tensor::empty({params.numel()}, DType::F32, Device::cpu(), make_owner(Category::Other, "final_parameters"));
+  nn::ParameterResidency* residency = model.residency();
+  for (size_t u = 0; u < params.num_units(); ++u) {
+    if (residency) residency->acquire(u, false);
+    const nn::ParameterUnit& unit = params.unit(u);
+    for (size_t i = unit.first; i < unit.last; ++i)
+      make_view(out, {params[i].numel()}, {1}, params.offset(i)).copy_(params[i].reshape({-1}).detach());
+    if (residency) residency->release(u, false);
+  }
+  return out;
+}
+
+}  // namespace
+
 TrainResult run_training(const TrainConfig& c, const std::function<void(const StepMetrics&)>& on_step) {
+  std::unique_ptr<dist::World> world = dist::World::create({c.dp, c.tp, c.pp});
+  return run_training(c, *world, on_step);
+}
+
+TrainResult run_training(const TrainConfig& c, const dist::World& world, const std::function<void(const StepMetrics&)>& on_step) {
   validate(c);
+  TALLY_CHECK(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, got ", c.zero);
+  TALLY_CHECK(c.bucket_mb > 0, "--bucket-mb must be positive, got ", c.bucket_mb);
+  TALLY_CHECK(c.dp == 0 || c.dp == world.dp(), "--dp ", c.dp, " but the world is laid out as ", world.describe());
   if (c.threads > 0) omp_set_num_threads(c.threads);
+  const bool root = world.is_root();
   auto log = [&](const char* fmt, auto... args) {
-    if (!c.quiet) std::printf(fmt, args...), std::fflush(stdout);
+    if (!c.quiet && root) std::printf(fmt, args...), std::fflush(stdout);
   };
+  dist::Communicator& dp_group = world.dp_group();
+  const int64_t D = world.dp(), dp_rank = world.dp_rank();
 
   sanitizer::SanitizeMode mode = sanitizer::parse_sanitize_mode(c.sanitize);
   auto& ledger = runtime::ledger();
   if (!c.mem_trace.empty()) ledger.enable_history(true, false);
 
+  // Every rank builds the same model (same seed, or the same file).
   std::unique_ptr<nn::Transformer> model = build_model(c);
   const auto& mc = model->config();
   TALLY_CHECK(c.seq_len <= mc.max_seq_len, "--seq-len ", c.seq_len, " exceeds the model's maximum sequence length ",
               mc.max_seq_len);
+  std::string resume_dir;
+  if (!c.resume.empty()) {
+    resume_dir = io::resolve_checkpoint(c.resume);
+    io::load_checkpoint_model(resume_dir, *model);  // before ZeRO shards the model
+  }
   optim::AdamWConfig ac;
   ac.beta1 = c.beta1;
   ac.beta2 = c.beta2;
   ac.eps = c.eps;
   ac.weight_decay = c.weight_decay;
-  optim::AdamW opt(model->params(), ac);
+  // The optimizer: AdamW over the whole block, or ZeRO over the data-parallel group.
+  std::unique_ptr<optim::AdamW> adamw;
+  std::unique_ptr<dist::ZeroOptimizer> zero;
+  if (c.zero == 0) adamw = std::make_unique<optim::AdamW>(model->params(), ac);
+  else zero = std::make_unique<dist::ZeroOptimizer>(model->params(), ac, dp_group, c.zero);
+  optim::Optimizer& opt = adamw ? static_cast<optim::Optimizer&>(*adamw) : *zero;
+  if (zero && zero->stage() >= 2) model->set_residency(zero.get());
+  // Plain data parallel and ZeRO-1 average full gradients with bucketed all-reduces.
+  std::unique_ptr<dist::GradientAllReduce> all_reduce;
+  if (c.zero <= 1 && D > 1)
+    all_reduce = std::make_unique<dist::GradientAllReduce>(model->params(), dp_group,
+                                                           static_cast<int64_t>(c.bucket_mb * (1 << 20)));
+
   data::TokenLoader train_loader(c.train_data, c.batch_size, c.seq_len, mc.vocab_size);
   std::unique_ptr<data::TokenLoader> val_loader;
   if (!c.val_data.empty()) val_loader = std::make_unique<data::TokenLoader>(c.val_data, c.batch_size, c.seq_len, mc.vocab_size);
@@ -140,38 +191,45 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
   Rng sample_rng(c.seed + 1);
 
   int64_t start_step = 0;
-  if (!c.resume.empty()) {
-    std::string dir = io::resolve_checkpoint(c.resume);
-    io::TrainingState st = io::load_checkpoint(dir, *model, opt);
+  if (!resume_dir.empty()) {
+    io::TrainingState st = io::load_checkpoint_state(resume_dir, *model, opt);
     start_step = st.step;
     sample_rng.set_state(st.rng_state);
-    log("resumed from %s at step %lld\n", dir.c_str(), static_cast<long long>(start_step));
+    log("resumed from %s at step %lld\n", resume_dir.c_str(), static_cast<long long>(start_step));
   }
 
   const int64_t N = c.grad_accum, B = c.batch_size, T = c.seq_len;
-  const int64_t tokens_per_step = N * B * T;
-  const double step_flops = model->flops_per_token(T) * static_cast<double>(tokens_per_step);
+  const int64_t tokens_per_step = N * D * B * T;  // over all data-parallel ranks
+  const double rank_step_flops = model->flops_per_token(T) * static_cast<double>(N * B * T);
   const double gemm_peak = runtime::backend(Device::cpu()).measured_gemm_peak_flops();
   const int64_t P = model->num_parameters();
   log("model: %s, %lld parameters\n", mc.describe().c_str(), static_cast<long long>(P));
-  log("data: %lld train tokens in %zu shard(s)%s; step = %lld microbatch(es) x %lld x %lld = %lld tokens\n",
+  log("data: %lld train tokens in %zu shard(s)%s; step = %lld rank(s) x %lld microbatch(es) x %lld x %lld = %lld tokens\n",
       static_cast<long long>(train_loader.total_tokens()), train_loader.files().size(),
       val_loader ? (", " + std::to_string(val_loader->total_tokens()) + " val tokens").c_str() : "",
-      static_cast<long long>(N), static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(tokens_per_step));
-  log("threads: %d, measured fp32 GEMM peak %.0f GFLOP/s\n", omp_get_max_threads(), gemm_peak / 1e9);
+      static_cast<long long>(D), static_cast<long long>(N), static_cast<long long>(B), static_cast<long long>(T),
+      static_cast<long long>(tokens_per_step));
+  log("parallel: %s, %s\n", world.describe().c_str(),
+      c.zero ? ("ZeRO stage " + std::to_string(c.zero)).c_str()
+             : (D > 1 ? "bucketed all-reduce of " + std::to_string(all_reduce->buckets().size()) + " buckets" : "one process").c_str());
+  log("threads: %d per rank, measured fp32 GEMM peak %.0f GFLOP/s\n", omp_get_max_threads(), gemm_peak / 1e9);
 
-  std::unique_ptr<std::ofstream> json_log;
-  if (!c.log_json.empty()) {
-    fs::path parent = fs::path(c.log_json).parent_path();
+  // Rank 0 writes the job's rows; with --log-json-all-ranks every rank also writes its own.
+  auto open_log = [&](const std::string& path) {
+    fs::path parent = fs::path(path).parent_path();
     if (!parent.empty()) fs::create_directories(parent);
-    json_log = std::make_unique<std::ofstream>(c.log_json, start_step > 0 ? std::ios::app : std::ios::trunc);
-    TALLY_CHECK(json_log->good(), "--log-json: cannot write '", c.log_json, "'");
-  }
+    auto f = std::make_unique<std::ofstream>(path, start_step > 0 ? std::ios::app : std::ios::trunc);
+    TALLY_CHECK(f->good(), "--log-json: cannot write '", path, "'");
+    return f;
+  };
+  std::unique_ptr<std::ofstream> json_log, rank_json_log;
+  if (!c.log_json.empty() && root) json_log = open_log(c.log_json);
+  if (!c.log_json.empty() && c.log_json_all_ranks) rank_json_log = open_log(c.log_json + ".rank" + std::to_string(world.rank()));
 
   sanitizer::Sanitizer sanitizer(mode);
   TrainResult result;
   int64_t predicted_min = 0;
-  const int64_t states_bytes = 16 * P;  // fp32 param, grad, m, v
+  const int64_t states_bytes = zero ? zero->footprint().total() : 16 * P;  // fp32 param, grad, m, v
 
   for (int64_t step = start_step; step < c.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
@@ -180,8 +238,11 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
     double loss_sum = 0;
     for (int64_t mb = 0; mb < N; ++mb) {
       sanitizer.begin_microbatch(mb);
+      const bool last = mb + 1 == N;
+      if (all_reduce && last) all_reduce->arm();  // reduce while the last backward runs
       {
-        const data::Batch& batch = train_loader.batch_at(step, mb, N);
+        // This rank's share of the global batch: microbatch mb*D + r of D*N.
+        const data::Batch& batch = train_loader.batch_at(step, mb * D + dp_rank, N * D);
         Tensor loss = model->forward(batch.inputs, batch.targets).loss;
         if (predicted_min == 0) {
           // Activations this configuration must hold: what one microbatch keeps alive
@@ -191,19 +252,24 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
           predicted_min = ledger.stats().allocated;
         }
         loss_sum += loss.item();  // R4: only the number escapes the microbatch
-        (N == 1 ? loss : ops::scale(loss, 1.0 / static_cast<double>(N))).backward();
+        (N * D == 1 ? loss : ops::scale(loss, 1.0 / static_cast<double>(N * D))).backward();
       }
+      if (zero) zero->finish_microbatch();
+      if (all_reduce && last) all_reduce->finish();
       sanitizer.end_microbatch();
     }
-    const double norm = ops::global_norm({model->params().flat_grads()});
+    const double norm = zero ? zero->gradient_norm() : ops::global_norm({model->params().flat_grads()});
+    loss_sum = dp_group.all_reduce_scalar(loss_sum, dist::ReduceOp::Sum);
     const double lr = learning_rate(c, step);
     // A non-finite loss or gradient would silently turn every parameter into NaN.
-    TALLY_CHECK(std::isfinite(loss_sum) && std::isfinite(norm), "step ", step + 1, ": loss ", loss_sum / N,
+    TALLY_CHECK(std::isfinite(loss_sum) && std::isfinite(norm), "step ", step + 1, ": loss ", loss_sum / static_cast<double>(N * D),
                 ", gradient norm ", norm, " is not finite; stopping before the update (try a lower --lr or --grad-clip)");
     {
       autograd::NoGradGuard ng;
       OwnerScope scope("optimizer");
-      opt.step(lr, optim::clip_scale(norm, c.grad_clip), /*zero_grad=*/true);
+      const double scale = optim::clip_scale(norm, c.grad_clip);
+      if (zero) zero->step(lr, scale);
+      else adamw->step(lr, scale, /*zero_grad=*/true);
     }
     sanitizer.end_step();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -211,22 +277,42 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
     memory::Stats s = ledger.stats();
     StepMetrics m;
     m.step = step + 1;
-    m.loss = loss_sum / static_cast<double>(N);
+    m.loss = loss_sum / static_cast<double>(N * D);
     m.lr = lr;
     m.grad_norm = norm;
     m.ms = seconds * 1e3;
     m.tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
-    m.gemm_peak_frac = step_flops / seconds / gemm_peak;
-    m.live_bytes = s.allocated;
-    m.peak_bytes = s.peak_allocated;
-    m.reserved_bytes = s.reserved;
+    m.gemm_peak_frac = rank_step_flops / seconds / gemm_peak;
+    // Memory: the maximum over ranks, and every rank's peak.
+    dist::Communicator& everyone = world.world();
+    m.live_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(s.allocated), dist::ReduceOp::Max));
+    m.peak_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(s.peak_allocated), dist::ReduceOp::Max));
+    m.reserved_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(s.reserved), dist::ReduceOp::Max));
+    for (double p : everyone.all_gather_scalar(static_cast<double>(s.peak_allocated)))
+      m.rank_peak_bytes.push_back(static_cast<int64_t>(p));
     m.predicted_min_bytes = predicted_min;
     if (step == start_step + 1 || (step == start_step && c.steps == start_step + 1)) {
       // From the second step on the peak is the steady one (the first also builds caches).
       log("memory: measured peak %s = predicted minimum %s (params+grads+adam %s, activations and data of one "
           "microbatch %s) + transients %s\n",
-          format_bytes(m.peak_bytes).c_str(), format_bytes(predicted_min).c_str(), format_bytes(states_bytes).c_str(),
-          format_bytes(predicted_min - states_bytes).c_str(), format_bytes(m.peak_bytes - predicted_min).c_str());
+          format_bytes(s.peak_allocated).c_str(), format_bytes(predicted_min).c_str(), format_bytes(states_bytes).c_str(),
+          format_bytes(predicted_min - states_bytes).c_str(), format_bytes(s.peak_allocated - predicted_min).c_str());
+      if (D > 1) {
+        const auto& st = s.allocated_by_category;
+        const int64_t held = st[static_cast<int>(Category::Parameter)] + st[static_cast<int>(Category::Gradient)] +
+                             st[static_cast<int>(Category::OptimizerState)];
+        const char* formula = c.zero == 0 ? "16P" : c.zero == 1 ? "8P + 8P/D" : c.zero == 2 ? "4P + 12P/D" : "16P/D";
+        log("memory per rank: model states %s by the formula %s (D=%lld), %s in the ledger\n",
+            format_bytes(states_bytes).c_str(), formula, static_cast<long long>(D), format_bytes(held).c_str());
+      }
+      if (all_reduce) {
+        const dist::ReductionStats& r = all_reduce->last();
+        const double ring = 2.0 * static_cast<double>(D - 1) / static_cast<double>(D) * static_cast<double>(r.payload_bytes);
+        log("all-reduce per step: %s of gradients (4P = %s) in %d buckets; a ring sends 2(D-1)/D of it per rank: %s; "
+            "%.0f%% of the %.0f ms all-reduce time was hidden behind backward\n",
+            format_bytes(r.payload_bytes).c_str(), format_bytes(4 * P).c_str(), r.buckets, format_bytes(static_cast<int64_t>(ring)).c_str(),
+            r.comm_seconds > 0 ? 100.0 * r.hidden_seconds / r.comm_seconds : 0.0, r.comm_seconds * 1e3);
+      }
     }
     log("step %5lld/%lld | loss %.4f | norm %.3f | lr %.2e | %.0f ms | %.1f%% of GEMM peak | %.0f tok/s | mem %s live, %s peak\n",
         static_cast<long long>(m.step), static_cast<long long>(c.steps), m.loss, m.grad_norm, m.lr, m.ms,
@@ -235,10 +321,11 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
     nlohmann::json j = {{"step", m.step},       {"loss", m.loss},           {"lr", m.lr},
                         {"grad_norm", m.grad_norm}, {"ms", m.ms},           {"tokens_per_s", m.tokens_per_s},
                         {"gemm_peak_frac", m.gemm_peak_frac}, {"live_bytes", m.live_bytes}, {"peak_bytes", m.peak_bytes},
-                        {"reserved_bytes", m.reserved_bytes}, {"predicted_min_bytes", m.predicted_min_bytes}};
+                        {"reserved_bytes", m.reserved_bytes}, {"predicted_min_bytes", m.predicted_min_bytes},
+                        {"rank_peak_bytes", m.rank_peak_bytes}};
     const bool last = step + 1 == c.steps;
     if (val_loader && ((c.val_every > 0 && m.step % c.val_every == 0) || last)) {
-      double vl = evaluate(*model, *val_loader, c.val_batches);
+      double vl = evaluate(*model, *val_loader, c.val_batches);  // every rank: ZeRO-3 gathers collectively
       result.final_val_loss = vl;
       j["val_loss"] = vl;
       log("val loss %.4f\n", vl);
@@ -248,19 +335,26 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
       so.tokens = c.sample_tokens;
       so.temperature = c.temperature;
       so.top_k = c.top_k;
-      auto ids = sample(*model, {detok.start_token(mc.vocab_size)}, so, sample_rng);
+      auto ids = sample(*model, {detok.start_token(mc.vocab_size)}, so, sample_rng);  // every rank, same draws
       log("sample:\n---\n%s\n---\n", detok.text(ids).c_str());
     }
     if (c.save_every > 0 && (m.step % c.save_every == 0 || last)) {
       io::TrainingState st;
       st.step = m.step;
       st.rng_state = sample_rng.state();
-      result.last_checkpoint = io::save_checkpoint(c.out_dir, *model, opt, st);
+      result.last_checkpoint = io::save_checkpoint(c.out_dir, *model, opt, st, world);
       log("saved %s\n", result.last_checkpoint.c_str());
     }
     if (json_log) {
       *json_log << j.dump() << "\n";
       json_log->flush();
+    }
+    if (rank_json_log) {
+      j["rank"] = world.rank();
+      j["rank_live_bytes"] = s.allocated;
+      j["rank_peak_allocated_bytes"] = s.peak_allocated;
+      *rank_json_log << j.dump() << "\n";
+      rank_json_log->flush();
     }
     result.history.push_back(m);
     result.final_loss = m.loss;
@@ -268,17 +362,19 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
     if (on_step) on_step(m);
   }
   result.boundaries = sanitizer.boundaries();
+  if (c.return_parameters) result.parameters = gather_parameters(*model);
   if (!c.mem_trace.empty()) {
-    fs::path parent = fs::path(c.mem_trace).parent_path();
-    if (!parent.empty()) fs::create_directories(parent);
     const bool html = c.mem_trace.size() > 5 && c.mem_trace.compare(c.mem_trace.size() - 5, 5, ".html") == 0;
-    if (html) memory::write_html_report(c.mem_trace, ledger.history());
-    else memory::write_chrome_trace(c.mem_trace, ledger.history());
+    const std::string path = root ? c.mem_trace : c.mem_trace + ".rank" + std::to_string(world.rank());
+    fs::path parent = fs::path(path).parent_path();
+    if (!parent.empty()) fs::create_directories(parent);
+    if (html) memory::write_html_report(path, ledger.history());
+    else memory::write_chrome_trace(path, ledger.history());
     ledger.enable_history(false);
     ledger.clear_history();
-    log("memory %s written to %s\n", html ? "report" : "trace (open in ui.perfetto.dev or chrome://tracing)",
-        c.mem_trace.c_str());
+    log("memory %s written to %s\n", html ? "report" : "trace (open in ui.perfetto.dev or chrome://tracing)", path.c_str());
   }
+  model->set_residency(nullptr);
   return result;
 }
 

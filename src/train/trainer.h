@@ -1,13 +1,20 @@
-// The trainer: one loop for every mode. Each step runs N microbatches (forward, backward
-// with the loss scaled by 1/N), clips the gradient norm, takes an AdamW step, and logs.
-// The sanitizer scopes every step and microbatch, so --sanitize strict turns any growth
-// of live memory or surviving graph into an error.
+// The trainer: one loop for every mode. Each step runs N microbatches per rank (forward,
+// backward with the loss scaled by 1/(N x data-parallel ranks)), averages the gradients
+// over the data-parallel group (bucketed all-reduce, or ZeRO's reduce-scatter), clips the
+// gradient norm, takes an AdamW step, and logs on rank 0. The sanitizer scopes every step
+// and microbatch on every rank, so --sanitize strict turns any growth of live memory or
+// surviving graph into an error.
+//
+// Data order: microbatch j of step k on data-parallel rank r reads what a single process
+// with D x N microbatches per step reads as microbatch j*D + r, so a run on D ranks sees
+// exactly the batches of the single-process run with the same global batch.
 #pragma once
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "dist/world.h"
 #include "sanitizer/sanitizer.h"
 
 namespace tally::train {
@@ -52,6 +59,14 @@ struct TrainConfig {
   std::string sanitize = "off";
   std::string mem_trace;
   bool quiet = false;
+  // parallelism (data parallel over MPI; launch with mpirun)
+  int dp = 0;  // 0: world size / (tp * pp)
+  int tp = 1;
+  int pp = 1;
+  int zero = 0;              // 0: plain data parallel; 1, 2, 3: ZeRO stage
+  double bucket_mb = 25;     // all-reduce bucket size (MiB)
+  bool log_json_all_ranks = false;  // also write <log-json>.rank<R> on every rank
+  bool return_parameters = false;   // fill TrainResult::parameters (tests)
 };
 
 struct StepMetrics {
@@ -66,6 +81,7 @@ struct StepMetrics {
   int64_t peak_bytes = 0;
   int64_t reserved_bytes = 0;
   int64_t predicted_min_bytes = 0;
+  std::vector<int64_t> rank_peak_bytes;  // one per rank (live_bytes and peak_bytes are the maxima)
 };
 
 struct TrainResult {
@@ -74,12 +90,17 @@ struct TrainResult {
   double final_val_loss = -1;
   std::vector<StepMetrics> history;
   std::string last_checkpoint;
-  std::vector<sanitizer::Boundary> boundaries;  // the sanitizer's step/microbatch records
+  std::vector<sanitizer::Boundary> boundaries;  // the sanitizer's step/microbatch records (this rank)
+  Tensor parameters;  // the final parameter block (gathered), when config.return_parameters
 };
 
 double learning_rate(const TrainConfig& c, int64_t step);
 
-// Runs the configured training. `on_step` (optional) sees each step's metrics.
+// Runs the configured training on `world` (every rank calls it). `on_step` (optional)
+// sees each step's metrics.
+TrainResult run_training(const TrainConfig& config, const dist::World& world,
+                         const std::function<void(const StepMetrics&)>& on_step = {});
+// The same on a world made from the config's layout (MPI when launched by mpirun).
 TrainResult run_training(const TrainConfig& config, const std::function<void(const StepMetrics&)>& on_step = {});
 
 }  // namespace tally::train

@@ -1,0 +1,128 @@
+#include "dist/communicator.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "core/error.h"
+
+namespace tally::dist {
+
+namespace {
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// An operation that completed when it was submitted (the single-process world).
+class CompletedWork final : public Work {
+ public:
+  CompletedWork() : t_(now_seconds()) {}
+  bool done() override { return true; }
+  void wait() override {}
+  double submitted() const override { return t_; }
+  double started() const override { return t_; }
+  double finished() const override { return t_; }
+
+ private:
+  double t_;
+};
+
+class SelfCommunicator final : public Communicator {
+ public:
+  explicit SelfCommunicator(std::string name) : name_(std::move(name)) {}
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  const std::string& name() const override { return name_; }
+
+  std::shared_ptr<Work> all_reduce_async(const Tensor& t, ReduceOp) override {
+    check_buffer("all_reduce", t);
+    return done(t.nbytes());
+  }
+  std::shared_ptr<Work> reduce_scatter_async(const Tensor& out, const Tensor& in, ReduceOp) override {
+    check_buffer("reduce_scatter", out);
+    check_buffer("reduce_scatter", in);
+    TALLY_CHECK(in.numel() == out.numel(), "reduce_scatter on ", name_, ": input ", in.str(), " for output ",
+                out.str(), " in a group of 1");
+    if (in.raw_data() != out.raw_data()) out.copy_(in);
+    return done(in.nbytes());
+  }
+  std::shared_ptr<Work> all_gather_async(const Tensor& out, const Tensor& in) override {
+    check_buffer("all_gather", out);
+    check_buffer("all_gather", in);
+    TALLY_CHECK(in.numel() == out.numel(), "all_gather on ", name_, ": input ", in.str(), " for output ", out.str(),
+                " in a group of 1");
+    if (in.raw_data() != out.raw_data()) out.copy_(in);
+    return done(in.nbytes());
+  }
+  std::shared_ptr<Work> broadcast_async(const Tensor& t, int root) override {
+    TALLY_CHECK(root == 0, "broadcast on ", name_, " from rank ", root, " in a group of 1");
+    return done(t.nbytes());
+  }
+  std::shared_ptr<Work> send_async(const Tensor&, int dst, int) override {
+    TALLY_FAIL("send on ", name_, " to rank ", dst, ": a single-process group has no other rank");
+  }
+  std::shared_ptr<Work> recv_async(const Tensor&, int src, int) override {
+    TALLY_FAIL("recv on ", name_, " from rank ", src, ": a single-process group has no other rank");
+  }
+  std::shared_ptr<Work> barrier_async() override { return std::make_shared<CompletedWork>(); }
+  CommStats stats() const override { return stats_; }
+
+ private:
+  std::shared_ptr<Work> done(int64_t bytes) {
+    stats_.operations++;
+    stats_.payload_bytes += bytes;
+    return std::make_shared<CompletedWork>();
+  }
+  std::string name_;
+  CommStats stats_;
+};
+}  // namespace
+
+void check_buffer(const char* op, const Tensor& t) {
+  TALLY_CHECK(t.defined(), op, ": undefined tensor");
+  TALLY_CHECK(t.is_contiguous(), op, ": tensor ", t.str(), " must be contiguous");
+  TALLY_CHECK(t.device().is_cpu(), op, ": tensor ", t.str(), " is on ", t.device().str(),
+              "; this communicator moves host memory");
+}
+
+Tensor Communicator::all_gather_uneven(const Tensor& in, const std::vector<int64_t>& counts) {
+  TALLY_CHECK(static_cast<int>(counts.size()) == size(), "all_gather_uneven on ", name(), ": ", counts.size(),
+              " counts for ", size(), " ranks");
+  TALLY_CHECK(in.numel() == counts[static_cast<size_t>(rank())], "all_gather_uneven on ", name(), ": rank ", rank(),
+              " has ", in.numel(), " elements but its count is ", counts[static_cast<size_t>(rank())]);
+  const int64_t block = *std::max_element(counts.begin(), counts.end());
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  // Pad each rank's block to the largest; the padding never leaves this function.
+  Tensor send = Tensor::zeros({block}, in.dtype(), in.device(), make_owner(Category::Communication, "comm:all_gather.send"));
+  if (in.numel() > 0) send.slice(0, 0, in.numel()).detach().copy_(in.reshape({-1}).detach());
+  Tensor gathered = Tensor::empty({block * size()}, in.dtype(), in.device(),
+                                  make_owner(Category::Communication, "comm:all_gather.recv"));
+  all_gather(gathered, send);
+  Tensor out = Tensor::empty({total}, in.dtype(), in.device(), current_owner("all_gather"));
+  int64_t at = 0;
+  for (int r = 0; r < size(); ++r) {
+    const int64_t c = counts[static_cast<size_t>(r)];
+    if (c > 0) out.slice(0, at, at + c).detach().copy_(gathered.slice(0, r * block, r * block + c).detach());
+    at += c;
+  }
+  return out;
+}
+
+double Communicator::all_reduce_scalar(double value, ReduceOp op) {
+  Tensor t = Tensor::full({1}, value, DType::F64, Device::cpu());
+  all_reduce(t, op);
+  return t.item();
+}
+
+std::vector<double> Communicator::all_gather_scalar(double value) {
+  Tensor in = Tensor::full({1}, value, DType::F64, Device::cpu());
+  Tensor out = Tensor::empty({size()}, DType::F64, Device::cpu(), make_owner(Category::Communication, "comm:all_gather"));
+  all_gather(out, in);
+  return out.to_vector<double>();
+}
+
+std::unique_ptr<Communicator> make_self_communicator(const std::string& name) {
+  return std::make_unique<SelfCommunicator>(name);
+}
+
+}  // namespace tally::dist

@@ -1,0 +1,317 @@
+#include "dist/mpi_communicator.h"
+
+#include <mpi.h>
+
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "core/error.h"
+
+namespace tally::dist::mpi {
+
+namespace {
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+MPI_Datatype mpi_type(DType t, const char* op) {
+  switch (t) {
+    case DType::F32: return MPI_FLOAT;
+    case DType::F64: return MPI_DOUBLE;
+    case DType::I32: return MPI_INT32_T;
+    case DType::I64: return MPI_INT64_T;
+    case DType::BF16:
+    case DType::U16: return MPI_UINT16_T;
+  }
+  TALLY_FAIL(op, ": no MPI type for ", dtype_name(t));
+}
+
+MPI_Op mpi_op(ReduceOp op, DType t) {
+  TALLY_CHECK(t != DType::BF16 && t != DType::U16, "reductions over ", dtype_name(t),
+              " are not supported by the MPI communicator (reduce in float32)");
+  return op == ReduceOp::Sum ? MPI_SUM : MPI_MAX;
+}
+
+int count_of(const Tensor& t, const char* op) {
+  TALLY_CHECK(t.numel() <= INT_MAX, op, ": ", t.str(), " has ", t.numel(), " elements, more than one MPI call carries (",
+              INT_MAX, ")");
+  return static_cast<int>(t.numel());
+}
+
+class MpiWork final : public Work {
+ public:
+  MpiWork(std::function<void()> run, std::vector<Tensor> buffers)
+      : run_(std::move(run)), buffers_(std::move(buffers)), submitted_(now_seconds()) {}
+
+  bool done() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_;
+  }
+  void wait() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return done_; });
+    if (error_) std::rethrow_exception(error_);
+  }
+  double submitted() const override { return submitted_; }
+  double started() const override { return started_.load(); }
+  double finished() const override { return finished_.load(); }
+
+  // On the worker thread.
+  void execute() {
+    started_ = now_seconds();
+    std::exception_ptr error;
+    try {
+      run_();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    finished_ = now_seconds();
+    std::function<void()>().swap(run_);
+    // The operation is over: its buffers are the caller's alone again. Drop them before
+    // announcing completion, so a caller that waited sees no reference left behind.
+    buffers_.clear();
+    std::lock_guard<std::mutex> lock(mutex_);
+    error_ = error;
+    done_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::function<void()> run_;
+  std::vector<Tensor> buffers_;  // owning: alive while the operation may touch them
+  double submitted_;
+  std::atomic<double> started_{0}, finished_{0};
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(MPI_Comm comm, std::string name) : comm_(comm), name_(std::move(name)) {
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    worker_ = std::thread([this] { work(); });
+  }
+  ~MpiCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized && comm_ != MPI_COMM_WORLD) MPI_Comm_free(&comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const override { return name_; }
+  MPI_Comm comm() const { return comm_; }
+
+  std::shared_ptr<Work> all_reduce_async(const Tensor& t, ReduceOp op) override {
+    check_buffer("all_reduce", t);
+    const int n = count_of(t, "all_reduce");
+    const MPI_Datatype type = mpi_type(t.dtype(), "all_reduce");
+    const MPI_Op mop = mpi_op(op, t.dtype());
+    void* p = t.raw_data();
+    return submit(t.nbytes(), {t}, [=, this] { check(MPI_Allreduce(MPI_IN_PLACE, p, n, type, mop, comm_), "all_reduce"); });
+  }
+
+  std::shared_ptr<Work> reduce_scatter_async(const Tensor& out, const Tensor& in, ReduceOp op) override {
+    check_buffer("reduce_scatter", out);
+    check_buffer("reduce_scatter", in);
+    TALLY_CHECK(in.numel() == out.numel() * size_ && in.dtype() == out.dtype(), "reduce_scatter on ", name_, ": input ",
+                in.str(), " must hold ", size_, " blocks of the output ", out.str());
+    const int n = count_of(out, "reduce_scatter");
+    const MPI_Datatype type = mpi_type(in.dtype(), "reduce_scatter");
+    const MPI_Op mop = mpi_op(op, in.dtype());
+    const void* src = in.raw_data();
+    void* dst = out.raw_data();
+    return submit(in.nbytes(), {out, in},
+                  [=, this] { check(MPI_Reduce_scatter_block(src, dst, n, type, mop, comm_), "reduce_scatter"); });
+  }
+
+  std::shared_ptr<Work> all_gather_async(const Tensor& out, const Tensor& in) override {
+    check_buffer("all_gather", out);
+    check_buffer("all_gather", in);
+    TALLY_CHECK(out.numel() == in.numel() * size_ && in.dtype() == out.dtype(), "all_gather on ", name_, ": output ",
+                out.str(), " must hold ", size_, " blocks of the input ", in.str());
+    const int n = count_of(in, "all_gather");
+    const MPI_Datatype type = mpi_type(in.dtype(), "all_gather");
+    char* dst = static_cast<char*>(out.raw_data());
+    const void* src = in.raw_data();
+    // In place when the input already is this rank's block of the output.
+    const bool in_place = src == dst + static_cast<int64_t>(rank_) * in.nbytes();
+    return submit(in.nbytes() * size_, {out, in}, [=, this] {
+      check(MPI_Allgather(in_place ? MPI_IN_PLACE : src, n, type, dst, n, type, comm_), "all_gather");
+    });
+  }
+
+  std::shared_ptr<Work> broadcast_async(const Tensor& t, int root) override {
+    check_buffer("broadcast", t);
+    TALLY_CHECK(root >= 0 && root < size_, "broadcast on ", name_, " from rank ", root, " of ", size_);
+    const int n = count_of(t, "broadcast");
+    const MPI_Datatype type = mpi_type(t.dtype(), "broadcast");
+    void* p = t.raw_data();
+    return submit(t.nbytes(), {t}, [=, this] { check(MPI_Bcast(p, n, type, root, comm_), "broadcast"); });
+  }
+
+  std::shared_ptr<Work> send_async(const Tensor& t, int dst, int tag) override {
+    check_buffer("send", t);
+    TALLY_CHECK(dst >= 0 && dst < size_ && dst != rank_, "send on ", name_, " from rank ", rank_, " to rank ", dst);
+    const int n = count_of(t, "send");
+    const MPI_Datatype type = mpi_type(t.dtype(), "send");
+    const void* p = t.raw_data();
+    return submit(t.nbytes(), {t}, [=, this] { check(MPI_Send(p, n, type, dst, tag, comm_), "send"); });
+  }
+
+  std::shared_ptr<Work> recv_async(const Tensor& t, int src, int tag) override {
+    check_buffer("recv", t);
+    TALLY_CHECK(src >= 0 && src < size_ && src != rank_, "recv on ", name_, " at rank ", rank_, " from rank ", src);
+    const int n = count_of(t, "recv");
+    const MPI_Datatype type = mpi_type(t.dtype(), "recv");
+    void* p = t.raw_data();
+    return submit(t.nbytes(), {t}, [=, this] {
+      MPI_Status status;
+      check(MPI_Recv(p, n, type, src, tag, comm_, &status), "recv");
+      int got = 0;
+      MPI_Get_count(&status, type, &got);
+      TALLY_CHECK(got == n, "recv on ", name_, " from rank ", src, ": ", got, " elements arrived, ", n, " expected");
+    });
+  }
+
+  std::shared_ptr<Work> barrier_async() override {
+    return submit(0, {}, [this] { check(MPI_Barrier(comm_), "barrier"); });
+  }
+
+  CommStats stats() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stats_;
+  }
+
+ private:
+  void check(int rc, const char* op) const {
+    if (rc == MPI_SUCCESS) return;
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, text, &len);
+    TALLY_FAIL(op, " on communicator '", name_, "' (rank ", rank_, " of ", size_, ") failed: ", std::string(text, len));
+  }
+
+  std::shared_ptr<Work> submit(int64_t bytes, std::vector<Tensor> buffers, std::function<void()> run) {
+    auto work = std::make_shared<MpiWork>(std::move(run), std::move(buffers));
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      TALLY_CHECK(!stopping_, "communicator '", name_, "' is shutting down");
+      queue_.push_back(work);
+      stats_.operations++;
+      stats_.payload_bytes += bytes;
+    }
+    cv_.notify_all();
+    return work;
+  }
+
+  // The worker: runs queued operations one at a time, in submission order.
+  void work() {
+    for (;;) {
+      std::shared_ptr<MpiWork> next;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, and nothing left
+        next = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      next->execute();
+      std::lock_guard<std::mutex> lock(mutex_);
+      stats_.busy_seconds += next->finished() - next->started();
+    }
+  }
+
+  MPI_Comm comm_;
+  std::string name_;
+  int rank_ = 0, size_ = 1;
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<MpiWork>> queue_;
+  bool stopping_ = false;
+  CommStats stats_;
+  std::thread worker_;  // last: started once everything it reads exists
+};
+
+void finalize_at_exit() {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Finalize();
+}
+
+}  // namespace
+
+bool launched_by_mpirun() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS"})
+    if (std::getenv(var)) return true;
+  return false;
+}
+
+void initialize() {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized) return;
+  int provided = 0;
+  TALLY_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided) == MPI_SUCCESS, "MPI_Init_thread failed");
+  TALLY_CHECK(provided >= MPI_THREAD_MULTIPLE, "this MPI library does not support MPI_THREAD_MULTIPLE (provided level ",
+              provided, "); tally's communicators each run a worker thread");
+  std::atexit(finalize_at_exit);
+}
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+int world_size() {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+std::unique_ptr<Communicator> world(const std::string& name) {
+  MPI_Comm comm;
+  TALLY_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm) == MPI_SUCCESS, "MPI_Comm_dup(MPI_COMM_WORLD) failed");
+  return std::make_unique<MpiCommunicator>(comm, name);
+}
+
+std::unique_ptr<Communicator> split(Communicator& parent, int color, int key, const std::string& name) {
+  auto* mpi_parent = dynamic_cast<MpiCommunicator*>(&parent);
+  TALLY_CHECK(mpi_parent, "splitting communicator '", parent.name(), "': it is not an MPI communicator");
+  parent.barrier();  // the parent's worker is idle while this thread calls MPI on its communicator
+  MPI_Comm comm;
+  TALLY_CHECK(MPI_Comm_split(mpi_parent->comm(), color, key, &comm) == MPI_SUCCESS, "MPI_Comm_split of '",
+              parent.name(), "' into '", name, "' failed");
+  return std::make_unique<MpiCommunicator>(comm, name);
+}
+
+void abort_job(int exit_code) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  std::_Exit(exit_code);
+}
+
+}  // namespace tally::dist::mpi

@@ -1,0 +1,65 @@
+#include "dist/world.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "core/error.h"
+#include "dist/mpi_communicator.h"
+
+namespace tally::dist {
+
+std::unique_ptr<World> World::self() {
+  std::unique_ptr<World> w(new World());
+  w->world_ = make_self_communicator("world");
+  w->dp_group_ = make_self_communicator("dp");
+  w->tp_group_ = make_self_communicator("tp");
+  w->pp_group_ = make_self_communicator("pp");
+  return w;
+}
+
+std::unique_ptr<World> World::create(const ParallelConfig& c) {
+  TALLY_CHECK(c.dp >= 0, "--dp must be >= 0 (0: the world size / (tp * pp)), got ", c.dp);
+  TALLY_CHECK(c.tp >= 1 && c.pp >= 1, "--tp and --pp must be >= 1, got ", c.tp, " and ", c.pp);
+  TALLY_CHECK(c.tp == 1 && c.pp == 1, "--tp ", c.tp, " --pp ", c.pp,
+              ": tensor and pipeline parallelism are not implemented yet (they come with the pipeline/tensor-parallel "
+              "issue); use --dp");
+  if (!mpi::launched_by_mpirun()) {
+    TALLY_CHECK(c.dp <= 1 && c.tp * c.pp == 1, "--dp ", c.dp, " needs ", c.dp * c.tp * c.pp,
+                " processes: launch with `mpirun -np ", c.dp * c.tp * c.pp, " tally train ...`");
+    return self();
+  }
+  mpi::initialize();
+  std::unique_ptr<World> w(new World());
+  w->mpi_ = true;
+  w->rank_ = mpi::world_rank();
+  w->size_ = mpi::world_size();
+  const int tp = c.tp, pp = c.pp;
+  const int dp = c.dp > 0 ? c.dp : w->size_ / (tp * pp);
+  TALLY_CHECK(dp >= 1 && dp * tp * pp == w->size_, "--dp ", dp, " x --tp ", tp, " x --pp ", pp, " = ", dp * tp * pp,
+              " processes, but mpirun started ", w->size_, " (the product must equal the world size)");
+  w->dp_ = dp;
+  w->tp_ = tp;
+  w->pp_ = pp;
+  const int r = w->rank_;
+  const int tp_rank = r % tp, dp_rank = (r / tp) % dp, pp_rank = r / (tp * dp);
+  w->world_ = mpi::world("world");
+  w->dp_group_ = mpi::split(*w->world_, pp_rank * tp + tp_rank, dp_rank, "dp");
+  w->tp_group_ = mpi::split(*w->world_, pp_rank * dp + dp_rank, tp_rank, "tp");
+  w->pp_group_ = mpi::split(*w->world_, dp_rank * tp + tp_rank, pp_rank, "pp");
+  return w;
+}
+
+std::string World::describe() const {
+  return std::to_string(size_) + (size_ == 1 ? " process" : " processes") + ": dp " + std::to_string(dp_) + " x tp " +
+         std::to_string(tp_) + " x pp " + std::to_string(pp_) + (mpi_ ? " (MPI)" : "");
+}
+
+void World::abort(const std::string& message) const {
+  const std::string text = message.rfind("tally: ", 0) == 0 ? message.substr(7) : message;
+  std::fprintf(stderr, "tally: rank %d: %s\n", rank_, text.c_str());
+  std::fflush(stderr);
+  if (mpi_) mpi::abort_job(1);
+  std::exit(1);
+}
+
+}  // namespace tally::dist

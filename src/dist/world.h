@@ -1,0 +1,61 @@
+// The processes of a job and how they are laid out: data, tensor and pipeline parallel.
+//
+// `mpirun -np W tally train --dp D --tp T --pp P` starts W processes; D * T * P must be W
+// (D defaults to W / (T * P)). Ranks are laid out as Megatron-LM lays them out: tensor
+// parallel fastest, then data parallel, then pipeline parallel,
+//   rank = pp_rank * (D * T) + dp_rank * T + tp_rank,
+// so the T ranks of a tensor-parallel group are neighbours (on one machine, where its
+// traffic is heaviest). Each rank belongs to one group of each kind, made with
+// MPI_Comm_split. A plain `tally train` is a world of one that never starts MPI.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "dist/communicator.h"
+
+namespace tally::dist {
+
+struct ParallelConfig {
+  int dp = 0;  // 0: world size / (tp * pp)
+  int tp = 1;
+  int pp = 1;
+};
+
+class World {
+ public:
+  // MPI when the process was launched by mpirun, else a world of one. Checks the layout
+  // against the world size and names the flags in any error.
+  static std::unique_ptr<World> create(const ParallelConfig& config);
+  // A world of one (no MPI), whatever launched the process.
+  static std::unique_ptr<World> self();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  bool is_root() const { return rank_ == 0; }
+  bool uses_mpi() const { return mpi_; }
+  int dp() const { return dp_; }
+  int tp() const { return tp_; }
+  int pp() const { return pp_; }
+  int dp_rank() const { return dp_group_->rank(); }
+  int tp_rank() const { return tp_group_->rank(); }
+  int pp_rank() const { return pp_group_->rank(); }
+
+  Communicator& world() const { return *world_; }
+  Communicator& dp_group() const { return *dp_group_; }
+  Communicator& tp_group() const { return *tp_group_; }
+  Communicator& pp_group() const { return *pp_group_; }
+
+  std::string describe() const;  // "4 processes: dp 4 x tp 1 x pp 1 (MPI)"
+
+  // Ends the whole job now, after printing "tally: rank R: <message>" on stderr: the other
+  // ranks must not wait forever in a collective for a rank that failed.
+  [[noreturn]] void abort(const std::string& message) const;
+
+ private:
+  World() = default;
+  int rank_ = 0, size_ = 1, dp_ = 1, tp_ = 1, pp_ = 1;
+  bool mpi_ = false;
+  std::unique_ptr<Communicator> world_, dp_group_, tp_group_, pp_group_;  // owning
+};
+
+}  // namespace tally::dist

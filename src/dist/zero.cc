@@ -1,0 +1,289 @@
+#include "dist/zero.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "runtime/backend.h"
+
+namespace tally::dist {
+
+namespace {
+// A plain (non-differentiable) view of `count` elements of a 1-D tensor from `start`.
+Tensor range(const Tensor& t, int64_t start, int64_t count) { return make_view(t, {count}, {1}, t.offset() + start); }
+}  // namespace
+
+ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig config, Communicator& group, int stage)
+    : params_(params), config_(config), group_(group), stage_(stage) {
+  TALLY_CHECK(stage >= 1 && stage <= 3, "--zero must be 0, 1, 2 or 3, got ", stage);
+  TALLY_CHECK(params_.flat_params().defined() && params_.flat_grads().defined(),
+              "ZeRO shards a model whose parameter and gradient blocks exist (shard it once, after loading)");
+  const int64_t D = group_.size(), r = group_.rank();
+  for (size_t u = 0; u < params_.num_units(); ++u) {
+    const nn::ParameterUnit& unit = params_.unit(u);
+    Piece p;
+    p.unit_begin = unit.begin;
+    p.unit_numel = unit.numel();
+    p.size = (unit.numel() + D - 1) / D;
+    p.own_begin = unit.begin + std::min(r * p.size, unit.numel());
+    p.own = std::clamp<int64_t>(unit.numel() - r * p.size, 0, p.size);
+    p.local = local_numel_;
+    local_numel_ += p.size;
+    pieces_.push_back(p);
+    for (size_t i = unit.first; i < unit.last; ++i) param_index_[params_[i].impl()] = i;
+  }
+  const DType dt = params_.flat_params().dtype();
+  const Device dev = params_.flat_params().device();
+  m_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::OptimizerState, "zero.adamw.m"));
+  v_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::OptimizerState, "zero.adamw.v"));
+  staging_.resize(pieces_.size());
+  if (stage_ >= 2) {
+    grad_shard_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::Gradient, "zero.gradients", true));
+    params_.release_grads();
+  }
+  if (stage_ == 3) {
+    param_shard_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::Parameter, "zero.parameters"));
+    for (size_t u = 0; u < pieces_.size(); ++u) {
+      const Piece& p = pieces_[u];
+      if (p.own > 0) piece_of(param_shard_, u).slice(0, 0, p.own).copy_(range(params_.flat_params(), p.own_begin, p.own));
+    }
+    // Each unit's parameters become views of one storage that holds bytes only while the
+    // unit is gathered.
+    for (size_t u = 0; u < pieces_.size(); ++u) {
+      const nn::ParameterUnit& unit = params_.unit(u);
+      const int64_t n = D * pieces_[u].size;
+      auto storage = Storage::create_released(n * static_cast<int64_t>(dtype_size(dt)), dev,
+                                              "zero3: unit '" + unit.name + "' is not gathered");
+      Tensor whole(std::make_shared<TensorImpl>(storage, Shape{n}, Shape{1}, 0, dt));
+      whole.set_name("zero3.gathered(" + unit.name + ")");
+      for (size_t i = unit.first; i < unit.last; ++i) {
+        const Shape& shape = params_.spec(i).shape;
+        params_.rebind(i, make_view(whole, shape, contiguous_strides(shape), params_.offset(i) - unit.begin));
+        param_index_[params_[i].impl()] = i;
+      }
+      gathered_.push_back(whole);
+    }
+    gathering_.resize(pieces_.size());
+    params_.release_params();
+  }
+  if (stage_ >= 2) registration_.emplace(static_cast<autograd::EngineObserver&>(*this));
+}
+
+ZeroOptimizer::~ZeroOptimizer() = default;
+
+Tensor ZeroOptimizer::piece_of(const Tensor& shard, size_t u) const {
+  return range(shard, pieces_[u].local, pieces_[u].size);
+}
+
+ZeroOptimizer::Footprint ZeroOptimizer::footprint() const {
+  const int64_t w = static_cast<int64_t>(dtype_size(m_.dtype()));
+  Footprint f;
+  f.optimizer = 2 * local_numel_ * w;
+  f.gradients = (stage_ >= 2 ? local_numel_ : params_.numel()) * w;
+  f.parameters = (stage_ == 3 ? local_numel_ : params_.numel()) * w;
+  return f;
+}
+
+int64_t ZeroOptimizer::unit_bytes(size_t unit) const {
+  return group_.size() * pieces_[unit].size * static_cast<int64_t>(dtype_size(m_.dtype()));
+}
+
+// ---------------------------------------------------------------- parameters (stage 3)
+
+void ZeroOptimizer::gather(size_t u, bool async) {
+  Tensor& whole = gathered_[u];
+  if (!whole.storage().released() || gathering_[u]) return;
+  whole.storage().reacquire(make_owner(Category::Communication, "zero3.gathered(" + params_.unit(u).name + ")"));
+  gathering_[u] = group_.all_gather_async(whole, piece_of(param_shard_, u));
+  if (!async) wait_gather(u);
+}
+
+void ZeroOptimizer::wait_gather(size_t u) {
+  if (!gathering_[u]) return;
+  gathering_[u]->wait();
+  gathering_[u] = nullptr;
+}
+
+void ZeroOptimizer::prefetch(size_t unit) {
+  if (stage_ == 3 && unit < pieces_.size()) gather(unit, /*async=*/true);
+}
+
+void ZeroOptimizer::acquire(size_t unit, bool backward) {
+  if (stage_ == 3) {
+    gather(unit, /*async=*/false);
+    wait_gather(unit);
+    // Backward runs the units in reverse: start gathering the one before this one.
+    if (backward && unit > 0) prefetch(unit - 1);
+  }
+  if (backward && stage_ >= 2) stage_gradients(unit);
+}
+
+void ZeroOptimizer::release(size_t unit, bool) {
+  if (stage_ != 3) return;
+  wait_gather(unit);
+  Storage& s = gathered_[unit].storage();
+  if (!s.released()) s.release("zero3.release(" + params_.unit(unit).name + ")");
+}
+
+// ---------------------------------------------------------------- gradients (stages 2 and 3)
+
+void ZeroOptimizer::stage_gradients(size_t u) {
+  Staging& st = staging_[u];
+  if (st.active || st.reduced) return;
+  const nn::ParameterUnit& unit = params_.unit(u);
+  st.buffer = Tensor::zeros({group_.size() * pieces_[u].size}, m_.dtype(), m_.device(),
+                            make_owner(Category::Gradient, "zero.gradients(" + unit.name + ")"));
+  for (size_t i = unit.first; i < unit.last; ++i) {
+    const Shape& shape = params_.spec(i).shape;
+    params_[i].set_grad(make_view(st.buffer, shape, contiguous_strides(shape), params_.offset(i) - unit.begin));
+  }
+  st.pending = static_cast<int>(unit.last - unit.first);
+  st.active = true;
+}
+
+void ZeroOptimizer::gradient_ready(const Tensor& leaf) {
+  auto it = param_index_.find(leaf.impl());
+  if (it == param_index_.end()) return;
+  const size_t u = params_.spec(it->second).unit;
+  Staging& st = staging_[u];
+  if (!st.active) {
+    // A gradient made without the model saying the unit's backward began: adopt it.
+    Tensor g = leaf.grad();
+    stage_gradients(u);
+    if (g.defined()) params_[it->second].grad().copy_(g);
+  }
+  if (--st.pending == 0) start_reduce(u);
+}
+
+void ZeroOptimizer::start_reduce(size_t u) {
+  // At most one reduce-scatter in flight besides this one: the previous is absorbed (and
+  // its staging freed) now, while this unit's starts. Memory is then freed at the same
+  // points every step, whatever the wire's timing, and each reduction still overlaps the
+  // backward of the next unit.
+  if (in_flight_ != SIZE_MAX) absorb(in_flight_);
+  in_flight_ = u;
+  Staging& st = staging_[u];
+  if (!st.active) stage_gradients(u);  // nothing reached it: reduce zeros, as every rank does
+  const nn::ParameterUnit& unit = params_.unit(u);
+  for (size_t i = unit.first; i < unit.last; ++i) params_[i].set_grad(Tensor());
+  st.piece = Tensor::empty({pieces_[u].size}, m_.dtype(), m_.device(),
+                           make_owner(Category::Communication, "comm:zero.reduce_scatter(" + unit.name + ")"));
+  st.work = group_.reduce_scatter_async(st.piece, st.buffer, ReduceOp::Sum);
+  st.active = false;
+  st.reduced = true;
+}
+
+void ZeroOptimizer::absorb(size_t u) {
+  Staging& st = staging_[u];
+  if (!st.work) return;
+  st.work->wait();
+  runtime::backend(m_.device()).add_inplace(piece_of(grad_shard_, u), st.piece);
+  st.work = nullptr;
+  st.buffer = Tensor();
+  st.piece = Tensor();
+}
+
+void ZeroOptimizer::finish_microbatch() {
+  if (stage_ < 2) return;
+  // Every rank reduces every unit exactly once per microbatch, in the same order: the
+  // units backward did not reach are reduced now, in unit order.
+  for (size_t u = 0; u < staging_.size(); ++u)
+    if (!staging_[u].reduced) start_reduce(u);
+  for (size_t u = 0; u < staging_.size(); ++u) {
+    absorb(u);
+    staging_[u].reduced = false;
+  }
+  in_flight_ = SIZE_MAX;
+  if (stage_ == 3)
+    for (size_t u = 0; u < gathered_.size(); ++u) release(u, false);
+}
+
+// ---------------------------------------------------------------- the update
+
+double ZeroOptimizer::gradient_norm() {
+  runtime::Backend& backend = runtime::backend(m_.device());
+  if (stage_ == 1) return std::sqrt(backend.sum_squares(params_.flat_grads()));
+  return std::sqrt(group_.all_reduce_scalar(backend.sum_squares(grad_shard_), ReduceOp::Sum));
+}
+
+void ZeroOptimizer::step(double lr, double grad_scale) {
+  ++t_;
+  const optim::AdamWCoefficients k = optim::adamw_coefficients(config_, t_, lr, grad_scale);
+  float* m = m_.data<float>();
+  float* v = v_.data<float>();
+  float* p_full = stage_ < 3 ? params_.flat_params().data<float>() : nullptr;
+  float* p_shard = stage_ == 3 ? param_shard_.data<float>() : nullptr;
+  float* g_full = stage_ == 1 ? params_.flat_grads().data<float>() : nullptr;
+  float* g_shard = stage_ >= 2 ? grad_shard_.data<float>() : nullptr;
+  // The (parameter, owned range) pairs of this rank, each split into chunks for the threads.
+  struct Span {
+    int64_t begin, n, local;  // block offset, length, offset in the shard buffers
+    bool decay;
+  };
+  std::vector<Span> spans;
+  constexpr int64_t kChunk = 1 << 14;
+  for (size_t u = 0; u < pieces_.size(); ++u) {
+    const Piece& piece = pieces_[u];
+    const nn::ParameterUnit& unit = params_.unit(u);
+    for (size_t i = unit.first; i < unit.last; ++i) {
+      const int64_t a = std::max(params_.offset(i), piece.own_begin);
+      const int64_t b = std::min(params_.offset(i) + params_[i].numel(), piece.own_begin + piece.own);
+      const bool decay = config_.decay_all || params_.spec(i).decay;
+      for (int64_t c = a; c < b; c += kChunk)
+        spans.push_back({c, std::min(kChunk, b - c), piece.local + (c - piece.own_begin), decay});
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (size_t s = 0; s < spans.size(); ++s) {
+    const Span& sp = spans[s];
+    float* p = p_shard ? p_shard + sp.local : p_full + sp.begin;
+    float* g = g_shard ? g_shard + sp.local : g_full + sp.begin;
+    optim::adamw_update(p, g, m + sp.local, v + sp.local, sp.n, k, sp.decay, /*zero_grad=*/g_shard != nullptr);
+  }
+  m_.storage().bump_version();
+  v_.storage().bump_version();
+  if (stage_ == 1) params_.flat_grads().zero_();
+  if (stage_ >= 2) grad_shard_.storage().bump_version();
+  if (stage_ == 3) param_shard_.storage().bump_version();
+  if (stage_ < 3) all_gather_parameters();
+}
+
+void ZeroOptimizer::all_gather_parameters() {
+  const Tensor& flat = params_.flat_params();
+  for (size_t u = 0; u < pieces_.size(); ++u) {
+    const Piece& p = pieces_[u];
+    const std::string& name = params_.unit(u).name;
+    Tensor send = Tensor::zeros({p.size}, flat.dtype(), flat.device(),
+                                make_owner(Category::Communication, "comm:zero.all_gather(" + name + ").send"));
+    if (p.own > 0) send.slice(0, 0, p.own).copy_(range(flat, p.own_begin, p.own));
+    Tensor recv = Tensor::empty({group_.size() * p.size}, flat.dtype(), flat.device(),
+                                make_owner(Category::Communication, "comm:zero.all_gather(" + name + ")"));
+    group_.all_gather(recv, send);
+    range(flat, p.unit_begin, p.unit_numel).copy_(recv.slice(0, 0, p.unit_numel));
+  }
+}
+
+// ---------------------------------------------------------------- checkpoints
+
+Tensor ZeroOptimizer::moment_unit(int which, size_t u) {
+  const Tensor& moment = which == 0 ? m_ : v_;
+  const Piece& p = pieces_[u];
+  Tensor whole = Tensor::empty({group_.size() * p.size}, moment.dtype(), moment.device(),
+                               make_owner(Category::Communication, "comm:zero.gather_moment(" + params_.unit(u).name + ")"));
+  group_.all_gather(whole, piece_of(moment, u));
+  return whole.slice(0, 0, p.unit_numel);
+}
+
+void ZeroOptimizer::set_moment_unit(int which, size_t u, const Tensor& values) {
+  const Piece& p = pieces_[u];
+  TALLY_CHECK(values.numel() == p.unit_numel, "ZeRO: ", values.numel(), " moment values for unit '",
+              params_.unit(u).name, "' of ", p.unit_numel, " parameters");
+  Tensor dst = piece_of(which == 0 ? m_ : v_, u);
+  dst.zero_();
+  const int64_t start = p.own_begin - p.unit_begin;
+  if (p.own > 0) dst.slice(0, 0, p.own).copy_(values.reshape({-1}).slice(0, start, start + p.own));
+}
+
+}  // namespace tally::dist

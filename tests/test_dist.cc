@@ -1,0 +1,406 @@
+// Data parallel and ZeRO over MPI. This program runs under mpirun (CTest: Dist.2ranks and
+// Dist.4ranks, oversubscribed on a small machine); every rank runs every test, in the
+// same order, and mpirun fails if any rank fails.
+//
+// Models are tiny (the fixture GPT-2: 2 layers of width 32, vocabulary 97 padded to 128)
+// so that four ranks on two cores run hundreds of steps in seconds.
+//
+// Tolerances: a data-parallel run sums the same per-microbatch gradients in a different
+// order than one process does (the ranks' partial sums, then the all-reduce), so fp32
+// results differ by rounding, ~1e-7 relative per step. Over a dozen AdamW steps we allow
+// 1e-5 relative on every loss and on every parameter (relative to the largest magnitude of
+// the block), far below what a wrong averaging or a missing shard would change.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "dist/world.h"
+#include "dist/zero.h"
+#include "io/model_files.h"
+#include "nn/transformer.h"
+#include "runtime/backend.h"
+#include "sanitizer/sanitizer.h"
+#include "support.h"
+#include "train/trainer.h"
+
+using namespace tally;
+namespace fs = std::filesystem;
+
+namespace {
+
+dist::World* g_world = nullptr;
+const dist::World& world() { return *g_world; }
+
+// A path every rank agrees on (rank 0's process id names it), for checkpoints that rank 0
+// writes and every rank reads.
+std::string shared_path(const std::string& name) {
+  static const int64_t job = static_cast<int64_t>(world().world().all_reduce_scalar(
+      world().is_root() ? static_cast<double>(::getpid()) : 0.0, dist::ReduceOp::Max));
+  const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return ::testing::TempDir() + "/tally_dist_" + std::to_string(job) + "_" + info->name() + "_" + name;
+}
+
+// The training config all tests start from: the tiny fixture model on random tokens.
+train::TrainConfig tiny_config() {
+  train::TrainConfig c;
+  c.model_file = test::fixture_path("gpt2_tiny.bin");
+  c.train_data = test::write_random_shard("train.bin", 40000, 97, 11);
+  c.batch_size = 2;
+  c.seq_len = 16;
+  c.steps = 12;
+  c.lr = 3e-3;
+  c.warmup_steps = 2;
+  c.grad_clip = 0.3;  // below the gradient norm every step: clipping is active
+  c.quiet = true;
+  c.sample_every = -1;
+  c.sample_tokens = 0;
+  c.threads = 1;
+  return c;
+}
+
+// The single-process run with the same global batch: D x N microbatches per step.
+train::TrainResult single_process(train::TrainConfig c, int64_t microbatches_per_rank) {
+  c.grad_accum = microbatches_per_rank * world().dp();
+  c.zero = 0;
+  c.dp = 0;
+  std::unique_ptr<dist::World> self = dist::World::self();
+  return train::run_training(c, *self);
+}
+
+void expect_same_run(const train::TrainResult& got, const train::TrainResult& want, double rtol, const std::string& what) {
+  ASSERT_EQ(got.history.size(), want.history.size()) << what;
+  for (size_t s = 0; s < got.history.size(); ++s)
+    EXPECT_NEAR(got.history[s].loss, want.history[s].loss, rtol * std::abs(want.history[s].loss))
+        << what << ": loss at step " << s + 1;
+  if (!got.parameters.defined() || !want.parameters.defined()) return;
+  test::Diff d = test::compare(got.parameters, want.parameters);
+  EXPECT_LE(d.max_abs, rtol * d.ref_scale) << what << ": parameters differ by " << d.max_abs << " (scale "
+                                           << d.ref_scale << ")";
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ layout
+TEST(World, LaysRanksOutWithTensorParallelFastestThenDataThenPipeline) {
+  EXPECT_GE(world().size(), 2);
+  EXPECT_TRUE(world().uses_mpi());
+  EXPECT_EQ(world().dp(), world().size());
+  EXPECT_EQ(world().dp_rank(), world().rank());  // tp = pp = 1
+  EXPECT_EQ(world().dp_group().size(), world().size());
+  EXPECT_EQ(world().tp_group().size(), 1);
+  // Every collective agrees: the sum of ranks.
+  const int n = world().size();
+  EXPECT_DOUBLE_EQ(world().dp_group().all_reduce_scalar(world().rank(), dist::ReduceOp::Sum), n * (n - 1) / 2.0);
+}
+
+TEST(World, ALayoutThatDoesNotMatchTheWorldIsRefusedNamingTheFlags) {
+  std::string m = test::message_of<Error>([] { dist::World::create({3, 1, 1}); });
+  EXPECT_NE(m.find("--dp 3"), std::string::npos) << m;
+  EXPECT_NE(m.find("mpirun started " + std::to_string(world().size())), std::string::npos) << m;
+  m = test::message_of<Error>([] { dist::World::create({0, 2, 1}); });
+  EXPECT_NE(m.find("not implemented yet"), std::string::npos) << m;
+}
+
+TEST(Communicator, CollectivesMoveWhatTheyShould) {
+  dist::Communicator& g = world().dp_group();
+  const int n = g.size(), r = g.rank();
+  Tensor t = Tensor::full({5}, r + 1.0);
+  g.all_reduce(t);
+  EXPECT_EQ(t.to_vector<float>(), std::vector<float>(5, n * (n + 1) / 2.0f));
+  Tensor in = Tensor::full({3 * n}, 1.0 + r), out = Tensor::zeros({3});
+  g.reduce_scatter(out, in);
+  EXPECT_EQ(out.to_vector<float>(), std::vector<float>(3, n * (n + 1) / 2.0f));
+  Tensor mine = Tensor::full({2}, static_cast<double>(r)), all = Tensor::zeros({2 * n});
+  g.all_gather(all, mine);
+  for (int k = 0; k < n; ++k) EXPECT_EQ(all.to_vector<float>()[2 * k], static_cast<float>(k));
+  // Uneven sizes, by padding: rank k contributes k + 1 elements.
+  std::vector<int64_t> counts;
+  for (int k = 0; k < n; ++k) counts.push_back(k + 1);
+  Tensor uneven = g.all_gather_uneven(Tensor::full({r + 1}, static_cast<double>(r)), counts);
+  EXPECT_EQ(uneven.numel(), n * (n + 1) / 2);
+  EXPECT_EQ(uneven.to_vector<float>().back(), static_cast<float>(n - 1));
+  Tensor b = Tensor::full({4}, r == 0 ? 7.0 : 0.0);
+  g.broadcast(b, 0);
+  EXPECT_EQ(b.to_vector<float>(), std::vector<float>(4, 7.f));
+  // Point to point around a ring, both directions in flight at once.
+  Tensor to_next = Tensor::full({3}, static_cast<double>(r)), from_prev = Tensor::zeros({3});
+  auto sent = g.send_async(to_next, (r + 1) % n, 5);
+  g.recv(from_prev, (r + n - 1) % n, 5);
+  sent->wait();
+  EXPECT_EQ(from_prev.to_vector<float>()[0], static_cast<float>((r + n - 1) % n));
+}
+
+TEST(Communicator, BuffersOfAnOperationInFlightAreHeldByItsHandle) {
+  dist::Communicator& g = world().dp_group();
+  const int64_t before = runtime::ledger().stats().allocated;
+  std::shared_ptr<dist::Work> work;
+  {
+    Tensor t = Tensor::full({1 << 16}, 1.0, DType::F32, Device::cpu());
+    work = g.all_reduce_async(t);
+  }  // the caller dropped its tensor: the operation still owns it
+  work->wait();
+  work.reset();
+  EXPECT_EQ(runtime::ledger().stats().allocated, before) << "released once the operation is done";
+}
+
+// ------------------------------------------------------------------ parity
+TEST(DataParallel, MatchesOneProcessWithTheSameGlobalBatchForEveryZeroStage) {
+  const int64_t N = 2;
+  train::TrainConfig c = tiny_config();
+  c.return_parameters = true;
+  const train::TrainResult want = single_process(c, N);
+  for (const auto& m : want.history) ASSERT_GT(m.grad_norm, c.grad_clip) << "clipping must be active at every step";
+  for (int zero = 0; zero <= 3; ++zero) {
+    train::TrainConfig p = c;
+    p.grad_accum = N;
+    p.zero = zero;
+    const train::TrainResult got = train::run_training(p, world());
+    expect_same_run(got, want, 1e-5, "dp" + std::to_string(world().dp()) + " zero " + std::to_string(zero));
+  }
+}
+
+// ------------------------------------------------------------------ flat memory on every rank
+TEST(DataParallel, MemoryIsFlatUnderStrictSanitizerOnEveryRankInEveryMode) {
+  for (int zero = 0; zero <= 3; ++zero) {
+    train::TrainConfig c = tiny_config();
+    c.steps = 50;
+    c.grad_accum = 16;
+    c.seq_len = 8;
+    c.batch_size = 1;
+    c.zero = zero;
+    c.sanitize = "strict";  // any growth or surviving graph on this rank throws
+    train::TrainResult r = train::run_training(c, world());
+    int64_t live = -1, peak = -1;
+    size_t steps = 0;
+    for (const auto& b : r.boundaries) {
+      ASSERT_EQ(b.live_nodes, 0u) << "zero " << zero;
+      ASSERT_EQ(b.live_saved, 0u) << "zero " << zero;
+      if (b.microbatch >= 0) continue;
+      ++steps;
+      if (b.step < 1) continue;  // from step 2 on
+      if (live < 0) live = b.allocated, peak = b.peak_allocated;
+      ASSERT_EQ(b.allocated, live) << "zero " << zero << " step " << b.step;
+      ASSERT_EQ(b.peak_allocated, peak) << "zero " << zero << " step " << b.step;
+    }
+    EXPECT_EQ(steps, 50u);
+  }
+}
+
+// ------------------------------------------------------------------ ZeRO memory
+TEST(Zero, ModelStatesFollowTheirFormulaOnEveryRank) {
+  auto model = std::make_unique<nn::Transformer>(io::read_llmc_gpt2_config(test::fixture_path("gpt2_tiny.bin")));
+  const int64_t P = model->num_parameters(), D = world().dp();
+  int64_t padded = 0;  // each unit rounded up to D equal pieces
+  for (size_t u = 0; u < model->params().num_units(); ++u) padded += (model->params().unit(u).numel() + D - 1) / D;
+  struct Case {
+    int stage;
+    int64_t params, grads, optimizer;
+  };
+  for (Case k : {Case{1, 4 * P, 4 * P, 8 * padded}, Case{2, 4 * P, 4 * padded, 8 * padded},
+                 Case{3, 4 * padded, 4 * padded, 8 * padded}}) {
+    auto m = std::make_unique<nn::Transformer>(model->config());
+    const auto& cats = [] { return runtime::ledger().stats().allocated_by_category; };
+    const int64_t p0 = cats()[static_cast<int>(Category::Parameter)], g0 = cats()[static_cast<int>(Category::Gradient)],
+                  o0 = cats()[static_cast<int>(Category::OptimizerState)];
+    {
+      dist::ZeroOptimizer z(m->params(), optim::AdamWConfig{}, world().dp_group(), k.stage);
+      dist::ZeroOptimizer::Footprint f = z.footprint();
+      EXPECT_EQ(f.parameters, k.params) << "stage " << k.stage;
+      EXPECT_EQ(f.gradients, k.grads) << "stage " << k.stage;
+      EXPECT_EQ(f.optimizer, k.optimizer) << "stage " << k.stage;
+      // The ledger agrees with the formula (the model built before ZeRO held 4P + 4P).
+      EXPECT_EQ(cats()[static_cast<int>(Category::Parameter)] - p0 + 4 * P, k.params);
+      EXPECT_EQ(cats()[static_cast<int>(Category::Gradient)] - g0 + 4 * P, k.grads);
+      EXPECT_EQ(cats()[static_cast<int>(Category::OptimizerState)] - o0, k.optimizer);
+    }
+  }
+}
+
+// The DeepSpeed #8032 leak, in real ZeRO-3: a gathered layer is released at the storage
+// level while views of it (the layer's parameters) exist; its bytes go back at once, and
+// a stale view fails naming the release instead of reading freed memory (R6).
+TEST(Zero, Stage3ReleasesAGatheredLayersStorageWhileItsParameterViewsLive) {
+  auto m = std::make_unique<nn::Transformer>(io::read_llmc_gpt2_config(test::fixture_path("gpt2_tiny.bin")));
+  io::load_llmc_gpt2(test::fixture_path("gpt2_tiny.bin"), *m);
+  const Tensor full_weight = m->params().get("h.0.attn.c_attn.weight").clone();
+  dist::ZeroOptimizer z(m->params(), optim::AdamWConfig{}, world().dp_group(), 3);
+  const size_t unit = m->layer_unit(0);
+  const Tensor weight = m->params().get("h.0.attn.c_attn.weight");  // a view of the unit's storage
+  const int64_t before = runtime::ledger().stats().allocated;
+  z.acquire(unit, false);
+  EXPECT_EQ(runtime::ledger().stats().allocated - before, z.unit_bytes(unit)) << "gathered";
+  test::expect_close(weight, full_weight, 0, 0, "the gathered weight is the original");
+  z.release(unit, false);
+  EXPECT_EQ(runtime::ledger().stats().allocated, before) << "released while the parameter views live";
+  std::string msg = test::message_of<Error>([&] { weight.to_vector<float>(); });
+  EXPECT_NE(msg.find("zero3.release(h.0)"), std::string::npos) << msg;
+  z.acquire(unit, false);  // gathered again: the same view reads the same values
+  test::expect_close(weight, full_weight, 0, 0, "re-gathered");
+  z.release(unit, false);
+}
+
+TEST(Zero, Stage3PeakIsBelowPlainDataParallelByTheShardedStatesLessWhatIsGathered) {
+  train::TrainConfig c = tiny_config();
+  c.steps = 3;
+  c.grad_accum = 2;
+  train::TrainConfig plain = c;
+  const train::TrainResult dp = train::run_training(plain, world());
+  train::TrainConfig z3 = c;
+  z3.zero = 3;
+  const train::TrainResult zr = train::run_training(z3, world());
+  auto model = std::make_unique<nn::Transformer>(io::read_llmc_gpt2_config(c.model_file));
+  const nn::ParameterStore& params = model->params();
+  const int64_t P = params.numel(), D = world().dp();
+  int64_t padded = 0, largest_layer = 0;
+  for (size_t u = 0; u < params.num_units(); ++u) {
+    const int64_t piece = (params.unit(u).numel() + D - 1) / D;
+    padded += piece;
+    if (u != model->embed_unit() && u != model->final_unit()) largest_layer = std::max(largest_layer, D * piece);
+  }
+  const int64_t embed = D * ((params.unit(model->embed_unit()).numel() + D - 1) / D);
+  const int64_t final_norm = D * ((params.unit(model->final_unit()).numel() + D - 1) / D);
+  // Plain data parallel peaks in the head's backward, with 16P of model states. ZeRO-3
+  // holds 16P/D (padded) and peaks in the last layer's backward, where it holds: that
+  // layer and the one before it gathered (the next gather is prefetched), that layer's
+  // gradient staging, and the staging of the embeddings and the final norm (the tied
+  // embedding's gradient is final only when backward reaches the token embedding). The
+  // activations alive at the two moments differ by a few percent of the peak.
+  const int64_t in_flight = 4 * (2 * largest_layer + largest_layer + embed + final_norm);
+  const int64_t expected = dp.history.back().peak_bytes - 16 * P + 16 * padded + in_flight;
+  const int64_t measured = zr.history.back().peak_bytes;
+  EXPECT_NEAR(static_cast<double>(measured), static_cast<double>(expected), 0.05 * static_cast<double>(expected))
+      << "ZeRO-3 peak " << measured << " B, formula " << expected << " B (plain data parallel: "
+      << dp.history.back().peak_bytes << " B)";
+  EXPECT_LT(measured, dp.history.back().peak_bytes);
+}
+
+// ------------------------------------------------------------------ checkpoints
+TEST(Checkpoints, ResumingTheSameLayoutIsBitExactForEveryZeroStage) {
+  for (int zero = 0; zero <= 3; ++zero) {
+    train::TrainConfig c = tiny_config();
+    c.steps = 8;
+    c.grad_accum = 2;
+    c.zero = zero;
+    c.return_parameters = true;
+    c.save_every = 4;
+    c.out_dir = shared_path("ckpt_zero" + std::to_string(zero));
+    const train::TrainResult straight = train::run_training(c, world());
+    train::TrainConfig again = c;
+    again.save_every = 0;
+    again.resume = c.out_dir + "/step_00000004";
+    const train::TrainResult resumed = train::run_training(again, world());
+    ASSERT_EQ(resumed.history.size(), 4u);
+    for (size_t s = 0; s < 4; ++s) EXPECT_EQ(resumed.history[s].loss, straight.history[s + 4].loss) << "zero " << zero;
+    test::expect_close(resumed.parameters, straight.parameters, 0, 0, "zero " + std::to_string(zero) + " parameters");
+  }
+}
+
+// A checkpoint holds the moments in the parameter block's order: a ZeRO-2 run on D ranks
+// resumes as one process (and, in the 4-rank run, as ZeRO-3 on 4 ranks from a 2-rank
+// checkpoint: Checkpoints.ReshardsAcrossRankCounts in Dist.4ranks).
+TEST(Checkpoints, AZero2CheckpointResumesAsOneProcessWithinFp32Tolerance) {
+  train::TrainConfig c = tiny_config();
+  c.steps = 8;
+  c.grad_accum = 2;
+  c.zero = 2;
+  c.return_parameters = true;
+  c.save_every = 4;
+  c.out_dir = shared_path("ckpt");
+  const train::TrainResult straight = train::run_training(c, world());
+  train::TrainConfig one = c;
+  one.zero = 0;
+  one.save_every = 0;
+  one.resume = c.out_dir + "/step_00000004";
+  one.grad_accum = c.grad_accum * world().dp();
+  std::unique_ptr<dist::World> self = dist::World::self();
+  const train::TrainResult resumed = train::run_training(one, *self);
+  ASSERT_EQ(resumed.history.size(), 4u);
+  train::TrainResult tail = straight;
+  tail.history.erase(tail.history.begin(), tail.history.begin() + 4);
+  expect_same_run(resumed, tail, 1e-5, "dp" + std::to_string(world().dp()) + " zero 2 -> one process");
+}
+
+// Written by the 2-rank run (Dist.2ranks), read by the 4-rank run (Dist.4ranks).
+TEST(Checkpoints, ReshardsAcrossRankCounts) {
+  const char* dir_env = std::getenv("TALLY_DIST_SHARED_DIR");
+  if (!dir_env) GTEST_SKIP() << "TALLY_DIST_SHARED_DIR not set (CTest sets it)";
+  const std::string dir = std::string(dir_env) + "/dp2_zero2";
+  train::TrainConfig c = tiny_config();
+  c.train_data = dir + "_train.bin";
+  c.steps = 8;
+  c.zero = 2;
+  c.return_parameters = true;
+  if (world().dp() == 2) {
+    // Write the data where the other run finds it, a checkpoint at step 4, and the
+    // uninterrupted run's losses for steps 5..8.
+    if (world().is_root()) {
+      fs::create_directories(std::string(dir_env));
+      fs::copy_file(test::write_random_shard("train.bin", 40000, 97, 11), c.train_data,
+                    fs::copy_options::overwrite_existing);
+    }
+    world().world().barrier();
+    c.grad_accum = 4;
+    c.save_every = 4;
+    c.out_dir = dir;
+    const train::TrainResult straight = train::run_training(c, world());
+    if (world().is_root()) {
+      std::ofstream out(dir + "/losses.txt");
+      out.precision(17);
+      for (size_t s = 4; s < 8; ++s) out << straight.history[s].loss << "\n";
+    }
+    world().world().barrier();
+  } else if (world().dp() == 4) {
+    ASSERT_TRUE(fs::exists(dir + "/losses.txt")) << "run Dist.2ranks first (CTest orders them)";
+    std::vector<double> want;
+    std::ifstream in(dir + "/losses.txt");
+    for (double x; in >> x;) want.push_back(x);
+    ASSERT_EQ(want.size(), 4u);
+    for (int zero : {0, 3}) {
+      train::TrainConfig r = c;
+      r.grad_accum = 2;  // the same global batch: 2 ranks x 4 = 4 ranks x 2
+      r.zero = zero;
+      r.resume = dir + "/step_00000004";
+      const train::TrainResult resumed = train::run_training(r, world());
+      ASSERT_EQ(resumed.history.size(), 4u);
+      for (size_t s = 0; s < 4; ++s)
+        EXPECT_NEAR(resumed.history[s].loss, want[s], 1e-5 * std::abs(want[s])) << "dp4 zero " << zero << " step " << s + 5;
+    }
+  }
+}
+
+// Prints only failures, prefixed with the rank: what the other ranks contribute to the log.
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed())
+      std::fprintf(stderr, "rank %d: %s:%d: %s\n", rank_, r.file_name() ? r.file_name() : "?", r.line_number(),
+                   r.summary());
+  }
+
+ private:
+  int rank_;
+};
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  std::unique_ptr<dist::World> w = dist::World::create({});
+  g_world = w.get();
+  // Only rank 0 prints test progress; a failure on any rank is still printed and fails mpirun.
+  if (!w->is_root()) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new FailurePrinter(w->rank()));
+  }
+  const int rc = RUN_ALL_TESTS();
+  // A rank whose tests failed must not leave the others waiting at the next collective.
+  const double failed = w->world().all_reduce_scalar(rc != 0 ? 1.0 : 0.0, dist::ReduceOp::Max);
+  if (failed != 0 && rc == 0) std::fprintf(stderr, "rank %d: tests passed here but failed on another rank\n", w->rank());
+  w.reset();
+  return failed != 0 ? 1 : 0;
+}

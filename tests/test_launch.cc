@@ -1,0 +1,89 @@
+// The `tally` program as users launch it, with and without mpirun: a rank that fails ends
+// the whole job within seconds naming itself (never a hang of the others in a
+// collective), and layouts that cannot work are refused naming the flags.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include "data/token_shard.h"
+#include "support.h"
+
+using namespace tally;
+
+namespace {
+struct Outcome {
+  int exit_code = -1;
+  std::string output;
+  double seconds = 0;
+};
+
+// Runs `command` through the shell, limited to `limit` seconds, capturing stdout+stderr.
+Outcome run(const std::string& command, int limit = 120) {
+  const std::string full = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout " +
+                           std::to_string(limit) + " " + command + " 2>&1";
+  const auto t0 = std::chrono::steady_clock::now();
+  Outcome o;
+  FILE* pipe = popen(full.c_str(), "r");
+  EXPECT_NE(pipe, nullptr);
+  if (!pipe) return o;
+  std::array<char, 4096> buf;
+  while (std::fgets(buf.data(), buf.size(), pipe)) o.output += buf.data();
+  const int status = pclose(pipe);
+  o.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return o;
+}
+
+std::string train_command(const std::string& launcher, const std::string& data, const std::string& extra,
+                          int steps = 200) {
+  return launcher + " " + TALLY_CLI + " train --model-file " + test::fixture_path("gpt2_tiny.bin") +
+         " --train-data " + data + " --batch-size 2 --seq-len 16 --steps " + std::to_string(steps) +
+         " --threads 1 --sample-every -1 " + extra;
+}
+}  // namespace
+
+TEST(Launch, AFailingRankEndsTheWholeJobWithItsRankAndMessage) {
+  // Rank 1 reads the second microbatch of each step: token 40 is in its first one.
+  std::vector<int32_t> tokens(20000, 5);
+  tokens[40] = 500;  // outside the model's 97-token vocabulary
+  const std::string data = test::temp_path("bad_for_rank1.bin");
+  data::write_token_shard(data, tokens, data::TokenWidth::U16);
+  Outcome o = run(train_command("mpirun --oversubscribe -np 2", data, "--dp 2"), 120);
+  EXPECT_NE(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.exit_code, 124) << "timed out: the job hung\n" << o.output;
+  EXPECT_NE(o.output.find("tally: rank 1: token 500"), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("outside the model's vocabulary"), std::string::npos) << o.output;
+  EXPECT_LT(o.seconds, 60) << "the job must end within seconds of the failure";
+}
+
+TEST(Launch, DataParallelWithoutMpirunSaysHowToLaunch) {
+  const std::string data = test::write_random_shard("ok.bin", 20000, 97, 3);
+  Outcome o = run(train_command("", data, "--dp 2"));
+  EXPECT_EQ(o.exit_code, 1) << o.output;
+  EXPECT_NE(o.output.find("mpirun -np 2 tally train"), std::string::npos) << o.output;
+}
+
+TEST(Launch, ALayoutThatDoesNotFitTheWorldNamesTheFlags) {
+  const std::string data = test::write_random_shard("ok.bin", 20000, 97, 3);
+  Outcome o = run(train_command("mpirun --oversubscribe -np 2", data, "--dp 3"));
+  EXPECT_NE(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("--dp 3 x --tp 1 x --pp 1 = 3 processes, but mpirun started 2"), std::string::npos) << o.output;
+  o = run(train_command("mpirun --oversubscribe -np 2", data, "--dp 1 --tp 2"));
+  EXPECT_NE(o.output.find("not implemented yet"), std::string::npos) << o.output;
+}
+
+TEST(Launch, OnlyRankZeroPrintsTheStepLines) {
+  const std::string data = test::write_random_shard("ok.bin", 20000, 97, 3);
+  Outcome o = run(train_command("mpirun --oversubscribe -np 2", data, "--dp 2 --zero 1", 3));
+  EXPECT_EQ(o.exit_code, 0) << o.output;
+  size_t lines = 0;
+  for (size_t at = o.output.find("step "); at != std::string::npos; at = o.output.find("step ", at + 1))
+    lines += o.output.compare(at, 11, "step     1/") == 0 || o.output.compare(at, 11, "step     2/") == 0 ||
+             o.output.compare(at, 11, "step     3/") == 0;
+  EXPECT_EQ(lines, 3u) << o.output;
+}
