@@ -8,10 +8,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-steps = int(sys.argv[1]) if len(sys.argv) > 1 else 10
-threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-torch.set_num_threads(threads)
-torch.manual_seed(0)
 V, Vp, L, H, C, maxT, B, T = 50257, 50304, 12, 12, 768, 1024, 4, 64
 
 
@@ -48,33 +44,47 @@ class GPT(nn.Module):
         return F.cross_entropy(logits[..., :V].reshape(-1, V), targets.reshape(-1))
 
 
-model = GPT()
-with torch.no_grad():  # GPT-2 initialization, as tally's (keeps the loss in the same range)
-    for name, p in model.named_parameters():
-        if name.endswith("bias"):
-            p.zero_()
-        elif "ln_" in name:
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 0.02 / math.sqrt(2 * L) if name.endswith(("c_proj.weight", "mlp_proj.weight")) else 0.02)
-    model.wte.weight[V:].zero_()
-params = sum(p.numel() for p in model.parameters())
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-x = torch.randint(0, V, (B, T))
-y = torch.randint(0, V, (B, T))
-times = []
-for s in range(steps + 2):
-    t0 = time.perf_counter()
-    loss = model(x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=False)
-    dt = (time.perf_counter() - t0) * 1e3
-    if s >= 2:
-        times.append(dt)
-times.sort()
-median = times[len(times) // 2]
-print(json.dumps({"system": "pytorch " + torch.__version__, "ms_per_step": round(median, 1), "min_ms": round(times[0], 1),
-                  "tokens_per_s": round(B * T / (median / 1e3)),
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "params": params, "loss": round(loss.item(), 4), "threads": threads}))
+def init_gpt2(model):
+    """GPT-2 initialization, as tally's (keeps the loss in the same range)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif "ln_" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02 / math.sqrt(2 * L) if name.endswith(("c_proj.weight", "mlp_proj.weight")) else 0.02)
+        model.wte.weight[V:].zero_()
+    return model
+
+
+def main():
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+    threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = init_gpt2(GPT())
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    x = torch.randint(0, V, (B, T))
+    y = torch.randint(0, V, (B, T))
+    times = []
+    for s in range(steps + 2):
+        t0 = time.perf_counter()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        dt = (time.perf_counter() - t0) * 1e3
+        if s >= 2:
+            times.append(dt)
+    times.sort()
+    median = times[len(times) // 2]
+    print(json.dumps({"system": "pytorch " + torch.__version__, "ms_per_step": round(median, 1), "min_ms": round(times[0], 1),
+                      "tokens_per_s": round(B * T / (median / 1e3)),
+                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      "params": params, "loss": round(loss.item(), 4), "threads": threads}))
+
+
+if __name__ == "__main__":
+    main()

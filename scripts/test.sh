@@ -19,7 +19,7 @@ if [ "${SKIP_ASAN:-0}" != 1 ]; then
   BUILD_TYPE=RelWithDebInfo TALLY_BUILD_DIR="$root/build-asan" bash scripts/build.sh -DTALLY_SANITIZE=ON -DTALLY_CUDA=OFF
   # The flatness test runs 200 steps x 64 microbatches in Release; under ASan a shorter
   # run checks the same invariants.
-  (cd build-asan && TALLY_FLAT_STEPS=20 TALLY_FLAT_MICROBATCHES=8 \
+  (cd build-asan && TALLY_FLAT_STEPS=20 TALLY_FLAT_MICROBATCHES=8 TALLY_DIST_FLAT_STEPS=10 TALLY_DIST_FLAT_MICROBATCHES=4 \
      ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
      ctest --output-on-failure -j1 --timeout 1800)
 fi

@@ -24,7 +24,11 @@ struct Outcome {
 
 // Runs `command` through the shell, limited to `limit` seconds, capturing stdout+stderr.
 Outcome run(const std::string& command, int limit = 120) {
-  const std::string full = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout " +
+  // In the AddressSanitizer build the launched programs are sanitized too: OpenMPI's own
+  // unfreed allocations are suppressed (tests/lsan.supp, which needs full stacks).
+  const std::string sanitizer_env = std::string("ASAN_OPTIONS=detect_leaks=1:fast_unwind_on_malloc=0 ") +
+                                    "LSAN_OPTIONS=suppressions=" + TALLY_SOURCE_DIR + "/tests/lsan.supp:print_suppressions=0 ";
+  const std::string full = sanitizer_env + "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout " +
                            std::to_string(limit) + " " + command + " 2>&1";
   const auto t0 = std::chrono::steady_clock::now();
   Outcome o;

@@ -334,7 +334,9 @@ TEST(Seed003Recompute, KeepingDetachedInputGradsOutsideIsReported) {
 // ------------------------------------------------------------------ seed 004
 // DeepSpeed's ZeRO-3 release emptied the registry tensor, but a view of the padded
 // gathered buffer kept the storage alive. In tally, release() frees the storage itself,
-// views included, and a stale view fails naming the releaser (R6).
+// views included, and a stale view fails naming the releaser (R6). These tests write the
+// pattern by hand; real ZeRO-3 over MPI does the same in
+// tests/test_dist.cc (Zero.Stage3ReleasesAGatheredLayersStorageWhileItsParameterViewsLive).
 namespace {
 Tensor gather_padded(const std::string& name, int64_t n, int64_t padded) {
   Tensor buf = Tensor::zeros({padded}, DType::F32, Device::cpu(), make_owner(Category::Communication, name + ".gathered"));

@@ -36,13 +36,14 @@ ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig conf
   }
   const DType dt = params_.flat_params().dtype();
   const Device dev = params_.flat_params().device();
+  // The order keeps the set-up peak low: the full gradient block goes before any shard is
+  // allocated, the full parameter block after the parameter shard is filled from it.
+  if (stage_ >= 2) params_.release_grads();
   m_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::OptimizerState, "zero.adamw.m"));
   v_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::OptimizerState, "zero.adamw.v"));
   staging_.resize(pieces_.size());
-  if (stage_ >= 2) {
+  if (stage_ >= 2)
     grad_shard_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::Gradient, "zero.gradients", true));
-    params_.release_grads();
-  }
   if (stage_ == 3) {
     param_shard_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::Parameter, "zero.parameters"));
     for (size_t u = 0; u < pieces_.size(); ++u) {
@@ -68,6 +69,9 @@ ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig conf
     gathering_.resize(pieces_.size());
     params_.release_params();
   }
+  // The full blocks freed above are sizes nothing will ask for again: give them back to
+  // the system rather than keep them cached.
+  if (stage_ >= 2) runtime::backend(dev).caching_allocator().empty_cache();
   if (stage_ >= 2) registration_.emplace(static_cast<autograd::EngineObserver&>(*this));
 }
 

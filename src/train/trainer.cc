@@ -117,6 +117,15 @@ double evaluate(const nn::Transformer& model, data::TokenLoader& loader, int64_t
 
 namespace {
 
+// The process's resident-set high-water mark (VmHWM), or 0 where /proc does not say.
+int64_t peak_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
+  return 0;
+}
+
 // The full parameter block in its order, on every rank (ZeRO-3 gathers each unit).
 Tensor gather_parameters(const nn::Transformer& model) {
   const nn::ParameterStore& params = model.params();
@@ -291,6 +300,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     for (double p : everyone.all_gather_scalar(static_cast<double>(s.peak_allocated)))
       m.rank_peak_bytes.push_back(static_cast<int64_t>(p));
     m.predicted_min_bytes = predicted_min;
+    m.peak_rss_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(peak_rss_bytes()), dist::ReduceOp::Max));
     if (step == start_step + 1 || (step == start_step && c.steps == start_step + 1)) {
       // From the second step on the peak is the steady one (the first also builds caches).
       log("memory: measured peak %s = predicted minimum %s (params+grads+adam %s, activations and data of one "
@@ -322,7 +332,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
                         {"grad_norm", m.grad_norm}, {"ms", m.ms},           {"tokens_per_s", m.tokens_per_s},
                         {"gemm_peak_frac", m.gemm_peak_frac}, {"live_bytes", m.live_bytes}, {"peak_bytes", m.peak_bytes},
                         {"reserved_bytes", m.reserved_bytes}, {"predicted_min_bytes", m.predicted_min_bytes},
-                        {"rank_peak_bytes", m.rank_peak_bytes}};
+                        {"rank_peak_bytes", m.rank_peak_bytes}, {"peak_rss_bytes", m.peak_rss_bytes}};
     const bool last = step + 1 == c.steps;
     if (val_loader && ((c.val_every > 0 && m.step % c.val_every == 0) || last)) {
       double vl = evaluate(*model, *val_loader, c.val_batches);  // every rank: ZeRO-3 gathers collectively

@@ -82,6 +82,7 @@ struct StepMetrics {
   int64_t reserved_bytes = 0;
   int64_t predicted_min_bytes = 0;
   std::vector<int64_t> rank_peak_bytes;  // one per rank (live_bytes and peak_bytes are the maxima)
+  int64_t peak_rss_bytes = 0;            // the process's resident-set high-water mark (maximum over ranks)
 };
 
 struct TrainResult {
