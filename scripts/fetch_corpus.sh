@@ -62,7 +62,9 @@ mapfile -t sources < <(dpkg -L fortunes fortunes-min | grep '^/usr/share/games/f
 for f in "${sources[@]}"; do
   [ -f "$f" ] && [ ! -L "$f" ] || die "$f is listed by dpkg but missing; reinstall with 'apt-get install --reinstall fortunes fortunes-min'"
 done
-sed 's/^%$//' "${sources[@]}" > "$out/fortunes.txt.tmp"
+# Fortune files separate entries with lines holding only "%"; they are kept (and one is
+# added after each file) so `tally tokenize --separator %` makes each fortune a document.
+for f in "${sources[@]}"; do cat "$f"; echo "%"; done > "$out/fortunes.txt.tmp"
 if [ -f "$out/fortunes.txt" ] && cmp -s "$out/fortunes.txt.tmp" "$out/fortunes.txt"; then
   rm "$out/fortunes.txt.tmp"
   echo "fetch_corpus: fortunes.txt present ($(wc -c < "$out/fortunes.txt") bytes from ${#sources[@]} files)"

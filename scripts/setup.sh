@@ -4,15 +4,18 @@
 #   scripts/setup.sh           build + test dependencies (C++ toolchain, oneDNN, GoogleTest, ...)
 #   scripts/setup.sh --torch   also python3-torch (only the fixture generators need it)
 #   scripts/setup.sh --corpus  also the default training corpus and GPT-2 BPE files
+#   scripts/setup.sh --browser also Debian's chromium (the tests render plots in it, headless)
 set -euo pipefail
 
 want_torch=0
 want_corpus=0
+want_browser=0
 for arg in "$@"; do
   case "$arg" in
     --torch) want_torch=1 ;;
     --corpus) want_corpus=1 ;;
-    *) echo "setup.sh: unknown option '$arg' (expected --torch or --corpus)" >&2; exit 2 ;;
+    --browser) want_browser=1 ;;
+    *) echo "setup.sh: unknown option '$arg' (expected --torch, --corpus or --browser)" >&2; exit 2 ;;
   esac
 done
 
@@ -24,6 +27,7 @@ packages=(
   nlohmann-json3-dev     # JSON (safetensors headers, logs, traces)
   libopenmpi-dev openmpi-bin   # multi-process CPU runs
 )
+[ "$want_browser" = 1 ] && packages+=(chromium)
 [ "$want_torch" = 1 ] && packages+=(python3-torch python3-numpy libopenblas0-pthread)  # torch on Debian falls back to the reference BLAS without OpenBLAS
 if [ "$want_corpus" = 1 ]; then
   packages+=(fortunes fortunes-min)

@@ -8,6 +8,7 @@
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 
 #include "data/token_shard.h"
@@ -90,4 +91,23 @@ TEST(Launch, OnlyRankZeroPrintsTheStepLines) {
     lines += o.output.compare(at, 11, "step     1/") == 0 || o.output.compare(at, 11, "step     2/") == 0 ||
              o.output.compare(at, 11, "step     3/") == 0;
   EXPECT_EQ(lines, 3u) << o.output;
+}
+
+TEST(Launch, SampleReadsATrainingOutDirAndDrawsSeveralSamples) {
+  const std::string data = test::write_random_shard("sample_src.bin", 20000, 97, 4);
+  const std::string out = test::temp_path("sample_run");
+  Outcome trained = run(train_command("", data, "--save-every 2 --out-dir " + out, 2));
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  // The --out-dir resolves through its `latest` file to step_00000002/model.bin.
+  Outcome o = run(std::string(TALLY_CLI) + " sample --model-file " + out + " --tokens 4 --count 3 --seed 7");
+  EXPECT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("--- sample 1"), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("--- sample 3"), std::string::npos) << o.output;
+  EXPECT_EQ(o.output.find("--- sample 4"), std::string::npos) << o.output;
+
+  const std::string empty_dir = test::temp_path("empty_dir");
+  std::filesystem::create_directories(empty_dir);
+  Outcome nothing = run(std::string(TALLY_CLI) + " sample --model-file " + empty_dir);
+  EXPECT_EQ(nothing.exit_code, 1);
+  EXPECT_NE(nothing.output.find("neither model.bin"), std::string::npos) << nothing.output;
 }

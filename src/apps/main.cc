@@ -8,11 +8,13 @@
 #include <sstream>
 
 #include "core/random.h"
+#include "data/documents.h"
 #include "data/token_shard.h"
 #include "data/tokenizer.h"
 #include "dist/world.h"
 #include "io/model_files.h"
 #include "nn/transformer.h"
+#include "train/plot.h"
 #include "train/sampler.h"
 #include "train/trainer.h"
 
@@ -74,30 +76,61 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
 struct SampleArgs {
   std::string model_file, tokenizer, prompt;
   int64_t tokens = 128;
+  int64_t count = 1;
+  bool stop_at_eot = true;
   double temperature = 1.0;
   int64_t top_k = 40;
   uint64_t seed = 1337;
   int threads = 0;
 };
 
+// --model-file takes a model file, a checkpoint directory (its model.bin) or a training
+// --out-dir (the checkpoint its `latest` names), so `tally sample --model-file out/run1` works.
+std::string resolve_model_file(const std::string& path) {
+  namespace fs = std::filesystem;
+  if (!fs::is_directory(path)) return path;
+  if (fs::exists(fs::path(path) / "model.bin")) return (fs::path(path) / "model.bin").string();
+  const fs::path latest = fs::path(path) / "latest";
+  TALLY_CHECK(fs::exists(latest), "--model-file '", path,
+              "': a directory with neither model.bin (a checkpoint) nor 'latest' (a training --out-dir)");
+  std::ifstream in(latest);
+  std::string name;
+  std::getline(in, name);
+  const fs::path model = fs::path(path) / name / "model.bin";
+  TALLY_CHECK(fs::exists(model), "--model-file '", path, "': 'latest' names '", name, "', which has no model.bin");
+  return model.string();
+}
+
 int run_sample(const SampleArgs& a) {
   if (a.threads > 0) omp_set_num_threads(a.threads);
-  nn::Transformer model(io::read_llmc_gpt2_config(a.model_file));
-  io::load_llmc_gpt2(a.model_file, model);
+  TALLY_CHECK(a.count >= 1, "--count must be at least 1, got ", a.count);
+  const std::string model_file = resolve_model_file(a.model_file);
+  nn::Transformer model(io::read_llmc_gpt2_config(model_file));
+  io::load_llmc_gpt2(model_file, model);
   std::vector<int32_t> prompt;
   std::unique_ptr<data::Gpt2Tokenizer> tok;
   if (!a.tokenizer.empty()) tok = std::make_unique<data::Gpt2Tokenizer>(load_tokenizer(a.tokenizer));
+  TALLY_CHECK(!tok || tok->vocab_size() <= model.config().vocab_size, "--tokenizer '", a.tokenizer, "' has ",
+              tok ? tok->vocab_size() : 0, " tokens but the model '", model_file, "' only ", model.config().vocab_size,
+              ": they do not belong together");
   if (tok && !a.prompt.empty()) {
     TALLY_CHECK(tok->can_encode(), "--prompt needs encoder.json + vocab.bpe (an llm.c tokenizer .bin only decodes)");
     prompt = tok->encode(a.prompt);
   }
-  if (prompt.empty()) prompt.push_back(tok ? tok->eot_id() : static_cast<int32_t>(model.config().vocab_size - 1));
-  train::SampleOptions so{a.tokens, a.temperature, a.top_k};
+  const int32_t eot = tok ? tok->eot_id() : static_cast<int32_t>(model.config().vocab_size - 1);
+  if (prompt.empty()) prompt.push_back(eot);
+  train::SampleOptions so{a.tokens, a.temperature, a.top_k, a.stop_at_eot ? eot : -1};
   Rng rng(a.seed);
-  auto ids = train::sample(model, prompt, so, rng);
-  if (tok) std::printf("%s%s\n", a.prompt.c_str(), tok->decode(ids).c_str());
-  else for (int32_t i : ids) std::printf("%d ", i);
-  std::printf("\n");
+  for (int64_t n = 0; n < a.count; ++n) {
+    if (a.count > 1) std::printf("%s--- sample %lld\n", n ? "\n" : "", static_cast<long long>(n + 1));
+    auto ids = train::sample(model, prompt, so, rng);
+    if (a.stop_at_eot && !ids.empty() && ids.back() == eot) ids.pop_back();  // the end, not text
+    if (tok) std::printf("%s%s\n", a.prompt.c_str(), tok->decode(ids).c_str());
+    else {
+      for (int32_t i : ids) std::printf("%d ", i);
+      std::printf("\n");
+    }
+  }
   return 0;
 }
 
@@ -106,33 +139,71 @@ struct TokenizeArgs {
   std::vector<std::string> inputs;
   std::string out_prefix;
   double val_fraction = 0.1;
+  std::string separator;     // a line that separates documents inside a file ("%" for fortunes)
+  uint64_t shuffle_seed = 0;  // 0: keep the documents in input order
 };
 
-// Each input file is one document: EOT, then its tokens (the llm.c convention). The
-// last val_fraction of the tokens goes to <prefix>_val.bin, the rest to _train.bin.
+// Documents: each input file, or each piece of one between --separator lines. Each is
+// written as EOT then its tokens (llm.c's convention). With --shuffle-seed the documents
+// are shuffled first; the last documents holding --val-fraction of the tokens go to
+// <prefix>_val.bin, the rest to <prefix>_train.bin (a split never cuts a document).
 int run_tokenize(const TokenizeArgs& a) {
   data::Gpt2Tokenizer tok = load_tokenizer(a.tokenizer);
   TALLY_CHECK(tok.can_encode(), "tokenize: --tokenizer must be a directory with encoder.json and vocab.bpe");
   TALLY_CHECK(a.val_fraction >= 0 && a.val_fraction < 1, "--val-fraction must be in [0, 1)");
-  std::vector<int32_t> all;
+  std::vector<std::string> documents;
   for (const std::string& path : a.inputs) {
     std::ifstream in(path, std::ios::binary);
     TALLY_CHECK(in.good(), "tokenize: cannot read input '", path, "'");
     std::stringstream ss;
     ss << in.rdbuf();
-    all.push_back(tok.eot_id());
-    auto ids = tok.encode(ss.str());
-    all.insert(all.end(), ids.begin(), ids.end());
+    for (std::string& d : data::split_documents(ss.str(), a.separator)) documents.push_back(std::move(d));
   }
-  const auto n_val = static_cast<size_t>(static_cast<double>(all.size()) * a.val_fraction);
-  std::vector<int32_t> train(all.begin(), all.end() - static_cast<std::ptrdiff_t>(n_val));
-  std::vector<int32_t> val(all.end() - static_cast<std::ptrdiff_t>(n_val), all.end());
+  TALLY_CHECK(!documents.empty(), "tokenize: the inputs hold no text");
+  if (a.shuffle_seed != 0) data::shuffle_documents(documents, a.shuffle_seed);
+  std::vector<std::vector<int32_t>> encoded;
+  std::vector<size_t> counts;
+  for (const std::string& d : documents) {
+    encoded.push_back(tok.encode(d));
+    counts.push_back(encoded.back().size() + 1);
+  }
+  const size_t n_val = data::validation_documents(counts, a.val_fraction);
+  std::vector<int32_t> train, val;
+  for (size_t i = 0; i < encoded.size(); ++i) {
+    std::vector<int32_t>& out = i + n_val < encoded.size() ? train : val;
+    out.push_back(tok.eot_id());
+    out.insert(out.end(), encoded[i].begin(), encoded[i].end());
+  }
   data::write_token_shard(a.out_prefix + "_train.bin", train, data::TokenWidth::U16);
-  std::printf("wrote %s_train.bin (%zu tokens)\n", a.out_prefix.c_str(), train.size());
+  std::printf("wrote %s_train.bin (%zu tokens, %zu documents)\n", a.out_prefix.c_str(), train.size(),
+              encoded.size() - n_val);
   if (!val.empty()) {
     data::write_token_shard(a.out_prefix + "_val.bin", val, data::TokenWidth::U16);
-    std::printf("wrote %s_val.bin (%zu tokens)\n", a.out_prefix.c_str(), val.size());
+    std::printf("wrote %s_val.bin (%zu tokens, %zu documents)\n", a.out_prefix.c_str(), val.size(), n_val);
   }
+  return 0;
+}
+
+struct PlotArgs {
+  std::vector<std::string> logs;
+  std::string out = "loss.svg";
+  std::string title = "training loss";
+};
+
+// Names a run after its log: the file's stem, or its folder's name for the usual "log.jsonl".
+std::string run_name(const std::string& path) {
+  fs::path p(path);
+  std::string stem = p.stem().string();
+  if ((stem == "log" || stem.empty()) && p.has_parent_path() && !p.parent_path().filename().empty())
+    return p.parent_path().filename().string();
+  return stem;
+}
+
+int run_plot(const PlotArgs& a) {
+  std::vector<train::RunCurve> runs;
+  for (const std::string& log : a.logs) runs.push_back(train::read_run_log(log, run_name(log)));
+  train::write_loss_svg(a.out, runs, a.title);
+  std::printf("wrote %s (%zu run%s)\n", a.out.c_str(), runs.size(), runs.size() == 1 ? "" : "s");
   return 0;
 }
 
@@ -146,10 +217,14 @@ int main(int argc, char** argv) {
 
   SampleArgs sa;
   auto* s = app.add_subcommand("sample", "Generate text from an llm.c GPT-2 model file");
-  s->add_option("--model-file", sa.model_file, "llm.c GPT-2 model (.bin), e.g. <out-dir>/step_N/model.bin")->required();
+  s->add_option("--model-file", sa.model_file,
+                 "llm.c GPT-2 model (.bin), a checkpoint directory, or a training --out-dir (its latest checkpoint)")
+      ->required();
   s->add_option("--tokenizer", sa.tokenizer, "Directory with encoder.json + vocab.bpe, or an llm.c tokenizer .bin");
   s->add_option("--prompt", sa.prompt, "Text to continue (needs encoder.json + vocab.bpe)");
-  s->add_option("--tokens", sa.tokens, "Tokens to generate")->capture_default_str();
+  s->add_option("--tokens", sa.tokens, "Most tokens to generate per sample")->capture_default_str();
+  s->add_option("--count", sa.count, "Samples to draw, each from the prompt")->capture_default_str();
+  s->add_flag("--stop-at-eot,!--no-stop-at-eot", sa.stop_at_eot, "End a sample at <|endoftext|> (default on)");
   s->add_option("--temperature", sa.temperature, "0 = greedy")->capture_default_str();
   s->add_option("--top-k", sa.top_k, "0 = no truncation")->capture_default_str();
   s->add_option("--seed", sa.seed)->capture_default_str();
@@ -159,8 +234,18 @@ int main(int argc, char** argv) {
   auto* k = app.add_subcommand("tokenize", "Turn text files into llm.c GPT-2 token shards");
   k->add_option("--tokenizer", ta.tokenizer, "Directory with encoder.json + vocab.bpe")->required();
   k->add_option("--out", ta.out_prefix, "Output prefix: writes <prefix>_train.bin and <prefix>_val.bin")->required();
-  k->add_option("--val-fraction", ta.val_fraction, "Share of tokens for validation")->capture_default_str();
+  k->add_option("--val-fraction", ta.val_fraction, "Share of tokens for validation (whole documents, taken from the end)")
+      ->capture_default_str();
+  k->add_option("--separator", ta.separator, "A line that separates documents inside a file (e.g. % in fortune files)");
+  k->add_option("--shuffle-seed", ta.shuffle_seed, "Shuffle the documents with this seed before the split (0: keep their order)")
+      ->capture_default_str();
   k->add_option("inputs", ta.inputs, "Text files")->required()->check(CLI::ExistingFile);
+
+  PlotArgs pa;
+  auto* p = app.add_subcommand("plot", "Draw the loss curves of one or more runs (their --log-json files) into one SVG");
+  p->add_option("logs", pa.logs, "Logs written by `tally train --log-json`")->required()->check(CLI::ExistingFile);
+  p->add_option("-o,--out", pa.out, "The SVG to write")->capture_default_str();
+  p->add_option("--title", pa.title, "The plot's title")->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
   if (app.got_subcommand("train")) {
@@ -180,6 +265,7 @@ int main(int argc, char** argv) {
   try {
     if (app.got_subcommand("sample")) return run_sample(sa);
     if (app.got_subcommand("tokenize")) return run_tokenize(ta);
+    if (app.got_subcommand("plot")) return run_plot(pa);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;

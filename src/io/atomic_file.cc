@@ -37,13 +37,12 @@ void AtomicFile::commit() {
               "': ", std::strerror(errno));
 }
 
-std::ifstream open_input(const std::string& path, const char* what, int64_t* size) {
-  std::ifstream in(path, std::ios::binary);
+void open_input(const std::string& path, const char* what, std::ifstream& in, int64_t* size) {
+  in.open(path, std::ios::binary);
   TALLY_CHECK(in.good(), "cannot open ", what, " '", path, "'");
   in.seekg(0, std::ios::end);
   *size = in.tellg();
   in.seekg(0);
-  return in;
 }
 
 std::string read_file(const std::string& path) {

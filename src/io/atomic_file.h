@@ -27,8 +27,9 @@ class AtomicFile {
 // Reads a whole file; throws naming the path when it cannot.
 std::string read_file(const std::string& path);
 
-// Opens `path` for binary reading and reports its size; `what` names the kind of file in
-// the error ("safetensors file", "training state", ...).
-std::ifstream open_input(const std::string& path, const char* what, int64_t* size);
+// Opens `in` on `path` for binary reading and reports its size; `what` names the kind of
+// file in the error ("safetensors file", "training state", ...). The stream is opened in
+// place, never moved: GCC 12 warns (falsely) about moving a std::ifstream.
+void open_input(const std::string& path, const char* what, std::ifstream& in, int64_t* size);
 
 }  // namespace tally::io

@@ -108,7 +108,8 @@ TrainingState load_checkpoint_state(const std::string& dir, const nn::Transforme
   const std::string path = (fs::path(dir) / "state.bin").string();
   const nn::ParameterStore& params = model.params();
   int64_t size = 0;
-  std::ifstream in = open_input(path, "training state", &size);
+  std::ifstream in;
+  open_input(path, "training state", in, &size);
   TALLY_CHECK(size >= 1024, "training state '", path, "' is ", size, " bytes, shorter than its 1024-byte header");
   StateHeader h;
   in.read(reinterpret_cast<char*>(&h), sizeof h);

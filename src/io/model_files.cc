@@ -18,7 +18,7 @@ struct Header {
 
 // Opens an llm.c model file positioned after its header.
 Header read_header(const std::string& path, std::ifstream& in, int64_t* file_size) {
-  in = open_input(path, "model file", file_size);
+  open_input(path, "model file", in, file_size);
   TALLY_CHECK(*file_size >= 1024, "model file '", path, "' is ", *file_size, " bytes; an llm.c model needs a 1024-byte header");
   Header h;
   in.read(reinterpret_cast<char*>(h.ints), 1024);

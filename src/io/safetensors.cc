@@ -42,7 +42,8 @@ const Tensor& SafetensorsFile::at(const std::string& name) const {
 
 SafetensorsFile read_safetensors(const std::string& path, Category category) {
   int64_t file_size = 0;
-  std::ifstream in = open_input(path, "safetensors file", &file_size);
+  std::ifstream in;
+  open_input(path, "safetensors file", in, &file_size);
   TALLY_CHECK(file_size >= 8, "safetensors '", path, "': file is ", file_size, " bytes, too short for the 8-byte header length");
   uint64_t header_len = 0;
   in.read(reinterpret_cast<char*>(&header_len), 8);

@@ -43,6 +43,7 @@ std::vector<int32_t> sample(const nn::Transformer& model, std::vector<int32_t> t
     }
     tokens.push_back(next);
     generated.push_back(next);
+    if (next == opt.stop_token) break;
   }
   return generated;
 }

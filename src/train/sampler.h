@@ -12,6 +12,7 @@ struct SampleOptions {
   int64_t tokens = 64;
   double temperature = 1.0;  // 0: greedy
   int64_t top_k = 40;        // 0: no truncation
+  int32_t stop_token = -1;   // generation ends after this token (GPT-2's <|endoftext|>); -1: never
 };
 
 std::vector<int32_t> sample(const nn::Transformer& model, std::vector<int32_t> prompt, const SampleOptions& options,

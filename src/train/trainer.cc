@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 
 #include <nlohmann/json.hpp>
@@ -25,6 +26,7 @@
 #include "optim/adamw.h"
 #include "runtime/backend.h"
 #include "sanitizer/sanitizer.h"
+#include "train/plot.h"
 #include "train/sampler.h"
 
 namespace tally::train {
@@ -116,6 +118,22 @@ double evaluate(const nn::Transformer& model, data::TokenLoader& loader, int64_t
 }  // namespace
 
 namespace {
+
+std::string fmt_fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+// "1h02m", "3m05s", "12s".
+std::string duration_str(double seconds) {
+  const auto s = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
+  char buf[32];
+  if (s >= 3600) std::snprintf(buf, sizeof buf, "%lldh%02lldm", static_cast<long long>(s / 3600), static_cast<long long>(s / 60 % 60));
+  else if (s >= 60) std::snprintf(buf, sizeof buf, "%lldm%02llds", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
+  else std::snprintf(buf, sizeof buf, "%llds", static_cast<long long>(s));
+  return buf;
+}
 
 // The process's resident-set high-water mark (VmHWM), or 0 where /proc does not say.
 int64_t peak_rss_bytes() {
@@ -235,6 +253,27 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (!c.log_json.empty() && root) json_log = open_log(c.log_json);
   if (!c.log_json.empty() && c.log_json_all_ranks) rank_json_log = open_log(c.log_json + ".rank" + std::to_string(world.rank()));
 
+  // The loss curves drawn into <out-dir>/loss.svg: a resumed run's earlier steps come from
+  // its log.
+  RunCurve curve;
+  curve.name = "";
+  const std::string plot_path = (fs::path(c.out_dir) / "loss.svg").string();
+  if (root && start_step > 0 && !c.log_json.empty() && fs::exists(c.log_json)) {
+    RunCurve earlier = read_run_log(c.log_json, "");
+    for (size_t i = 0; i < earlier.steps.size() && earlier.steps[i] <= start_step; ++i)
+      curve.add_step(earlier.steps[i], earlier.loss[i], earlier.lr[i], earlier.tokens[i]);
+    for (auto& [step, v] : earlier.val)
+      if (step <= start_step) curve.add_val(step, v);
+  }
+  auto write_plot = [&] {
+    if (!root) return;
+    fs::create_directories(c.out_dir);
+    write_loss_svg(plot_path, {curve}, "tally: " + mc.describe());
+  };
+  const auto run_start = std::chrono::steady_clock::now();
+  double best_val = std::numeric_limits<double>::infinity();
+  int64_t best_val_step = 0;
+
   sanitizer::Sanitizer sanitizer(mode);
   TrainResult result;
   int64_t predicted_min = 0;
@@ -324,21 +363,32 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
             r.comm_seconds > 0 ? 100.0 * r.hidden_seconds / r.comm_seconds : 0.0, r.comm_seconds * 1e3);
       }
     }
-    log("step %5lld/%lld | loss %.4f | norm %.3f | lr %.2e | %.0f ms | %.1f%% of GEMM peak | %.0f tok/s | mem %s live, %s peak\n",
-        static_cast<long long>(m.step), static_cast<long long>(c.steps), m.loss, m.grad_norm, m.lr, m.ms,
-        100.0 * m.gemm_peak_frac, m.tokens_per_s, format_bytes(m.live_bytes).c_str(), format_bytes(m.peak_bytes).c_str());
+    // Progress: the share of steps done, and the time left at the pace of the steps so far
+    // (validation, samples and checkpoints included).
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    const int64_t done = step + 1 - start_step, left = c.steps - step - 1;
+    const std::string eta = left == 0 ? "done" : "ETA " + duration_str(elapsed / static_cast<double>(done) * static_cast<double>(left));
+    log("step %5lld/%lld %3.0f%% | loss %.4f | norm %.3f | lr %.2e | %.0f ms | %.1f%% of GEMM peak | %.0f tok/s | mem %s live, %s peak | %s\n",
+        static_cast<long long>(m.step), static_cast<long long>(c.steps), 100.0 * static_cast<double>(m.step) / static_cast<double>(c.steps),
+        m.loss, m.grad_norm, m.lr, m.ms, 100.0 * m.gemm_peak_frac, m.tokens_per_s, format_bytes(m.live_bytes).c_str(),
+        format_bytes(m.peak_bytes).c_str(), eta.c_str());
+    curve.add_step(m.step, m.loss, m.lr, m.step * tokens_per_step);
 
     nlohmann::json j = {{"step", m.step},       {"loss", m.loss},           {"lr", m.lr},
                         {"grad_norm", m.grad_norm}, {"ms", m.ms},           {"tokens_per_s", m.tokens_per_s},
                         {"gemm_peak_frac", m.gemm_peak_frac}, {"live_bytes", m.live_bytes}, {"peak_bytes", m.peak_bytes},
                         {"reserved_bytes", m.reserved_bytes}, {"predicted_min_bytes", m.predicted_min_bytes},
-                        {"rank_peak_bytes", m.rank_peak_bytes}, {"peak_rss_bytes", m.peak_rss_bytes}};
+                        {"rank_peak_bytes", m.rank_peak_bytes}, {"peak_rss_bytes", m.peak_rss_bytes},
+                        {"tokens", m.step * tokens_per_step}};
     const bool last = step + 1 == c.steps;
     if (val_loader && ((c.val_every > 0 && m.step % c.val_every == 0) || last)) {
       double vl = evaluate(*model, *val_loader, c.val_batches);  // every rank: ZeRO-3 gathers collectively
       result.final_val_loss = vl;
       j["val_loss"] = vl;
       log("val loss %.4f\n", vl);
+      curve.add_val(m.step, vl);
+      if (vl < best_val) best_val = vl, best_val_step = m.step;
+      write_plot();
     }
     if ((c.sample_every > 0 && m.step % c.sample_every == 0) || (last && c.sample_tokens > 0 && c.sample_every >= 0)) {
       SampleOptions so;
@@ -372,6 +422,20 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     if (on_step) on_step(m);
   }
   result.boundaries = sanitizer.boundaries();
+  if (result.steps_run > 0) {
+    write_plot();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    const int64_t tokens = result.steps_run * tokens_per_step;
+    std::string summary = "done: " + std::to_string(result.steps_run) + " steps in " + duration_str(seconds) + ", " +
+                          std::to_string(tokens) + " tokens (" + std::to_string(static_cast<int64_t>(tokens / std::max(seconds, 1e-9))) +
+                          " tok/s)";
+    if (std::isfinite(best_val))
+      summary += "; best val loss " + fmt_fixed(best_val, 4) + " at step " + std::to_string(best_val_step);
+    if (!result.last_checkpoint.empty()) summary += "; checkpoint " + result.last_checkpoint;
+    if (!c.log_json.empty()) summary += "; log " + c.log_json;
+    summary += "; plot " + plot_path;
+    log("%s\n", summary.c_str());
+  }
   if (c.return_parameters) result.parameters = gather_parameters(*model);
   if (!c.mem_trace.empty()) {
     const bool html = c.mem_trace.size() > 5 && c.mem_trace.compare(c.mem_trace.size() - 5, 5, ".html") == 0;

@@ -1,0 +1,236 @@
+#include "train/plot.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "io/atomic_file.h"
+
+namespace tally::train {
+
+void RunCurve::add_step(int64_t step, double l, double rate, int64_t t) {
+  steps.push_back(step);
+  loss.push_back(l);
+  lr.push_back(rate);
+  tokens.push_back(t);
+}
+
+RunCurve read_run_log(const std::string& path, const std::string& name) {
+  std::ifstream in(path);
+  TALLY_CHECK(in.good(), "plot: cannot read log '", path, "'");
+  RunCurve run;
+  run.name = name;
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const std::exception& e) {
+      TALLY_FAIL("plot: log '", path, "' line ", n, " is not JSON: ", e.what());
+    }
+    TALLY_CHECK(j.is_object() && j.contains("step") && j["step"].is_number() && j.contains("loss") && j["loss"].is_number(),
+                "plot: log '", path, "' line ", n, " has no numeric \"step\" and \"loss\" (is it a tally --log-json file?)");
+    const int64_t step = j["step"].get<int64_t>();
+    run.add_step(step, j["loss"].get<double>(), j.value("lr", 0.0), j.value("tokens", int64_t{0}));
+    if (j.contains("val_loss") && j["val_loss"].is_number()) run.add_val(step, j["val_loss"].get<double>());
+  }
+  TALLY_CHECK(!run.steps.empty(), "plot: log '", path, "' has no steps");
+  return run;
+}
+
+std::vector<double> smooth(const std::vector<double>& values, double weight) {
+  std::vector<double> out;
+  out.reserve(values.size());
+  double average = 0, norm = 0;
+  for (double v : values) {
+    average = weight * average + (1 - weight) * v;
+    norm = weight * norm + (1 - weight);
+    out.push_back(average / norm);
+  }
+  return out;
+}
+
+namespace {
+
+// About `count` round tick values (1, 2 or 5 times a power of ten) covering [lo, hi].
+std::vector<double> nice_ticks(double lo, double hi, int count) {
+  if (!(hi > lo)) hi = lo + 1;
+  const double raw = (hi - lo) / count;
+  const double mag = std::pow(10.0, std::floor(std::log10(raw)));
+  const double unit = raw / mag < 1.5 ? 1 : raw / mag < 3 ? 2 : raw / mag < 7 ? 5 : 10;
+  const double step = unit * mag;
+  std::vector<double> ticks;
+  for (double t = std::ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) ticks.push_back(t);
+  return ticks;
+}
+
+std::string escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '&') out += "&amp;";
+    else if (c == '<') out += "&lt;";
+    else if (c == '>') out += "&gt;";
+    else if (c == '"') out += "&quot;";
+    else out += c;
+  }
+  return out;
+}
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+std::string count_label(double n) {  // 1234567 -> "1.23M", 3840 -> "3.8k"
+  if (n >= 1e9) return fmt(n >= 1e10 ? "%.0fG" : "%.2fG", n / 1e9);
+  if (n >= 1e6) return fmt(n >= 1e8 ? "%.0fM" : n >= 1e7 ? "%.1fM" : "%.2fM", n / 1e6);
+  if (n >= 1e3) return fmt(n >= 1e4 ? "%.0fk" : "%.1fk", n / 1e3);
+  return fmt("%.0f", n);
+}
+
+const char* const kColours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"};
+
+}  // namespace
+
+std::string render_loss_svg(const std::vector<RunCurve>& runs, const std::string& title) {
+  TALLY_CHECK(!runs.empty(), "plot: no runs to draw");
+  const double W = 960, H = 540, left = 80, right = W - 90, top = 56, bottom = H - 92;
+  double s0 = std::numeric_limits<double>::max(), s1 = std::numeric_limits<double>::lowest();
+  double l0 = s0, l1 = s1, lr1 = 0;
+  for (const RunCurve& r : runs) {
+    for (size_t i = 0; i < r.steps.size(); ++i) {
+      s0 = std::min(s0, static_cast<double>(r.steps[i]));
+      s1 = std::max(s1, static_cast<double>(r.steps[i]));
+      if (std::isfinite(r.loss[i])) l0 = std::min(l0, r.loss[i]), l1 = std::max(l1, r.loss[i]);
+      lr1 = std::max(lr1, r.lr[i]);
+    }
+    for (auto& [step, v] : r.val)
+      if (std::isfinite(v)) l0 = std::min(l0, v), l1 = std::max(l1, v);
+  }
+  if (s1 <= s0) s1 = s0 + 1;
+  if (!(l1 > l0)) l1 = l0 + 1;
+  const double pad = 0.04 * (l1 - l0);
+  l0 -= pad;
+  l1 += pad;
+  if (lr1 <= 0) lr1 = 1;
+  auto X = [&](double step) { return left + (step - s0) / (s1 - s0) * (right - left); };
+  auto Y = [&](double loss) { return bottom - (loss - l0) / (l1 - l0) * (bottom - top); };
+  auto YR = [&](double lr) { return bottom - lr / (lr1 * 1.05) * (bottom - top); };
+  auto polyline = [&](const std::vector<std::pair<double, double>>& pts, const std::string& attrs) {
+    std::string p;
+    // At most ~1500 points per line: a long run is drawn from every k-th point.
+    const size_t stride = std::max<size_t>(1, pts.size() / 1500);
+    for (size_t i = 0; i < pts.size(); i += stride) p += fmt("%.1f", pts[i].first) + "," + fmt("%.1f", pts[i].second) + " ";
+    if (!pts.empty() && (pts.size() - 1) % stride) p += fmt("%.1f", pts.back().first) + "," + fmt("%.1f", pts.back().second);
+    return "<polyline fill='none' " + attrs + " points='" + p + "'/>\n";
+  };
+
+  std::string svg = "<svg xmlns='http://www.w3.org/2000/svg' width='" + fmt("%.0f", W) + "' height='" + fmt("%.0f", H) +
+                    "' viewBox='0 0 " + fmt("%.0f", W) + " " + fmt("%.0f", H) +
+                    "' font-family='DejaVu Sans, Arial, sans-serif' font-size='13'>\n";
+  svg += "<rect width='100%' height='100%' fill='#ffffff'/>\n";
+  svg += "<text class='title' x='" + fmt("%.0f", left) + "' y='30' font-size='18' font-weight='bold'>" + escape(title) + "</text>\n";
+  // Grid, ticks and labels.
+  for (double t : nice_ticks(l0, l1, 6)) {
+    svg += "<line x1='" + fmt("%.1f", left) + "' x2='" + fmt("%.1f", right) + "' y1='" + fmt("%.1f", Y(t)) + "' y2='" +
+           fmt("%.1f", Y(t)) + "' stroke='#e6e6e6'/>\n";
+    svg += "<text class='ytick' x='" + fmt("%.1f", left - 8) + "' y='" + fmt("%.1f", Y(t) + 4) + "' text-anchor='end'>" +
+           fmt(l1 - l0 < 2 ? "%.2f" : "%.1f", t) + "</text>\n";
+  }
+  for (double t : nice_ticks(0, lr1 * 1.05, 5)) {
+    svg += "<text class='lrtick' x='" + fmt("%.1f", right + 8) + "' y='" + fmt("%.1f", YR(t) + 4) + "' fill='#777'>" +
+           fmt("%.2g", t) + "</text>\n";
+  }
+  // Tokens under each step tick, read from the run that goes furthest and logged them.
+  const RunCurve* with_tokens = nullptr;
+  for (const RunCurve& r : runs)
+    if (!r.tokens.empty() && r.tokens.back() > 0 && (!with_tokens || r.steps.back() > with_tokens->steps.back()))
+      with_tokens = &r;
+  for (double t : nice_ticks(s0, s1, 8)) {
+    const double x = X(t);
+    svg += "<line x1='" + fmt("%.1f", x) + "' x2='" + fmt("%.1f", x) + "' y1='" + fmt("%.1f", top) + "' y2='" +
+           fmt("%.1f", bottom) + "' stroke='#f0f0f0'/>\n";
+    svg += "<text class='xtick' x='" + fmt("%.1f", x) + "' y='" + fmt("%.1f", bottom + 18) + "' text-anchor='middle'>" +
+           count_label(t) + "</text>\n";
+    if (with_tokens) {
+      const auto& st = with_tokens->steps;
+      const size_t i = static_cast<size_t>(std::lower_bound(st.begin(), st.end(), static_cast<int64_t>(std::llround(t))) - st.begin());
+      if (i < st.size())
+        svg += "<text class='tokentick' x='" + fmt("%.1f", x) + "' y='" + fmt("%.1f", bottom + 34) +
+               "' text-anchor='middle' fill='#777'>" + count_label(static_cast<double>(with_tokens->tokens[i])) +
+               "</text>\n";
+    }
+  }
+  svg += "<rect x='" + fmt("%.1f", left) + "' y='" + fmt("%.1f", top) + "' width='" + fmt("%.1f", right - left) +
+         "' height='" + fmt("%.1f", bottom - top) + "' fill='none' stroke='#999'/>\n";
+  svg += "<text class='axis' x='" + fmt("%.1f", (left + right) / 2) + "' y='" + fmt("%.1f", H - 34) +
+         "' text-anchor='middle'>step" + std::string(with_tokens ? " (tokens seen, in grey)" : "") + "</text>\n";
+  svg += "<text class='axis' transform='translate(22," + fmt("%.1f", (top + bottom) / 2) +
+         ") rotate(-90)' text-anchor='middle'>loss</text>\n";
+  svg += "<text class='axis' transform='translate(" + fmt("%.1f", W - 14) + "," + fmt("%.1f", (top + bottom) / 2) +
+         ") rotate(90)' text-anchor='middle' fill='#777'>learning rate</text>\n";
+
+  // The curves, and a legend naming each.
+  std::string legend;
+  double ly = top + 14;
+  auto legend_row = [&](const std::string& sample, const std::string& label) {
+    legend += sample + "<text class='legend' x='" + fmt("%.1f", right - 200) + "' y='" + fmt("%.1f", ly + 4) + "'>" +
+              escape(label) + "</text>\n";
+    ly += 18;
+  };
+  for (size_t k = 0; k < runs.size(); ++k) {
+    const RunCurve& r = runs[k];
+    const std::string colour = kColours[k % (sizeof kColours / sizeof *kColours)];
+    std::vector<std::pair<double, double>> raw, smoothed, lr, val;
+    const std::vector<double> s = smooth(r.loss);
+    for (size_t i = 0; i < r.steps.size(); ++i) {
+      if (!std::isfinite(r.loss[i])) continue;
+      raw.emplace_back(X(static_cast<double>(r.steps[i])), Y(r.loss[i]));
+      smoothed.emplace_back(X(static_cast<double>(r.steps[i])), Y(s[i]));
+      lr.emplace_back(X(static_cast<double>(r.steps[i])), YR(r.lr[i]));
+    }
+    for (auto& [step, v] : r.val) val.emplace_back(X(static_cast<double>(step)), Y(v));
+    svg += polyline(lr, "class='lr run-" + std::to_string(k) + "' stroke='" + colour +
+                            "' stroke-width='1' stroke-dasharray='5 4' opacity='0.6'");
+    svg += polyline(raw, "class='train-raw run-" + std::to_string(k) + "' stroke='" + colour + "' stroke-width='1' opacity='0.25'");
+    svg += polyline(smoothed, "class='train run-" + std::to_string(k) + "' stroke='" + colour + "' stroke-width='2.2'");
+    if (!val.empty()) {
+      svg += polyline(val, "class='val run-" + std::to_string(k) + "' stroke='" + colour + "' stroke-width='1.6' opacity='0.9'");
+      for (auto& [x, y] : val)
+        svg += "<circle class='val-point run-" + std::to_string(k) + "' cx='" + fmt("%.1f", x) + "' cy='" + fmt("%.1f", y) +
+               "' r='3.5' fill='#fff' stroke='" + colour + "' stroke-width='1.8'/>\n";
+    }
+    const std::string prefix = runs.size() > 1 || !r.name.empty() ? r.name + ": " : "";
+    const double sx = right - 230;
+    legend_row("<line x1='" + fmt("%.1f", sx) + "' x2='" + fmt("%.1f", sx + 22) + "' y1='" + fmt("%.1f", ly) + "' y2='" +
+                   fmt("%.1f", ly) + "' stroke='" + colour + "' stroke-width='2.2'/>",
+               prefix + "train (smoothed)");
+    if (!r.val.empty())
+      legend_row("<circle cx='" + fmt("%.1f", sx + 11) + "' cy='" + fmt("%.1f", ly) + "' r='3.5' fill='#fff' stroke='" + colour +
+                     "' stroke-width='1.8'/>",
+                 prefix + "validation");
+    legend_row("<line x1='" + fmt("%.1f", sx) + "' x2='" + fmt("%.1f", sx + 22) + "' y1='" + fmt("%.1f", ly) + "' y2='" +
+                   fmt("%.1f", ly) + "' stroke='" + colour + "' stroke-dasharray='5 4' opacity='0.6'/>",
+               prefix + "learning rate");
+  }
+  svg += "<rect class='legend-box' x='" + fmt("%.1f", right - 238) + "' y='" + fmt("%.1f", top + 4) + "' width='232' height='" +
+         fmt("%.1f", ly - top - 8) + "' fill='#ffffff' fill-opacity='0.85' stroke='#ddd'/>\n" + legend;
+  svg += "</svg>\n";
+  return svg;
+}
+
+void write_loss_svg(const std::string& path, const std::vector<RunCurve>& runs, const std::string& title) {
+  const std::string svg = render_loss_svg(runs, title);
+  io::AtomicFile out(path);
+  out.write(svg.data(), svg.size());
+  out.commit();
+}
+
+}  // namespace tally::train

@@ -1,0 +1,222 @@
+// Loss plots: the SVG the trainer writes and `tally plot` draws, checked as text and, when
+// Debian's chromium is installed (scripts/setup.sh installs it), rendered by a real
+// headless browser: the browser lays the SVG out and reports what it drew.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <set>
+
+#include "support.h"
+#include "train/plot.h"
+#include "train/trainer.h"
+
+using namespace tally;
+namespace fs = std::filesystem;
+
+namespace {
+train::RunCurve fake_run(const std::string& name, double start, double floor, int steps, int val_every) {
+  train::RunCurve r;
+  r.name = name;
+  for (int s = 1; s <= steps; ++s) {
+    const double loss = floor + (start - floor) * std::exp(-s / 40.0) + 0.15 * std::sin(s * 1.7);
+    const double lr = 1e-3 * std::min(1.0, s / 20.0) * (0.55 + 0.45 * std::cos(M_PI * s / steps));
+    r.add_step(s, loss, lr, static_cast<int64_t>(s) * 512);
+    if (s % val_every == 0) r.add_val(s, floor + (start - floor) * std::exp(-s / 40.0) + 0.1);
+  }
+  return r;
+}
+
+size_t count(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+int run_command(const std::string& command, std::string* output) {
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (!pipe) return -1;
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, pipe)) *output += buf;
+  return pclose(pipe);
+}
+
+const char* chromium() {
+  for (const char* c : {"/usr/bin/chromium", "/usr/bin/chromium-browser"})
+    if (fs::exists(c)) return c;
+  return nullptr;
+}
+}  // namespace
+
+TEST(Plot, SmoothingIsBiasCorrected) {
+  EXPECT_EQ(train::smooth({4, 4, 4}), (std::vector<double>{4, 4, 4}));
+  const auto s = train::smooth({0, 10}, 0.5);
+  EXPECT_DOUBLE_EQ(s[0], 0);
+  EXPECT_DOUBLE_EQ(s[1], (0.5 * 0.5 * 0 + 0.5 * 10) / (0.5 * 0.5 + 0.5));
+}
+
+TEST(Plot, DrawsEverySeriesOfEveryRunWithALegend) {
+  const std::string svg = train::render_loss_svg({fake_run("small", 10.8, 5, 300, 50), fake_run("wide", 10.8, 4.6, 200, 40)});
+  EXPECT_EQ(svg.rfind("<svg xmlns='http://www.w3.org/2000/svg'", 0), 0u);
+  EXPECT_EQ(svg.find("<script"), std::string::npos) << "self-contained: no scripts";
+  EXPECT_EQ(svg.find("http://", svg.find('>')), std::string::npos) << "self-contained: no external references";
+  for (int k = 0; k < 2; ++k) {
+    const std::string run = "run-" + std::to_string(k) + "'";
+    EXPECT_EQ(count(svg, "class='train " + run), 1u);
+    EXPECT_EQ(count(svg, "class='train-raw " + run), 1u);
+    EXPECT_EQ(count(svg, "class='val " + run), 1u);
+    EXPECT_EQ(count(svg, "class='lr " + run), 1u);
+  }
+  EXPECT_EQ(count(svg, "class='val-point run-0'"), 6u);  // steps 50..300
+  EXPECT_EQ(count(svg, "class='val-point run-1'"), 5u);  // steps 40..200
+  for (const char* label : {"small: train (smoothed)", "small: validation", "wide: learning rate", ">learning rate<"})
+    EXPECT_NE(svg.find(label), std::string::npos) << label;
+  // Tokens are printed under the step ticks: step 300 is 153,600 tokens, step 10 5,120.
+  EXPECT_NE(svg.find(">154k<"), std::string::npos);
+  EXPECT_EQ(count(svg, "class='tokentick'"), count(svg, "class='xtick'"));
+  // Tick labels are distinct (no two rounded to the same text).
+  std::regex lrtick("class='lrtick'[^>]*>([^<]*)<");
+  std::set<std::string> seen;
+  size_t lr_ticks = 0;
+  for (auto it = std::sregex_iterator(svg.begin(), svg.end(), lrtick); it != std::sregex_iterator(); ++it, ++lr_ticks)
+    seen.insert((*it)[1].str());
+  EXPECT_EQ(seen.size(), lr_ticks);
+  // Every point of every line lies inside the 960 x 540 picture.
+  std::regex points("points='([^']*)'");
+  for (auto it = std::sregex_iterator(svg.begin(), svg.end(), points); it != std::sregex_iterator(); ++it) {
+    std::istringstream in((*it)[1].str());
+    double x, y;
+    char comma;
+    while (in >> x >> comma >> y) {
+      EXPECT_GE(x, 0);
+      EXPECT_LE(x, 960);
+      EXPECT_GE(y, 0);
+      EXPECT_LE(y, 540);
+    }
+  }
+}
+
+TEST(Plot, ReadingALogNamesTheFileAndLineOfABadRow) {
+  const std::string path = test::temp_path("log.jsonl");
+  test::write_all(path, "{\"step\": 1, \"loss\": 10.5, \"lr\": 0.001}\n{\"step\": 2, \"loss\"\n");
+  std::string m = test::message_of<Error>([&] { train::read_run_log(path, "x"); });
+  EXPECT_NE(m.find(path), std::string::npos) << m;
+  EXPECT_NE(m.find("line 2"), std::string::npos) << m;
+  test::write_all(path, "{\"step\": 1, \"lr\": 0.001}\n");
+  m = test::message_of<Error>([&] { train::read_run_log(path, "x"); });
+  EXPECT_NE(m.find("\"loss\""), std::string::npos) << m;
+}
+
+TEST(Plot, TheTrainerDrawsLossSvgInItsOutDirAndLogsTokens) {
+  train::TrainConfig c;
+  c.model_file = test::fixture_path("gpt2_tiny.bin");
+  c.train_data = test::write_random_shard("train.bin", 5000, 97, 1);
+  c.val_data = test::write_random_shard("val.bin", 2000, 97, 2);
+  c.batch_size = 2;
+  c.seq_len = 16;
+  c.steps = 6;
+  c.val_every = 3;
+  c.val_batches = 2;
+  c.sample_every = -1;
+  c.sample_tokens = 0;
+  c.quiet = true;
+  c.out_dir = test::temp_path("out");
+  c.log_json = c.out_dir + "/log.jsonl";
+  train::run_training(c);
+  const std::string svg = slurp(c.out_dir + "/loss.svg");
+  EXPECT_EQ(count(svg, "class='val-point run-0'"), 2u) << "validation at steps 3 and 6";
+  train::RunCurve run = train::read_run_log(c.log_json, "run");
+  ASSERT_EQ(run.steps.size(), 6u);
+  EXPECT_EQ(run.tokens.back(), 6 * 2 * 16);
+  EXPECT_EQ(run.val.size(), 2u);
+}
+
+// The picture as a browser draws it. The page inlines the SVG and uses the browser's own
+// layout to check it: each curve has a drawn length, every text fits inside the picture,
+// the legend does not cover the end of the curves, and a canvas rendering of the SVG has
+// the first run's colour where its smoothed curve ends.
+TEST(Plot, RendersInAHeadlessBrowser) {
+  const char* browser = chromium();
+  if (!browser) GTEST_SKIP() << "chromium is not installed (scripts/setup.sh installs it)";
+  const std::string svg = train::render_loss_svg({fake_run("small", 10.8, 5, 300, 50), fake_run("wide", 10.8, 4.6, 200, 40)});
+  std::string encoded;
+  for (char ch : svg) {
+    if (std::isalnum(static_cast<unsigned char>(ch))) encoded += ch;
+    else {
+      char buf[4];
+      std::snprintf(buf, sizeof buf, "%%%02X", static_cast<unsigned char>(ch));
+      encoded += buf;
+    }
+  }
+  const std::string page = test::temp_path("plot.html");
+  test::write_all(page, R"(<!doctype html><html><body style='margin:0'>)" + svg + R"(
+<pre id='result'>PENDING</pre>
+<script>
+const svg = document.querySelector('svg');
+const box = svg.getBoundingClientRect();
+const problems = [];
+for (const line of svg.querySelectorAll('polyline')) {
+  if (!(line.getTotalLength() > 10)) problems.push('empty line ' + line.getAttribute('class'));
+}
+for (const t of svg.querySelectorAll('text')) {
+  const b = t.getBoundingClientRect();
+  if (b.width <= 0 || b.left < box.left - 1 || b.right > box.right + 1 || b.top < box.top - 1 || b.bottom > box.bottom + 1)
+    problems.push('text outside: ' + t.textContent);
+}
+const legend = svg.querySelector('.legend-box').getBoundingClientRect();
+for (const line of svg.querySelectorAll('polyline.train')) {
+  const end = line.getPointAtLength(line.getTotalLength());
+  if (end.x >= legend.left && end.x <= legend.right && end.y >= legend.top && end.y <= legend.bottom)
+    problems.push('legend covers the end of ' + line.getAttribute('class'));
+}
+const img = new Image();
+img.onload = () => {
+  const c = document.createElement('canvas');
+  c.width = 960; c.height = 540;
+  const g = c.getContext('2d');
+  g.drawImage(img, 0, 0);
+  const line = svg.querySelector('polyline.train.run-0');
+  const end = line.getPointAtLength(line.getTotalLength() * 0.5);
+  let found = false;
+  for (let dx = -2; dx <= 2 && !found; dx++) for (let dy = -2; dy <= 2 && !found; dy++) {
+    const [r, gr, b] = g.getImageData(Math.round(end.x) + dx, Math.round(end.y) + dy, 1, 1).data;
+    if (Math.abs(r - 0x1f) < 40 && Math.abs(gr - 0x77) < 40 && Math.abs(b - 0xb4) < 40) found = true;
+  }
+  if (!found) problems.push('run 0 colour not drawn on its curve');
+  document.getElementById('result').textContent =
+      problems.length ? 'PLOT PROBLEMS: ' + problems.join('; ') : 'PLOT OK ' + svg.querySelectorAll('polyline').length + ' lines';
+};
+img.src = 'data:image/svg+xml,)" + encoded + R"(';
+</script></body></html>)");
+  const std::string flags = std::string(browser) +
+                            " --headless --no-sandbox --disable-gpu --disable-quic --no-first-run "
+                            "--disable-background-networking --disable-component-update --disable-sync "
+                            "--user-data-dir=" + test::temp_path("chromium-profile") + " --virtual-time-budget=5000 ";
+  std::string dom;
+  run_command(flags + "--dump-dom file://" + page, &dom);
+  EXPECT_NE(dom.find("PLOT OK 8 lines"), std::string::npos) << dom.substr(dom.find("id=\"result\"") == std::string::npos ? 0 : dom.find("id=\"result\""), 600);
+  // And a screenshot of it, as a person would see it.
+  const std::string png = test::temp_path("plot.png");
+  std::string out;
+  run_command(flags + "--window-size=960,540 --screenshot=" + png + " file://" + page, &out);
+  const std::string bytes = slurp(png);
+  ASSERT_GT(bytes.size(), 24u) << out;
+  EXPECT_EQ(bytes.substr(1, 3), "PNG");
+  auto be32 = [&](size_t at) {
+    return (static_cast<uint32_t>(static_cast<unsigned char>(bytes[at])) << 24) |
+           (static_cast<uint32_t>(static_cast<unsigned char>(bytes[at + 1])) << 16) |
+           (static_cast<uint32_t>(static_cast<unsigned char>(bytes[at + 2])) << 8) |
+           static_cast<uint32_t>(static_cast<unsigned char>(bytes[at + 3]));
+  };
+  EXPECT_EQ(be32(16), 960u);  // IHDR width
+  EXPECT_EQ(be32(20), 540u);  // IHDR height
+  EXPECT_GT(bytes.size(), 20000u) << "a blank page compresses to far less";
+}
