@@ -49,5 +49,5 @@ build/tally train \
 
 # The sample, from the checkpoint just written (the same command works on any checkpoint).
 echo
-echo "sample: build/tally sample --model-file $OUT --tokenizer $corpus --count 3"
-build/tally sample --model-file "$OUT" --tokenizer "$corpus" --count 3 --tokens 96
+echo "sample: build/tally sample --model-file $OUT --tokenizer $corpus --count 4 --temperature 0.8"
+build/tally sample --model-file "$OUT" --tokenizer "$corpus" --count 4 --temperature 0.8 --tokens 96
