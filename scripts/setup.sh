@@ -26,6 +26,7 @@ packages=(
   libcli11-dev           # command-line parsing
   nlohmann-json3-dev     # JSON (safetensors headers, logs, traces)
   libopenmpi-dev openmpi-bin   # multi-process CPU runs
+  zlib1g-dev             # CRC-32 checksums of checkpoint files
 )
 [ "$want_browser" = 1 ] && packages+=(chromium)
 [ "$want_torch" = 1 ] && packages+=(python3-torch python3-numpy libopenblas0-pthread)  # torch on Debian falls back to the reference BLAS without OpenBLAS

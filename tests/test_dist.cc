@@ -75,6 +75,7 @@ train::TrainResult single_process(train::TrainConfig c, int64_t microbatches_per
   c.grad_accum = microbatches_per_rank * world().dp();
   c.zero = 0;
   c.dp = 0;
+  c.out_dir = test::temp_path("single_process");  // a job of its own: its own out dir (loss.svg)
   std::unique_ptr<dist::World> self = dist::World::self();
   return train::run_training(c, *self);
 }
@@ -324,6 +325,7 @@ TEST(Checkpoints, AZero2CheckpointResumesAsOneProcessWithinFp32Tolerance) {
   one.save_every = 0;
   one.resume = c.out_dir + "/step_00000004";
   one.grad_accum = c.grad_accum * world().dp();
+  one.out_dir = test::temp_path("one_process");  // each rank is a job of its own here
   std::unique_ptr<dist::World> self = dist::World::self();
   const train::TrainResult resumed = train::run_training(one, *self);
   ASSERT_EQ(resumed.history.size(), 4u);

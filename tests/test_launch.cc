@@ -9,8 +9,10 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <sstream>
 #include <string>
 
+#include "core/random.h"
 #include "data/token_shard.h"
 #include "support.h"
 
@@ -53,17 +55,29 @@ std::string train_command(const std::string& launcher, const std::string& data, 
 }  // namespace
 
 TEST(Launch, AFailingRankEndsTheWholeJobWithItsRankAndMessage) {
-  // Rank 1 reads the second microbatch of each step: token 40 is in its first one.
-  std::vector<int32_t> tokens(20000, 5);
-  tokens[40] = 500;  // outside the model's 97-token vocabulary
-  const std::string data = test::temp_path("bad_for_rank1.bin");
-  data::write_token_shard(data, tokens, data::TokenWidth::U16);
-  Outcome o = run(train_command("mpirun --oversubscribe -np 2", data, "--dp 2"), 120);
+  // Only rank 1 fails: its own log (--log-json-all-ranks) is a directory, as on a machine
+  // whose disk is laid out differently. Rank 0 goes on into training and its first
+  // collective, which must not hang.
+  const std::string data = test::write_random_shard("ok_for_all.bin", 20000, 97, 2);
+  const std::string log = test::temp_path("log.jsonl");
+  std::filesystem::create_directories(log + ".rank1");
+  Outcome o = run(train_command("mpirun --oversubscribe -np 2", data, "--dp 2 --log-json " + log + " --log-json-all-ranks"),
+                  120);
   EXPECT_NE(o.exit_code, 0) << o.output;
   EXPECT_NE(o.exit_code, 124) << "timed out: the job hung\n" << o.output;
-  EXPECT_NE(o.output.find("tally: rank 1: token 500"), std::string::npos) << o.output;
-  EXPECT_NE(o.output.find("outside the model's vocabulary"), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("tally: rank 1: --log-json '" + log + ".rank1': is a directory"), std::string::npos) << o.output;
   EXPECT_LT(o.seconds, 60) << "the job must end within seconds of the failure";
+}
+
+TEST(Launch, ABadTokenIsReportedBeforeTrainingNamingTheShard) {
+  std::vector<int32_t> tokens(20000, 5);
+  tokens[19990] = 500;  // outside the model's 97-token vocabulary, far past the steps run
+  const std::string data = test::temp_path("bad_token.bin");
+  data::write_token_shard(data, tokens, data::TokenWidth::U16);
+  Outcome o = run(train_command("mpirun --oversubscribe -np 2", data, "--dp 2", 2), 120);
+  EXPECT_NE(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("--train-data shard '" + data + "': token 500 at position 19990"), std::string::npos) << o.output;
+  EXPECT_EQ(o.output.find("step     1/"), std::string::npos) << "a step ran before the bad token was found\n" << o.output;
 }
 
 TEST(Launch, DataParallelWithoutMpirunSaysHowToLaunch) {
@@ -110,4 +124,58 @@ TEST(Launch, SampleReadsATrainingOutDirAndDrawsSeveralSamples) {
   Outcome nothing = run(std::string(TALLY_CLI) + " sample --model-file " + empty_dir);
   EXPECT_EQ(nothing.exit_code, 1);
   EXPECT_NE(nothing.output.find("neither model.bin"), std::string::npos) << nothing.output;
+}
+
+TEST(Launch, KilledAtRandomPointsAndResumedTheRunEndsBitExactWithEveryLogRowOnce) {
+  // The same 100-step run, once straight through and once killed (SIGKILL) at random points
+  // and resumed from whatever it left, until it finishes. Every step is checkpointed, so
+  // kills land in steps, in checkpoint writes and in log writes.
+  const std::string data = test::write_random_shard("kill.bin", 20000, 97, 9);
+  auto command = [&](const std::string& out, bool resume) {
+    return train_command("", data, "--save-every 1 --out-dir " + out + " --log-json " + out + "/log.jsonl" +
+                                       (resume ? " --resume " + out : ""),
+                         100);
+  };
+  const std::string straight = test::temp_path("straight");
+  const Outcome uninterrupted = run(command(straight, false));
+  ASSERT_EQ(uninterrupted.exit_code, 0) << uninterrupted.output;
+
+  const std::string killed = test::temp_path("killed");
+  Rng rng(2026);
+  int kills = 0, finished = 0;
+  // Eight runs end by a kill; then the run goes to its end.
+  for (int attempt = 0; attempt < 80 && !finished; ++attempt) {
+    const bool resume = std::filesystem::exists(killed + "/latest");
+    if (kills >= 8) {
+      const Outcome o = run(command(killed, resume));
+      ASSERT_EQ(o.exit_code, 0) << o.output;
+      finished = 1;
+      break;
+    }
+    // Anywhere in the first 40% of an uninterrupted run's time (start-up included), so that
+    // no single run gets far and the kills spread over the whole run.
+    const double after = 0.02 + 0.4 * uninterrupted.seconds * rng.uniform();
+    char limit[32];
+    std::snprintf(limit, sizeof limit, "%.3f", after);
+    const Outcome o = run("timeout -s KILL " + std::string(limit) + " " + command(killed, resume));
+    if (o.exit_code == 0) finished = 1;
+    else kills += 1;
+  }
+  ASSERT_TRUE(finished);
+  EXPECT_EQ(kills, 8) << "the run finished before it was killed eight times";
+  std::printf("killed %d times before the run finished (an uninterrupted run takes %.2f s)\n", kills, uninterrupted.seconds);
+  EXPECT_EQ(test::read_all(killed + "/step_00000100/model.bin"), test::read_all(straight + "/step_00000100/model.bin"))
+      << "after " << kills << " kills the weights differ";
+  EXPECT_EQ(test::read_all(killed + "/step_00000100/state.bin"), test::read_all(straight + "/step_00000100/state.bin"));
+  // The log: steps 1..100, each once, in order.
+  std::istringstream rows(test::read_all(killed + "/log.jsonl"));
+  std::string line;
+  int64_t expected_step = 1;
+  while (std::getline(rows, line)) {
+    const size_t at = line.find("\"step\":");
+    ASSERT_NE(at, std::string::npos) << line;
+    EXPECT_EQ(std::atoll(line.c_str() + at + 7), expected_step) << "after " << kills << " kills";
+    ++expected_step;
+  }
+  EXPECT_EQ(expected_step, 101);
 }

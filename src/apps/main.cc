@@ -2,6 +2,7 @@
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -60,6 +61,8 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
   t->add_option("--save-every", c.save_every, "Checkpoint every N steps (and at the end; 0 = never)")->capture_default_str();
   t->add_option("--out-dir", c.out_dir, "Where checkpoints go")->capture_default_str();
   t->add_option("--resume", c.resume, "Resume from a checkpoint directory (or an --out-dir with 'latest')");
+  t->add_flag("--allow-recipe-change", c.allow_recipe_change,
+              "Resume even if batch shape, schedule or optimizer differ from the checkpoint's run");
   t->add_option("--log-json", c.log_json, "Append one JSON object per step to this file");
   t->add_option("--sanitize", c.sanitize, "Memory sanitizer: off, warn or strict")->check(CLI::IsMember({"off", "warn", "strict"}))->capture_default_str();
   t->add_option("--mem-trace", c.mem_trace, "Write the memory history: a Perfetto/Chrome trace (.json) or an HTML report with a plot (.html)");
@@ -102,8 +105,15 @@ std::string resolve_model_file(const std::string& path) {
 }
 
 int run_sample(const SampleArgs& a) {
-  if (a.threads > 0) omp_set_num_threads(a.threads);
   TALLY_CHECK(a.count >= 1, "--count must be at least 1, got ", a.count);
+  TALLY_CHECK(a.tokens >= 0, "--tokens must be >= 0, got ", a.tokens);
+  TALLY_CHECK(std::isfinite(a.temperature) && a.temperature >= 0, "--temperature must be a finite number >= 0 (0: greedy), got ",
+              a.temperature);
+  TALLY_CHECK(a.top_k >= 0, "--top-k must be >= 0 (0: no truncation), got ", a.top_k);
+  TALLY_CHECK(a.threads >= 0 && a.threads <= 1024, "--threads must be in 0..1024 (0: all cores), got ", a.threads);
+  TALLY_CHECK(a.prompt.empty() || !a.tokenizer.empty(),
+              "--prompt needs --tokenizer (a directory with encoder.json + vocab.bpe) to turn the text into tokens");
+  if (a.threads > 0) omp_set_num_threads(a.threads);
   const std::string model_file = resolve_model_file(a.model_file);
   nn::Transformer model(io::read_llmc_gpt2_config(model_file));
   io::load_llmc_gpt2(model_file, model);
@@ -209,6 +219,17 @@ int run_plot(const PlotArgs& a) {
 
 }  // namespace
 
+// Every error the program prints starts with "tally:"; the library's own errors already do,
+// and the few that come from the standard library are named for what they mean.
+std::string error_message(const std::exception& e) {
+  if (dynamic_cast<const std::bad_alloc*>(&e))
+    return "tally: out of memory (std::bad_alloc): a size taken from a file or a flag is more than this machine can hold";
+  const std::string what = e.what();
+  if (what.rfind("tally:", 0) == 0) return what;
+  if (dynamic_cast<const std::filesystem::filesystem_error*>(&e)) return "tally: file system: " + what;
+  return "tally: " + what;
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"tally: train GPT-2 with flat memory and every byte accounted for"};
   app.require_subcommand(1);
@@ -257,8 +278,9 @@ int main(int argc, char** argv) {
       train::run_training(tc, *world);
       return 0;
     } catch (const std::exception& e) {
-      if (world && world->size() > 1) world->abort(e.what());
-      std::fprintf(stderr, "%s\n", e.what());
+      const std::string message = error_message(e);
+      if (world && world->size() > 1) world->abort(message);
+      std::fprintf(stderr, "%s\n", message.c_str());
       return 1;
     }
   }
@@ -267,7 +289,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("tokenize")) return run_tokenize(ta);
     if (app.got_subcommand("plot")) return run_plot(pa);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
+    std::fprintf(stderr, "%s\n", error_message(e).c_str());
     return 1;
   }
   return 0;

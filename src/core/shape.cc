@@ -14,7 +14,12 @@ std::string shape_str(const Shape& shape) {
 
 int64_t shape_numel(const Shape& shape) {
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) {
+    // Shapes can come from files (safetensors headers): a wrapped count must not reach an
+    // allocation. The check is one flag test per dimension.
+    TALLY_CHECK(d >= 0, "shape ", shape_str(shape), " has a negative dimension");
+    TALLY_CHECK(!__builtin_mul_overflow(n, d, &n), "shape ", shape_str(shape), " has more than 2^63 elements");
+  }
   return n;
 }
 

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstring>
 
+#include "core/checked.h"
 #include "core/device_hooks.h"
 #include "core/tensor_methods.h"
 
@@ -72,8 +73,8 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
 }
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, const OwnerTag& owner) {
-  for (int64_t d : shape) TALLY_CHECK(d >= 0, "negative dimension in shape ", shape_str(shape));
-  int64_t bytes = shape_numel(shape) * static_cast<int64_t>(dtype_size(dtype));
+  const int64_t bytes = checked_mul(shape_numel(shape), static_cast<int64_t>(dtype_size(dtype)), "tensor of shape ",
+                                    shape_str(shape), " in ", dtype_name(dtype), ": bytes");
   return Tensor(std::make_shared<TensorImpl>(Storage::create(bytes, device, owner), shape, contiguous_strides(shape),
                                              0, dtype));
 }

@@ -4,16 +4,20 @@
 
 namespace tally::data {
 
-TokenLoader::TokenLoader(const std::string& pattern, int64_t batch_size, int64_t seq_len, int64_t vocab_size)
+TokenLoader::TokenLoader(const std::string& pattern, int64_t batch_size, int64_t seq_len, int64_t vocab_size,
+                         const std::string& split)
     : B_(batch_size), T_(seq_len), vocab_(vocab_size) {
   TALLY_CHECK(B_ > 0 && T_ > 0, "--batch-size and --seq-len must be positive (got ", B_, " and ", T_, ")");
   files_ = expand_glob(pattern);
   for (const std::string& f : files_) {
     shards_.push_back(TokenShard::open(f));
+    const int64_t bad = shards_.back().find_token_at_or_above(vocab_);
+    TALLY_CHECK(bad < 0, split, " shard '", f, "': token ", bad < 0 ? 0 : shards_.back().at(bad), " at position ", bad,
+                " is outside the model's vocabulary of ", vocab_, " (was it tokenized for another model?)");
     starts_.push_back(total_);
     total_ += shards_.back().size();
   }
-  TALLY_CHECK(total_ >= B_ * T_ + 1, "data '", pattern, "' holds ", total_, " tokens; one batch of ", B_, "x", T_,
+  TALLY_CHECK(total_ >= B_ * T_ + 1, split, " '", pattern, "' holds ", total_, " tokens; one batch of ", B_, "x", T_,
               " needs ", B_ * T_ + 1);
   // Persistent, owner-tagged buffers reused for every batch: the loader never grows.
   auto owner = [](const char* n) { return make_owner(Category::Data, n, /*persistent=*/true); };

@@ -19,8 +19,11 @@ struct Batch {
 
 class TokenLoader {
  public:
-  // `pattern` is a glob; every matching shard is opened and validated now.
-  TokenLoader(const std::string& pattern, int64_t batch_size, int64_t seq_len, int64_t vocab_size);
+  // `pattern` is a glob; every matching shard is opened and validated now, every token
+  // included (one outside the vocabulary is reported before the first step, naming the
+  // shard, the position and `split`, e.g. "--train-data").
+  TokenLoader(const std::string& pattern, int64_t batch_size, int64_t seq_len, int64_t vocab_size,
+              const std::string& split = "data");
 
   // Fills and returns the loader's two persistent buffers (no allocation per batch).
   const Batch& batch_at(int64_t step, int64_t microbatch, int64_t microbatches_per_step);

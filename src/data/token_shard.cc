@@ -216,6 +216,44 @@ void TokenShard::read(int64_t start, int64_t count, int32_t* out) const {
   }
 }
 
+int64_t TokenShard::find_token_at_or_above(int64_t limit) const {
+  // Chunks scanned in parallel; the first offending chunk in order gives the position.
+  constexpr int64_t kChunk = 1 << 20;
+  const int64_t chunks = (ntok_ + kChunk - 1) / kChunk;
+  int64_t first_bad_chunk = chunks;
+#pragma omp parallel for schedule(static) reduction(min : first_bad_chunk)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * kChunk, end = std::min(ntok_, begin + kChunk);
+    bool bad = false;
+    if (width_ == TokenWidth::U16) {
+      for (int64_t i = begin; i < end; ++i) {
+        uint16_t v;
+        std::memcpy(&v, tokens_ + 2 * i, 2);
+        bad |= v >= limit;
+      }
+    } else {
+      for (int64_t i = begin; i < end; ++i) {
+        uint32_t v;
+        std::memcpy(&v, tokens_ + 4 * i, 4);
+        bad |= v >= limit;
+      }
+    }
+    if (bad) first_bad_chunk = std::min(first_bad_chunk, c);
+  }
+  if (first_bad_chunk == chunks) return -1;
+  for (int64_t i = first_bad_chunk * kChunk;; ++i) {
+    uint32_t v = 0;
+    if (width_ == TokenWidth::U16) {
+      uint16_t h;
+      std::memcpy(&h, tokens_ + 2 * i, 2);
+      v = h;
+    } else {
+      std::memcpy(&v, tokens_ + 4 * i, 4);
+    }
+    if (v >= limit) return i;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 
 std::vector<std::string> expand_glob(const std::string& pattern) {

@@ -36,6 +36,9 @@ class TokenShard {
   void read(int64_t start, int64_t count, int32_t* out) const;  // throws std::out_of_range
   const std::string& path() const { return path_; }
   TokenWidth width() const { return width_; }
+  // The position of the first token >= `limit` (e.g. a model's vocabulary size), or -1.
+  // A linear scan of the mapping, a few GB/s: the loader checks every shard before training.
+  int64_t find_token_at_or_above(int64_t limit) const;
 
  private:
   TokenShard() = default;

@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <queue>
@@ -34,6 +35,8 @@ constexpr std::size_t kMaxCacheEntries = 1 << 20;
 constexpr std::size_t kHeapBpeMinBytes = 48;
 
 std::string read_file(const std::string& path, const char* what) {
+  std::error_code ec;
+  TALLY_CHECK(!std::filesystem::is_directory(path, ec), what, " '", path, "': expected a file, found a directory");
   std::ifstream in(path, std::ios::binary);
   TALLY_CHECK(in.good(), "cannot open ", what, " '", path, "': ", std::strerror(errno));
   std::ostringstream ss;
@@ -392,7 +395,7 @@ Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& encoder_json_path, const st
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(json_text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // syntax errors, and numbers out of range
     TALLY_FAIL("GPT-2 encoder.json '", encoder_json_path, "': invalid JSON: ", e.what());
   }
   TALLY_CHECK(j.is_object(), "GPT-2 encoder.json '", encoder_json_path,
@@ -476,6 +479,19 @@ Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& encoder_json_path, const st
   // Check the property that lets long pieces use bpe_heap (see ranks_well_ordered).
   std::vector<int32_t> last_made(n, -1);  // highest rank of a merge producing each token
   for (const auto& [key, merge] : m.merges) last_made[merge.id] = std::max(last_made[merge.id], merge.rank);
+  // Every token but the 256 byte tokens and end-of-text is made by some merge. A token no
+  // merge makes could never be produced: the merges file is truncated or belongs to another
+  // vocabulary, and encoding would silently differ from GPT-2's.
+  std::vector<bool> is_byte_token(n, false);
+  for (int b = 0; b < 256; ++b) is_byte_token[m.byte_id[b]] = true;
+  int64_t unmade = 0, first_unmade = -1;
+  for (std::size_t id = 0; id < n; ++id)
+    if (last_made[id] < 0 && !is_byte_token[id] && static_cast<int32_t>(id) != m.eot && unmade++ == 0)
+      first_unmade = static_cast<int64_t>(id);
+  TALLY_CHECK(unmade == 0, "GPT-2 vocab.bpe '", vocab_bpe_path, "': ", rank, " merges make ", n - 257 - unmade,
+              " of encoder.json's ", n - 257, " merged tokens; ", unmade, " (the first: id ", first_unmade, " \"",
+              unmade ? excerpt(m.id_to_bytes[static_cast<std::size_t>(first_unmade)]) : std::string(),
+              "\") are made by no merge: is vocab.bpe truncated or from another vocabulary?");
   m.ranks_well_ordered = true;
   for (const auto& [key, merge] : m.merges) {
     const auto a = static_cast<int32_t>(key >> 32), b = static_cast<int32_t>(key & 0xFFFFFFFFu);
@@ -504,6 +520,11 @@ Gpt2Tokenizer Gpt2Tokenizer::load_llmc(const std::string& path) {
   m.eot = header[1] == 1 ? kGpt2Eot : header[3];
   TALLY_CHECK(m.eot >= 0 && m.eot < vocab, "llm.c tokenizer '", path, "': end-of-text id ", m.eot,
               " is outside the vocabulary, expected 0 <= id < ", vocab);
+  // Each token takes at least two bytes (length, then 1..255 bytes): bound the vocabulary by
+  // the file before allocating a slot per token.
+  TALLY_CHECK(static_cast<std::size_t>(vocab) <= (data.size() - kHeaderBytes) / 2, "llm.c tokenizer '", path,
+              "': header says ", vocab, " tokens but the file's ", data.size() - kHeaderBytes,
+              " bytes after the header hold at most ", (data.size() - kHeaderBytes) / 2);
   m.id_to_bytes.resize(vocab);
   std::size_t pos = kHeaderBytes;
   for (int32_t id = 0; id < vocab; ++id) {

@@ -1,5 +1,7 @@
 // Writes a file atomically: data goes to "<path>.tmp", is flushed and fsync'ed, then
-// renamed over <path>. A crash leaves either the old file or the new one, never half.
+// renamed over <path>, and the directory is fsync'ed. A crash leaves either the old file or
+// the new one, never half. Every write and the close are checked (a full disk is an error
+// naming the file, never a truncated file).
 #pragma once
 #include <cstdint>
 #include <cstdio>
@@ -16,6 +18,8 @@ class AtomicFile {
   AtomicFile& operator=(const AtomicFile&) = delete;
 
   void write(const void* data, size_t bytes);
+  // Overwrites bytes already written (a header whose checksum is known only at the end).
+  void rewrite(int64_t offset, const void* data, size_t bytes);
   void commit();
 
  private:
@@ -23,6 +27,10 @@ class AtomicFile {
   std::string tmp_path_;
   std::FILE* file_ = nullptr;
 };
+
+// fsync of a directory, so the renames inside it survive a power loss. Best effort: some
+// filesystems refuse fsync on directories.
+void sync_directory(const std::string& dir);
 
 // Reads a whole file; throws naming the path when it cannot.
 std::string read_file(const std::string& path);

@@ -7,7 +7,10 @@
 #include <fstream>
 #include <memory>
 
+#include <nlohmann/json.hpp>
+
 #include "io/atomic_file.h"
+#include "io/checksum.h"
 #include "io/model_files.h"
 
 namespace tally::io {
@@ -16,13 +19,16 @@ namespace fs = std::filesystem;
 
 namespace {
 constexpr int32_t kStateMagic = 20261121;
-constexpr int32_t kStateVersion = 2;  // 2: moments in the parameter block's order (1: llm.c's file order)
+// 3: a CRC-32 of the header and the moments; 2: moments in the parameter block's order;
+// 1: llm.c's file order. All three are read.
+constexpr int32_t kStateVersion = 3;
 
 struct StateHeader {
   int32_t magic, version;
   int64_t step, adam_steps, numel;
   uint64_t rng[4];
-  int32_t pad[256 - 2 - 2 * 3 - 2 * 4];
+  uint32_t crc;  // version 3: CRC-32 of this header (crc = 0) then every byte after it
+  int32_t pad[256 - 2 - 2 * 3 - 2 * 4 - 1];
 };
 static_assert(sizeof(StateHeader) == 1024, "state header is 1024 bytes");
 
@@ -61,43 +67,119 @@ std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& m
     h.numel = model.params().numel();
     for (int i = 0; i < 4; ++i) h.rng[i] = state.rng_state[i];
     std::unique_ptr<AtomicFile> out;
+    Crc32 crc;
     if (writer) {
       out = std::make_unique<AtomicFile>((fs::path(tmp_dir) / "state.bin").string());
-      out->write(&h, sizeof h);
+      out->write(&h, sizeof h);  // its checksum is filled in at the end
+      crc.update(&h, sizeof h);
     }
     // m for every unit, then v: the parameter block's order. Every rank takes part in
     // each gather; only the writer keeps the bytes.
     for (int which = 0; which < 2; ++which) {
       for (size_t u = 0; u < units; ++u) {
         Tensor values = opt.moment_unit(which, u).contiguous();
-        if (out) out->write(values.raw_data(), static_cast<size_t>(values.nbytes()));
+        if (out) {
+          out->write(values.raw_data(), static_cast<size_t>(values.nbytes()));
+          crc.update(values.raw_data(), static_cast<size_t>(values.nbytes()));
+        }
       }
+    }
+    if (out) {
+      h.crc = crc.value();
+      out->rewrite(0, &h, sizeof h);
     }
     if (out) out->commit();
   }
   if (writer) {
-    fs::remove_all(final_dir);
+    {
+      nlohmann::json recipe = nlohmann::json::object();
+      for (const auto& [name, value] : state.recipe) recipe[name] = value;
+      const std::string text = recipe.dump(1) + "\n";
+      AtomicFile out((fs::path(tmp_dir) / "recipe.json").string());
+      out.write(text.data(), text.size());
+      out.commit();
+    }
+    sync_directory(tmp_dir);
+    // Re-saving a step: the old directory is moved aside, not deleted, until the new one is
+    // in place, so at every instant `latest` names a complete checkpoint (or its ".old",
+    // which recover_out_dir and resolve_checkpoint move back).
+    const std::string aside = final_dir + ".old";
+    fs::remove_all(aside);
+    if (fs::exists(final_dir)) fs::rename(final_dir, aside);
     fs::rename(tmp_dir, final_dir);
+    sync_directory(out_dir);
     AtomicFile latest((fs::path(out_dir) / "latest").string());
     std::string name = step_dir_name(state.step) + "\n";
     latest.write(name.data(), name.size());
     latest.commit();
+    fs::remove_all(aside);
   }
   world.world().barrier();  // nobody moves on (or reads `latest`) before the writer is done
   return final_dir;
 }
 
+namespace {
+// The checkpoint directory `latest` names, with line ends (LF or CRLF) and spaces trimmed.
+std::string latest_name(const fs::path& latest) {
+  std::string name = read_file(latest.string());
+  while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' ')) name.pop_back();
+  return name;
+}
+}  // namespace
+
 std::string resolve_checkpoint(const std::string& path) {
+  TALLY_CHECK(fs::is_directory(path), "--resume '", path, "': expected a checkpoint directory or a training --out-dir, found ",
+              fs::exists(path) ? "a file" : "nothing");
   if (fs::exists(fs::path(path) / "state.bin")) return path;
   fs::path latest = fs::path(path) / "latest";
   TALLY_CHECK(fs::exists(latest), "--resume '", path, "': neither a checkpoint directory (no state.bin) nor an output ",
               "directory (no 'latest' file)");
-  std::string name = read_file(latest.string());
-  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  const std::string name = latest_name(latest);
+  TALLY_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..", "--resume '", path,
+              "': 'latest' holds '", name, "', expected the name of a step directory");
   std::string dir = (fs::path(path) / name).string();
+  // A save killed between moving the old directory aside and renaming the new one in.
+  if (!fs::exists(fs::path(dir) / "state.bin") && fs::exists(fs::path(dir + ".old") / "state.bin")) return dir + ".old";
   TALLY_CHECK(fs::exists(fs::path(dir) / "state.bin"), "--resume '", path, "': 'latest' names '", name,
               "' which has no state.bin");
   return dir;
+}
+
+void recover_out_dir(const std::string& out_dir) {
+  if (!fs::is_directory(out_dir)) return;
+  const fs::path latest = fs::path(out_dir) / "latest";
+  if (fs::exists(latest)) {
+    const fs::path named = fs::path(out_dir) / latest_name(latest);
+    const fs::path aside = named.string() + ".old";
+    if (!fs::exists(named / "state.bin") && fs::exists(aside / "state.bin")) {
+      fs::remove_all(named);
+      fs::rename(aside, named);
+      sync_directory(out_dir);
+    }
+  }
+  for (const auto& entry : fs::directory_iterator(out_dir)) {
+    const std::string name = entry.path().filename().string();
+    const bool step_leftover = name.rfind("step_", 0) == 0 && (name.ends_with(".tmp") || name.ends_with(".old"));
+    if (step_leftover || name == "latest.tmp" || name == "loss.svg.tmp") fs::remove_all(entry.path());
+  }
+}
+
+std::vector<std::pair<std::string, std::string>> load_checkpoint_recipe(const std::string& dir) {
+  const fs::path path = fs::path(dir) / "recipe.json";
+  std::vector<std::pair<std::string, std::string>> recipe;
+  if (!fs::exists(path)) return recipe;  // checkpoints written before recipes were saved
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(path.string()));
+  } catch (const nlohmann::json::exception& e) {
+    TALLY_FAIL("checkpoint recipe '", path.string(), "' is not valid JSON: ", e.what());
+  }
+  TALLY_CHECK(j.is_object(), "checkpoint recipe '", path.string(), "': expected a JSON object");
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    TALLY_CHECK(it->is_string(), "checkpoint recipe '", path.string(), "': '", it.key(), "' is not a string");
+    recipe.emplace_back(it.key(), it->get<std::string>());
+  }
+  return recipe;
 }
 
 void load_checkpoint_model(const std::string& dir, nn::Transformer& model) {
@@ -114,20 +196,28 @@ TrainingState load_checkpoint_state(const std::string& dir, const nn::Transforme
   StateHeader h;
   in.read(reinterpret_cast<char*>(&h), sizeof h);
   TALLY_CHECK(h.magic == kStateMagic, "training state '", path, "': magic ", h.magic, ", expected ", kStateMagic);
-  TALLY_CHECK(h.version == 1 || h.version == kStateVersion, "training state '", path, "': version ", h.version,
-              ", expected 1 or ", kStateVersion);
+  TALLY_CHECK(h.version >= 1 && h.version <= kStateVersion, "training state '", path, "': version ", h.version,
+              ", expected 1 to ", kStateVersion);
+  Crc32 crc;
+  const uint32_t stored_crc = h.crc;
+  if (h.version >= 3) {
+    h.crc = 0;
+    crc.update(&h, sizeof h);
+  }
   TALLY_CHECK(h.numel == params.numel(), "training state '", path, "' has moments for ", h.numel,
               " parameters but the model has ", params.numel());
   TALLY_CHECK(h.step >= 0 && h.adam_steps >= 0, "training state '", path, "': negative step (", h.step,
               ") or AdamW step count (", h.adam_steps, "): the file is corrupt");
-  TALLY_CHECK(size == 1024 + 8 * h.numel, "training state '", path, "' is ", size, " bytes, expected ", 1024 + 8 * h.numel);
+  TALLY_CHECK(h.numel >= 0 && size == 1024 + 8 * h.numel, "training state '", path, "' is ", size, " bytes, expected ",
+              1024 + 8 * h.numel);
   for (int which = 0; which < 2; ++which) {
-    if (h.version == kStateVersion) {
-      // Version 2: the parameter block's order, unit by unit.
+    if (h.version >= 2) {
+      // Versions 2 and 3: the parameter block's order, unit by unit.
       for (size_t u = 0; u < params.num_units(); ++u) {
         Tensor values = Tensor::empty({params.unit(u).numel()}, DType::F32, Device::cpu(),
                                       make_owner(Category::Other, "checkpoint.read"));
         in.read(static_cast<char*>(values.raw_data()), values.nbytes());
+        crc.update(values.raw_data(), static_cast<size_t>(values.nbytes()));
         opt.set_moment_unit(which, u, values);
       }
     } else {
@@ -147,10 +237,13 @@ TrainingState load_checkpoint_state(const std::string& dir, const nn::Transforme
     }
   }
   TALLY_CHECK(in.good(), "training state '", path, "': read failed");
+  TALLY_CHECK(h.version < 3 || crc.value() == stored_crc, "training state '", path, "': checksum mismatch (stored ",
+              stored_crc, ", computed ", crc.value(), "): the file is corrupt");
   opt.set_steps_taken(h.adam_steps);
   TrainingState s;
   s.step = h.step;
   for (int i = 0; i < 4; ++i) s.rng_state[i] = h.rng[i];
+  s.recipe = load_checkpoint_recipe(dir);
   return s;
 }
 

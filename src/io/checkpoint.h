@@ -17,6 +17,8 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "dist/world.h"
 #include "nn/transformer.h"
@@ -27,6 +29,10 @@ namespace tally::io {
 struct TrainingState {
   int64_t step = 0;  // steps completed
   std::array<uint64_t, 4> rng_state{};
+  // The settings that decide the run's trajectory (batch shape, schedule, optimizer, data),
+  // as name -> exact text, saved as <step dir>/recipe.json. Resuming compares them, so a
+  // run that would not continue bit-exact is refused unless the user allows it.
+  std::vector<std::pair<std::string, std::string>> recipe;
 };
 
 // Writes <out_dir>/step_<step>/ and points <out_dir>/latest at it. Returns the directory.
@@ -36,8 +42,14 @@ std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& m
 
 // `path` is a checkpoint directory or an out_dir with a `latest` file.
 std::string resolve_checkpoint(const std::string& path);
+// Repairs what a killed save can leave in `out_dir` (run by the writer before training):
+// a step directory moved aside as "<step>.old" while its replacement was not yet in place
+// is moved back, and "*.tmp" leftovers of unfinished writes are removed.
+void recover_out_dir(const std::string& out_dir);
 // Loads the weights (configs must match; errors name the file). Before ZeRO shards the model.
 void load_checkpoint_model(const std::string& dir, nn::Transformer& model);
+// The recipe saved with a checkpoint (empty for checkpoints older than recipes).
+std::vector<std::pair<std::string, std::string>> load_checkpoint_recipe(const std::string& dir);
 // Loads the optimizer moments and step count and returns the training state.
 TrainingState load_checkpoint_state(const std::string& dir, const nn::Transformer& model, optim::Optimizer& opt);
 

@@ -3,14 +3,20 @@
 #include <cstring>
 #include <fstream>
 
-#include "io/atomic_file.h"
 #include "autograd/grad_mode.h"
+#include "core/checked.h"
+#include "io/atomic_file.h"
+#include "io/checksum.h"
 #include "io/safetensors.h"
 
 namespace tally::io {
 
 namespace {
 constexpr int32_t kGpt2Magic = 20240326;
+// Header slots llm.c leaves unused (it reads ints 0..7): tally marks the files it writes and
+// stores a CRC-32 of the weights' bytes, checked at load. Files from elsewhere lack the mark.
+constexpr int kChecksumMarkSlot = 250, kChecksumSlot = 251;
+constexpr int32_t kChecksumMark = 0x79616C74;  // "tlay"
 
 struct Header {
   int32_t ints[256];
@@ -25,9 +31,16 @@ Header read_header(const std::string& path, std::ifstream& in, int64_t* file_siz
   return h;
 }
 
-int64_t layout_numel(const nn::TransformerConfig& c) {
+// Parameters the header describes. Every product and sum is checked: the header's fields
+// are int32, and e.g. L x 3C x C of a corrupt header wraps int64 (a wrapped count could
+// match the file's size and pass the size check).
+int64_t layout_numel(const nn::TransformerConfig& c, const std::string& path) {
   int64_t n = 0;
-  for (auto& [name, shape] : nn::llmc_tensor_layout(c)) n += shape_numel(shape);
+  for (auto& [name, shape] : nn::llmc_tensor_layout(c)) {
+    int64_t numel = 1;
+    for (int64_t d : shape) numel = checked_mul(numel, d, "model file '", path, "': header's tensor ", name);
+    n = checked_add(n, numel, "model file '", path, "': header's parameter count");
+  }
   return n;
 }
 }  // namespace
@@ -53,7 +66,9 @@ nn::TransformerConfig read_llmc_gpt2_config(const std::string& path) {
               "model file '", path, "': implausible header (maxT ", c.max_seq_len, ", V ", c.vocab_size, ", L ",
               c.n_layer, ", heads ", c.n_head, ", C ", c.n_embd, ", Vp ", c.padded_vocab_size, ")");
   const int64_t width = h.ints[1] == 3 ? 4 : 2;
-  const int64_t expected = 1024 + layout_numel(c) * width;
+  const int64_t expected =
+      checked_add(1024, checked_mul(layout_numel(c, path), width, "model file '", path, "': header's byte count"),
+                  "model file '", path, "': header's byte count");
   TALLY_CHECK(file_size == expected, "model file '", path, "' is ", file_size, " bytes but its header (",
               c.describe(), ", ", width == 4 ? "fp32" : "bf16", ") needs ", expected, " bytes");
   return c;
@@ -71,15 +86,18 @@ void load_llmc_gpt2(const std::string& path, nn::Transformer& model) {
   // The file stacks each kind over layers; read each layer's slice straight into its
   // parameter (the parameters are contiguous views).
   std::vector<uint16_t> raw;
+  Crc32 crc;
   for (const nn::LlmcTensor& t : model.llmc_tensors()) {
     for (size_t i : t.params) {
       const Tensor& p = model.params()[i];
       const int64_t n = p.numel();
       if (h.ints[1] == 3) {
         in.read(static_cast<char*>(p.raw_data()), n * 4);
+        crc.update(p.raw_data(), static_cast<size_t>(n) * 4);
       } else {
         raw.resize(static_cast<size_t>(n));
         in.read(reinterpret_cast<char*>(raw.data()), n * 2);
+        crc.update(raw.data(), static_cast<size_t>(n) * 2);
         float* d = p.data<float>();
         for (int64_t j = 0; j < n; ++j) {
           BFloat16 b;
@@ -91,6 +109,9 @@ void load_llmc_gpt2(const std::string& path, nn::Transformer& model) {
     }
   }
   TALLY_CHECK(in.good(), "model file '", path, "': read failed");
+  TALLY_CHECK(h.ints[kChecksumMarkSlot] != kChecksumMark || static_cast<uint32_t>(h.ints[kChecksumSlot]) == crc.value(),
+              "model file '", path, "': checksum mismatch (stored ", static_cast<uint32_t>(h.ints[kChecksumSlot]),
+              ", computed ", crc.value(), "): the file is corrupt");
 }
 
 void save_llmc_gpt2(const std::string& path, const nn::Transformer& model, bool bf16) {
@@ -105,22 +126,28 @@ void save_llmc_gpt2(const std::string& path, const nn::Transformer& model, bool 
   h.ints[5] = static_cast<int32_t>(c.n_head);
   h.ints[6] = static_cast<int32_t>(c.n_embd);
   h.ints[7] = static_cast<int32_t>(c.padded_vocab_size);
+  h.ints[kChecksumMarkSlot] = kChecksumMark;
   AtomicFile out(path);
-  out.write(h.ints, 1024);
+  out.write(h.ints, 1024);  // the checksum is filled in at the end
   std::vector<uint16_t> raw;
+  Crc32 crc;
   for (const nn::LlmcTensor& t : model.llmc_tensors()) {
     for (size_t i : t.params) {
       const Tensor& p = model.params()[i];
       if (!bf16) {
         out.write(p.raw_data(), static_cast<size_t>(p.numel()) * 4);
+        crc.update(p.raw_data(), static_cast<size_t>(p.numel()) * 4);
       } else {
         const float* d = p.data<float>();
         raw.resize(static_cast<size_t>(p.numel()));
         for (size_t j = 0; j < raw.size(); ++j) raw[j] = BFloat16(d[j]).bits;
         out.write(raw.data(), raw.size() * 2);
+        crc.update(raw.data(), raw.size() * 2);
       }
     }
   }
+  h.ints[kChecksumSlot] = static_cast<int32_t>(crc.value());
+  out.rewrite(0, h.ints, 1024);
   out.commit();
 }
 
@@ -178,6 +205,9 @@ void load_hf_gpt2(const std::string& path, nn::Transformer& model) {
     const Tensor& dst = params[i];
     const std::string hf_name = (name == "wte" || name == "wpe") ? name + ".weight" : name;
     const Tensor& src = f.at(hf_key(f, hf_name));
+    // Integer tensors would be converted value by value into weights: refuse them.
+    TALLY_CHECK(src.dtype() == DType::F32 || src.dtype() == DType::BF16 || src.dtype() == DType::F64, "'", path,
+                "': ", hf_name, " is ", dtype_name(src.dtype()), ", expected a float weight (F32, BF16 or F64)");
     bool conv1d = name.find(".weight") != std::string::npos && name.find("ln_") == std::string::npos && name != "wte" &&
                   name.rfind("h.", 0) == 0;
     if (name == "wte") {

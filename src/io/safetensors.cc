@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/checked.h"
 #include "io/atomic_file.h"
 
 namespace tally::io {
@@ -77,19 +78,22 @@ SafetensorsFile read_safetensors(const std::string& path, Category category) {
                 "safetensors '", path, "': entry '", name,
                 "' needs a string dtype, an array shape and an array data_offsets");
     DType dt = parse_dtype(e["dtype"].get<std::string>(), path, name);
-    Shape shape;
-    std::vector<int64_t> offs;
+    std::vector<int64_t> dims, offs;
     try {
-      shape = e["shape"].get<Shape>();
+      dims = e["shape"].get<std::vector<int64_t>>();
       offs = e["data_offsets"].get<std::vector<int64_t>>();
     } catch (const std::exception&) {
       TALLY_FAIL("safetensors '", path, "': tensor '", name, "' has a non-integer shape or data_offsets");
     }
-    for (int64_t d : shape)
-      TALLY_CHECK(d >= 0, "safetensors '", path, "': tensor '", name, "' has a negative dimension in ", shape_str(shape));
+    TALLY_CHECK(dims.size() <= Shape::kMaxDims, "safetensors '", path, "': tensor '", name, "' has ", dims.size(),
+                " dimensions; tally supports at most ", Shape::kMaxDims);
+    const Shape shape(dims);
+    int64_t numel = 1;
+    for (int64_t d : shape) numel = checked_mul(numel, d, "safetensors '", path, "': tensor '", name, "' shape");
     TALLY_CHECK(offs.size() == 2 && offs[0] >= 0 && offs[1] >= offs[0] && offs[1] <= data_size, "safetensors '", path,
                 "': tensor '", name, "' has data_offsets outside the ", data_size, "-byte data section");
-    const int64_t expected = shape_numel(shape) * static_cast<int64_t>(dtype_size(dt));
+    const int64_t expected = checked_mul(numel, static_cast<int64_t>(dtype_size(dt)), "safetensors '", path,
+                                         "': tensor '", name, "' ", shape_str(shape), " bytes");
     TALLY_CHECK(offs[1] - offs[0] == expected, "safetensors '", path, "': tensor '", name, "' ", dtype_name(dt),
                 shape_str(shape), " needs ", expected, " bytes but its data range holds ", offs[1] - offs[0]);
     Tensor t = Tensor::empty(shape, dt, Device::cpu(), make_owner(category, name));

@@ -5,8 +5,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 
@@ -15,6 +17,28 @@
 #include "core/error.h"
 
 namespace tally::memory {
+
+namespace {
+// Writes `text` to "<path>.tmp" and renames it over `path`, checking every step: a full disk
+// is an error naming the file, never a truncated report left behind as if complete. (The
+// memory layer sits below io's AtomicFile, hence this small copy of its steps.)
+void write_whole_file(const std::string& path, const std::string& text, const char* what) {
+  const std::string tmp = path + ".tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  TALLY_CHECK(f, "cannot write ", what, " '", path, "': ", std::strerror(errno));
+  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0;
+  const int saved_errno = errno;
+  if (std::fclose(f) != 0 || !written) {
+    std::remove(tmp.c_str());
+    TALLY_FAIL("failed writing ", what, " '", path, "': ", std::strerror(written ? errno : saved_errno));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string err = std::strerror(errno);
+    std::remove(tmp.c_str());
+    TALLY_FAIL("cannot rename '", tmp, "' to '", path, "': ", err);
+  }
+}
+}  // namespace
 
 std::string symbolize(void* address) {
   Dl_info info;
@@ -63,14 +87,7 @@ void write_chrome_trace(const std::string& path, const std::vector<MemoryEvent>&
     }
   }
   json doc = {{"traceEvents", trace_events}, {"displayTimeUnit", "ms"}};
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    TALLY_CHECK(out.good(), "cannot write memory trace '", path, "'");
-    out << doc.dump();
-    TALLY_CHECK(out.good(), "failed writing memory trace '", path, "'");
-  }
-  TALLY_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename '", tmp, "' to '", path, "'");
+  write_whole_file(path, doc.dump(), "memory trace");
 }
 
 void write_html_report(const std::string& path, const std::vector<MemoryEvent>& events) {
@@ -130,13 +147,7 @@ void write_html_report(const std::string& path, const std::vector<MemoryEvent>& 
             "</td></tr>";
   }
   html += "</table></body></html>\n";
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    TALLY_CHECK(out.good(), "cannot write memory report '", path, "'");
-    out << html;
-  }
-  TALLY_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename '", tmp, "' to '", path, "'");
+  write_whole_file(path, html, "memory report");
 }
 
 }  // namespace tally::memory

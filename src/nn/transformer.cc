@@ -30,7 +30,8 @@ TransformerConfig TransformerConfig::preset(const std::string& name) {
   else if (name == "gpt2-large") set(36, 20, 1280);
   else if (name == "gpt2-xl") set(48, 25, 1600);
   else if (name.size() >= 2 && name[0] == 'd' && name.find_first_not_of("0123456789", 1) == std::string::npos) {
-    int64_t depth = std::stoll(name.substr(1));
+    // At most three digits: std::stoll would throw a bare "stoll" on a 20-digit depth.
+    const int64_t depth = name.size() <= 4 ? std::stoll(name.substr(1)) : 0;
     TALLY_CHECK(depth >= 1 && depth <= 64, "--model ", name, ": depth must be 1..64");
     set(depth, depth, 64 * depth);
   } else {

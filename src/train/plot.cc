@@ -36,9 +36,13 @@ RunCurve read_run_log(const std::string& path, const std::string& name) {
     }
     TALLY_CHECK(j.is_object() && j.contains("step") && j["step"].is_number() && j.contains("loss") && j["loss"].is_number(),
                 "plot: log '", path, "' line ", n, " has no numeric \"step\" and \"loss\" (is it a tally --log-json file?)");
-    const int64_t step = j["step"].get<int64_t>();
-    run.add_step(step, j["loss"].get<double>(), j.value("lr", 0.0), j.value("tokens", int64_t{0}));
-    if (j.contains("val_loss") && j["val_loss"].is_number()) run.add_val(step, j["val_loss"].get<double>());
+    try {
+      const int64_t step = j["step"].get<int64_t>();
+      run.add_step(step, j["loss"].get<double>(), j.value("lr", 0.0), j.value("tokens", int64_t{0}));
+      if (j.contains("val_loss") && j["val_loss"].is_number()) run.add_val(step, j["val_loss"].get<double>());
+    } catch (const nlohmann::json::exception& e) {  // "lr": "fast" and the like
+      TALLY_FAIL("plot: log '", path, "' line ", n, ": ", e.what());
+    }
   }
   TALLY_CHECK(!run.steps.empty(), "plot: log '", path, "' has no steps");
   return run;

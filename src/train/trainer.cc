@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "autograd/grad_mode.h"
+#include "core/checked.h"
 #include "data/loader.h"
 #include "data/tokenizer.h"
 #include "dist/data_parallel.h"
@@ -27,6 +28,7 @@
 #include "runtime/backend.h"
 #include "sanitizer/sanitizer.h"
 #include "train/plot.h"
+#include "train/step_log.h"
 #include "train/sampler.h"
 
 namespace tally::train {
@@ -47,7 +49,16 @@ double learning_rate(const TrainConfig& c, int64_t step) {
 
 namespace {
 
+// More threads than any machine tally targets has cores; a typo (--threads 100000) would
+// otherwise reach OpenMP's per-thread buffers.
+constexpr int kMaxThreads = 1024;
+
 void validate(const TrainConfig& c) {
+  // Every real-valued flag must be a number: checked first, so NaN and infinity are named as such.
+  for (auto [flag, value] : {std::pair{"--lr", c.lr}, {"--min-lr-frac", c.min_lr_frac}, {"--beta1", c.beta1},
+                             {"--beta2", c.beta2}, {"--temperature", c.temperature}, {"--grad-clip", c.grad_clip},
+                             {"--weight-decay", c.weight_decay}, {"--bucket-mb", c.bucket_mb}})
+    TALLY_CHECK(std::isfinite(value), flag, " must be a finite number, got ", value);
   TALLY_CHECK(!c.train_data.empty(), "--train-data is required (a glob of llm.c token shards; make them with `tally tokenize`)");
   TALLY_CHECK(c.batch_size > 0, "--batch-size must be positive, got ", c.batch_size);
   TALLY_CHECK(c.seq_len > 0, "--seq-len must be positive, got ", c.seq_len);
@@ -56,7 +67,7 @@ void validate(const TrainConfig& c) {
   TALLY_CHECK(c.lr > 0, "--lr must be positive, got ", c.lr);
   TALLY_CHECK(c.min_lr_frac >= 0 && c.min_lr_frac <= 1, "--min-lr-frac must be in [0, 1], got ", c.min_lr_frac);
   TALLY_CHECK(c.beta1 >= 0 && c.beta1 < 1 && c.beta2 >= 0 && c.beta2 < 1, "--beta1/--beta2 must be in [0, 1)");
-  TALLY_CHECK(c.eps > 0, "--eps must be positive");
+  TALLY_CHECK(c.eps > 0 && std::isfinite(c.eps), "--eps must be positive and finite, got ", c.eps);
   TALLY_CHECK(c.warmup_steps >= 0, "--warmup-steps must be >= 0, got ", c.warmup_steps);
   TALLY_CHECK(c.val_batches > 0, "--val-batches must be positive, got ", c.val_batches);
   TALLY_CHECK(c.sample_tokens >= 0, "--sample-tokens must be >= 0, got ", c.sample_tokens);
@@ -64,8 +75,56 @@ void validate(const TrainConfig& c) {
   TALLY_CHECK(c.grad_clip >= 0, "--grad-clip must be >= 0 (0 = off)");
   TALLY_CHECK(c.weight_decay >= 0, "--weight-decay must be >= 0");
   TALLY_CHECK(c.model_file.empty() || c.init_from.empty(), "--model-file and --init-from are exclusive");
+  TALLY_CHECK(c.val_every >= 0, "--val-every must be >= 0 (0: only at the end), got ", c.val_every);
+  TALLY_CHECK(c.save_every >= 0, "--save-every must be >= 0 (0: never), got ", c.save_every);
+  TALLY_CHECK(c.sample_every >= -1, "--sample-every must be >= -1 (-1: never, 0: only at the end), got ", c.sample_every);
+  TALLY_CHECK(c.top_k >= 0, "--top-k must be >= 0 (0: no truncation), got ", c.top_k);
+  TALLY_CHECK(c.threads >= 0 && c.threads <= kMaxThreads, "--threads must be in 0..", kMaxThreads,
+              " (0: all cores), got ", c.threads);
+  // Sizes derived from flags are checked before anything is allocated: B x T x N tokens per
+  // step, and the loader reads B x T + 1 tokens per microbatch.
+  checked_product({c.batch_size, c.seq_len, c.grad_accum, 8}, "--batch-size x --seq-len x --grad-accum");
   TALLY_CHECK(c.lr_schedule == "constant" || c.lr_schedule == "cosine", "--lr-schedule: expected constant or cosine, got '",
               c.lr_schedule, "'");
+}
+
+// What decides a run's trajectory after its checkpoint: the global batch's shape (the data
+// position of every microbatch), the learning-rate schedule (cosine depends on --steps) and
+// the optimizer. Saved with every checkpoint and compared on resume. Numbers are written
+// exactly (%.17g), so "equal" means bit-equal. The data's path is not part of it: it may
+// differ between machines of one job, or after the shards were moved.
+std::vector<std::pair<std::string, std::string>> run_recipe(const TrainConfig& c, const dist::World& world) {
+  auto num = [](double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    return std::string(buf);
+  };
+  return {{"--batch-size", std::to_string(c.batch_size)},
+          {"--seq-len", std::to_string(c.seq_len)},
+          {"microbatches per step (--grad-accum x --dp)", std::to_string(c.grad_accum * world.dp())},
+          {"--steps", std::to_string(c.steps)},
+          {"--lr", num(c.lr)},
+          {"--warmup-steps", std::to_string(c.warmup_steps)},
+          {"--lr-schedule", c.lr_schedule},
+          {"--min-lr-frac", num(c.min_lr_frac)},
+          {"--weight-decay", num(c.weight_decay)},
+          {"--beta1", num(c.beta1)},
+          {"--beta2", num(c.beta2)},
+          {"--eps", num(c.eps)},
+          {"--grad-clip", num(c.grad_clip)},
+          {"--seed", std::to_string(c.seed)}};
+}
+
+// "--lr 3e-4 -> 6e-4, --steps 100 -> 200", or "" when nothing differs. Checkpoints older
+// than saved recipes have none and compare equal.
+std::string recipe_changes(const std::vector<std::pair<std::string, std::string>>& saved,
+                           const std::vector<std::pair<std::string, std::string>>& now) {
+  std::string out;
+  for (const auto& [name, value] : now)
+    for (const auto& [saved_name, saved_value] : saved)
+      if (saved_name == name && saved_value != value)
+        out += (out.empty() ? "" : ", ") + name + " was " + saved_value + ", now " + value;
+  return out;
 }
 
 std::unique_ptr<nn::Transformer> build_model(const TrainConfig& c) {
@@ -179,6 +238,20 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   dist::Communicator& dp_group = world.dp_group();
   const int64_t D = world.dp(), dp_rank = world.dp_rank();
 
+  // Paths are checked before anything runs, so a bad one fails now, not after every step.
+  TALLY_CHECK(!fs::exists(c.out_dir) || fs::is_directory(c.out_dir), "--out-dir '", c.out_dir,
+              "' is a file, expected a directory");
+  if (!c.mem_trace.empty())
+    TALLY_CHECK(!fs::is_directory(c.mem_trace), "--mem-trace '", c.mem_trace,
+                "' is a directory, expected a file path ending in .json or .html");
+  if (root) {
+    fs::create_directories(c.out_dir);
+    if (!c.mem_trace.empty() && !fs::path(c.mem_trace).parent_path().empty())
+      fs::create_directories(fs::path(c.mem_trace).parent_path());
+    io::recover_out_dir(c.out_dir);  // what a killed save left behind
+  }
+  world.world().barrier();
+
   sanitizer::SanitizeMode mode = sanitizer::parse_sanitize_mode(c.sanitize);
   auto& ledger = runtime::ledger();
   if (!c.mem_trace.empty()) ledger.enable_history(true, false);
@@ -211,15 +284,23 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     all_reduce = std::make_unique<dist::GradientAllReduce>(model->params(), dp_group,
                                                            static_cast<int64_t>(c.bucket_mb * (1 << 20)));
 
-  data::TokenLoader train_loader(c.train_data, c.batch_size, c.seq_len, mc.vocab_size);
+  data::TokenLoader train_loader(c.train_data, c.batch_size, c.seq_len, mc.vocab_size, "--train-data");
   std::unique_ptr<data::TokenLoader> val_loader;
-  if (!c.val_data.empty()) val_loader = std::make_unique<data::TokenLoader>(c.val_data, c.batch_size, c.seq_len, mc.vocab_size);
+  if (!c.val_data.empty()) val_loader = std::make_unique<data::TokenLoader>(c.val_data, c.batch_size, c.seq_len, mc.vocab_size, "--val-data");
   Detokenizer detok(c.tokenizer_dir);
   Rng sample_rng(c.seed + 1);
 
+  const auto recipe = run_recipe(c, world);
   int64_t start_step = 0;
   if (!resume_dir.empty()) {
     io::TrainingState st = io::load_checkpoint_state(resume_dir, *model, opt);
+    TALLY_CHECK(st.step <= c.steps, "--resume '", c.resume, "': the checkpoint is at step ", st.step, ", beyond --steps ",
+                c.steps, "; raise --steps to train further");
+    const std::string changes = recipe_changes(st.recipe, recipe);
+    TALLY_CHECK(changes.empty() || c.allow_recipe_change, "--resume '", c.resume,
+                "': this run would not continue the checkpoint's run exactly: ", changes,
+                ". Use the checkpoint's settings, or pass --allow-recipe-change to continue anyway");
+    if (!changes.empty()) log("resuming with a changed recipe (--allow-recipe-change): %s\n", changes.c_str());
     start_step = st.step;
     sample_rng.set_state(st.rng_state);
     log("resumed from %s at step %lld\n", resume_dir.c_str(), static_cast<long long>(start_step));
@@ -242,16 +323,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   log("threads: %d per rank, measured fp32 GEMM peak %.0f GFLOP/s\n", omp_get_max_threads(), gemm_peak / 1e9);
 
   // Rank 0 writes the job's rows; with --log-json-all-ranks every rank also writes its own.
-  auto open_log = [&](const std::string& path) {
-    fs::path parent = fs::path(path).parent_path();
-    if (!parent.empty()) fs::create_directories(parent);
-    auto f = std::make_unique<std::ofstream>(path, start_step > 0 ? std::ios::app : std::ios::trunc);
-    TALLY_CHECK(f->good(), "--log-json: cannot write '", path, "'");
-    return f;
-  };
-  std::unique_ptr<std::ofstream> json_log, rank_json_log;
-  if (!c.log_json.empty() && root) json_log = open_log(c.log_json);
-  if (!c.log_json.empty() && c.log_json_all_ranks) rank_json_log = open_log(c.log_json + ".rank" + std::to_string(world.rank()));
+  std::unique_ptr<StepLog> json_log, rank_json_log;
+  if (!c.log_json.empty() && root) json_log = std::make_unique<StepLog>(c.log_json, start_step);
+  if (!c.log_json.empty() && c.log_json_all_ranks)
+    rank_json_log = std::make_unique<StepLog>(c.log_json + ".rank" + std::to_string(world.rank()), start_step);
 
   // The loss curves drawn into <out-dir>/loss.svg: a resumed run's earlier steps come from
   // its log.
@@ -398,23 +473,24 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       auto ids = sample(*model, {detok.start_token(mc.vocab_size)}, so, sample_rng);  // every rank, same draws
       log("sample:\n---\n%s\n---\n", detok.text(ids).c_str());
     }
-    if (c.save_every > 0 && (m.step % c.save_every == 0 || last)) {
-      io::TrainingState st;
-      st.step = m.step;
-      st.rng_state = sample_rng.state();
-      result.last_checkpoint = io::save_checkpoint(c.out_dir, *model, opt, st, world);
-      log("saved %s\n", result.last_checkpoint.c_str());
-    }
-    if (json_log) {
-      *json_log << j.dump() << "\n";
-      json_log->flush();
-    }
+    // The row goes to the log before the checkpoint: a checkpointed step always has its row.
+    const bool checkpoint = c.save_every > 0 && (m.step % c.save_every == 0 || last);
+    if (json_log) json_log->append(j.dump());
     if (rank_json_log) {
       j["rank"] = world.rank();
       j["rank_live_bytes"] = s.allocated;
       j["rank_peak_allocated_bytes"] = s.peak_allocated;
-      *rank_json_log << j.dump() << "\n";
-      rank_json_log->flush();
+      rank_json_log->append(j.dump());
+    }
+    if (checkpoint) {
+      if (json_log) json_log->sync();
+      if (rank_json_log) rank_json_log->sync();
+      io::TrainingState st;
+      st.step = m.step;
+      st.rng_state = sample_rng.state();
+      st.recipe = recipe;
+      result.last_checkpoint = io::save_checkpoint(c.out_dir, *model, opt, st, world);
+      log("saved %s\n", result.last_checkpoint.c_str());
     }
     result.history.push_back(m);
     result.final_loss = m.loss;

@@ -1,0 +1,56 @@
+#include "train/step_log.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "io/atomic_file.h"
+
+namespace tally::train {
+
+namespace fs = std::filesystem;
+
+StepLog::StepLog(std::string path, int64_t resumed_step) : path_(std::move(path)) {
+  const fs::path parent = fs::path(path_).parent_path();
+  if (!parent.empty()) fs::create_directories(parent);
+  TALLY_CHECK(!fs::is_directory(path_), "--log-json '", path_, "': is a directory, expected a file path");
+  if (resumed_step > 0 && fs::exists(path_)) {
+    // Keep the rows up to the checkpoint's step; a torn last line (a kill mid-write) goes too.
+    std::istringstream rows(io::read_file(path_));
+    std::string kept, line;
+    while (std::getline(rows, line)) {
+      if (line.empty()) continue;
+      nlohmann::json row = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (row.is_discarded() || !row.is_object() || !row.contains("step") || !row["step"].is_number_integer()) continue;
+      if (row["step"].get<int64_t>() <= resumed_step) kept += line + "\n";
+    }
+    io::AtomicFile rewritten(path_);
+    rewritten.write(kept.data(), kept.size());
+    rewritten.commit();
+  }
+  file_ = std::fopen(path_.c_str(), resumed_step > 0 ? "a" : "w");
+  TALLY_CHECK(file_, "--log-json: cannot write '", path_, "': ", std::strerror(errno));
+}
+
+StepLog::~StepLog() {
+  if (file_) std::fclose(file_);
+}
+
+void StepLog::append(const std::string& json_row) {
+  const bool ok = std::fwrite(json_row.data(), 1, json_row.size(), file_) == json_row.size() &&
+                  std::fputc('\n', file_) != EOF && std::fflush(file_) == 0;
+  TALLY_CHECK(ok, "--log-json: writing '", path_, "' failed: ", std::strerror(errno));
+}
+
+void StepLog::sync() {
+  TALLY_CHECK(std::fflush(file_) == 0 && ::fsync(fileno(file_)) == 0, "--log-json: syncing '", path_, "' failed: ",
+              std::strerror(errno));
+}
+
+}  // namespace tally::train

@@ -1,0 +1,36 @@
+// The JSONL step log (--log-json): one JSON object per step, appended and flushed as the
+// step ends. What it guarantees when a run is killed or the disk fills:
+//   - A row is flushed to the file before the step's checkpoint is written, and fsync'ed
+//     then, so every checkpointed step has its row on disk.
+//   - Resuming from the checkpoint of step S first drops the rows after S (written by the
+//     run that was killed after S) by rewriting the log atomically, so the resumed run
+//     appends each later step exactly once: no lost rows, no repeats.
+//   - Every write and flush is checked: a full disk ends the run with an error naming the
+//     file, never a silently truncated log.
+#pragma once
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+namespace tally::train {
+
+class StepLog {
+ public:
+  // Opens `path` (creating its directory). With resumed_step > 0 the rows of steps after it
+  // are dropped first; with 0 the file starts empty.
+  StepLog(std::string path, int64_t resumed_step);
+  ~StepLog();
+  StepLog(const StepLog&) = delete;
+  StepLog& operator=(const StepLog&) = delete;
+
+  void append(const std::string& json_row);  // one line, flushed
+  void sync();                               // fsync: the rows so far survive a crash
+
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::FILE* file_ = nullptr;
+};
+
+}  // namespace tally::train

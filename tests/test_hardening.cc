@@ -1,0 +1,349 @@
+// Hostile inputs and interrupted runs: sizes from files and flags that wrap, files that are
+// silently accepted, problems found late, killed saves and full disks. Each test here was
+// written against a defect found by mutating valid files and command lines.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
+#include "core/checked.h"
+#include "data/loader.h"
+#include "data/token_shard.h"
+#include "data/tokenizer.h"
+#include "io/checkpoint.h"
+#include "io/model_files.h"
+#include "io/safetensors.h"
+#include "support.h"
+#include "train/step_log.h"
+#include "train/trainer.h"
+
+using namespace tally;
+namespace fs = std::filesystem;
+using test::message_of;
+
+namespace {
+
+std::string int32s(const std::vector<int32_t>& head, size_t total_ints) {
+  std::vector<int32_t> ints(total_ints, 0);
+  std::copy(head.begin(), head.end(), ints.begin());
+  return std::string(reinterpret_cast<const char*>(ints.data()), ints.size() * 4);
+}
+
+train::TrainConfig tiny_config(const std::string& data) {
+  train::TrainConfig c;
+  c.model_file = test::fixture_path("gpt2_tiny.bin");
+  c.train_data = data;
+  c.batch_size = 2;
+  c.seq_len = 16;
+  c.steps = 2;
+  c.lr = 1e-3;
+  c.quiet = true;
+  c.sample_every = -1;
+  c.sample_tokens = 0;
+  c.threads = 1;
+  c.out_dir = test::temp_path("out");
+  return c;
+}
+
+std::vector<nlohmann::json> rows_of(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<nlohmann::json> rows;
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty()) rows.push_back(nlohmann::json::parse(line));
+  return rows;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- 1. sizes that wrap
+
+TEST(CheckedArithmetic, MultiplyAndAddRefuseOverflowAndNegativeSizes) {
+  EXPECT_EQ(checked_mul(int64_t{1} << 31, int64_t{1} << 31, "x"), int64_t{1} << 62);
+  EXPECT_NE(message_of<Error>([] { checked_mul(int64_t{1} << 32, int64_t{1} << 32, "rows x cols"); })
+                .find("rows x cols: 4294967296 x 4294967296 overflows"),
+            std::string::npos);
+  EXPECT_NE(message_of<Error>([] { checked_add(std::numeric_limits<int64_t>::max(), 1, "sum"); }).find("overflows"),
+            std::string::npos);
+  EXPECT_NE(message_of<Error>([] { checked_mul(-1, 4, "bytes"); }).find("negative"), std::string::npos);
+  EXPECT_NE(message_of<Error>([] { shape_numel(Shape{int64_t{1} << 40, int64_t{1} << 40}); }).find("2^63"),
+            std::string::npos);
+}
+
+TEST(Hardening, ModelHeaderWhoseByteCountWrapsToTheFileSizeIsRefused) {
+  // V = Vp = 1, T = 2, C = 2^30, L = 660764199: the parameter count x 4 is 0 mod 2^64, so
+  // 1024 + 4 x count wraps to exactly this header-only file's 1024 bytes. Unchecked, the
+  // size check passed and the model's construction crashed.
+  const std::string path = test::temp_path("wrapping_model.bin");
+  test::write_all(path, int32s({20240326, 3, 2, 1, 660764199, 1, 1 << 30, 1}, 256));
+  const std::string msg = message_of<Error>([&] { io::read_llmc_gpt2_config(path); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("overflows"), std::string::npos) << msg;
+}
+
+TEST(Hardening, SafetensorsShapeWhoseElementCountWrapsIsRefused) {
+  // 2^32 x 2^32 F32 wraps to 0 elements: an empty data range "matched" it.
+  const std::string header = R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]}})";
+  std::string file(8, '\0');
+  const uint64_t len = header.size();
+  std::memcpy(file.data(), &len, 8);
+  const std::string path = test::temp_path("wrapping.safetensors");
+  test::write_all(path, file + header);
+  const std::string msg = message_of<Error>([&] { io::read_safetensors(path); });
+  EXPECT_NE(msg.find("tensor 'w' shape"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("overflows"), std::string::npos) << msg;
+}
+
+TEST(Hardening, FlagsWhoseProductWrapsAreRefusedBeforeAnythingRuns) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 1000, 97, 1));
+  c.batch_size = int64_t{1} << 32;
+  c.seq_len = int64_t{1} << 32;
+  const std::string msg = message_of<Error>([&] { train::run_training(c); });
+  EXPECT_NE(msg.find("--batch-size x --seq-len x --grad-accum"), std::string::npos) << msg;
+}
+
+TEST(Hardening, ThreadsOutsideTheSaneRangeAreRefused) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 1000, 97, 1));
+  c.threads = 100000;
+  EXPECT_NE(message_of<Error>([&] { train::run_training(c); }).find("--threads must be in 0..1024"), std::string::npos);
+  c.threads = -3;
+  EXPECT_NE(message_of<Error>([&] { train::run_training(c); }).find("got -3"), std::string::npos);
+}
+
+TEST(Hardening, LlmcTokenizerWithAHugeVocabularyIsRefusedBeforeAllocating) {
+  // 2^31 - 1 tokens announced in a file of 1034 bytes: unchecked, this allocated tens of GiB.
+  const std::string path = test::temp_path("huge_vocab_tokenizer.bin");
+  test::write_all(path, int32s({20240328, 1, std::numeric_limits<int32_t>::max()}, 256) + std::string(10, '\1'));
+  const std::string msg = message_of<Error>([&] { data::Gpt2Tokenizer::load_llmc(path); });
+  EXPECT_NE(msg.find("hold at most 5"), std::string::npos) << msg;
+}
+
+// ---------------------------------------------------------------- 2. silent acceptance
+
+TEST(Hardening, ADirectoryGivenAsAModelOrStateFileIsNamedAsSuch) {
+  const std::string dir = test::temp_path("a_directory");
+  fs::create_directories(dir);
+  const std::string msg = message_of<Error>([&] { io::read_llmc_gpt2_config(dir); });
+  EXPECT_NE(msg.find("expected a regular file, found a directory"), std::string::npos) << msg;
+  EXPECT_NE(message_of<Error>([&] { io::read_safetensors(dir); }).find("found a directory"), std::string::npos);
+}
+
+TEST(Hardening, IntegerTensorsAreNotTakenAsFloatWeights) {
+  // A HuggingFace GPT-2 file whose ln_f.weight is declared I32.
+  nn::Transformer model(io::read_llmc_gpt2_config(test::fixture_path("gpt2_tiny.bin")));
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  const auto& params = model.params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string& name = params.spec(i).name;
+    Tensor t = params[i].detach().contiguous();
+    const bool conv1d = name.rfind("h.", 0) == 0 && name.find(".weight") != std::string::npos && name.find("ln_") == std::string::npos;
+    if (conv1d) t = t.transpose(0, 1).contiguous();
+    if (name == "wte") t = t.slice(0, 0, model.config().vocab_size).contiguous();
+    if (name == "ln_f.weight") t = Tensor::zeros(t.shape(), DType::I32);
+    tensors.emplace_back(name == "wte" || name == "wpe" ? name + ".weight" : name, t);
+  }
+  const std::string path = test::temp_path("int_weight.safetensors");
+  io::write_safetensors(path, tensors, {{"n_head", std::to_string(model.config().n_head)}});
+  nn::Transformer target(io::read_hf_gpt2_config(path));
+  const std::string msg = message_of<Error>([&] { io::load_hf_gpt2(path, target); });
+  EXPECT_NE(msg.find("ln_f.weight is int32, expected a float weight"), std::string::npos) << msg;
+}
+
+TEST(Hardening, ATruncatedVocabBpeIsRefusedNamingATokenNoMergeMakes) {
+  const std::string dir = test::temp_path("tok");
+  fs::create_directories(dir);
+  // Encoder: the 256 byte tokens, "ab" and "abc", and <|endoftext|>; the merges file lost its
+  // last line ("ab c").
+  auto byte_token = [](unsigned char b) {
+    int next = 0, cp = -1;
+    for (int x = 0; x < 256; ++x) {
+      const bool printable = (x >= 0x21 && x <= 0x7E) || (x >= 0xA1 && x <= 0xAC) || x >= 0xAE;
+      const int c = printable ? x : 256 + next++;
+      if (x == b) cp = c;
+    }
+    std::string s;
+    if (cp < 0x80) s += static_cast<char>(cp);
+    else s += {static_cast<char>(0xC0 | (cp >> 6)), static_cast<char>(0x80 | (cp & 0x3F))};
+    return s;
+  };
+  nlohmann::json enc = nlohmann::json::object();
+  int id = 0;
+  for (int b = 0; b < 256; ++b) enc[byte_token(static_cast<unsigned char>(b))] = id++;
+  enc["ab"] = id++;
+  enc["abc"] = id++;
+  enc["<|endoftext|>"] = id++;
+  test::write_all(dir + "/encoder.json", enc.dump());
+  test::write_all(dir + "/vocab.bpe", "#version: 0.2\na b\nab c\n");
+  EXPECT_NO_THROW(data::Gpt2Tokenizer::load(dir + "/encoder.json", dir + "/vocab.bpe"));
+  test::write_all(dir + "/vocab.bpe", "#version: 0.2\na b\n");
+  const std::string msg = message_of<Error>([&] { data::Gpt2Tokenizer::load(dir + "/encoder.json", dir + "/vocab.bpe"); });
+  EXPECT_NE(msg.find("1 merges make 1 of encoder.json's 2 merged tokens"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("\"abc\""), std::string::npos) << msg;
+}
+
+TEST(Hardening, BadNumbersInFlagsAreRefused) {
+  const std::string data = test::write_random_shard("t.bin", 1000, 97, 1);
+  struct Case {
+    std::function<void(train::TrainConfig&)> set;
+    const char* expected;
+  };
+  const std::vector<Case> cases = {
+      {[](auto& c) { c.eps = std::numeric_limits<double>::infinity(); }, "--eps must be positive and finite"},
+      {[](auto& c) { c.temperature = std::nan(""); }, "--temperature must be a finite number"},
+      {[](auto& c) { c.lr = std::nan(""); }, "--lr must be a finite number"},
+      {[](auto& c) { c.save_every = -1; }, "--save-every must be >= 0"},
+      {[](auto& c) { c.val_every = -5; }, "--val-every must be >= 0"},
+      {[](auto& c) { c.top_k = -1; }, "--top-k must be >= 0"},
+      {[](auto& c) { c.sample_every = -2; }, "--sample-every must be >= -1"},
+      {[](auto& c) { c.model_file.clear(), c.model = "d99999999999999999999"; }, "--model d99999999999999999999: depth"},
+  };
+  for (const Case& k : cases) {
+    train::TrainConfig c = tiny_config(data);
+    k.set(c);
+    const std::string msg = message_of<Error>([&] { train::run_training(c); });
+    EXPECT_NE(msg.find(k.expected), std::string::npos) << "expected '" << k.expected << "', got '" << msg << "'";
+  }
+}
+
+TEST(Hardening, ResumingBeyondStepsOrWithAnotherRecipeIsRefusedSayingWhatDiffers) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  c.steps = 4;
+  c.save_every = 4;
+  fs::remove_all(c.out_dir);
+  train::run_training(c);
+  train::TrainConfig r = c;
+  r.resume = c.out_dir;
+  r.steps = 3;
+  std::string msg = message_of<Error>([&] { train::run_training(r); });
+  EXPECT_NE(msg.find("the checkpoint is at step 4, beyond --steps 3"), std::string::npos) << msg;
+
+  r.steps = 8;  // longer: the cosine schedule changes, so bit-exactness is gone
+  r.lr = 2e-3;
+  r.batch_size = 4;
+  msg = message_of<Error>([&] { train::run_training(r); });
+  EXPECT_NE(msg.find("--batch-size was 2, now 4"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--steps was 4, now 8"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--lr was 0.001"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--allow-recipe-change"), std::string::npos) << msg;
+  r.allow_recipe_change = true;
+  r.save_every = 0;
+  EXPECT_EQ(train::run_training(r).steps_run, 4);
+}
+
+TEST(Hardening, ChecksumsTurnBitRotIntoAClearError) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  c.steps = 2;
+  c.save_every = 2;
+  fs::remove_all(c.out_dir);
+  train::run_training(c);
+  const std::string dir = c.out_dir + "/step_00000002";
+  for (const char* file : {"state.bin", "model.bin"}) {
+    const std::string path = dir + "/" + file;
+    const std::string good = test::read_all(path);
+    std::string rotten = good;
+    rotten[rotten.size() - 7] ^= 0x10;  // one bit of the last tensor
+    test::write_all(path, rotten);
+    train::TrainConfig r = c;
+    r.resume = dir;
+    r.steps = 3;
+    r.save_every = 0;
+    const std::string msg = message_of<Error>([&] { train::run_training(r); });
+    EXPECT_NE(msg.find("checksum mismatch"), std::string::npos) << file << ": " << msg;
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    test::write_all(path, good);
+  }
+}
+
+// ---------------------------------------------------------------- 3. checked late
+
+TEST(Hardening, AnOutOfVocabularyTokenIsFoundBeforeTheFirstStepNamingShardAndSplit) {
+  std::vector<int32_t> tokens(5000, 3);
+  tokens[4321] = 500;  // the tiny model has 97 tokens; a 2-step run never reaches position 4321
+  const std::string path = test::temp_path("oov.bin");
+  data::write_token_shard(path, tokens, data::TokenWidth::U16);
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  c.val_data = path;
+  const std::string msg = message_of<Error>([&] { train::run_training(c); });
+  EXPECT_NE(msg.find("--val-data shard '" + path + "': token 500 at position 4321"), std::string::npos) << msg;
+}
+
+TEST(Hardening, BadOutputPathsFailBeforeTraining) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  c.steps = 1000000;  // would take hours if the check came after training
+  c.out_dir = test::temp_path("a_file");
+  test::write_all(c.out_dir, "x");
+  EXPECT_NE(message_of<Error>([&] { train::run_training(c); }).find("is a file, expected a directory"),
+            std::string::npos);
+  c.out_dir = test::temp_path("out_ok");
+  c.mem_trace = test::temp_path("trace_dir");
+  fs::create_directories(c.mem_trace);
+  EXPECT_NE(message_of<Error>([&] { train::run_training(c); }).find("--mem-trace"), std::string::npos);
+}
+
+// ---------------------------------------------------------------- 4. durability
+
+TEST(Hardening, AKillWhileReSavingAStepLeavesALoadableCheckpoint) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  c.steps = 2;
+  c.save_every = 2;
+  fs::remove_all(c.out_dir);
+  train::run_training(c);
+  // The state a kill leaves between moving the old step aside and renaming the new one in:
+  // `latest` names step_00000002, which is gone; step_00000002.old is complete; a half
+  // written step_00000002.tmp lies beside it.
+  const std::string step = c.out_dir + "/step_00000002";
+  fs::rename(step, step + ".old");
+  fs::create_directories(step + ".tmp");
+  test::write_all(step + ".tmp/state.bin", "half");
+  EXPECT_EQ(io::resolve_checkpoint(c.out_dir), step + ".old");
+  io::recover_out_dir(c.out_dir);
+  EXPECT_TRUE(fs::exists(step + "/state.bin"));
+  EXPECT_FALSE(fs::exists(step + ".old"));
+  EXPECT_FALSE(fs::exists(step + ".tmp"));
+  EXPECT_EQ(io::resolve_checkpoint(c.out_dir), step);
+}
+
+TEST(Hardening, ALatestFileWithCrlfResolves) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  c.save_every = 2;
+  fs::remove_all(c.out_dir);
+  train::run_training(c);
+  test::write_all(c.out_dir + "/latest", "step_00000002\r\n");
+  EXPECT_EQ(io::resolve_checkpoint(c.out_dir), c.out_dir + "/step_00000002");
+}
+
+TEST(Hardening, ResumedLogsHaveEveryStepOnceAndCheckpointedRowsComeFirst) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  c.steps = 6;
+  c.save_every = 3;
+  fs::remove_all(c.out_dir);
+  c.log_json = c.out_dir + "/log.jsonl";
+  train::run_training(c);
+  // As if killed after step 5 (its row written) and resumed from step 3's checkpoint.
+  std::vector<nlohmann::json> rows = rows_of(c.log_json);
+  ASSERT_EQ(rows.size(), 6u);
+  std::string killed;
+  for (int i = 0; i < 5; ++i) killed += rows[i].dump() + "\n";
+  test::write_all(c.log_json, killed + "{\"step\": 6, \"lo");  // and a torn last line
+  train::TrainConfig r = c;
+  r.resume = c.out_dir + "/step_00000003";
+  r.save_every = 0;
+  train::run_training(r);
+  rows = rows_of(c.log_json);
+  ASSERT_EQ(rows.size(), 6u);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(rows[i]["step"].get<int64_t>(), i + 1);
+}
+
+TEST(Hardening, AFullDiskIsAnErrorNotATruncatedLog) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  train::StepLog log("/dev/full", 0);
+  const std::string msg = message_of<Error>([&] {
+    for (int i = 0; i < 10000; ++i) log.append(std::string(100, 'x'));  // past any stdio buffer
+  });
+  EXPECT_NE(msg.find("--log-json: writing '/dev/full' failed: No space left on device"), std::string::npos) << msg;
+}
