@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   const double gemm_peak = runtime::backend(Device::cpu()).measured_gemm_peak_flops();
 
   auto& ledger = runtime::ledger();
-  int64_t predicted = 0;
+  int64_t live_after_forward = 0;  // model states + saved activations, measured at the end of the first forward
   std::vector<double> ms;
   double loss_value = 0;
   using clock = std::chrono::steady_clock;
@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
     auto t0 = clock::now();
     Tensor loss = model.forward(x, y).loss;
     double t_fwd = since(t0);
-    if (s == 0) predicted = ledger.stats().allocated;
+    if (s == 0) live_after_forward = ledger.stats().allocated;
     loss.backward();
     loss_value = loss.item();
     double t_bwd = since(t0);
@@ -78,10 +78,10 @@ int main(int argc, char** argv) {
   std::printf(
       "{\"system\": \"tally\", \"ms_per_step\": %.1f, \"min_ms\": %.1f, \"tokens_per_s\": %.0f, \"gemm_peak_gflops\": %.0f, "
       "\"pct_gemm_peak\": %.1f, \"peak_rss_bytes\": %lld, \"peak_allocated_bytes\": %lld, \"reserved_bytes\": %lld, "
-      "\"predicted_min_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d}\n",
+      "\"live_after_forward_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d}\n",
       median, ms.front(), B * T / (median / 1e3), gemm_peak / 1e9, 100.0 * flops / (median / 1e3) / gemm_peak,
       static_cast<long long>(peak_rss_bytes()), static_cast<long long>(ledger.stats().peak_allocated),
-      static_cast<long long>(ledger.stats().reserved), static_cast<long long>(predicted),
+      static_cast<long long>(ledger.stats().reserved), static_cast<long long>(live_after_forward),
       static_cast<long long>(model.num_parameters()), loss_value, threads);
   return 0;
 }

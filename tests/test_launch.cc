@@ -179,3 +179,17 @@ TEST(Launch, KilledAtRandomPointsAndResumedTheRunEndsBitExactWithEveryLogRowOnce
   }
   EXPECT_EQ(expected_step, 101);
 }
+
+TEST(Launch, PlanPrintsEveryRanksPeakAsTextAndJsonAndRefusesWhatItDoesNotModel) {
+  Outcome text = run(std::string(TALLY_CLI) + " plan --model d2 --batch-size 4 --seq-len 64 --world 2 --zero 1");
+  EXPECT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_NE(text.output.find("predicted peak"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("head: logits"), std::string::npos) << text.output;
+  Outcome json = run(std::string(TALLY_CLI) + " plan --model d2 --world 2 --json");
+  EXPECT_EQ(json.exit_code, 0) << json.output;
+  EXPECT_NE(json.output.find("\"rank\": 1"), std::string::npos) << json.output;
+  EXPECT_NE(json.output.find("\"predicted_peak_bytes\""), std::string::npos) << json.output;
+  Outcome zero3 = run(std::string(TALLY_CLI) + " plan --model d2 --world 2 --zero 3");
+  EXPECT_EQ(zero3.exit_code, 1);
+  EXPECT_NE(zero3.output.find("tally: plan: --zero 3 is not modeled yet"), std::string::npos) << zero3.output;
+}

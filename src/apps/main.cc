@@ -15,6 +15,7 @@
 #include "dist/world.h"
 #include "io/model_files.h"
 #include "nn/transformer.h"
+#include "train/plan.h"
 #include "train/plot.h"
 #include "train/sampler.h"
 #include "train/trainer.h"
@@ -144,6 +145,35 @@ int run_sample(const SampleArgs& a) {
   return 0;
 }
 
+struct PlanArgs {
+  std::string model = "d6", model_file, init_from;
+  int64_t batch_size = 4, seq_len = 64, grad_accum = 1;
+  int world = 1, dp = 0, zero = 0;
+  bool val = false, json = false;
+};
+
+int run_plan(const PlanArgs& a) {
+  train::PlanInput in;
+  if (!a.model_file.empty()) in.model = io::read_llmc_gpt2_config(a.model_file);
+  else if (!a.init_from.empty()) in.model = io::read_hf_gpt2_config(a.init_from);
+  else in.model = nn::TransformerConfig::preset(a.model);
+  TALLY_CHECK(a.batch_size > 0 && a.seq_len > 0 && a.grad_accum > 0, "--batch-size, --seq-len and --grad-accum must be positive");
+  TALLY_CHECK(a.seq_len <= in.model.max_seq_len, "--seq-len ", a.seq_len, " exceeds the model's maximum sequence length ",
+              in.model.max_seq_len);
+  TALLY_CHECK(a.world >= 1, "--world must be at least 1, got ", a.world);
+  TALLY_CHECK(a.dp == 0 || a.dp == a.world, "--dp ", a.dp, " but --world ", a.world,
+              ": every rank is data-parallel until tensor and pipeline parallelism land");
+  in.batch_size = a.batch_size;
+  in.seq_len = a.seq_len;
+  in.grad_accum = a.grad_accum;
+  in.world = a.world;
+  in.zero = a.zero;
+  in.val_loader = a.val;
+  const train::MemoryPlan plan = train::plan_memory(in);
+  std::printf("%s\n", a.json ? train::plan_json(plan).c_str() : train::plan_text(plan, in).c_str());
+  return 0;
+}
+
 struct TokenizeArgs {
   std::string tokenizer;
   std::vector<std::string> inputs;
@@ -263,6 +293,19 @@ int main(int argc, char** argv) {
   k->add_option("inputs", ta.inputs, "Text files")->required()->check(CLI::ExistingFile);
 
   PlotArgs pa;
+  PlanArgs pl;
+  auto* q = app.add_subcommand("plan", "Predict every rank's memory peak and its parts for a training configuration, without running it");
+  q->add_option("--model", pl.model, "Preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, dN (depth N)")->capture_default_str();
+  q->add_option("--model-file", pl.model_file, "Plan for an llm.c GPT-2 model file's shape");
+  q->add_option("--init-from", pl.init_from, "Plan for a HuggingFace GPT-2 model.safetensors's shape");
+  q->add_option("--batch-size", pl.batch_size, "Sequences per microbatch (B)")->capture_default_str();
+  q->add_option("--seq-len", pl.seq_len, "Tokens per sequence (T)")->capture_default_str();
+  q->add_option("--grad-accum", pl.grad_accum, "Microbatches per step")->capture_default_str();
+  q->add_option("--world", pl.world, "Ranks the job would run on (mpirun -np)")->capture_default_str();
+  q->add_option("--dp", pl.dp, "Data-parallel ranks (0 = --world)")->capture_default_str();
+  q->add_option("--zero", pl.zero, "ZeRO stage (0 or 1 are planned so far)")->capture_default_str();
+  q->add_flag("--val", pl.val, "The run validates (--val-data): count its loader's buffers");
+  q->add_flag("--json", pl.json, "Print the plan as JSON");
   auto* p = app.add_subcommand("plot", "Draw the loss curves of one or more runs (their --log-json files) into one SVG");
   p->add_option("logs", pa.logs, "Logs written by `tally train --log-json`")->required()->check(CLI::ExistingFile);
   p->add_option("-o,--out", pa.out, "The SVG to write")->capture_default_str();
@@ -288,6 +331,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("sample")) return run_sample(sa);
     if (app.got_subcommand("tokenize")) return run_tokenize(ta);
     if (app.got_subcommand("plot")) return run_plot(pa);
+    if (app.got_subcommand("plan")) return run_plan(pl);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", error_message(e).c_str());
     return 1;

@@ -27,6 +27,7 @@
 #include "optim/adamw.h"
 #include "runtime/backend.h"
 #include "sanitizer/sanitizer.h"
+#include "train/plan.h"
 #include "train/plot.h"
 #include "train/step_log.h"
 #include "train/sampler.h"
@@ -351,7 +352,20 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
 
   sanitizer::Sanitizer sanitizer(mode);
   TrainResult result;
-  int64_t predicted_min = 0;
+  int64_t live_after_forward = 0;
+  // The plan: every rank's peak from the configuration alone, printed beside the measured one.
+  int64_t planned_peak = 0;
+  if (c.zero <= 1) {
+    PlanInput pi;
+    pi.model = mc;
+    pi.batch_size = B;
+    pi.seq_len = T;
+    pi.grad_accum = N;
+    pi.world = static_cast<int>(D);
+    pi.zero = c.zero;
+    pi.val_loader = val_loader != nullptr;
+    planned_peak = plan_memory(pi).ranks[static_cast<size_t>(dp_rank)].predicted_peak_bytes;
+  }
   const int64_t states_bytes = zero ? zero->footprint().total() : 16 * P;  // fp32 param, grad, m, v
 
   for (int64_t step = start_step; step < c.steps; ++step) {
@@ -367,12 +381,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
         // This rank's share of the global batch: microbatch mb*D + r of D*N.
         const data::Batch& batch = train_loader.batch_at(step, mb * D + dp_rank, N * D);
         Tensor loss = model->forward(batch.inputs, batch.targets).loss;
-        if (predicted_min == 0) {
-          // Activations this configuration must hold: what one microbatch keeps alive
-          // between forward and backward (read from the ledger, not estimated).
-          // At the end of the first forward, the live set is exactly model states +
-          // loader buffers + saved activations: the floor any schedule of this step needs.
-          predicted_min = ledger.stats().allocated;
+        if (live_after_forward == 0) {
+          // At the end of the first forward the live set is exactly model states + loader
+          // buffers + saved activations (measured; the plan predicts it).
+          live_after_forward = ledger.stats().allocated;
         }
         loss_sum += loss.item();  // R4: only the number escapes the microbatch
         (N * D == 1 ? loss : ops::scale(loss, 1.0 / static_cast<double>(N * D))).backward();
@@ -413,14 +425,24 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     m.reserved_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(s.reserved), dist::ReduceOp::Max));
     for (double p : everyone.all_gather_scalar(static_cast<double>(s.peak_allocated)))
       m.rank_peak_bytes.push_back(static_cast<int64_t>(p));
-    m.predicted_min_bytes = predicted_min;
+    m.live_after_forward_bytes = live_after_forward;
+    m.predicted_peak_bytes = planned_peak;
     m.peak_rss_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(peak_rss_bytes()), dist::ReduceOp::Max));
     if (step == start_step + 1 || (step == start_step && c.steps == start_step + 1)) {
       // From the second step on the peak is the steady one (the first also builds caches).
-      log("memory: measured peak %s = predicted minimum %s (params+grads+adam %s, activations and data of one "
+      log("memory: measured peak %s = live after forward %s (params+grads+adam %s, activations and data of one "
           "microbatch %s) + transients %s\n",
-          format_bytes(s.peak_allocated).c_str(), format_bytes(predicted_min).c_str(), format_bytes(states_bytes).c_str(),
-          format_bytes(predicted_min - states_bytes).c_str(), format_bytes(s.peak_allocated - predicted_min).c_str());
+          format_bytes(s.peak_allocated).c_str(), format_bytes(live_after_forward).c_str(), format_bytes(states_bytes).c_str(),
+          format_bytes(live_after_forward - states_bytes).c_str(), format_bytes(s.peak_allocated - live_after_forward).c_str());
+      if (planned_peak > 0) {
+        const double off = static_cast<double>(s.peak_allocated - planned_peak) / static_cast<double>(planned_peak);
+        log("memory: planned peak %s (tally plan), measured %s: %+.2f%%\n", format_bytes(planned_peak).c_str(),
+            format_bytes(s.peak_allocated).c_str(), 100.0 * off);
+        if (std::abs(off) > 0.05 && root)
+          std::fprintf(stderr, "tally: warning: rank %lld's measured peak %s is %+.1f%% off the plan %s; "
+                       "--mem-trace F.html shows who holds what\n", static_cast<long long>(world.rank()),
+                       format_bytes(s.peak_allocated).c_str(), 100.0 * off, format_bytes(planned_peak).c_str());
+      }
       if (D > 1) {
         const auto& st = s.allocated_by_category;
         const int64_t held = st[static_cast<int>(Category::Parameter)] + st[static_cast<int>(Category::Gradient)] +
@@ -452,7 +474,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     nlohmann::json j = {{"step", m.step},       {"loss", m.loss},           {"lr", m.lr},
                         {"grad_norm", m.grad_norm}, {"ms", m.ms},           {"tokens_per_s", m.tokens_per_s},
                         {"gemm_peak_frac", m.gemm_peak_frac}, {"live_bytes", m.live_bytes}, {"peak_bytes", m.peak_bytes},
-                        {"reserved_bytes", m.reserved_bytes}, {"predicted_min_bytes", m.predicted_min_bytes},
+                        {"reserved_bytes", m.reserved_bytes}, {"live_after_forward_bytes", m.live_after_forward_bytes},
+                        {"predicted_peak_bytes", m.predicted_peak_bytes},
                         {"rank_peak_bytes", m.rank_peak_bytes}, {"peak_rss_bytes", m.peak_rss_bytes},
                         {"tokens", m.step * tokens_per_step}};
     const bool last = step + 1 == c.steps;

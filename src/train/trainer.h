@@ -81,7 +81,8 @@ struct StepMetrics {
   int64_t live_bytes = 0;
   int64_t peak_bytes = 0;
   int64_t reserved_bytes = 0;
-  int64_t predicted_min_bytes = 0;
+  int64_t live_after_forward_bytes = 0;  // measured: model states + loader + one microbatch's saved activations
+  int64_t predicted_peak_bytes = 0;      // from the memory plan (plan.h); 0 where the plan does not model the mode
   std::vector<int64_t> rank_peak_bytes;  // one per rank (live_bytes and peak_bytes are the maxima)
   int64_t peak_rss_bytes = 0;            // the process's resident-set high-water mark (maximum over ranks)
 };

@@ -1,0 +1,116 @@
+#include "train/plan.h"
+
+#include <nlohmann/json.hpp>
+
+#include "core/checked.h"
+#include "memory/report.h"
+
+namespace tally::train {
+
+namespace {
+
+constexpr int64_t kFloat = 4;
+
+// Parameters per unit in the block's order: the embeddings, each layer, the final norm
+// (nn/parameters.h). A GPT-2 layer: two norms (2C each), qkv (3C^2 + 3C), the attention
+// projection (C^2 + C), the MLP (4C^2 + 4C and 4C^2 + C): 12C^2 + 13C.
+std::vector<int64_t> unit_numels(const nn::TransformerConfig& c) {
+  const int64_t C = c.n_embd;
+  std::vector<int64_t> units;
+  units.push_back(checked_add(checked_mul(c.padded_vocab_size, C, "plan: wte"), checked_mul(c.max_seq_len, C, "plan: wpe"),
+                              "plan: embeddings"));
+  const int64_t layer = checked_add(checked_product({12, C, C}, "plan: layer"), 13 * C, "plan: layer");
+  for (int64_t l = 0; l < c.n_layer; ++l) units.push_back(layer);
+  units.push_back(2 * C);
+  return units;
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const PlanInput& in) {
+  const auto& c = in.model;
+  TALLY_CHECK(c.family == nn::TransformerConfig::Family::Gpt2, "plan: only GPT-2 models are planned so far");
+  TALLY_CHECK(in.zero == 0 || in.zero == 1, "plan: --zero ", in.zero,
+              " is not modeled yet (its gradient staging and gathered units are); stages 0 and 1 are");
+  TALLY_CHECK(in.world >= 1, "plan: --world must be at least 1, got ", in.world);
+  const int64_t D = in.world, B = in.batch_size, T = in.seq_len, C = c.n_embd, H = c.n_head, L = c.n_layer;
+  const int64_t Vp = c.padded_vocab_size;
+  const int64_t BT = checked_mul(B, T, "plan: --batch-size x --seq-len");
+
+  const std::vector<int64_t> units = unit_numels(c);
+  int64_t P = 0, piece_total = 0;
+  for (int64_t n : units) {
+    P = checked_add(P, n, "plan: parameters");
+    piece_total += (n + D - 1) / D;  // ZeRO pads each unit to D equal pieces
+  }
+
+  MemoryPlan plan;
+  // Activations of one microbatch, by kind over all layers (floats per token, times B*T).
+  auto act = [&](const char* kind, int64_t floats_per_token) {
+    plan.activations_by_kind.emplace_back(kind, checked_product({floats_per_token, BT, kFloat}, "plan: activations"));
+  };
+  act("residual stream (x, x + attention)", 2 * C * L);
+  act("layernorm outputs", 2 * C * L);
+  act("layernorm mean and rstd", 4 * L);
+  act("q, k, v", 3 * C * L);
+  act("attention output", C * L);
+  act("attention log-sum-exp", H * L);
+  act("MLP pre- and post-GELU", 8 * C * L);
+  act("head: last residual and final norm output", 2 * C);
+  act("head: final norm mean and rstd", 2);
+  act("head: logits", Vp);
+  act("head: cross-entropy log-sum-exp", 1);
+  int64_t activations = 0;
+  for (const auto& [kind, bytes] : plan.activations_by_kind) activations = checked_add(activations, bytes, "plan");
+
+  const int64_t loader = (in.val_loader ? 2 : 1) * 2 * BT * kFloat;
+  // At the peak (the start of backward): dL/d(final norm output) is allocated while the
+  // cross-entropy's log-sum-exp has been freed.
+  const int64_t transient = BT * C * kFloat - BT * kFloat;
+  const int64_t moments = in.zero == 0 ? 2 * P * kFloat : 2 * piece_total * kFloat;
+  for (int r = 0; r < in.world; ++r) {
+    RankPlan rp;
+    rp.rank = r;
+    rp.parts = {{"parameters", P * kFloat},
+                {"gradients", P * kFloat},
+                {in.zero ? "optimizer state (AdamW m, v: this rank's pieces)" : "optimizer state (AdamW m, v)", moments},
+                {"activations (one microbatch)", activations},
+                {"loader buffers", loader},
+                {"transient at the peak", transient},
+                // The loss (and, when scaled by 1/(N*D), its scaled copy): scalars.
+                {"loss", in.grad_accum * D > 1 ? 2 * kFloat : kFloat}};
+    for (const auto& [name, bytes] : rp.parts) rp.predicted_peak_bytes += bytes;
+    plan.ranks.push_back(rp);
+  }
+  return plan;
+}
+
+std::string plan_text(const MemoryPlan& plan, const PlanInput& in) {
+  std::string out = "plan: " + in.model.describe() + ", batch " + std::to_string(in.batch_size) + " x " +
+                    std::to_string(in.seq_len) + ", grad-accum " + std::to_string(in.grad_accum) + ", " +
+                    std::to_string(in.world) + " rank(s), zero " + std::to_string(in.zero) + "\n";
+  // Ranks are symmetric today; print each distinct one once.
+  for (const RankPlan& r : plan.ranks) {
+    if (r.rank > 0 && r.parts == plan.ranks[0].parts) continue;
+    out += "rank " + std::to_string(r.rank) + (plan.ranks.size() > 1 ? " (and every rank like it)" : "") +
+           ": predicted peak " + memory::format_bytes(r.predicted_peak_bytes) + "\n";
+    for (const auto& [name, bytes] : r.parts) out += "  " + memory::format_bytes(bytes) + "  " + name + "\n";
+  }
+  out += "activations of one microbatch, by kind:\n";
+  for (const auto& [kind, bytes] : plan.activations_by_kind) out += "  " + memory::format_bytes(bytes) + "  " + kind + "\n";
+  return out;
+}
+
+std::string plan_json(const MemoryPlan& plan) {
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const RankPlan& r : plan.ranks) {
+    nlohmann::json parts = nlohmann::json::object();
+    for (const auto& [name, bytes] : r.parts) parts[name] = bytes;
+    ranks.push_back({{"rank", r.rank}, {"predicted_peak_bytes", r.predicted_peak_bytes}, {"parts", parts}});
+  }
+  nlohmann::json activations = nlohmann::json::object();
+  for (const auto& [kind, bytes] : plan.activations_by_kind) activations[kind] = bytes;
+  return nlohmann::json{{"ranks", ranks}, {"activations", activations}}.dump(2);
+}
+
+}  // namespace tally::train

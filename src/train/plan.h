@@ -1,0 +1,59 @@
+// The memory plan: every rank's peak, predicted from the configuration alone (no model
+// memory is allocated), with its parts. `tally plan` prints it; the trainer prints it
+// beside the measured peak and warns when they differ by more than 5%.
+//
+// Every term is a formula over the model's shape and the batch (as llm.c sizes its
+// buffers up front), in bytes, fp32:
+//   model states   parameters 4P, gradients 4P, AdamW moments 8P; ZeRO-1 keeps the moments
+//                  of this rank's piece of each unit (units padded to a multiple of D)
+//   activations    what one microbatch saves for backward, by layer and kind (below);
+//                  microbatches run one after another, so one microbatch's worth is live
+//   loader         the (B, T) int32 inputs and targets of the train (and val) loader
+//   transient      at the peak: the first gradient of backward, dL/d(final norm output)
+//                  (B*T*C), while the cross-entropy's saved log-sum-exp (B*T) is already
+//                  freed and the logits' gradient is written in place of the logits
+//   loss           the loss scalar, and its copy scaled by 1/(N*D) when N*D > 1
+// Activations per token of a GPT-2 layer (floats): the residual input x and the middle
+// residual (2C, saved by the two layernorms), each norm's output (2C, saved by the next
+// linear) and its mean and rstd (4), q/k/v (3C) and the attention output (C), the
+// attention's log-sum-exp (H per token), the MLP's pre-GELU and post-GELU (8C):
+// 16C + 4 + H. The head saves the last residual and the final norm's output (2C), its
+// mean and rstd (2), the logits (Vp) and the cross-entropy's log-sum-exp (1).
+//
+// ZeRO stages 2 and 3 add gradient staging and gathered units whose peak moment depends on
+// the unit sizes; they are not modeled yet and are refused with a message saying so.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "nn/transformer.h"
+
+namespace tally::train {
+
+struct PlanInput {
+  nn::TransformerConfig model;
+  int64_t batch_size = 4, seq_len = 64, grad_accum = 1;
+  int world = 1;  // ranks; all are data-parallel today
+  int zero = 0;
+  bool val_loader = false;
+};
+
+struct RankPlan {
+  int rank = 0;
+  std::vector<std::pair<std::string, int64_t>> parts;  // name -> bytes, in the order printed
+  int64_t predicted_peak_bytes = 0;
+};
+
+struct MemoryPlan {
+  std::vector<RankPlan> ranks;
+  std::vector<std::pair<std::string, int64_t>> activations_by_kind;  // one microbatch, all layers
+};
+
+MemoryPlan plan_memory(const PlanInput& input);
+std::string plan_text(const MemoryPlan& plan, const PlanInput& input);
+// {"ranks": [{"rank": 0, "predicted_peak_bytes": N, "parts": {...}}, ...], "activations": {...}}
+std::string plan_json(const MemoryPlan& plan);
+
+}  // namespace tally::train

@@ -1,0 +1,99 @@
+// The memory plan against the ledger: the peak predicted from the configuration alone must
+// equal the peak measured in training, for several shapes (the issue asks for 2%; in one
+// process every byte at the peak has a term). The multi-rank modes are checked in
+// test_dist.cc.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include <nlohmann/json.hpp>
+
+#include "io/model_files.h"
+#include "support.h"
+#include "train/plan.h"
+#include "train/trainer.h"
+
+using namespace tally;
+
+namespace {
+
+struct Shape3 {
+  std::string model;  // preset, or "" for the 97-token fixture
+  int64_t batch, seq, accum;
+  bool val;
+};
+
+}  // namespace
+
+TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
+  const std::vector<Shape3> shapes = {
+      {"", 2, 16, 1, false}, {"", 4, 32, 2, true}, {"d1", 2, 32, 1, false}, {"d2", 4, 16, 2, true}, {"d2", 1, 64, 1, false}};
+  for (const Shape3& s : shapes) {
+    train::TrainConfig c;
+    if (s.model.empty()) c.model_file = test::fixture_path("gpt2_tiny.bin");
+    else c.model = s.model;
+    const nn::TransformerConfig mc =
+        s.model.empty() ? io::read_llmc_gpt2_config(c.model_file) : nn::TransformerConfig::preset(s.model);
+    c.train_data = test::write_random_shard("train.bin", 20000, static_cast<int>(mc.vocab_size), 3);
+    if (s.val) c.val_data = c.train_data;
+    c.batch_size = s.batch;
+    c.seq_len = s.seq;
+    c.grad_accum = s.accum;
+    c.steps = 2;
+    c.val_every = 0;
+    c.val_batches = 1;
+    c.quiet = true;
+    c.sample_every = -1;
+    c.threads = 1;
+    c.out_dir = test::temp_path("out");
+    const train::TrainResult r = train::run_training(c);
+    const int64_t measured = r.history.back().peak_bytes;
+    train::PlanInput in;
+    in.model = mc;
+    in.batch_size = s.batch;
+    in.seq_len = s.seq;
+    in.grad_accum = s.accum;
+    in.val_loader = s.val;
+    const int64_t planned = train::plan_memory(in).ranks[0].predicted_peak_bytes;
+    EXPECT_EQ(r.history.back().predicted_peak_bytes, planned);
+    // The plan is exact here: every allocation alive at the peak has a term.
+    EXPECT_EQ(measured, planned) << (s.model.empty() ? "fixture" : s.model) << " B" << s.batch << " T" << s.seq
+                                 << " accum " << s.accum;
+  }
+}
+
+TEST(Plan, PartsAddUpAndFollowTheirFormulas) {
+  train::PlanInput in;
+  in.model = nn::TransformerConfig::preset("gpt2");
+  in.batch_size = 4;
+  in.seq_len = 1024;
+  in.world = 4;
+  in.zero = 1;
+  const train::MemoryPlan plan = train::plan_memory(in);
+  ASSERT_EQ(plan.ranks.size(), 4u);
+  const auto& parts = plan.ranks[0].parts;
+  int64_t sum = 0;
+  for (const auto& [name, bytes] : parts) sum += bytes;
+  EXPECT_EQ(sum, plan.ranks[0].predicted_peak_bytes);
+  const int64_t P = 124475904;  // GPT-2 124M with the vocabulary padded to 50304
+  EXPECT_EQ(parts[0].second, 4 * P);
+  EXPECT_EQ(parts[1].second, 4 * P);
+  EXPECT_NEAR(static_cast<double>(parts[2].second), 8.0 * P / 4, 8.0 * 16);  // a piece per unit, padded
+  // Logits of one microbatch: B*T*Vp floats.
+  int64_t logits = 0;
+  for (const auto& [kind, bytes] : plan.activations_by_kind)
+    if (kind == "head: logits") logits = bytes;
+  EXPECT_EQ(logits, int64_t{4} * 1024 * 50304 * 4);
+  const std::string json = train::plan_json(plan);
+  const auto j = nlohmann::json::parse(json);
+  EXPECT_EQ(j["ranks"].size(), 4u);
+  EXPECT_EQ(j["ranks"][3]["predicted_peak_bytes"].get<int64_t>(), plan.ranks[3].predicted_peak_bytes);
+}
+
+TEST(Plan, ModesNotModeledYetAreRefusedNotGuessed) {
+  train::PlanInput in;
+  in.model = nn::TransformerConfig::preset("d2");
+  in.world = 2;
+  in.zero = 3;
+  EXPECT_NE(test::message_of<Error>([&] { train::plan_memory(in); }).find("--zero 3 is not modeled yet"), std::string::npos);
+}
