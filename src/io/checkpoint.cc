@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/crash_point.h"
 #include "io/atomic_file.h"
 #include "io/checksum.h"
 #include "io/model_files.h"
@@ -100,18 +101,24 @@ std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& m
       out.commit();
     }
     sync_directory(tmp_dir);
+    crash_point("checkpoint-written", state.step);
     // Re-saving a step: the old directory is moved aside, not deleted, until the new one is
     // in place, so at every instant `latest` names a complete checkpoint (or its ".old",
     // which recover_out_dir and resolve_checkpoint move back).
     const std::string aside = final_dir + ".old";
     fs::remove_all(aside);
-    if (fs::exists(final_dir)) fs::rename(final_dir, aside);
+    if (fs::exists(final_dir)) {
+      fs::rename(final_dir, aside);
+      crash_point("checkpoint-aside", state.step);
+    }
     fs::rename(tmp_dir, final_dir);
     sync_directory(out_dir);
+    crash_point("checkpoint-renamed", state.step);
     AtomicFile latest((fs::path(out_dir) / "latest").string());
     std::string name = step_dir_name(state.step) + "\n";
     latest.write(name.data(), name.size());
     latest.commit();
+    crash_point("checkpoint-latest", state.step);
     fs::remove_all(aside);
   }
   world.world().barrier();  // nobody moves on (or reads `latest`) before the writer is done

@@ -14,6 +14,7 @@
 
 #include "autograd/grad_mode.h"
 #include "core/checked.h"
+#include "core/crash_point.h"
 #include "data/loader.h"
 #include "data/tokenizer.h"
 #include "dist/data_parallel.h"
@@ -499,6 +500,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     // The row goes to the log before the checkpoint: a checkpointed step always has its row.
     const bool checkpoint = c.save_every > 0 && (m.step % c.save_every == 0 || last);
     if (json_log) json_log->append(j.dump());
+    crash_point("row", m.step);
     if (rank_json_log) {
       j["rank"] = world.rank();
       j["rank_live_bytes"] = s.allocated;
@@ -514,6 +516,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       st.recipe = recipe;
       result.last_checkpoint = io::save_checkpoint(c.out_dir, *model, opt, st, world);
       log("saved %s\n", result.last_checkpoint.c_str());
+      crash_point("checkpoint", m.step);
     }
     result.history.push_back(m);
     result.final_loss = m.loss;
