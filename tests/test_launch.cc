@@ -121,6 +121,16 @@ TEST(Launch, SampleReadsATrainingOutDirAndDrawsSeveralSamples) {
 
   const std::string empty_dir = test::temp_path("empty_dir");
   std::filesystem::create_directories(empty_dir);
+  // Flags that were silently ignored or produced garbage.
+  for (const auto& [flags, expected] :
+       std::vector<std::pair<std::string, std::string>>{{"--prompt Hello", "--prompt needs --tokenizer"},
+                                                        {"--temperature nan", "--temperature must be a finite number"},
+                                                        {"--top-k -1", "--top-k must be >= 0"},
+                                                        {"--threads 100000", "--threads must be in 0..1024"}}) {
+    Outcome bad = run(std::string(TALLY_CLI) + " sample --model-file " + out + " " + flags);
+    EXPECT_EQ(bad.exit_code, 1) << flags;
+    EXPECT_NE(bad.output.find("tally: " + expected), std::string::npos) << flags << ": " << bad.output;
+  }
   Outcome nothing = run(std::string(TALLY_CLI) + " sample --model-file " + empty_dir);
   EXPECT_EQ(nothing.exit_code, 1);
   EXPECT_NE(nothing.output.find("neither model.bin"), std::string::npos) << nothing.output;
