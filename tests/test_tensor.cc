@@ -188,8 +188,8 @@ TEST(Ledger, WritesASelfContainedHtmlReportWithPlotAndLargestOwners) {
   std::ifstream in(path);
   std::string text((std::istreambuf_iterator<char>(in)), {});
   EXPECT_NE(text.find("<svg"), std::string::npos);
-  EXPECT_NE(text.find("peak 1.00 MiB"), std::string::npos) << text.substr(0, 400);
-  EXPECT_NE(text.find("h.0.mlp&lt;fc>"), std::string::npos);  // owner names are escaped
+  EXPECT_NE(text.find("peak <b>1.00 MiB</b>"), std::string::npos) << text.substr(0, 400);
+  EXPECT_NE(text.find("h.0.mlp&lt;fc&gt;"), std::string::npos);  // owner names are escaped
   EXPECT_EQ(text.find("<script"), std::string::npos);         // self-contained, nothing to run
   L.clear_history();
 }

@@ -14,6 +14,7 @@
 #include "data/tokenizer.h"
 #include "dist/world.h"
 #include "io/model_files.h"
+#include "memory/report.h"
 #include "nn/transformer.h"
 #include "train/plan.h"
 #include "train/plot.h"
@@ -174,6 +175,22 @@ int run_plan(const PlanArgs& a) {
   return 0;
 }
 
+struct MemoryArgs {
+  std::string trace, other, out = "memory.html";
+};
+
+int run_memory_report(const MemoryArgs& a) {
+  const memory::MemoryTrace trace = memory::read_memory_trace(a.trace);
+  memory::write_html_report(a.out, trace.events, trace.plan);
+  std::printf("wrote %s (%zu events)\n", a.out.c_str(), trace.events.size());
+  return 0;
+}
+
+int run_memory_diff(const MemoryArgs& a) {
+  std::printf("%s", memory::diff_memory_traces(memory::read_memory_trace(a.trace), memory::read_memory_trace(a.other)).c_str());
+  return 0;
+}
+
 struct TokenizeArgs {
   std::string tokenizer;
   std::vector<std::string> inputs;
@@ -293,6 +310,16 @@ int main(int argc, char** argv) {
   k->add_option("inputs", ta.inputs, "Text files")->required()->check(CLI::ExistingFile);
 
   PlotArgs pa;
+  MemoryArgs ma;
+  auto* mem = app.add_subcommand("memory", "Memory tools over traces written by `tally train --mem-trace F.json`");
+  mem->require_subcommand(1);
+  auto* mr = mem->add_subcommand("report", "Draw a trace as a self-contained HTML page: live bytes by category and owner, "
+                                           "step bands, who holds the peak, the plan beside it");
+  mr->add_option("trace", ma.trace, "A trace (.json) from --mem-trace")->required()->check(CLI::ExistingFile);
+  mr->add_option("-o,--out", ma.out, "The HTML page to write")->capture_default_str();
+  auto* md = mem->add_subcommand("diff", "Which owners held more or less in trace B than in A, and from which step");
+  md->add_option("a", ma.trace, "Trace A (.json)")->required()->check(CLI::ExistingFile);
+  md->add_option("b", ma.other, "Trace B (.json)")->required()->check(CLI::ExistingFile);
   PlanArgs pl;
   auto* q = app.add_subcommand("plan", "Predict every rank's memory peak and its parts for a training configuration, without running it");
   q->add_option("--model", pl.model, "Preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, dN (depth N)")->capture_default_str();
@@ -332,6 +359,8 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("tokenize")) return run_tokenize(ta);
     if (app.got_subcommand("plot")) return run_plot(pa);
     if (app.got_subcommand("plan")) return run_plan(pl);
+    if (mr->parsed()) return run_memory_report(ma);
+    if (md->parsed()) return run_memory_diff(ma);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", error_message(e).c_str());
     return 1;

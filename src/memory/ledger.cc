@@ -51,7 +51,7 @@ uint32_t Ledger::record_alloc(int64_t bytes, const OwnerTag& owner, std::weak_pt
   rec.stack.reset();
   if (history_enabled_) {
     if (history_stacks_) rec.stack = capture_stack();
-    history_.push_back({now_us(), bytes, owner.category, owner.name, owner.step, owner.microbatch, rec.stack, false});
+    history_.push_back({now_us(), bytes, owner.category, owner.name, owner.step, owner.microbatch, rec.stack, false, id});
   }
   *id_out = id;
   return slot;
@@ -77,7 +77,7 @@ void Ledger::record_free(uint32_t slot, uint64_t id) {
   stats_.num_frees++;
   if (history_enabled_) {
     history_.push_back({now_us(), -rec->bytes, rec->owner.category, rec->owner.name, rec->owner.step,
-                        rec->owner.microbatch, nullptr, false});
+                        rec->owner.microbatch, nullptr, false, rec->id});
   }
   rec->id = 0;
   rec->storage.reset();
@@ -109,8 +109,8 @@ void Ledger::record_retag(uint32_t slot, uint64_t id, Category category) {
   if (!was_persistent && now_persistent) stats_.live_non_persistent -= bytes;
   if (history_enabled_) {  // a move between categories: -bytes from the old, +bytes to the new
     const double t = now_us();
-    history_.push_back({t, -bytes, previous, owner.name, owner.step, owner.microbatch, nullptr, true});
-    history_.push_back({t, bytes, category, owner.name, owner.step, owner.microbatch, nullptr, true});
+    history_.push_back({t, -bytes, previous, owner.name, owner.step, owner.microbatch, nullptr, true, id});
+    history_.push_back({t, bytes, category, owner.name, owner.step, owner.microbatch, nullptr, true, id});
   }
 }
 

@@ -57,6 +57,7 @@ struct MemoryEvent {
   int64_t microbatch = -1;
   std::shared_ptr<const StackTrace> stack;
   bool retag = false;  // one half of a category change, not an allocation or a free
+  uint64_t id = 0;     // the allocation's id: pairs a free (or retag) with its allocation
 };
 
 class CachingAllocator;

@@ -11,6 +11,9 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <unordered_map>
+#include <set>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -64,8 +67,8 @@ std::string format_bytes(int64_t bytes) {
   return buf;
 }
 
-void write_chrome_trace(const std::string& path, const std::vector<MemoryEvent>& events,
-                        int64_t instant_min_bytes) {
+void write_chrome_trace(const std::string& path, const std::vector<MemoryEvent>& events, int64_t instant_min_bytes,
+                        const PlanParts& plan) {
   using nlohmann::json;
   json trace_events = json::array();
   std::array<int64_t, kNumCategories> current{};
@@ -86,68 +89,309 @@ void write_chrome_trace(const std::string& path, const std::vector<MemoryEvent>&
                               {"ts", ev.time_us}, {"pid", 0}, {"tid", 0}, {"args", iargs}});
     }
   }
-  json doc = {{"traceEvents", trace_events}, {"displayTimeUnit", "ms"}};
+  // Every event, compactly, for `tally memory report` and `tally memory diff` (Perfetto and
+  // Chrome ignore keys they do not know): [time_us, delta, category, owner, step,
+  // microbatch, id, retag], owners as indices into a name table.
+  json owners = json::array(), compact = json::array();
+  std::unordered_map<NameId, int64_t> owner_index;
+  for (const MemoryEvent& ev : events) {
+    auto [it, inserted] = owner_index.emplace(ev.name, static_cast<int64_t>(owner_index.size()));
+    if (inserted) owners.push_back(name_of(ev.name));
+    compact.push_back({ev.time_us, ev.delta, static_cast<int>(ev.category), it->second, ev.step, ev.microbatch, ev.id,
+                       ev.retag ? 1 : 0});
+  }
+  json plan_json = json::array();  // [part, bytes] pairs, in the plan's order
+  for (const auto& [part, bytes] : plan) plan_json.push_back({part, bytes});
+  json categories = json::array();
+  for (int c = 0; c < kNumCategories; ++c) categories.push_back(category_name(static_cast<Category>(c)));
+  json doc = {{"traceEvents", trace_events},
+              {"displayTimeUnit", "ms"},
+              {"tally_memory", {{"version", 1}, {"categories", categories}, {"owners", owners}, {"plan", plan_json},
+                                {"events", compact}}}};
   write_whole_file(path, doc.dump(), "memory trace");
 }
 
-void write_html_report(const std::string& path, const std::vector<MemoryEvent>& events) {
-  // Sample the per-category running totals at every event, then draw one stacked polyline
-  // per category (areas would need a stacking pass; lines of cumulative sums read the same).
-  std::vector<double> times;
-  std::vector<std::array<double, kNumCategories + 1>> cumulative;  // stacked sums, [0] = 0
-  std::array<int64_t, kNumCategories> current{};
-  int64_t peak = 0;
-  double peak_time = 0;
-  for (const MemoryEvent& ev : events) {
-    current[static_cast<int>(ev.category)] += ev.delta;
-    std::array<double, kNumCategories + 1> row{};
-    for (int c = 0; c < kNumCategories; ++c) row[c + 1] = row[c] + static_cast<double>(current[c]);
-    if (row[kNumCategories] > peak) peak = static_cast<int64_t>(row[kNumCategories]), peak_time = ev.time_us;
-    times.push_back(ev.time_us);
-    cumulative.push_back(row);
-  }
-  const double W = 1000, H = 400;
-  const double t0 = times.empty() ? 0 : times.front(), t1 = times.empty() ? 1 : std::max(times.back(), t0 + 1);
-  const double ymax = std::max<double>(static_cast<double>(peak), 1);
-  static const char* colours[kNumCategories] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-                                                "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"};
-  std::string html = "<!doctype html><html><head><meta charset='utf-8'><title>tally memory report</title>"
-                     "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 10px;text-align:right}</style>"
-                     "</head><body><h1>tally memory report</h1>";
-  html += "<p>" + std::to_string(events.size()) + " alloc/free events; peak " + format_bytes(peak) + " at " +
-          std::to_string(static_cast<int64_t>((peak_time - t0) / 1000)) + " ms.</p>";
-  html += "<svg width='" + std::to_string(static_cast<int>(W) + 220) + "' height='" + std::to_string(static_cast<int>(H) + 40) +
-          "' xmlns='http://www.w3.org/2000/svg'><rect x='0' y='0' width='" + std::to_string(static_cast<int>(W)) +
-          "' height='" + std::to_string(static_cast<int>(H)) + "' fill='#fafafa' stroke='#ccc'/>";
-  for (int c = 0; c < kNumCategories; ++c) {
-    std::string points;
-    for (size_t i = 0; i < times.size(); i += std::max<size_t>(1, times.size() / 4000)) {
-      char buf[64];
-      std::snprintf(buf, sizeof buf, "%.1f,%.1f ", (times[i] - t0) / (t1 - t0) * W, H - cumulative[i][c + 1] / ymax * H);
-      points += buf;
+MemoryTrace read_memory_trace(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TALLY_CHECK(in.good(), "memory trace '", path, "': cannot open");
+  MemoryTrace trace;
+  try {
+    const nlohmann::json doc = nlohmann::json::parse(in);
+    TALLY_CHECK(doc.is_object() && doc.contains("tally_memory"), "memory trace '", path,
+                "': no tally_memory section (write it with `tally train --mem-trace F.json`)");
+    const auto& t = doc["tally_memory"];
+    TALLY_CHECK(t.value("version", 0) == 1, "memory trace '", path, "': version ", t.value("version", 0), ", expected 1");
+    std::vector<NameId> names;
+    for (const auto& o : t.at("owners")) names.push_back(intern_name(o.get<std::string>()));
+    for (const auto& part : t.at("plan")) trace.plan.emplace_back(part.at(0).get<std::string>(), part.at(1).get<int64_t>());
+    for (const auto& e : t.at("events")) {
+      TALLY_CHECK(e.is_array() && e.size() == 8, "memory trace '", path, "': an event is not an array of 8 numbers");
+      MemoryEvent ev;
+      ev.time_us = e[0].get<double>();
+      ev.delta = e[1].get<int64_t>();
+      const int c = e[2].get<int>();
+      const int64_t o = e[3].get<int64_t>();
+      TALLY_CHECK(c >= 0 && c < kNumCategories && o >= 0 && o < static_cast<int64_t>(names.size()), "memory trace '", path,
+                  "': an event names category ", c, " or owner ", o, ", which do not exist");
+      ev.category = static_cast<Category>(c);
+      ev.name = names[static_cast<size_t>(o)];
+      ev.step = e[4].get<int64_t>();
+      ev.microbatch = e[5].get<int64_t>();
+      ev.id = e[6].get<uint64_t>();
+      ev.retag = e[7].get<int>() != 0;
+      trace.events.push_back(ev);
     }
-    html += std::string("<polyline fill='none' stroke='") + colours[c] + "' stroke-width='1.5' points='" + points + "'/>";
-    html += "<text x='" + std::to_string(static_cast<int>(W) + 10) + "' y='" + std::to_string(20 + 20 * c) + "' fill='" +
-            colours[c] + "'>" + category_name(static_cast<Category>(c)) + " (cumulative)</text>";
+  } catch (const nlohmann::json::exception& e) {
+    TALLY_FAIL("memory trace '", path, "': ", e.what());
   }
-  html += "<text x='4' y='" + std::to_string(static_cast<int>(H) + 20) + "'>0</text><text x='" +
-          std::to_string(static_cast<int>(W) - 80) + "' y='" + std::to_string(static_cast<int>(H) + 20) + "'>" +
-          std::to_string(static_cast<int64_t>((t1 - t0) / 1000)) + " ms</text></svg>";
-  // The largest allocations seen, with their owners.
-  std::vector<const MemoryEvent*> allocs;
-  for (const MemoryEvent& ev : events)
-    if (ev.delta > 0 && !ev.retag) allocs.push_back(&ev);
-  std::sort(allocs.begin(), allocs.end(), [](auto* a, auto* b) { return a->delta > b->delta; });
-  html += "<h2>Largest allocations</h2><table><tr><th>size</th><th>category</th><th>owner</th><th>step</th><th>microbatch</th></tr>";
-  for (size_t i = 0; i < allocs.size() && i < 30; ++i) {
-    std::string owner;
-    for (char ch : name_of(allocs[i]->name)) owner += ch == '<' ? std::string("&lt;") : ch == '&' ? std::string("&amp;") : std::string(1, ch);
-    html += "<tr><td>" + format_bytes(allocs[i]->delta) + "</td><td>" + category_name(allocs[i]->category) + "</td><td>" +
-            owner + "</td><td>" + std::to_string(allocs[i]->step) + "</td><td>" + std::to_string(allocs[i]->microbatch) +
-            "</td></tr>";
+  return trace;
+}
+
+namespace {
+
+std::string escape_html(const std::string& text) {
+  std::string out;
+  for (char ch : text) out += ch == '<' ? std::string("&lt;") : ch == '>' ? std::string("&gt;") : ch == '&' ? std::string("&amp;") : std::string(1, ch);
+  return out;
+}
+
+// The step an event happened in: allocations carry their step; frees carry the step their
+// allocation was born in, so the current step is the latest seen so far.
+std::vector<int64_t> current_steps(const std::vector<MemoryEvent>& events) {
+  std::vector<int64_t> steps;
+  int64_t now = -1;
+  for (const MemoryEvent& ev : events) {
+    if (ev.delta > 0 && !ev.retag) now = std::max(now, ev.step);
+    steps.push_back(now);
   }
-  html += "</table></body></html>\n";
+  return steps;
+}
+
+// One stacked-area chart: layer k's live bytes at each sampled event.
+std::string stacked_areas(const std::vector<double>& times, const std::vector<std::vector<double>>& layers,
+                          const std::vector<std::string>& names, const std::vector<int64_t>& steps, double ymax,
+                          const char* id) {
+  static const char* colours[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+                                  "#7f7f7f", "#bcbd22", "#17becf"};
+  const double W = 900, H = 320, L = 70;
+  const double t0 = times.empty() ? 0 : times.front(), t1 = times.empty() ? 1 : std::max(times.back(), t0 + 1);
+  auto x = [&](double t) { return L + (t - t0) / (t1 - t0) * W; };
+  auto y = [&](double bytes) { return 10 + H - bytes / ymax * H; };
+  std::string svg = "<svg id='" + std::string(id) + "' width='" + std::to_string(static_cast<int>(L + W + 260)) +
+                    "' height='" + std::to_string(static_cast<int>(H + 50)) + "' xmlns='http://www.w3.org/2000/svg'>";
+  // Step bands: alternate shading, labelled.
+  for (size_t i = 0; i < times.size();) {
+    size_t j = i;
+    while (j < times.size() && steps[j] == steps[i]) ++j;
+    const double xa = x(times[i]), xb = x(j < times.size() ? times[j] : times.back());
+    if (steps[i] >= 0) {
+      char buf[256];
+      std::snprintf(buf, sizeof buf,
+                    "<rect class='stepband' x='%.1f' y='10' width='%.1f' height='%.0f' fill='%s'/>"
+                    "<text x='%.1f' y='%.0f' font-size='10' fill='#888'>step %lld</text>",
+                    xa, std::max(0.0, xb - xa), H, steps[i] % 2 ? "#f4f4f4" : "#fbfbfb", xa + 2, H + 24,
+                    static_cast<long long>(steps[i] + 1));
+      svg += buf;
+    }
+    i = j;
+  }
+  std::vector<double> below(times.size(), 0.0);
+  for (size_t k = 0; k < layers.size(); ++k) {
+    std::string top, bottom;
+    for (size_t i = 0; i < times.size(); ++i) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.1f,%.1f ", x(times[i]), y(below[i] + layers[k][i]));
+      top += buf;
+    }
+    for (size_t i = times.size(); i-- > 0;) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.1f,%.1f ", x(times[i]), y(below[i]));
+      bottom += buf;
+      below[i] += layers[k][i];
+    }
+    const char* colour = colours[k % (sizeof colours / sizeof colours[0])];
+    svg += std::string("<polygon class='layer' fill='") + colour + "' fill-opacity='0.8' points='" + top + bottom + "'/>";
+    svg += "<rect x='" + std::to_string(static_cast<int>(L + W + 10)) + "' y='" + std::to_string(12 + 18 * k) +
+           "' width='10' height='10' fill='" + colour + "'/><text class='legend' x='" +
+           std::to_string(static_cast<int>(L + W + 26)) + "' y='" + std::to_string(21 + 18 * k) + "' font-size='12'>" +
+           escape_html(names[k]) + "</text>";
+  }
+  svg += "<text x='2' y='18' font-size='11'>" + format_bytes(static_cast<int64_t>(ymax)) + "</text><text x='2' y='" +
+         std::to_string(static_cast<int>(H + 10)) + "' font-size='11'>0</text><text x='" + std::to_string(static_cast<int>(L + W - 60)) +
+         "' y='" + std::to_string(static_cast<int>(H + 40)) + "' font-size='11'>" +
+         std::to_string(static_cast<int64_t>((t1 - t0) / 1000)) + " ms</text></svg>";
+  return svg;
+}
+
+}  // namespace
+
+void write_html_report(const std::string& path, const std::vector<MemoryEvent>& events, const PlanParts& plan) {
+  // Replay: live bytes per category and per owner, the peak moment, and who is alive then.
+  std::array<int64_t, kNumCategories> by_category{};
+  std::unordered_map<NameId, int64_t> by_owner;
+  std::unordered_map<uint64_t, const MemoryEvent*> live;  // id -> its allocation
+  int64_t total = 0, peak = 0;
+  size_t peak_index = 0;
+  for (size_t i = 0; i < events.size(); ++i) {
+    const MemoryEvent& ev = events[i];
+    by_category[static_cast<int>(ev.category)] += ev.delta;
+    if (!ev.retag) {
+      total += ev.delta;
+      by_owner[ev.name] += ev.delta;
+      if (ev.delta > 0) live[ev.id] = &ev;
+      else live.erase(ev.id);
+    }
+    if (total > peak) peak = total, peak_index = i;
+  }
+  // The owners drawn separately: the 8 holding most at the peak; the rest are "other".
+  std::unordered_map<NameId, int64_t> at_peak;
+  std::array<int64_t, kNumCategories> category_at_peak{};
+  std::unordered_map<uint64_t, const MemoryEvent*> live_at_peak;
+  {
+    total = 0;
+    for (size_t i = 0; i <= peak_index && i < events.size(); ++i) {
+      const MemoryEvent& ev = events[i];
+      category_at_peak[static_cast<int>(ev.category)] += ev.delta;
+      if (ev.retag) continue;
+      at_peak[ev.name] += ev.delta;
+      if (ev.delta > 0) live_at_peak[ev.id] = &ev;
+      else live_at_peak.erase(ev.id);
+    }
+  }
+  std::vector<std::pair<int64_t, NameId>> ranked;
+  for (auto [name, bytes] : at_peak)
+    if (bytes > 0) ranked.emplace_back(bytes, name);
+  std::sort(ranked.rbegin(), ranked.rend());
+  if (ranked.size() > 8) ranked.resize(8);
+  std::unordered_map<NameId, size_t> owner_layer;
+  std::vector<std::string> owner_names;
+  for (auto [bytes, name] : ranked) owner_layer[name] = owner_names.size(), owner_names.push_back(name_of(name).empty() ? "(unnamed)" : name_of(name));
+  owner_names.push_back("other");
+
+  // Sample at most ~2000 moments (always the peak), replaying the running totals.
+  const size_t stride = std::max<size_t>(1, events.size() / 2000);
+  const std::vector<int64_t> event_steps = current_steps(events);
+  std::vector<double> times;
+  std::vector<int64_t> steps;
+  std::vector<std::vector<double>> cat_layers(kNumCategories), owner_layers(owner_names.size());
+  std::array<int64_t, kNumCategories> cat{};
+  std::vector<int64_t> own(owner_names.size(), 0);
+  for (size_t i = 0; i < events.size(); ++i) {
+    const MemoryEvent& ev = events[i];
+    cat[static_cast<int>(ev.category)] += ev.delta;
+    if (!ev.retag) {
+      auto it = owner_layer.find(ev.name);
+      own[it == owner_layer.end() ? owner_names.size() - 1 : it->second] += ev.delta;
+    }
+    if (i % stride == 0 || i == peak_index || i + 1 == events.size()) {
+      times.push_back(ev.time_us);
+      steps.push_back(event_steps[i]);
+      for (int c = 0; c < kNumCategories; ++c) cat_layers[c].push_back(static_cast<double>(cat[c]));
+      for (size_t k = 0; k < own.size(); ++k) owner_layers[k].push_back(static_cast<double>(own[k]));
+    }
+  }
+  std::vector<std::string> category_names;
+  for (int c = 0; c < kNumCategories; ++c) category_names.push_back(category_name(static_cast<Category>(c)));
+  const double ymax = std::max<double>(static_cast<double>(peak), 1);
+  const double t0 = events.empty() ? 0 : events.front().time_us;
+
+  std::string html = "<!doctype html><html><head><meta charset='utf-8'><title>tally memory report</title>"
+                     "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 10px;text-align:right}"
+                     "td.owner{text-align:left}</style></head><body><h1>tally memory report</h1>";
+  html += "<p id='summary'>" + std::to_string(events.size()) + " events; peak <b>" + format_bytes(peak) + "</b> at " +
+          std::to_string(static_cast<int64_t>(((events.empty() ? 0 : events[peak_index].time_us) - t0) / 1000)) +
+          " ms, in step " + std::to_string(events.empty() ? 0 : event_steps[peak_index] + 1) +
+          " (steps counted from 1, as the step line does; step 0 is the set-up before training).</p>";
+  html += "<h2>Live bytes by category</h2>" + stacked_areas(times, cat_layers, category_names, steps, ymax, "by-category");
+  html += "<h2>Live bytes by owner</h2>" + stacked_areas(times, owner_layers, owner_names, steps, ymax, "by-owner");
+
+  html += "<h2>At the peak, by category</h2><table id='peak-categories'><tr><th>category</th><th>measured</th></tr>";
+  for (int c = 0; c < kNumCategories; ++c)
+    if (category_at_peak[c] != 0)
+      html += "<tr><td class='owner'>" + category_names[c] + "</td><td>" + format_bytes(category_at_peak[c]) + "</td></tr>";
+  html += "</table>";
+  if (!plan.empty()) {
+    int64_t planned = 0;
+    html += "<h2>The plan (tally plan)</h2><table id='plan'><tr><th>part</th><th>planned</th></tr>";
+    for (const auto& [part, bytes] : plan) {
+      planned += bytes;
+      html += "<tr><td class='owner'>" + escape_html(part) + "</td><td>" + format_bytes(bytes) + "</td></tr>";
+    }
+    html += "<tr><td class='owner'><b>planned peak</b></td><td><b>" + format_bytes(planned) + "</b></td></tr>"
+            "<tr><td class='owner'><b>measured peak</b></td><td><b>" + format_bytes(peak) + "</b></td></tr></table>";
+  }
+  std::vector<const MemoryEvent*> holders;
+  for (auto& [id, ev] : live_at_peak) holders.push_back(ev);
+  std::sort(holders.begin(), holders.end(), [](auto* a, auto* b) { return a->delta != b->delta ? a->delta > b->delta : a->id < b->id; });
+  html += "<h2>Who holds the peak</h2><table id='holders'><tr><th>bytes</th><th>category</th><th>owner</th>"
+          "<th>born in step</th><th>microbatch</th></tr>";
+  for (size_t i = 0; i < holders.size() && i < 40; ++i)
+    html += "<tr><td>" + format_bytes(holders[i]->delta) + "</td><td>" + category_name(holders[i]->category) +
+            "</td><td class='owner'>" + escape_html(name_of(holders[i]->name)) + "</td><td>" +
+            std::to_string(holders[i]->step + 1) + "</td><td>" + std::to_string(holders[i]->microbatch) + "</td></tr>";
+  html += "</table><p>" + std::to_string(holders.size()) + " allocations were alive at the peak.</p></body></html>\n";
   write_whole_file(path, html, "memory report");
+}
+
+std::string diff_memory_traces(const MemoryTrace& a, const MemoryTrace& b) {
+  // Per owner: the most it held in each step (steps as current_steps numbers them).
+  using PerStep = std::map<int64_t, int64_t>;
+  auto profile = [](const std::vector<MemoryEvent>& events) {
+    std::map<std::string, PerStep> out;
+    std::unordered_map<NameId, int64_t> live;
+    const std::vector<int64_t> steps = current_steps(events);
+    for (size_t i = 0; i < events.size(); ++i) {
+      const MemoryEvent& ev = events[i];
+      if (ev.retag) continue;
+      const int64_t now = live[ev.name] += ev.delta;
+      int64_t& most = out[name_of(ev.name)][steps[i]];
+      most = std::max(most, now);
+    }
+    return out;
+  };
+  const auto pa = profile(a.events), pb = profile(b.events);
+  std::set<std::string> owners;
+  for (auto& [o, _] : pa) owners.insert(o);
+  for (auto& [o, _] : pb) owners.insert(o);
+  struct Row {
+    std::string owner;
+    int64_t peak_a = 0, peak_b = 0, first_step = -2;
+  };
+  std::vector<Row> rows;
+  for (const std::string& o : owners) {
+    Row r;
+    r.owner = o;
+    const PerStep empty;
+    const PerStep& sa = pa.count(o) ? pa.at(o) : empty;
+    const PerStep& sb = pb.count(o) ? pb.at(o) : empty;
+    std::set<int64_t> steps;
+    for (auto& [s, v] : sa) steps.insert(s), r.peak_a = std::max(r.peak_a, v);
+    for (auto& [s, v] : sb) steps.insert(s), r.peak_b = std::max(r.peak_b, v);
+    for (int64_t s : steps) {
+      const int64_t va = sa.count(s) ? sa.at(s) : 0, vb = sb.count(s) ? sb.at(s) : 0;
+      if (va != vb) {
+        r.first_step = s;
+        break;
+      }
+    }
+    if (r.first_step != -2) rows.push_back(r);
+  }
+  std::sort(rows.begin(), rows.end(), [](const Row& x, const Row& y) {
+    return std::llabs(x.peak_b - x.peak_a) > std::llabs(y.peak_b - y.peak_a);
+  });
+  std::string out;
+  if (rows.empty()) return "no owner differs: every owner held the same bytes in every step\n";
+  out += "owners that differ (largest change first): owner, most held in A -> in B, change, first step that differs "
+         "(counted from 1; 0 is the set-up)\n";
+  for (const Row& r : rows) {
+    char buf[512];
+    std::snprintf(buf, sizeof buf, "  %-40s %12s -> %-12s %s%s, first in step %lld\n",
+                  (r.owner.empty() ? std::string("(unnamed)") : r.owner).c_str(), format_bytes(r.peak_a).c_str(),
+                  format_bytes(r.peak_b).c_str(), r.peak_b >= r.peak_a ? "+" : "-",
+                  format_bytes(std::llabs(r.peak_b - r.peak_a)).c_str(), static_cast<long long>(r.first_step + 1));
+    out += buf;
+  }
+  return out;
 }
 
 }  // namespace tally::memory

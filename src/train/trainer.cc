@@ -356,6 +356,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   int64_t live_after_forward = 0;
   // The plan: every rank's peak from the configuration alone, printed beside the measured one.
   int64_t planned_peak = 0;
+  memory::PlanParts plan_parts;  // this rank's, for --mem-trace
   if (c.zero <= 1) {
     PlanInput pi;
     pi.model = mc;
@@ -365,7 +366,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     pi.world = static_cast<int>(D);
     pi.zero = c.zero;
     pi.val_loader = val_loader != nullptr;
-    planned_peak = plan_memory(pi).ranks[static_cast<size_t>(dp_rank)].predicted_peak_bytes;
+    const RankPlan rank_plan = plan_memory(pi).ranks[static_cast<size_t>(dp_rank)];
+    planned_peak = rank_plan.predicted_peak_bytes;
+    plan_parts = rank_plan.parts;
   }
   const int64_t states_bytes = zero ? zero->footprint().total() : 16 * P;  // fp32 param, grad, m, v
 
@@ -544,8 +547,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     const std::string path = root ? c.mem_trace : c.mem_trace + ".rank" + std::to_string(world.rank());
     fs::path parent = fs::path(path).parent_path();
     if (!parent.empty()) fs::create_directories(parent);
-    if (html) memory::write_html_report(path, ledger.history());
-    else memory::write_chrome_trace(path, ledger.history());
+    if (html) memory::write_html_report(path, ledger.history(), plan_parts);
+    else memory::write_chrome_trace(path, ledger.history(), 1 << 20, plan_parts);
     ledger.enable_history(false);
     ledger.clear_history();
     log("memory %s written to %s\n", html ? "report" : "trace (open in ui.perfetto.dev or chrome://tracing)", path.c_str());

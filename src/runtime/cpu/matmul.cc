@@ -129,6 +129,7 @@ double measured_gemm_peak_flops() {
     // A square sgemm large enough to reach steady state; best of a few repetitions.
     const int64_t n = 1024;
     CategoryScope scope(Category::Workspace);
+    OwnerScope owner("gemm_peak_probe");  // three 4 MiB matrices, freed before training starts
     Tensor a = Tensor::full({n, n}, 0.5), b = Tensor::full({n, n}, 0.25), c = Tensor::zeros({n, n});
     gemm(a, false, b, false, c);  // warm-up (JIT)
     double best = 1e30;

@@ -1,0 +1,125 @@
+// The memory tools over real training traces: the trace round-trips every event, the
+// report (`tally memory report`) renders in a real headless browser with the expected
+// owners, and `tally memory diff` names the owners that grew and the first step they did.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#include "memory/report.h"
+#include "runtime/backend.h"
+#include "support.h"
+#include "train/trainer.h"
+
+using namespace tally;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A 3-step run of the 97-token fixture writing its memory trace.
+std::string traced_run(const std::string& name, int64_t batch) {
+  train::TrainConfig c;
+  c.model_file = test::fixture_path("gpt2_tiny.bin");
+  c.train_data = test::write_random_shard(name + ".bin", 5000, 97, 1);
+  c.batch_size = batch;
+  c.seq_len = 16;
+  c.grad_accum = 2;
+  c.steps = 3;
+  c.quiet = true;
+  c.sample_every = -1;
+  c.threads = 1;
+  c.out_dir = test::temp_path(name + "_out");
+  c.mem_trace = test::temp_path(name + ".json");
+  train::run_training(c);
+  return c.mem_trace;
+}
+
+size_t count(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST(MemoryTools, ATraceRoundTripsEveryEventAndThePlan) {
+  auto& L = runtime::ledger();
+  L.clear_history();
+  L.enable_history(true);
+  {
+    Tensor a = Tensor::empty({1000}, DType::F32, Device::cpu(), make_owner(Category::Activation, "h.0.attn"));
+    Tensor b = Tensor::empty({10}, DType::F32, Device::cpu(), make_owner(Category::Workspace, "scratch"));
+  }
+  L.enable_history(false);
+  const std::vector<memory::MemoryEvent> events = L.history();
+  L.clear_history();
+  const std::string path = test::temp_path("t.json");
+  memory::write_chrome_trace(path, events, 1 << 20, {{"parameters", 123}, {"activations", 456}});
+  const memory::MemoryTrace back = memory::read_memory_trace(path);
+  ASSERT_EQ(back.events.size(), events.size());
+  for (size_t i = 0; i < events.size(); ++i) {
+    EXPECT_EQ(back.events[i].delta, events[i].delta);
+    EXPECT_EQ(back.events[i].id, events[i].id);
+    EXPECT_EQ(back.events[i].category, events[i].category);
+    EXPECT_EQ(name_of(back.events[i].name), name_of(events[i].name));
+  }
+  EXPECT_EQ(back.plan, (memory::PlanParts{{"parameters", 123}, {"activations", 456}}));  // in the plan's order
+
+  test::write_all(path, "{\"traceEvents\": []}");
+  EXPECT_NE(test::message_of<Error>([&] { memory::read_memory_trace(path); }).find("no tally_memory section"),
+            std::string::npos);
+}
+
+TEST(MemoryTools, TheReportRendersInAHeadlessBrowserWithTheOwnersAtThePeak) {
+  const std::string trace = traced_run("report", 2);
+  const memory::MemoryTrace t = memory::read_memory_trace(trace);
+  ASSERT_FALSE(t.plan.empty());
+  const std::string page = test::temp_path("report.html");
+  memory::write_html_report(page, t.events, t.plan);
+  const std::string html = test::read_all(page);
+  EXPECT_EQ(html.find("<script"), std::string::npos);  // self-contained: nothing to run, nothing fetched
+  EXPECT_EQ(html.find("http://"), html.find("http://www.w3.org/2000/svg"));
+
+  const char* browser = nullptr;
+  for (const char* c : {"/usr/bin/chromium", "/usr/bin/chromium-browser"})
+    if (fs::exists(c)) browser = c;
+  if (!browser) GTEST_SKIP() << "chromium is not installed (scripts/setup.sh installs it)";
+  std::string dom;
+  FILE* pipe = popen((std::string(browser) + " --headless --no-sandbox --disable-gpu --dump-dom file://" + page + " 2>/dev/null").c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, pipe)) dom += buf;
+  pclose(pipe);
+  // The browser parsed the whole page: both charts, the tables, and the expected owners.
+  EXPECT_NE(dom.find("id=\"by-category\""), std::string::npos) << dom.substr(0, 300);
+  EXPECT_NE(dom.find("id=\"by-owner\""), std::string::npos);
+  EXPECT_GE(count(dom, "class=\"layer\""), 10u);  // 9 categories + at least one owner layer
+  EXPECT_GE(count(dom, "class=\"stepband\""), 3u);
+  const size_t holders = dom.find("id=\"holders\"");
+  ASSERT_NE(holders, std::string::npos);
+  const std::string table = dom.substr(holders, dom.find("</table>", holders) - holders);
+  // The tiny model's peak is in the set-up (the GEMM probe's matrices outweigh its
+  // activations); every holder has a name.
+  for (const char* owner : {"parameters", "gradients", "adamw.m", "adamw.v", "loader.inputs"})
+    EXPECT_NE(table.find(owner), std::string::npos) << owner << " is not among the holders of the peak";
+  EXPECT_EQ(table.find("class=\"owner\"></td>"), std::string::npos) << "an unnamed holder:\n" << table;
+  EXPECT_NE(dom.find("planned peak"), std::string::npos);
+  EXPECT_NE(dom.find("measured peak"), std::string::npos);
+}
+
+TEST(MemoryTools, DiffNamesTheOwnersThatGrewAndTheFirstStep) {
+  const std::string a = traced_run("small", 2), b = traced_run("large", 4);
+  const memory::MemoryTrace ta = memory::read_memory_trace(a), tb = memory::read_memory_trace(b);
+  const std::string same = memory::diff_memory_traces(ta, ta);
+  EXPECT_NE(same.find("no owner differs"), std::string::npos) << same;
+  const std::string diff = memory::diff_memory_traces(ta, tb);
+  // Doubling the batch doubles the logits (head:linear), from the first training step;
+  // the model states (parameters, gradients, adamw.*) do not change.
+  const size_t head = diff.find("head:linear");
+  ASSERT_NE(head, std::string::npos) << diff;
+  const std::string line = diff.substr(head, diff.find('\n', head) - head);
+  EXPECT_NE(line.find("+"), std::string::npos) << line;
+  EXPECT_NE(line.find("first in step 1"), std::string::npos) << line;
+  EXPECT_EQ(diff.find("adamw.m"), std::string::npos) << diff;
+  EXPECT_EQ(diff.find(" parameters "), std::string::npos) << diff;
+}
