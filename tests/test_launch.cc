@@ -200,7 +200,7 @@ TEST(Launch, KilledAtRandomPointsAndResumedTheRunEndsBitExactWithEveryLogRowOnce
   EXPECT_EQ(expected_step, 101);
 }
 
-TEST(Launch, PlanPrintsEveryRanksPeakAsTextAndJsonAndRefusesWhatItDoesNotModel) {
+TEST(Launch, PlanPrintsEveryRanksPeakAsTextAndJson) {
   Outcome text = run(std::string(TALLY_CLI) + " plan --model d2 --batch-size 4 --seq-len 64 --world 2 --zero 1");
   EXPECT_EQ(text.exit_code, 0) << text.output;
   EXPECT_NE(text.output.find("predicted peak"), std::string::npos) << text.output;
@@ -210,8 +210,11 @@ TEST(Launch, PlanPrintsEveryRanksPeakAsTextAndJsonAndRefusesWhatItDoesNotModel) 
   EXPECT_NE(json.output.find("\"rank\": 1"), std::string::npos) << json.output;
   EXPECT_NE(json.output.find("\"predicted_peak_bytes\""), std::string::npos) << json.output;
   Outcome zero3 = run(std::string(TALLY_CLI) + " plan --model d2 --world 2 --zero 3");
-  EXPECT_EQ(zero3.exit_code, 1);
-  EXPECT_NE(zero3.output.find("tally: plan: --zero 3 is not modeled yet"), std::string::npos) << zero3.output;
+  EXPECT_EQ(zero3.exit_code, 0) << zero3.output;
+  EXPECT_NE(zero3.output.find("gathered units"), std::string::npos) << zero3.output;
+  Outcome zero5 = run(std::string(TALLY_CLI) + " plan --model d2 --world 2 --zero 5");
+  EXPECT_EQ(zero5.exit_code, 1);
+  EXPECT_NE(zero5.output.find("tally: plan: --zero must be 0, 1, 2 or 3"), std::string::npos) << zero5.output;
 }
 
 TEST(Launch, AKillAtEveryCrashPointOfACheckpointLosesNothing) {

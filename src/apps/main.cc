@@ -330,7 +330,7 @@ int main(int argc, char** argv) {
   q->add_option("--grad-accum", pl.grad_accum, "Microbatches per step")->capture_default_str();
   q->add_option("--world", pl.world, "Ranks the job would run on (mpirun -np)")->capture_default_str();
   q->add_option("--dp", pl.dp, "Data-parallel ranks (0 = --world)")->capture_default_str();
-  q->add_option("--zero", pl.zero, "ZeRO stage (0 or 1 are planned so far)")->capture_default_str();
+  q->add_option("--zero", pl.zero, "ZeRO stage 0-3")->capture_default_str();
   q->add_flag("--val", pl.val, "The run validates (--val-data): count its loader's buffers");
   q->add_flag("--json", pl.json, "Print the plan as JSON");
   auto* p = app.add_subcommand("plot", "Draw the loss curves of one or more runs (their --log-json files) into one SVG");

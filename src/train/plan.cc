@@ -30,8 +30,7 @@ std::vector<int64_t> unit_numels(const nn::TransformerConfig& c) {
 MemoryPlan plan_memory(const PlanInput& in) {
   const auto& c = in.model;
   TALLY_CHECK(c.family == nn::TransformerConfig::Family::Gpt2, "plan: only GPT-2 models are planned so far");
-  TALLY_CHECK(in.zero == 0 || in.zero == 1, "plan: --zero ", in.zero,
-              " is not modeled yet (its gradient staging and gathered units are); stages 0 and 1 are");
+  TALLY_CHECK(in.zero >= 0 && in.zero <= 3, "plan: --zero must be 0, 1, 2 or 3, got ", in.zero);
   TALLY_CHECK(in.world >= 1, "plan: --world must be at least 1, got ", in.world);
   const int64_t D = in.world, B = in.batch_size, T = in.seq_len, C = c.n_embd, H = c.n_head, L = c.n_layer;
   const int64_t Vp = c.padded_vocab_size;
@@ -43,6 +42,9 @@ MemoryPlan plan_memory(const PlanInput& in) {
     P = checked_add(P, n, "plan: parameters");
     piece_total += (n + D - 1) / D;  // ZeRO pads each unit to D equal pieces
   }
+  // A whole unit as ZeRO stages and gathers it: D pieces, padding included.
+  auto padded = [&](size_t u) { return D * ((units[u] + D - 1) / D) * kFloat; };
+  const size_t embed = 0, last_layer = units.size() - 2, final_norm = units.size() - 1;
 
   MemoryPlan plan;
   // Activations of one microbatch, by kind over all layers (floats per token, times B*T).
@@ -67,21 +69,41 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // At the peak (the start of backward): dL/d(final norm output) is allocated while the
   // cross-entropy's log-sum-exp has been freed.
   const int64_t transient = BT * C * kFloat - BT * kFloat;
-  const int64_t moments = in.zero == 0 ? 2 * P * kFloat : 2 * piece_total * kFloat;
+  const int64_t shard = piece_total * kFloat;  // one fp32 value per element of this rank's pieces
   for (int r = 0; r < in.world; ++r) {
     RankPlan rp;
     rp.rank = r;
-    rp.parts = {{"parameters", P * kFloat},
-                {"gradients", P * kFloat},
-                {in.zero ? "optimizer state (AdamW m, v: this rank's pieces)" : "optimizer state (AdamW m, v)", moments},
+    rp.parts = {{in.zero == 3 ? "parameters (this rank's pieces)" : "parameters", in.zero == 3 ? shard : P * kFloat},
+                {in.zero >= 2 ? "gradients (this rank's pieces)" : "gradients", in.zero >= 2 ? shard : P * kFloat},
+                {in.zero >= 1 ? "optimizer state (AdamW m, v: this rank's pieces)" : "optimizer state (AdamW m, v)",
+                 in.zero >= 1 ? 2 * shard : 2 * P * kFloat},
                 {"activations (one microbatch)", activations},
                 {"loader buffers", loader},
                 {"transient at the peak", transient},
                 // The loss (and, when scaled by 1/(N*D), its scaled copy): scalars.
                 {"loss", in.grad_accum * D > 1 ? 2 * kFloat : kFloat}};
+    // ZeRO-2/3 at the start of backward: the head's units (the final norm and the tied
+    // embedding, whose gradient is final only at the end of backward) have their gradient
+    // staging buffers, whole units, reduce-scattered when complete.
+    if (in.zero >= 2)
+      rp.parts.emplace_back("gradient staging (embeddings and final norm, whole units)", padded(embed) + padded(final_norm));
+    // ZeRO-3 has gathered the same two units again for backward, and prefetched the last layer.
+    if (in.zero == 3)
+      rp.parts.emplace_back("gathered units (embeddings, final norm, last layer prefetched)",
+                            padded(embed) + padded(final_norm) + padded(last_layer));
     for (const auto& [name, bytes] : rp.parts) rp.predicted_peak_bytes += bytes;
     plan.ranks.push_back(rp);
   }
+  const int64_t layer_pair = 2 * padded(last_layer);
+  if (in.zero >= 2 && BT * Vp * kFloat < layer_pair)
+    plan.notes.push_back("ZeRO-" + std::to_string(in.zero) + ": the logits of one microbatch (" +
+                         memory::format_bytes(BT * Vp * kFloat) + ") are smaller than two layer units in flight (" +
+                         memory::format_bytes(layer_pair) +
+                         "); the peak may come later in backward than the plan assumes, and be higher");
+  if (in.zero >= 1 && padded(embed) > activations)
+    plan.notes.push_back("ZeRO-" + std::to_string(in.zero) + ": the embeddings unit (" + memory::format_bytes(padded(embed)) +
+                         ") outweighs one microbatch's activations (" + memory::format_bytes(activations) +
+                         "); the peak may come in the optimizer step, when the unit is gathered whole, and be higher");
   return plan;
 }
 
@@ -96,6 +118,7 @@ std::string plan_text(const MemoryPlan& plan, const PlanInput& in) {
            ": predicted peak " + memory::format_bytes(r.predicted_peak_bytes) + "\n";
     for (const auto& [name, bytes] : r.parts) out += "  " + memory::format_bytes(bytes) + "  " + name + "\n";
   }
+  for (const std::string& note : plan.notes) out += "note: " + note + "\n";
   out += "activations of one microbatch, by kind:\n";
   for (const auto& [kind, bytes] : plan.activations_by_kind) out += "  " + memory::format_bytes(bytes) + "  " + kind + "\n";
   return out;
@@ -110,7 +133,7 @@ std::string plan_json(const MemoryPlan& plan) {
   }
   nlohmann::json activations = nlohmann::json::object();
   for (const auto& [kind, bytes] : plan.activations_by_kind) activations[kind] = bytes;
-  return nlohmann::json{{"ranks", ranks}, {"activations", activations}}.dump(2);
+  return nlohmann::json{{"ranks", ranks}, {"activations", activations}, {"notes", plan.notes}}.dump(2);
 }
 
 }  // namespace tally::train

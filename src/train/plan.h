@@ -20,8 +20,15 @@
 // 16C + 4 + H. The head saves the last residual and the final norm's output (2C), its
 // mean and rstd (2), the logits (Vp) and the cross-entropy's log-sum-exp (1).
 //
-// ZeRO stages 2 and 3 add gradient staging and gathered units whose peak moment depends on
-// the unit sizes; they are not modeled yet and are refused with a message saying so.
+// ZeRO-2 and -3 shard gradients (and, in stage 3, parameters) and add, at the start of
+// backward, the gradient staging of the head's units (final norm and the tied embedding,
+// whole units padded to D pieces); stage 3 also holds those two units gathered again and the
+// last layer prefetched. This assumes the start of backward stays the peak: the logits
+// (B*T*Vp, freed early in backward) must outweigh the two layer units in flight later
+// (about 24C^2): B*T >= 282 for GPT-2 124M, >= 1223 for 1.5B. And with any ZeRO stage the
+// optimizer step gathers whole units: one microbatch's activations must outweigh the
+// embeddings unit (D pieces of (Vp + maxT) * C). Where either fails the plan says so in its
+// notes (the peak may then be higher than planned).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -49,6 +56,7 @@ struct RankPlan {
 struct MemoryPlan {
   std::vector<RankPlan> ranks;
   std::vector<std::pair<std::string, int64_t>> activations_by_kind;  // one microbatch, all layers
+  std::vector<std::string> notes;  // where the plan's assumptions may not hold
 };
 
 MemoryPlan plan_memory(const PlanInput& input);

@@ -357,7 +357,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // The plan: every rank's peak from the configuration alone, printed beside the measured one.
   int64_t planned_peak = 0;
   memory::PlanParts plan_parts;  // this rank's, for --mem-trace
-  if (c.zero <= 1) {
+  {
     PlanInput pi;
     pi.model = mc;
     pi.batch_size = B;
