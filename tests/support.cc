@@ -1,5 +1,7 @@
 #include "support.h"
 
+#include <chrono>
+
 #include <unistd.h>
 
 #include <cmath>
@@ -16,7 +18,11 @@ namespace tally::test {
 std::string temp_path(const std::string& name) {
   const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
   std::string test = info ? std::string(info->test_suite_name()) + "." + info->name() : "no_test";
-  return ::testing::TempDir() + "/tally_" + test + "_" + std::to_string(::getpid()) + "_" + name;
+  // The process id and the process's start time: ids repeat across runs of the suite, and a
+  // directory left by an earlier run (a checkpoint, a log) must never be taken for this one's.
+  static const std::string run = std::to_string(::getpid()) + "_" +
+                                 std::to_string(std::chrono::steady_clock::now().time_since_epoch().count() % 1000000007);
+  return ::testing::TempDir() + "/tally_" + test + "_" + run + "_" + name;
 }
 
 std::string write_random_shard(const std::string& name, int64_t n, int vocab, uint64_t seed) {

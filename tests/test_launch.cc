@@ -149,11 +149,13 @@ TEST(Launch, KilledAtRandomPointsAndResumedTheRunEndsBitExactWithEveryLogRowOnce
                                        (resume ? " --resume " + out : ""),
                          100);
   };
-  const std::string straight = test::temp_path("straight");
+  const std::string straight = test::temp_path("straight"), killed = test::temp_path("killed");
+  // A process id can repeat across runs of the suite: start from empty directories.
+  std::filesystem::remove_all(straight);
+  std::filesystem::remove_all(killed);
   const Outcome uninterrupted = run(command(straight, false));
   ASSERT_EQ(uninterrupted.exit_code, 0) << uninterrupted.output;
 
-  const std::string killed = test::temp_path("killed");
   const std::string log = killed + "/log.jsonl";
   auto rows_in_log = [&] {
     std::istringstream in(std::filesystem::exists(log) ? test::read_all(log) : std::string());
@@ -238,11 +240,13 @@ TEST(Launch, AKillAtEveryCrashPointOfACheckpointLosesNothing) {
   };
   const std::vector<int64_t> all_steps = {1, 2, 3, 4, 5, 6, 7, 8};
   const std::string straight = test::temp_path("straight");
+  std::filesystem::remove_all(straight);  // a process id can repeat across runs of the suite
   ASSERT_EQ(run(command(straight, "", "")).exit_code, 0);
   const std::string expected_model = test::read_all(straight + "/step_00000008/model.bin");
 
   for (const char* point : {"row", "checkpoint-written", "checkpoint-renamed", "checkpoint-latest", "checkpoint"}) {
     const std::string out = test::temp_path(std::string("crash_") + point);
+    std::filesystem::remove_all(out);
     const Outcome crashed = run(command(out, std::string(point) + ":5", ""));
     ASSERT_EQ(crashed.exit_code, 137) << point << "\n" << crashed.output;
     const Outcome resumed = run(command(out, "", out));
@@ -255,6 +259,7 @@ TEST(Launch, AKillAtEveryCrashPointOfACheckpointLosesNothing) {
   // same directory, and killed after the old step 6 was moved aside, before the new one is
   // in place. `latest` (6) must still lead to a complete checkpoint.
   const std::string out = test::temp_path("resave");
+  std::filesystem::remove_all(out);
   ASSERT_EQ(run(command(out, "checkpoint:6", "")).exit_code, 137);  // latest names step 6
   const Outcome crashed = run(command(out, "checkpoint-aside:6", out + "/step_00000004"));
   ASSERT_EQ(crashed.exit_code, 137) << crashed.output;
