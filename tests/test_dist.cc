@@ -235,7 +235,9 @@ TEST(Zero, ModelStatesFollowTheirFormulaOnEveryRank) {
 // a stale view fails naming the release instead of reading freed memory (R6).
 // The issue asks for 2%; for these modes every byte at the peak has a term.
 TEST(Plan, PredictsEveryRanksPeakToTheByteForDataParallelAndEveryZeroStage) {
+  for (int shape = 0; shape <= 1; ++shape)
   for (int zero = 0; zero <= 3; ++zero) {
+    if (shape == 1 && zero == 3) continue;  // the plan flags this case in a note (see test_plan.cc)
     for (int64_t accum : {1, 2}) {
       // d1 (a real 50,304-token head): the plan's peak moment, the start of backward, holds
       // when the logits outweigh two layer units in flight, as for real GPT-2 shapes. (The
@@ -244,8 +246,10 @@ TEST(Plan, PredictsEveryRanksPeakToTheByteForDataParallelAndEveryZeroStage) {
       c.model_file.clear();
       c.model = "d1";
       c.train_data = test::write_random_shard("plan_train.bin", 20000, 50257, 5);
-      c.batch_size = 4;
-      c.seq_len = 64;
+      // A large microbatch (the start of backward is the peak) and, for ZeRO-1/2, a small one
+      // (the optimizer step's all-gather is).
+      c.batch_size = shape == 0 ? 4 : 2;
+      c.seq_len = shape == 0 ? 64 : 16;
       c.steps = 2;
       c.grad_accum = accum;
       c.zero = zero;
@@ -258,12 +262,12 @@ TEST(Plan, PredictsEveryRanksPeakToTheByteForDataParallelAndEveryZeroStage) {
       in.world = world().dp();
       in.zero = zero;
       const train::MemoryPlan plan = train::plan_memory(in);
-      EXPECT_TRUE(plan.notes.empty());
+      EXPECT_TRUE(plan.notes.empty()) << plan.notes.front();
       ASSERT_EQ(r.history.back().rank_peak_bytes.size(), plan.ranks.size());
       for (size_t rank = 0; rank < plan.ranks.size(); ++rank) {
         const int64_t planned = plan.ranks[rank].predicted_peak_bytes;
         const int64_t measured = r.history.back().rank_peak_bytes[rank];
-        EXPECT_EQ(measured, planned) << "zero " << zero << " accum " << accum << " rank " << rank;
+        EXPECT_EQ(measured, planned) << "shape " << shape << " zero " << zero << " accum " << accum << " rank " << rank;
       }
     }
   }

@@ -1,5 +1,7 @@
 #include "train/plan.h"
 
+#include <algorithm>
+
 #include <nlohmann/json.hpp>
 
 #include "core/checked.h"
@@ -92,6 +94,23 @@ MemoryPlan plan_memory(const PlanInput& in) {
       rp.parts.emplace_back("gathered units (embeddings, final norm, last layer prefetched)",
                             padded(embed) + padded(final_norm) + padded(last_layer));
     for (const auto& [name, bytes] : rp.parts) rp.predicted_peak_bytes += bytes;
+    // ZeRO-1/2's other candidate: the optimizer step all-gathers each unit's parameters
+    // through a send piece (c) and a receive buffer (D*c) while only the model states and
+    // the loader live. With few activations (a small microbatch) that moment is the peak.
+    if (in.zero == 1 || in.zero == 2) {
+      int64_t largest_piece = 0;
+      for (int64_t n : units) largest_piece = std::max(largest_piece, (n + D - 1) / D);
+      std::vector<std::pair<std::string, int64_t>> step_parts(rp.parts.begin(), rp.parts.begin() + 3);
+      step_parts.emplace_back("loader buffers", loader);
+      step_parts.emplace_back("all-gather of the largest unit in the optimizer step (send piece, receive buffer)",
+                              (1 + D) * largest_piece * kFloat);
+      int64_t at_step = 0;
+      for (const auto& [name, bytes] : step_parts) at_step += bytes;
+      if (at_step > rp.predicted_peak_bytes) {
+        rp.parts = step_parts;
+        rp.predicted_peak_bytes = at_step;
+      }
+    }
     plan.ranks.push_back(rp);
   }
   const int64_t layer_pair = 2 * padded(last_layer);
@@ -100,10 +119,10 @@ MemoryPlan plan_memory(const PlanInput& in) {
                          memory::format_bytes(BT * Vp * kFloat) + ") are smaller than two layer units in flight (" +
                          memory::format_bytes(layer_pair) +
                          "); the peak may come later in backward than the plan assumes, and be higher");
-  if (in.zero >= 1 && padded(embed) > activations)
-    plan.notes.push_back("ZeRO-" + std::to_string(in.zero) + ": the embeddings unit (" + memory::format_bytes(padded(embed)) +
+  if (in.zero == 3 && padded(embed) > activations)
+    plan.notes.push_back("ZeRO-3: the embeddings unit (" + memory::format_bytes(padded(embed)) +
                          ") outweighs one microbatch's activations (" + memory::format_bytes(activations) +
-                         "); the peak may come in the optimizer step, when the unit is gathered whole, and be higher");
+                         "); the peak may come in forward, while the unit is gathered, and be higher");
   return plan;
 }
 

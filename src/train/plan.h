@@ -23,12 +23,12 @@
 // ZeRO-2 and -3 shard gradients (and, in stage 3, parameters) and add, at the start of
 // backward, the gradient staging of the head's units (final norm and the tied embedding,
 // whole units padded to D pieces); stage 3 also holds those two units gathered again and the
-// last layer prefetched. This assumes the start of backward stays the peak: the logits
-// (B*T*Vp, freed early in backward) must outweigh the two layer units in flight later
-// (about 24C^2): B*T >= 282 for GPT-2 124M, >= 1223 for 1.5B. And with any ZeRO stage the
-// optimizer step gathers whole units: one microbatch's activations must outweigh the
-// embeddings unit (D pieces of (Vp + maxT) * C). Where either fails the plan says so in its
-// notes (the peak may then be higher than planned).
+// last layer prefetched. ZeRO-1/2 have a second candidate, the optimizer step's all-gather
+// of the largest unit (send piece c, receive buffer D*c, over the model states and the
+// loader): the plan takes the larger. Not modeled, and flagged in the notes: ZeRO-2/3's
+// two layer units in flight later in backward, which can exceed the start of backward when
+// the logits are small (B*T < 282 for GPT-2 124M, < 1223 for 1.5B), and ZeRO-3's gather of
+// the embeddings in forward when they outweigh the activations.
 #pragma once
 #include <cstdint>
 #include <string>
