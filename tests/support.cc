@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -12,6 +13,8 @@
 #include "core/random.h"
 #include "data/token_shard.h"
 #include "ops/ops.h"
+
+#include <nlohmann/json.hpp>
 
 namespace tally::test {
 
@@ -32,6 +35,73 @@ std::string write_random_shard(const std::string& name, int64_t n, int vocab, ui
   std::string path = temp_path(name);
   data::write_token_shard(path, tokens, data::TokenWidth::U16);
   return path;
+}
+
+std::string gpt2_byte_token(unsigned char b) {
+  int next = 0, cp = -1;
+  for (int x = 0; x < 256; ++x) {
+    const bool printable = (x >= 0x21 && x <= 0x7E) || (x >= 0xA1 && x <= 0xAC) || x >= 0xAE;
+    const int c = printable ? x : 256 + next++;
+    if (x == b) cp = c;
+  }
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else {
+    s += static_cast<char>(0xC0 | (cp >> 6));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+
+std::string gpt2_token_of(const std::string& bytes) {
+  std::string s;
+  for (unsigned char b : bytes) s += gpt2_byte_token(b);
+  return s;
+}
+
+TinyTokenizerFiles write_tiny_gpt2_tokenizer(const std::string& dir,
+                                             const std::vector<std::pair<std::string, std::string>>& merges) {
+  nlohmann::json enc = nlohmann::json::object();
+  int id = 0;
+  for (int b = 0; b < 256; ++b) enc[gpt2_byte_token(static_cast<unsigned char>(b))] = id++;
+  std::string vocab = "#version: 0.2\n";
+  for (const auto& [a, b] : merges) {
+    if (!enc.contains(gpt2_token_of(a + b))) enc[gpt2_token_of(a + b)] = id++;
+    vocab += gpt2_token_of(a) + " " + gpt2_token_of(b) + "\n";
+  }
+  enc["<|endoftext|>"] = id++;
+  TinyTokenizerFiles f{dir + "/encoder.json", dir + "/vocab.bpe"};
+  write_all(f.encoder, enc.dump());
+  write_all(f.vocab, vocab);
+  return f;
+}
+
+train::TrainConfig tiny_train_config(const std::string& train_data) {
+  train::TrainConfig c;
+  c.model_file = fixture_path("gpt2_tiny.bin");
+  c.train_data = train_data;
+  c.batch_size = 2;
+  c.seq_len = 16;
+  c.threads = 1;
+  c.quiet = true;
+  c.sample_every = -1;
+  c.sample_tokens = 0;
+  return c;
+}
+
+std::vector<int64_t> log_steps(const std::string& jsonl_path) {
+  std::istringstream rows(read_all(jsonl_path));
+  std::vector<int64_t> steps;
+  for (std::string line; std::getline(rows, line);)
+    if (!line.empty()) steps.push_back(nlohmann::json::parse(line).at("step").get<int64_t>());
+  return steps;
+}
+
+const char* chromium() {
+  for (const char* c : {"/usr/bin/chromium", "/usr/bin/chromium-browser"})
+    if (std::filesystem::exists(c)) return c;
+  return nullptr;
 }
 
 std::string fixture_path(const std::string& name) { return std::string(TALLY_SOURCE_DIR) + "/tests/fixtures/" + name; }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "train/trainer.h"
 
 namespace tally::test {
 
@@ -29,6 +30,27 @@ template <class E, class F> std::string message_of(F&& fn) {
 // Whole-file helpers for tests that build (corrupt) files byte by byte.
 std::string read_all(const std::string& path);
 void write_all(const std::string& path, const std::string& data);
+
+// GPT-2 tokenizer files written by hand: OpenAI's byte -> printable code point mapping as
+// UTF-8 (`gpt2_byte_token`, `gpt2_token_of` for a byte string), and a tiny vocabulary
+// (the 256 bytes, each merge's result, <|endoftext|>) as <dir>/encoder.json and vocab.bpe.
+std::string gpt2_byte_token(unsigned char b);
+std::string gpt2_token_of(const std::string& bytes);
+struct TinyTokenizerFiles {
+  std::string encoder, vocab;
+};
+TinyTokenizerFiles write_tiny_gpt2_tokenizer(const std::string& dir,
+                                             const std::vector<std::pair<std::string, std::string>>& merges);
+
+// The training configuration tests start from: the 97-token fixture model (gpt2_tiny.bin)
+// on `train_data`, B=2, T=16, one thread, silent, no samples. Tests change what they test.
+train::TrainConfig tiny_train_config(const std::string& train_data);
+
+// The "step" of every row of a --log-json file, in file order.
+std::vector<int64_t> log_steps(const std::string& jsonl_path);
+
+// Debian's chromium, or nullptr when it is not installed (browser tests then skip).
+const char* chromium();
 
 // An llm.c token shard of `n` random tokens below `vocab` (uint16), at temp_path(name).
 std::string write_random_shard(const std::string& name, int64_t n, int vocab, uint64_t seed);

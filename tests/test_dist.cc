@@ -55,19 +55,11 @@ int64_t env_or(const char* name, int64_t fallback) {
 
 // The training config all tests start from: the tiny fixture model on random tokens.
 train::TrainConfig tiny_config() {
-  train::TrainConfig c;
-  c.model_file = test::fixture_path("gpt2_tiny.bin");
-  c.train_data = test::write_random_shard("train.bin", 40000, 97, 11);
-  c.batch_size = 2;
-  c.seq_len = 16;
+  train::TrainConfig c = test::tiny_train_config(test::write_random_shard("train.bin", 40000, 97, 11));
   c.steps = 12;
   c.lr = 3e-3;
   c.warmup_steps = 2;
   c.grad_clip = 0.3;  // below the gradient norm every step: clipping is active
-  c.quiet = true;
-  c.sample_every = -1;
-  c.sample_tokens = 0;
-  c.threads = 1;
   return c;
 }
 

@@ -150,16 +150,9 @@ TEST(Fuzz, SafetensorsFiles) {
 }
 
 TEST(Fuzz, TrainingStates) {
-  train::TrainConfig c;
-  c.model_file = test::fixture_path("gpt2_tiny.bin");
-  c.train_data = test::write_random_shard("t.bin", 3000, 97, 1);
-  c.batch_size = 2;
-  c.seq_len = 16;
+  train::TrainConfig c = test::tiny_train_config(test::write_random_shard("t.bin", 3000, 97, 1));
   c.steps = 1;
   c.save_every = 1;
-  c.quiet = true;
-  c.sample_every = -1;
-  c.threads = 1;
   c.out_dir = test::temp_path("ckpt");
   train::run_training(c);
   const std::string dir = c.out_dir + "/step_00000001";
@@ -176,39 +169,18 @@ TEST(Fuzz, Gpt2TokenizerFiles) {
   // A small real-format vocabulary: the 256 byte tokens, a few merges, <|endoftext|>.
   const std::string dir = test::temp_path("tok");
   fs::create_directories(dir);
-  auto byte_token = [](int b) {
-    int next = 0, cp = -1;
-    for (int x = 0; x < 256; ++x) {
-      const bool printable = (x >= 0x21 && x <= 0x7E) || (x >= 0xA1 && x <= 0xAC) || x >= 0xAE;
-      const int code = printable ? x : 256 + next++;
-      if (x == b) cp = code;
-    }
-    std::string s;
-    if (cp < 0x80) s += static_cast<char>(cp);
-    else s += {static_cast<char>(0xC0 | (cp >> 6)), static_cast<char>(0x80 | (cp & 0x3F))};
-    return s;
-  };
-  nlohmann::json enc = nlohmann::json::object();
-  int id = 0;
-  for (int b = 0; b < 256; ++b) enc[byte_token(b)] = id++;
-  const std::vector<std::pair<std::string, std::string>> merges = {{"t", "h"}, {"th", "e"}, {"\xC4\xA0", "the"}, {"o", "n"}};
-  std::string vocab = "#version: 0.2\n";
-  for (const auto& [a, b] : merges) {
-    enc[a + b] = id++;
-    vocab += a + " " + b + "\n";
-  }
-  enc["<|endoftext|>"] = id++;
-  const std::string encoder = dir + "/encoder.json", bpe = dir + "/vocab.bpe";
-  test::write_all(encoder, enc.dump());
-  test::write_all(bpe, vocab);
+  const test::TinyTokenizerFiles files =
+      test::write_tiny_gpt2_tokenizer(dir, {{"t", "h"}, {"th", "e"}, {" ", "the"}, {"o", "n"}});
+  const std::string &encoder = files.encoder, &bpe = files.vocab;
+  const std::string encoder_text = test::read_all(encoder), vocab = test::read_all(bpe);
   auto load_and_use = [&] {
     data::Gpt2Tokenizer tok = data::Gpt2Tokenizer::load(encoder, bpe);
     const auto ids = tok.encode("the one on the thin line");
     (void)tok.decode(ids);
   };
   ASSERT_NO_THROW(load_and_use());
-  fuzz("encoder.json", enc.dump(), encoder, true, load_and_use);
-  test::write_all(encoder, enc.dump());
+  fuzz("encoder.json", encoder_text, encoder, true, load_and_use);
+  test::write_all(encoder, encoder_text);
   fuzz("vocab.bpe", vocab, bpe, true, load_and_use);
 }
 

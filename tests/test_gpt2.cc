@@ -201,17 +201,11 @@ TEST(Gpt2Files, HuggingFaceSafetensorsImportTransposesConv1dWeights) {
 namespace {
 
 train::TrainConfig tiny_config() {
-  train::TrainConfig c;
-  c.model_file = test::fixture_path("gpt2_tiny.bin");
-  c.train_data = test::write_random_shard("train.bin", 5000, 97, 1);
-  c.batch_size = 2;
-  c.seq_len = 16;
+  train::TrainConfig c = test::tiny_train_config(test::write_random_shard("train.bin", 5000, 97, 1));
+  c.threads = 0;  // these tests run on OMP_NUM_THREADS threads (CTest sets 2)
   c.grad_accum = 2;
   c.lr = 1e-3;
   c.warmup_steps = 2;
-  c.quiet = true;
-  c.sample_every = -1;
-  c.sample_tokens = 0;
   return c;
 }
 }  // namespace

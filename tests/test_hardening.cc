@@ -35,28 +35,11 @@ std::string int32s(const std::vector<int32_t>& head, size_t total_ints) {
 }
 
 train::TrainConfig tiny_config(const std::string& data) {
-  train::TrainConfig c;
-  c.model_file = test::fixture_path("gpt2_tiny.bin");
-  c.train_data = data;
-  c.batch_size = 2;
-  c.seq_len = 16;
+  train::TrainConfig c = test::tiny_train_config(data);
   c.steps = 2;
   c.lr = 1e-3;
-  c.quiet = true;
-  c.sample_every = -1;
-  c.sample_tokens = 0;
-  c.threads = 1;
   c.out_dir = test::temp_path("out");
   return c;
-}
-
-std::vector<nlohmann::json> rows_of(const std::string& path) {
-  std::ifstream in(path);
-  std::vector<nlohmann::json> rows;
-  std::string line;
-  while (std::getline(in, line))
-    if (!line.empty()) rows.push_back(nlohmann::json::parse(line));
-  return rows;
 }
 
 }  // namespace
@@ -157,28 +140,9 @@ TEST(Hardening, IntegerTensorsAreNotTakenAsFloatWeights) {
 TEST(Hardening, ATruncatedVocabBpeIsRefusedNamingATokenNoMergeMakes) {
   const std::string dir = test::temp_path("tok");
   fs::create_directories(dir);
-  // Encoder: the 256 byte tokens, "ab" and "abc", and <|endoftext|>; the merges file lost its
-  // last line ("ab c").
-  auto byte_token = [](unsigned char b) {
-    int next = 0, cp = -1;
-    for (int x = 0; x < 256; ++x) {
-      const bool printable = (x >= 0x21 && x <= 0x7E) || (x >= 0xA1 && x <= 0xAC) || x >= 0xAE;
-      const int c = printable ? x : 256 + next++;
-      if (x == b) cp = c;
-    }
-    std::string s;
-    if (cp < 0x80) s += static_cast<char>(cp);
-    else s += {static_cast<char>(0xC0 | (cp >> 6)), static_cast<char>(0x80 | (cp & 0x3F))};
-    return s;
-  };
-  nlohmann::json enc = nlohmann::json::object();
-  int id = 0;
-  for (int b = 0; b < 256; ++b) enc[byte_token(static_cast<unsigned char>(b))] = id++;
-  enc["ab"] = id++;
-  enc["abc"] = id++;
-  enc["<|endoftext|>"] = id++;
-  test::write_all(dir + "/encoder.json", enc.dump());
-  test::write_all(dir + "/vocab.bpe", "#version: 0.2\na b\nab c\n");
+  // Encoder: the 256 byte tokens, "ab" and "abc", and <|endoftext|>; then the merges file
+  // loses its last line ("ab c").
+  test::write_tiny_gpt2_tokenizer(dir, {{"a", "b"}, {"ab", "c"}});
   EXPECT_NO_THROW(data::Gpt2Tokenizer::load(dir + "/encoder.json", dir + "/vocab.bpe"));
   test::write_all(dir + "/vocab.bpe", "#version: 0.2\na b\n");
   const std::string msg = message_of<Error>([&] { data::Gpt2Tokenizer::load(dir + "/encoder.json", dir + "/vocab.bpe"); });
@@ -325,18 +289,16 @@ TEST(Hardening, ResumedLogsHaveEveryStepOnceAndCheckpointedRowsComeFirst) {
   c.log_json = c.out_dir + "/log.jsonl";
   train::run_training(c);
   // As if killed after step 5 (its row written) and resumed from step 3's checkpoint.
-  std::vector<nlohmann::json> rows = rows_of(c.log_json);
-  ASSERT_EQ(rows.size(), 6u);
-  std::string killed;
-  for (int i = 0; i < 5; ++i) killed += rows[i].dump() + "\n";
+  ASSERT_EQ(test::log_steps(c.log_json), (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  std::istringstream rows(test::read_all(c.log_json));
+  std::string killed, line;
+  for (int i = 0; i < 5 && std::getline(rows, line); ++i) killed += line + "\n";
   test::write_all(c.log_json, killed + "{\"step\": 6, \"lo");  // and a torn last line
   train::TrainConfig r = c;
   r.resume = c.out_dir + "/step_00000003";
   r.save_every = 0;
   train::run_training(r);
-  rows = rows_of(c.log_json);
-  ASSERT_EQ(rows.size(), 6u);
-  for (int i = 0; i < 6; ++i) EXPECT_EQ(rows[i]["step"].get<int64_t>(), i + 1);
+  EXPECT_EQ(test::log_steps(c.log_json), (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
 }
 
 TEST(Hardening, AFullDiskIsAnErrorNotATruncatedLog) {

@@ -190,16 +190,9 @@ TEST(Launch, KilledAtRandomPointsAndResumedTheRunEndsBitExactWithEveryLogRowOnce
       << "after " << kills << " kills the weights differ";
   EXPECT_EQ(test::read_all(killed + "/step_00000100/state.bin"), test::read_all(straight + "/step_00000100/state.bin"));
   // The log: steps 1..100, each once, in order.
-  std::istringstream rows(test::read_all(log));
-  std::string line;
-  int64_t expected_step = 1;
-  while (std::getline(rows, line)) {
-    const size_t at = line.find("\"step\":");
-    ASSERT_NE(at, std::string::npos) << line;
-    EXPECT_EQ(std::atoll(line.c_str() + at + 7), expected_step) << "after " << kills << " kills";
-    ++expected_step;
-  }
-  EXPECT_EQ(expected_step, 101);
+  std::vector<int64_t> all_steps(100);
+  for (int64_t s = 0; s < 100; ++s) all_steps[s] = s + 1;
+  EXPECT_EQ(test::log_steps(log), all_steps) << "after " << kills << " kills";
 }
 
 TEST(Launch, PlanPrintsEveryRanksPeakAsTextAndJson) {
@@ -231,13 +224,6 @@ TEST(Launch, AKillAtEveryCrashPointOfACheckpointLosesNothing) {
                              (resume.empty() ? "" : " --resume " + resume),
                          8);
   };
-  auto rows = [](const std::string& log) {
-    std::istringstream in(test::read_all(log));
-    std::vector<int64_t> steps;
-    for (std::string line; std::getline(in, line);)
-      if (const size_t at = line.find("\"step\":"); at != std::string::npos) steps.push_back(std::atoll(line.c_str() + at + 7));
-    return steps;
-  };
   const std::vector<int64_t> all_steps = {1, 2, 3, 4, 5, 6, 7, 8};
   const std::string straight = test::temp_path("straight");
   std::filesystem::remove_all(straight);  // a process id can repeat across runs of the suite
@@ -252,7 +238,7 @@ TEST(Launch, AKillAtEveryCrashPointOfACheckpointLosesNothing) {
     const Outcome resumed = run(command(out, "", out));
     ASSERT_EQ(resumed.exit_code, 0) << point << "\n" << resumed.output;
     EXPECT_EQ(test::read_all(out + "/step_00000008/model.bin"), expected_model) << point;
-    EXPECT_EQ(rows(out + "/log.jsonl"), all_steps) << point;
+    EXPECT_EQ(test::log_steps(out + "/log.jsonl"), all_steps) << point;
   }
 
   // Re-saving the step `latest` names: the run is resumed from an older checkpoint in the
@@ -267,6 +253,6 @@ TEST(Launch, AKillAtEveryCrashPointOfACheckpointLosesNothing) {
   const Outcome resumed = run(command(out, "", out));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_EQ(test::read_all(out + "/step_00000008/model.bin"), expected_model);
-  EXPECT_EQ(rows(out + "/log.jsonl"), all_steps);
+  EXPECT_EQ(test::log_steps(out + "/log.jsonl"), all_steps);
   EXPECT_FALSE(std::filesystem::exists(out + "/step_00000006.old"));
 }

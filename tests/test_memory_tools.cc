@@ -18,16 +18,10 @@ namespace {
 
 // A 3-step run of the 97-token fixture writing its memory trace.
 std::string traced_run(const std::string& name, int64_t batch) {
-  train::TrainConfig c;
-  c.model_file = test::fixture_path("gpt2_tiny.bin");
-  c.train_data = test::write_random_shard(name + ".bin", 5000, 97, 1);
+  train::TrainConfig c = test::tiny_train_config(test::write_random_shard(name + ".bin", 5000, 97, 1));
   c.batch_size = batch;
-  c.seq_len = 16;
   c.grad_accum = 2;
   c.steps = 3;
-  c.quiet = true;
-  c.sample_every = -1;
-  c.threads = 1;
   c.out_dir = test::temp_path(name + "_out");
   c.mem_trace = test::temp_path(name + ".json");
   train::run_training(c);
@@ -80,9 +74,7 @@ TEST(MemoryTools, TheReportRendersInAHeadlessBrowserWithTheOwnersAtThePeak) {
   EXPECT_EQ(html.find("<script"), std::string::npos);  // self-contained: nothing to run, nothing fetched
   EXPECT_EQ(html.find("http://"), html.find("http://www.w3.org/2000/svg"));
 
-  const char* browser = nullptr;
-  for (const char* c : {"/usr/bin/chromium", "/usr/bin/chromium-browser"})
-    if (fs::exists(c)) browser = c;
+  const char* browser = test::chromium();
   if (!browser) GTEST_SKIP() << "chromium is not installed (scripts/setup.sh installs it)";
   std::string dom;
   FILE* pipe = popen((std::string(browser) + " --headless --no-sandbox --disable-gpu --dump-dom file://" + page + " 2>/dev/null").c_str(), "r");

@@ -48,11 +48,6 @@ int run_command(const std::string& command, std::string* output) {
   return pclose(pipe);
 }
 
-const char* chromium() {
-  for (const char* c : {"/usr/bin/chromium", "/usr/bin/chromium-browser"})
-    if (fs::exists(c)) return c;
-  return nullptr;
-}
 }  // namespace
 
 TEST(Plot, SmoothingIsBiasCorrected) {
@@ -150,7 +145,7 @@ TEST(Plot, TheTrainerDrawsLossSvgInItsOutDirAndLogsTokens) {
 // the legend does not cover the end of the curves, and a canvas rendering of the SVG has
 // the first run's colour where its smoothed curve ends.
 TEST(Plot, RendersInAHeadlessBrowser) {
-  const char* browser = chromium();
+  const char* browser = test::chromium();
   if (!browser) GTEST_SKIP() << "chromium is not installed (scripts/setup.sh installs it)";
   const std::string svg = train::render_loss_svg({fake_run("small", 10.8, 5, 300, 50), fake_run("wide", 10.8, 4.6, 200, 40)});
   std::string encoded;

@@ -52,48 +52,7 @@ std::string scratch_dir() {
 
 using tally::test::message_of;
 
-// OpenAI's byte -> printable code point mapping, as UTF-8 (to write synthetic encoder.json).
-std::string byte_token(unsigned char b) {
-  int next = 0, cp = -1;
-  for (int x = 0; x < 256; ++x) {
-    const bool printable = (x >= 0x21 && x <= 0x7E) || (x >= 0xA1 && x <= 0xAC) || x >= 0xAE;
-    const int c = printable ? x : 256 + next++;
-    if (x == b) cp = c;
-  }
-  std::string s;
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else {
-    s += static_cast<char>(0xC0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-  return s;
-}
-std::string token_of(const std::string& bytes) {
-  std::string s;
-  for (unsigned char b : bytes) s += byte_token(b);
-  return s;
-}
-
-// A tiny vocabulary: the 256 bytes, the merges' results, and <|endoftext|>.
-struct TinyFiles {
-  std::string encoder, vocab;
-};
-TinyFiles write_tiny(const std::string& dir, const std::vector<std::pair<std::string, std::string>>& merges) {
-  nlohmann::json enc = nlohmann::json::object();
-  int id = 0;
-  for (int b = 0; b < 256; ++b) enc[byte_token(static_cast<unsigned char>(b))] = id++;
-  std::string vocab = "#version: 0.2\n";
-  for (const auto& [a, b] : merges) {
-    if (!enc.contains(token_of(a + b))) enc[token_of(a + b)] = id++;
-    vocab += token_of(a) + " " + token_of(b) + "\n";
-  }
-  enc["<|endoftext|>"] = id++;
-  TinyFiles f{dir + "/encoder.json", dir + "/vocab.bpe"};
-  write_all(f.encoder, enc.dump());
-  write_all(f.vocab, vocab);
-  return f;
-}
+using tally::test::write_tiny_gpt2_tokenizer;
 
 // ---------------------------------------------------------------------------------------------
 // Against OpenAI's GPT-2 files.
@@ -244,7 +203,7 @@ TEST_F(Gpt2Files, LlmcTokenizerDecodesTheSame) {
 TEST(Gpt2Tokenizer, AppliesMergesInRankOrder) {
   const std::string dir = scratch_dir();
   // "l l" outranks "e l", so "hello" must become h e ll o -> he ll o -> hell o -> hello.
-  const TinyFiles f = write_tiny(dir, {{"h", "e"}, {"l", "l"}, {"e", "l"}, {"he", "ll"}, {"hell", "o"}, {" ", "w"}});
+  const auto f = write_tiny_gpt2_tokenizer(dir, {{"h", "e"}, {"l", "l"}, {"e", "l"}, {"he", "ll"}, {"hell", "o"}, {" ", "w"}});
   const Gpt2Tokenizer tok = Gpt2Tokenizer::load(f.encoder, f.vocab);
   EXPECT_EQ(tok.vocab_size(), 256 + 6 + 1);
   EXPECT_EQ(tok.eot_id(), 262);
@@ -263,7 +222,7 @@ TEST(Gpt2Tokenizer, AppliesMergesInRankOrder) {
 
 TEST(Gpt2Tokenizer, LongPiecesMergeLikeShortOnes) {
   const std::string dir = scratch_dir();
-  const TinyFiles f = write_tiny(dir, {{"a", "b"}, {"ab", "ab"}, {"abab", "c"}});
+  const auto f = write_tiny_gpt2_tokenizer(dir, {{"a", "b"}, {"ab", "ab"}, {"abab", "c"}});
   const Gpt2Tokenizer tok = Gpt2Tokenizer::load(f.encoder, f.vocab);
   // 60 and 600 bytes: beyond the length where the heap-based BPE takes over.
   for (int reps : {15, 150}) {
@@ -280,7 +239,7 @@ TEST(Gpt2Tokenizer, MergesUsingLaterTokensFollowOpenAIOrder) {
   // do this, but OpenAI's algorithm still defines the result: all "a b" pairs merge first, in
   // one sweep, and afterwards no "ab" is followed by an "a".
   const std::string dir = scratch_dir();
-  const TinyFiles f = write_tiny(dir, {{"ab", "a"}, {"a", "b"}});
+  const auto f = write_tiny_gpt2_tokenizer(dir, {{"ab", "a"}, {"a", "b"}});
   const Gpt2Tokenizer tok = Gpt2Tokenizer::load(f.encoder, f.vocab);
   for (int reps : {3, 30}) {  // short and long pieces
     std::string text;
@@ -293,7 +252,7 @@ TEST(Gpt2Tokenizer, MergesUsingLaterTokensFollowOpenAIOrder) {
 
 TEST(Gpt2Tokenizer, LoadErrorsNameTheFile) {
   const std::string dir = scratch_dir();
-  const TinyFiles good = write_tiny(dir, {{"a", "b"}});
+  const auto good = write_tiny_gpt2_tokenizer(dir, {{"a", "b"}});
 
   std::string msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(dir + "/nope.json", good.vocab); });
   EXPECT_NE(msg.find(dir + "/nope.json"), std::string::npos) << msg;
