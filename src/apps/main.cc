@@ -13,6 +13,7 @@
 #include "data/token_shard.h"
 #include "data/tokenizer.h"
 #include "dist/world.h"
+#include "io/checkpoint.h"
 #include "io/model_files.h"
 #include "memory/report.h"
 #include "nn/transformer.h"
@@ -95,14 +96,12 @@ std::string resolve_model_file(const std::string& path) {
   namespace fs = std::filesystem;
   if (!fs::is_directory(path)) return path;
   if (fs::exists(fs::path(path) / "model.bin")) return (fs::path(path) / "model.bin").string();
-  const fs::path latest = fs::path(path) / "latest";
-  TALLY_CHECK(fs::exists(latest), "--model-file '", path,
+  const std::string dir = io::latest_step_dir(path, "--model-file");
+  TALLY_CHECK(!dir.empty(), "--model-file '", path,
               "': a directory with neither model.bin (a checkpoint) nor 'latest' (a training --out-dir)");
-  std::ifstream in(latest);
-  std::string name;
-  std::getline(in, name);
-  const fs::path model = fs::path(path) / name / "model.bin";
-  TALLY_CHECK(fs::exists(model), "--model-file '", path, "': 'latest' names '", name, "', which has no model.bin");
+  const fs::path model = fs::path(dir) / "model.bin";
+  TALLY_CHECK(fs::exists(model), "--model-file '", path, "': 'latest' names '", fs::path(dir).filename().string(),
+              "', which has no model.bin");
   return model.string();
 }
 
@@ -155,9 +154,7 @@ struct PlanArgs {
 
 int run_plan(const PlanArgs& a) {
   train::PlanInput in;
-  if (!a.model_file.empty()) in.model = io::read_llmc_gpt2_config(a.model_file);
-  else if (!a.init_from.empty()) in.model = io::read_hf_gpt2_config(a.init_from);
-  else in.model = nn::TransformerConfig::preset(a.model);
+  in.model = train::model_config(a.model, a.model_file, a.init_from);
   TALLY_CHECK(a.batch_size > 0 && a.seq_len > 0 && a.grad_accum > 0, "--batch-size, --seq-len and --grad-accum must be positive");
   TALLY_CHECK(a.seq_len <= in.model.max_seq_len, "--seq-len ", a.seq_len, " exceeds the model's maximum sequence length ",
               in.model.max_seq_len);

@@ -134,35 +134,44 @@ std::string latest_name(const fs::path& latest) {
 }
 }  // namespace
 
+std::string latest_step_dir(const std::string& out_dir, const char* flag) {
+  const fs::path latest = fs::path(out_dir) / "latest";
+  if (!fs::exists(latest)) return "";
+  const std::string name = latest_name(latest);
+  TALLY_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..", flag, " '", out_dir,
+              "': 'latest' holds '", name, "', expected the name of a step directory");
+  const std::string dir = (fs::path(out_dir) / name).string();
+  // A save killed between moving the old directory aside and renaming the new one in.
+  if (!fs::exists(fs::path(dir) / "state.bin") && fs::exists(fs::path(dir + ".old") / "state.bin")) return dir + ".old";
+  return dir;
+}
+
 std::string resolve_checkpoint(const std::string& path) {
   TALLY_CHECK(fs::is_directory(path), "--resume '", path, "': expected a checkpoint directory or a training --out-dir, found ",
               fs::exists(path) ? "a file" : "nothing");
   if (fs::exists(fs::path(path) / "state.bin")) return path;
-  fs::path latest = fs::path(path) / "latest";
-  TALLY_CHECK(fs::exists(latest), "--resume '", path, "': neither a checkpoint directory (no state.bin) nor an output ",
+  const std::string dir = latest_step_dir(path, "--resume");
+  TALLY_CHECK(!dir.empty(), "--resume '", path, "': neither a checkpoint directory (no state.bin) nor an output ",
               "directory (no 'latest' file)");
-  const std::string name = latest_name(latest);
-  TALLY_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..", "--resume '", path,
-              "': 'latest' holds '", name, "', expected the name of a step directory");
-  std::string dir = (fs::path(path) / name).string();
-  // A save killed between moving the old directory aside and renaming the new one in.
-  if (!fs::exists(fs::path(dir) / "state.bin") && fs::exists(fs::path(dir + ".old") / "state.bin")) return dir + ".old";
-  TALLY_CHECK(fs::exists(fs::path(dir) / "state.bin"), "--resume '", path, "': 'latest' names '", name,
-              "' which has no state.bin");
+  TALLY_CHECK(fs::exists(fs::path(dir) / "state.bin"), "--resume '", path, "': 'latest' names '",
+              fs::path(dir).filename().string(), "' which has no state.bin");
   return dir;
 }
 
 void recover_out_dir(const std::string& out_dir) {
   if (!fs::is_directory(out_dir)) return;
-  const fs::path latest = fs::path(out_dir) / "latest";
-  if (fs::exists(latest)) {
-    const fs::path named = fs::path(out_dir) / latest_name(latest);
-    const fs::path aside = named.string() + ".old";
-    if (!fs::exists(named / "state.bin") && fs::exists(aside / "state.bin")) {
-      fs::remove_all(named);
-      fs::rename(aside, named);
-      sync_directory(out_dir);
-    }
+  std::string dir;
+  try {
+    dir = latest_step_dir(out_dir, "--out-dir");
+  } catch (const Error&) {
+    // A `latest` that names no step directory: nothing to move back. The run's first save
+    // replaces it, and a --resume from here says what is wrong with it.
+  }
+  if (dir.size() > 4 && dir.ends_with(".old")) {
+    const std::string named = dir.substr(0, dir.size() - 4);
+    fs::remove_all(named);
+    fs::rename(dir, named);
+    sync_directory(out_dir);
   }
   for (const auto& entry : fs::directory_iterator(out_dir)) {
     const std::string name = entry.path().filename().string();

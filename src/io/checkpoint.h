@@ -42,6 +42,11 @@ std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& m
 
 // `path` is a checkpoint directory or an out_dir with a `latest` file.
 std::string resolve_checkpoint(const std::string& path);
+// The step directory <out_dir>/latest names (LF or CRLF), or "" when there is no `latest`;
+// its ".old" when a save killed between moving the old directory aside and renaming the new
+// one in left only that. A `latest` that holds no plain directory name is an error naming
+// `flag` and `out_dir`.
+std::string latest_step_dir(const std::string& out_dir, const char* flag);
 // Repairs what a killed save can leave in `out_dir` (run by the writer before training):
 // a step directory moved aside as "<step>.old" while its replacement was not yet in place
 // is moved back, and "*.tmp" leftovers of unfinished writes are removed.

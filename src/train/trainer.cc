@@ -130,11 +130,7 @@ std::string recipe_changes(const std::vector<std::pair<std::string, std::string>
 }
 
 std::unique_ptr<nn::Transformer> build_model(const TrainConfig& c) {
-  nn::TransformerConfig mc;
-  if (!c.model_file.empty()) mc = io::read_llmc_gpt2_config(c.model_file);
-  else if (!c.init_from.empty()) mc = io::read_hf_gpt2_config(c.init_from);
-  else mc = nn::TransformerConfig::preset(c.model);
-  auto model = std::make_unique<nn::Transformer>(mc);
+  auto model = std::make_unique<nn::Transformer>(model_config(c.model, c.model_file, c.init_from));
   if (!c.model_file.empty()) io::load_llmc_gpt2(c.model_file, *model);
   else if (!c.init_from.empty()) io::load_hf_gpt2(c.init_from, *model);
   else model->init_weights(c.seed);
@@ -225,6 +221,12 @@ Tensor gather_parameters(const nn::Transformer& model) {
 TrainResult run_training(const TrainConfig& c, const std::function<void(const StepMetrics&)>& on_step) {
   std::unique_ptr<dist::World> world = dist::World::create({c.dp, c.tp, c.pp});
   return run_training(c, *world, on_step);
+}
+
+nn::TransformerConfig model_config(const std::string& preset, const std::string& model_file, const std::string& init_from) {
+  if (!model_file.empty()) return io::read_llmc_gpt2_config(model_file);
+  if (!init_from.empty()) return io::read_hf_gpt2_config(init_from);
+  return nn::TransformerConfig::preset(preset);
 }
 
 TrainResult run_training(const TrainConfig& c, const dist::World& world, const std::function<void(const StepMetrics&)>& on_step) {

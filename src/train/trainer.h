@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "dist/world.h"
+#include "nn/transformer.h"
 #include "sanitizer/sanitizer.h"
 
 namespace tally::train {
@@ -98,6 +99,10 @@ struct TrainResult {
 };
 
 double learning_rate(const TrainConfig& c, int64_t step);
+
+// The model's shape, from --model-file (an llm.c header), --init-from (a HuggingFace
+// safetensors header) or else the --model preset; reads headers only (train and plan).
+nn::TransformerConfig model_config(const std::string& preset, const std::string& model_file, const std::string& init_from);
 
 // Runs the configured training on `world` (every rank calls it). `on_step` (optional)
 // sees each step's metrics.
