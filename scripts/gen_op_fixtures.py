@@ -186,6 +186,71 @@ case("gather", {"x": rnd(3, 5), "index": gidx},
 metadata["permute.dims"] = "2,0,1"
 case("permute", {"x": rnd(2, 3, 4)}, lambda x: x.permute(2, 0, 1).contiguous())
 
+# --- LLaMA-3 ops (appended last so the cases above keep their random draws) ----
+RMS_EPS = 1e-5
+metadata["rmsnorm.eps"] = str(RMS_EPS)
+# Meta's RMSNorm: x * rsqrt(mean(x^2) + eps) * weight.
+case("rmsnorm", {"x": rnd(2, 3, 16), "w": 1.0 + 0.5 * rnd(16)},
+     lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS) * w)
+case("swiglu", {"gate": 2.0 * rnd(3, 7), "up": rnd(3, 7)}, lambda gate, up: F.silu(gate) * up)
+
+
+def llama31_inv_freq(head_dim, theta, factor, low, high, original):
+    """Meta's precompute_freqs_cis frequencies with LLaMA-3.1's apply_scaling."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=DT)[: head_dim // 2] / head_dim))
+    low_wavelen, high_wavelen = original / low, original / high
+    out = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(f)
+        elif wavelen > low_wavelen:
+            out.append(f / factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return torch.tensor(out, dtype=DT)
+
+
+def rotary(x, inv_freq, offset):
+    """Meta's apply_rotary_emb: (x[2i], x[2i+1]) as a complex number times
+    exp(i * pos * inv_freq[i]), positions offset..offset+T-1."""
+    T = x.shape[1]
+    pos = torch.arange(offset, offset + T, dtype=DT)
+    angles = torch.outer(pos, inv_freq)                       # (T, D/2)
+    rot = torch.polar(torch.ones_like(angles), angles)[None, :, None, :]
+    xc = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+    return torch.view_as_real(xc * rot).flatten(3)
+
+
+# head_dim 16, theta 10000 and an original context of 64 put frequencies in all three
+# bands of the 3.1 scaling (kept, divided by the factor, and smoothly interpolated).
+ROPE = dict(head_dim=16, theta=10000.0, factor=8.0, low=1.0, high=4.0, original=64)
+metadata["rotary.scaling"] = ",".join(f"{k}={v}" for k, v in ROPE.items())
+INV_FREQ = llama31_inv_freq(**ROPE)
+tensors["rotary.inv_freq"] = INV_FREQ.numpy().copy()
+case("rotary", {"x": rnd(2, 5, 3, 16)}, lambda x: rotary(x, INV_FREQ, 0))
+metadata["rotary_offset.offset"] = "7"
+case("rotary_offset", {"x": rnd(1, 3, 2, 16)}, lambda x: rotary(x, INV_FREQ, 7))
+
+
+def causal_attention_offset(q, k, v):
+    """Attention of the last Tq of Tk positions (decoding with a KV cache): query t sits
+    at position t + Tk - Tq and sees keys j <= that."""
+    B, Tq, H, hd = q.shape
+    Tk, group = k.shape[1], H // k.shape[2]
+    qh = q.permute(0, 2, 1, 3)
+    kh = k.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+    vh = v.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+    att = (qh @ kh.transpose(-2, -1)) / math.sqrt(hd)            # (B,H,Tq,Tk)
+    mask = torch.arange(Tk)[None, :] <= (torch.arange(Tq)[:, None] + Tk - Tq)
+    att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return (att @ vh).permute(0, 2, 1, 3).contiguous()
+
+
+case("attention_kv_offset", {"q": rnd(2, 2, 4, 4), "k": rnd(2, 5, 2, 4), "v": rnd(2, 5, 2, 4)},
+     causal_attention_offset)
+
 # --- write + verify ----------------------------------------------------------
 for k, v in tensors.items():
     assert v.dtype in (np.float64, np.int64), (k, v.dtype)

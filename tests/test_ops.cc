@@ -113,6 +113,27 @@ TEST(OpsVsTorch, GroupedQueryAttention) {
   Tensor q = input("attention_gqa.q"), k = input("attention_gqa.k"), v = input("attention_gqa.v");
   check_case("attention_gqa", ops::causal_attention(q, k, v), {{"q", q}, {"k", k}, {"v", v}});
 }
+TEST(OpsVsTorch, AttentionOfTheLastQueriesOverALongerKvCache) {
+  Tensor q = input("attention_kv_offset.q"), k = input("attention_kv_offset.k"), v = input("attention_kv_offset.v");
+  check_case("attention_kv_offset", ops::causal_attention(q, k, v), {{"q", q}, {"k", k}, {"v", v}});
+}
+TEST(OpsVsTorch, RmsNorm) {
+  Tensor x = input("rmsnorm.x"), w = input("rmsnorm.w");
+  check_case("rmsnorm", ops::rmsnorm(x, w, 1e-5), {{"x", x}, {"w", w}});
+}
+TEST(OpsVsTorch, SwiGlu) {
+  Tensor gate = input("swiglu.gate"), up = input("swiglu.up");
+  check_case("swiglu", ops::swiglu(gate, up), {{"gate", gate}, {"up", up}});
+}
+TEST(OpsVsTorch, RotaryWithLlama31FrequencyScaling) {
+  // The fixture's frequencies come from Meta's apply_scaling in Python; the model's own
+  // computation of them is checked against the same numbers in test_llama.
+  Tensor inv_freq = fx().at("rotary.inv_freq");
+  Tensor x = input("rotary.x");
+  check_case("rotary", ops::rotary(x, inv_freq), {{"x", x}});
+  Tensor y = input("rotary_offset.x");
+  check_case("rotary_offset", ops::rotary(y, inv_freq, 7), {{"x", y}});
+}
 TEST(OpsVsTorch, CrossEntropyOverPaddedVocab) {
   Tensor logits = input("cross_entropy.logits");
   int64_t V = fx().at("cross_entropy.valid_vocab").to_vector<int64_t>()[0];
@@ -196,6 +217,23 @@ TEST(Gradcheck, GroupedQueryAttention) {
   Fn f = [](auto& in) { return ops::causal_attention(in[0], in[1], in[2]); };
   EXPECT_LT(test::gradcheck(f, {test::random_tensor({1, 4, 4, 3}, 16), test::random_tensor({1, 4, 2, 3}, 17),
                                 test::random_tensor({1, 4, 2, 3}, 18)}),
+            kGradTol);
+}
+TEST(Gradcheck, RmsNormSwiGluRotary) {
+  Tensor inv_freq = Tensor::from_vector<double>({1.0, 0.3, 0.05}, {3});
+  Fn f = [&](auto& in) {
+    Tensor h = ops::rmsnorm(in[0], in[1]);                                    // (2,3,12)
+    Tensor g = ops::swiglu(h, in[2]);
+    return ops::rotary(g.view({2, 3, 2, 6}), inv_freq, 2);
+  };
+  EXPECT_LT(test::gradcheck(f, {test::random_tensor({2, 3, 12}, 23), test::random_tensor({12}, 24),
+                                test::random_tensor({2, 3, 12}, 25)}),
+            kGradTol);
+}
+TEST(Gradcheck, AttentionOverALongerKvCache) {
+  Fn f = [](auto& in) { return ops::causal_attention(in[0], in[1], in[2]); };
+  EXPECT_LT(test::gradcheck(f, {test::random_tensor({1, 2, 4, 3}, 26), test::random_tensor({1, 5, 2, 3}, 27),
+                                test::random_tensor({1, 5, 2, 3}, 28)}),
             kGradTol);
 }
 TEST(Gradcheck, CrossEntropyIgnoresPaddingAndNegativeTargets) {

@@ -1,5 +1,5 @@
-// Differentiable neural-network ops: embedding, layernorm, GELU, softmax, causal
-// attention and cross-entropy. The math of each is next to its kernel in ops/cpu.
+// Differentiable neural-network ops: embedding, layernorm, RMSNorm, GELU, SwiGLU, rotary
+// embeddings, softmax, causal attention and cross-entropy. The math of each is next to its kernel in ops/cpu.
 #include "ops/op_common.h"
 
 namespace tally::ops {
@@ -40,6 +40,44 @@ struct LayerNormFn {
     Tensor db = ctx.needs_input_grad(2) ? Tensor::empty(w.shape(), w.dtype(), w.device(), current_owner("layernorm_db")) : Tensor();
     on(dx).layernorm_backward(dx, dw, db, g, x, w, m, r);
     return {dx, ctx.needs_input_grad(1) ? dw : Tensor(), db};
+  }
+};
+
+struct RmsNormFn {
+  static constexpr const char* kName = "rmsnorm";
+  using Context = autograd::Context;  // saved: x, weight, rstd
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    Tensor x = ctx.saved(0), w = ctx.saved(1), r = ctx.saved(2);
+    Tensor g = materialize(grads[0]);
+    Tensor dx = ctx.needs_input_grad(0) ? Tensor::empty(x.shape(), x.dtype(), x.device(), current_owner("rmsnorm_dx")) : Tensor();
+    Tensor dw = ctx.needs_input_grad(1) ? Tensor::empty(w.shape(), w.dtype(), w.device(), current_owner("rmsnorm_dw")) : Tensor();
+    on(g).rmsnorm_backward(dx, dw, g, x, w, r);
+    return {dx, dw};
+  }
+};
+
+struct SwiGluFn {
+  static constexpr const char* kName = "swiglu";
+  using Context = autograd::Context;  // saved: gate, up
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    Tensor gate = ctx.saved(0), up = ctx.saved(1);
+    Tensor dgate = Tensor::empty(gate.shape(), gate.dtype(), gate.device(), current_owner("swiglu_dgate"));
+    Tensor dup = Tensor::empty(up.shape(), up.dtype(), up.device(), current_owner("swiglu_dup"));
+    on(dgate).swiglu_backward(dgate, dup, materialize(grads[0]), gate, up);
+    return {dgate, dup};
+  }
+};
+
+struct RotaryFn {
+  static constexpr const char* kName = "rotary";
+  struct Context : autograd::Context {  // saved: inv_freq
+    int64_t offset = 0;
+  };
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    Tensor g = materialize(grads[0]);
+    Tensor dx = Tensor::empty(g.shape(), g.dtype(), g.device(), current_owner("rotary_dx"));
+    on(dx).rotary(dx, g, ctx.saved(0), ctx.offset, /*inverse=*/true);
+    return {dx, Tensor()};
   }
 };
 
@@ -141,6 +179,57 @@ Tensor layernorm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, d
   return out;
 }
 
+Tensor rmsnorm(const Tensor& x_in, const Tensor& weight, double eps) {
+  detail::require_same_device("rmsnorm", {&x_in, &weight});
+  const int64_t C = x_in.size(-1);
+  TALLY_CHECK(weight.defined() && weight.dim() == 1 && weight.shape()[0] == C, "rmsnorm: weight ", weight.str(),
+              " must be (", C, ") for input ", x_in.str());
+  Tensor x = materialize(x_in);
+  Shape rows(x.shape().begin(), x.shape().end() - 1);
+  Tensor out = new_output(x.shape(), x.dtype(), x.device(), "rmsnorm");
+  Tensor rstd = new_output(rows, x.dtype(), x.device(), "rmsnorm_rstd");
+  on(out).rmsnorm_forward(out, rstd, x, materialize(weight), eps);
+  if (autograd::needs_graph({x_in, weight})) {
+    auto ctx = std::make_unique<RmsNormFn::Context>();
+    ctx->save_for_backward({x, materialize(weight), rstd});
+    autograd::record<RmsNormFn>(std::move(ctx), {x_in, weight}, {out});
+  }
+  return out;
+}
+
+Tensor swiglu(const Tensor& gate_in, const Tensor& up_in) {
+  detail::require_same_device("swiglu", {&gate_in, &up_in});
+  TALLY_CHECK(gate_in.shape() == up_in.shape() && gate_in.dtype() == up_in.dtype(), "swiglu: gate ", gate_in.str(),
+              " and up ", up_in.str(), " must have one shape and dtype");
+  Tensor gate = materialize(gate_in), up = materialize(up_in);
+  Tensor out = new_output(gate.shape(), gate.dtype(), gate.device(), "swiglu");
+  on(out).swiglu_forward(out, gate, up);
+  if (autograd::needs_graph({gate_in, up_in})) {
+    auto ctx = std::make_unique<SwiGluFn::Context>();
+    ctx->save_for_backward({gate, up});
+    autograd::record<SwiGluFn>(std::move(ctx), {gate_in, up_in}, {out});
+  }
+  return out;
+}
+
+Tensor rotary(const Tensor& x_in, const Tensor& inv_freq_in, int64_t offset) {
+  detail::require_same_device("rotary", {&x_in, &inv_freq_in});
+  TALLY_CHECK(x_in.dim() == 4 && x_in.shape()[3] % 2 == 0, "rotary: x ", x_in.str(), " must be (B,T,heads,D) with D even");
+  TALLY_CHECK(inv_freq_in.dim() == 1 && inv_freq_in.shape()[0] == x_in.shape()[3] / 2 && inv_freq_in.dtype() == x_in.dtype(),
+              "rotary: inv_freq ", inv_freq_in.str(), " must be (", x_in.shape()[3] / 2, ") of ", dtype_name(x_in.dtype()));
+  TALLY_CHECK(offset >= 0, "rotary: negative position offset ", offset);
+  Tensor x = materialize(x_in), inv_freq = materialize(inv_freq_in);
+  Tensor out = new_output(x.shape(), x.dtype(), x.device(), "rotary");
+  on(out).rotary(out, x, inv_freq, offset, /*inverse=*/false);
+  if (autograd::needs_graph({x_in})) {
+    auto ctx = std::make_unique<RotaryFn::Context>();
+    ctx->offset = offset;
+    ctx->save_for_backward({inv_freq});
+    autograd::record<RotaryFn>(std::move(ctx), {x_in, inv_freq_in}, {out});
+  }
+  return out;
+}
+
 Tensor gelu(const Tensor& x_in) {
   detail::require_same_device("gelu", {&x_in});
   Tensor x = materialize(x_in);
@@ -173,8 +262,8 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
               q_in.str(), ", ", k_in.str(), ", ", v_in.str());
   TALLY_CHECK(k_in.shape() == v_in.shape(), "causal_attention: k ", k_in.str(), " and v ", v_in.str(), " differ in shape");
   const int64_t B = q_in.shape()[0], T = q_in.shape()[1], H = q_in.shape()[2], D = q_in.shape()[3];
-  TALLY_CHECK(k_in.shape()[0] == B && k_in.shape()[1] == T && k_in.shape()[3] == D,
-              "causal_attention: k ", k_in.str(), " does not match q ", q_in.str());
+  TALLY_CHECK(k_in.shape()[0] == B && k_in.shape()[1] >= T && k_in.shape()[3] == D,
+              "causal_attention: k ", k_in.str(), " does not match q ", q_in.str(), " (k may be longer, never shorter)");
   const int64_t KV = k_in.shape()[2];
   TALLY_CHECK(KV > 0 && H % KV == 0, "causal_attention: ", H, " query heads are not a multiple of ", KV, " kv heads");
   // Kernels need contiguous head vectors; other strides are read in place.

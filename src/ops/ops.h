@@ -39,12 +39,22 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor
 // ---- neural-network ops
 Tensor embedding(const Tensor& weight, const Tensor& indices);  // weight (V, C), indices int
 Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
+// RMSNorm over the last dimension (LLaMA): x / sqrt(mean(x^2) + eps) * weight.
+Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps = 1e-5);
 Tensor gelu(const Tensor& x);     // tanh approximation, as GPT-2
+// silu(gate) * up, LLaMA's gated MLP activation (gate and up have one shape).
+Tensor swiglu(const Tensor& gate, const Tensor& up);
+// Rotary position embedding of x (B,T,heads,D), D even, at positions offset..offset+T-1:
+// pairs (x[2i], x[2i+1]) rotate by pos * inv_freq[i] (Meta's interleaved convention).
+// inv_freq (D/2) is a constant: it gets no gradient.
+Tensor rotary(const Tensor& x, const Tensor& inv_freq, int64_t offset = 0);
 Tensor softmax(const Tensor& x);  // over the last dimension
 // Causal scaled-dot-product attention. q (B,T,H,D), k and v (B,T,KV,D) with H % KV == 0
 // (grouped-query attention when KV < H); the last dimension must be contiguous, other
 // strides are free (q, k, v are usually slices of one fused qkv projection).
-// Returns (B,T,H,D). Keeps only the output and a (B,H,T) log-sum-exp for backward,
+// k and v may be longer than q (Tk >= Tq, decoding with a KV cache): query row t is then
+// position t + Tk - Tq and sees the keys up to it.
+// Returns (B,Tq,H,D). Keeps only the output and a (B,H,T) log-sum-exp for backward,
 // never the (B,H,T,T) probabilities.
 Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v);
 // Mean cross-entropy of logits (N, Vp) against targets (N) over the first `valid_vocab`

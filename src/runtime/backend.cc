@@ -88,6 +88,18 @@ void Backend::layernorm_backward(const Tensor&, const Tensor&, const Tensor&, co
 }
 void Backend::gelu_forward(const Tensor&, const Tensor&) { no_kernel("gelu"); }
 void Backend::gelu_backward(const Tensor&, const Tensor&, const Tensor&) { no_kernel("gelu backward"); }
+void Backend::rmsnorm_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double) {
+  no_kernel("rmsnorm");
+}
+void Backend::rmsnorm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                               const Tensor&) {
+  no_kernel("rmsnorm backward");
+}
+void Backend::rotary(const Tensor&, const Tensor&, const Tensor&, int64_t, bool) { no_kernel("rotary"); }
+void Backend::swiglu_forward(const Tensor&, const Tensor&, const Tensor&) { no_kernel("swiglu"); }
+void Backend::swiglu_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  no_kernel("swiglu backward");
+}
 void Backend::softmax_forward(const Tensor&, const Tensor&) { no_kernel("softmax"); }
 void Backend::softmax_backward(const Tensor&, const Tensor&, const Tensor&) { no_kernel("softmax backward"); }
 void Backend::attention_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {

@@ -58,6 +58,17 @@ class Backend : public DeviceHooks {
                                   const Tensor& x, const Tensor& w, const Tensor& mean, const Tensor& rstd);
   virtual void gelu_forward(const Tensor& out, const Tensor& x);
   virtual void gelu_backward(const Tensor& dx, const Tensor& dout, const Tensor& x);
+  // RMSNorm (LLaMA): out = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps) per row.
+  virtual void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& w, double eps);
+  virtual void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dout, const Tensor& x,
+                                const Tensor& w, const Tensor& rstd);
+  // Rotary embedding of x (B,T,heads,D) at positions offset..offset+T-1: each pair
+  // (x[2i], x[2i+1]) is rotated by the angle pos * inv_freq[i] (backward: by minus it).
+  virtual void rotary(const Tensor& out, const Tensor& x, const Tensor& inv_freq, int64_t offset, bool inverse);
+  // SwiGLU: out = silu(gate) * up, silu(g) = g * sigmoid(g).
+  virtual void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up);
+  virtual void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dout, const Tensor& gate,
+                               const Tensor& up);
   virtual void softmax_forward(const Tensor& out, const Tensor& x);
   virtual void softmax_backward(const Tensor& dx, const Tensor& dout, const Tensor& y);
   virtual void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,

@@ -7,6 +7,9 @@
 //   dp_tj = do_t . v_j,  ds_tj = p_tj (dp_tj - D_t)
 //   dq_t = scale * sum_j ds_tj k_j,  dk_j += scale * ds_tj q_t,  dv_j += p_tj do_t
 //
+// Queries may be fewer than keys (decoding with a KV cache): q holds the last Tq of Tk
+// positions, so query row t sits at position t + Tk - Tq and sees keys j <= that.
+//
 // Parallel over (batch, kv head): the query heads that share a kv head (GQA) run in the
 // same thread, so dk/dv accumulate without races.
 #include <omp.h>
@@ -23,13 +26,13 @@ namespace tally::runtime::cpu {
 
 namespace {
 struct Geometry {
-  int64_t B, T, H, KV, D;
+  int64_t B, Tq, Tk, H, KV, D;
   // element strides of q, k, v along (b, t, h); the last dim is contiguous
   int64_t qb, qt, qh, kb, kt, kh, vb, vt, vh;
 };
 
 Geometry geometry(const Tensor& q, const Tensor& k, const Tensor& v) {
-  Geometry g{q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[2], q.shape()[3],
+  Geometry g{q.shape()[0], q.shape()[1], k.shape()[1], q.shape()[2], k.shape()[2], q.shape()[3],
              q.strides()[0], q.strides()[1], q.strides()[2], k.strides()[0], k.strides()[1], k.strides()[2],
              v.strides()[0], v.strides()[1], v.strides()[2]};
   return g;
@@ -54,33 +57,35 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
     T* po = out.data<T>();
     T* pl = lse.data<T>();
     const T scale = T(1) / std::sqrt(static_cast<T>(g.D));
-    const bool parallel = g.B * g.H * g.T * g.T * g.D > (1 << 16);
+    const int64_t offset = g.Tk - g.Tq;
+    const bool parallel = g.B * g.H * g.Tq * g.Tk * g.D > (1 << 16);
 #pragma omp parallel if (parallel)
     {
-      std::vector<T> p(static_cast<size_t>(g.T));
+      std::vector<T> p(static_cast<size_t>(g.Tk));
 #pragma omp for collapse(2) schedule(static)
       for (int64_t b = 0; b < g.B; ++b)
         for (int64_t h = 0; h < g.H; ++h) {
           const int64_t kvh = h / group;
-          for (int64_t t = 0; t < g.T; ++t) {
+          for (int64_t t = 0; t < g.Tq; ++t) {
             const T* qrow = pq + b * g.qb + t * g.qt + h * g.qh;
+            const int64_t last = t + offset;  // the last key this query sees
             T m = -std::numeric_limits<T>::infinity();
-            for (int64_t j = 0; j <= t; ++j) {
+            for (int64_t j = 0; j <= last; ++j) {
               p[j] = scale * dot(qrow, pk + b * g.kb + j * g.kt + kvh * g.kh, g.D);
               m = std::max(m, p[j]);
             }
             T sum = 0;
-            for (int64_t j = 0; j <= t; ++j) sum += (p[j] = vexp(p[j] - m));
+            for (int64_t j = 0; j <= last; ++j) sum += (p[j] = vexp(p[j] - m));
             const T inv = T(1) / sum;
-            T* orow = po + ((b * g.T + t) * g.H + h) * g.D;
+            T* orow = po + ((b * g.Tq + t) * g.H + h) * g.D;
             for (int64_t d = 0; d < g.D; ++d) orow[d] = 0;
-            for (int64_t j = 0; j <= t; ++j) {
+            for (int64_t j = 0; j <= last; ++j) {
               const T w = p[j] * inv;
               const T* vrow = pv + b * g.vb + j * g.vt + kvh * g.vh;
 #pragma omp simd
               for (int64_t d = 0; d < g.D; ++d) orow[d] += w * vrow[d];
             }
-            pl[(b * g.H + h) * g.T + t] = m + std::log(sum);
+            pl[(b * g.H + h) * g.Tq + t] = m + std::log(sum);
           }
         }
     }
@@ -103,31 +108,33 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
     T* pdk = dk.data<T>();  // contiguous (B,T,KV,D), zero-initialized
     T* pdv = dv.data<T>();
     const T scale = T(1) / std::sqrt(static_cast<T>(g.D));
-    const bool parallel = g.B * g.H * g.T * g.T * g.D > (1 << 16);
+    const int64_t offset = g.Tk - g.Tq;
+    const bool parallel = g.B * g.H * g.Tq * g.Tk * g.D > (1 << 16);
 #pragma omp parallel if (parallel)
     {
-      std::vector<T> p(static_cast<size_t>(g.T)), ds(static_cast<size_t>(g.T));
+      std::vector<T> p(static_cast<size_t>(g.Tk)), ds(static_cast<size_t>(g.Tk));
 #pragma omp for collapse(2) schedule(static)
       for (int64_t b = 0; b < g.B; ++b)
         for (int64_t kvh = 0; kvh < g.KV; ++kvh)
           for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
-            for (int64_t t = 0; t < g.T; ++t) {
+            for (int64_t t = 0; t < g.Tq; ++t) {
               const T* qrow = pq + b * g.qb + t * g.qt + h * g.qh;
-              const T* dorow = pdo + ((b * g.T + t) * g.H + h) * g.D;
-              const T* orow = po + ((b * g.T + t) * g.H + h) * g.D;
-              const T l = pl[(b * g.H + h) * g.T + t];
+              const T* dorow = pdo + ((b * g.Tq + t) * g.H + h) * g.D;
+              const T* orow = po + ((b * g.Tq + t) * g.H + h) * g.D;
+              const T l = pl[(b * g.H + h) * g.Tq + t];
               const T Dt = dot(dorow, orow, g.D);
-              for (int64_t j = 0; j <= t; ++j) {
+              const int64_t last = t + offset;
+              for (int64_t j = 0; j <= last; ++j) {
                 const T* krow = pk + b * g.kb + j * g.kt + kvh * g.kh;
                 const T* vrow = pv + b * g.vb + j * g.vt + kvh * g.vh;
                 p[j] = vexp(scale * dot(qrow, krow, g.D) - l);
                 ds[j] = p[j] * (dot(dorow, vrow, g.D) - Dt);
               }
-              T* dqrow = pdq + ((b * g.T + t) * g.H + h) * g.D;
-              for (int64_t j = 0; j <= t; ++j) {
+              T* dqrow = pdq + ((b * g.Tq + t) * g.H + h) * g.D;
+              for (int64_t j = 0; j <= last; ++j) {
                 const T* krow = pk + b * g.kb + j * g.kt + kvh * g.kh;
-                T* dkrow = pdk + ((b * g.T + j) * g.KV + kvh) * g.D;
-                T* dvrow = pdv + ((b * g.T + j) * g.KV + kvh) * g.D;
+                T* dkrow = pdk + ((b * g.Tk + j) * g.KV + kvh) * g.D;
+                T* dvrow = pdv + ((b * g.Tk + j) * g.KV + kvh) * g.D;
                 const T a = scale * ds[j], w = p[j];
 #pragma omp simd
                 for (int64_t d = 0; d < g.D; ++d) {

@@ -83,6 +83,23 @@ class CpuBackend final : public Backend {
   }
   void gelu_forward(const Tensor& out, const Tensor& x) override { cpu::gelu_forward(out, x); }
   void gelu_backward(const Tensor& dx, const Tensor& dout, const Tensor& x) override { cpu::gelu_backward(dx, dout, x); }
+  void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& w, double eps) override {
+    cpu::rmsnorm_forward(out, rstd, x, w, eps);
+  }
+  void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dout, const Tensor& x, const Tensor& w,
+                        const Tensor& rstd) override {
+    cpu::rmsnorm_backward(dx, dw, dout, x, w, rstd);
+  }
+  void rotary(const Tensor& out, const Tensor& x, const Tensor& inv_freq, int64_t offset, bool inverse) override {
+    cpu::rotary(out, x, inv_freq, offset, inverse);
+  }
+  void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) override {
+    cpu::swiglu_forward(out, gate, up);
+  }
+  void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dout, const Tensor& gate,
+                       const Tensor& up) override {
+    cpu::swiglu_backward(dgate, dup, dout, gate, up);
+  }
   void softmax_forward(const Tensor& out, const Tensor& x) override { cpu::softmax_forward(out, x); }
   void softmax_backward(const Tensor& dx, const Tensor& dout, const Tensor& y) override {
     cpu::softmax_backward(dx, dout, y);

@@ -39,6 +39,12 @@ void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, co
                         const Tensor& w, const Tensor& mean, const Tensor& rstd);
 void gelu_forward(const Tensor& out, const Tensor& x);
 void gelu_backward(const Tensor& dx, const Tensor& dout, const Tensor& x);
+void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& w, double eps);
+void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dout, const Tensor& x, const Tensor& w,
+                      const Tensor& rstd);
+void rotary(const Tensor& out, const Tensor& x, const Tensor& inv_freq, int64_t offset, bool inverse);
+void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up);
+void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up);
 void softmax_forward(const Tensor& out, const Tensor& x);
 void softmax_backward(const Tensor& dx, const Tensor& dout, const Tensor& y);
 

@@ -1,4 +1,5 @@
-// Neural-network kernels on contiguous CPU tensors: embedding, layernorm, GELU, softmax.
+// Neural-network kernels on contiguous CPU tensors: embedding, layernorm, RMSNorm, GELU,
+// SwiGLU, rotary embeddings, softmax.
 // Rows are independent and split across OpenMP threads; inner loops run over the
 // contiguous channel dimension so they vectorize.
 #include <omp.h>
@@ -198,6 +199,158 @@ void gelu_backward(const Tensor& dx, const Tensor& dout, const Tensor& x) {
       T t = vtanh(s * (v + T(0.044715) * v * v * v));
       T local = T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * s * (T(1) + T(3) * T(0.044715) * v * v);
       pd[i] = pg[i] * local;
+    }
+  });
+}
+
+// Per row of C: rstd = 1/sqrt(mean(x^2) + eps), out = x * rstd * w (LLaMA's RMSNorm, with
+// the statistics in the tensor's own precision, as Meta's reference computes them in fp32).
+void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& w, double eps) {
+  const int64_t C = x.shape().back(), N = x.numel() / C;
+  dispatch_floating(x.dtype(), "rmsnorm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    const T* pw = w.data<T>();
+    T* po = out.data<T>();
+    T* pr = rstd.data<T>();
+#pragma omp parallel for schedule(static) if (N * C > (1 << 14))
+    for (int64_t n = 0; n < N; ++n) {
+      const T* row = px + n * C;
+      T ss = 0;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t c = 0; c < C; ++c) ss += row[c] * row[c];
+      const T r = T(1) / std::sqrt(ss / static_cast<T>(C) + static_cast<T>(eps));
+      T* o = po + n * C;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) o[c] = row[c] * r * pw[c];
+      pr[n] = r;
+    }
+  });
+}
+
+// xhat = x * rstd, g = dout * w. From d rstd / d x_j = -rstd^3 x_j / C:
+//   dx = rstd * (g - xhat * mean(g * xhat));  dw = sum_n dout * xhat.
+// dw is reduced from per-thread partial sums (deterministic for a fixed thread count).
+void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dout, const Tensor& x, const Tensor& w,
+                      const Tensor& rstd) {
+  const int64_t C = x.shape().back(), N = x.numel() / C;
+  dispatch_floating(x.dtype(), "rmsnorm backward", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    const T* pw = w.data<T>();
+    const T* pg = dout.data<T>();
+    const T* pr = rstd.data<T>();
+    T* pdx = dx.defined() ? dx.data<T>() : nullptr;
+    std::vector<T> partial_w(static_cast<size_t>(omp_get_max_threads() * C), T(0));
+    int used_threads = 1;
+#pragma omp parallel if (N * C > (1 << 14))
+    {
+      const int t = omp_get_thread_num();
+#pragma omp single
+      used_threads = omp_get_num_threads();
+      T* lw = partial_w.data() + t * C;
+#pragma omp for schedule(static)
+      for (int64_t n = 0; n < N; ++n) {
+        const T* row = px + n * C;
+        const T* g = pg + n * C;
+        const T r = pr[n];
+        T mean_gx = 0;
+        for (int64_t c = 0; c < C; ++c) {
+          const T xhat = row[c] * r;
+          mean_gx += g[c] * pw[c] * xhat;
+          lw[c] += g[c] * xhat;
+        }
+        mean_gx /= static_cast<T>(C);
+        if (pdx) {
+          T* d = pdx + n * C;
+#pragma omp simd
+          for (int64_t c = 0; c < C; ++c) d[c] = r * (g[c] * pw[c] - row[c] * r * mean_gx);
+        }
+      }
+    }
+    if (dw.defined()) {
+      T* pdw = dw.data<T>();
+      for (int64_t c = 0; c < C; ++c) {
+        T s = 0;
+        for (int t = 0; t < used_threads; ++t) s += partial_w[t * C + c];
+        pdw[c] = s;
+      }
+    }
+  });
+}
+
+// Rotary position embedding, Meta's LLaMA convention: the head vector is D/2 complex
+// numbers (x[2i], x[2i+1]), each multiplied by exp(i * pos * inv_freq[i]):
+//   out[2i]   = x[2i] cos a - x[2i+1] sin a
+//   out[2i+1] = x[2i] sin a + x[2i+1] cos a,     a = pos * inv_freq[i].
+// The rotation is orthogonal, so its backward is the rotation by -a (inverse = true).
+// The angle is formed in the tensor's precision (fp32: as Meta's reference does).
+void rotary(const Tensor& out, const Tensor& x, const Tensor& inv_freq, int64_t offset, bool inverse) {
+  const int64_t B = x.shape()[0], T = x.shape()[1], H = x.shape()[2], D = x.shape()[3], half = D / 2;
+  dispatch_floating(x.dtype(), "rotary", [&](auto tag) {
+    using F = decltype(tag);
+    const F* px = x.data<F>();
+    const F* pf = inv_freq.data<F>();
+    F* po = out.data<F>();
+    const F sign = inverse ? F(-1) : F(1);
+#pragma omp parallel if (B * T * H * D > (1 << 15))
+    {
+      std::vector<F> cosines(static_cast<size_t>(half)), sines(static_cast<size_t>(half));
+#pragma omp for collapse(2) schedule(static)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t) {
+          const F pos = static_cast<F>(offset + t);
+          for (int64_t i = 0; i < half; ++i) {
+            const F angle = pos * pf[i];
+            cosines[i] = std::cos(angle);
+            sines[i] = sign * std::sin(angle);
+          }
+          for (int64_t h = 0; h < H; ++h) {
+            const F* xr = px + ((b * T + t) * H + h) * D;
+            F* o = po + ((b * T + t) * H + h) * D;
+            for (int64_t i = 0; i < half; ++i) {
+              const F re = xr[2 * i], im = xr[2 * i + 1];
+              o[2 * i] = re * cosines[i] - im * sines[i];
+              o[2 * i + 1] = re * sines[i] + im * cosines[i];
+            }
+          }
+        }
+    }
+  });
+}
+
+// SwiGLU (LLaMA's MLP): out = silu(g) * u with silu(g) = g s, s = sigmoid(g).
+//   d out / d g = u s (1 + g (1 - s)),   d out / d u = g s.
+void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
+  const int64_t n = gate.numel();
+  dispatch_floating(gate.dtype(), "swiglu", [&](auto tag) {
+    using T = decltype(tag);
+    const T* pg = gate.data<T>();
+    const T* pu = up.data<T>();
+    T* po = out.data<T>();
+#pragma omp parallel for simd schedule(static) if (n > (1 << 15))
+    for (int64_t i = 0; i < n; ++i) {
+      const T g = pg[i];
+      po[i] = g / (T(1) + vexp(-g)) * pu[i];
+    }
+  });
+}
+
+void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up) {
+  const int64_t n = gate.numel();
+  dispatch_floating(gate.dtype(), "swiglu backward", [&](auto tag) {
+    using T = decltype(tag);
+    const T* pg = gate.data<T>();
+    const T* pu = up.data<T>();
+    const T* pd = dout.data<T>();
+    T* pdg = dgate.data<T>();
+    T* pdu = dup.data<T>();
+#pragma omp parallel for simd schedule(static) if (n > (1 << 15))
+    for (int64_t i = 0; i < n; ++i) {
+      const T g = pg[i];
+      const T s = T(1) / (T(1) + vexp(-g));
+      pdg[i] = pd[i] * pu[i] * s * (T(1) + g * (T(1) - s));
+      pdu[i] = pd[i] * g * s;
     }
   });
 }
