@@ -150,12 +150,14 @@ TEST(Communicator, BuffersOfAnOperationInFlightAreHeldByItsHandle) {
 }
 
 // ------------------------------------------------------------------ parity
-TEST(DataParallel, MatchesOneProcessWithTheSameGlobalBatchForEveryZeroStage) {
+namespace {
+void expect_every_zero_stage_matches_one_process(train::TrainConfig c, bool clipping) {
   const int64_t N = 2;
-  train::TrainConfig c = tiny_config();
   c.return_parameters = true;
   const train::TrainResult want = single_process(c, N);
-  for (const auto& m : want.history) ASSERT_GT(m.grad_norm, c.grad_clip) << "clipping must be active at every step";
+  if (clipping) {
+    for (const auto& m : want.history) ASSERT_GT(m.grad_norm, c.grad_clip) << "clipping must be active at every step";
+  }
   for (int zero = 0; zero <= 3; ++zero) {
     train::TrainConfig p = c;
     p.grad_accum = N;
@@ -164,37 +166,63 @@ TEST(DataParallel, MatchesOneProcessWithTheSameGlobalBatchForEveryZeroStage) {
     expect_same_run(got, want, 1e-5, "dp" + std::to_string(world().dp()) + " zero " + std::to_string(zero));
   }
 }
+}  // namespace
+
+TEST(DataParallel, MatchesOneProcessWithTheSameGlobalBatchForEveryZeroStage) {
+  expect_every_zero_stage_matches_one_process(tiny_config(), true);
+}
+
+// LLaMA (the untied-head fixture) in every data-parallel mode.
+TEST(DataParallel, LlamaMatchesOneProcessForEveryZeroStage) {
+  train::TrainConfig c = tiny_config();
+  c.model_file = test::fixture_path("llama3_tiny.bin");
+  c.grad_clip = 1.0;
+  expect_every_zero_stage_matches_one_process(c, false);
+}
 
 // ------------------------------------------------------------------ flat memory on every rank
-TEST(DataParallel, MemoryIsFlatUnderStrictSanitizerOnEveryRankInEveryMode) {
+namespace {
+void expect_flat_in_every_zero_stage(const std::string& model_file, int64_t steps, int64_t microbatches) {
   for (int zero = 0; zero <= 3; ++zero) {
     train::TrainConfig c = tiny_config();
-    c.steps = env_or("TALLY_DIST_FLAT_STEPS", 50);
-    c.grad_accum = env_or("TALLY_DIST_FLAT_MICROBATCHES", 16);
+    c.model_file = model_file;
+    c.steps = steps;
+    c.grad_accum = microbatches;
     c.seq_len = 8;
     c.batch_size = 1;
     c.zero = zero;
     c.sanitize = "strict";  // any growth or surviving graph on this rank throws
     train::TrainResult r = train::run_training(c, world());
     int64_t live = -1, peak = -1;
-    size_t steps = 0;
+    size_t step_count = 0;
     for (const auto& b : r.boundaries) {
       ASSERT_EQ(b.live_nodes, 0u) << "zero " << zero;
       ASSERT_EQ(b.live_saved, 0u) << "zero " << zero;
       if (b.microbatch >= 0) continue;
-      ++steps;
+      ++step_count;
       if (b.step < 1) continue;  // from step 2 on
       if (live < 0) live = b.allocated, peak = b.peak_allocated;
       ASSERT_EQ(b.allocated, live) << "zero " << zero << " step " << b.step;
       ASSERT_EQ(b.peak_allocated, peak) << "zero " << zero << " step " << b.step;
     }
-    EXPECT_EQ(steps, static_cast<size_t>(c.steps));
+    EXPECT_EQ(step_count, static_cast<size_t>(c.steps));
   }
+}
+}  // namespace
+
+TEST(DataParallel, MemoryIsFlatUnderStrictSanitizerOnEveryRankInEveryMode) {
+  expect_flat_in_every_zero_stage(test::fixture_path("gpt2_tiny.bin"), env_or("TALLY_DIST_FLAT_STEPS", 50),
+                                  env_or("TALLY_DIST_FLAT_MICROBATCHES", 16));
+}
+
+TEST(DataParallel, LlamaMemoryIsFlatUnderStrictSanitizerOnEveryRankInEveryMode) {
+  expect_flat_in_every_zero_stage(test::fixture_path("llama3_tiny.bin"), env_or("TALLY_DIST_FLAT_STEPS", 50) / 2,
+                                  env_or("TALLY_DIST_FLAT_MICROBATCHES", 16) / 2);
 }
 
 // ------------------------------------------------------------------ ZeRO memory
 TEST(Zero, ModelStatesFollowTheirFormulaOnEveryRank) {
-  auto model = std::make_unique<nn::Transformer>(io::read_llmc_gpt2_config(test::fixture_path("gpt2_tiny.bin")));
+  auto model = std::make_unique<nn::Transformer>(io::read_llmc_config(test::fixture_path("gpt2_tiny.bin")));
   const int64_t P = model->num_parameters(), D = world().dp();
   int64_t padded = 0;  // each unit rounded up to D equal pieces
   for (size_t u = 0; u < model->params().num_units(); ++u) padded += (model->params().unit(u).numel() + D - 1) / D;
@@ -265,9 +293,36 @@ TEST(Plan, PredictsEveryRanksPeakToTheByteForDataParallelAndEveryZeroStage) {
   }
 }
 
+// LLaMA (llama3-d1: the real 128,256-token tied head, grouped-query attention, rotary).
+TEST(Plan, PredictsEveryRanksPeakToTheByteForLlamaInEveryZeroStage) {
+  for (int zero = 0; zero <= 3; ++zero) {
+    train::TrainConfig c = tiny_config();
+    c.model_file.clear();
+    c.model = "llama3-d1";
+    c.train_data = test::write_random_shard("plan_llama.bin", 20000, 65535, 6);
+    c.batch_size = 2;
+    c.seq_len = 32;
+    c.steps = 2;
+    c.zero = zero;
+    const train::TrainResult r = train::run_training(c, world());
+    train::PlanInput in;
+    in.model = nn::TransformerConfig::preset("llama3-d1");
+    in.batch_size = c.batch_size;
+    in.seq_len = c.seq_len;
+    in.world = world().dp();
+    in.zero = zero;
+    const train::MemoryPlan plan = train::plan_memory(in);
+    EXPECT_TRUE(plan.notes.empty()) << plan.notes.front();
+    ASSERT_EQ(r.history.back().rank_peak_bytes.size(), plan.ranks.size());
+    for (size_t rank = 0; rank < plan.ranks.size(); ++rank)
+      EXPECT_EQ(r.history.back().rank_peak_bytes[rank], plan.ranks[rank].predicted_peak_bytes)
+          << "zero " << zero << " rank " << rank;
+  }
+}
+
 TEST(Zero, Stage3ReleasesAGatheredLayersStorageWhileItsParameterViewsLive) {
-  auto m = std::make_unique<nn::Transformer>(io::read_llmc_gpt2_config(test::fixture_path("gpt2_tiny.bin")));
-  io::load_llmc_gpt2(test::fixture_path("gpt2_tiny.bin"), *m);
+  auto m = std::make_unique<nn::Transformer>(io::read_llmc_config(test::fixture_path("gpt2_tiny.bin")));
+  io::load_llmc(test::fixture_path("gpt2_tiny.bin"), *m);
   const Tensor full_weight = m->params().get("h.0.attn.c_attn.weight").clone();
   dist::ZeroOptimizer z(m->params(), optim::AdamWConfig{}, world().dp_group(), 3);
   const size_t unit = m->layer_unit(0);
@@ -294,7 +349,7 @@ TEST(Zero, Stage3PeakIsBelowPlainDataParallelByTheShardedStatesLessWhatIsGathere
   train::TrainConfig z3 = c;
   z3.zero = 3;
   const train::TrainResult zr = train::run_training(z3, world());
-  auto model = std::make_unique<nn::Transformer>(io::read_llmc_gpt2_config(c.model_file));
+  auto model = std::make_unique<nn::Transformer>(io::read_llmc_config(c.model_file));
   const nn::ParameterStore& params = model->params();
   const int64_t P = params.numel(), D = world().dp();
   int64_t padded = 0, largest_layer = 0;

@@ -127,8 +127,8 @@ TEST(Fuzz, LlmcModelFiles) {
   const std::string original = test::read_all(test::fixture_path("gpt2_tiny.bin"));
   const std::string path = test::temp_path("model.bin");
   fuzz("llm.c model", original, path, false, [&] {
-    nn::Transformer model(io::read_llmc_gpt2_config(path));
-    io::load_llmc_gpt2(path, model);
+    nn::Transformer model(io::read_llmc_config(path));
+    io::load_llmc(path, model);
   });
 }
 
@@ -157,7 +157,7 @@ TEST(Fuzz, TrainingStates) {
   train::run_training(c);
   const std::string dir = c.out_dir + "/step_00000001";
   const std::string original = test::read_all(dir + "/state.bin");
-  nn::Transformer model(io::read_llmc_gpt2_config(c.model_file));
+  nn::Transformer model(io::read_llmc_config(c.model_file));
   optim::AdamW adamw(model.params(), optim::AdamWConfig{});
   fuzz("training state", original, dir + "/state.bin", false, [&] { io::load_checkpoint_state(dir, model, adamw); });
   const std::string recipe = test::read_all(dir + "/recipe.json");

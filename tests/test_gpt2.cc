@@ -17,6 +17,7 @@
 #include "autograd/observer.h"
 #include "data/token_shard.h"
 #include "io/atomic_file.h"
+#include "io/hf_files.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"
 #include "nn/transformer.h"
@@ -36,8 +37,8 @@ const io::SafetensorsFile& ref() {
 
 std::unique_ptr<nn::Transformer> tiny_model() {
   const std::string path = test::fixture_path("gpt2_tiny.bin");
-  auto m = std::make_unique<nn::Transformer>(io::read_llmc_gpt2_config(path));
-  io::load_llmc_gpt2(path, *m);
+  auto m = std::make_unique<nn::Transformer>(io::read_llmc_config(path));
+  io::load_llmc(path, *m);
   return m;
 }
 
@@ -139,13 +140,13 @@ TEST(Gpt2Backward, EveryParameterIsAnnouncedFinalOnceInBackwardOrder) {
 TEST(Gpt2Files, LlmcRoundTripIsExactInFp32AndRoundedInBf16) {
   auto m = tiny_model();
   std::string p32 = test::temp_path("tiny32.bin"), p16 = test::temp_path("tiny16.bin");
-  io::save_llmc_gpt2(p32, *m);
-  io::save_llmc_gpt2(p16, *m, true);
+  io::save_llmc(p32, *m);
+  io::save_llmc(p16, *m, true);
   EXPECT_EQ(fs::file_size(p32), fs::file_size(test::fixture_path("gpt2_tiny.bin")));
   EXPECT_EQ(fs::file_size(p16), 1024 + 2 * static_cast<uintmax_t>(m->num_parameters()));
-  nn::Transformer a(io::read_llmc_gpt2_config(p32)), b(io::read_llmc_gpt2_config(p16));
-  io::load_llmc_gpt2(p32, a);
-  io::load_llmc_gpt2(p16, b);
+  nn::Transformer a(io::read_llmc_config(p32)), b(io::read_llmc_config(p16));
+  io::load_llmc(p32, a);
+  io::load_llmc(p16, b);
   test::expect_close(a.params().flat_params(), m->params().flat_params(), 0, 0, "fp32 round trip");
   test::expect_close(b.params().flat_params(), m->params().flat_params(), 1.0 / 256, 1e-30, "bf16 round trip");
 }
@@ -157,7 +158,7 @@ TEST(Gpt2Files, CorruptModelFilesFailNamingTheFileAndTheMismatch) {
     std::string p = test::temp_path("bad.bin");
     { std::ofstream(p, std::ios::binary) << content; }
     try {
-      io::read_llmc_gpt2_config(p);
+      io::read_llmc_config(p);
       ADD_FAILURE() << "no error for " << needle;
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
@@ -188,12 +189,12 @@ TEST(Gpt2Files, HuggingFaceSafetensorsImportTransposesConv1dWeights) {
   }
   std::string path = test::temp_path("model.safetensors");
   io::write_safetensors(path, tensors, {{"n_head", "4"}});
-  nn::TransformerConfig c = io::read_hf_gpt2_config(path);
+  nn::TransformerConfig c = io::read_hf_config(path);
   EXPECT_EQ(c.n_layer, 2);
   EXPECT_EQ(c.n_head, 4);
   EXPECT_EQ(c.padded_vocab_size, 128);
   nn::Transformer h(c);
-  io::load_hf_gpt2(path, h);
+  io::load_hf(path, h);
   test::expect_close(h.params().flat_params(), m->params().flat_params(), 0, 0, "HF import");
 }
 

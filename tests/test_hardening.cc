@@ -16,6 +16,7 @@
 #include "data/token_shard.h"
 #include "data/tokenizer.h"
 #include "io/checkpoint.h"
+#include "io/hf_files.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"
 #include "support.h"
@@ -64,7 +65,7 @@ TEST(Hardening, ModelHeaderWhoseByteCountWrapsToTheFileSizeIsRefused) {
   // size check passed and the model's construction crashed.
   const std::string path = test::temp_path("wrapping_model.bin");
   test::write_all(path, int32s({20240326, 3, 2, 1, 660764199, 1, 1 << 30, 1}, 256));
-  const std::string msg = message_of<Error>([&] { io::read_llmc_gpt2_config(path); });
+  const std::string msg = message_of<Error>([&] { io::read_llmc_config(path); });
   EXPECT_NE(msg.find(path), std::string::npos) << msg;
   EXPECT_NE(msg.find("overflows"), std::string::npos) << msg;
 }
@@ -111,14 +112,14 @@ TEST(Hardening, LlmcTokenizerWithAHugeVocabularyIsRefusedBeforeAllocating) {
 TEST(Hardening, ADirectoryGivenAsAModelOrStateFileIsNamedAsSuch) {
   const std::string dir = test::temp_path("a_directory");
   fs::create_directories(dir);
-  const std::string msg = message_of<Error>([&] { io::read_llmc_gpt2_config(dir); });
+  const std::string msg = message_of<Error>([&] { io::read_llmc_config(dir); });
   EXPECT_NE(msg.find("expected a regular file, found a directory"), std::string::npos) << msg;
   EXPECT_NE(message_of<Error>([&] { io::read_safetensors(dir); }).find("found a directory"), std::string::npos);
 }
 
 TEST(Hardening, IntegerTensorsAreNotTakenAsFloatWeights) {
   // A HuggingFace GPT-2 file whose ln_f.weight is declared I32.
-  nn::Transformer model(io::read_llmc_gpt2_config(test::fixture_path("gpt2_tiny.bin")));
+  nn::Transformer model(io::read_llmc_config(test::fixture_path("gpt2_tiny.bin")));
   std::vector<std::pair<std::string, Tensor>> tensors;
   const auto& params = model.params();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -132,8 +133,8 @@ TEST(Hardening, IntegerTensorsAreNotTakenAsFloatWeights) {
   }
   const std::string path = test::temp_path("int_weight.safetensors");
   io::write_safetensors(path, tensors, {{"n_head", std::to_string(model.config().n_head)}});
-  nn::Transformer target(io::read_hf_gpt2_config(path));
-  const std::string msg = message_of<Error>([&] { io::load_hf_gpt2(path, target); });
+  nn::Transformer target(io::read_hf_config(path));
+  const std::string msg = message_of<Error>([&] { io::load_hf(path, target); });
   EXPECT_NE(msg.find("ln_f.weight is int32, expected a float weight"), std::string::npos) << msg;
 }
 

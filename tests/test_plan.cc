@@ -18,7 +18,7 @@ using namespace tally;
 namespace {
 
 struct Shape3 {
-  std::string model;  // preset, or "" for the 97-token fixture
+  std::string model;  // preset, or a fixture model file (*.bin)
   int64_t batch, seq, accum;
   bool val;
 };
@@ -26,15 +26,19 @@ struct Shape3 {
 }  // namespace
 
 TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
-  const std::vector<Shape3> shapes = {
-      {"", 2, 16, 1, false}, {"", 4, 32, 2, true}, {"d1", 2, 32, 1, false}, {"d2", 4, 16, 2, true}, {"d2", 1, 64, 1, false}};
+  const std::vector<Shape3> shapes = {{"gpt2_tiny.bin", 2, 16, 1, false},   {"gpt2_tiny.bin", 4, 32, 2, true},
+                                      {"d1", 2, 32, 1, false},              {"d2", 4, 16, 2, true},
+                                      {"d2", 1, 64, 1, false},              {"llama3_tiny.bin", 2, 16, 1, false},
+                                      {"llama3_tiny.bin", 4, 32, 2, true},  {"llama3-d1", 1, 16, 1, false}};
   for (const Shape3& s : shapes) {
     train::TrainConfig c;
-    if (s.model.empty()) c.model_file = test::fixture_path("gpt2_tiny.bin");
+    const bool file = s.model.size() > 4 && s.model.substr(s.model.size() - 4) == ".bin";
+    if (file) c.model_file = test::fixture_path(s.model);
     else c.model = s.model;
-    const nn::TransformerConfig mc =
-        s.model.empty() ? io::read_llmc_gpt2_config(c.model_file) : nn::TransformerConfig::preset(s.model);
-    c.train_data = test::write_random_shard("train.bin", 20000, static_cast<int>(mc.vocab_size), 3);
+    const nn::TransformerConfig mc = file ? io::read_llmc_config(c.model_file) : nn::TransformerConfig::preset(s.model);
+    // uint16 tokens: below 65535 for the 128,256-token LLaMA vocabulary.
+    const int vocab = static_cast<int>(std::min<int64_t>(mc.vocab_size, 65535));
+    c.train_data = test::write_random_shard("train.bin", 20000, vocab, 3);
     if (s.val) c.val_data = c.train_data;
     c.batch_size = s.batch;
     c.seq_len = s.seq;
@@ -57,7 +61,7 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
     const int64_t planned = train::plan_memory(in).ranks[0].predicted_peak_bytes;
     EXPECT_EQ(r.history.back().predicted_peak_bytes, planned);
     // The plan is exact here: every allocation alive at the peak has a term.
-    EXPECT_EQ(measured, planned) << (s.model.empty() ? "fixture" : s.model) << " B" << s.batch << " T" << s.seq
+    EXPECT_EQ(measured, planned) << s.model << " B" << s.batch << " T" << s.seq
                                  << " accum " << s.accum;
   }
 }

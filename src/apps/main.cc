@@ -116,8 +116,8 @@ int run_sample(const SampleArgs& a) {
               "--prompt needs --tokenizer (a directory with encoder.json + vocab.bpe) to turn the text into tokens");
   if (a.threads > 0) omp_set_num_threads(a.threads);
   const std::string model_file = resolve_model_file(a.model_file);
-  nn::Transformer model(io::read_llmc_gpt2_config(model_file));
-  io::load_llmc_gpt2(model_file, model);
+  nn::Transformer model(io::read_llmc_config(model_file));
+  io::load_llmc(model_file, model);
   std::vector<int32_t> prompt;
   std::unique_ptr<data::Gpt2Tokenizer> tok;
   if (!a.tokenizer.empty()) tok = std::make_unique<data::Gpt2Tokenizer>(load_tokenizer(a.tokenizer));

@@ -55,7 +55,7 @@ std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& m
   const size_t units = model.params().num_units();
   if (residency)
     for (size_t u = 0; u < units; ++u) residency->acquire(u, false);
-  if (writer) save_llmc_gpt2((fs::path(tmp_dir) / "model.bin").string(), model);
+  if (writer) save_llmc((fs::path(tmp_dir) / "model.bin").string(), model);
   if (residency)
     for (size_t u = 0; u < units; ++u) residency->release(u, false);
   {
@@ -199,7 +199,7 @@ std::vector<std::pair<std::string, std::string>> load_checkpoint_recipe(const st
 }
 
 void load_checkpoint_model(const std::string& dir, nn::Transformer& model) {
-  load_llmc_gpt2((fs::path(dir) / "model.bin").string(), model);
+  load_llmc((fs::path(dir) / "model.bin").string(), model);
 }
 
 TrainingState load_checkpoint_state(const std::string& dir, const nn::Transformer& model, optim::Optimizer& opt) {

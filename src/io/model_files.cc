@@ -1,5 +1,6 @@
 #include "io/model_files.h"
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 
@@ -7,27 +8,45 @@
 #include "core/checked.h"
 #include "io/atomic_file.h"
 #include "io/checksum.h"
-#include "io/safetensors.h"
 
 namespace tally::io {
 
 namespace {
-constexpr int32_t kGpt2Magic = 20240326;
-// Header slots llm.c leaves unused (it reads ints 0..7): tally marks the files it writes and
+constexpr int32_t kGpt2Magic = 20240326, kLlamaMagic = 20240803;
+// Header slots llm.c leaves unused (it reads ints 0..15): tally marks the files it writes and
 // stores a CRC-32 of the weights' bytes, checked at load. Files from elsewhere lack the mark.
 constexpr int kChecksumMarkSlot = 250, kChecksumSlot = 251;
 constexpr int32_t kChecksumMark = 0x79616C74;  // "tlay"
+// LLaMA: the exact values train_llama3.py's int header truncates (see model_files.h).
+constexpr int kExactMarkSlot = 230, kFfnSlot = 231, kTiedSlot = 232, kOriginalContextSlot = 233;
+constexpr int kEpsSlot = 234, kThetaSlot = 236, kFactorSlot = 238, kLowSlot = 240, kHighSlot = 242,
+              kMultiplierSlot = 244;  // doubles: two int32 slots each
+constexpr int32_t kExactMark = 0x33616C6C;  // "lla3"
 
 struct Header {
   int32_t ints[256];
+  float floats[256];     // llm.c's C writer's float block (LLaMA variant), when present
+  int64_t data_offset = 1024;
+  int64_t file_size = 0;
 };
 
-// Opens an llm.c model file positioned after its header.
-Header read_header(const std::string& path, std::ifstream& in, int64_t* file_size) {
-  open_input(path, "model file", in, file_size);
-  TALLY_CHECK(*file_size >= 1024, "model file '", path, "' is ", *file_size, " bytes; an llm.c model needs a 1024-byte header");
+double get_double(const Header& h, int slot) {
+  double d;
+  std::memcpy(&d, &h.ints[slot], sizeof d);
+  return d;
+}
+void put_double(Header& h, int slot, double d) { std::memcpy(&h.ints[slot], &d, sizeof d); }
+
+// Opens an llm.c model file and reads its header (and the 1024 bytes after it, which are
+// the float block of llm.c's C LLaMA writer or the first weights).
+Header read_header(const std::string& path, std::ifstream& in) {
   Header h;
+  open_input(path, "model file", in, &h.file_size);
+  TALLY_CHECK(h.file_size >= 1024, "model file '", path, "' is ", h.file_size,
+              " bytes; an llm.c model needs a 1024-byte header");
   in.read(reinterpret_cast<char*>(h.ints), 1024);
+  std::memset(h.floats, 0, sizeof h.floats);
+  if (h.file_size >= 2048) in.read(reinterpret_cast<char*>(h.floats), 1024);
   return h;
 }
 
@@ -43,53 +62,141 @@ int64_t layout_numel(const nn::TransformerConfig& c, const std::string& path) {
   }
   return n;
 }
-}  // namespace
 
-nn::TransformerConfig read_llmc_gpt2_config(const std::string& path) {
-  std::ifstream in;
-  int64_t file_size = 0;
-  Header h = read_header(path, in, &file_size);
-  TALLY_CHECK(h.ints[0] == kGpt2Magic, "model file '", path, "': magic ", h.ints[0], ", expected ", kGpt2Magic,
-              " (an llm.c GPT-2 checkpoint)");
-  TALLY_CHECK(h.ints[1] == 3 || h.ints[1] == 5, "model file '", path, "': version ", h.ints[1],
-              ", expected 3 (fp32) or 5 (bf16)");
+int64_t width_of(const Header& h) { return h.ints[1] == 3 ? 4 : 2; }
+
+// The LLaMA FFN width the file's size implies: every tensor but the three MLP ones is
+// known from the header, and those hold 3 * L * C * F values.
+int64_t ffn_from_size(nn::TransformerConfig c, const Header& h, const std::string& path) {
+  c.ffn_hidden = 0;
+  const int64_t without_mlp = layout_numel(c, path);
+  const int64_t bytes = h.file_size - h.data_offset;
+  const int64_t per_f = checked_product({3, c.n_layer, c.n_embd}, "model file '", path, "': header");
+  const int64_t width = width_of(h);
+  if (bytes % width != 0 || bytes / width <= without_mlp || (bytes / width - without_mlp) % per_f != 0) return 0;
+  return (bytes / width - without_mlp) / per_f;
+}
+
+nn::TransformerConfig llama_config(Header& h, const std::string& path) {
   nn::TransformerConfig c;
+  c.family = nn::TransformerConfig::Family::Llama3;
   c.max_seq_len = h.ints[2];
   c.vocab_size = h.ints[3];
   c.n_layer = h.ints[4];
   c.n_head = h.ints[5];
-  c.n_kv_head = h.ints[5];
-  c.n_embd = h.ints[6];
-  c.padded_vocab_size = h.ints[7];
-  TALLY_CHECK(c.max_seq_len > 0 && c.vocab_size > 0 && c.n_layer > 0 && c.n_head > 0 && c.n_embd > 0 &&
-                  c.padded_vocab_size >= c.vocab_size && c.n_embd % c.n_head == 0,
-              "model file '", path, "': implausible header (maxT ", c.max_seq_len, ", V ", c.vocab_size, ", L ",
-              c.n_layer, ", heads ", c.n_head, ", C ", c.n_embd, ", Vp ", c.padded_vocab_size, ")");
-  const int64_t width = h.ints[1] == 3 ? 4 : 2;
-  const int64_t expected =
-      checked_add(1024, checked_mul(layout_numel(c, path), width, "model file '", path, "': header's byte count"),
-                  "model file '", path, "': header's byte count");
-  TALLY_CHECK(file_size == expected, "model file '", path, "' is ", file_size, " bytes but its header (",
+  c.n_kv_head = h.ints[6];
+  c.n_embd = h.ints[7];
+  TALLY_CHECK(c.max_seq_len > 0 && c.vocab_size > 0 && c.n_layer > 0 && c.n_head > 0 && c.n_kv_head > 0 &&
+                  c.n_embd > 0 && c.n_embd % c.n_head == 0 && c.n_head % c.n_kv_head == 0 && c.n_embd <= (1 << 20) &&
+                  c.vocab_size <= (1 << 24),
+              "model file '", path, "': implausible LLaMA header (maxT ", c.max_seq_len, ", V ", c.vocab_size, ", L ",
+              c.n_layer, ", heads ", c.n_head, ", kv heads ", c.n_kv_head, ", C ", c.n_embd, ")");
+  c.padded_vocab_size = (c.vocab_size + 127) / 128 * 128;
+  c.tie_embeddings = false;  // llm.c's files always hold lm_head
+  if (h.ints[kExactMarkSlot] == kExactMark) {
+    // Written by tally: the exact values.
+    c.ffn_hidden = h.ints[kFfnSlot];
+    c.tie_embeddings = h.ints[kTiedSlot] != 0;
+    c.rope_original_max_position = h.ints[kOriginalContextSlot];
+    c.norm_eps = get_double(h, kEpsSlot);
+    c.rope_theta = get_double(h, kThetaSlot);
+    c.rope_factor = get_double(h, kFactorSlot);
+    c.rope_low_freq_factor = get_double(h, kLowSlot);
+    c.rope_high_freq_factor = get_double(h, kHighSlot);
+    c.ffn_dim_multiplier = get_double(h, kMultiplierSlot);
+    c.multiple_of = h.ints[9];
+    return c;
+  }
+  // llm.c's C writer: ints [8] multiple_of, [9] use_scaled_rope, then floats
+  // [0] ffn_dim_multiplier, [1] norm_eps, [2] rope_theta, weights at 2048. Recognised by a
+  // plausible float block whose layout the file's size confirms.
+  const float* f = h.floats;
+  if (h.file_size >= 2048 && std::isfinite(f[1]) && f[1] > 0 && f[1] < 1e-2f && std::isfinite(f[2]) && f[2] >= 1 &&
+      (h.ints[9] == 0 || h.ints[9] == 1)) {
+    Header probe = h;
+    probe.data_offset = 2048;
+    if (int64_t F = ffn_from_size(c, probe, path); F > 0) {
+      h.data_offset = 2048;
+      c.multiple_of = h.ints[8];
+      c.ffn_dim_multiplier = f[0];
+      c.norm_eps = f[1];
+      c.rope_theta = f[2];
+      c.rope_factor = h.ints[9] ? 8 : 0;
+      c.ffn_hidden = F;
+      return c;
+    }
+  }
+  // train_llama3.py: ints [8] int(ffn_dim_multiplier), [9] multiple_of, [10] int(norm_eps),
+  // [11] int(rope_theta), [12] use_scaled_rope.
+  c.multiple_of = h.ints[9];
+  c.ffn_dim_multiplier = h.ints[8];
+  c.norm_eps = h.ints[10] > 0 ? h.ints[10] : 1e-5;  // 1e-5 truncates to 0: LLaMA-3's value
+  c.rope_theta = h.ints[11] > 0 ? h.ints[11] : 500000.0;
+  c.rope_factor = h.ints[12] ? 8 : 0;  // train_llama3.py's apply_scaling hard-codes 8, 1, 4, 8192
+  c.ffn_hidden = ffn_from_size(c, h, path);
+  TALLY_CHECK(c.ffn_hidden > 0, "model file '", path, "' is ", h.file_size, " bytes, which no FFN width fits for ",
+              "its LLaMA header (L ", c.n_layer, ", C ", c.n_embd, ", V ", c.vocab_size, ", ",
+              width_of(h) == 4 ? "fp32" : "bf16", "): truncated or not an llm.c LLaMA-3 file");
+  return c;
+}
+}  // namespace
+
+nn::TransformerConfig read_llmc_config(const std::string& path) {
+  std::ifstream in;
+  Header h = read_header(path, in);
+  TALLY_CHECK(h.ints[0] == kGpt2Magic || h.ints[0] == kLlamaMagic, "model file '", path, "': magic ", h.ints[0],
+              ", expected ", kGpt2Magic, " (an llm.c GPT-2 checkpoint) or ", kLlamaMagic, " (LLaMA-3)");
+  TALLY_CHECK(h.ints[1] == 3 || h.ints[1] == 5, "model file '", path, "': version ", h.ints[1],
+              ", expected 3 (fp32) or 5 (bf16)");
+  nn::TransformerConfig c;
+  if (h.ints[0] == kLlamaMagic) {
+    c = llama_config(h, path);
+  } else {
+    c.max_seq_len = h.ints[2];
+    c.vocab_size = h.ints[3];
+    c.n_layer = h.ints[4];
+    c.n_head = h.ints[5];
+    c.n_kv_head = h.ints[5];
+    c.n_embd = h.ints[6];
+    c.padded_vocab_size = h.ints[7];
+    TALLY_CHECK(c.max_seq_len > 0 && c.vocab_size > 0 && c.n_layer > 0 && c.n_head > 0 && c.n_embd > 0 &&
+                    c.padded_vocab_size >= c.vocab_size && c.n_embd % c.n_head == 0,
+                "model file '", path, "': implausible header (maxT ", c.max_seq_len, ", V ", c.vocab_size, ", L ",
+                c.n_layer, ", heads ", c.n_head, ", C ", c.n_embd, ", Vp ", c.padded_vocab_size, ")");
+  }
+  const int64_t width = width_of(h);
+  const int64_t expected = checked_add(
+      h.data_offset, checked_mul(layout_numel(c, path), width, "model file '", path, "': header's byte count"),
+      "model file '", path, "': header's byte count");
+  TALLY_CHECK(h.file_size == expected, "model file '", path, "' is ", h.file_size, " bytes but its header (",
               c.describe(), ", ", width == 4 ? "fp32" : "bf16", ") needs ", expected, " bytes");
   return c;
 }
 
-void load_llmc_gpt2(const std::string& path, nn::Transformer& model) {
-  nn::TransformerConfig c = read_llmc_gpt2_config(path);
+void load_llmc(const std::string& path, nn::Transformer& model) {
+  nn::TransformerConfig c = read_llmc_config(path);
   const auto& m = model.config();
-  TALLY_CHECK(c.n_layer == m.n_layer && c.n_embd == m.n_embd && c.n_head == m.n_head &&
+  TALLY_CHECK(c.family == m.family && c.n_layer == m.n_layer && c.n_embd == m.n_embd && c.n_head == m.n_head &&
+                  c.n_kv_head == m.n_kv_head && c.ffn_dim() == m.ffn_dim() && c.vocab_size == m.vocab_size &&
                   c.padded_vocab_size == m.padded_vocab_size && c.max_seq_len == m.max_seq_len,
               "model file '", path, "' holds ", c.describe(), " but the model is ", m.describe());
   std::ifstream in;
-  int64_t file_size = 0;
-  Header h = read_header(path, in, &file_size);
+  Header h = read_header(path, in);
+  if (h.ints[0] == kLlamaMagic) llama_config(h, path);  // settles data_offset
+  in.seekg(h.data_offset);
   // The file stacks each kind over layers; read each layer's slice straight into its
-  // parameter (the parameters are contiguous views).
+  // parameter (the parameters are contiguous views; a vocabulary-row tensor fills the
+  // first vocab_size rows, also contiguous, and leaves the padding rows zero).
   std::vector<uint16_t> raw;
   Crc32 crc;
+  autograd::NoGradGuard no_grad;
   for (const nn::LlmcTensor& t : model.llmc_tensors()) {
     for (size_t i : t.params) {
-      const Tensor& p = model.params()[i];
+      Tensor p = model.params()[i];
+      if (t.vocab_rows && p.shape()[0] != m.vocab_size) {
+        p.zero_();
+        p = p.slice(0, 0, m.vocab_size);
+      }
       const int64_t n = p.numel();
       if (h.ints[1] == 3) {
         in.read(static_cast<char*>(p.raw_data()), n * 4);
@@ -114,18 +221,43 @@ void load_llmc_gpt2(const std::string& path, nn::Transformer& model) {
               ", computed ", crc.value(), "): the file is corrupt");
 }
 
-void save_llmc_gpt2(const std::string& path, const nn::Transformer& model, bool bf16) {
+void save_llmc(const std::string& path, const nn::Transformer& model, bool bf16) {
   const auto& c = model.config();
   Header h;
   std::memset(h.ints, 0, sizeof h.ints);
-  h.ints[0] = kGpt2Magic;
   h.ints[1] = bf16 ? 5 : 3;
   h.ints[2] = static_cast<int32_t>(c.max_seq_len);
   h.ints[3] = static_cast<int32_t>(c.vocab_size);
   h.ints[4] = static_cast<int32_t>(c.n_layer);
   h.ints[5] = static_cast<int32_t>(c.n_head);
-  h.ints[6] = static_cast<int32_t>(c.n_embd);
-  h.ints[7] = static_cast<int32_t>(c.padded_vocab_size);
+  if (c.is_llama()) {
+    // train_llama3.py's header, truncations included, and the exact values beside it.
+    h.ints[0] = kLlamaMagic;
+    h.ints[6] = static_cast<int32_t>(c.n_kv_head);
+    h.ints[7] = static_cast<int32_t>(c.n_embd);
+    h.ints[8] = static_cast<int32_t>(c.ffn_dim_multiplier);
+    h.ints[9] = static_cast<int32_t>(c.multiple_of);
+    h.ints[10] = static_cast<int32_t>(c.norm_eps);
+    h.ints[11] = static_cast<int32_t>(c.rope_theta);
+    h.ints[12] = c.rope_factor > 0 ? 1 : 0;
+    h.ints[13] = 4;  // max_gen_batch_size, train_llama3.py's default
+    h.ints[14] = 3;  // version "3.1"
+    h.ints[15] = 1;
+    h.ints[kExactMarkSlot] = kExactMark;
+    h.ints[kFfnSlot] = static_cast<int32_t>(c.ffn_hidden);
+    h.ints[kTiedSlot] = c.tie_embeddings ? 1 : 0;
+    h.ints[kOriginalContextSlot] = static_cast<int32_t>(c.rope_original_max_position);
+    put_double(h, kEpsSlot, c.norm_eps);
+    put_double(h, kThetaSlot, c.rope_theta);
+    put_double(h, kFactorSlot, c.rope_factor);
+    put_double(h, kLowSlot, c.rope_low_freq_factor);
+    put_double(h, kHighSlot, c.rope_high_freq_factor);
+    put_double(h, kMultiplierSlot, c.ffn_dim_multiplier);
+  } else {
+    h.ints[0] = kGpt2Magic;
+    h.ints[6] = static_cast<int32_t>(c.n_embd);
+    h.ints[7] = static_cast<int32_t>(c.padded_vocab_size);
+  }
   h.ints[kChecksumMarkSlot] = kChecksumMark;
   AtomicFile out(path);
   out.write(h.ints, 1024);  // the checksum is filled in at the end
@@ -133,7 +265,8 @@ void save_llmc_gpt2(const std::string& path, const nn::Transformer& model, bool 
   Crc32 crc;
   for (const nn::LlmcTensor& t : model.llmc_tensors()) {
     for (size_t i : t.params) {
-      const Tensor& p = model.params()[i];
+      Tensor p = model.params()[i];
+      if (t.vocab_rows) p = p.slice(0, 0, c.vocab_size);  // contiguous: the leading rows
       if (!bf16) {
         out.write(p.raw_data(), static_cast<size_t>(p.numel()) * 4);
         crc.update(p.raw_data(), static_cast<size_t>(p.numel()) * 4);
@@ -149,82 +282,6 @@ void save_llmc_gpt2(const std::string& path, const nn::Transformer& model, bool 
   h.ints[kChecksumSlot] = static_cast<int32_t>(crc.value());
   out.rewrite(0, h.ints, 1024);
   out.commit();
-}
-
-namespace {
-std::string hf_key(const SafetensorsFile& f, const std::string& name) {
-  if (f.has(name)) return name;
-  if (f.has("transformer." + name)) return "transformer." + name;
-  TALLY_FAIL("HuggingFace GPT-2 file '", f.path, "': missing tensor '", name, "'");
-}
-}  // namespace
-
-nn::TransformerConfig read_hf_gpt2_config(const std::string& path) {
-  SafetensorsFile f = read_safetensors(path, Category::Other);
-  const Tensor& wte = f.at(hf_key(f, "wte.weight"));
-  const Tensor& wpe = f.at(hf_key(f, "wpe.weight"));
-  TALLY_CHECK(wte.dim() == 2 && wpe.dim() == 2 && wte.shape()[1] == wpe.shape()[1], "HuggingFace GPT-2 file '", path,
-              "': wte.weight ", shape_str(wte.shape()), " and wpe.weight ", shape_str(wpe.shape()),
-              " must be 2-D with the same width");
-  nn::TransformerConfig c;
-  c.vocab_size = wte.shape()[0];
-  c.padded_vocab_size = (c.vocab_size + 127) / 128 * 128;
-  c.n_embd = wte.shape()[1];
-  c.max_seq_len = wpe.shape()[0];
-  int64_t L = 0;
-  while (f.has("h." + std::to_string(L) + ".ln_1.weight") || f.has("transformer.h." + std::to_string(L) + ".ln_1.weight")) ++L;
-  TALLY_CHECK(L > 0, "HuggingFace GPT-2 file '", path, "': no layers (h.0.ln_1.weight) found");
-  c.n_layer = L;
-  // The head count is not in the weights. It is read from the metadata when present;
-  // otherwise GPT-2's 64-wide heads are assumed (true of gpt2, -medium, -large and -xl).
-  auto it = f.metadata.find("n_head");
-  if (it != f.metadata.end()) {
-    try {
-      c.n_head = std::stoll(it->second);
-    } catch (const std::exception&) {
-      TALLY_FAIL("HuggingFace GPT-2 file '", path, "': metadata n_head '", it->second, "' is not a number");
-    }
-  } else {
-    TALLY_CHECK(c.n_embd % 64 == 0, "HuggingFace GPT-2 file '", path, "': width ", c.n_embd,
-                " is not a multiple of GPT-2's 64-wide heads and the file has no n_head metadata");
-    c.n_head = c.n_embd / 64;
-  }
-  TALLY_CHECK(c.n_head > 0 && c.n_embd % c.n_head == 0, "HuggingFace GPT-2 file '", path, "': ", c.n_head,
-              " heads do not divide the width ", c.n_embd);
-  c.n_kv_head = c.n_head;
-  return c;
-}
-
-void load_hf_gpt2(const std::string& path, nn::Transformer& model) {
-  SafetensorsFile f = read_safetensors(path, Category::Other);
-  auto& params = model.params();
-  const auto& c = model.config();
-  autograd::NoGradGuard ng;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const std::string& name = params.spec(i).name;
-    const Tensor& dst = params[i];
-    const std::string hf_name = (name == "wte" || name == "wpe") ? name + ".weight" : name;
-    const Tensor& src = f.at(hf_key(f, hf_name));
-    // Integer tensors would be converted value by value into weights: refuse them.
-    TALLY_CHECK(src.dtype() == DType::F32 || src.dtype() == DType::BF16 || src.dtype() == DType::F64, "'", path,
-                "': ", hf_name, " is ", dtype_name(src.dtype()), ", expected a float weight (F32, BF16 or F64)");
-    bool conv1d = name.find(".weight") != std::string::npos && name.find("ln_") == std::string::npos && name != "wte" &&
-                  name.rfind("h.", 0) == 0;
-    if (name == "wte") {
-      TALLY_CHECK(src.shape() == Shape({c.vocab_size, c.n_embd}), "'", path, "': wte.weight is ", shape_str(src.shape()));
-      dst.zero_();
-      dst.slice(0, 0, c.vocab_size).detach().copy_(src);
-    } else if (conv1d) {
-      Shape want = {dst.shape()[1], dst.shape()[0]};
-      TALLY_CHECK(src.shape() == want, "'", path, "': ", name, " is ", shape_str(src.shape()), ", expected ",
-                  shape_str(want), " (Conv1D layout: in, out)");
-      dst.copy_(src.transpose(0, 1));
-    } else {
-      TALLY_CHECK(src.shape() == dst.shape(), "'", path, "': ", name, " is ", shape_str(src.shape()), ", expected ",
-                  shape_str(dst.shape()));
-      dst.copy_(src);
-    }
-  }
 }
 
 }  // namespace tally::io

@@ -1,7 +1,18 @@
 // Model files tally reads and writes.
 //   llm.c GPT-2 (.bin): 256 x int32 header (magic 20240326, version 3 = fp32, 5 = bf16),
 //     then the 16 stacked tensors in llm.c order. Read and written.
-//   HuggingFace GPT-2 model.safetensors: read (Conv1D weights are (in, out): transposed).
+//   llm.c LLaMA-3 (.bin): magic 20240803, as llm.c's train_llama3.py writes it: one
+//     int32 header whose float fields are truncated (ffn_dim_multiplier 1.3 -> 1,
+//     norm_eps 1e-5 -> 0), then wte, ln1w, qkvw, attprojw, ln2w, fcw (up), fcw2 (gate),
+//     fcprojw, lnfw, lm_head, each stacked over layers, embedding and head unpadded.
+//     Reading recovers what the header lost: the FFN width from the file size, norm_eps
+//     1e-5 (LLaMA-3's), and, when use_scaled_rope is set, the 3.1 scaling train_llama3.py
+//     hard-codes (factor 8, low 1, high 4, original context 8192). llm.c's C writer's
+//     variant (a 256 x float32 block after the ints holding ffn_dim_multiplier, norm_eps
+//     and rope_theta; weights at byte 2048) is recognised too. Files tally writes carry
+//     the exact values in header slots llm.c leaves unused (230..245), so its own files
+//     read back exactly (tied head included).
+//   HuggingFace files: io/hf_files.h.
 #pragma once
 #include <string>
 
@@ -9,17 +20,12 @@
 
 namespace tally::io {
 
-// Reads the header of an llm.c GPT-2 file into a config (validates magic, version, sizes
-// and the file length against the header).
-nn::TransformerConfig read_llmc_gpt2_config(const std::string& path);
+// Reads the header of an llm.c model file (either family) into a config, validating
+// magic, version, sizes and the file length against the header.
+nn::TransformerConfig read_llmc_config(const std::string& path);
 // Reads the weights into `model` (whose config must match the file's).
-void load_llmc_gpt2(const std::string& path, nn::Transformer& model);
+void load_llmc(const std::string& path, nn::Transformer& model);
 // Writes the model atomically; bf16 = version 5 (round to nearest even), else version 3.
-void save_llmc_gpt2(const std::string& path, const nn::Transformer& model, bool bf16 = false);
-
-// Reads HuggingFace GPT-2 weights ("wte.weight" or "transformer.wte.weight", ...) into a
-// model built from the file's shapes. vocab is padded to a multiple of 128.
-nn::TransformerConfig read_hf_gpt2_config(const std::string& path);
-void load_hf_gpt2(const std::string& path, nn::Transformer& model);
+void save_llmc(const std::string& path, const nn::Transformer& model, bool bf16 = false);
 
 }  // namespace tally::io

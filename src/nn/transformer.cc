@@ -12,9 +12,66 @@ namespace tally::nn {
 
 std::string TransformerConfig::describe() const {
   std::ostringstream os;
-  os << (family == Family::Gpt2 ? "gpt2" : "llama3") << " L=" << n_layer << " H=" << n_head << " C=" << n_embd
-     << " V=" << vocab_size << " (padded " << padded_vocab_size << ") maxT=" << max_seq_len;
+  os << (is_llama() ? "llama3" : "gpt2") << " L=" << n_layer << " H=" << n_head;
+  if (n_kv_head != n_head) os << " KV=" << n_kv_head;
+  os << " C=" << n_embd;
+  if (is_llama()) os << " F=" << ffn_hidden;
+  os << " V=" << vocab_size << " (padded " << padded_vocab_size << ") maxT=" << max_seq_len;
+  if (is_llama() && !tie_embeddings) os << " untied";
   return os.str();
+}
+
+void TransformerConfig::validate() const {
+  TALLY_CHECK(n_layer >= 1 && n_head >= 1 && n_embd >= 1 && vocab_size >= 1 && max_seq_len >= 1,
+              "model: implausible shape ", describe());
+  TALLY_CHECK(n_embd % n_head == 0, "model: n_embd ", n_embd, " is not divisible by n_head ", n_head);
+  TALLY_CHECK(n_kv_head >= 1 && n_head % n_kv_head == 0, "model: n_head ", n_head, " is not a multiple of n_kv_head ",
+              n_kv_head);
+  TALLY_CHECK(padded_vocab_size >= vocab_size, "model: padded vocab ", padded_vocab_size, " < vocab ", vocab_size);
+  if (is_llama()) {
+    TALLY_CHECK(head_dim() % 2 == 0, "model: rotary embeddings need an even head dimension, got ", head_dim());
+    TALLY_CHECK(ffn_hidden >= 1, "model: the SwiGLU width (ffn_hidden) must be set, got ", ffn_hidden);
+    TALLY_CHECK(rope_theta > 0, "model: rope_theta must be positive, got ", rope_theta);
+    TALLY_CHECK(rope_factor == 0 || (rope_factor > 0 && rope_high_freq_factor > rope_low_freq_factor &&
+                                     rope_low_freq_factor > 0 && rope_original_max_position > 0),
+                "model: rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and an original "
+                "context length, got factor ",
+                rope_factor, ", low ", rope_low_freq_factor, ", high ", rope_high_freq_factor, ", original ",
+                rope_original_max_position);
+  } else {
+    TALLY_CHECK(n_kv_head == n_head, "model: GPT-2 has no grouped-query attention (n_kv_head ", n_kv_head,
+                " != n_head ", n_head, ")");
+    TALLY_CHECK(tie_embeddings, "model: GPT-2's LM head is always tied to the token embedding");
+  }
+}
+
+int64_t llama_ffn_hidden(int64_t n_embd, int64_t multiple_of, double ffn_dim_multiplier) {
+  TALLY_CHECK(multiple_of >= 1, "model: multiple_of must be >= 1, got ", multiple_of);
+  int64_t hidden = 2 * (4 * n_embd) / 3;  // int(2 * hidden_dim / 3)
+  if (ffn_dim_multiplier > 0) hidden = static_cast<int64_t>(ffn_dim_multiplier * static_cast<double>(hidden));
+  return multiple_of * ((hidden + multiple_of - 1) / multiple_of);
+}
+
+std::vector<double> rope_inv_freq(const TransformerConfig& c) {
+  const int64_t D = c.head_dim();
+  std::vector<double> freqs;
+  for (int64_t i = 0; i < D / 2; ++i) {
+    double f = 1.0 / std::pow(c.rope_theta, static_cast<double>(2 * i) / static_cast<double>(D));
+    if (c.rope_factor > 0) {
+      const double original = static_cast<double>(c.rope_original_max_position);
+      const double low_wavelen = original / c.rope_low_freq_factor, high_wavelen = original / c.rope_high_freq_factor;
+      const double wavelen = 2 * M_PI / f;
+      if (wavelen > low_wavelen) {
+        f /= c.rope_factor;
+      } else if (wavelen >= high_wavelen) {
+        const double smooth =
+            (original / wavelen - c.rope_low_freq_factor) / (c.rope_high_freq_factor - c.rope_low_freq_factor);
+        f = (1 - smooth) * f / c.rope_factor + smooth * f;
+      }
+    }
+    freqs.push_back(f);
+  }
+  return freqs;
 }
 
 TransformerConfig TransformerConfig::preset(const std::string& name) {
@@ -25,29 +82,69 @@ TransformerConfig TransformerConfig::preset(const std::string& name) {
     c.n_kv_head = H;
     c.n_embd = C;
   };
+  // LLaMA-3's shared shape: the 128,256-token vocabulary (a multiple of 128 already),
+  // theta 500,000, eps 1e-5, LLaMA-3.1's scaling with Meta's factors.
+  auto llama = [&](int64_t L, int64_t H, int64_t KV, int64_t C, int64_t multiple_of, double multiplier,
+                   double rope_factor, bool tied, int64_t max_seq_len) {
+    c.family = Family::Llama3;
+    set(L, H, C);
+    c.n_kv_head = KV;
+    c.vocab_size = c.padded_vocab_size = 128256;
+    c.multiple_of = multiple_of;
+    c.ffn_dim_multiplier = multiplier;
+    c.ffn_hidden = llama_ffn_hidden(C, multiple_of, multiplier);
+    c.rope_theta = 500000.0;
+    c.rope_factor = rope_factor;
+    c.rope_low_freq_factor = 1;
+    c.rope_high_freq_factor = 4;
+    c.rope_original_max_position = 8192;
+    c.tie_embeddings = tied;
+    c.max_seq_len = max_seq_len;
+  };
+  auto depth_of = [&](const std::string& digits) {
+    // At most three digits: std::stoll would throw a bare "stoll" on a 20-digit depth.
+    const int64_t depth = !digits.empty() && digits.size() <= 3 && digits.find_first_not_of("0123456789") == std::string::npos
+                              ? std::stoll(digits)
+                              : 0;
+    TALLY_CHECK(depth >= 1 && depth <= 64, "--model ", name, ": depth must be 1..64");
+    return depth;
+  };
   if (name == "gpt2") set(12, 12, 768);
   else if (name == "gpt2-medium") set(24, 16, 1024);
   else if (name == "gpt2-large") set(36, 20, 1280);
   else if (name == "gpt2-xl") set(48, 25, 1600);
-  else if (name.size() >= 2 && name[0] == 'd' && name.find_first_not_of("0123456789", 1) == std::string::npos) {
-    // At most three digits: std::stoll would throw a bare "stoll" on a 20-digit depth.
-    const int64_t depth = name.size() <= 4 ? std::stoll(name.substr(1)) : 0;
-    TALLY_CHECK(depth >= 1 && depth <= 64, "--model ", name, ": depth must be 1..64");
+  else if (name == "llama3.2-1b") llama(16, 32, 8, 2048, 256, 1.5, 32, true, 131072);
+  else if (name == "llama3.2-3b") llama(28, 24, 8, 3072, 256, 1.0, 32, true, 131072);
+  else if (name == "llama3.1-8b") llama(32, 32, 8, 4096, 1024, 1.3, 8, false, 131072);
+  else if (name.rfind("llama3-d", 0) == 0) {
+    const int64_t depth = depth_of(name.substr(8));
+    llama(depth, depth, std::max<int64_t>(1, depth / 2), 64 * depth, 256, 0, 8, true, 8192);
+  } else if (name.size() >= 2 && name[0] == 'd' && name.find_first_not_of("0123456789", 1) == std::string::npos) {
+    const int64_t depth = depth_of(name.substr(1));
     set(depth, depth, 64 * depth);
   } else {
     std::string all;
     for (const auto& n : preset_names()) all += (all.empty() ? "" : ", ") + n;
-    TALLY_FAIL("--model: unknown preset '", name, "'; expected one of ", all, " (or dN for any depth N)");
+    TALLY_FAIL("--model: unknown preset '", name, "'; expected one of ", all, " (or dN / llama3-dN for any depth N)");
   }
   return c;
 }
 
 std::vector<std::string> TransformerConfig::preset_names() {
-  return {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "d2", "d4", "d6", "d12", "d24"};
+  return {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "d2", "d4", "d6", "d12", "d24",
+          "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "llama3-d2", "llama3-d4", "llama3-d6"};
 }
 
 std::vector<std::pair<std::string, Shape>> llmc_tensor_layout(const TransformerConfig& c) {
-  const int64_t L = c.n_layer, C = c.n_embd, Vp = c.padded_vocab_size, T = c.max_seq_len;
+  const int64_t L = c.n_layer, C = c.n_embd, Vp = c.padded_vocab_size, T = c.max_seq_len, F = c.ffn_dim();
+  if (c.is_llama()) {
+    // llm.c's train_llama3.py order; c_fc is the up projection (Meta's w3), c_fc2 the
+    // gate (w1). Embedding and head hold vocab_size rows (unpadded).
+    const int64_t V = c.vocab_size;
+    return {{"wte", {V, C}},          {"ln1w", {L, C}},       {"qkvw", {L, c.qkv_dim(), C}}, {"attprojw", {L, C, C}},
+            {"ln2w", {L, C}},          {"fcw", {L, F, C}},     {"fcw2", {L, F, C}},           {"fcprojw", {L, C, F}},
+            {"lnfw", {C}},             {"lm_head", {V, C}}};
+  }
   return {{"wte", {Vp, C}},         {"wpe", {T, C}},        {"ln1w", {L, C}},         {"ln1b", {L, C}},
           {"qkvw", {L, 3 * C, C}}, {"qkvb", {L, 3 * C}},  {"attprojw", {L, C, C}},  {"attprojb", {L, C}},
           {"ln2w", {L, C}},         {"ln2b", {L, C}},        {"fcw", {L, 4 * C, C}},   {"fcb", {L, 4 * C}},
@@ -56,57 +153,78 @@ std::vector<std::pair<std::string, Shape>> llmc_tensor_layout(const TransformerC
 
 Transformer::Transformer(const TransformerConfig& config) : config_(config) {
   const auto& c = config_;
-  TALLY_CHECK(c.family == TransformerConfig::Family::Gpt2,
-              "model family llama3 is not implemented yet (RMSNorm, RoPE and SwiGLU kernels are missing)");
-  TALLY_CHECK(c.n_embd % c.n_head == 0, "model: n_embd ", c.n_embd, " is not divisible by n_head ", c.n_head);
-  TALLY_CHECK(c.padded_vocab_size >= c.vocab_size, "model: padded vocab ", c.padded_vocab_size, " < vocab ", c.vocab_size);
-  const int64_t L = c.n_layer, C = c.n_embd;
+  c.validate();
+  const bool llama = c.is_llama();
+  const int64_t L = c.n_layer, C = c.n_embd, F = c.ffn_dim();
   layers_.resize(static_cast<size_t>(L));
-  // Units in forward order: the embeddings, each layer, the final norm (parameters.h).
+  // Units in forward order: the embeddings, each layer, the final norm (and an untied
+  // head) (parameters.h).
   params_.begin_unit("embed");
   wte_ = params_.declare("wte", {c.padded_vocab_size, C}, true);
-  wpe_ = params_.declare("wpe", {c.max_seq_len, C}, true);
+  if (!llama) wpe_ = params_.declare("wpe", {c.max_seq_len, C}, true);
+  // LLaMA has no biases: their slots stay kAbsent.
+  auto bias = [&](const std::string& name, int64_t n) { return llama ? kAbsent : params_.declare(name, {n}, false); };
   for (int64_t l = 0; l < L; ++l) {
     const std::string h = "h." + std::to_string(l) + ".";
     Layer& p = layers_[l];
     params_.begin_unit("h." + std::to_string(l));
     p.ln1w = params_.declare(h + "ln_1.weight", {C}, false);
-    p.ln1b = params_.declare(h + "ln_1.bias", {C}, false);
-    p.qkvw = params_.declare(h + "attn.c_attn.weight", {3 * C, C}, true);
-    p.qkvb = params_.declare(h + "attn.c_attn.bias", {3 * C}, false);
+    p.ln1b = bias(h + "ln_1.bias", C);
+    p.qkvw = params_.declare(h + "attn.c_attn.weight", {c.qkv_dim(), C}, true);
+    p.qkvb = bias(h + "attn.c_attn.bias", c.qkv_dim());
     p.attprojw = params_.declare(h + "attn.c_proj.weight", {C, C}, true);
-    p.attprojb = params_.declare(h + "attn.c_proj.bias", {C}, false);
+    p.attprojb = bias(h + "attn.c_proj.bias", C);
     p.ln2w = params_.declare(h + "ln_2.weight", {C}, false);
-    p.ln2b = params_.declare(h + "ln_2.bias", {C}, false);
-    p.fcw = params_.declare(h + "mlp.c_fc.weight", {4 * C, C}, true);
-    p.fcb = params_.declare(h + "mlp.c_fc.bias", {4 * C}, false);
-    p.fcprojw = params_.declare(h + "mlp.c_proj.weight", {C, 4 * C}, true);
-    p.fcprojb = params_.declare(h + "mlp.c_proj.bias", {C}, false);
+    p.ln2b = bias(h + "ln_2.bias", C);
+    p.fcw = params_.declare(h + "mlp.c_fc.weight", {F, C}, true);
+    p.fcb = bias(h + "mlp.c_fc.bias", F);
+    p.fc2w = llama ? params_.declare(h + "mlp.c_fc2.weight", {F, C}, true) : kAbsent;
+    p.fcprojw = params_.declare(h + "mlp.c_proj.weight", {C, F}, true);
+    p.fcprojb = bias(h + "mlp.c_proj.bias", C);
   }
-  params_.begin_unit("ln_f");
+  params_.begin_unit(c.tie_embeddings ? "ln_f" : "head");
   lnfw_ = params_.declare("ln_f.weight", {C}, false);
-  lnfb_ = params_.declare("ln_f.bias", {C}, false);
+  lnfb_ = bias("ln_f.bias", C);
+  if (!c.tie_embeddings) lm_head_ = params_.declare("lm_head", {c.padded_vocab_size, C}, true);
   params_.allocate();
+  if (llama) {
+    // A model constant beside the parameters: persistent, owned by the model.
+    OwnerTag tag;
+    tag.category = Category::Other;
+    tag.persistent = true;
+    tag.name = intern_name("rope.inv_freq");
+    std::vector<double> freqs = rope_inv_freq(c);
+    inv_freq_ = Tensor::empty({static_cast<int64_t>(freqs.size())}, DType::F32, Device::cpu(), tag);
+    float* d = inv_freq_.data<float>();
+    for (size_t i = 0; i < freqs.size(); ++i) d[i] = static_cast<float>(freqs[i]);
+  }
 }
 
 std::vector<LlmcTensor> Transformer::llmc_tensors() const {
   std::vector<LlmcTensor> out;
   for (auto& [name, shape] : llmc_tensor_layout(config_)) {
-    LlmcTensor t{name, shape, {}};
-    if (name == "wte") t.params = {wte_};
-    else if (name == "wpe") t.params = {wpe_};
+    LlmcTensor t{name, shape, {}, false};
+    if (name == "wte") {
+      t.params = {wte_};
+      t.vocab_rows = config_.is_llama();
+    } else if (name == "lm_head") {
+      t.params = {config_.tie_embeddings ? wte_ : lm_head_};
+      t.vocab_rows = true;
+    } else if (name == "wpe") t.params = {wpe_};
     else if (name == "lnfw") t.params = {lnfw_};
     else if (name == "lnfb") t.params = {lnfb_};
     else {
       static const std::pair<const char*, size_t Layer::*> kinds[] = {
           {"ln1w", &Layer::ln1w}, {"ln1b", &Layer::ln1b},         {"qkvw", &Layer::qkvw},     {"qkvb", &Layer::qkvb},
           {"attprojw", &Layer::attprojw}, {"attprojb", &Layer::attprojb}, {"ln2w", &Layer::ln2w}, {"ln2b", &Layer::ln2b},
-          {"fcw", &Layer::fcw},   {"fcb", &Layer::fcb},           {"fcprojw", &Layer::fcprojw}, {"fcprojb", &Layer::fcprojb}};
+          {"fcw", &Layer::fcw},   {"fcb", &Layer::fcb},           {"fcw2", &Layer::fc2w},
+          {"fcprojw", &Layer::fcprojw}, {"fcprojb", &Layer::fcprojb}};
       for (auto& [kind, field] : kinds)
         if (name == kind)
           for (const Layer& layer : layers_) t.params.push_back(layer.*field);
     }
     TALLY_CHECK(!t.params.empty(), "internal: llm.c tensor '", name, "' maps to no parameter");
+    for (size_t i : t.params) TALLY_CHECK(i != kAbsent, "internal: llm.c tensor '", name, "' maps to an absent parameter");
     out.push_back(std::move(t));
   }
   return out;
@@ -117,8 +235,11 @@ void Transformer::init_weights(uint64_t seed) {
   const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config_.n_layer));
   // Draws in llm.c's tensor order (each kind over all layers), so a seed gives the same
   // weights whatever order the parameter block keeps them in.
+  std::vector<bool> drawn(params_.size(), false);  // a tied head lists wte twice: draw it once
   for (const LlmcTensor& t : llmc_tensors()) {
     for (size_t i : t.params) {
+      if (drawn[i]) continue;
+      drawn[i] = true;
       const std::string& name = params_.spec(i).name;
       const Tensor& p = params_[i];
       float* d = p.data<float>();
@@ -137,9 +258,9 @@ void Transformer::init_weights(uint64_t seed) {
       p.storage().bump_version();
     }
   }
-  // Padding rows of the embedding are never looked up or predicted: keep them zero.
-  Tensor wte = params_[wte_];
-  wte.slice(0, config_.vocab_size, config_.padded_vocab_size).detach().zero_();
+  // Padding rows of the embedding (and head) are never looked up or predicted: keep them zero.
+  for (size_t i : {wte_, lm_head_})
+    if (i != kAbsent) params_[i].slice(0, config_.vocab_size, config_.padded_vocab_size).detach().zero_();
 }
 
 namespace {
@@ -189,16 +310,51 @@ Tensor Transformer::border(const Tensor& x, const std::vector<size_t>& units, bo
   return out;
 }
 
-ForwardResult Transformer::forward(const Tensor& tokens, const Tensor& targets, bool return_logits) const {
+Tensor Transformer::norm(const Tensor& x, size_t weight, size_t bias) const {
+  return config_.is_llama() ? ops::rmsnorm(x, params_[weight], config_.norm_eps)
+                            : ops::layernorm(x, params_[weight], params_[bias], config_.norm_eps);
+}
+
+KvCache Transformer::make_kv_cache(int64_t batch, int64_t capacity) const {
+  TALLY_CHECK(batch >= 1 && capacity >= 1 && capacity <= config_.max_seq_len, "KV cache: ", batch, " sequences of ",
+              capacity, " tokens; the model's maximum is ", config_.max_seq_len);
+  OwnerTag tag;
+  tag.category = Category::Workspace;
+  tag.persistent = true;  // lives across the decoding steps by design
+  tag.name = intern_name("kv_cache");
+  KvCache cache;
+  const Shape shape = {batch, capacity, config_.n_kv_head, config_.head_dim()};
+  for (int64_t l = 0; l < config_.n_layer; ++l) {
+    cache.k.push_back(Tensor::zeros(shape, params_.flat_params().dtype(), params_.flat_params().device(), tag));
+    cache.v.push_back(Tensor::zeros(shape, params_.flat_params().dtype(), params_.flat_params().device(), tag));
+  }
+  return cache;
+}
+
+ForwardResult Transformer::forward(const Tensor& tokens, const Tensor& targets, bool return_logits,
+                                   KvCache* cache) const {
   const auto& c = config_;
   TALLY_CHECK(tokens.dim() == 2, "model: tokens must be (B, T), got ", tokens.str());
-  const int64_t B = tokens.shape()[0], T = tokens.shape()[1], C = c.n_embd, H = c.n_head, D = c.head_dim();
-  TALLY_CHECK(T <= c.max_seq_len, "model: sequence length ", T, " exceeds the model's maximum ", c.max_seq_len);
+  const int64_t B = tokens.shape()[0], T = tokens.shape()[1], C = c.n_embd, H = c.n_head, KV = c.n_kv_head,
+                D = c.head_dim();
+  const int64_t start = cache ? cache->length : 0;  // the first token's position
+  TALLY_CHECK(start + T <= c.max_seq_len, "model: sequence length ", start + T, " exceeds the model's maximum ",
+              c.max_seq_len);
+  if (cache) {
+    TALLY_CHECK(!autograd::grad_enabled(), "model: a KV cache is for inference; run it without gradients");
+    TALLY_CHECK(static_cast<int64_t>(cache->k.size()) == c.n_layer && cache->k[0].shape()[0] == B &&
+                    start + T <= cache->capacity(),
+                "model: the KV cache holds ", cache->k.size(), " layers of ",
+                cache->k.empty() ? 0 : cache->k[0].shape()[0], " x ", cache->capacity(), " tokens; this call needs ",
+                c.n_layer, " layers of ", B, " x ", start + T);
+  }
   // Each unit's parameters are acquired around its ops (see residency.h); without a
   // residency every call below on units is a no-op.
-  const std::vector<size_t> embed{embed_unit()}, head{final_unit(), embed_unit()};
+  std::vector<size_t> head{final_unit()};
+  if (c.tie_embeddings) head.push_back(embed_unit());
+  const std::vector<size_t> embed{embed_unit()};
 
-  // Embeddings: x = wte[tokens] + wpe[0:T]
+  // Embeddings: x = wte[tokens] (+ wpe[start:start+T] for GPT-2)
   Tensor x;
   {
     OwnerScope scope("embed");
@@ -207,8 +363,11 @@ ForwardResult Transformer::forward(const Tensor& tokens, const Tensor& targets, 
     // Named steps, not nested calls: C++ leaves argument evaluation order unspecified,
     // and the order ops are recorded in is the order backward runs them in reverse.
     Tensor token_embedding = ops::embedding(params_[wte_], tokens);
-    Tensor position_embedding = params_[wpe_].slice(0, 0, T);
-    x = acquired_in_backward(ops::add(token_embedding, position_embedding), embed);
+    if (!c.is_llama()) {
+      Tensor position_embedding = params_[wpe_].slice(0, start, start + T);
+      token_embedding = ops::add(token_embedding, position_embedding);
+    }
+    x = acquired_in_backward(token_embedding, embed);
     leave(embed);
   }
   for (int64_t l = 0; l < c.n_layer; ++l) {
@@ -220,28 +379,49 @@ ForwardResult Transformer::forward(const Tensor& tokens, const Tensor& targets, 
     x = released_in_backward(x, unit);
     {
       OwnerScope scope("attn");
-      Tensor h = ops::layernorm(x, params_[p.ln1w], params_[p.ln1b], c.norm_eps);
-      Tensor qkv = ops::linear(h, params_[p.qkvw], params_[p.qkvb]);                  // (B,T,3C)
-      std::vector<Tensor> parts = ops::split(qkv, {C, C, C}, 2);                        // strided views
-      Tensor q = parts[0].view({B, T, H, D}), k = parts[1].view({B, T, H, D}), v = parts[2].view({B, T, H, D});
+      Tensor h = norm(x, p.ln1w, p.ln1b);
+      Tensor qkv = ops::linear(h, params_[p.qkvw], param(p.qkvb));                      // (B,T,C+2*KV*D)
+      std::vector<Tensor> parts = ops::split(qkv, {C, KV * D, KV * D}, 2);               // strided views
+      Tensor q = parts[0].view({B, T, H, D}), k = parts[1].view({B, T, KV, D}), v = parts[2].view({B, T, KV, D});
+      if (c.is_llama()) {
+        q = ops::rotary(q, inv_freq_, start);
+        k = ops::rotary(k, inv_freq_, start);
+        // v's own copy: saving the view would keep all of qkv alive until backward.
+        v = ops::contiguous(v);
+      }
+      if (cache) {
+        // Append this call's keys and values, then attend over everything cached.
+        cache->k[l].slice(1, start, start + T).copy_(k);
+        cache->v[l].slice(1, start, start + T).copy_(v);
+        k = cache->k[l].slice(1, 0, start + T);
+        v = cache->v[l].slice(1, 0, start + T);
+      }
       Tensor a = ops::causal_attention(q, k, v).view({B, T, C});
-      x = ops::add(x, ops::linear(a, params_[p.attprojw], params_[p.attprojb]));
+      x = ops::add(x, ops::linear(a, params_[p.attprojw], param(p.attprojb)));
     }
     {
       OwnerScope scope("mlp");
-      Tensor h = ops::layernorm(x, params_[p.ln2w], params_[p.ln2b], c.norm_eps);
-      Tensor f = ops::gelu(ops::linear(h, params_[p.fcw], params_[p.fcb]));
-      x = ops::add(x, ops::linear(f, params_[p.fcprojw], params_[p.fcprojb]));
+      Tensor h = norm(x, p.ln2w, p.ln2b);
+      Tensor f;
+      if (c.is_llama()) {
+        Tensor gate = ops::linear(h, params_[p.fc2w]);
+        Tensor up = ops::linear(h, params_[p.fcw]);
+        f = ops::swiglu(gate, up);
+      } else {
+        f = ops::gelu(ops::linear(h, params_[p.fcw], params_[p.fcb]));
+      }
+      x = ops::add(x, ops::linear(f, params_[p.fcprojw], param(p.fcprojb)));
     }
     x = acquired_in_backward(x, unit);
     leave(unit);
   }
+  if (cache) cache->length = start + T;
   ForwardResult result;
   OwnerScope scope("head");
   enter(head);
   x = released_in_backward(x, head);
-  x = ops::layernorm(x, params_[lnfw_], params_[lnfb_], c.norm_eps);
-  Tensor logits = ops::linear(x, params_[wte_]);  // (B,T,Vp), tied to the embedding
+  x = norm(x, lnfw_, lnfb_);
+  Tensor logits = ops::linear(x, params_[c.tie_embeddings ? wte_ : lm_head_]);  // (B,T,Vp)
   if (targets.defined()) {
     TALLY_CHECK(targets.shape() == tokens.shape(), "model: targets ", targets.str(), " do not match tokens ", tokens.str());
     result.loss = ops::cross_entropy(logits.view({B * T, c.padded_vocab_size}), targets.view({B * T}), c.vocab_size);

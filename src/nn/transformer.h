@@ -1,14 +1,15 @@
-// One decoder-only transformer definition for GPT-2 and (its slots ready) LLaMA-3.
-//
-// GPT-2 (the family implemented): learned position embeddings, pre-LayerNorm blocks,
-// fused qkv projection with bias, causal attention, GELU(tanh) MLP of width 4C, final
-// LayerNorm, LM head tied to the token embedding. Parameters are kept layer by layer
+// One decoder-only transformer definition for GPT-2 and LLaMA-3. Both are pre-norm
+// residual stacks with a fused qkv projection and causal attention; the family picks
+//                 GPT-2                          LLaMA-3
+//   positions     learned table (wpe)            rotary (rope_theta, 3.1 scaling)
+//   norms         LayerNorm with bias            RMSNorm, no bias
+//   attention     n_head heads                   grouped-query: n_kv_head kv heads
+//   MLP           GELU(tanh), width 4C, biases   SwiGLU, Meta's width, no biases
+//   LM head       tied to wte                    lm_head, or tied (3.2 1B/3B)
+// Parameters carry llm.c's names for both (h.L.attn.c_attn.weight ...; LLaMA adds
+// h.L.mlp.c_fc2.weight, the gate, and lm_head) and are kept layer by layer
 // (parameters.h); llmc_tensors() maps them to llm.c's file layout, which stacks each
 // kind of weight over the layers.
-//
-// LLaMA-3 slots: Norm::RMS, Position::Rope, Mlp::SwiGlu and n_kv_head < n_head (GQA)
-// are config fields; the attention op already takes grouped kv heads. The forward
-// refuses them until their kernels land, rather than computing something else.
 #pragma once
 #include <string>
 #include <vector>
@@ -31,15 +32,50 @@ struct TransformerConfig {
   int64_t n_kv_head = 12;
   int64_t n_embd = 768;
   double norm_eps = 1e-5;
+  // ---- LLaMA-3 only
+  int64_t ffn_hidden = 0;          // the SwiGLU width (Meta: llama_ffn_hidden below)
+  int64_t multiple_of = 256;       // kept for llm.c's header: how ffn_hidden was rounded
+  double ffn_dim_multiplier = 0;   // ditto (0: none)
+  double rope_theta = 500000.0;
+  // LLaMA-3.1's frequency scaling (factor 0: none): wavelengths above
+  // original_max_position / low_freq_factor are divided by `factor`, those below
+  // original_max_position / high_freq_factor kept, and the band between interpolated.
+  double rope_factor = 0, rope_low_freq_factor = 1, rope_high_freq_factor = 4;
+  int64_t rope_original_max_position = 8192;
+  bool tie_embeddings = true;      // GPT-2 always; LLaMA-3.2 1B/3B tie, 3.1 8B does not
 
+  bool is_llama() const { return family == Family::Llama3; }
   int64_t head_dim() const { return n_embd / n_head; }
-  int64_t ffn_dim() const { return 4 * n_embd; }
+  int64_t kv_dim() const { return n_kv_head * head_dim(); }
+  int64_t qkv_dim() const { return n_embd + 2 * kv_dim(); }
+  int64_t ffn_dim() const { return is_llama() ? ffn_hidden : 4 * n_embd; }
   std::string describe() const;
+  // Checks the shape is buildable; names the field that is not.
+  void validate() const;
 
-  // gpt2 (124M), gpt2-medium, gpt2-large, gpt2-xl, and dN depth presets (llm.c's d12 =
-  // gpt2): width 64*N, N heads, N layers.
+  // GPT-2: gpt2 (124M), gpt2-medium, gpt2-large, gpt2-xl, and dN depth presets (llm.c's
+  // d12 = gpt2): width 64*N, N heads, N layers.
+  // LLaMA-3: llama3.2-1b, llama3.2-3b, llama3.1-8b (Meta's shapes), and llama3-dN: N
+  // layers of width 64*N, N heads, N/2 kv heads (at least 1), the 128,256-token
+  // vocabulary, tied embeddings.
   static TransformerConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
+};
+
+// Meta's SwiGLU width: 2/3 of 4C, times ffn_dim_multiplier (when not 0), rounded up to
+// multiple_of (int() truncations as in Meta's model.py).
+int64_t llama_ffn_hidden(int64_t n_embd, int64_t multiple_of, double ffn_dim_multiplier);
+// The rotary inverse frequencies of one head, D/2 of them: theta^(-2i/D), then LLaMA-3.1's
+// scaling when rope_factor > 0 (computed in double, as Meta's apply_scaling does in Python).
+std::vector<double> rope_inv_freq(const TransformerConfig& c);
+
+// Keys and values of every layer for incremental decoding: (B, capacity, n_kv_head, D)
+// per layer, the first `length` positions filled. Owned by the caller; the forward
+// appends the new tokens' keys and values and advances `length`.
+struct KvCache {
+  std::vector<Tensor> k, v;
+  int64_t length = 0;
+  int64_t capacity() const { return k.empty() ? 0 : k[0].shape()[1]; }
 };
 
 // One tensor of an llm.c model file and the parameters it is made of: one, or one per
@@ -48,6 +84,9 @@ struct LlmcTensor {
   std::string name;
   Shape shape;
   std::vector<size_t> params;  // parameter indices, in file order
+  // The file holds only the first vocab_size rows of each parameter (LLaMA's files are
+  // not padded); the rest are zero in the model.
+  bool vocab_rows = false;
 };
 
 struct ForwardResult {
@@ -64,13 +103,19 @@ class Transformer {
   const ParameterStore& params() const { return params_; }
   int64_t num_parameters() const { return params_.numel(); }
 
-  // GPT-2 initialization: N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), biases 0,
-  // norm weights 1; padded embedding rows 0.
+  // GPT-2's (and llm.c's LLaMA) initialization: N(0, 0.02), residual projections
+  // N(0, 0.02/sqrt(2L)), biases 0, norm weights 1; padded embedding rows 0.
   void init_weights(uint64_t seed);
 
   // tokens (B, T) int32; targets (B, T) int32 or undefined. Records the graph when
-  // grad mode is on.
-  ForwardResult forward(const Tensor& tokens, const Tensor& targets, bool return_logits = false) const;
+  // grad mode is on. With a cache (inference only), the tokens continue the cached
+  // sequence: they sit at positions cache->length.. and attend to everything cached.
+  ForwardResult forward(const Tensor& tokens, const Tensor& targets, bool return_logits = false,
+                        KvCache* cache = nullptr) const;
+  // An empty cache for `batch` sequences of up to `capacity` tokens (<= max_seq_len).
+  KvCache make_kv_cache(int64_t batch, int64_t capacity) const;
+  // The rotary inverse frequencies (D/2), a model constant (LLaMA; undefined for GPT-2).
+  const Tensor& inv_freq() const { return inv_freq_; }
 
   // Where the parameters live while the model runs (ZeRO-3 sets one; null: always
   // resident). Not owned.
@@ -94,15 +139,20 @@ class Transformer {
   Tensor released_in_backward(const Tensor& x, const std::vector<size_t>& units) const;
   Tensor acquired_in_backward(const Tensor& x, const std::vector<size_t>& units) const;
   Tensor border(const Tensor& x, const std::vector<size_t>& units, bool acquire) const;
+  // The parameter, or an undefined tensor for a slot this family does not have.
+  Tensor param(size_t index) const { return index == kAbsent ? Tensor() : params_[index]; }
+  Tensor norm(const Tensor& x, size_t weight, size_t bias) const;
 
   TransformerConfig config_;
   ParameterStore params_;
   ParameterResidency* residency_ = nullptr;  // non-owning
-  // Parameter indices. Each layer's parameters are one unit of the block (parameters.h);
-  // every layer's weight is its own leaf (its own gradient view).
-  size_t wte_ = 0, wpe_ = 0, lnfw_ = 0, lnfb_ = 0;
+  Tensor inv_freq_;  // rotary frequencies (LLaMA), in the parameters' dtype
+  // Parameter indices (kAbsent where the family has none). Each layer's parameters are
+  // one unit of the block (parameters.h); every weight is its own leaf.
+  static constexpr size_t kAbsent = static_cast<size_t>(-1);
+  size_t wte_ = 0, wpe_ = kAbsent, lnfw_ = 0, lnfb_ = kAbsent, lm_head_ = kAbsent;
   struct Layer {
-    size_t ln1w, ln1b, qkvw, qkvb, attprojw, attprojb, ln2w, ln2b, fcw, fcb, fcprojw, fcprojb;
+    size_t ln1w, ln1b, qkvw, qkvb, attprojw, attprojb, ln2w, ln2b, fcw, fcb, fc2w, fcprojw, fcprojb;
   };
   std::vector<Layer> layers_;
 };

@@ -13,25 +13,42 @@ namespace {
 
 constexpr int64_t kFloat = 4;
 
+}  // namespace
+
 // Parameters per unit in the block's order: the embeddings, each layer, the final norm
-// (nn/parameters.h). A GPT-2 layer: two norms (2C each), qkv (3C^2 + 3C), the attention
-// projection (C^2 + C), the MLP (4C^2 + 4C and 4C^2 + C): 12C^2 + 13C.
+// (and an untied head) (nn/parameters.h).
+//   GPT-2 layer: two norms (2C each), qkv (3C^2 + 3C), the attention projection (C^2 + C),
+//     the MLP (4C^2 + 4C and 4C^2 + C): 12C^2 + 13C.
+//   LLaMA layer: two RMSNorms (C each), qkv ((C + 2 KV D) C), the attention projection
+//     (C^2), gate, up and down (3 C F): no biases.
 std::vector<int64_t> unit_numels(const nn::TransformerConfig& c) {
-  const int64_t C = c.n_embd;
+  const int64_t C = c.n_embd, Vp = c.padded_vocab_size;
   std::vector<int64_t> units;
-  units.push_back(checked_add(checked_mul(c.padded_vocab_size, C, "plan: wte"), checked_mul(c.max_seq_len, C, "plan: wpe"),
-                              "plan: embeddings"));
-  const int64_t layer = checked_add(checked_product({12, C, C}, "plan: layer"), 13 * C, "plan: layer");
+  const int64_t token_table = checked_mul(Vp, C, "plan: wte");
+  int64_t layer;
+  if (c.is_llama()) {
+    units.push_back(token_table);
+    layer = checked_add(checked_add(checked_mul(c.qkv_dim() + C, C, "plan: attention"),
+                                    checked_product({3, C, c.ffn_dim()}, "plan: MLP"), "plan: layer"),
+                        2 * C, "plan: layer");
+  } else {
+    units.push_back(checked_add(token_table, checked_mul(c.max_seq_len, C, "plan: wpe"), "plan: embeddings"));
+    layer = checked_add(checked_product({12, C, C}, "plan: layer"), 13 * C, "plan: layer");
+  }
   for (int64_t l = 0; l < c.n_layer; ++l) units.push_back(layer);
-  units.push_back(2 * C);
+  units.push_back((c.is_llama() ? C : 2 * C) + (c.tie_embeddings ? 0 : token_table));
   return units;
 }
 
-}  // namespace
+int64_t parameter_count(const nn::TransformerConfig& c) {
+  int64_t total = 0;
+  for (int64_t n : unit_numels(c)) total = checked_add(total, n, "plan: parameters");
+  return total;
+}
 
 MemoryPlan plan_memory(const PlanInput& in) {
   const auto& c = in.model;
-  TALLY_CHECK(c.family == nn::TransformerConfig::Family::Gpt2, "plan: only GPT-2 models are planned so far");
+  c.validate();
   TALLY_CHECK(in.zero >= 0 && in.zero <= 3, "plan: --zero must be 0, 1, 2 or 3, got ", in.zero);
   TALLY_CHECK(in.world >= 1, "plan: --world must be at least 1, got ", in.world);
   const int64_t D = in.world, B = in.batch_size, T = in.seq_len, C = c.n_embd, H = c.n_head, L = c.n_layer;
@@ -54,18 +71,40 @@ MemoryPlan plan_memory(const PlanInput& in) {
     plan.activations_by_kind.emplace_back(kind, checked_product({floats_per_token, BT, kFloat}, "plan: activations"));
   };
   act("residual stream (x, x + attention)", 2 * C * L);
-  act("layernorm outputs", 2 * C * L);
-  act("layernorm mean and rstd", 4 * L);
-  act("q, k, v", 3 * C * L);
-  act("attention output", C * L);
-  act("attention log-sum-exp", H * L);
-  act("MLP pre- and post-GELU", 8 * C * L);
+  if (c.is_llama()) {
+    // q and k leave rotary as new tensors and v is copied out of the fused projection,
+    // so the (B,T,C+2KV*D) projection itself is freed within the layer.
+    const int64_t KVD = c.kv_dim(), F = c.ffn_dim();
+    act("RMSNorm outputs", 2 * C * L);
+    act("RMSNorm rstd", 2 * L);
+    act("q and k after rotary, v", (C + 2 * KVD) * L);
+    act("attention output", C * L);
+    act("attention log-sum-exp", H * L);
+    act("MLP gate, up and SwiGLU output", 3 * F * L);
+  } else {
+    act("layernorm outputs", 2 * C * L);
+    act("layernorm mean and rstd", 4 * L);
+    act("q, k, v", 3 * C * L);
+    act("attention output", C * L);
+    act("attention log-sum-exp", H * L);
+    act("MLP pre- and post-GELU", 8 * C * L);
+  }
   act("head: last residual and final norm output", 2 * C);
-  act("head: final norm mean and rstd", 2);
+  act(c.is_llama() ? "head: final RMSNorm rstd" : "head: final norm mean and rstd", c.is_llama() ? 1 : 2);
   act("head: logits", Vp);
   act("head: cross-entropy log-sum-exp", 1);
-  int64_t activations = 0;
-  for (const auto& [kind, bytes] : plan.activations_by_kind) activations = checked_add(activations, bytes, "plan");
+  int64_t activations = 0, head_activations = 0;
+  for (const auto& [kind, bytes] : plan.activations_by_kind) {
+    activations = checked_add(activations, bytes, "plan");
+    if (kind.rfind("head:", 0) == 0) head_activations += bytes;
+  }
+  // The second candidate moment: the last layer's MLP backward, after the head's
+  // activations are freed. The residual's gradient (C) is live, the MLP output's input
+  // (SwiGLU output / post-GELU) has been freed and its gradient allocated, and the
+  // activation's backward allocates the gradients of its inputs: LLaMA's dgate and dup
+  // (2F), GPT-2's d(pre-GELU) (4C). It wins when 2F (GPT-2: 2C) exceeds the head's
+  // logits and 2C more: small vocabularies, wide MLPs.
+  const int64_t mlp_backward = checked_product({BT, C + (c.is_llama() ? 2 * c.ffn_dim() : 4 * C), kFloat}, "plan");
 
   const int64_t loader = (in.val_loader ? 2 : 1) * 2 * BT * kFloat;
   // At the peak (the start of backward): dL/d(final norm output) is allocated while the
@@ -84,16 +123,32 @@ MemoryPlan plan_memory(const PlanInput& in) {
                 {"transient at the peak", transient},
                 // The loss (and, when scaled by 1/(N*D), its scaled copy): scalars.
                 {"loss", in.grad_accum * D > 1 ? 2 * kFloat : kFloat}};
-    // ZeRO-2/3 at the start of backward: the head's units (the final norm and the tied
+    // LLaMA's rotary frequencies, a model constant (D/2 floats).
+    if (c.is_llama()) rp.parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
+    // ZeRO-2/3 at the start of backward: the head's units (the final norm, and the tied
     // embedding, whose gradient is final only at the end of backward) have their gradient
     // staging buffers, whole units, reduce-scattered when complete.
-    if (in.zero >= 2)
-      rp.parts.emplace_back("gradient staging (embeddings and final norm, whole units)", padded(embed) + padded(final_norm));
-    // ZeRO-3 has gathered the same two units again for backward, and prefetched the last layer.
+    const int64_t head_units = padded(final_norm) + (c.tie_embeddings ? padded(embed) : 0);
+    const std::string head_names = c.tie_embeddings ? "embeddings and final norm" : "final norm and head";
+    if (in.zero >= 2) rp.parts.emplace_back("gradient staging (" + head_names + ", whole units)", head_units);
+    // ZeRO-3 has gathered the same units again for backward, and prefetched the last layer.
     if (in.zero == 3)
-      rp.parts.emplace_back("gathered units (embeddings, final norm, last layer prefetched)",
-                            padded(embed) + padded(final_norm) + padded(last_layer));
+      rp.parts.emplace_back("gathered units (" + head_names + ", last layer prefetched)", head_units + padded(last_layer));
     for (const auto& [name, bytes] : rp.parts) rp.predicted_peak_bytes += bytes;
+    // The last layer's MLP backward (zero <= 1, where nothing else changes in backward).
+    const int64_t at_mlp = rp.predicted_peak_bytes - activations - transient + (activations - head_activations) +
+                           mlp_backward;
+    if (at_mlp > rp.predicted_peak_bytes && in.zero <= 1) {
+      rp.parts[3] = {"activations (one microbatch, the layers'; the head's are freed)", activations - head_activations};
+      rp.parts[5] = {std::string("transient at the peak (the last layer's MLP backward: the residual's gradient, ") +
+                         (c.is_llama() ? "dgate and dup)" : "d(pre-GELU))"),
+                     mlp_backward};
+      rp.predicted_peak_bytes = at_mlp;
+    } else if (at_mlp > rp.predicted_peak_bytes && in.zero >= 2 && r == 0) {
+      plan.notes.push_back("ZeRO-" + std::to_string(in.zero) +
+                           ": the last layer's MLP backward holds more activation memory than the start of backward "
+                           "(a small vocabulary or a wide MLP); the peak may come there, and be higher");
+    }
     // ZeRO-1/2's other candidate: the optimizer step all-gathers each unit's parameters
     // through a send piece (c) and a receive buffer (D*c) while only the model states and
     // the loader live. With few activations (a small microbatch) that moment is the peak.
@@ -102,6 +157,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
       for (int64_t n : units) largest_piece = std::max(largest_piece, (n + D - 1) / D);
       std::vector<std::pair<std::string, int64_t>> step_parts(rp.parts.begin(), rp.parts.begin() + 3);
       step_parts.emplace_back("loader buffers", loader);
+      if (c.is_llama()) step_parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
       step_parts.emplace_back("all-gather of the largest unit in the optimizer step (send piece, receive buffer)",
                               (1 + D) * largest_piece * kFloat);
       int64_t at_step = 0;

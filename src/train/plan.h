@@ -19,6 +19,11 @@
 // attention's log-sum-exp (H per token), the MLP's pre-GELU and post-GELU (8C):
 // 16C + 4 + H. The head saves the last residual and the final norm's output (2C), its
 // mean and rstd (2), the logits (Vp) and the cross-entropy's log-sum-exp (1).
+// A LLaMA layer: x and the middle residual (2C), the RMSNorm outputs (2C) and rstd (2),
+// q and k after rotary and v (C + 2 KV D), the attention output (C) and log-sum-exp (H),
+// the MLP's gate, up and SwiGLU output (3F): 6C + 2 KV D + 3F + H + 2. Its head saves
+// the final RMSNorm's rstd (1) where GPT-2's saves mean and rstd; a model constant, the
+// rotary frequencies (D/2), is counted beside the parameters.
 //
 // ZeRO-2 and -3 shard gradients (and, in stage 3, parameters) and add, at the start of
 // backward, the gradient staging of the head's units (final norm and the tied embedding,
@@ -60,6 +65,9 @@ struct MemoryPlan {
 };
 
 MemoryPlan plan_memory(const PlanInput& input);
+// Parameters of a config (padded vocabulary rows included), from the same formulas.
+int64_t parameter_count(const nn::TransformerConfig& c);
+std::vector<int64_t> unit_numels(const nn::TransformerConfig& c);
 std::string plan_text(const MemoryPlan& plan, const PlanInput& input);
 // {"ranks": [{"rank": 0, "predicted_peak_bytes": N, "parts": {...}}, ...], "activations": {...}}
 std::string plan_json(const MemoryPlan& plan);

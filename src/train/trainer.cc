@@ -21,6 +21,7 @@
 #include "dist/world.h"
 #include "dist/zero.h"
 #include "io/checkpoint.h"
+#include "io/hf_files.h"
 #include "io/model_files.h"
 #include "memory/report.h"
 #include "nn/transformer.h"
@@ -131,8 +132,8 @@ std::string recipe_changes(const std::vector<std::pair<std::string, std::string>
 
 std::unique_ptr<nn::Transformer> build_model(const TrainConfig& c) {
   auto model = std::make_unique<nn::Transformer>(model_config(c.model, c.model_file, c.init_from));
-  if (!c.model_file.empty()) io::load_llmc_gpt2(c.model_file, *model);
-  else if (!c.init_from.empty()) io::load_hf_gpt2(c.init_from, *model);
+  if (!c.model_file.empty()) io::load_llmc(c.model_file, *model);
+  else if (!c.init_from.empty()) io::load_hf(c.init_from, *model);
   else model->init_weights(c.seed);
   return model;
 }
@@ -224,8 +225,8 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
 }
 
 nn::TransformerConfig model_config(const std::string& preset, const std::string& model_file, const std::string& init_from) {
-  if (!model_file.empty()) return io::read_llmc_gpt2_config(model_file);
-  if (!init_from.empty()) return io::read_hf_gpt2_config(init_from);
+  if (!model_file.empty()) return io::read_llmc_config(model_file);
+  if (!init_from.empty()) return io::read_hf_config(init_from);
   return nn::TransformerConfig::preset(preset);
 }
 

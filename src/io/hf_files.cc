@@ -1,0 +1,405 @@
+#include "io/hf_files.h"
+
+#include <filesystem>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "autograd/grad_mode.h"
+#include "io/atomic_file.h"
+#include "io/safetensors.h"
+
+namespace tally::io {
+
+namespace {
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// Where a model's pieces are: its config.json (empty when there is none) and its
+// safetensors files.
+struct HfSource {
+  std::string config_path;
+  std::vector<std::string> shards;
+};
+
+HfSource locate(const std::string& path) {
+  HfSource src;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    const fs::path dir(path);
+    if (fs::exists(dir / "config.json")) src.config_path = (dir / "config.json").string();
+    const fs::path index = dir / "model.safetensors.index.json";
+    if (fs::exists(index)) {
+      json j;
+      try {
+        j = json::parse(read_file(index.string()));
+      } catch (const json::exception& e) {
+        TALLY_FAIL("HuggingFace index '", index.string(), "' is not valid JSON: ", e.what());
+      }
+      TALLY_CHECK(j.contains("weight_map") && j["weight_map"].is_object(), "HuggingFace index '", index.string(),
+                  "' has no weight_map object");
+      std::set<std::string> files;
+      for (auto& [name, file] : j["weight_map"].items()) {
+        TALLY_CHECK(file.is_string() && file.get<std::string>().find('/') == std::string::npos, "HuggingFace index '",
+                    index.string(), "': tensor '", name, "' maps to ", file.dump(), ", expected a file name beside it");
+        files.insert(file.get<std::string>());
+      }
+      for (const std::string& f : files) src.shards.push_back((dir / f).string());
+    } else if (fs::exists(dir / "model.safetensors")) {
+      src.shards.push_back((dir / "model.safetensors").string());
+    }
+    TALLY_CHECK(!src.shards.empty(), "HuggingFace model directory '", path,
+                "' has neither model.safetensors nor model.safetensors.index.json");
+  } else {
+    TALLY_CHECK(fs::is_regular_file(path, ec), "HuggingFace model '", path,
+                "' does not exist (expected a model directory or a model.safetensors file)");
+    const fs::path beside = fs::path(path).parent_path() / "config.json";
+    if (fs::exists(beside)) src.config_path = beside.string();
+    src.shards.push_back(path);
+  }
+  return src;
+}
+
+json read_config(const std::string& path) {
+  try {
+    json j = json::parse(read_file(path));
+    TALLY_CHECK(j.is_object(), "HuggingFace config '", path, "' is not a JSON object");
+    return j;
+  } catch (const json::exception& e) {
+    TALLY_FAIL("HuggingFace config '", path, "' is not valid JSON: ", e.what());
+  }
+}
+
+// A numeric field of config.json; `fallback` when absent (NaN: required).
+double number(const json& j, const char* key, const std::string& path, double fallback = NAN) {
+  if (!j.contains(key) || j[key].is_null()) {
+    TALLY_CHECK(!std::isnan(fallback), "HuggingFace config '", path, "' lacks \"", key, "\"");
+    return fallback;
+  }
+  TALLY_CHECK(j[key].is_number(), "HuggingFace config '", path, "': \"", key, "\" is ", j[key].dump(), ", expected a number");
+  return j[key].get<double>();
+}
+int64_t integer(const json& j, const char* key, const std::string& path, double fallback = NAN) {
+  const double v = number(j, key, path, fallback);
+  TALLY_CHECK(v == std::floor(v) && v >= 0 && v < 1e12, "HuggingFace config '", path, "': \"", key, "\" is ", v,
+              ", expected a non-negative integer");
+  return static_cast<int64_t>(v);
+}
+
+std::string model_type(const HfSource& src) {
+  if (src.config_path.empty()) return "gpt2";  // a bare GPT-2 model.safetensors
+  json j = read_config(src.config_path);
+  TALLY_CHECK(j.contains("model_type") && j["model_type"].is_string(), "HuggingFace config '", src.config_path,
+              "' has no \"model_type\"");
+  const std::string type = j["model_type"].get<std::string>();
+  TALLY_CHECK(type == "gpt2" || type == "llama", "HuggingFace config '", src.config_path, "': model_type '", type,
+              "' is not supported (expected gpt2 or llama)");
+  return type;
+}
+
+// Meta's (multiple_of, ffn_dim_multiplier) for a width, for llm.c's header: the first
+// usual pair that reproduces it, else the width itself as multiple_of.
+void ffn_rounding(nn::TransformerConfig& c) {
+  for (double multiplier : {0.0, 1.0, 1.3, 1.5, 2.0})
+    for (int64_t multiple : {1024, 512, 256, 128, 64, 32, 16, 8})
+      if (nn::llama_ffn_hidden(c.n_embd, multiple, multiplier) == c.ffn_hidden) {
+        c.multiple_of = multiple;
+        c.ffn_dim_multiplier = multiplier;
+        return;
+      }
+  c.multiple_of = c.ffn_hidden;
+  c.ffn_dim_multiplier = 0;
+}
+
+nn::TransformerConfig llama_config(const std::string& path) {
+  json j = read_config(path);
+  nn::TransformerConfig c;
+  c.family = nn::TransformerConfig::Family::Llama3;
+  c.n_embd = integer(j, "hidden_size", path);
+  c.ffn_hidden = integer(j, "intermediate_size", path);
+  c.n_layer = integer(j, "num_hidden_layers", path);
+  c.n_head = integer(j, "num_attention_heads", path);
+  c.n_kv_head = integer(j, "num_key_value_heads", path, static_cast<double>(c.n_head));
+  c.vocab_size = integer(j, "vocab_size", path);
+  c.padded_vocab_size = (c.vocab_size + 127) / 128 * 128;
+  c.max_seq_len = integer(j, "max_position_embeddings", path);
+  c.norm_eps = number(j, "rms_norm_eps", path, 1e-6);
+  c.rope_theta = number(j, "rope_theta", path, 10000.0);
+  c.tie_embeddings = j.contains("tie_word_embeddings") && j["tie_word_embeddings"].is_boolean() &&
+                     j["tie_word_embeddings"].get<bool>();
+  TALLY_CHECK(c.n_head > 0 && c.n_embd % c.n_head == 0, "HuggingFace config '", path, "': ", c.n_head,
+              " heads do not divide hidden_size ", c.n_embd);
+  if (j.contains("head_dim") && !j["head_dim"].is_null())
+    TALLY_CHECK(integer(j, "head_dim", path) == c.n_embd / c.n_head, "HuggingFace config '", path, "': head_dim ",
+                j["head_dim"].dump(), " differs from hidden_size / num_attention_heads = ", c.n_embd / c.n_head,
+                " (tally's model has one head width)");
+  for (const char* bias : {"attention_bias", "mlp_bias"})
+    TALLY_CHECK(!j.contains(bias) || !j[bias].is_boolean() || !j[bias].get<bool>(), "HuggingFace config '", path,
+                "': ", bias, " is true; LLaMA-3 has no biases and tally's model none");
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+    const json& r = j["rope_scaling"];
+    const std::string type = r.contains("rope_type") ? r["rope_type"].get<std::string>()
+                             : r.contains("type")    ? r["type"].get<std::string>()
+                                                     : "";
+    TALLY_CHECK(type == "llama3", "HuggingFace config '", path, "': rope_scaling type '", type,
+                "' is not supported (LLaMA-3.1's \"llama3\" is)");
+    c.rope_factor = number(r, "factor", path);
+    c.rope_low_freq_factor = number(r, "low_freq_factor", path);
+    c.rope_high_freq_factor = number(r, "high_freq_factor", path);
+    c.rope_original_max_position = integer(r, "original_max_position_embeddings", path);
+  }
+  ffn_rounding(c);
+  c.validate();
+  return c;
+}
+
+nn::TransformerConfig gpt2_config(const HfSource& src) {
+  SafetensorsFile f = read_safetensors(src.shards.at(0), Category::Other);
+  auto key = [&](const std::string& name) {
+    if (f.has(name)) return name;
+    if (f.has("transformer." + name)) return "transformer." + name;
+    TALLY_FAIL("HuggingFace GPT-2 file '", f.path, "': missing tensor '", name, "'");
+  };
+  const Tensor& wte = f.at(key("wte.weight"));
+  const Tensor& wpe = f.at(key("wpe.weight"));
+  TALLY_CHECK(wte.dim() == 2 && wpe.dim() == 2 && wte.shape()[1] == wpe.shape()[1], "HuggingFace GPT-2 file '",
+              f.path, "': wte.weight ", shape_str(wte.shape()), " and wpe.weight ", shape_str(wpe.shape()),
+              " must be 2-D with the same width");
+  nn::TransformerConfig c;
+  c.vocab_size = wte.shape()[0];
+  c.padded_vocab_size = (c.vocab_size + 127) / 128 * 128;
+  c.n_embd = wte.shape()[1];
+  c.max_seq_len = wpe.shape()[0];
+  int64_t L = 0;
+  while (f.has("h." + std::to_string(L) + ".ln_1.weight") || f.has("transformer.h." + std::to_string(L) + ".ln_1.weight")) ++L;
+  TALLY_CHECK(L > 0, "HuggingFace GPT-2 file '", f.path, "': no layers (h.0.ln_1.weight) found");
+  c.n_layer = L;
+  // The head count is not in the weights: config.json's n_head, the file's n_head
+  // metadata, or GPT-2's 64-wide heads (true of gpt2, -medium, -large and -xl).
+  auto it = f.metadata.find("n_head");
+  if (!src.config_path.empty()) {
+    c.n_head = integer(read_config(src.config_path), "n_head", src.config_path);
+  } else if (it != f.metadata.end()) {
+    try {
+      c.n_head = std::stoll(it->second);
+    } catch (const std::exception&) {
+      TALLY_FAIL("HuggingFace GPT-2 file '", f.path, "': metadata n_head '", it->second, "' is not a number");
+    }
+  } else {
+    TALLY_CHECK(c.n_embd % 64 == 0, "HuggingFace GPT-2 file '", f.path, "': width ", c.n_embd,
+                " is not a multiple of GPT-2's 64-wide heads and the file has no n_head metadata");
+    c.n_head = c.n_embd / 64;
+  }
+  TALLY_CHECK(c.n_head > 0 && c.n_embd % c.n_head == 0, "HuggingFace GPT-2 file '", f.path, "': ", c.n_head,
+              " heads do not divide the width ", c.n_embd);
+  c.n_kv_head = c.n_head;
+  return c;
+}
+
+void require_float(const Tensor& src, const std::string& file, const std::string& name) {
+  // Integer tensors would be converted value by value into weights: refuse them.
+  TALLY_CHECK(src.dtype() == DType::F32 || src.dtype() == DType::BF16 || src.dtype() == DType::F64, "'", file, "': ",
+              name, " is ", dtype_name(src.dtype()), ", expected a float weight (F32, BF16 or F64)");
+}
+
+void require_shape(const Tensor& src, const Shape& want, const std::string& file, const std::string& name) {
+  TALLY_CHECK(src.shape() == want, "'", file, "': ", name, " is ", shape_str(src.shape()), ", expected ",
+              shape_str(want));
+}
+
+// What one HF LLaMA tensor becomes: rows [row0, row0 + rows) of parameter `param`, with
+// HF's rotary permutation over `heads` heads undone (heads 0: no permutation).
+struct LlamaTarget {
+  size_t param;
+  int64_t row0, rows;
+  int64_t heads = 0;
+};
+
+std::map<std::string, LlamaTarget> llama_targets(const nn::Transformer& model) {
+  const auto& c = model.config();
+  const auto& p = model.params();
+  const int64_t C = c.n_embd, KVD = c.kv_dim(), V = c.vocab_size, F = c.ffn_dim();
+  std::map<std::string, LlamaTarget> t;
+  t["model.embed_tokens.weight"] = {p.index_of("wte"), 0, V};
+  if (!c.tie_embeddings) t["lm_head.weight"] = {p.index_of("lm_head"), 0, V};
+  t["model.norm.weight"] = {p.index_of("ln_f.weight"), 0, C};
+  for (int64_t l = 0; l < c.n_layer; ++l) {
+    const std::string hf = "model.layers." + std::to_string(l) + ".", h = "h." + std::to_string(l) + ".";
+    const size_t qkv = p.index_of(h + "attn.c_attn.weight");
+    t[hf + "input_layernorm.weight"] = {p.index_of(h + "ln_1.weight"), 0, C};
+    t[hf + "self_attn.q_proj.weight"] = {qkv, 0, C, c.n_head};
+    t[hf + "self_attn.k_proj.weight"] = {qkv, C, KVD, c.n_kv_head};
+    t[hf + "self_attn.v_proj.weight"] = {qkv, C + KVD, KVD};
+    t[hf + "self_attn.o_proj.weight"] = {p.index_of(h + "attn.c_proj.weight"), 0, C};
+    t[hf + "post_attention_layernorm.weight"] = {p.index_of(h + "ln_2.weight"), 0, C};
+    t[hf + "mlp.gate_proj.weight"] = {p.index_of(h + "mlp.c_fc2.weight"), 0, F};
+    t[hf + "mlp.up_proj.weight"] = {p.index_of(h + "mlp.c_fc.weight"), 0, F};
+    t[hf + "mlp.down_proj.weight"] = {p.index_of(h + "mlp.c_proj.weight"), 0, C};
+  }
+  return t;
+}
+
+// The rows of `rows_view` (heads * D, C) in Meta's order read from HF's: head h's row
+// 2i + r is HF's row r * D/2 + i.
+Tensor meta_rows_from_hf(const Tensor& hf, int64_t heads) {
+  const int64_t rows = hf.shape()[0], cols = hf.shape()[1], half = rows / heads / 2;
+  return hf.view({heads, 2, half, cols}).transpose(1, 2).reshape({rows, cols});
+}
+Tensor hf_rows_from_meta(const Tensor& meta, int64_t heads) {
+  const int64_t rows = meta.shape()[0], cols = meta.shape()[1], half = rows / heads / 2;
+  return meta.view({heads, half, 2, cols}).transpose(1, 2).reshape({rows, cols});
+}
+
+void load_llama(const HfSource& src, nn::Transformer& model) {
+  const auto& c = model.config();
+  const auto targets = llama_targets(model);
+  std::set<std::string> loaded;
+  for (const std::string& shard : src.shards) {
+    SafetensorsFile f = read_safetensors(shard, Category::Other);
+    for (const std::string& name : f.order) {
+      auto it = targets.find(name);
+      if (it == targets.end()) {
+        // Old exports carry the rotary frequencies as a buffer; a tied model may still
+        // store its head. Anything else is a tensor this config does not explain.
+        if (name.find("rotary_emb.inv_freq") != std::string::npos || (name == "lm_head.weight" && c.tie_embeddings))
+          continue;
+        TALLY_FAIL("HuggingFace LLaMA file '", shard, "': unexpected tensor '", name, "' for ", c.describe(),
+                   " (config.json and the weights disagree)");
+      }
+      const Tensor& in = f.at(name);
+      require_float(in, shard, name);
+      const LlamaTarget& t = it->second;
+      const Tensor& param = model.params()[t.param];
+      Shape want = param.shape();
+      want[0] = t.rows;
+      require_shape(in, want, shard, name);
+      Tensor rows = param.slice(0, t.row0, t.row0 + t.rows).detach();
+      rows.copy_(t.heads ? meta_rows_from_hf(in, t.heads) : in);
+      param.storage().bump_version();
+      loaded.insert(name);
+    }
+  }
+  for (const auto& [name, t] : targets)
+    TALLY_CHECK(loaded.count(name), "HuggingFace LLaMA model (", src.shards.front(), "...): tensor '", name,
+                "' is missing");
+}
+
+void load_gpt2(const HfSource& src, nn::Transformer& model) {
+  TALLY_CHECK(src.shards.size() == 1, "HuggingFace GPT-2: sharded files are not supported (", src.shards.size(),
+              " shards)");
+  const std::string& path = src.shards[0];
+  SafetensorsFile f = read_safetensors(path, Category::Other);
+  auto& params = model.params();
+  const auto& c = model.config();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string& name = params.spec(i).name;
+    const Tensor& dst = params[i];
+    const std::string hf_name = (name == "wte" || name == "wpe") ? name + ".weight" : name;
+    const std::string key = f.has(hf_name) ? hf_name : "transformer." + hf_name;
+    TALLY_CHECK(f.has(key), "HuggingFace GPT-2 file '", path, "': missing tensor '", hf_name, "'");
+    const Tensor& src_t = f.at(key);
+    require_float(src_t, path, hf_name);
+    bool conv1d = name.find(".weight") != std::string::npos && name.find("ln_") == std::string::npos && name != "wte" &&
+                  name.rfind("h.", 0) == 0;
+    if (name == "wte") {
+      require_shape(src_t, {c.vocab_size, c.n_embd}, path, "wte.weight");
+      dst.zero_();
+      dst.slice(0, 0, c.vocab_size).detach().copy_(src_t);
+    } else if (conv1d) {
+      require_shape(src_t, {dst.shape()[1], dst.shape()[0]}, path, name + " (Conv1D layout: in, out)");
+      dst.copy_(src_t.transpose(0, 1));
+    } else {
+      require_shape(src_t, dst.shape(), path, name);
+      dst.copy_(src_t);
+    }
+  }
+}
+}  // namespace
+
+nn::TransformerConfig read_hf_config(const std::string& path) {
+  HfSource src = locate(path);
+  return model_type(src) == "llama" ? llama_config(src.config_path) : gpt2_config(src);
+}
+
+void load_hf(const std::string& path, nn::Transformer& model) {
+  HfSource src = locate(path);
+  const bool llama = model_type(src) == "llama";
+  TALLY_CHECK(llama == model.config().is_llama(), "HuggingFace model '", path, "' is ", llama ? "llama" : "gpt2",
+              " but the model is ", model.config().describe());
+  autograd::NoGradGuard no_grad;
+  llama ? load_llama(src, model) : load_gpt2(src, model);
+}
+
+void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
+  const auto& c = model.config();
+  const auto& p = model.params();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  TALLY_CHECK(fs::is_directory(dir), "export: cannot create the directory '", dir, "'", ec ? ": " + ec.message() : "");
+  autograd::NoGradGuard no_grad;
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  auto add = [&](const std::string& name, const Tensor& t) {
+    tensors.emplace_back(name, bf16 ? t.to(DType::BF16) : t.contiguous());
+  };
+  json config;
+  if (c.is_llama()) {
+    // The inverse of load_llama, tensor for tensor.
+    for (const auto& [name, t] : llama_targets(model)) {
+      Tensor rows = p[t.param].slice(0, t.row0, t.row0 + t.rows).detach();
+      add(name, t.heads ? hf_rows_from_meta(rows, t.heads) : rows);
+    }
+    config = {{"architectures", {"LlamaForCausalLM"}},
+              {"model_type", "llama"},
+              {"hidden_act", "silu"},
+              {"hidden_size", c.n_embd},
+              {"intermediate_size", c.ffn_hidden},
+              {"num_attention_heads", c.n_head},
+              {"num_key_value_heads", c.n_kv_head},
+              {"num_hidden_layers", c.n_layer},
+              {"head_dim", c.head_dim()},
+              {"vocab_size", c.vocab_size},
+              {"max_position_embeddings", c.max_seq_len},
+              {"rms_norm_eps", c.norm_eps},
+              {"rope_theta", c.rope_theta},
+              {"rope_scaling", nullptr},
+              {"tie_word_embeddings", c.tie_embeddings},
+              {"attention_bias", false},
+              {"mlp_bias", false},
+              {"torch_dtype", bf16 ? "bfloat16" : "float32"}};
+    if (c.rope_factor > 0)
+      config["rope_scaling"] = {{"rope_type", "llama3"},
+                                {"factor", c.rope_factor},
+                                {"low_freq_factor", c.rope_low_freq_factor},
+                                {"high_freq_factor", c.rope_high_freq_factor},
+                                {"original_max_position_embeddings", c.rope_original_max_position}};
+  } else {
+    for (size_t i = 0; i < p.size(); ++i) {
+      const std::string& name = p.spec(i).name;
+      Tensor t = p[i].detach();
+      if (name == "wte") t = t.slice(0, 0, c.vocab_size);
+      const bool conv1d = name.rfind("h.", 0) == 0 && name.find(".weight") != std::string::npos &&
+                          name.find("ln_") == std::string::npos;
+      add(name == "wte" || name == "wpe" ? name + ".weight" : name, conv1d ? t.transpose(0, 1) : t);
+    }
+    config = {{"architectures", {"GPT2LMHeadModel"}},
+              {"model_type", "gpt2"},
+              {"n_embd", c.n_embd},
+              {"n_layer", c.n_layer},
+              {"n_head", c.n_head},
+              {"n_positions", c.max_seq_len},
+              {"n_ctx", c.max_seq_len},
+              {"vocab_size", c.vocab_size},
+              {"layer_norm_epsilon", c.norm_eps},
+              {"activation_function", "gelu_new"},
+              {"tie_word_embeddings", true},
+              {"torch_dtype", bf16 ? "bfloat16" : "float32"}};
+  }
+  write_safetensors((fs::path(dir) / "model.safetensors").string(), tensors, {{"format", "pt"}});
+  const std::string text = config.dump(2) + "\n";
+  AtomicFile out((fs::path(dir) / "config.json").string());
+  out.write(text.data(), text.size());
+  out.commit();
+  sync_directory(dir);
+}
+
+}  // namespace tally::io

@@ -1,0 +1,267 @@
+// LLaMA-3 end to end against PyTorch (fixtures from scripts/gen_llama3_reference.py): the
+// model read from llm.c's LLaMA file, logits, loss and every gradient at step 0, 10 AdamW
+// steps, HuggingFace import (sharded, permuted q/k) and export, llm.c round trips, the
+// presets' sizes, and KV-cache decoding for both families.
+//
+// Tolerances as GPT-2's (test_gpt2.cc): both sides fp32 with different summation orders.
+// Logits are ~1e-1 here: 2e-5 absolute; each loss 1e-5 (the loss moves 7e-3 per step);
+// gradients relative to each tensor's largest entry, 1e-4.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "autograd/grad_mode.h"
+#include "io/hf_files.h"
+#include "io/model_files.h"
+#include "io/safetensors.h"
+#include "nn/transformer.h"
+#include "ops/ops.h"
+#include "optim/adamw.h"
+#include "support.h"
+#include "train/plan.h"
+
+using namespace tally;
+namespace fs = std::filesystem;
+
+namespace {
+const io::SafetensorsFile& ref() {
+  static io::SafetensorsFile f = io::read_safetensors(test::fixture_path("llama3_tiny_ref.safetensors"));
+  return f;
+}
+
+std::unique_ptr<nn::Transformer> tiny_llama() {
+  const std::string path = test::fixture_path("llama3_tiny.bin");
+  auto m = std::make_unique<nn::Transformer>(io::read_llmc_config(path));
+  io::load_llmc(path, *m);
+  return m;
+}
+
+// The llm.c-layout gradient `name` (stacked over layers, unpadded vocabulary rows).
+Tensor stacked_grad(const nn::Transformer& m, const std::string& name) {
+  for (const nn::LlmcTensor& t : m.llmc_tensors()) {
+    if (t.name != name) continue;
+    std::vector<Tensor> parts;
+    for (size_t i : t.params) {
+      Tensor g = m.params()[i].grad();
+      if (t.vocab_rows) g = g.slice(0, 0, m.config().vocab_size);
+      parts.push_back(g.reshape({-1}));
+    }
+    return ops::cat(parts, 0).reshape(t.shape);
+  }
+  ADD_FAILURE() << "no llm.c tensor " << name;
+  return Tensor();
+}
+
+std::vector<double> train_steps(nn::Transformer& m, optim::AdamWConfig ac, double lr, double clip) {
+  optim::AdamW opt(m.params(), ac);
+  std::vector<double> losses;
+  for (int i = 0; i < 10; ++i) {
+    Tensor loss = m.forward(ref().at("x"), ref().at("y")).loss;
+    losses.push_back(loss.item());
+    loss.backward();
+    opt.step(lr, optim::clip_scale(ops::global_norm({m.params().flat_grads()}), clip));
+    m.params().zero_grad();
+  }
+  return losses;
+}
+
+void expect_same_weights(const nn::Transformer& a, const nn::Transformer& b, double atol, const std::string& what) {
+  ASSERT_EQ(a.params().size(), b.params().size()) << what;
+  for (size_t i = 0; i < a.params().size(); ++i)
+    test::expect_close(a.params()[i], b.params()[i], 0, atol, what + ": " + a.params().spec(i).name);
+}
+}  // namespace
+
+TEST(LlamaFiles, LlmcFileFromTrainLlama3PyRecoversWhatItsHeaderTruncated) {
+  // train_llama3.py wrote ffn_dim_multiplier 1.3 as 1 and norm_eps 1e-5 as 0.
+  nn::TransformerConfig c = io::read_llmc_config(test::fixture_path("llama3_tiny.bin"));
+  EXPECT_TRUE(c.is_llama());
+  EXPECT_EQ(c.n_layer, 2);
+  EXPECT_EQ(c.n_head, 4);
+  EXPECT_EQ(c.n_kv_head, 2);
+  EXPECT_EQ(c.n_embd, 32);
+  EXPECT_EQ(c.ffn_hidden, 128) << "from the file size; the header's multiplier (1) would give 96";
+  EXPECT_EQ(nn::llama_ffn_hidden(32, 32, 1.0), 96);
+  EXPECT_EQ(c.vocab_size, 97);
+  EXPECT_EQ(c.padded_vocab_size, 128);
+  EXPECT_DOUBLE_EQ(c.norm_eps, 1e-5);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
+  EXPECT_DOUBLE_EQ(c.rope_factor, 8.0);
+  EXPECT_FALSE(c.tie_embeddings);
+}
+
+TEST(LlamaModel, RotaryFrequenciesMatchMetasLlama31Scaling) {
+  auto m = tiny_llama();
+  // The fixture's frequencies fall in all three bands: kept, interpolated, divided by 8.
+  test::expect_close(m->inv_freq(), ref().at("inv_freq"), 1e-6, 0, "inv_freq");
+}
+
+TEST(LlamaParity, LogitsLossAndEveryGradientMatchPyTorchAtStepZero) {
+  auto m = tiny_llama();
+  auto r = m->forward(ref().at("x"), ref().at("y"), true);
+  const int64_t V = m->config().vocab_size;
+  test::expect_close(r.logits.slice(2, 0, V).contiguous(), ref().at("logits"), 0, 2e-5, "logits");
+  // The padded columns' head rows are zero, so their logits are exactly zero.
+  EXPECT_EQ(test::compare(r.logits.slice(2, V, m->config().padded_vocab_size).contiguous(),
+                          Tensor::zeros({4, 16, m->config().padded_vocab_size - V}))
+                .max_abs,
+            0.0);
+  EXPECT_NEAR(r.loss.item(), ref().at("loss").item(), 1e-5);
+  r.logits = Tensor();
+  r.loss.backward();
+  for (auto& [name, shape] : nn::llmc_tensor_layout(m->config())) {
+    test::Diff d = test::compare(stacked_grad(*m, name), ref().at("grad." + name));
+    EXPECT_LT(d.max_abs / std::max(d.ref_scale, 1e-30), 1e-4) << "gradient of " << name;
+  }
+}
+
+TEST(LlamaParity, TenAdamWStepsMatchPyTorchLosses) {
+  auto m = tiny_llama();
+  auto losses = train_steps(*m, {0.9, 0.999, 1e-8, 0.01, /*decay_all=*/true}, 1e-4, 0);
+  auto expected = ref().at("losses").to_vector<double>();
+  for (int i = 0; i < 10; ++i) EXPECT_NEAR(losses[i], expected[i], 1e-5) << "step " << i;
+}
+
+TEST(LlamaParity, DecayOn2dWeightsAndClippingMatchPyTorch) {
+  auto m = tiny_llama();
+  auto losses = train_steps(*m, {0.9, 0.95, 1e-8, 0.1, /*decay_all=*/false}, 3e-4, 1.0);
+  auto expected = ref().at("losses_wd2d").to_vector<double>();
+  for (int i = 0; i < 10; ++i) EXPECT_NEAR(losses[i], expected[i], 1e-5) << "step " << i;
+}
+
+TEST(LlamaFiles, HuggingFaceShardedImportEqualsTheLlmcFile) {
+  const std::string dir = test::fixture_path("llama3_tiny_hf");
+  nn::TransformerConfig c = io::read_hf_config(dir);
+  nn::TransformerConfig from_llmc = tiny_llama()->config();
+  EXPECT_EQ(c.describe(), from_llmc.describe());
+  EXPECT_EQ(c.ffn_hidden, 128);
+  EXPECT_DOUBLE_EQ(c.rope_factor, 8.0);
+  EXPECT_EQ(c.rope_original_max_position, 8192);
+  nn::Transformer h(c);
+  io::load_hf(dir, h);
+  expect_same_weights(h, *tiny_llama(), 0, "HF import");
+}
+
+TEST(LlamaFiles, HuggingFaceExportIsHfsLayoutAndRoundTripsBitExactly) {
+  auto m = tiny_llama();
+  const std::string out = test::temp_path("hf_export");
+  io::save_hf(out, *m);
+  // Tensor for tensor what HuggingFace's own conversion wrote (permuted q/k included).
+  io::SafetensorsFile mine = io::read_safetensors(out + "/model.safetensors");
+  size_t compared = 0;
+  for (const char* shard : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}) {
+    io::SafetensorsFile theirs = io::read_safetensors(test::fixture_path(std::string("llama3_tiny_hf/") + shard));
+    for (const std::string& name : theirs.order) {
+      test::expect_close(mine.at(name), theirs.at(name), 0, 0, name);
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, mine.order.size());
+  nn::Transformer back(io::read_hf_config(out));
+  io::load_hf(out, back);
+  expect_same_weights(back, *m, 0, "fp32 round trip");
+  // bf16: the weights rounded once, and a second round trip changes nothing.
+  const std::string out16 = test::temp_path("hf_export_bf16");
+  io::save_hf(out16, *m, true);
+  nn::Transformer b16(io::read_hf_config(out16));
+  io::load_hf(out16, b16);
+  for (size_t i = 0; i < m->params().size(); ++i)
+    test::expect_close(b16.params()[i], m->params()[i].to(DType::BF16).to(DType::F32), 0, 0, "bf16 export");
+}
+
+TEST(LlamaFiles, LlmcRoundTripKeepsTheExactConfigTiedHeadIncluded) {
+  auto m = tiny_llama();
+  const std::string p = test::temp_path("llama.bin");
+  io::save_llmc(p, *m);
+  nn::Transformer back(io::read_llmc_config(p));
+  io::load_llmc(p, back);
+  EXPECT_EQ(back.config().describe(), m->config().describe());
+  expect_same_weights(back, *m, 0, "llm.c round trip");
+
+  nn::TransformerConfig tied = m->config();
+  tied.tie_embeddings = true;
+  tied.rope_factor = 32;  // 3.2's factor, which train_llama3.py's header cannot say
+  tied.norm_eps = 1e-6;
+  nn::Transformer t(tied);
+  t.init_weights(5);
+  io::save_llmc(p, t);
+  nn::TransformerConfig read = io::read_llmc_config(p);
+  EXPECT_TRUE(read.tie_embeddings);
+  EXPECT_DOUBLE_EQ(read.rope_factor, 32.0);
+  EXPECT_DOUBLE_EQ(read.norm_eps, 1e-6);
+  nn::Transformer t2(read);
+  io::load_llmc(p, t2);
+  expect_same_weights(t2, t, 0, "tied round trip");
+}
+
+TEST(LlamaFiles, TruncatedOrForeignFilesFailNamingTheFile) {
+  const std::string bytes = test::read_all(test::fixture_path("llama3_tiny.bin"));
+  const std::string p = test::temp_path("bad.bin");
+  test::write_all(p, bytes.substr(0, bytes.size() - 4));
+  std::string msg = test::message_of<Error>([&] { io::read_llmc_config(p); });
+  EXPECT_NE(msg.find(p), std::string::npos) << msg;
+  EXPECT_NE(msg.find("no FFN width fits"), std::string::npos) << msg;
+  // A config.json naming another model type.
+  const std::string dir = test::temp_path("hf_other");
+  fs::create_directories(dir);
+  test::write_all(dir + "/config.json", R"({"model_type": "mistral"})");
+  test::write_all(dir + "/model.safetensors", "");
+  msg = test::message_of<Error>([&] { io::read_hf_config(dir); });
+  EXPECT_NE(msg.find("mistral"), std::string::npos) << msg;
+}
+
+TEST(LlamaModel, PresetsHaveMetasParameterCounts) {
+  // HuggingFace's published counts (tied embeddings for 3.2 1B and 3B, untied for 3.1 8B),
+  // from the plan's formulas, with no model memory allocated.
+  const std::pair<const char*, int64_t> published[] = {
+      {"llama3.2-1b", 1235814400}, {"llama3.2-3b", 3212749824}, {"llama3.1-8b", 8030261248}};
+  for (auto& [name, count] : published) {
+    nn::TransformerConfig c = nn::TransformerConfig::preset(name);
+    EXPECT_EQ(train::parameter_count(c), count) << name;
+  }
+  EXPECT_EQ(nn::TransformerConfig::preset("llama3.1-8b").ffn_hidden, 14336);
+  EXPECT_EQ(nn::TransformerConfig::preset("llama3.2-1b").ffn_hidden, 8192);
+  // And the formula agrees with a built model.
+  nn::Transformer small(nn::TransformerConfig::preset("llama3-d2"));
+  EXPECT_EQ(train::parameter_count(small.config()), small.num_parameters());
+  EXPECT_EQ(train::parameter_count(tiny_llama()->config()), tiny_llama()->num_parameters());
+}
+
+namespace {
+// Decodes `tokens` one at a time through a KV cache after a prompt of `prompt` tokens and
+// compares every position's logits with one full forward.
+void expect_cached_decoding_matches_full_forward(const nn::Transformer& m, const Tensor& tokens, int64_t prompt) {
+  autograd::InferenceModeGuard inference;
+  const int64_t B = tokens.shape()[0], T = tokens.shape()[1];
+  Tensor full = m.forward(tokens, Tensor(), true).logits;
+  nn::KvCache cache = m.make_kv_cache(B, T);
+  std::vector<Tensor> pieces{m.forward(tokens.slice(1, 0, prompt).contiguous(), Tensor(), true, &cache).logits};
+  for (int64_t t = prompt; t < T; ++t)
+    pieces.push_back(m.forward(tokens.slice(1, t, t + 1).contiguous(), Tensor(), true, &cache).logits);
+  EXPECT_EQ(cache.length, T);
+  test::expect_close(ops::cat(pieces, 1), full, 0, 1e-5, "cached decoding");
+}
+}  // namespace
+
+TEST(KvCache, IncrementalDecodingEqualsAFullForwardForBothFamilies) {
+  Tensor tokens = ref().at("x").slice(0, 0, 2).contiguous();  // (2, 16)
+  expect_cached_decoding_matches_full_forward(*tiny_llama(), tokens, 5);
+  nn::Transformer gpt2(io::read_llmc_config(test::fixture_path("gpt2_tiny.bin")));
+  io::load_llmc(test::fixture_path("gpt2_tiny.bin"), gpt2);
+  expect_cached_decoding_matches_full_forward(gpt2, tokens, 1);
+}
+
+TEST(KvCache, RefusesGradientsAndOverflow) {
+  auto m = tiny_llama();
+  nn::KvCache cache = m->make_kv_cache(1, 4);
+  Tensor five = Tensor::from_vector<int32_t>({1, 2, 3, 4, 5}, {1, 5});
+  {
+    autograd::InferenceModeGuard inference;
+    EXPECT_NE(test::message_of<Error>([&] { m->forward(five, Tensor(), true, &cache); }).find("KV cache"),
+              std::string::npos);
+  }
+  EXPECT_NE(test::message_of<Error>([&] { m->forward(five.slice(1, 0, 1).contiguous(), Tensor(), true, &cache); })
+                .find("inference"),
+            std::string::npos);
+}
