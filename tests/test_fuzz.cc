@@ -165,7 +165,7 @@ TEST(Fuzz, TrainingStates) {
   fuzz("checkpoint recipe", recipe, dir + "/recipe.json", true, [&] { io::load_checkpoint_state(dir, model, adamw); });
 }
 
-TEST(Fuzz, Gpt2TokenizerFiles) {
+TEST(Fuzz, TokenizerFiles) {
   // A small real-format vocabulary: the 256 byte tokens, a few merges, <|endoftext|>.
   const std::string dir = test::temp_path("tok");
   fs::create_directories(dir);
@@ -174,7 +174,7 @@ TEST(Fuzz, Gpt2TokenizerFiles) {
   const std::string &encoder = files.encoder, &bpe = files.vocab;
   const std::string encoder_text = test::read_all(encoder), vocab = test::read_all(bpe);
   auto load_and_use = [&] {
-    data::Gpt2Tokenizer tok = data::Gpt2Tokenizer::load(encoder, bpe);
+    data::Tokenizer tok = data::Tokenizer::load(encoder, bpe);
     const auto ids = tok.encode("the one on the thin line");
     (void)tok.decode(ids);
   };
@@ -198,7 +198,7 @@ TEST(Fuzz, LlmcTokenizerFiles) {
   }
   const std::string path = test::temp_path("tokenizer.bin");
   fuzz("llm.c tokenizer", file, path, false, [&] {
-    data::Gpt2Tokenizer tok = data::Gpt2Tokenizer::load_llmc(path);
+    data::Tokenizer tok = data::Tokenizer::load_llmc(path);
     std::vector<int32_t> ids;
     for (int i = 0; i < tok.vocab_size(); i += 7) ids.push_back(i);
     (void)tok.decode(ids);

@@ -103,7 +103,7 @@ TEST(Hardening, LlmcTokenizerWithAHugeVocabularyIsRefusedBeforeAllocating) {
   // 2^31 - 1 tokens announced in a file of 1034 bytes: unchecked, this allocated tens of GiB.
   const std::string path = test::temp_path("huge_vocab_tokenizer.bin");
   test::write_all(path, int32s({20240328, 1, std::numeric_limits<int32_t>::max()}, 256) + std::string(10, '\1'));
-  const std::string msg = message_of<Error>([&] { data::Gpt2Tokenizer::load_llmc(path); });
+  const std::string msg = message_of<Error>([&] { data::Tokenizer::load_llmc(path); });
   EXPECT_NE(msg.find("hold at most 5"), std::string::npos) << msg;
 }
 
@@ -144,9 +144,9 @@ TEST(Hardening, ATruncatedVocabBpeIsRefusedNamingATokenNoMergeMakes) {
   // Encoder: the 256 byte tokens, "ab" and "abc", and <|endoftext|>; then the merges file
   // loses its last line ("ab c").
   test::write_tiny_gpt2_tokenizer(dir, {{"a", "b"}, {"ab", "c"}});
-  EXPECT_NO_THROW(data::Gpt2Tokenizer::load(dir + "/encoder.json", dir + "/vocab.bpe"));
+  EXPECT_NO_THROW(data::Tokenizer::load(dir + "/encoder.json", dir + "/vocab.bpe"));
   test::write_all(dir + "/vocab.bpe", "#version: 0.2\na b\n");
-  const std::string msg = message_of<Error>([&] { data::Gpt2Tokenizer::load(dir + "/encoder.json", dir + "/vocab.bpe"); });
+  const std::string msg = message_of<Error>([&] { data::Tokenizer::load(dir + "/encoder.json", dir + "/vocab.bpe"); });
   EXPECT_NE(msg.find("1 merges make 1 of encoder.json's 2 merged tokens"), std::string::npos) << msg;
   EXPECT_NE(msg.find("\"abc\""), std::string::npos) << msg;
 }

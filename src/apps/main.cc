@@ -27,9 +27,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-data::Gpt2Tokenizer load_tokenizer(const std::string& dir) {
-  if (fs::is_regular_file(dir)) return data::Gpt2Tokenizer::load_llmc(dir);
-  return data::Gpt2Tokenizer::load((fs::path(dir) / "encoder.json").string(), (fs::path(dir) / "vocab.bpe").string());
+data::Tokenizer load_tokenizer(const std::string& dir) {
+  if (fs::is_regular_file(dir)) return data::Tokenizer::load_llmc(dir);
+  return data::Tokenizer::load((fs::path(dir) / "encoder.json").string(), (fs::path(dir) / "vocab.bpe").string());
 }
 
 void add_train(CLI::App& app, train::TrainConfig& c) {
@@ -119,8 +119,8 @@ int run_sample(const SampleArgs& a) {
   nn::Transformer model(io::read_llmc_config(model_file));
   io::load_llmc(model_file, model);
   std::vector<int32_t> prompt;
-  std::unique_ptr<data::Gpt2Tokenizer> tok;
-  if (!a.tokenizer.empty()) tok = std::make_unique<data::Gpt2Tokenizer>(load_tokenizer(a.tokenizer));
+  std::unique_ptr<data::Tokenizer> tok;
+  if (!a.tokenizer.empty()) tok = std::make_unique<data::Tokenizer>(load_tokenizer(a.tokenizer));
   TALLY_CHECK(!tok || tok->vocab_size() <= model.config().vocab_size, "--tokenizer '", a.tokenizer, "' has ",
               tok ? tok->vocab_size() : 0, " tokens but the model '", model_file, "' only ", model.config().vocab_size,
               ": they do not belong together");
@@ -202,7 +202,7 @@ struct TokenizeArgs {
 // are shuffled first; the last documents holding --val-fraction of the tokens go to
 // <prefix>_val.bin, the rest to <prefix>_train.bin (a split never cuts a document).
 int run_tokenize(const TokenizeArgs& a) {
-  data::Gpt2Tokenizer tok = load_tokenizer(a.tokenizer);
+  data::Tokenizer tok = load_tokenizer(a.tokenizer);
   TALLY_CHECK(tok.can_encode(), "tokenize: --tokenizer must be a directory with encoder.json and vocab.bpe");
   TALLY_CHECK(a.val_fraction >= 0 && a.val_fraction < 1, "--val-fraction must be in [0, 1)");
   std::vector<std::string> documents;

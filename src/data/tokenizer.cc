@@ -185,6 +185,152 @@ void split_gpt2(std::string_view text, Emit&& emit) {
   }
 }
 
+inline bool is_cr_lf(char c) { return c == '\r' || c == '\n'; }
+inline char ascii_lower(char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; }
+
+// The length of a case-insensitive contraction 's 't 're 've 'm 'll 'd at i (0: none).
+// Case folding is Unicode's simple folding, as in tiktoken's and JavaScript's (?i): the long
+// s (U+017F, bytes C5 BF) folds to 's'.
+std::size_t contraction_at(std::string_view text, std::size_t i) {
+  const std::size_t n = text.size();
+  if (text[i] != '\'' || i + 1 >= n) return 0;
+  if (i + 2 < n && text[i + 1] == '\xC5' && text[i + 2] == '\xBF') return 3;  // 'ſ
+  const char a = ascii_lower(text[i + 1]);
+  if (a == 's' || a == 't' || a == 'm' || a == 'd') return 2;
+  if (i + 2 < n) {
+    const char b = ascii_lower(text[i + 2]);
+    if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) return 3;
+  }
+  return 0;
+}
+
+// LLaMA-3's pre-tokenization (tokenizer.h), alternative by alternative, leftmost first.
+template <class Emit>
+void split_llama3(std::string_view text, Emit&& emit) {
+  const std::size_t n = text.size();
+  std::size_t i = 0;
+  auto run_of = [&](std::size_t k, CharClass cls) {
+    while (k < n) {
+      const CharInfo c = char_at(text, k);
+      if (c.cls != cls) break;
+      k += c.len;
+    }
+    return k;
+  };
+  while (i < n) {
+    // (?i:'s|'t|'re|'ve|'m|'ll|'d)
+    if (const std::size_t len = contraction_at(text, i)) {
+      emit(text.substr(i, len));
+      i += len;
+      continue;
+    }
+    const CharInfo c0 = char_at(text, i);
+    // [^\r\n\p{L}\p{N}]?\p{L}+ : letters, after at most one character that is none of
+    // CR, LF, letter or number (a space, a tab, punctuation).
+    std::size_t letters = std::string_view::npos;
+    if (c0.cls == CharClass::kLetter) letters = i;
+    else if (c0.cls != CharClass::kNumber && !is_cr_lf(text[i]) && i + c0.len < n &&
+             char_at(text, i + c0.len).cls == CharClass::kLetter)
+      letters = i + c0.len;
+    if (letters != std::string_view::npos) {
+      const std::size_t k = run_of(letters, CharClass::kLetter);
+      emit(text.substr(i, k - i));
+      i = k;
+      continue;
+    }
+    // \p{N}{1,3}
+    if (c0.cls == CharClass::kNumber) {
+      std::size_t k = i;
+      for (int count = 0; count < 3 && k < n; ++count) {
+        const CharInfo c = char_at(text, k);
+        if (c.cls != CharClass::kNumber) break;
+        k += c.len;
+      }
+      emit(text.substr(i, k - i));
+      i = k;
+      continue;
+    }
+    //  ?[^\s\p{L}\p{N}]+[\r\n]* : punctuation and symbols, after at most one ASCII space,
+    // with the line breaks right after them.
+    const std::size_t j = (text[i] == ' ' && i + 1 < n) ? i + 1 : i;
+    if (char_at(text, j).cls == CharClass::kOther) {
+      std::size_t k = run_of(j, CharClass::kOther);
+      while (k < n && is_cr_lf(text[k])) ++k;
+      emit(text.substr(i, k - i));
+      i = k;
+      continue;
+    }
+    // Whitespace at i. The run [i, k), its last line break and its last character:
+    //   \s*[\r\n]+ : up to and including the run's last CR or LF, when it has one;
+    //   \s+(?!\S)  : else the run, minus its last character when a non-space follows;
+    //   \s+        : else (one whitespace character before a non-space) that character.
+    std::size_t k = i, last = i, last_break = std::string_view::npos;
+    while (k < n) {
+      const CharInfo c = char_at(text, k);
+      if (c.cls != CharClass::kSpace) break;
+      if (is_cr_lf(text[k])) last_break = k;
+      last = k;
+      k += c.len;
+    }
+    std::size_t end;
+    if (last_break != std::string_view::npos) end = last_break + 1;
+    else end = (k == n || last == i) ? k : last;
+    emit(text.substr(i, end - i));
+    i = end;
+  }
+}
+
+// The expected length of a UTF-8 sequence from its lead byte, and the range its second byte
+// must fall in (Unicode's table 3-7: no overlongs, surrogates or code points past U+10FFFF).
+struct LeadByte {
+  int length;
+  unsigned char second_lo, second_hi;
+};
+LeadByte lead_of(unsigned char b) {
+  if (b < 0x80) return {1, 0, 0};
+  if (b >= 0xC2 && b <= 0xDF) return {2, 0x80, 0xBF};
+  if (b == 0xE0) return {3, 0xA0, 0xBF};
+  if (b == 0xED) return {3, 0x80, 0x9F};
+  if (b >= 0xE1 && b <= 0xEF) return {3, 0x80, 0xBF};
+  if (b == 0xF0) return {4, 0x90, 0xBF};
+  if (b == 0xF4) return {4, 0x80, 0x8F};
+  if (b >= 0xF1 && b <= 0xF3) return {4, 0x80, 0xBF};
+  return {0, 0, 0};  // a continuation byte or an invalid lead
+}
+
+// `text` with each maximal invalid subsequence replaced by U+FFFD (the WHATWG decoder's
+// and Python's errors="replace" rule): a valid lead byte followed by some but not all of
+// its continuation bytes is one replacement; any other bad byte is one each.
+std::string replace_invalid_utf8(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  const std::size_t n = text.size();
+  for (std::size_t i = 0; i < n;) {
+    const auto b = static_cast<unsigned char>(text[i]);
+    const LeadByte lead = lead_of(b);
+    if (lead.length == 1) {
+      out.push_back(text[i++]);
+      continue;
+    }
+    std::size_t k = i + 1;
+    if (lead.length > 1) {
+      for (int m = 1; m < lead.length && k < n; ++m, ++k) {
+        const auto c = static_cast<unsigned char>(text[k]);
+        const bool ok = m == 1 ? (c >= lead.second_lo && c <= lead.second_hi) : (c >= 0x80 && c <= 0xBF);
+        if (!ok) break;
+      }
+      if (k - i == static_cast<std::size_t>(lead.length)) {
+        out.append(text.substr(i, k - i));
+        i = k;
+        continue;
+      }
+    }
+    out += "\xEF\xBF\xBD";
+    i = k;
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // OpenAI's bytes_to_unicode(): printable Latin-1 bytes map to themselves, the other 68 bytes
 // to U+0100.. in byte order, so every token string in encoder.json / vocab.bpe is printable.
@@ -249,10 +395,14 @@ struct StringHash {
 
 // ---------------------------------------------------------------------------------------------
 
-struct Gpt2Tokenizer::Impl {
+struct Tokenizer::Impl {
   std::vector<std::string> id_to_bytes;
   int32_t eot = kGpt2Eot;
+  int32_t separator = kGpt2Eot;  // written before each document
   bool can_encode = false;
+  bool llama3 = false;
+  // LLaMA-3: every token's bytes, for the whole-piece lookup done before merging.
+  std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>> whole;
   std::string llmc_path;  // set by load_llmc, for the message of encode()
 
   // Encoding tables (load() only).
@@ -270,6 +420,34 @@ struct Gpt2Tokenizer::Impl {
   // BPE training guarantees; checked at load). Then no merge can create a pair that outranks
   // the merge that created it, which makes bpe_heap() give the same result as bpe_simple().
   bool ranks_well_ordered = false;
+
+  // Every token but the byte tokens and `unmerged` (special tokens) must be made by some
+  // merge: a token no merge makes could never be produced (the merges are truncated or from
+  // another vocabulary, and encoding would silently differ). Also settles ranks_well_ordered.
+  void check_merges(const std::string& what, const std::string& vocab_name, int32_t merge_count,
+                    const std::vector<int32_t>& unmerged) {
+    const std::size_t n = id_to_bytes.size();
+    std::vector<int32_t> last_made(n, -1);  // highest rank of a merge producing each token
+    for (const auto& [key, merge] : merges) last_made[merge.id] = std::max(last_made[merge.id], merge.rank);
+    std::vector<bool> exempt(n, false);
+    for (int b = 0; b < 256; ++b) exempt[byte_id[b]] = true;
+    for (int32_t id : unmerged) exempt[id] = true;
+    int64_t unmade = 0, first_unmade = -1, exempt_count = 0;
+    for (std::size_t id = 0; id < n; ++id) {
+      exempt_count += exempt[id];
+      if (last_made[id] < 0 && !exempt[id] && unmade++ == 0) first_unmade = static_cast<int64_t>(id);
+    }
+    const int64_t merged = static_cast<int64_t>(n) - exempt_count;
+    TALLY_CHECK(unmade == 0, what, ": ", merge_count, " merges make ", merged - unmade, " of ", vocab_name, "'s ",
+                merged, " merged tokens; ", unmade, " (the first: id ", first_unmade, " \"",
+                unmade ? excerpt(id_to_bytes[static_cast<std::size_t>(first_unmade)]) : std::string(),
+                "\") are made by no merge: are the merges truncated or from another vocabulary?");
+    ranks_well_ordered = true;
+    for (const auto& [key, merge] : merges) {
+      const auto a = static_cast<int32_t>(key >> 32), b = static_cast<int32_t>(key & 0xFFFFFFFFu);
+      if (last_made[a] >= merge.rank || last_made[b] >= merge.rank) ranks_well_ordered = false;
+    }
+  }
 
   void bpe(std::string_view piece, std::vector<int32_t>& out) const {
     if (piece.size() >= kHeapBpeMinBytes && ranks_well_ordered)
@@ -381,13 +559,13 @@ struct Gpt2Tokenizer::Impl {
   }
 };
 
-Gpt2Tokenizer::Gpt2Tokenizer() : impl_(std::make_unique<Impl>()) {}
-Gpt2Tokenizer::Gpt2Tokenizer(Gpt2Tokenizer&&) noexcept = default;
-Gpt2Tokenizer& Gpt2Tokenizer::operator=(Gpt2Tokenizer&&) noexcept = default;
-Gpt2Tokenizer::~Gpt2Tokenizer() = default;
+Tokenizer::Tokenizer() : impl_(std::make_unique<Impl>()) {}
+Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
+Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
+Tokenizer::~Tokenizer() = default;
 
-Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& encoder_json_path, const std::string& vocab_bpe_path) {
-  Gpt2Tokenizer tok;
+Tokenizer Tokenizer::load(const std::string& encoder_json_path, const std::string& vocab_bpe_path) {
+  Tokenizer tok;
   Impl& m = *tok.impl_;
 
   // --- encoder.json: {"token string": id, ...}, ids dense in [0, N).
@@ -476,33 +654,130 @@ Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& encoder_json_path, const st
     m.merges.emplace(key, Impl::Merge{rank++, iab->second});
   }
   TALLY_CHECK(line_no >= 1, "GPT-2 vocab.bpe '", vocab_bpe_path, "': expected a '#version: ...' header, found an empty file");
-  // Check the property that lets long pieces use bpe_heap (see ranks_well_ordered).
-  std::vector<int32_t> last_made(n, -1);  // highest rank of a merge producing each token
-  for (const auto& [key, merge] : m.merges) last_made[merge.id] = std::max(last_made[merge.id], merge.rank);
-  // Every token but the 256 byte tokens and end-of-text is made by some merge. A token no
-  // merge makes could never be produced: the merges file is truncated or belongs to another
-  // vocabulary, and encoding would silently differ from GPT-2's.
-  std::vector<bool> is_byte_token(n, false);
-  for (int b = 0; b < 256; ++b) is_byte_token[m.byte_id[b]] = true;
-  int64_t unmade = 0, first_unmade = -1;
-  for (std::size_t id = 0; id < n; ++id)
-    if (last_made[id] < 0 && !is_byte_token[id] && static_cast<int32_t>(id) != m.eot && unmade++ == 0)
-      first_unmade = static_cast<int64_t>(id);
-  TALLY_CHECK(unmade == 0, "GPT-2 vocab.bpe '", vocab_bpe_path, "': ", rank, " merges make ", n - 257 - unmade,
-              " of encoder.json's ", n - 257, " merged tokens; ", unmade, " (the first: id ", first_unmade, " \"",
-              unmade ? excerpt(m.id_to_bytes[static_cast<std::size_t>(first_unmade)]) : std::string(),
-              "\") are made by no merge: is vocab.bpe truncated or from another vocabulary?");
-  m.ranks_well_ordered = true;
-  for (const auto& [key, merge] : m.merges) {
-    const auto a = static_cast<int32_t>(key >> 32), b = static_cast<int32_t>(key & 0xFFFFFFFFu);
-    if (last_made[a] >= merge.rank || last_made[b] >= merge.rank) m.ranks_well_ordered = false;
-  }
+  m.check_merges("GPT-2 vocab.bpe '" + vocab_bpe_path + "'", "encoder.json", rank, {m.eot});
   m.can_encode = true;
   return tok;
 }
 
-Gpt2Tokenizer Gpt2Tokenizer::load_llmc(const std::string& path) {
-  Gpt2Tokenizer tok;
+Tokenizer Tokenizer::load_llama3(const std::string& path) {
+  Tokenizer tok;
+  Impl& m = *tok.impl_;
+  m.llama3 = true;
+  const std::string what = "LLaMA-3 tokenizer.json '" + path + "'";
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(path, "LLaMA-3 tokenizer.json"));
+  } catch (const nlohmann::json::exception& e) {
+    TALLY_FAIL(what, ": invalid JSON: ", e.what());
+  }
+  TALLY_CHECK(j.is_object() && j.contains("model") && j["model"].is_object(), what, ": expected a HuggingFace tokenizer "
+              "with a \"model\" object");
+  const auto& model = j["model"];
+  TALLY_CHECK(model.value("type", "") == "BPE" && model.contains("vocab") && model["vocab"].is_object() &&
+                  model.contains("merges") && model["merges"].is_array(),
+              what, ": expected a BPE model with \"vocab\" and \"merges\"");
+  // The pre-tokenizer must be LLaMA-3's: this class implements that regex and no other.
+  const std::string expected_regex =
+      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+      "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+  const std::string dump = j.value("pre_tokenizer", nlohmann::json()).dump();
+  TALLY_CHECK(dump.find(nlohmann::json(expected_regex).dump()) != std::string::npos, what,
+              ": its pre-tokenizer is not LLaMA-3's regex (found ", excerpt(dump), ")");
+  // Ids: the vocabulary's, then the added (special) tokens, dense from 0.
+  const auto& vocab = model["vocab"];
+  const auto& added = j.value("added_tokens", nlohmann::json::array());
+  const std::size_t n = vocab.size() + added.size();
+  m.id_to_bytes.assign(n, std::string());
+  std::vector<bool> seen(n, false);
+  std::unordered_map<std::string, int32_t> bytes_to_id;
+  bytes_to_id.reserve(n);
+  std::string bytes;
+  auto set_id = [&](const nlohmann::json& value, const std::string& name) {
+    TALLY_CHECK(value.is_number_integer(), what, ": token \"", excerpt(name), "\" has id ", excerpt(value.dump()),
+                ", expected an integer");
+    const int64_t id = value.get<int64_t>();
+    TALLY_CHECK(id >= 0 && id < static_cast<int64_t>(n) && !seen[id], what, ": token \"", excerpt(name), "\" has id ",
+                id, ", expected each id in [0, ", n, ") exactly once");
+    seen[id] = true;
+    return static_cast<int32_t>(id);
+  };
+  for (const auto& [key, value] : vocab.items()) {
+    const int32_t id = set_id(value, key);
+    char32_t bad = 0;
+    TALLY_CHECK(unmap_token(key, &bytes, &bad), what, ": token \"", excerpt(key), "\" contains ", code_point_name(bad),
+                ", which is not in the byte-level alphabet");
+    m.id_to_bytes[id] = bytes;
+    bytes_to_id.emplace(bytes, id);
+  }
+  std::vector<int32_t> specials;
+  m.eot = m.separator = -1;
+  for (const auto& t : added) {
+    TALLY_CHECK(t.is_object() && t.contains("content") && t["content"].is_string() && t.contains("id"), what,
+                ": an added token is not {\"id\", \"content\"}: ", excerpt(t.dump()));
+    const std::string content = t["content"].get<std::string>();
+    const int32_t id = set_id(t["id"], content);
+    m.id_to_bytes[id] = content;  // decoded as its text
+    specials.push_back(id);
+    if (content == "<|begin_of_text|>") m.separator = id;
+    if (content == "<|end_of_text|>") m.eot = id;
+  }
+  TALLY_CHECK(m.separator >= 0 && m.eot >= 0, what, ": expected the special tokens <|begin_of_text|> and <|end_of_text|>");
+  for (std::size_t id = 0; id < n; ++id) TALLY_CHECK(seen[id], what, ": no token has id ", id, " (ids must be dense)");
+  for (int b = 0; b < 256; ++b) {
+    const auto it = bytes_to_id.find(std::string(1, static_cast<char>(b)));
+    TALLY_CHECK(it != bytes_to_id.end(), what, ": expected a token for every byte, found none for byte ", b);
+    m.byte_id[b] = it->second;
+  }
+  // Merges in rank order: "a b" strings (older files) or ["a", "b"] pairs (newer ones).
+  int32_t rank = 0;
+  std::string a_bytes, b_bytes;
+  for (const auto& merge : model["merges"]) {
+    std::string a, b;
+    if (merge.is_string()) {
+      const std::string line = merge.get<std::string>();
+      const std::size_t sp = line.find(' ');
+      TALLY_CHECK(sp != std::string::npos && sp > 0 && sp + 1 < line.size() && line.find(' ', sp + 1) == std::string::npos,
+                  what, ": merge ", rank, " is '", excerpt(line), "', expected 'a b'");
+      a = line.substr(0, sp);
+      b = line.substr(sp + 1);
+    } else {
+      TALLY_CHECK(merge.is_array() && merge.size() == 2 && merge[0].is_string() && merge[1].is_string(), what, ": merge ",
+                  rank, " is ", excerpt(merge.dump()), ", expected \"a b\" or [\"a\", \"b\"]");
+      a = merge[0].get<std::string>();
+      b = merge[1].get<std::string>();
+    }
+    char32_t bad = 0;
+    TALLY_CHECK(unmap_token(a, &a_bytes, &bad) && unmap_token(b, &b_bytes, &bad), what, ": merge ", rank,
+                " contains ", code_point_name(bad), ", which is not in the byte-level alphabet");
+    const auto ia = bytes_to_id.find(a_bytes), ib = bytes_to_id.find(b_bytes), iab = bytes_to_id.find(a_bytes + b_bytes);
+    TALLY_CHECK(ia != bytes_to_id.end() && ib != bytes_to_id.end() && iab != bytes_to_id.end(), what, ": merge ", rank,
+                " '", excerpt(a), " ", excerpt(b), "' joins tokens that are not in the vocabulary");
+    // A pair listed twice keeps its first (lowest) rank, as HuggingFace's BPE does.
+    m.merges.emplace(pair_key(ia->second, ib->second), Impl::Merge{rank, iab->second});
+    ++rank;
+  }
+  m.check_merges(what, "the vocabulary", rank, specials);
+  for (const auto& [b, id] : bytes_to_id) m.whole.emplace(b, id);
+  m.can_encode = true;
+  return tok;
+}
+
+Tokenizer Tokenizer::load_path(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    const fs::path dir(path);
+    if (fs::exists(dir / "tokenizer.json")) return load_llama3((dir / "tokenizer.json").string());
+    TALLY_CHECK(fs::exists(dir / "encoder.json") && fs::exists(dir / "vocab.bpe"), "tokenizer directory '", path,
+                "' holds neither tokenizer.json (LLaMA-3) nor encoder.json + vocab.bpe (GPT-2)");
+    return load((dir / "encoder.json").string(), (dir / "vocab.bpe").string());
+  }
+  if (fs::path(path).extension() == ".json") return load_llama3(path);
+  return load_llmc(path);
+}
+
+Tokenizer Tokenizer::load_llmc(const std::string& path) {
+  Tokenizer tok;
   Impl& m = *tok.impl_;
   m.llmc_path = path;
   const std::string data = read_file(path, "llm.c tokenizer");
@@ -543,18 +818,27 @@ Gpt2Tokenizer Gpt2Tokenizer::load_llmc(const std::string& path) {
   return tok;
 }
 
-std::vector<int32_t> Gpt2Tokenizer::encode(std::string_view text) const {
+std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
   const Impl& m = *impl_;
   if (!m.can_encode)
-    throw std::logic_error("tally: Gpt2Tokenizer loaded from llm.c tokenizer '" + m.llmc_path +
+    throw std::logic_error("tally: a tokenizer loaded from llm.c tokenizer '" + m.llmc_path +
                            "' has no BPE merges and can only decode; load encoder.json + vocab.bpe to encode");
   std::vector<int32_t> out;
   out.reserve(text.size() / 3);
-  split_gpt2(text, [&](std::string_view piece) { m.encode_piece(piece, out); });
+  if (!m.llama3) {
+    split_gpt2(text, [&](std::string_view piece) { m.encode_piece(piece, out); });
+    return out;
+  }
+  const std::string valid = replace_invalid_utf8(text);
+  split_llama3(valid, [&](std::string_view piece) {
+    const auto it = m.whole.find(piece);  // a piece that is a token is that token
+    if (it != m.whole.end()) out.push_back(it->second);
+    else m.encode_piece(piece, out);
+  });
   return out;
 }
 
-std::string Gpt2Tokenizer::decode_token(int32_t id) const {
+std::string Tokenizer::decode_token(int32_t id) const {
   const auto n = static_cast<int64_t>(impl_->id_to_bytes.size());
   if (id < 0 || id >= n)
     throw std::invalid_argument("tally: token id " + std::to_string(id) + " is out of range for a vocabulary of " +
@@ -562,7 +846,7 @@ std::string Gpt2Tokenizer::decode_token(int32_t id) const {
   return impl_->id_to_bytes[id];
 }
 
-std::string Gpt2Tokenizer::decode(const std::vector<int32_t>& ids) const {
+std::string Tokenizer::decode(const std::vector<int32_t>& ids) const {
   std::string out;
   out.reserve(ids.size() * 4);
   const auto n = static_cast<int64_t>(impl_->id_to_bytes.size());
@@ -573,8 +857,14 @@ std::string Gpt2Tokenizer::decode(const std::vector<int32_t>& ids) const {
   return out;
 }
 
-int Gpt2Tokenizer::vocab_size() const { return static_cast<int>(impl_->id_to_bytes.size()); }
-int Gpt2Tokenizer::eot_id() const { return impl_->eot; }
-bool Gpt2Tokenizer::can_encode() const { return impl_->can_encode; }
+int Tokenizer::vocab_size() const { return static_cast<int>(impl_->id_to_bytes.size()); }
+int Tokenizer::eot_id() const { return impl_->eot; }
+int Tokenizer::document_separator_id() const { return impl_->llama3 ? impl_->separator : impl_->eot; }
+std::vector<int32_t> Tokenizer::stop_ids() const {
+  if (!impl_->llama3) return {impl_->eot};
+  return {impl_->eot, impl_->separator};
+}
+bool Tokenizer::is_llama3() const { return impl_->llama3; }
+bool Tokenizer::can_encode() const { return impl_->can_encode; }
 
 }  // namespace tally::data

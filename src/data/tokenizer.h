@@ -1,5 +1,15 @@
-// GPT-2 byte-level BPE tokenizer, byte-exact with OpenAI's GPT-2 encoder (encoder.py).
+// Byte-level BPE tokenizers: GPT-2's, byte-exact with OpenAI's encoder.py, and LLaMA-3's,
+// read from HuggingFace's tokenizer.json (128,000 merge-ranked tokens, 256 special tokens),
+// byte-exact with Meta's tiktoken tokenizer. Both share the byte alphabet and the BPE; they
+// differ in the pre-tokenization regex, and LLaMA-3 looks a whole piece up before merging
+// (tokenizer.json's ignore_merges, tiktoken's behaviour). LLaMA-3's regex:
+//   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
+//   \s*[\r\n]+|\s+(?!\S)|\s+
+// also implemented by hand over UTF-8. Text that is not valid UTF-8 is, for LLaMA-3, first
+// decoded as Python's errors="replace" and JavaScript's TextDecoder do: each maximal invalid
+// subsequence becomes U+FFFD (Meta's tokenizer takes a str, so the bytes are gone).
 //
+// GPT-2's pipeline of encode():
 // Pipeline of encode():
 //   1. split the text with GPT-2's pre-tokenization regex
 //        's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
@@ -9,11 +19,13 @@
 // Tokens are kept as raw bytes internally: OpenAI's byte -> printable-unicode mapping is only
 // undone once, when encoder.json / vocab.bpe are read.
 //
-// "<|endoftext|>" inside the text is NOT special: like GPT-2's encode() it is tokenized as
-// ordinary text. Append eot_id() yourself where a document boundary is wanted.
+// Special tokens ("<|endoftext|>", "<|begin_of_text|>") inside the text are NOT special:
+// like GPT-2's encode() and tiktoken's encode_ordinary() they are tokenized as ordinary
+// text. Insert document_separator_id() yourself where a document boundary is wanted.
 //
-// Input that is not valid UTF-8 is still encoded losslessly: each invalid byte is treated as
-// one "other" (punctuation-like) character, so decode(encode(s)) == s for any byte string.
+// GPT-2: input that is not valid UTF-8 is still encoded losslessly: each invalid byte is
+// treated as one "other" (punctuation-like) character, so decode(encode(s)) == s for any
+// byte string.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -24,21 +36,29 @@
 
 namespace tally::data {
 
-class Gpt2Tokenizer {
+class Tokenizer {
  public:
   // Loads OpenAI's GPT-2 files: encoder.json (token string -> id) and vocab.bpe ("#version"
   // line, then one merge "a b" per line in rank order). Throws std::runtime_error naming the
   // file and what was expected vs found.
-  static Gpt2Tokenizer load(const std::string& encoder_json_path, const std::string& vocab_bpe_path);
+  static Tokenizer load(const std::string& encoder_json_path, const std::string& vocab_bpe_path);
 
   // Loads llm.c's tokenizer.bin (decode only: it has no merges). Layout: 256 x int32 header
   // {20240328, version, vocab_size, eot_id (version 2 only)}, then per token a uint8 length
   // and that many raw bytes. Version 1 has no eot field; eot is then 50256.
-  static Gpt2Tokenizer load_llmc(const std::string& tokenizer_bin_path);
+  static Tokenizer load_llmc(const std::string& tokenizer_bin_path);
 
-  Gpt2Tokenizer(Gpt2Tokenizer&&) noexcept;
-  Gpt2Tokenizer& operator=(Gpt2Tokenizer&&) noexcept;
-  ~Gpt2Tokenizer();
+  // Loads LLaMA-3's tokenizer.json (HuggingFace's format: model.vocab, model.merges as
+  // "a b" strings or [a, b] pairs, added_tokens), checking its pre-tokenizer is LLaMA-3's.
+  static Tokenizer load_llama3(const std::string& tokenizer_json_path);
+
+  // Whatever `path` holds: a directory with tokenizer.json (LLaMA-3) or encoder.json +
+  // vocab.bpe (GPT-2), a tokenizer.json file, or an llm.c tokenizer .bin.
+  static Tokenizer load_path(const std::string& path);
+
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+  ~Tokenizer();
 
   // Text (UTF-8 bytes) -> token ids. Safe to call from several threads at once.
   // Throws std::logic_error on a tokenizer loaded with load_llmc (it has no merges).
@@ -50,11 +70,17 @@ class Gpt2Tokenizer {
   std::string decode_token(int32_t id) const;
 
   int vocab_size() const;
-  int eot_id() const;
+  int eot_id() const;  // GPT-2's <|endoftext|>, LLaMA-3's <|end_of_text|>
+  // The token tally writes before each document: GPT-2's <|endoftext|> (llm.c's
+  // convention), LLaMA-3's <|begin_of_text|>.
+  int document_separator_id() const;
+  // Tokens that end a generated sample: the end of text and the document separator.
+  std::vector<int32_t> stop_ids() const;
+  bool is_llama3() const;
   bool can_encode() const;  // false for load_llmc tokenizers
 
  private:
-  Gpt2Tokenizer();
+  Tokenizer();
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -7,43 +7,69 @@
 
 namespace tally::train {
 
+namespace {
+// The next token from the last position's logits (the first vocab_size of them).
+int32_t choose(const float* logits, int64_t vocab, const SampleOptions& opt, Rng& rng) {
+  std::vector<std::pair<float, int32_t>> scored;
+  scored.reserve(static_cast<size_t>(vocab));
+  for (int64_t v = 0; v < vocab; ++v) scored.emplace_back(logits[v], static_cast<int32_t>(v));
+  if (opt.temperature <= 0) return std::max_element(scored.begin(), scored.end())->second;
+  const size_t keep = opt.top_k > 0 && opt.top_k < vocab ? static_cast<size_t>(opt.top_k) : scored.size();
+  std::partial_sort(scored.begin(), scored.begin() + static_cast<std::ptrdiff_t>(keep), scored.end(), std::greater<>());
+  scored.resize(keep);
+  // softmax(logits / temperature) over the kept tokens, most likely first.
+  const double max_logit = scored.front().first;
+  std::vector<double> probs;
+  double total = 0;
+  for (auto& [l, v] : scored) total += probs.emplace_back(std::exp((l - max_logit) / opt.temperature));
+  if (opt.top_p < 1.0) {
+    // The nucleus: the shortest prefix whose probability reaches top_p.
+    double mass = 0;
+    size_t n = 0;
+    while (n < probs.size() && mass < opt.top_p * total) mass += probs[n++];
+    probs.resize(std::max<size_t>(n, 1));
+    total = 0;
+    for (double p : probs) total += p;
+  }
+  double r = rng.uniform() * total;
+  size_t j = 0;
+  for (; j + 1 < probs.size() && r >= probs[j]; ++j) r -= probs[j];
+  return scored[j].second;
+}
+}  // namespace
+
 std::vector<int32_t> sample(const nn::Transformer& model, std::vector<int32_t> tokens, const SampleOptions& opt,
                             Rng& rng) {
   autograd::InferenceModeGuard inference;
   OwnerScope scope("sample");
   const auto& c = model.config();
   TALLY_CHECK(!tokens.empty(), "sample: the prompt must hold at least one token");
+  TALLY_CHECK(opt.top_p > 0 && opt.top_p <= 1, "sample: top_p must be in (0, 1], got ", opt.top_p);
+  const int64_t capacity =
+      std::min<int64_t>(c.max_seq_len, static_cast<int64_t>(tokens.size()) + std::max<int64_t>(opt.tokens, 1));
+  nn::KvCache cache = model.make_kv_cache(1, capacity);
+  // Runs `ids` through the model after what the cache holds; returns the last logits row.
+  auto feed = [&](const std::vector<int32_t>& ids) {
+    Tensor input = Tensor::from_vector(ids, {1, static_cast<int64_t>(ids.size())});
+    Tensor logits = model.forward(input, Tensor(), true, &cache).logits;  // (1, T, Vp)
+    return logits.slice(1, logits.shape()[1] - 1, logits.shape()[1]).contiguous();
+  };
+  const int64_t window = std::min<int64_t>(static_cast<int64_t>(tokens.size()), capacity);
+  Tensor last = feed(std::vector<int32_t>(tokens.end() - window, tokens.end()));
   std::vector<int32_t> generated;
   for (int64_t i = 0; i < opt.tokens; ++i) {
-    const int64_t T = std::min<int64_t>(static_cast<int64_t>(tokens.size()), c.max_seq_len);
-    std::vector<int32_t> window(tokens.end() - T, tokens.end());
-    Tensor input = Tensor::from_vector(window, {1, T});
-    Tensor logits = model.forward(input, Tensor(), true).logits;  // (1, T, Vp)
-    const float* last = logits.data<float>() + (T - 1) * c.padded_vocab_size;
-    std::vector<std::pair<float, int32_t>> scored;
-    scored.reserve(static_cast<size_t>(c.vocab_size));
-    for (int64_t v = 0; v < c.vocab_size; ++v) scored.emplace_back(last[v], static_cast<int32_t>(v));
-    int32_t next;
-    if (opt.temperature <= 0) {
-      next = std::max_element(scored.begin(), scored.end())->second;
-    } else {
-      if (opt.top_k > 0 && opt.top_k < static_cast<int64_t>(scored.size())) {
-        std::partial_sort(scored.begin(), scored.begin() + opt.top_k, scored.end(), std::greater<>());
-        scored.resize(static_cast<size_t>(opt.top_k));
-      }
-      double max_logit = -1e30;
-      for (auto& [l, v] : scored) max_logit = std::max<double>(max_logit, l);
-      std::vector<double> probs;
-      double total = 0;
-      for (auto& [l, v] : scored) total += probs.emplace_back(std::exp((l - max_logit) / opt.temperature));
-      double r = rng.uniform() * total;
-      size_t j = 0;
-      for (; j + 1 < probs.size() && r >= probs[j]; ++j) r -= probs[j];
-      next = scored[j].second;
-    }
+    const int32_t next = choose(last.data<float>(), c.vocab_size, opt, rng);
     tokens.push_back(next);
     generated.push_back(next);
-    if (next == opt.stop_token) break;
+    if (next == opt.stop_token || i + 1 == opt.tokens) break;
+    if (cache.length == cache.capacity()) {
+      // Context full: restart the cache from the last half of the sequence.
+      cache.length = 0;
+      const int64_t keep = std::max<int64_t>(cache.capacity() / 2, 1);
+      last = feed(std::vector<int32_t>(tokens.end() - keep, tokens.end()));
+    } else {
+      last = feed({next});
+    }
   }
   return generated;
 }

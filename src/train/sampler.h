@@ -1,5 +1,7 @@
-// Autoregressive sampling with temperature and top-k (no KV cache: each new token runs the
-// model over the last max_seq_len tokens, in inference mode, so nothing is saved).
+// Autoregressive sampling with temperature, top-k and top-p (nucleus), for both families.
+// The prompt runs once through the model into a KV cache; each new token then runs alone,
+// attending to the cache (nn::KvCache). When the sequence reaches the model's context,
+// the cache restarts from the last half of it (a sliding window, re-run once).
 #pragma once
 #include <vector>
 
@@ -12,6 +14,7 @@ struct SampleOptions {
   int64_t tokens = 64;
   double temperature = 1.0;  // 0: greedy
   int64_t top_k = 40;        // 0: no truncation
+  double top_p = 1.0;        // keep the most likely tokens whose probabilities sum to >= top_p; 1: all
   int32_t stop_token = -1;   // generation ends after this token (GPT-2's <|endoftext|>); -1: never
 };
 

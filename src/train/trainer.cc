@@ -140,12 +140,12 @@ std::unique_ptr<nn::Transformer> build_model(const TrainConfig& c) {
 
 // Decodes samples when a tokenizer is available; otherwise prints token ids.
 struct Detokenizer {
-  std::unique_ptr<data::Gpt2Tokenizer> tok;
+  std::unique_ptr<data::Tokenizer> tok;
   explicit Detokenizer(const std::string& dir) {
     if (dir.empty()) return;
-    if (fs::is_regular_file(dir)) tok = std::make_unique<data::Gpt2Tokenizer>(data::Gpt2Tokenizer::load_llmc(dir));
+    if (fs::is_regular_file(dir)) tok = std::make_unique<data::Tokenizer>(data::Tokenizer::load_llmc(dir));
     else
-      tok = std::make_unique<data::Gpt2Tokenizer>(data::Gpt2Tokenizer::load((fs::path(dir) / "encoder.json").string(),
+      tok = std::make_unique<data::Tokenizer>(data::Tokenizer::load((fs::path(dir) / "encoder.json").string(),
                                                                              (fs::path(dir) / "vocab.bpe").string()));
   }
   std::string text(const std::vector<int32_t>& ids) const {
