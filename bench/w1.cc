@@ -1,6 +1,7 @@
 // Work W1 (bench/RESULTS.md): GPT-2 124M, batch 4, sequence 64, fp32, AdamW,
 // one training step, timed over several steps after warm-up. Prints one JSON line.
-//   bench_w1 [steps=10] [threads=2]
+// Another preset gives the same measurement on that model (L1: llama3-d6).
+//   bench_w1 [steps=10] [threads=2] [model=gpt2]
 #include <omp.h>
 
 #include <algorithm>
@@ -34,13 +35,14 @@ int main(int argc, char** argv) {
   const int steps = argc > 1 ? std::atoi(argv[1]) : 10;
   const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
   omp_set_num_threads(threads);
+  const std::string preset = argc > 3 ? argv[3] : "gpt2";
   const int64_t B = 4, T = 64;
-  nn::Transformer model(nn::TransformerConfig::preset("gpt2"));
+  nn::Transformer model(nn::TransformerConfig::preset(preset));
   model.init_weights(1);
   optim::AdamW opt(model.params(), optim::AdamWConfig{0.9, 0.999, 1e-8, 0.0, false});
   Rng rng(2);
   std::vector<int32_t> toks(B * T + 1);
-  for (auto& t : toks) t = static_cast<int32_t>(rng.next_u64() % 50257);
+  for (auto& t : toks) t = static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(model.config().vocab_size));
   Tensor x = Tensor::from_vector(std::vector<int32_t>(toks.begin(), toks.end() - 1), {B, T});
   Tensor y = Tensor::from_vector(std::vector<int32_t>(toks.begin() + 1, toks.end()), {B, T});
   const double gemm_peak = runtime::backend(Device::cpu()).measured_gemm_peak_flops();
@@ -76,10 +78,10 @@ int main(int argc, char** argv) {
   const double median = ms[ms.size() / 2];
   const double flops = model.flops_per_token(T) * B * T;
   std::printf(
-      "{\"system\": \"tally\", \"ms_per_step\": %.1f, \"min_ms\": %.1f, \"tokens_per_s\": %.0f, \"gemm_peak_gflops\": %.0f, "
+      "{\"system\": \"tally\", \"model\": \"%s\", \"ms_per_step\": %.1f, \"min_ms\": %.1f, \"tokens_per_s\": %.0f, \"gemm_peak_gflops\": %.0f, "
       "\"pct_gemm_peak\": %.1f, \"peak_rss_bytes\": %lld, \"peak_allocated_bytes\": %lld, \"reserved_bytes\": %lld, "
       "\"live_after_forward_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d}\n",
-      median, ms.front(), B * T / (median / 1e3), gemm_peak / 1e9, 100.0 * flops / (median / 1e3) / gemm_peak,
+      preset.c_str(), median, ms.front(), B * T / (median / 1e3), gemm_peak / 1e9, 100.0 * flops / (median / 1e3) / gemm_peak,
       static_cast<long long>(peak_rss_bytes()), static_cast<long long>(ledger.stats().peak_allocated),
       static_cast<long long>(ledger.stats().reserved), static_cast<long long>(live_after_forward),
       static_cast<long long>(model.num_parameters()), loss_value, threads);

@@ -1,4 +1,4 @@
-// The `tally` command: train, sample, tokenize.
+// The `tally` command: train, sample, tokenize, export, plan, plot, memory.
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
@@ -14,6 +14,7 @@
 #include "data/tokenizer.h"
 #include "dist/world.h"
 #include "io/checkpoint.h"
+#include "io/hf_files.h"
 #include "io/model_files.h"
 #include "memory/report.h"
 #include "nn/transformer.h"
@@ -27,19 +28,23 @@ namespace fs = std::filesystem;
 
 namespace {
 
-data::Tokenizer load_tokenizer(const std::string& dir) {
-  if (fs::is_regular_file(dir)) return data::Tokenizer::load_llmc(dir);
-  return data::Tokenizer::load((fs::path(dir) / "encoder.json").string(), (fs::path(dir) / "vocab.bpe").string());
-}
+data::Tokenizer load_tokenizer(const std::string& path) { return data::Tokenizer::load_path(path); }
+
+constexpr const char* kModelHelp =
+    "Preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, dN (depth N); llama3.2-1b, llama3.2-3b, llama3.1-8b, llama3-dN";
+constexpr const char* kTokenizerHelp =
+    "A directory with tokenizer.json (LLaMA-3) or encoder.json + vocab.bpe (GPT-2), or an llm.c tokenizer .bin";
 
 void add_train(CLI::App& app, train::TrainConfig& c) {
-  auto* t = app.add_subcommand("train", "Train a GPT-2 model on llm.c token shards");
-  t->add_option("--model", c.model, "Preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, dN (depth N)")->capture_default_str();
-  t->add_option("--model-file", c.model_file, "Start from an llm.c GPT-2 model file (.bin)");
-  t->add_option("--init-from", c.init_from, "Start from a HuggingFace GPT-2 model.safetensors");
+  auto* t = app.add_subcommand("train", "Train a GPT-2 or LLaMA-3 model on llm.c token shards");
+  t->add_option("--model", c.model, kModelHelp)->capture_default_str();
+  t->add_option("--model-file", c.model_file, "Start from an llm.c model file (.bin, GPT-2 or LLaMA-3)");
+  t->add_option("--init-from", c.init_from,
+                "Start from a HuggingFace model: a directory (config.json + model.safetensors or shards) or a GPT-2 "
+                "model.safetensors");
   t->add_option("--train-data", c.train_data, "Glob of training token shards")->required();
   t->add_option("--val-data", c.val_data, "Glob of validation token shards");
-  t->add_option("--tokenizer", c.tokenizer_dir, "Directory with encoder.json + vocab.bpe (or an llm.c tokenizer .bin) to print samples as text");
+  t->add_option("--tokenizer", c.tokenizer_dir, kTokenizerHelp);
   t->add_option("--batch-size", c.batch_size, "Sequences per microbatch (B)")->capture_default_str();
   t->add_option("--seq-len", c.seq_len, "Tokens per sequence (T)")->capture_default_str();
   t->add_option("--grad-accum", c.grad_accum, "Microbatches per step")->capture_default_str();
@@ -86,6 +91,7 @@ struct SampleArgs {
   bool stop_at_eot = true;
   double temperature = 1.0;
   int64_t top_k = 40;
+  double top_p = 1.0;
   uint64_t seed = 1337;
   int threads = 0;
 };
@@ -112,12 +118,15 @@ int run_sample(const SampleArgs& a) {
               a.temperature);
   TALLY_CHECK(a.top_k >= 0, "--top-k must be >= 0 (0: no truncation), got ", a.top_k);
   TALLY_CHECK(a.threads >= 0 && a.threads <= 1024, "--threads must be in 0..1024 (0: all cores), got ", a.threads);
+  TALLY_CHECK(a.top_p > 0 && a.top_p <= 1, "--top-p must be in (0, 1] (1: no truncation), got ", a.top_p);
   TALLY_CHECK(a.prompt.empty() || !a.tokenizer.empty(),
-              "--prompt needs --tokenizer (a directory with encoder.json + vocab.bpe) to turn the text into tokens");
+              "--prompt needs --tokenizer (tokenizer.json, or encoder.json + vocab.bpe) to turn the text into tokens");
   if (a.threads > 0) omp_set_num_threads(a.threads);
-  const std::string model_file = resolve_model_file(a.model_file);
-  nn::Transformer model(io::read_llmc_config(model_file));
-  io::load_llmc(model_file, model);
+  // An llm.c file, a checkpoint or out-dir, or a HuggingFace model directory.
+  const bool hf = fs::is_directory(a.model_file) && fs::exists(fs::path(a.model_file) / "config.json");
+  const std::string model_file = hf ? a.model_file : resolve_model_file(a.model_file);
+  nn::Transformer model(hf ? io::read_hf_config(model_file) : io::read_llmc_config(model_file));
+  hf ? io::load_hf(model_file, model) : io::load_llmc(model_file, model);
   std::vector<int32_t> prompt;
   std::unique_ptr<data::Tokenizer> tok;
   if (!a.tokenizer.empty()) tok = std::make_unique<data::Tokenizer>(load_tokenizer(a.tokenizer));
@@ -125,17 +134,27 @@ int run_sample(const SampleArgs& a) {
               tok ? tok->vocab_size() : 0, " tokens but the model '", model_file, "' only ", model.config().vocab_size,
               ": they do not belong together");
   if (tok && !a.prompt.empty()) {
-    TALLY_CHECK(tok->can_encode(), "--prompt needs encoder.json + vocab.bpe (an llm.c tokenizer .bin only decodes)");
+    TALLY_CHECK(tok->can_encode(), "--prompt needs tokenizer.json or encoder.json + vocab.bpe (an llm.c tokenizer .bin only decodes)");
     prompt = tok->encode(a.prompt);
   }
-  const int32_t eot = tok ? tok->eot_id() : static_cast<int32_t>(model.config().vocab_size - 1);
-  if (prompt.empty()) prompt.push_back(eot);
-  train::SampleOptions so{a.tokens, a.temperature, a.top_k, a.stop_at_eot ? eot : -1};
+  // A sample starts as a document does (after the separator `tally tokenize` writes) and
+  // ends at the end of text or the next document.
+  const int32_t start = tok ? tok->document_separator_id() : static_cast<int32_t>(model.config().vocab_size - 1);
+  if (tok && tok->is_llama3()) prompt.insert(prompt.begin(), start);  // LLaMA: <|begin_of_text|> always leads
+  if (prompt.empty()) prompt.push_back(start);
+  train::SampleOptions so;
+  so.tokens = a.tokens;
+  so.temperature = a.temperature;
+  so.top_k = a.top_k;
+  so.top_p = a.top_p;
+  if (a.stop_at_eot) so.stop_tokens = tok ? tok->stop_ids() : std::vector<int32_t>{start};
   Rng rng(a.seed);
   for (int64_t n = 0; n < a.count; ++n) {
     if (a.count > 1) std::printf("%s--- sample %lld\n", n ? "\n" : "", static_cast<long long>(n + 1));
     auto ids = train::sample(model, prompt, so, rng);
-    if (a.stop_at_eot && !ids.empty() && ids.back() == eot) ids.pop_back();  // the end, not text
+    if (a.stop_at_eot && !ids.empty() &&
+        std::find(so.stop_tokens.begin(), so.stop_tokens.end(), ids.back()) != so.stop_tokens.end())
+      ids.pop_back();  // the end, not text
     if (tok) std::printf("%s%s\n", a.prompt.c_str(), tok->decode(ids).c_str());
     else {
       for (int32_t i : ids) std::printf("%d ", i);
@@ -198,12 +217,14 @@ struct TokenizeArgs {
 };
 
 // Documents: each input file, or each piece of one between --separator lines. Each is
-// written as EOT then its tokens (llm.c's convention). With --shuffle-seed the documents
+// written as the separator token then its tokens (llm.c's convention: GPT-2's
+// <|endoftext|>, LLaMA-3's <|begin_of_text|>). With --shuffle-seed the documents
 // are shuffled first; the last documents holding --val-fraction of the tokens go to
 // <prefix>_val.bin, the rest to <prefix>_train.bin (a split never cuts a document).
 int run_tokenize(const TokenizeArgs& a) {
   data::Tokenizer tok = load_tokenizer(a.tokenizer);
-  TALLY_CHECK(tok.can_encode(), "tokenize: --tokenizer must be a directory with encoder.json and vocab.bpe");
+  TALLY_CHECK(tok.can_encode(), "tokenize: --tokenizer must hold tokenizer.json or encoder.json + vocab.bpe (an llm.c "
+              "tokenizer .bin only decodes)");
   TALLY_CHECK(a.val_fraction >= 0 && a.val_fraction < 1, "--val-fraction must be in [0, 1)");
   std::vector<std::string> documents;
   for (const std::string& path : a.inputs) {
@@ -225,16 +246,37 @@ int run_tokenize(const TokenizeArgs& a) {
   std::vector<int32_t> train, val;
   for (size_t i = 0; i < encoded.size(); ++i) {
     std::vector<int32_t>& out = i + n_val < encoded.size() ? train : val;
-    out.push_back(tok.eot_id());
+    out.push_back(tok.document_separator_id());
     out.insert(out.end(), encoded[i].begin(), encoded[i].end());
   }
-  data::write_token_shard(a.out_prefix + "_train.bin", train, data::TokenWidth::U16);
+  // GPT-2's ids fit uint16 (llm.c's version 1 shards); LLaMA-3's 128,256 need uint32 (version 7).
+  const data::TokenWidth width = tok.vocab_size() <= 65536 ? data::TokenWidth::U16 : data::TokenWidth::U32;
+  data::write_token_shard(a.out_prefix + "_train.bin", train, width);
   std::printf("wrote %s_train.bin (%zu tokens, %zu documents)\n", a.out_prefix.c_str(), train.size(),
               encoded.size() - n_val);
   if (!val.empty()) {
-    data::write_token_shard(a.out_prefix + "_val.bin", val, data::TokenWidth::U16);
+    data::write_token_shard(a.out_prefix + "_val.bin", val, width);
     std::printf("wrote %s_val.bin (%zu tokens, %zu documents)\n", a.out_prefix.c_str(), val.size(), n_val);
   }
+  return 0;
+}
+
+struct ExportArgs {
+  std::string model_file, out, format = "hf";
+  bool bf16 = false;
+};
+
+// A trained model out of tally: a HuggingFace directory (transformers loads it) or an llm.c
+// model file.
+int run_export(const ExportArgs& a) {
+  const bool hf_in = fs::is_directory(a.model_file) && fs::exists(fs::path(a.model_file) / "config.json");
+  const std::string model_file = hf_in ? a.model_file : resolve_model_file(a.model_file);
+  nn::Transformer model(hf_in ? io::read_hf_config(model_file) : io::read_llmc_config(model_file));
+  hf_in ? io::load_hf(model_file, model) : io::load_llmc(model_file, model);
+  if (a.format == "hf") io::save_hf(a.out, model, a.bf16);
+  else io::save_llmc(a.out, model, a.bf16);
+  std::printf("wrote %s (%s, %s, %s)\n", a.out.c_str(), a.format == "hf" ? "HuggingFace" : "llm.c",
+              model.config().describe().c_str(), a.bf16 ? "bf16" : "fp32");
   return 0;
 }
 
@@ -275,29 +317,34 @@ std::string error_message(const std::exception& e) {
 }
 
 int main(int argc, char** argv) {
-  CLI::App app{"tally: train GPT-2 with flat memory and every byte accounted for"};
+  CLI::App app{"tally: train GPT-2 and LLaMA-3 with flat memory and every byte accounted for"};
   app.require_subcommand(1);
   train::TrainConfig tc;
   add_train(app, tc);
 
   SampleArgs sa;
-  auto* s = app.add_subcommand("sample", "Generate text from an llm.c GPT-2 model file");
+  auto* s = app.add_subcommand("sample", "Generate text from a GPT-2 or LLaMA-3 model (KV-cached decoding)");
   s->add_option("--model-file", sa.model_file,
-                 "llm.c GPT-2 model (.bin), a checkpoint directory, or a training --out-dir (its latest checkpoint)")
+                 "An llm.c model (.bin), a checkpoint directory, a training --out-dir (its latest checkpoint), or a "
+                 "HuggingFace model directory")
       ->required();
-  s->add_option("--tokenizer", sa.tokenizer, "Directory with encoder.json + vocab.bpe, or an llm.c tokenizer .bin");
-  s->add_option("--prompt", sa.prompt, "Text to continue (needs encoder.json + vocab.bpe)");
+  s->add_option("--tokenizer", sa.tokenizer, kTokenizerHelp);
+  s->add_option("--prompt", sa.prompt, "Text to continue (needs a tokenizer that encodes)");
   s->add_option("--tokens", sa.tokens, "Most tokens to generate per sample")->capture_default_str();
   s->add_option("--count", sa.count, "Samples to draw, each from the prompt")->capture_default_str();
-  s->add_flag("--stop-at-eot,!--no-stop-at-eot", sa.stop_at_eot, "End a sample at <|endoftext|> (default on)");
+  s->add_flag("--stop-at-eot,!--no-stop-at-eot", sa.stop_at_eot,
+              "End a sample at the end of text or the next document's start (default on)");
   s->add_option("--temperature", sa.temperature, "0 = greedy")->capture_default_str();
   s->add_option("--top-k", sa.top_k, "0 = no truncation")->capture_default_str();
+  s->add_option("--top-p", sa.top_p, "Nucleus: keep the likeliest tokens up to this probability mass (1 = all)")
+      ->capture_default_str();
   s->add_option("--seed", sa.seed)->capture_default_str();
   s->add_option("--threads", sa.threads)->capture_default_str();
 
   TokenizeArgs ta;
-  auto* k = app.add_subcommand("tokenize", "Turn text files into llm.c GPT-2 token shards");
-  k->add_option("--tokenizer", ta.tokenizer, "Directory with encoder.json + vocab.bpe")->required();
+  auto* k = app.add_subcommand("tokenize", "Turn text files into llm.c token shards (GPT-2 or LLaMA-3)");
+  k->add_option("--tokenizer", ta.tokenizer, "A directory with tokenizer.json (LLaMA-3) or encoder.json + vocab.bpe (GPT-2)")
+      ->required();
   k->add_option("--out", ta.out_prefix, "Output prefix: writes <prefix>_train.bin and <prefix>_val.bin")->required();
   k->add_option("--val-fraction", ta.val_fraction, "Share of tokens for validation (whole documents, taken from the end)")
       ->capture_default_str();
@@ -305,6 +352,17 @@ int main(int argc, char** argv) {
   k->add_option("--shuffle-seed", ta.shuffle_seed, "Shuffle the documents with this seed before the split (0: keep their order)")
       ->capture_default_str();
   k->add_option("inputs", ta.inputs, "Text files")->required()->check(CLI::ExistingFile);
+
+  ExportArgs ea;
+  auto* x = app.add_subcommand("export", "Write a model in another format: a HuggingFace directory or an llm.c file");
+  x->add_option("--model-file", ea.model_file,
+                "An llm.c model (.bin), a checkpoint directory, a training --out-dir, or a HuggingFace model directory")
+      ->required();
+  x->add_option("--format", ea.format, "hf (config.json + model.safetensors) or llmc (.bin)")
+      ->check(CLI::IsMember({"hf", "llmc"}))
+      ->capture_default_str();
+  x->add_option("-o,--out", ea.out, "The directory (hf) or file (llmc) to write")->required();
+  x->add_flag("--bf16", ea.bf16, "Write bf16 weights (rounded to nearest even) instead of fp32");
 
   PlotArgs pa;
   MemoryArgs ma;
@@ -319,9 +377,9 @@ int main(int argc, char** argv) {
   md->add_option("b", ma.other, "Trace B (.json)")->required()->check(CLI::ExistingFile);
   PlanArgs pl;
   auto* q = app.add_subcommand("plan", "Predict every rank's memory peak and its parts for a training configuration, without running it");
-  q->add_option("--model", pl.model, "Preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, dN (depth N)")->capture_default_str();
-  q->add_option("--model-file", pl.model_file, "Plan for an llm.c GPT-2 model file's shape");
-  q->add_option("--init-from", pl.init_from, "Plan for a HuggingFace GPT-2 model.safetensors's shape");
+  q->add_option("--model", pl.model, kModelHelp)->capture_default_str();
+  q->add_option("--model-file", pl.model_file, "Plan for an llm.c model file's shape");
+  q->add_option("--init-from", pl.init_from, "Plan for a HuggingFace model's shape (a directory, or a GPT-2 model.safetensors)");
   q->add_option("--batch-size", pl.batch_size, "Sequences per microbatch (B)")->capture_default_str();
   q->add_option("--seq-len", pl.seq_len, "Tokens per sequence (T)")->capture_default_str();
   q->add_option("--grad-accum", pl.grad_accum, "Microbatches per step")->capture_default_str();
@@ -355,6 +413,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("sample")) return run_sample(sa);
     if (app.got_subcommand("tokenize")) return run_tokenize(ta);
     if (app.got_subcommand("plot")) return run_plot(pa);
+    if (app.got_subcommand("export")) return run_export(ea);
     if (app.got_subcommand("plan")) return run_plan(pl);
     if (mr->parsed()) return run_memory_report(ma);
     if (md->parsed()) return run_memory_diff(ma);

@@ -61,7 +61,8 @@ std::vector<int32_t> sample(const nn::Transformer& model, std::vector<int32_t> t
     const int32_t next = choose(last.data<float>(), c.vocab_size, opt, rng);
     tokens.push_back(next);
     generated.push_back(next);
-    if (next == opt.stop_token || i + 1 == opt.tokens) break;
+    const bool stop = std::find(opt.stop_tokens.begin(), opt.stop_tokens.end(), next) != opt.stop_tokens.end();
+    if (stop || i + 1 == opt.tokens) break;
     if (cache.length == cache.capacity()) {
       // Context full: restart the cache from the last half of the sequence.
       cache.length = 0;

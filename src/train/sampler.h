@@ -15,7 +15,7 @@ struct SampleOptions {
   double temperature = 1.0;  // 0: greedy
   int64_t top_k = 40;        // 0: no truncation
   double top_p = 1.0;        // keep the most likely tokens whose probabilities sum to >= top_p; 1: all
-  int32_t stop_token = -1;   // generation ends after this token (GPT-2's <|endoftext|>); -1: never
+  std::vector<int32_t> stop_tokens;  // generation ends after one of these (<|endoftext|>, ...)
 };
 
 std::vector<int32_t> sample(const nn::Transformer& model, std::vector<int32_t> prompt, const SampleOptions& options,

@@ -143,10 +143,7 @@ struct Detokenizer {
   std::unique_ptr<data::Tokenizer> tok;
   explicit Detokenizer(const std::string& dir) {
     if (dir.empty()) return;
-    if (fs::is_regular_file(dir)) tok = std::make_unique<data::Tokenizer>(data::Tokenizer::load_llmc(dir));
-    else
-      tok = std::make_unique<data::Tokenizer>(data::Tokenizer::load((fs::path(dir) / "encoder.json").string(),
-                                                                             (fs::path(dir) / "vocab.bpe").string()));
+    tok = std::make_unique<data::Tokenizer>(data::Tokenizer::load_path(dir));
   }
   std::string text(const std::vector<int32_t>& ids) const {
     if (tok) {
@@ -159,7 +156,10 @@ struct Detokenizer {
     for (int32_t i : ids) s += std::to_string(i) + " ";
     return s;
   }
-  int32_t start_token(int64_t vocab) const { return tok ? tok->eot_id() : static_cast<int32_t>(vocab - 1); }
+  // Samples start where a document does: after the separator tally's tokenize writes.
+  int32_t start_token(int64_t vocab) const {
+    return tok ? tok->document_separator_id() : static_cast<int32_t>(vocab - 1);
+  }
 };
 
 double evaluate(const nn::Transformer& model, data::TokenLoader& loader, int64_t batches) {
