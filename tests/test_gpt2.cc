@@ -270,18 +270,19 @@ TEST(Trainer, LossFallsOnRepeatedData) {
 
 // Many steps x microbatches under --sanitize strict:
 // live bytes at every step boundary identical, census empty, peak identical from step 2.
-TEST(Trainer, MemoryIsFlatAcrossStepsAndMicrobatchesUnderStrictSanitizer) {
+namespace {
+void expect_flat_under_strict_sanitizer(const std::string& model_file, int64_t steps, int64_t microbatches) {
   const char* steps_env = std::getenv("TALLY_FLAT_STEPS");
   const char* mb_env = std::getenv("TALLY_FLAT_MICROBATCHES");
   train::TrainConfig c;
-  // The tiny fixture model: the invariants are about boundaries (200 x 64 = 12,800 of
+  // A tiny fixture model: the invariants are about boundaries (200 x 64 = 12,800 of
   // them), not model size, and this keeps the test well under a minute.
-  c.model_file = test::fixture_path("gpt2_tiny.bin");
+  c.model_file = model_file;
   c.train_data = test::write_random_shard("flat.bin", 20000, 97, 3);
   c.batch_size = 1;
   c.seq_len = 8;
-  c.steps = steps_env ? std::atoll(steps_env) : 200;
-  c.grad_accum = mb_env ? std::atoll(mb_env) : 64;
+  c.steps = steps_env ? std::atoll(steps_env) : steps;
+  c.grad_accum = mb_env ? std::atoll(mb_env) : microbatches;
   c.sanitize = "strict";
   c.quiet = true;
   c.sample_every = -1;
@@ -300,4 +301,14 @@ TEST(Trainer, MemoryIsFlatAcrossStepsAndMicrobatchesUnderStrictSanitizer) {
     ASSERT_EQ(b.peak_allocated, peak) << "step " << b.step;
   }
   EXPECT_EQ(steps_seen, static_cast<size_t>(c.steps));
+}
+}  // namespace
+
+TEST(Trainer, MemoryIsFlatAcrossStepsAndMicrobatchesUnderStrictSanitizer) {
+  expect_flat_under_strict_sanitizer(test::fixture_path("gpt2_tiny.bin"), 200, 64);
+}
+
+// The same for LLaMA (RMSNorm, rotary, grouped-query attention, SwiGLU, untied head).
+TEST(Trainer, LlamaMemoryIsFlatAcrossStepsAndMicrobatchesUnderStrictSanitizer) {
+  expect_flat_under_strict_sanitizer(test::fixture_path("llama3_tiny.bin"), 100, 32);
 }

@@ -256,3 +256,42 @@ TEST(Launch, AKillAtEveryCrashPointOfACheckpointLosesNothing) {
   EXPECT_EQ(test::log_steps(out + "/log.jsonl"), all_steps);
   EXPECT_FALSE(std::filesystem::exists(out + "/step_00000006.old"));
 }
+
+// LLaMA-3 as a user runs it: tokenize with LLaMA-3's tokenizer.json (<|begin_of_text|>
+// before each document, uint32 shards), train, sample from the out-dir with a prompt,
+// export to HuggingFace and sample from that directory: the same greedy text.
+TEST(Launch, LlamaTokenizeTrainSampleAndExport) {
+  const char* corpus_env = std::getenv("TALLY_CORPUS_DIR");
+  const std::string corpus = corpus_env ? corpus_env : std::string(TALLY_SOURCE_DIR) + "/data/corpus";
+  if (!std::filesystem::exists(corpus + "/llama3/tokenizer.json"))
+    GTEST_SKIP() << "llama3/tokenizer.json not in " << corpus << "; run scripts/fetch_corpus.sh";
+  const std::string text = test::temp_path("docs.txt"), prefix = test::temp_path("llama");
+  std::string docs;
+  for (int i = 0; i < 200; ++i) docs += "Fortune number " + std::to_string(i) + " says: the cat sat on the mat.\n%\n";
+  test::write_all(text, docs);
+  const std::string tok = corpus + "/llama3";
+  Outcome t = run(std::string(TALLY_CLI) + " tokenize --tokenizer " + tok + " --separator % --out " + prefix + " " + text);
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  const data::TokenShard shard = data::TokenShard::open(prefix + "_train.bin");
+  EXPECT_EQ(shard.width(), data::TokenWidth::U32);
+  EXPECT_EQ(shard.at(0), 128000) << "each document starts with <|begin_of_text|>";
+  const std::string out = test::temp_path("llama_run");
+  Outcome trained = run(std::string(TALLY_CLI) + " train --model llama3-d1 --train-data " + prefix +
+                        "_train.bin --batch-size 2 --seq-len 16 --steps 3 --threads 1 --sample-every -1 "
+                        "--save-every 3 --quiet --out-dir " + out);
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  const std::string greedy = " --tokenizer " + tok + " --prompt 'The cat' --tokens 6 --temperature 0 --no-stop-at-eot";
+  Outcome a = run(std::string(TALLY_CLI) + " sample --model-file " + out + greedy);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_EQ(a.output.rfind("The cat", 0), 0u) << a.output;
+  const std::string hf = test::temp_path("llama_hf");
+  Outcome e = run(std::string(TALLY_CLI) + " export --model-file " + out + " --format hf -o " + hf);
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_TRUE(std::filesystem::exists(hf + "/config.json") && std::filesystem::exists(hf + "/model.safetensors"));
+  Outcome b = run(std::string(TALLY_CLI) + " sample --model-file " + hf + greedy);
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_EQ(b.output, a.output) << "the exported model samples the same greedy text";
+  Outcome bad = run(std::string(TALLY_CLI) + " sample --model-file " + out + " --top-p 1.5");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.output.find("--top-p must be in (0, 1]"), std::string::npos) << bad.output;
+}

@@ -20,6 +20,7 @@
 #include "optim/adamw.h"
 #include "support.h"
 #include "train/plan.h"
+#include "train/sampler.h"
 
 using namespace tally;
 namespace fs = std::filesystem;
@@ -264,4 +265,28 @@ TEST(KvCache, RefusesGradientsAndOverflow) {
   EXPECT_NE(test::message_of<Error>([&] { m->forward(five.slice(1, 0, 1).contiguous(), Tensor(), true, &cache); })
                 .find("inference"),
             std::string::npos);
+}
+
+TEST(Sampler, NucleusOfATinyMassIsGreedyAndStopTokensEndASample) {
+  auto m = tiny_llama();
+  train::SampleOptions greedy;
+  greedy.tokens = 12;
+  greedy.temperature = 0;
+  Rng rng(1);
+  const std::vector<int32_t> want = train::sample(*m, {1, 2, 3}, greedy, rng);
+  ASSERT_EQ(want.size(), 12u);
+  train::SampleOptions nucleus = greedy;
+  nucleus.temperature = 1.0;
+  nucleus.top_k = 0;
+  nucleus.top_p = 1e-9;  // only the likeliest token is inside the nucleus
+  EXPECT_EQ(train::sample(*m, {1, 2, 3}, nucleus, rng), want);
+  // Decoding past the context restarts the cache from the last half and keeps going.
+  train::SampleOptions longer = greedy;
+  longer.tokens = 40;  // the model's context is 32
+  EXPECT_EQ(train::sample(*m, {1, 2, 3}, longer, rng).size(), 40u);
+  train::SampleOptions stop = greedy;
+  stop.stop_tokens = {want[4]};
+  const auto cut = train::sample(*m, {1, 2, 3}, stop, rng);
+  EXPECT_EQ(cut.back(), want[4]);
+  EXPECT_LE(cut.size(), 5u);
 }
