@@ -11,6 +11,7 @@
 #include "io/model_files.h"
 #include "support.h"
 #include "train/plan.h"
+#include "runtime/backend.h"
 #include "train/trainer.h"
 
 using namespace tally;
@@ -118,4 +119,40 @@ TEST(Plan, SaysWhenItsPeakMomentMayNotHold) {
   EXPECT_NE(small.ranks[0].parts.back().first.find("all-gather"), std::string::npos);
   in.zero = 4;
   EXPECT_NE(test::message_of<Error>([&] { train::plan_memory(in); }).find("--zero must be 0, 1, 2 or 3"), std::string::npos);
+}
+
+// The >5% warning names the kind of memory furthest from the plan and its largest owner at
+// the peak, from the ledger's snapshot of the peak moment.
+TEST(Plan, ExplainsAMissedPeakByTheLargestOwnerOfTheKindFurthestOff) {
+  auto& ledger = runtime::ledger();
+  ledger.track_peak_owners(true);
+  ledger.reset_peaks();
+  auto tag = [](Category c, const char* name) {
+    OwnerTag t;
+    t.category = c;
+    t.name = intern_name(name);
+    return t;
+  };
+  {
+    Tensor small = Tensor::empty({1024}, DType::F32, Device::cpu(), tag(Category::Activation, "test.small_activation"));
+    Tensor big = Tensor::empty({4096}, DType::F32, Device::cpu(), tag(Category::SavedForBackward, "test.big_saved"));
+    Tensor param = Tensor::empty({2048}, DType::F32, Device::cpu(), tag(Category::Parameter, "test.weights"));
+  }
+  // Freed since: the snapshot still holds the peak moment, largest first.
+  const std::vector<memory::OwnerBytes> at_peak = ledger.peak_owners();
+  ledger.track_peak_owners(false);
+  auto bytes_of = [&](const char* name) {
+    for (const auto& o : at_peak)
+      if (name_of(o.name) == name) return o.bytes;
+    return int64_t{-1};
+  };
+  EXPECT_EQ(bytes_of("test.big_saved"), 4096 * 4);
+  EXPECT_EQ(bytes_of("test.small_activation"), 1024 * 4);
+  EXPECT_EQ(bytes_of("test.weights"), 2048 * 4);
+  train::RankPlan plan;
+  plan.parts = {{"parameters", 2048 * 4}, {"activations (one microbatch)", 1024 * 4}};
+  const std::string why = train::explain_peak(plan, at_peak);
+  // Parameters match; activations (saved tensors included) are 16 KiB over: the largest is the saved one.
+  EXPECT_EQ(why.rfind("activations are 16.0 KiB over the plan", 0), 0u) << why;
+  EXPECT_NE(why.find("the largest at the peak: test.big_saved, 16.0 KiB"), std::string::npos) << why;
 }

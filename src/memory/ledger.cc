@@ -1,5 +1,7 @@
 #include "memory/ledger.h"
 
+#include <unordered_map>
+
 #include <execinfo.h>
 
 #include <algorithm>
@@ -38,6 +40,7 @@ uint32_t Ledger::record_alloc(int64_t bytes, const OwnerTag& owner, std::weak_pt
   }
   const auto c = static_cast<int>(owner.category);
   stats_.allocated += bytes;
+  const bool new_peak = stats_.allocated > stats_.peak_allocated;
   stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
   stats_.allocated_by_category[c] += bytes;
   stats_.peak_by_category[c] = std::max(stats_.peak_by_category[c], stats_.allocated_by_category[c]);
@@ -54,7 +57,30 @@ uint32_t Ledger::record_alloc(int64_t bytes, const OwnerTag& owner, std::weak_pt
     history_.push_back({now_us(), bytes, owner.category, owner.name, owner.step, owner.microbatch, rec.stack, false, id});
   }
   *id_out = id;
+  if (new_peak && track_peak_owners_) snapshot_peak_owners();
   return slot;
+}
+
+void Ledger::snapshot_peak_owners() {
+  std::unordered_map<uint64_t, int64_t> by_owner;
+  for (const LiveAllocation& rec : slots_)
+    if (rec.id != 0)
+      by_owner[(static_cast<uint64_t>(rec.owner.category) << 32) | rec.owner.name] += rec.bytes;
+  peak_owners_.clear();
+  for (const auto& [key, bytes] : by_owner)
+    peak_owners_.push_back({static_cast<Category>(key >> 32), static_cast<NameId>(key & 0xFFFFFFFFu), bytes});
+  std::sort(peak_owners_.begin(), peak_owners_.end(),
+            [](const OwnerBytes& a, const OwnerBytes& b) { return a.bytes != b.bytes ? a.bytes > b.bytes : a.name < b.name; });
+}
+
+void Ledger::track_peak_owners(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  track_peak_owners_ = on;
+}
+
+std::vector<OwnerBytes> Ledger::peak_owners() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return peak_owners_;
 }
 
 LiveAllocation* Ledger::record_at(uint32_t slot, uint64_t id) {

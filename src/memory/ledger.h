@@ -62,6 +62,13 @@ struct MemoryEvent {
 
 class CachingAllocator;
 
+// Live bytes of one owner (category and name) at a moment.
+struct OwnerBytes {
+  Category category = Category::Other;
+  NameId name = 0;
+  int64_t bytes = 0;
+};
+
 class Ledger {
  public:
   explicit Ledger(Device device) : device_(device) {}
@@ -76,6 +83,13 @@ class Ledger {
   LiveAllocation find(uint64_t id) const;  // id 0 when not live
   // The largest id handed out so far: allocations with a larger id are born after this call.
   uint64_t last_id() const;
+
+  // Who holds the peak: while on, every allocation that raises the peak records the live
+  // bytes by owner (category and name), largest first. A scan of the live records per new
+  // peak: meant for a few steps of diagnosis (the trainer's check against its plan), not
+  // for every step. reset_peaks() keeps the last snapshot until the peak rises again.
+  void track_peak_owners(bool on);
+  std::vector<OwnerBytes> peak_owners() const;
 
   // History: alloc/free events, optionally with native stacks.
   void enable_history(bool enabled, bool with_stacks = false);
@@ -102,6 +116,9 @@ class Ledger {
   std::vector<LiveAllocation> slots_;  // a record is live when its id is not 0
   std::vector<uint32_t> free_slots_;
   Stats stats_;
+  void snapshot_peak_owners();  // mutex_ held
+  bool track_peak_owners_ = false;
+  std::vector<OwnerBytes> peak_owners_;
   bool history_enabled_ = false;
   bool history_stacks_ = false;
   std::vector<MemoryEvent> history_;

@@ -199,6 +199,63 @@ std::string plan_text(const MemoryPlan& plan, const PlanInput& in) {
   return out;
 }
 
+std::string memory_kind(const std::string& part) {
+  auto starts = [&](const char* prefix) { return part.rfind(prefix, 0) == 0; };
+  if (starts("parameters")) return "parameters";
+  if (starts("gradient")) return "gradients";  // the gradients and ZeRO's staging of them
+  if (starts("optimizer")) return "optimizer state";
+  if (starts("activations") || starts("transient") || starts("loss")) return "activations";
+  if (starts("loader")) return "data";
+  if (starts("gathered") || starts("all-gather")) return "communication";
+  return "other";
+}
+
+std::string memory_kind(Category category) {
+  switch (category) {
+    case Category::Parameter: return "parameters";
+    case Category::Gradient: return "gradients";
+    case Category::OptimizerState: return "optimizer state";
+    case Category::Activation:
+    case Category::SavedForBackward:
+    case Category::Workspace: return "activations";
+    case Category::Data: return "data";
+    case Category::Communication: return "communication";
+    case Category::Other: return "other";
+  }
+  return "other";
+}
+
+std::string explain_peak(const RankPlan& plan, const std::vector<memory::OwnerBytes>& at_peak) {
+  std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> kinds;  // kind -> (planned, measured)
+  auto slot = [&](const std::string& kind) -> std::pair<int64_t, int64_t>& {
+    for (auto& [k, v] : kinds)
+      if (k == kind) return v;
+    kinds.push_back({kind, {0, 0}});
+    return kinds.back().second;
+  };
+  for (const auto& [name, bytes] : plan.parts) slot(memory_kind(name)).first += bytes;
+  for (const memory::OwnerBytes& o : at_peak) slot(memory_kind(o.category)).second += o.bytes;
+  if (kinds.empty()) return "";
+  auto off = [](const std::pair<int64_t, int64_t>& v) { return v.second - v.first; };
+  const auto worst = std::max_element(kinds.begin(), kinds.end(), [&](const auto& a, const auto& b) {
+    return std::llabs(off(a.second)) < std::llabs(off(b.second));
+  });
+  const int64_t delta = off(worst->second);
+  const std::string& kind = worst->first;
+  const bool plural = kind == "parameters" || kind == "gradients" || kind == "activations";
+  std::string out = (kind == "other" ? std::string("other memory") : kind) + (plural ? " are " : " is ") +
+                    memory::format_bytes(std::llabs(delta)) + (delta >= 0 ? " over" : " under") +
+                    " the plan (" + memory::format_bytes(worst->second.second) + " against " +
+                    memory::format_bytes(worst->second.first) + ")";
+  for (const memory::OwnerBytes& o : at_peak)  // largest first
+    if (memory_kind(o.category) == worst->first) {
+      out += "; the largest at the peak: " + (o.name ? name_of(o.name) : std::string("(unnamed)")) + ", " +
+             memory::format_bytes(o.bytes);
+      break;
+    }
+  return out;
+}
+
 std::string plan_json(const MemoryPlan& plan) {
   nlohmann::json ranks = nlohmann::json::array();
   for (const RankPlan& r : plan.ranks) {

@@ -40,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "memory/ledger.h"
 #include "nn/transformer.h"
 
 namespace tally::train {
@@ -71,5 +72,17 @@ std::vector<int64_t> unit_numels(const nn::TransformerConfig& c);
 std::string plan_text(const MemoryPlan& plan, const PlanInput& input);
 // {"ranks": [{"rank": 0, "predicted_peak_bytes": N, "parts": {...}}, ...], "activations": {...}}
 std::string plan_json(const MemoryPlan& plan);
+
+// The kind of memory a plan part or a ledger category is: parameters, gradients,
+// optimizer state, activations (activations, saved tensors, workspaces, the loss),
+// data, communication, other.
+std::string memory_kind(const std::string& plan_part);
+std::string memory_kind(Category category);
+
+// Why a measured peak differs from the plan: the kind of memory furthest from its planned
+// bytes, and its largest owner at the peak, e.g. "activations are 152.0 KiB over the plan
+// (480.0 KiB against 328.0 KiB); the largest at the peak: h.1.mlp:swiglu_dgate, 64.0 KiB".
+// `at_peak` is the ledger's snapshot (Ledger::peak_owners).
+std::string explain_peak(const RankPlan& plan, const std::vector<memory::OwnerBytes>& at_peak);
 
 }  // namespace tally::train

@@ -373,6 +373,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     planned_peak = rank_plan.predicted_peak_bytes;
     plan_parts = rank_plan.parts;
   }
+  // Who holds the peak, for the check against the plan after the second step.
+  ledger.track_peak_owners(true);
   const int64_t states_bytes = zero ? zero->footprint().total() : 16 * P;  // fp32 param, grad, m, v
 
   for (int64_t step = start_step; step < c.steps; ++step) {
@@ -445,11 +447,16 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
         const double off = static_cast<double>(s.peak_allocated - planned_peak) / static_cast<double>(planned_peak);
         log("memory: planned peak %s (tally plan), measured %s: %+.2f%%\n", format_bytes(planned_peak).c_str(),
             format_bytes(s.peak_allocated).c_str(), 100.0 * off);
-        if (std::abs(off) > 0.05 && root)
-          std::fprintf(stderr, "tally: warning: rank %lld's measured peak %s is %+.1f%% off the plan %s; "
+        if (std::abs(off) > 0.05 && root) {
+          RankPlan mine;
+          mine.parts = plan_parts;
+          std::fprintf(stderr, "tally: warning: rank %lld's measured peak %s is %+.1f%% off the plan %s: %s; "
                        "--mem-trace F.html shows who holds what\n", static_cast<long long>(world.rank()),
-                       format_bytes(s.peak_allocated).c_str(), 100.0 * off, format_bytes(planned_peak).c_str());
+                       format_bytes(s.peak_allocated).c_str(), 100.0 * off, format_bytes(planned_peak).c_str(),
+                       explain_peak(mine, ledger.peak_owners()).c_str());
+        }
       }
+      ledger.track_peak_owners(false);
       if (D > 1) {
         const auto& st = s.allocated_by_category;
         const int64_t held = st[static_cast<int>(Category::Parameter)] + st[static_cast<int>(Category::Gradient)] +
