@@ -199,3 +199,20 @@ double gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, std
 }
 
 }  // namespace tally::test
+
+namespace tally::test {
+Tensor stacked_llmc_grad(const nn::Transformer& m, const std::string& name) {
+  for (const nn::LlmcTensor& t : m.llmc_tensors()) {
+    if (t.name != name) continue;
+    std::vector<Tensor> parts;
+    for (size_t i : t.params) {
+      Tensor g = m.params()[i].grad();
+      if (t.vocab_rows) g = g.slice(0, 0, m.config().vocab_size);
+      parts.push_back(g.reshape({-1}));
+    }
+    return ops::cat(parts, 0).reshape(t.shape);
+  }
+  ADD_FAILURE() << "no llm.c tensor " << name;
+  return Tensor();
+}
+}  // namespace tally::test

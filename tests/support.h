@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "nn/transformer.h"
 #include "train/trainer.h"
 
 namespace tally::test {
@@ -54,6 +55,10 @@ const char* chromium();
 
 // An llm.c token shard of `n` random tokens below `vocab` (uint16), at temp_path(name).
 std::string write_random_shard(const std::string& name, int64_t n, int vocab, uint64_t seed);
+
+// The llm.c-layout gradient `name` of a model (stacked over layers; the vocabulary rows
+// only, for tensors llm.c stores unpadded), for comparing with a PyTorch fixture.
+Tensor stacked_llmc_grad(const nn::Transformer& model, const std::string& name);
 
 // Largest |a - b| and the largest |b| (the reference's scale).
 struct Diff {

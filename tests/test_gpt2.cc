@@ -42,17 +42,6 @@ std::unique_ptr<nn::Transformer> tiny_model() {
   return m;
 }
 
-// The stacked llm.c gradient `name` gathered from the model's per-layer gradients.
-Tensor stacked_grad(const nn::Transformer& m, const std::string& name) {
-  for (const nn::LlmcTensor& t : m.llmc_tensors()) {
-    if (t.name != name) continue;
-    std::vector<Tensor> parts;
-    for (size_t i : t.params) parts.push_back(m.params()[i].grad().reshape({-1}));
-    return ops::cat(parts, 0).reshape(t.shape);
-  }
-  ADD_FAILURE() << "no llm.c tensor " << name;
-  return Tensor();
-}
 
 double relative_max_diff(const Tensor& a, const Tensor& b) {
   test::Diff d = test::compare(a, b);
@@ -84,7 +73,7 @@ TEST(Gpt2Parity, LogitsLossAndEveryGradientMatchPyTorchAtStepZero) {
   r.logits = Tensor();
   r.loss.backward();
   for (auto& [name, shape] : nn::llmc_tensor_layout(m->config())) {
-    double rel = relative_max_diff(stacked_grad(*m, name), ref().at("grad." + name));
+    double rel = relative_max_diff(test::stacked_llmc_grad(*m, name), ref().at("grad." + name));
     EXPECT_LT(rel, 1e-4) << "gradient of " << name;
   }
 }

@@ -38,21 +38,6 @@ std::unique_ptr<nn::Transformer> tiny_llama() {
   return m;
 }
 
-// The llm.c-layout gradient `name` (stacked over layers, unpadded vocabulary rows).
-Tensor stacked_grad(const nn::Transformer& m, const std::string& name) {
-  for (const nn::LlmcTensor& t : m.llmc_tensors()) {
-    if (t.name != name) continue;
-    std::vector<Tensor> parts;
-    for (size_t i : t.params) {
-      Tensor g = m.params()[i].grad();
-      if (t.vocab_rows) g = g.slice(0, 0, m.config().vocab_size);
-      parts.push_back(g.reshape({-1}));
-    }
-    return ops::cat(parts, 0).reshape(t.shape);
-  }
-  ADD_FAILURE() << "no llm.c tensor " << name;
-  return Tensor();
-}
 
 std::vector<double> train_steps(nn::Transformer& m, optim::AdamWConfig ac, double lr, double clip) {
   optim::AdamW opt(m.params(), ac);
@@ -112,7 +97,7 @@ TEST(LlamaParity, LogitsLossAndEveryGradientMatchPyTorchAtStepZero) {
   r.logits = Tensor();
   r.loss.backward();
   for (auto& [name, shape] : nn::llmc_tensor_layout(m->config())) {
-    test::Diff d = test::compare(stacked_grad(*m, name), ref().at("grad." + name));
+    test::Diff d = test::compare(test::stacked_llmc_grad(*m, name), ref().at("grad." + name));
     EXPECT_LT(d.max_abs / std::max(d.ref_scale, 1e-30), 1e-4) << "gradient of " << name;
   }
 }

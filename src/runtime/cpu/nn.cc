@@ -22,6 +22,20 @@ int64_t index_value(const Tensor& idx, int64_t i) {
     default: TALLY_FAIL("indices must be an integer tensor, got ", idx.str());
   }
 }
+
+// out[c] = the sum over threads t < used of partial[t * C + c]: a weight gradient's
+// per-thread partial sums, added in thread order (deterministic for a fixed thread count).
+// Does nothing when out is undefined (that gradient is not wanted).
+template <class T>
+void sum_partials(const Tensor& out, const std::vector<T>& partial, int used, int64_t C) {
+  if (!out.defined()) return;
+  T* po = out.data<T>();
+  for (int64_t c = 0; c < C; ++c) {
+    T s = 0;
+    for (int t = 0; t < used; ++t) s += partial[static_cast<size_t>(t * C + c)];
+    po[c] = s;
+  }
+}
 }  // namespace
 
 // out[n, :] = weight[indices[n], :]
@@ -149,22 +163,8 @@ void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, co
         }
       }
     }
-    if (dw.defined()) {
-      T* pdw = dw.data<T>();
-      for (int64_t c = 0; c < C; ++c) {
-        T s = 0;
-        for (int t = 0; t < used_threads; ++t) s += partial_w[t * C + c];
-        pdw[c] = s;
-      }
-    }
-    if (db.defined()) {
-      T* pdb = db.data<T>();
-      for (int64_t c = 0; c < C; ++c) {
-        T s = 0;
-        for (int t = 0; t < used_threads; ++t) s += partial_b[t * C + c];
-        pdb[c] = s;
-      }
-    }
+    sum_partials(dw, partial_w, used_threads, C);
+    sum_partials(db, partial_b, used_threads, C);
   });
 }
 
@@ -268,14 +268,7 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dout, co
         }
       }
     }
-    if (dw.defined()) {
-      T* pdw = dw.data<T>();
-      for (int64_t c = 0; c < C; ++c) {
-        T s = 0;
-        for (int t = 0; t < used_threads; ++t) s += partial_w[t * C + c];
-        pdw[c] = s;
-      }
-    }
+    sum_partials(dw, partial_w, used_threads, C);
   });
 }
 
