@@ -149,9 +149,8 @@ TEST(Plan, ExplainsAMissedPeakByTheLargestOwnerOfTheKindFurthestOff) {
   EXPECT_EQ(bytes_of("test.big_saved"), 4096 * 4);
   EXPECT_EQ(bytes_of("test.small_activation"), 1024 * 4);
   EXPECT_EQ(bytes_of("test.weights"), 2048 * 4);
-  train::RankPlan plan;
-  plan.parts = {{"parameters", 2048 * 4}, {"activations (one microbatch)", 1024 * 4}};
-  const std::string why = train::explain_peak(plan, at_peak);
+  const std::string why =
+      train::explain_peak({{"parameters", 2048 * 4}, {"activations (one microbatch)", 1024 * 4}}, at_peak);
   // Parameters match; activations (saved tensors included) are 16 KiB over: the largest is the saved one.
   EXPECT_EQ(why.rfind("activations are 16.0 KiB over the plan", 0), 0u) << why;
   EXPECT_NE(why.find("the largest at the peak: test.big_saved, 16.0 KiB"), std::string::npos) << why;

@@ -28,8 +28,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-data::Tokenizer load_tokenizer(const std::string& path) { return data::Tokenizer::load_path(path); }
-
 constexpr const char* kModelHelp =
     "Preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, dN (depth N); llama3.2-1b, llama3.2-3b, llama3.1-8b, llama3-dN";
 constexpr const char* kTokenizerHelp =
@@ -111,6 +109,16 @@ std::string resolve_model_file(const std::string& path) {
   return model.string();
 }
 
+// The model a --model-file names: an llm.c file, a checkpoint or out-dir (resolved as
+// above), or a HuggingFace model directory. Sets `*file` to what was read.
+std::unique_ptr<nn::Transformer> load_model(const std::string& path, std::string* file) {
+  const bool hf = io::is_hf_model_dir(path);
+  *file = hf ? path : resolve_model_file(path);
+  auto model = std::make_unique<nn::Transformer>(hf ? io::read_hf_config(*file) : io::read_llmc_config(*file));
+  hf ? io::load_hf(*file, *model) : io::load_llmc(*file, *model);
+  return model;
+}
+
 int run_sample(const SampleArgs& a) {
   TALLY_CHECK(a.count >= 1, "--count must be at least 1, got ", a.count);
   TALLY_CHECK(a.tokens >= 0, "--tokens must be >= 0, got ", a.tokens);
@@ -122,14 +130,12 @@ int run_sample(const SampleArgs& a) {
   TALLY_CHECK(a.prompt.empty() || !a.tokenizer.empty(),
               "--prompt needs --tokenizer (tokenizer.json, or encoder.json + vocab.bpe) to turn the text into tokens");
   if (a.threads > 0) omp_set_num_threads(a.threads);
-  // An llm.c file, a checkpoint or out-dir, or a HuggingFace model directory.
-  const bool hf = fs::is_directory(a.model_file) && fs::exists(fs::path(a.model_file) / "config.json");
-  const std::string model_file = hf ? a.model_file : resolve_model_file(a.model_file);
-  nn::Transformer model(hf ? io::read_hf_config(model_file) : io::read_llmc_config(model_file));
-  hf ? io::load_hf(model_file, model) : io::load_llmc(model_file, model);
+  std::string model_file;
+  const std::unique_ptr<nn::Transformer> loaded = load_model(a.model_file, &model_file);
+  const nn::Transformer& model = *loaded;
   std::vector<int32_t> prompt;
   std::unique_ptr<data::Tokenizer> tok;
-  if (!a.tokenizer.empty()) tok = std::make_unique<data::Tokenizer>(load_tokenizer(a.tokenizer));
+  if (!a.tokenizer.empty()) tok = std::make_unique<data::Tokenizer>(data::Tokenizer::load_path(a.tokenizer));
   TALLY_CHECK(!tok || tok->vocab_size() <= model.config().vocab_size, "--tokenizer '", a.tokenizer, "' has ",
               tok ? tok->vocab_size() : 0, " tokens but the model '", model_file, "' only ", model.config().vocab_size,
               ": they do not belong together");
@@ -222,7 +228,7 @@ struct TokenizeArgs {
 // are shuffled first; the last documents holding --val-fraction of the tokens go to
 // <prefix>_val.bin, the rest to <prefix>_train.bin (a split never cuts a document).
 int run_tokenize(const TokenizeArgs& a) {
-  data::Tokenizer tok = load_tokenizer(a.tokenizer);
+  data::Tokenizer tok = data::Tokenizer::load_path(a.tokenizer);
   TALLY_CHECK(tok.can_encode(), "tokenize: --tokenizer must hold tokenizer.json or encoder.json + vocab.bpe (an llm.c "
               "tokenizer .bin only decodes)");
   TALLY_CHECK(a.val_fraction >= 0 && a.val_fraction < 1, "--val-fraction must be in [0, 1)");
@@ -269,10 +275,9 @@ struct ExportArgs {
 // A trained model out of tally: a HuggingFace directory (transformers loads it) or an llm.c
 // model file.
 int run_export(const ExportArgs& a) {
-  const bool hf_in = fs::is_directory(a.model_file) && fs::exists(fs::path(a.model_file) / "config.json");
-  const std::string model_file = hf_in ? a.model_file : resolve_model_file(a.model_file);
-  nn::Transformer model(hf_in ? io::read_hf_config(model_file) : io::read_llmc_config(model_file));
-  hf_in ? io::load_hf(model_file, model) : io::load_llmc(model_file, model);
+  std::string model_file;
+  const std::unique_ptr<nn::Transformer> loaded = load_model(a.model_file, &model_file);
+  const nn::Transformer& model = *loaded;
   if (a.format == "hf") io::save_hf(a.out, model, a.bf16);
   else io::save_llmc(a.out, model, a.bf16);
   std::printf("wrote %s (%s, %s, %s)\n", a.out.c_str(), a.format == "hf" ? "HuggingFace" : "llm.c",

@@ -421,6 +421,16 @@ struct Tokenizer::Impl {
   // the merge that created it, which makes bpe_heap() give the same result as bpe_simple().
   bool ranks_well_ordered = false;
 
+  // byte_id from the vocabulary: every byte must be a token of its own.
+  void set_byte_ids(const std::unordered_map<std::string, int32_t>& bytes_to_id, const std::string& what) {
+    for (int b = 0; b < 256; ++b) {
+      const auto it = bytes_to_id.find(std::string(1, static_cast<char>(b)));
+      TALLY_CHECK(it != bytes_to_id.end(), what, ": expected a token for every byte, found none for byte ", b, " (",
+                  code_point_name(byte_alphabet().byte_to_cp[b]), ")");
+      byte_id[b] = it->second;
+    }
+  }
+
   // Every token but the byte tokens and `unmerged` (special tokens) must be made by some
   // merge: a token no merge makes could never be produced (the merges are truncated or from
   // another vocabulary, and encoding would silently differ). Also settles ranks_well_ordered.
@@ -600,12 +610,7 @@ Tokenizer Tokenizer::load(const std::string& encoder_json_path, const std::strin
     m.id_to_bytes[id] = bytes;
     bytes_to_id.emplace(bytes, static_cast<int32_t>(id));
   }
-  for (int b = 0; b < 256; ++b) {
-    const auto it = bytes_to_id.find(std::string(1, static_cast<char>(b)));
-    TALLY_CHECK(it != bytes_to_id.end(), "GPT-2 encoder.json '", encoder_json_path, "': expected a token for every byte, found none for byte ",
-                b, " (", code_point_name(byte_alphabet().byte_to_cp[b]), ")");
-    m.byte_id[b] = it->second;
-  }
+  m.set_byte_ids(bytes_to_id, "GPT-2 encoder.json '" + encoder_json_path + "'");
   const auto eot = bytes_to_id.find(kEotString);
   TALLY_CHECK(eot != bytes_to_id.end(), "GPT-2 encoder.json '", encoder_json_path, "': expected a \"", kEotString,
               "\" token, found none");
@@ -723,11 +728,7 @@ Tokenizer Tokenizer::load_llama3(const std::string& path) {
   }
   TALLY_CHECK(m.separator >= 0 && m.eot >= 0, what, ": expected the special tokens <|begin_of_text|> and <|end_of_text|>");
   for (std::size_t id = 0; id < n; ++id) TALLY_CHECK(seen[id], what, ": no token has id ", id, " (ids must be dense)");
-  for (int b = 0; b < 256; ++b) {
-    const auto it = bytes_to_id.find(std::string(1, static_cast<char>(b)));
-    TALLY_CHECK(it != bytes_to_id.end(), what, ": expected a token for every byte, found none for byte ", b);
-    m.byte_id[b] = it->second;
-  }
+  m.set_byte_ids(bytes_to_id, what);
   // Merges in rank order: "a b" strings (older files) or ["a", "b"] pairs (newer ones).
   int32_t rank = 0;
   std::string a_bytes, b_bytes;

@@ -153,12 +153,26 @@ nn::TransformerConfig llama_config(const std::string& path) {
   return c;
 }
 
+// GPT-2's HuggingFace names: tally's parameter names, with ".weight" on the two tables.
+std::string gpt2_hf_name(const std::string& name) { return name == "wte" || name == "wpe" ? name + ".weight" : name; }
+// HF's Conv1D layers store their weights (in, out): the 2-D weights inside the blocks.
+bool gpt2_conv1d(const std::string& name) {
+  return name.rfind("h.", 0) == 0 && name.find(".weight") != std::string::npos && name.find("ln_") == std::string::npos;
+}
+// The key of `hf_name` in a GPT-2 file, which may prefix every name with "transformer.";
+// empty when the file has neither.
+std::string gpt2_key(const SafetensorsFile& f, const std::string& hf_name) {
+  if (f.has(hf_name)) return hf_name;
+  if (f.has("transformer." + hf_name)) return "transformer." + hf_name;
+  return "";
+}
+
 nn::TransformerConfig gpt2_config(const HfSource& src) {
   SafetensorsFile f = read_safetensors(src.shards.at(0), Category::Other);
   auto key = [&](const std::string& name) {
-    if (f.has(name)) return name;
-    if (f.has("transformer." + name)) return "transformer." + name;
-    TALLY_FAIL("HuggingFace GPT-2 file '", f.path, "': missing tensor '", name, "'");
+    const std::string k = gpt2_key(f, name);
+    TALLY_CHECK(!k.empty(), "HuggingFace GPT-2 file '", f.path, "': missing tensor '", name, "'");
+    return k;
   };
   const Tensor& wte = f.at(key("wte.weight"));
   const Tensor& wpe = f.at(key("wpe.weight"));
@@ -171,7 +185,7 @@ nn::TransformerConfig gpt2_config(const HfSource& src) {
   c.n_embd = wte.shape()[1];
   c.max_seq_len = wpe.shape()[0];
   int64_t L = 0;
-  while (f.has("h." + std::to_string(L) + ".ln_1.weight") || f.has("transformer.h." + std::to_string(L) + ".ln_1.weight")) ++L;
+  while (!gpt2_key(f, "h." + std::to_string(L) + ".ln_1.weight").empty()) ++L;
   TALLY_CHECK(L > 0, "HuggingFace GPT-2 file '", f.path, "': no layers (h.0.ln_1.weight) found");
   c.n_layer = L;
   // The head count is not in the weights: config.json's n_head, the file's n_head
@@ -294,18 +308,16 @@ void load_gpt2(const HfSource& src, nn::Transformer& model) {
   for (size_t i = 0; i < params.size(); ++i) {
     const std::string& name = params.spec(i).name;
     const Tensor& dst = params[i];
-    const std::string hf_name = (name == "wte" || name == "wpe") ? name + ".weight" : name;
-    const std::string key = f.has(hf_name) ? hf_name : "transformer." + hf_name;
-    TALLY_CHECK(f.has(key), "HuggingFace GPT-2 file '", path, "': missing tensor '", hf_name, "'");
+    const std::string hf_name = gpt2_hf_name(name);
+    const std::string key = gpt2_key(f, hf_name);
+    TALLY_CHECK(!key.empty(), "HuggingFace GPT-2 file '", path, "': missing tensor '", hf_name, "'");
     const Tensor& src_t = f.at(key);
     require_float(src_t, path, hf_name);
-    bool conv1d = name.find(".weight") != std::string::npos && name.find("ln_") == std::string::npos && name != "wte" &&
-                  name.rfind("h.", 0) == 0;
     if (name == "wte") {
       require_shape(src_t, {c.vocab_size, c.n_embd}, path, "wte.weight");
       dst.zero_();
       dst.slice(0, 0, c.vocab_size).detach().copy_(src_t);
-    } else if (conv1d) {
+    } else if (gpt2_conv1d(name)) {
       require_shape(src_t, {dst.shape()[1], dst.shape()[0]}, path, name + " (Conv1D layout: in, out)");
       dst.copy_(src_t.transpose(0, 1));
     } else {
@@ -315,6 +327,11 @@ void load_gpt2(const HfSource& src, nn::Transformer& model) {
   }
 }
 }  // namespace
+
+bool is_hf_model_dir(const std::string& path) {
+  std::error_code ec;
+  return fs::is_directory(path, ec) && fs::exists(fs::path(path) / "config.json", ec);
+}
 
 nn::TransformerConfig read_hf_config(const std::string& path) {
   HfSource src = locate(path);
@@ -377,9 +394,7 @@ void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
       const std::string& name = p.spec(i).name;
       Tensor t = p[i].detach();
       if (name == "wte") t = t.slice(0, 0, c.vocab_size);
-      const bool conv1d = name.rfind("h.", 0) == 0 && name.find(".weight") != std::string::npos &&
-                          name.find("ln_") == std::string::npos;
-      add(name == "wte" || name == "wpe" ? name + ".weight" : name, conv1d ? t.transpose(0, 1) : t);
+      add(gpt2_hf_name(name), gpt2_conv1d(name) ? t.transpose(0, 1) : t);
     }
     config = {{"architectures", {"GPT2LMHeadModel"}},
               {"model_type", "gpt2"},

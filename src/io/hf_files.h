@@ -16,6 +16,8 @@
 
 namespace tally::io {
 
+// Whether `path` is a HuggingFace model directory (it holds config.json).
+bool is_hf_model_dir(const std::string& path);
 // The model's shape from `path`: a model directory or a model.safetensors file.
 nn::TransformerConfig read_hf_config(const std::string& path);
 // Reads the weights into `model`, built from read_hf_config(path).

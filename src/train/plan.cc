@@ -225,7 +225,8 @@ std::string memory_kind(Category category) {
   return "other";
 }
 
-std::string explain_peak(const RankPlan& plan, const std::vector<memory::OwnerBytes>& at_peak) {
+std::string explain_peak(const std::vector<std::pair<std::string, int64_t>>& plan_parts,
+                         const std::vector<memory::OwnerBytes>& at_peak) {
   std::vector<std::pair<std::string, std::pair<int64_t, int64_t>>> kinds;  // kind -> (planned, measured)
   auto slot = [&](const std::string& kind) -> std::pair<int64_t, int64_t>& {
     for (auto& [k, v] : kinds)
@@ -233,7 +234,7 @@ std::string explain_peak(const RankPlan& plan, const std::vector<memory::OwnerBy
     kinds.push_back({kind, {0, 0}});
     return kinds.back().second;
   };
-  for (const auto& [name, bytes] : plan.parts) slot(memory_kind(name)).first += bytes;
+  for (const auto& [name, bytes] : plan_parts) slot(memory_kind(name)).first += bytes;
   for (const memory::OwnerBytes& o : at_peak) slot(memory_kind(o.category)).second += o.bytes;
   if (kinds.empty()) return "";
   auto off = [](const std::pair<int64_t, int64_t>& v) { return v.second - v.first; };

@@ -83,6 +83,7 @@ std::string memory_kind(Category category);
 // bytes, and its largest owner at the peak, e.g. "activations are 152.0 KiB over the plan
 // (480.0 KiB against 328.0 KiB); the largest at the peak: h.1.mlp:swiglu_dgate, 64.0 KiB".
 // `at_peak` is the ledger's snapshot (Ledger::peak_owners).
-std::string explain_peak(const RankPlan& plan, const std::vector<memory::OwnerBytes>& at_peak);
+std::string explain_peak(const std::vector<std::pair<std::string, int64_t>>& plan_parts,
+                         const std::vector<memory::OwnerBytes>& at_peak);
 
 }  // namespace tally::train

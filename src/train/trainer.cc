@@ -448,12 +448,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
         log("memory: planned peak %s (tally plan), measured %s: %+.2f%%\n", format_bytes(planned_peak).c_str(),
             format_bytes(s.peak_allocated).c_str(), 100.0 * off);
         if (std::abs(off) > 0.05 && root) {
-          RankPlan mine;
-          mine.parts = plan_parts;
           std::fprintf(stderr, "tally: warning: rank %lld's measured peak %s is %+.1f%% off the plan %s: %s; "
                        "--mem-trace F.html shows who holds what\n", static_cast<long long>(world.rank()),
                        format_bytes(s.peak_allocated).c_str(), 100.0 * off, format_bytes(planned_peak).c_str(),
-                       explain_peak(mine, ledger.peak_owners()).c_str());
+                       explain_peak(plan_parts, ledger.peak_owners()).c_str());
         }
       }
       ledger.track_peak_owners(false);
