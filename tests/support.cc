@@ -21,6 +21,8 @@ namespace tally::test {
 std::string temp_path(const std::string& name) {
   const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
   std::string test = info ? std::string(info->test_suite_name()) + "." + info->name() : "no_test";
+  for (char& c : test)
+    if (c == '/') c = '_';  // parameterized tests: Suite/Case.Name/3
   // The process id and the process's start time: ids repeat across runs of the suite, and a
   // directory left by an earlier run (a checkpoint, a log) must never be taken for this one's.
   static const std::string run = std::to_string(::getpid()) + "_" +

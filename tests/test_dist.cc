@@ -103,8 +103,9 @@ TEST(World, ALayoutThatDoesNotMatchTheWorldIsRefusedNamingTheFlags) {
   std::string m = test::message_of<Error>([] { dist::World::create({3, 1, 1}); });
   EXPECT_NE(m.find("--dp 3"), std::string::npos) << m;
   EXPECT_NE(m.find("mpirun started " + std::to_string(world().size())), std::string::npos) << m;
-  m = test::message_of<Error>([] { dist::World::create({0, 2, 1}); });
-  EXPECT_NE(m.find("not implemented yet"), std::string::npos) << m;
+  // A tensor-parallel size that does not divide the world.
+  m = test::message_of<Error>([] { dist::World::create({0, 3, 1}); });
+  EXPECT_NE(m.find("--tp 3"), std::string::npos) << m;
 }
 
 TEST(Communicator, CollectivesMoveWhatTheyShould) {

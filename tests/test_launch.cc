@@ -92,8 +92,27 @@ TEST(Launch, ALayoutThatDoesNotFitTheWorldNamesTheFlags) {
   Outcome o = run(train_command("mpirun --oversubscribe -np 2", data, "--dp 3"));
   EXPECT_NE(o.exit_code, 0) << o.output;
   EXPECT_NE(o.output.find("--dp 3 x --tp 1 x --pp 1 = 3 processes, but mpirun started 2"), std::string::npos) << o.output;
-  o = run(train_command("mpirun --oversubscribe -np 2", data, "--dp 1 --tp 2"));
-  EXPECT_NE(o.output.find("not implemented yet"), std::string::npos) << o.output;
+  o = run(train_command("mpirun --oversubscribe -np 2", data, "--pp 2 --grad-accum 1", 2));
+  EXPECT_NE(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("needs at least 2 microbatches per step (--grad-accum)"), std::string::npos) << o.output;
+  o = run(train_command("mpirun --oversubscribe -np 2", data, "--tp 2 --zero 2", 2));
+  EXPECT_NE(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("--zero 2 with --tp/--pp"), std::string::npos) << o.output;
+}
+
+// One command trains a pipeline: the step line, the pipeline's own memory line, and the
+// JSONL row with the measured bubble.
+TEST(Launch, APipelineRunPrintsItsLayoutAndLogsItsBubble) {
+  const std::string data = test::write_random_shard("ok.bin", 20000, 97, 3);
+  const std::string log = test::temp_path("pp.jsonl");
+  Outcome o = run(train_command("mpirun --oversubscribe -np 2", data,
+                                "--pp 2 --pp-schedule 1f1b --grad-accum 4 --recompute full --log-json " + log, 3));
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("pipeline 2 stages, 1f1b"), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("step     3/3"), std::string::npos) << o.output;
+  const std::string rows = test::read_all(log);
+  EXPECT_NE(rows.find("\"bubble_frac\""), std::string::npos) << rows;
+  EXPECT_NE(rows.find("\"max_in_flight\":2"), std::string::npos) << rows;
 }
 
 TEST(Launch, OnlyRankZeroPrintsTheStepLines) {

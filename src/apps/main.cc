@@ -74,8 +74,16 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
   t->add_option("--mem-trace", c.mem_trace, "Write the memory history: a Perfetto/Chrome trace (.json) or an HTML report with a plot (.html)");
   t->add_flag("--quiet", c.quiet, "Print nothing per step");
   t->add_option("--dp", c.dp, "Data-parallel ranks (0 = world size / (tp x pp)); launch with mpirun -np N")->capture_default_str();
-  t->add_option("--tp", c.tp, "Tensor-parallel ranks (not implemented yet: 1)")->capture_default_str();
-  t->add_option("--pp", c.pp, "Pipeline-parallel stages (not implemented yet: 1)")->capture_default_str();
+  t->add_option("--tp", c.tp, "Tensor-parallel ranks: heads, MLP width and vocabulary split over them (Megatron)")
+      ->capture_default_str();
+  t->add_flag("--sp", c.sequence_parallel, "Sequence parallel: norms and residuals sharded along the sequence over the --tp group");
+  t->add_option("--pp", c.pp, "Pipeline-parallel stages: the layers split into P stages")->capture_default_str();
+  t->add_option("--pp-schedule", c.pp_schedule, "Pipeline schedule: gpipe, 1f1b (needs --grad-accum >= --pp) or interleaved")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}))->capture_default_str();
+  t->add_option("--virtual-stages", c.virtual_stages, "Model chunks per pipeline rank (--pp-schedule interleaved)")
+      ->capture_default_str();
+  t->add_option("--recompute", c.recompute, "Activation recomputation: none, selective (the attention core) or full (each layer)")
+      ->check(CLI::IsMember({"none", "selective", "full"}))->capture_default_str();
   t->add_option("--zero", c.zero, "ZeRO stage over the data-parallel group: 0 (off), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)")
       ->check(CLI::Range(0, 3))->capture_default_str();
   t->add_option("--bucket-mb", c.bucket_mb, "Gradient all-reduce bucket size in MiB (data parallel, ZeRO-1)")->capture_default_str();

@@ -169,29 +169,13 @@ class MpiCommunicator final : public Communicator {
     return submit(t.nbytes(), {t}, [=, this] { check(MPI_Bcast(p, n, type, root, comm_), "broadcast"); });
   }
 
-  std::shared_ptr<Work> send_async(const Tensor& t, int dst, int tag) override {
-    check_buffer("send", t);
-    TALLY_CHECK(dst >= 0 && dst < size_ && dst != rank_, "send on ", name_, " from rank ", rank_, " to rank ", dst);
-    const int n = count_of(t, "send");
-    const MPI_Datatype type = mpi_type(t.dtype(), "send");
-    const void* p = t.raw_data();
-    return submit(t.nbytes(), {t}, [=, this] { check(MPI_Send(p, n, type, dst, tag, comm_), "send"); });
-  }
-
-  std::shared_ptr<Work> recv_async(const Tensor& t, int src, int tag) override {
-    check_buffer("recv", t);
-    TALLY_CHECK(src >= 0 && src < size_ && src != rank_, "recv on ", name_, " at rank ", rank_, " from rank ", src);
-    const int n = count_of(t, "recv");
-    const MPI_Datatype type = mpi_type(t.dtype(), "recv");
-    void* p = t.raw_data();
-    return submit(t.nbytes(), {t}, [=, this] {
-      MPI_Status status;
-      check(MPI_Recv(p, n, type, src, tag, comm_, &status), "recv");
-      int got = 0;
-      MPI_Get_count(&status, type, &got);
-      TALLY_CHECK(got == n, "recv on ", name_, " from rank ", src, ": ", got, " elements arrived, ", n, " expected");
-    });
-  }
+  // Point-to-point operations are posted at once from the calling thread (MPI_Isend,
+  // MPI_Irecv), not queued behind the worker's collectives: a pipeline's stages send and
+  // receive in orders that differ between ranks, and a send queued behind a blocking
+  // receive (or the reverse) on a worker thread deadlocks two stages that each wait for
+  // the other's queue. PyTorch's ProcessGroupMPI posts send/recv the same way.
+  std::shared_ptr<Work> send_async(const Tensor& t, int dst, int tag) override;
+  std::shared_ptr<Work> recv_async(const Tensor& t, int src, int tag) override;
 
   std::shared_ptr<Work> barrier_async() override {
     return submit(0, {}, [this] { check(MPI_Barrier(comm_), "barrier"); });
@@ -202,13 +186,23 @@ class MpiCommunicator final : public Communicator {
     return stats_;
   }
 
- private:
   void check(int rc, const char* op) const {
     if (rc == MPI_SUCCESS) return;
     char text[MPI_MAX_ERROR_STRING];
     int len = 0;
     MPI_Error_string(rc, text, &len);
     TALLY_FAIL(op, " on communicator '", name_, "' (rank ", rank_, " of ", size_, ") failed: ", std::string(text, len));
+  }
+  void add_busy(double seconds) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.busy_seconds += seconds;
+  }
+
+ private:
+  void count(int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.operations++;
+    stats_.payload_bytes += bytes;
   }
 
   std::shared_ptr<Work> submit(int64_t bytes, std::vector<Tensor> buffers, std::function<void()> run) {
@@ -251,6 +245,88 @@ class MpiCommunicator final : public Communicator {
   CommStats stats_;
   std::thread worker_;  // last: started once everything it reads exists
 };
+
+// A posted MPI_Isend or MPI_Irecv. Holds its buffer until the request completes; done()
+// tests it, wait() waits for it. A handle dropped unfinished waits in its destructor: the
+// buffer must outlive the transfer.
+class PointToPointWork final : public Work {
+ public:
+  PointToPointWork(MPI_Request request, Tensor buffer, MpiCommunicator& comm, const char* op, int peer, int expected)
+      : request_(request), buffer_(std::move(buffer)), comm_(comm), op_(op), peer_(peer), expected_(expected),
+        submitted_(now_seconds()) {}
+  ~PointToPointWork() override {
+    try {
+      wait();
+    } catch (...) {  // already reported by whoever waited, or the job is ending
+    }
+  }
+  bool done() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_ == 0) {
+      int flag = 0;
+      MPI_Status status;
+      comm_.check(MPI_Test(&request_, &flag, &status), op_);
+      if (flag) complete(status);
+    }
+    return finished_ != 0;
+  }
+  void wait() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_ == 0) {
+      MPI_Status status;
+      comm_.check(MPI_Wait(&request_, &status), op_);
+      complete(status);
+    }
+    if (!error_.empty()) TALLY_FAIL(error_);
+  }
+  double submitted() const override { return submitted_; }
+  double started() const override { return submitted_; }
+  double finished() const override { return finished_; }
+
+ private:
+  void complete(const MPI_Status& status) {
+    finished_ = now_seconds();
+    comm_.add_busy(finished_ - submitted_);
+    if (expected_ >= 0) {
+      int got = 0;
+      MPI_Get_count(&status, mpi_type(buffer_.dtype(), op_), &got);
+      if (got != expected_)
+        error_ = std::string(op_) + " on " + comm_.name() + " from rank " + std::to_string(peer_) + ": " +
+                 std::to_string(got) + " elements arrived, " + std::to_string(expected_) + " expected";
+    }
+    buffer_ = Tensor();  // the transfer is over: the buffer is the caller's alone again
+  }
+
+  MPI_Request request_;
+  Tensor buffer_;  // owning until complete
+  MpiCommunicator& comm_;
+  const char* op_;
+  int peer_, expected_;
+  double submitted_;
+  double finished_ = 0;
+  std::string error_;
+  std::mutex mutex_;
+};
+
+std::shared_ptr<Work> MpiCommunicator::send_async(const Tensor& t, int dst, int tag) {
+  check_buffer("send", t);
+  TALLY_CHECK(dst >= 0 && dst < size_ && dst != rank_, "send on ", name_, " from rank ", rank_, " to rank ", dst);
+  const int n = count_of(t, "send");
+  MPI_Request request;
+  check(MPI_Isend(t.raw_data(), n, mpi_type(t.dtype(), "send"), dst, tag, comm_, &request), "send");
+  count(t.nbytes());
+  return std::make_shared<PointToPointWork>(request, t, *this, "send", dst, -1);
+}
+
+std::shared_ptr<Work> MpiCommunicator::recv_async(const Tensor& t, int src, int tag) {
+  check_buffer("recv", t);
+  TALLY_CHECK(src >= 0 && src < size_ && src != rank_, "recv on ", name_, " at rank ", rank_, " from rank ", src);
+  const int n = count_of(t, "recv");
+  MPI_Request request;
+  check(MPI_Irecv(t.raw_data(), n, mpi_type(t.dtype(), "recv"), src, tag, comm_, &request), "recv");
+  count(t.nbytes());
+  return std::make_shared<PointToPointWork>(request, t, *this, "recv", src, n);
+}
 
 void finalize_at_exit() {
   int initialized = 0, finalized = 0;

@@ -1,5 +1,6 @@
 #include "dist/world.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -20,12 +21,10 @@ std::unique_ptr<World> World::self() {
 std::unique_ptr<World> World::create(const ParallelConfig& c) {
   TALLY_CHECK(c.dp >= 0, "--dp must be >= 0 (0: the world size / (tp * pp)), got ", c.dp);
   TALLY_CHECK(c.tp >= 1 && c.pp >= 1, "--tp and --pp must be >= 1, got ", c.tp, " and ", c.pp);
-  TALLY_CHECK(c.tp == 1 && c.pp == 1, "--tp ", c.tp, " --pp ", c.pp,
-              ": tensor and pipeline parallelism are not implemented yet (they come with the pipeline/tensor-parallel "
-              "issue); use --dp");
   if (!mpi::launched_by_mpirun()) {
-    TALLY_CHECK(c.dp <= 1 && c.tp * c.pp == 1, "--dp ", c.dp, " needs ", c.dp * c.tp * c.pp,
-                " processes: launch with `mpirun -np ", c.dp * c.tp * c.pp, " tally train ...`");
+    const int needed = std::max(c.dp, 1) * c.tp * c.pp;
+    TALLY_CHECK(needed == 1, "--dp ", std::max(c.dp, 1), " x --tp ", c.tp, " x --pp ", c.pp, " needs ", needed,
+                " processes: launch with `mpirun -np ", needed, " tally train ...`");
     return self();
   }
   mpi::initialize();

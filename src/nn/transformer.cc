@@ -3,6 +3,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "autograd/checkpoint.h"
 #include "autograd/function.h"
 #include "autograd/grad_mode.h"
 #include "core/owner.h"
@@ -151,41 +152,88 @@ std::vector<std::pair<std::string, Shape>> llmc_tensor_layout(const TransformerC
           {"fcprojw", {L, C, 4 * C}}, {"fcprojb", {L, C}}, {"lnfw", {C}},            {"lnfb", {C}}};
 }
 
-Transformer::Transformer(const TransformerConfig& config) : config_(config) {
+Recompute parse_recompute(const std::string& text) {
+  if (text == "none") return Recompute::None;
+  if (text == "selective") return Recompute::Selective;
+  if (text == "full") return Recompute::Full;
+  TALLY_FAIL("--recompute: expected none, selective or full, got '", text, "'");
+}
+
+size_t Transformer::declare(const std::string& name, Shape shape, bool decay, TpSplit split) {
+  const size_t i = params_.declare(name, std::move(shape), decay);
+  splits_.resize(i + 1, TpSplit::Replicated);
+  splits_[i] = split;
+  return i;
+}
+
+Transformer::Transformer(const TransformerConfig& config, ModelShard shard) : config_(config), shard_(std::move(shard)) {
   const auto& c = config_;
   c.validate();
   const bool llama = c.is_llama();
-  const int64_t L = c.n_layer, C = c.n_embd, F = c.ffn_dim();
+  const int64_t L = c.n_layer, C = c.n_embd, F = c.ffn_dim(), D = c.head_dim();
+  if (shard_.chunks.empty()) shard_.chunks.push_back({0, L, true, true});
+  // The shard's shape: every split must divide, every chunk be a range of layers.
+  const int tp = shard_.tp;
+  TALLY_CHECK(tp >= 1 && shard_.tp_rank >= 0 && shard_.tp_rank < tp, "model shard: tensor-parallel rank ",
+              shard_.tp_rank, " of ", tp);
+  TALLY_CHECK(c.n_head % tp == 0 && c.n_kv_head % tp == 0, "--tp ", tp, ": the model's ", c.n_head, " query heads and ",
+              c.n_kv_head, " key/value heads must both divide into ", tp, " ranks");
+  TALLY_CHECK(F % tp == 0, "--tp ", tp, ": the MLP width ", F, " must divide into ", tp, " ranks");
+  TALLY_CHECK(c.padded_vocab_size % tp == 0, "--tp ", tp, ": the padded vocabulary ", c.padded_vocab_size,
+              " must divide into ", tp, " ranks");
+  for (const auto& ch : shard_.chunks)
+    TALLY_CHECK(ch.first_layer >= 0 && ch.first_layer < ch.end_layer && ch.end_layer <= L,
+                "model shard: chunk of layers [", ch.first_layer, ", ", ch.end_layer, ") of a ", L, "-layer model");
+  const int64_t Hl = c.n_head / tp, KVl = c.n_kv_head / tp, Fl = F / tp, Vl = c.padded_vocab_size / tp;
+  const int64_t qkv_local = (Hl + 2 * KVl) * D;
   layers_.resize(static_cast<size_t>(L));
+  // LLaMA has no biases: their slots stay kAbsent.
+  auto bias = [&](const std::string& name, int64_t n, TpSplit split) {
+    return llama ? kAbsent : declare(name, {n}, false, split);
+  };
   // Units in forward order: the embeddings, each layer, the final norm (and an untied
   // head) (parameters.h).
-  params_.begin_unit("embed");
-  wte_ = params_.declare("wte", {c.padded_vocab_size, C}, true);
-  if (!llama) wpe_ = params_.declare("wpe", {c.max_seq_len, C}, true);
-  // LLaMA has no biases: their slots stay kAbsent.
-  auto bias = [&](const std::string& name, int64_t n) { return llama ? kAbsent : params_.declare(name, {n}, false); };
-  for (int64_t l = 0; l < L; ++l) {
-    const std::string h = "h." + std::to_string(l) + ".";
-    Layer& p = layers_[l];
-    params_.begin_unit("h." + std::to_string(l));
-    p.ln1w = params_.declare(h + "ln_1.weight", {C}, false);
-    p.ln1b = bias(h + "ln_1.bias", C);
-    p.qkvw = params_.declare(h + "attn.c_attn.weight", {c.qkv_dim(), C}, true);
-    p.qkvb = bias(h + "attn.c_attn.bias", c.qkv_dim());
-    p.attprojw = params_.declare(h + "attn.c_proj.weight", {C, C}, true);
-    p.attprojb = bias(h + "attn.c_proj.bias", C);
-    p.ln2w = params_.declare(h + "ln_2.weight", {C}, false);
-    p.ln2b = bias(h + "ln_2.bias", C);
-    p.fcw = params_.declare(h + "mlp.c_fc.weight", {F, C}, true);
-    p.fcb = bias(h + "mlp.c_fc.bias", F);
-    p.fc2w = llama ? params_.declare(h + "mlp.c_fc2.weight", {F, C}, true) : kAbsent;
-    p.fcprojw = params_.declare(h + "mlp.c_proj.weight", {C, F}, true);
-    p.fcprojb = bias(h + "mlp.c_proj.bias", C);
+  for (const auto& ch : shard_.chunks) {
+    if (ch.embed) {
+      embed_unit_ = params_.begin_unit("embed");
+      wte_ = declare("wte", {Vl, C}, true, TpSplit::Rows);
+      if (!llama) wpe_ = declare("wpe", {c.max_seq_len, C}, true, TpSplit::Replicated);
+    }
+    for (int64_t l = ch.first_layer; l < ch.end_layer; ++l) {
+      const std::string h = "h." + std::to_string(l) + ".";
+      Layer& p = layers_[static_cast<size_t>(l)];
+      p.unit = params_.begin_unit("h." + std::to_string(l));
+      p.ln1w = declare(h + "ln_1.weight", {C}, false, TpSplit::Replicated);
+      p.ln1b = bias(h + "ln_1.bias", C, TpSplit::Replicated);
+      p.qkvw = declare(h + "attn.c_attn.weight", {qkv_local, C}, true, TpSplit::QkvRows);
+      p.qkvb = bias(h + "attn.c_attn.bias", qkv_local, TpSplit::QkvRows);
+      p.attprojw = declare(h + "attn.c_proj.weight", {C, Hl * D}, true, TpSplit::Columns);
+      p.attprojb = bias(h + "attn.c_proj.bias", C, TpSplit::Replicated);
+      p.ln2w = declare(h + "ln_2.weight", {C}, false, TpSplit::Replicated);
+      p.ln2b = bias(h + "ln_2.bias", C, TpSplit::Replicated);
+      p.fcw = declare(h + "mlp.c_fc.weight", {Fl, C}, true, TpSplit::Rows);
+      p.fcb = bias(h + "mlp.c_fc.bias", Fl, TpSplit::Rows);
+      p.fc2w = llama ? declare(h + "mlp.c_fc2.weight", {Fl, C}, true, TpSplit::Rows) : kAbsent;
+      p.fcprojw = declare(h + "mlp.c_proj.weight", {C, Fl}, true, TpSplit::Columns);
+      p.fcprojb = bias(h + "mlp.c_proj.bias", C, TpSplit::Replicated);
+    }
+    if (ch.head) {
+      final_unit_ = params_.begin_unit(c.tie_embeddings ? "ln_f" : "head");
+      lnfw_ = declare("ln_f.weight", {C}, false, TpSplit::Replicated);
+      lnfb_ = bias("ln_f.bias", C, TpSplit::Replicated);
+      if (!c.tie_embeddings) {
+        lm_head_ = declare("lm_head", {Vl, C}, true, TpSplit::Rows);
+      } else if (!ch.embed) {
+        // A pipeline's last chunk: its own copy of the tied embedding (Megatron's
+        // embedding group sums the two copies' gradients).
+        bool first_chunk_here = false;
+        for (const auto& other : shard_.chunks) first_chunk_here |= other.embed;
+        TALLY_CHECK(!first_chunk_here, "model shard: the embedding and the tied head are in different chunks of one rank");
+        wte_ = declare("wte", {Vl, C}, true, TpSplit::Rows);
+        tied_head_copy_ = true;
+      }
+    }
   }
-  params_.begin_unit(c.tie_embeddings ? "ln_f" : "head");
-  lnfw_ = params_.declare("ln_f.weight", {C}, false);
-  lnfb_ = bias("ln_f.bias", C);
-  if (!c.tie_embeddings) lm_head_ = params_.declare("lm_head", {c.padded_vocab_size, C}, true);
   params_.allocate();
   if (llama) {
     // A model constant beside the parameters: persistent, owned by the model.
@@ -200,7 +248,43 @@ Transformer::Transformer(const TransformerConfig& config) : config_(config) {
   }
 }
 
+void Transformer::load_shard_from(const Transformer& full) {
+  TALLY_CHECK(full.shard_.whole(), "internal: load_shard_from needs the whole model");
+  const auto& c = config_;
+  const int tp = shard_.tp, r = shard_.tp_rank;
+  const int64_t D = c.head_dim(), Hl = c.n_head / tp, KVl = c.n_kv_head / tp;
+  autograd::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Tensor dst = params_[i].detach();
+    const Tensor& src = full.params().get(params_.spec(i).name);
+    auto rows = [&](const Tensor& t, int64_t begin, int64_t n) { return t.slice(0, begin, begin + n).detach(); };
+    switch (splits_[i]) {
+      case TpSplit::Replicated: dst.copy_(src.detach()); break;
+      case TpSplit::Rows: {
+        const int64_t n = dst.shape()[0];
+        dst.copy_(rows(src, r * n, n));
+        break;
+      }
+      case TpSplit::Columns: {
+        const int64_t n = dst.shape()[1];
+        dst.copy_(src.slice(1, r * n, (r + 1) * n).detach());
+        break;
+      }
+      case TpSplit::QkvRows: {
+        // [q of my heads | k of my kv heads | v of my kv heads] from [q | k | v].
+        const int64_t q = Hl * D, kv = KVl * D;
+        rows(dst, 0, q).copy_(rows(src, r * q, q));
+        rows(dst, q, kv).copy_(rows(src, c.n_embd + r * kv, kv));
+        rows(dst, q + kv, kv).copy_(rows(src, c.n_embd + c.kv_dim() + r * kv, kv));
+        break;
+      }
+    }
+    params_[i].storage().bump_version();
+  }
+}
+
 std::vector<LlmcTensor> Transformer::llmc_tensors() const {
+  TALLY_CHECK(shard_.whole(), "internal: the llm.c layout is the whole model's; this rank holds a shard");
   std::vector<LlmcTensor> out;
   for (auto& [name, shape] : llmc_tensor_layout(config_)) {
     LlmcTensor t{name, shape, {}, false};
@@ -334,102 +418,199 @@ KvCache Transformer::make_kv_cache(int64_t batch, int64_t capacity) const {
 ForwardResult Transformer::forward(const Tensor& tokens, const Tensor& targets, bool return_logits,
                                    KvCache* cache) const {
   const auto& c = config_;
+  TALLY_CHECK(shard_.chunks.size() == 1 && shard_.chunks[0].embed && shard_.chunks[0].head,
+              "model: forward runs the whole model; this rank holds pipeline chunks (run them with forward_chunk)");
   TALLY_CHECK(tokens.dim() == 2, "model: tokens must be (B, T), got ", tokens.str());
-  const int64_t B = tokens.shape()[0], T = tokens.shape()[1], C = c.n_embd, H = c.n_head, KV = c.n_kv_head,
-                D = c.head_dim();
+  const int64_t B = tokens.shape()[0], T = tokens.shape()[1];
   const int64_t start = cache ? cache->length : 0;  // the first token's position
   TALLY_CHECK(start + T <= c.max_seq_len, "model: sequence length ", start + T, " exceeds the model's maximum ",
               c.max_seq_len);
   if (cache) {
     TALLY_CHECK(!autograd::grad_enabled(), "model: a KV cache is for inference; run it without gradients");
+    TALLY_CHECK(!tp_ops_, "model: KV-cache decoding runs on a model that is not tensor-parallel");
     TALLY_CHECK(static_cast<int64_t>(cache->k.size()) == c.n_layer && cache->k[0].shape()[0] == B &&
                     start + T <= cache->capacity(),
                 "model: the KV cache holds ", cache->k.size(), " layers of ",
                 cache->k.empty() ? 0 : cache->k[0].shape()[0], " x ", cache->capacity(), " tokens; this call needs ",
                 c.n_layer, " layers of ", B, " x ", start + T);
   }
-  // Each unit's parameters are acquired around its ops (see residency.h); without a
-  // residency every call below on units is a no-op.
-  std::vector<size_t> head{final_unit()};
-  if (c.tie_embeddings) head.push_back(embed_unit());
-  const std::vector<size_t> embed{embed_unit()};
-
-  // Embeddings: x = wte[tokens] (+ wpe[start:start+T] for GPT-2)
-  Tensor x;
-  {
-    OwnerScope scope("embed");
-    enter(embed);
-    if (residency_) residency_->prefetch(layer_unit(0));
-    // Named steps, not nested calls: C++ leaves argument evaluation order unspecified,
-    // and the order ops are recorded in is the order backward runs them in reverse.
-    Tensor token_embedding = ops::embedding(params_[wte_], tokens);
-    if (!c.is_llama()) {
-      Tensor position_embedding = params_[wpe_].slice(0, start, start + T);
-      token_embedding = ops::add(token_embedding, position_embedding);
-    }
-    x = acquired_in_backward(token_embedding, embed);
-    leave(embed);
-  }
-  for (int64_t l = 0; l < c.n_layer; ++l) {
-    OwnerScope layer_scope("h." + std::to_string(l));
-    const Layer& p = layers_[l];
-    const std::vector<size_t> unit{layer_unit(l)};
-    enter(unit);
-    if (residency_) residency_->prefetch(l + 1 < c.n_layer ? layer_unit(l + 1) : final_unit());
-    x = released_in_backward(x, unit);
-    {
-      OwnerScope scope("attn");
-      Tensor h = norm(x, p.ln1w, p.ln1b);
-      Tensor qkv = ops::linear(h, params_[p.qkvw], param(p.qkvb));                      // (B,T,C+2*KV*D)
-      std::vector<Tensor> parts = ops::split(qkv, {C, KV * D, KV * D}, 2);               // strided views
-      Tensor q = parts[0].view({B, T, H, D}), k = parts[1].view({B, T, KV, D}), v = parts[2].view({B, T, KV, D});
-      if (c.is_llama()) {
-        q = ops::rotary(q, inv_freq_, start);
-        k = ops::rotary(k, inv_freq_, start);
-        // v's own copy: saving the view would keep all of qkv alive until backward.
-        v = ops::contiguous(v);
-      }
-      if (cache) {
-        // Append this call's keys and values, then attend over everything cached.
-        cache->k[l].slice(1, start, start + T).copy_(k);
-        cache->v[l].slice(1, start, start + T).copy_(v);
-        k = cache->k[l].slice(1, 0, start + T);
-        v = cache->v[l].slice(1, 0, start + T);
-      }
-      Tensor a = ops::causal_attention(q, k, v).view({B, T, C});
-      x = ops::add(x, ops::linear(a, params_[p.attprojw], param(p.attprojb)));
-    }
-    {
-      OwnerScope scope("mlp");
-      Tensor h = norm(x, p.ln2w, p.ln2b);
-      Tensor f;
-      if (c.is_llama()) {
-        Tensor gate = ops::linear(h, params_[p.fc2w]);
-        Tensor up = ops::linear(h, params_[p.fcw]);
-        f = ops::swiglu(gate, up);
-      } else {
-        f = ops::gelu(ops::linear(h, params_[p.fcw], params_[p.fcb]));
-      }
-      x = ops::add(x, ops::linear(f, params_[p.fcprojw], param(p.fcprojb)));
-    }
-    x = acquired_in_backward(x, unit);
-    leave(unit);
-  }
+  if (targets.defined())
+    TALLY_CHECK(targets.shape() == tokens.shape(), "model: targets ", targets.str(), " do not match tokens ", tokens.str());
+  Tensor x = embed(tokens, start);
+  for (int64_t l = 0; l < c.n_layer; ++l) x = layer(l, x, start, cache);
   if (cache) cache->length = start + T;
   ForwardResult result;
-  OwnerScope scope("head");
-  enter(head);
-  x = released_in_backward(x, head);
-  x = norm(x, lnfw_, lnfb_);
-  Tensor logits = ops::linear(x, params_[c.tie_embeddings ? wte_ : lm_head_]);  // (B,T,Vp)
-  if (targets.defined()) {
-    TALLY_CHECK(targets.shape() == tokens.shape(), "model: targets ", targets.str(), " do not match tokens ", tokens.str());
-    result.loss = ops::cross_entropy(logits.view({B * T, c.padded_vocab_size}), targets.view({B * T}), c.vocab_size);
-    result.loss = acquired_in_backward(result.loss, head);
-  }
-  if (return_logits) result.logits = logits;
-  leave(head);
+  head(x, targets, return_logits, result);
   return result;
+}
+
+ForwardResult Transformer::forward_chunk(size_t chunk, const Tensor& input, const Tensor& targets) const {
+  TALLY_CHECK(chunk < shard_.chunks.size(), "model: chunk ", chunk, " of a shard of ", shard_.chunks.size());
+  const ModelShard::Chunk& ch = shard_.chunks[chunk];
+  Tensor x;
+  if (ch.embed) {
+    TALLY_CHECK(input.dim() == 2, "model: the first chunk takes tokens (B, T), got ", input.str());
+    TALLY_CHECK(input.shape()[1] <= config_.max_seq_len, "model: sequence length ", input.shape()[1],
+                " exceeds the model's maximum ", config_.max_seq_len);
+    x = embed(input, 0);
+  } else {
+    TALLY_CHECK(input.dim() == 3 && input.shape()[2] == config_.n_embd, "model: chunk ", chunk,
+                " takes the previous chunk's output (B, T, ", config_.n_embd, "), got ", input.str());
+    x = input;
+  }
+  for (int64_t l = ch.first_layer; l < ch.end_layer; ++l) x = layer(l, x, 0, nullptr);
+  ForwardResult result;
+  if (ch.head) head(x, targets, false, result);
+  else result.hidden = x;
+  return result;
+}
+
+Tensor Transformer::embed(const Tensor& tokens, int64_t start) const {
+  const auto& c = config_;
+  const std::vector<size_t> units{embed_unit()};
+  OwnerScope scope("embed");
+  enter(units);
+  if (residency_) residency_->prefetch(layer_unit(0));
+  // Named steps, not nested calls: C++ leaves argument evaluation order unspecified,
+  // and the order ops are recorded in is the order backward runs them in reverse.
+  Tensor x;
+  if (!tp_ops_) {
+    x = ops::embedding(params_[wte_], tokens);
+  } else {
+    // Each rank looks up the tokens of its vocabulary block; the sum over ranks (or its
+    // slice of the sequence, under sequence parallelism) is the embedding.
+    Tensor partial = tp_ops_->vocab_parallel_embedding(params_[wte_], tokens, vocab_start());
+    x = tp_ops_->out_of_row_parallel(partial);
+  }
+  if (!c.is_llama()) {
+    // This rank's positions: all T, or its slice of the sequence.
+    const int64_t T = x.shape()[1];
+    const int64_t first = start + (tp_ops_ && tp_ops_->sequence_parallel() ? tp_ops_->rank() * T : 0);
+    Tensor position_embedding = params_[wpe_].slice(0, first, first + T);
+    x = ops::add(x, position_embedding);
+  }
+  x = acquired_in_backward(x, units);
+  leave(units);
+  return x;
+}
+
+Tensor Transformer::row_linear(const Tensor& x, size_t weight, size_t bias) const {
+  if (!tp_ops_) return ops::linear(x, params_[weight], param(bias));
+  Tensor partial = ops::linear(x, params_[weight]);
+  Tensor out = tp_ops_->out_of_row_parallel(partial);
+  return bias == kAbsent ? out : ops::add(out, params_[bias]);
+}
+
+Tensor Transformer::layer(int64_t l, const Tensor& input, int64_t start, KvCache* cache) const {
+  const Layer& p = layers_[static_cast<size_t>(l)];
+  TALLY_CHECK(p.unit != kAbsent, "internal: layer ", l, " is not part of this rank's shard");
+  OwnerScope layer_scope("h." + std::to_string(l));
+  const std::vector<size_t> unit{p.unit};
+  enter(unit);
+  if (residency_) residency_->prefetch(l + 1 < config_.n_layer ? layer_unit(l + 1) : final_unit());
+  Tensor x = released_in_backward(input, unit);
+  if (recompute_ == Recompute::Full && autograd::grad_enabled() && !cache) {
+    // Only the layer's input is kept; backward runs the layer again (R5: what the
+    // recomputation makes dies with the checkpoint node's backward).
+    x = autograd::checkpoint([this, l, start](const std::vector<Tensor>& in) { return layer_body(l, in[0], start, nullptr); },
+                             {x});
+  } else {
+    x = layer_body(l, x, start, cache);
+  }
+  x = acquired_in_backward(x, unit);
+  leave(unit);
+  return x;
+}
+
+Tensor Transformer::layer_body(int64_t l, const Tensor& input, int64_t start, KvCache* cache) const {
+  const auto& c = config_;
+  const Layer& p = layers_[static_cast<size_t>(l)];
+  const int tp = shard_.tp;
+  const int64_t D = c.head_dim(), H = c.n_head / tp, KV = c.n_kv_head / tp;
+  Tensor x = input;
+  {
+    OwnerScope scope("attn");
+    Tensor h = norm(x, p.ln1w, p.ln1b);
+    if (tp_ops_) h = tp_ops_->into_column_parallel(h);  // (B, T, C) on every rank
+    const int64_t B = h.shape()[0], T = h.shape()[1];
+    Tensor qkv = ops::linear(h, params_[p.qkvw], param(p.qkvb));                      // (B,T,(H+2KV)*D)
+    std::vector<Tensor> parts = ops::split(qkv, {H * D, KV * D, KV * D}, 2);           // strided views
+    Tensor q = parts[0].view({B, T, H, D}), k = parts[1].view({B, T, KV, D}), v = parts[2].view({B, T, KV, D});
+    if (c.is_llama()) {
+      q = ops::rotary(q, inv_freq_, start);
+      k = ops::rotary(k, inv_freq_, start);
+      // v's own copy: saving the view would keep all of qkv alive until backward.
+      v = ops::contiguous(v);
+    }
+    if (cache) {
+      // Append this call's keys and values, then attend over everything cached.
+      cache->k[l].slice(1, start, start + T).copy_(k);
+      cache->v[l].slice(1, start, start + T).copy_(v);
+      k = cache->k[l].slice(1, 0, start + T);
+      v = cache->v[l].slice(1, 0, start + T);
+    }
+    Tensor a;
+    if (recompute_ == Recompute::Selective && autograd::grad_enabled()) {
+      // The attention core keeps q, k, v (views of the projection it needs anyway) and
+      // recomputes its output and log-sum-exp in backward.
+      a = autograd::checkpoint([](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], in[1], in[2]); },
+                               {q, k, v});
+    } else {
+      a = ops::causal_attention(q, k, v);
+    }
+    a = a.view({B, T, H * D});
+    x = ops::add(x, row_linear(a, p.attprojw, p.attprojb));
+  }
+  {
+    OwnerScope scope("mlp");
+    Tensor h = norm(x, p.ln2w, p.ln2b);
+    if (tp_ops_) h = tp_ops_->into_column_parallel(h);
+    Tensor f;
+    if (c.is_llama()) {
+      Tensor gate = ops::linear(h, params_[p.fc2w]);
+      Tensor up = ops::linear(h, params_[p.fcw]);
+      f = ops::swiglu(gate, up);
+    } else {
+      f = ops::gelu(ops::linear(h, params_[p.fcw], params_[p.fcb]));
+    }
+    x = ops::add(x, row_linear(f, p.fcprojw, p.fcprojb));
+  }
+  return x;
+}
+
+void Transformer::head(const Tensor& input, const Tensor& targets, bool return_logits, ForwardResult& result) const {
+  const auto& c = config_;
+  std::vector<size_t> units{final_unit()};
+  if (c.tie_embeddings && !tied_head_copy_) units.push_back(embed_unit());
+  OwnerScope scope("head");
+  enter(units);
+  Tensor x = released_in_backward(input, units);
+  x = norm(x, lnfw_, lnfb_);
+  const Tensor& head_weight = params_[c.tie_embeddings ? wte_ : lm_head_];
+  if (tp_ops_) {
+    // Logits of this rank's vocabulary block only: (B, T, Vp / tp).
+    TALLY_CHECK(!return_logits, "model: a tensor-parallel model does not return whole logits");
+    x = tp_ops_->into_column_parallel(x);
+    const int64_t B = x.shape()[0], T = x.shape()[1];
+    Tensor logits = ops::linear(x, head_weight);
+    if (targets.defined()) {
+      TALLY_CHECK(targets.dim() == 2 && targets.shape()[0] == B && targets.shape()[1] == T, "model: targets ",
+                  targets.str(), " do not match the batch (", B, ", ", T, ")");
+      result.loss = tp_ops_->vocab_parallel_cross_entropy(logits.view({B * T, logits.shape()[2]}), targets.view({B * T}),
+                                                          vocab_start(), c.vocab_size);
+    }
+  } else {
+    const int64_t B = x.shape()[0], T = x.shape()[1];
+    Tensor logits = ops::linear(x, head_weight);  // (B,T,Vp)
+    if (targets.defined()) {
+      TALLY_CHECK(targets.dim() == 2 && targets.shape()[0] == B && targets.shape()[1] == T, "model: targets ",
+                  targets.str(), " do not match the batch (", B, ", ", T, ")");
+      result.loss = ops::cross_entropy(logits.view({B * T, c.padded_vocab_size}), targets.view({B * T}), c.vocab_size);
+    }
+    if (return_logits) result.logits = logits;
+  }
+  if (result.loss.defined()) result.loss = acquired_in_backward(result.loss, units);
+  leave(units);
 }
 
 double Transformer::flops_per_token(int64_t seq_len) const {

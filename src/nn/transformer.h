@@ -18,6 +18,7 @@
 #include "core/tensor.h"
 #include "nn/parameters.h"
 #include "nn/residency.h"
+#include "nn/tensor_parallel.h"
 
 namespace tally::nn {
 
@@ -92,11 +93,46 @@ struct LlmcTensor {
 struct ForwardResult {
   Tensor loss;    // scalar mean cross-entropy (defined when targets were given)
   Tensor logits;  // (B, T, Vp) when asked for (sampling, parity tests)
+  Tensor hidden;  // a pipeline chunk that is not the model's last: its output (B, T', C)
+};
+
+// The part of the model one rank holds and runs (dist/ derives it from the layout).
+//
+// Pipeline: the rank runs one or more chunks (interleaved 1F1B gives it V), each a range
+// of consecutive layers; the model's first chunk adds the embeddings, its last the final
+// norm, the head and the loss. With a tied head, the last chunk holds its own copy of wte
+// (named wte, like the first's), whose gradient the trainer sums with the first's.
+// Tensor parallel: the heads (q and kv), the MLP width and the padded vocabulary are
+// split `tp` ways (each must divide); norms, biases of row-parallel projections and the
+// position table are replicated.
+struct ModelShard {
+  struct Chunk {
+    int64_t first_layer = 0, end_layer = 0;  // layers [first_layer, end_layer)
+    bool embed = false, head = false;
+  };
+  std::vector<Chunk> chunks;  // empty: the whole model as one chunk
+  int tp = 1, tp_rank = 0;
+  bool whole() const { return chunks.size() == 1 && chunks[0].embed && chunks[0].head && tp == 1; }
+};
+
+// Activation recomputation (Megatron's): none; selective, the attention core of each
+// layer (its output and log-sum-exp are not kept but recomputed from q, k, v in
+// backward); full, each layer keeps only its input and is recomputed in backward.
+enum class Recompute { None, Selective, Full };
+Recompute parse_recompute(const std::string& text);  // "none" | "selective" | "full"
+
+// How a parameter of a tensor-parallel shard is cut from the whole model's.
+enum class TpSplit {
+  Replicated,  // every rank holds all of it (norms, row-parallel biases, wpe)
+  Rows,        // rows tp_rank*n/tp .. : column-parallel weights and biases, vocabulary
+  Columns,     // columns likewise: row-parallel weights
+  QkvRows,     // the fused qkv: this rank's block of q rows, of k rows and of v rows
 };
 
 class Transformer {
  public:
-  explicit Transformer(const TransformerConfig& config);
+  // The whole model, or a shard of it (pipeline chunks, tensor-parallel slices).
+  explicit Transformer(const TransformerConfig& config, ModelShard shard = {});
 
   const TransformerConfig& config() const { return config_; }
   ParameterStore& params() { return params_; }
@@ -106,6 +142,27 @@ class Transformer {
   // GPT-2's (and llm.c's LLaMA) initialization: N(0, 0.02), residual projections
   // N(0, 0.02/sqrt(2L)), biases 0, norm weights 1; padded embedding rows 0.
   void init_weights(uint64_t seed);
+
+  const ModelShard& shard() const { return shard_; }
+  size_t num_chunks() const { return shard_.chunks.size(); }
+  // Copies this shard's parameters out of the whole model `full` (same config).
+  void load_shard_from(const Transformer& full);
+  TpSplit tp_split(size_t param) const { return splits_[param]; }
+  // The last pipeline chunk's copy of a tied wte (its gradient is summed with the first's).
+  bool is_tied_head_copy(size_t param) const { return param == wte_ && tied_head_copy_; }
+  int64_t vocab_start() const { return shard_.tp_rank * (config_.padded_vocab_size / shard_.tp); }
+
+  // Tensor parallel collectives (null without tensor parallelism). Not owned.
+  void set_tensor_parallel(TensorParallelOps* ops) { tp_ops_ = ops; }
+  TensorParallelOps* tensor_parallel() const { return tp_ops_; }
+  void set_recompute(Recompute r) { recompute_ = r; }
+  Recompute recompute() const { return recompute_; }
+
+  // Runs chunk `chunk` of this rank's shard on one microbatch. The model's first chunk
+  // takes the tokens (B, T); any other chunk the previous chunk's output (B, T', C) (T'
+  // is T / tp under sequence parallelism). The model's last chunk returns the loss of
+  // `targets` (B, T); any other returns its output in `hidden`.
+  ForwardResult forward_chunk(size_t chunk, const Tensor& input, const Tensor& targets) const;
 
   // tokens (B, T) int32; targets (B, T) int32 or undefined. Records the graph when
   // grad mode is on. With a cache (inference only), the tokens continue the cached
@@ -121,9 +178,10 @@ class Transformer {
   // resident). Not owned.
   void set_residency(ParameterResidency* residency) { residency_ = residency; }
   ParameterResidency* residency() const { return residency_; }
-  size_t embed_unit() const { return 0; }
-  size_t layer_unit(int64_t layer) const { return static_cast<size_t>(layer) + 1; }
-  size_t final_unit() const { return static_cast<size_t>(config_.n_layer) + 1; }
+  // Units (parameters.h) of the parts this shard holds; layer takes the global index.
+  size_t embed_unit() const { return embed_unit_; }
+  size_t layer_unit(int64_t layer) const { return layers_[static_cast<size_t>(layer)].unit; }
+  size_t final_unit() const { return final_unit_; }
 
   // The llm.c file layout of this model's parameters (file order).
   std::vector<LlmcTensor> llmc_tensors() const;
@@ -142,9 +200,23 @@ class Transformer {
   // The parameter, or an undefined tensor for a slot this family does not have.
   Tensor param(size_t index) const { return index == kAbsent ? Tensor() : params_[index]; }
   Tensor norm(const Tensor& x, size_t weight, size_t bias) const;
+  size_t declare(const std::string& name, Shape shape, bool decay, TpSplit split);
+  Tensor embed(const Tensor& tokens, int64_t start) const;
+  Tensor layer(int64_t l, const Tensor& x, int64_t start, KvCache* cache) const;
+  Tensor layer_body(int64_t l, const Tensor& x, int64_t start, KvCache* cache) const;
+  void head(const Tensor& x, const Tensor& targets, bool return_logits, ForwardResult& result) const;
+  // A row-parallel projection: the partial products summed over the tensor-parallel
+  // group, then the (replicated) bias.
+  Tensor row_linear(const Tensor& x, size_t weight, size_t bias) const;
 
   TransformerConfig config_;
+  ModelShard shard_;
   ParameterStore params_;
+  std::vector<TpSplit> splits_;  // per parameter
+  TensorParallelOps* tp_ops_ = nullptr;  // non-owning
+  Recompute recompute_ = Recompute::None;
+  bool tied_head_copy_ = false;
+  size_t embed_unit_ = 0, final_unit_ = 0;
   ParameterResidency* residency_ = nullptr;  // non-owning
   Tensor inv_freq_;  // rotary frequencies (LLaMA), in the parameters' dtype
   // Parameter indices (kAbsent where the family has none). Each layer's parameters are
@@ -152,9 +224,12 @@ class Transformer {
   static constexpr size_t kAbsent = static_cast<size_t>(-1);
   size_t wte_ = 0, wpe_ = kAbsent, lnfw_ = 0, lnfb_ = kAbsent, lm_head_ = kAbsent;
   struct Layer {
-    size_t ln1w, ln1b, qkvw, qkvb, attprojw, attprojb, ln2w, ln2b, fcw, fcb, fc2w, fcprojw, fcprojb;
+    size_t ln1w = kAbsent, ln1b = kAbsent, qkvw = kAbsent, qkvb = kAbsent, attprojw = kAbsent, attprojb = kAbsent,
+           ln2w = kAbsent, ln2b = kAbsent, fcw = kAbsent, fcb = kAbsent, fc2w = kAbsent, fcprojw = kAbsent,
+           fcprojb = kAbsent;
+    size_t unit = kAbsent;  // kAbsent: a layer of another rank's chunk
   };
-  std::vector<Layer> layers_;
+  std::vector<Layer> layers_;  // indexed by the global layer
 };
 
 // The llm.c tensor names in file order (wte ... lnfb) and their shapes for a config.

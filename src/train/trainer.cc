@@ -18,6 +18,8 @@
 #include "data/loader.h"
 #include "data/tokenizer.h"
 #include "dist/data_parallel.h"
+#include "dist/pipeline.h"
+#include "dist/tensor_parallel.h"
 #include "dist/world.h"
 #include "dist/zero.h"
 #include "io/checkpoint.h"
@@ -162,13 +164,13 @@ struct Detokenizer {
   }
 };
 
-double evaluate(const nn::Transformer& model, data::TokenLoader& loader, int64_t batches) {
+double evaluate(const nn::Transformer& model, dist::PipelineStage* pipeline, data::TokenLoader& loader, int64_t batches) {
   autograd::InferenceModeGuard inference;
   OwnerScope scope("eval");
   double total = 0;
   for (int64_t i = 0; i < batches; ++i) {
     const data::Batch& b = loader.batch_from(i * loader.tokens_per_batch());
-    total += model.forward(b.inputs, b.targets).loss.item();
+    total += pipeline ? pipeline->evaluate(b.inputs, b.targets) : model.forward(b.inputs, b.targets).loss.item();
   }
   return total / static_cast<double>(std::max<int64_t>(batches, 1));
 }
@@ -263,9 +265,38 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
 
   // Every rank builds the same model (same seed, or the same file).
   std::unique_ptr<nn::Transformer> model = build_model(c);
-  const auto& mc = model->config();
+  const nn::TransformerConfig mc = model->config();
   TALLY_CHECK(c.seq_len <= mc.max_seq_len, "--seq-len ", c.seq_len, " exceeds the model's maximum sequence length ",
               mc.max_seq_len);
+  // Tensor and pipeline parallel: this rank keeps its shard of the model (its pipeline
+  // chunks, its slices of the heads, MLP and vocabulary), cut from the whole one.
+  const int TP = world.tp(), PP = world.pp();
+  const bool model_parallel = TP * PP > 1;
+  const dist::PipelineSchedule schedule = dist::parse_pipeline_schedule(c.pp_schedule);
+  dist::check_pipeline(schedule, PP, c.virtual_stages, c.grad_accum, mc.n_layer);
+  TALLY_CHECK(!c.sequence_parallel || TP > 1, "--sp (sequence parallel) shards along the sequence over the tensor-parallel "
+              "group: it needs --tp > 1");
+  TALLY_CHECK(!c.sequence_parallel || c.seq_len % TP == 0, "--sp: --seq-len ", c.seq_len, " must divide into --tp ", TP,
+              " ranks");
+  if (model_parallel) {
+    TALLY_CHECK(c.zero <= 1, "--zero ", c.zero, " with --tp/--pp: the model is already sharded by tensor and pipeline "
+                "parallelism; use --zero 1 (optimizer state sharded over the data-parallel group)");
+    TALLY_CHECK(c.resume.empty() && c.save_every == 0, "--resume and --save-every with --tp or --pp > 1: checkpoints of a "
+                "tensor- or pipeline-parallel run are not supported yet (train with --dp and --zero, or without "
+                "checkpoints)");
+    auto shard = std::make_unique<nn::Transformer>(
+        mc, dist::pipeline_shard(mc.n_layer, PP, world.pp_rank(), c.virtual_stages, TP, world.tp_rank()));
+    shard->load_shard_from(*model);
+    model = std::move(shard);  // the whole model is freed here
+  }
+  std::unique_ptr<dist::TensorParallel> tensor_parallel;
+  if (TP > 1) {
+    tensor_parallel = std::make_unique<dist::TensorParallel>(world.tp_group(), c.sequence_parallel);
+    model->set_tensor_parallel(tensor_parallel.get());
+  }
+  model->set_recompute(nn::parse_recompute(c.recompute));
+  std::unique_ptr<dist::PipelineStage> pipeline;
+  if (PP > 1) pipeline = std::make_unique<dist::PipelineStage>(*model, world.pp_group(), schedule, c.virtual_stages);
   std::string resume_dir;
   if (!c.resume.empty()) {
     resume_dir = io::resolve_checkpoint(c.resume);
@@ -322,6 +353,15 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       val_loader ? (", " + std::to_string(val_loader->total_tokens()) + " val tokens").c_str() : "",
       static_cast<long long>(D), static_cast<long long>(N), static_cast<long long>(B), static_cast<long long>(T),
       static_cast<long long>(tokens_per_step));
+  if (model_parallel)
+    log("model parallel: %s%s%s, recompute %s; this rank holds %lld of the %lld parameters\n",
+        TP > 1 ? ("tensor parallel " + std::to_string(TP) + (c.sequence_parallel ? " with sequence parallel" : "")).c_str() : "",
+        TP > 1 && PP > 1 ? ", " : "",
+        PP > 1 ? ("pipeline " + std::to_string(PP) + " stages, " + dist::pipeline_schedule_name(schedule) +
+                  (c.virtual_stages > 1 ? " x " + std::to_string(c.virtual_stages) + " chunks" : ""))
+                     .c_str()
+               : "",
+        c.recompute.c_str(), static_cast<long long>(model->num_parameters()), static_cast<long long>(parameter_count(mc)));
   log("parallel: %s, %s\n", world.describe().c_str(),
       c.zero ? ("ZeRO stage " + std::to_string(c.zero)).c_str()
              : (D > 1 ? "bucketed all-reduce of " + std::to_string(all_reduce->buckets().size()) + " buckets" : "one process").c_str());
@@ -360,7 +400,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // The plan: every rank's peak from the configuration alone, printed beside the measured one.
   int64_t planned_peak = 0;
   memory::PlanParts plan_parts;  // this rank's, for --mem-trace
-  {
+  if (!model_parallel) {
     PlanInput pi;
     pi.model = mc;
     pi.batch_size = B;
@@ -382,7 +422,34 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     sanitizer.begin_step(step);
     ledger.reset_peaks();
     double loss_sum = 0;
-    for (int64_t mb = 0; mb < N; ++mb) {
+    if (pipeline) {
+      // The loader's buffers are refilled per call: each microbatch keeps its own copy
+      // (the embedding and the loss save them for backward, which runs later).
+      auto batch_of = [&](int64_t mb) {
+        const data::Batch& b = train_loader.batch_at(step, mb * D + dp_rank, N * D);
+        auto own = [](const Tensor& t) {
+          Tensor copy = Tensor::empty(t.shape(), t.dtype(), t.device(), current_owner("microbatch_tokens"));
+          copy.copy_(t);
+          return copy;
+        };
+        return std::pair<Tensor, Tensor>{own(b.inputs), own(b.targets)};
+      };
+      // Data parallel overlaps its all-reduce with the step's last backward, which under
+      // gpipe and 1f1b finishes every parameter of the stage; interleaved chunks finish at
+      // different times, so their reduction starts after the pipeline.
+      loss_sum = pipeline->run(N, batch_of, 1.0 / static_cast<double>(N * D), sanitizer, [&] {
+        if (all_reduce && c.virtual_stages == 1) all_reduce->arm();
+      });
+      if (all_reduce) {
+        if (c.virtual_stages > 1) all_reduce->arm();
+        all_reduce->finish();
+      }
+      const int64_t bound = dist::pipeline_in_flight_bound(schedule, PP, world.pp_rank(), N, c.virtual_stages);
+      TALLY_CHECK(pipeline->last().max_in_flight <= bound, "pipeline stage ", world.pp_rank(), " held ",
+                  pipeline->last().max_in_flight, " microbatches at once; the ", c.pp_schedule, " schedule needs ", bound);
+      loss_sum = world.pp_group().all_reduce_scalar(loss_sum, dist::ReduceOp::Sum);  // the last stage's
+    }
+    for (int64_t mb = 0; mb < (pipeline ? 0 : N); ++mb) {
       sanitizer.begin_microbatch(mb);
       const bool last = mb + 1 == N;
       if (all_reduce && last) all_reduce->arm();  // reduce while the last backward runs
@@ -402,7 +469,16 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       if (all_reduce && last) all_reduce->finish();
       sanitizer.end_microbatch();
     }
-    const double norm = zero ? zero->gradient_norm() : ops::global_norm({model->params().flat_grads()});
+    if (model_parallel) {
+      // The tied embedding's two copies (first and last stage) take the sum of their
+      // gradients; under sequence parallelism each rank's replicated parameters saw only
+      // its slice of the sequence, so their gradients are summed over the group.
+      dist::sum_tied_embedding_gradients(*model, world.pp_group());
+      if (tensor_parallel && c.sequence_parallel) dist::sum_replicated_gradients(*model, world.tp_group());
+    }
+    const double norm = model_parallel ? dist::model_parallel_gradient_norm(*model, world)
+                        : zero         ? zero->gradient_norm()
+                                       : ops::global_norm({model->params().flat_grads()});
     loss_sum = dp_group.all_reduce_scalar(loss_sum, dist::ReduceOp::Sum);
     const double lr = learning_rate(c, step);
     // A non-finite loss or gradient would silently turn every parameter into NaN.
@@ -437,12 +513,25 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     m.live_after_forward_bytes = live_after_forward;
     m.predicted_peak_bytes = planned_peak;
     m.peak_rss_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(peak_rss_bytes()), dist::ReduceOp::Max));
+    if (pipeline) {
+      const dist::PipelineStepStats& ps = pipeline->last();
+      m.bubble_frac = everyone.all_reduce_scalar(ps.seconds > 0 ? ps.idle_seconds / ps.seconds : 0.0, dist::ReduceOp::Sum) /
+                      static_cast<double>(world.size());
+      m.max_in_flight = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(ps.max_in_flight), dist::ReduceOp::Max));
+    }
     if (step == start_step + 1 || (step == start_step && c.steps == start_step + 1)) {
       // From the second step on the peak is the steady one (the first also builds caches).
-      log("memory: measured peak %s = live after forward %s (params+grads+adam %s, activations and data of one "
+if (pipeline) {
+        log("memory: measured peak %s (largest over ranks; this rank's %s with params+grads+adam %s); a stage held at "
+            "most %lld microbatches at once (%s)\n",
+            format_bytes(m.peak_bytes).c_str(), format_bytes(s.peak_allocated).c_str(), format_bytes(states_bytes).c_str(),
+            static_cast<long long>(m.max_in_flight), c.pp_schedule.c_str());
+      } else {
+              log("memory: measured peak %s = live after forward %s (params+grads+adam %s, activations and data of one "
           "microbatch %s) + transients %s\n",
           format_bytes(s.peak_allocated).c_str(), format_bytes(live_after_forward).c_str(), format_bytes(states_bytes).c_str(),
           format_bytes(live_after_forward - states_bytes).c_str(), format_bytes(s.peak_allocated - live_after_forward).c_str());
+      }
       if (planned_peak > 0) {
         const double off = static_cast<double>(s.peak_allocated - planned_peak) / static_cast<double>(planned_peak);
         log("memory: planned peak %s (tally plan), measured %s: %+.2f%%\n", format_bytes(planned_peak).c_str(),
@@ -490,9 +579,13 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
                         {"predicted_peak_bytes", m.predicted_peak_bytes},
                         {"rank_peak_bytes", m.rank_peak_bytes}, {"peak_rss_bytes", m.peak_rss_bytes},
                         {"tokens", m.step * tokens_per_step}};
+    if (pipeline) {
+      j["bubble_frac"] = m.bubble_frac;
+      j["max_in_flight"] = m.max_in_flight;
+    }
     const bool last = step + 1 == c.steps;
     if (val_loader && ((c.val_every > 0 && m.step % c.val_every == 0) || last)) {
-      double vl = evaluate(*model, *val_loader, c.val_batches);  // every rank: ZeRO-3 gathers collectively
+      double vl = evaluate(*model, pipeline.get(), *val_loader, c.val_batches);  // every rank: ZeRO-3 gathers collectively
       result.final_val_loss = vl;
       j["val_loss"] = vl;
       log("val loss %.4f\n", vl);
@@ -500,7 +593,11 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       if (vl < best_val) best_val = vl, best_val_step = m.step;
       write_plot();
     }
-    if ((c.sample_every > 0 && m.step % c.sample_every == 0) || (last && c.sample_tokens > 0 && c.sample_every >= 0)) {
+    const bool sample_now =
+        (c.sample_every > 0 && m.step % c.sample_every == 0) || (last && c.sample_tokens > 0 && c.sample_every >= 0);
+    if (sample_now && model_parallel && last)
+      log("sample: not drawn: sampling runs on a whole model, and this run's is split by --tp/--pp\n");
+    if (sample_now && !model_parallel) {
       SampleOptions so;
       so.tokens = c.sample_tokens;
       so.temperature = c.temperature;
@@ -549,7 +646,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     summary += "; plot " + plot_path;
     log("%s\n", summary.c_str());
   }
-  if (c.return_parameters) result.parameters = gather_parameters(*model);
+  if (c.return_parameters && !model_parallel) result.parameters = gather_parameters(*model);
   if (!c.mem_trace.empty()) {
     const bool html = c.mem_trace.size() > 5 && c.mem_trace.compare(c.mem_trace.size() - 5, 5, ".html") == 0;
     const std::string path = root ? c.mem_trace : c.mem_trace + ".rank" + std::to_string(world.rank());

@@ -61,10 +61,14 @@ struct TrainConfig {
   std::string sanitize = "off";
   std::string mem_trace;
   bool quiet = false;
-  // parallelism (data parallel over MPI; launch with mpirun)
+  // parallelism over MPI (launch with mpirun): data, tensor and pipeline parallel
   int dp = 0;  // 0: world size / (tp * pp)
   int tp = 1;
   int pp = 1;
+  std::string pp_schedule = "1f1b";  // gpipe | 1f1b | interleaved
+  int virtual_stages = 1;            // model chunks per pipeline rank (interleaved)
+  bool sequence_parallel = false;    // --sp: norms and residuals sharded along the sequence (needs --tp > 1)
+  std::string recompute = "none";    // none | selective | full
   int zero = 0;              // 0: plain data parallel; 1, 2, 3: ZeRO stage
   double bucket_mb = 25;     // all-reduce bucket size (MiB)
   bool log_json_all_ranks = false;  // also write <log-json>.rank<R> on every rank
@@ -86,6 +90,8 @@ struct StepMetrics {
   int64_t predicted_peak_bytes = 0;      // from the memory plan (plan.h); 0 where the plan does not model the mode
   std::vector<int64_t> rank_peak_bytes;  // one per rank (live_bytes and peak_bytes are the maxima)
   int64_t peak_rss_bytes = 0;            // the process's resident-set high-water mark (maximum over ranks)
+  double bubble_frac = 0;                // pipeline: the share of the step stages wait for a neighbour (mean over ranks)
+  int64_t max_in_flight = 0;             // pipeline: most microbatches one stage held at once (maximum over ranks)
 };
 
 struct TrainResult {
