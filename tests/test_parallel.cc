@@ -86,12 +86,14 @@ struct Layout {
   std::string schedule = "1f1b";
   int virtual_stages = 1;
   bool sp = false;
+  int zero = 0;  // over the data-parallel group
   int world() const { return dp * tp * pp; }
   std::string name() const {
     std::string n;
     if (dp > 1) n += "dp" + std::to_string(dp) + " ";
     if (tp > 1) n += "tp" + std::to_string(tp) + (sp ? "+sp " : " ");
     if (pp > 1) n += "pp" + std::to_string(pp) + " " + schedule + (virtual_stages > 1 ? " V=" + std::to_string(virtual_stages) : "") + " ";
+    if (zero > 0) n += "zero" + std::to_string(zero) + " ";
     return n;
   }
 };
@@ -133,6 +135,7 @@ void expect_matches_one_process(const Layout& l, bool llama, const std::string& 
   c.virtual_stages = l.virtual_stages;
   c.sequence_parallel = l.sp;
   c.recompute = recompute;
+  c.zero = l.zero;
   c.grad_accum = N;
   c.sanitize = "strict";
   const train::TrainResult got = train::run_training(c, *world);
@@ -150,7 +153,7 @@ const std::vector<Layout>& layouts() {
   static const std::vector<Layout> all = {
       {1, 1, 2, "gpipe"},     {1, 1, 2, "1f1b"}, {1, 1, 4, "1f1b"}, {1, 1, 2, "interleaved", 2},
       {1, 2, 1},              {1, 2, 1, "1f1b", 1, true},           {1, 2, 2, "1f1b"},
-      {2, 1, 2, "1f1b"},      {2, 2, 1},         {2, 2, 2, "1f1b"}, {2, 2, 2, "1f1b", 1, true},
+      {2, 1, 2, "1f1b", 1, false, 1},  {2, 2, 1},  {2, 2, 2, "1f1b", 1, false, 1},  {2, 2, 2, "1f1b", 1, true},
   };
   return all;
 }
@@ -202,7 +205,12 @@ TEST(Schedule, LayersThatDoNotDivideGoToTheFirstStagesAndBadSchedulesAreNamed) {
   EXPECT_EQ(r[1], (std::pair<int64_t, int64_t>{3, 6}));
   EXPECT_EQ(r[2], (std::pair<int64_t, int64_t>{6, 8}));
   EXPECT_EQ(r[3], (std::pair<int64_t, int64_t>{8, 10}));
-  std::string m = test::message_of<Error>([] { dist::check_pipeline(dist::PipelineSchedule::OneFOneB, 4, 1, 2, 8); });
+  // Megatron's uneven split: a given last stage, the rest even.
+  EXPECT_EQ(dist::split_layers(12, 2, 3), (std::vector<std::pair<int64_t, int64_t>>{{0, 9}, {9, 12}}));
+  EXPECT_EQ(dist::split_layers(11, 4, 1), (std::vector<std::pair<int64_t, int64_t>>{{0, 4}, {4, 7}, {7, 10}, {10, 11}}));
+  std::string m = test::message_of<Error>([] { dist::check_pipeline(dist::PipelineSchedule::OneFOneB, 2, 1, 2, 4, 4); });
+  EXPECT_NE(m.find("--pp-last-stage-layers 4"), std::string::npos) << m;
+  m = test::message_of<Error>([] { dist::check_pipeline(dist::PipelineSchedule::OneFOneB, 4, 1, 2, 8); });
   EXPECT_NE(m.find("--grad-accum"), std::string::npos) << m;
   m = test::message_of<Error>([] { dist::check_pipeline(dist::PipelineSchedule::Interleaved, 2, 2, 3, 8); });
   EXPECT_NE(m.find("multiple of --pp"), std::string::npos) << m;

@@ -82,6 +82,9 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}))->capture_default_str();
   t->add_option("--virtual-stages", c.virtual_stages, "Model chunks per pipeline rank (--pp-schedule interleaved)")
       ->capture_default_str();
+  t->add_option("--pp-last-stage-layers", c.pp_last_stage_layers,
+                "Layers of the last pipeline stage, beside the head (0: split evenly); the rest are spread evenly")
+      ->capture_default_str();
   t->add_option("--recompute", c.recompute, "Activation recomputation: none, selective (the attention core) or full (each layer)")
       ->check(CLI::IsMember({"none", "selective", "full"}))->capture_default_str();
   t->add_option("--zero", c.zero, "ZeRO stage over the data-parallel group: 0 (off), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)")

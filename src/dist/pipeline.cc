@@ -33,7 +33,10 @@ const char* pipeline_schedule_name(PipelineSchedule s) {
   return "?";
 }
 
-void check_pipeline(PipelineSchedule schedule, int stages, int virtual_stages, int64_t microbatches, int64_t layers) {
+void check_pipeline(PipelineSchedule schedule, int stages, int virtual_stages, int64_t microbatches, int64_t layers,
+                    int64_t last_stage_layers) {
+  TALLY_CHECK(last_stage_layers >= 0, "--pp-last-stage-layers must be >= 0 (0: split evenly), got ", last_stage_layers);
+  TALLY_CHECK(last_stage_layers == 0 || stages > 1, "--pp-last-stage-layers needs --pp > 1");
   TALLY_CHECK(virtual_stages >= 1, "--virtual-stages must be >= 1, got ", virtual_stages);
   TALLY_CHECK(schedule == PipelineSchedule::Interleaved || virtual_stages == 1, "--virtual-stages ", virtual_stages,
               " needs --pp-schedule interleaved (", pipeline_schedule_name(schedule), " runs one chunk per stage)");
@@ -49,6 +52,10 @@ void check_pipeline(PipelineSchedule schedule, int stages, int virtual_stages, i
   }
   TALLY_CHECK(layers >= static_cast<int64_t>(stages) * virtual_stages, "--pp ", stages, " x --virtual-stages ",
               virtual_stages, " = ", stages * virtual_stages, " stages, but the model has only ", layers, " layers");
+  const int64_t others = static_cast<int64_t>(stages) * virtual_stages - 1;
+  TALLY_CHECK(last_stage_layers == 0 || (last_stage_layers < layers && layers - last_stage_layers >= others),
+              "--pp-last-stage-layers ", last_stage_layers, ": the other ", others, " stages need at least one of the ",
+              layers, " layers each");
 }
 
 std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int P, int s, int64_t N, int V) {
@@ -98,24 +105,27 @@ int64_t pipeline_in_flight_bound(PipelineSchedule schedule, int P, int s, int64_
   return most;
 }
 
-std::vector<std::pair<int64_t, int64_t>> split_layers(int64_t layers, int stages) {
+std::vector<std::pair<int64_t, int64_t>> split_layers(int64_t layers, int stages, int64_t last_stage_layers) {
   std::vector<std::pair<int64_t, int64_t>> out;
-  const int64_t base = layers / stages, extra = layers % stages;
+  const int even = last_stage_layers > 0 ? stages - 1 : stages;
+  const int64_t shared = layers - (last_stage_layers > 0 ? last_stage_layers : 0);
+  const int64_t base = shared / even, extra = shared % even;
   int64_t first = 0;
-  for (int i = 0; i < stages; ++i) {
+  for (int i = 0; i < even; ++i) {
     const int64_t n = base + (i < extra ? 1 : 0);
     out.emplace_back(first, first + n);
     first += n;
   }
+  if (last_stage_layers > 0) out.emplace_back(first, layers);
   return out;
 }
 
-nn::ModelShard pipeline_shard(int64_t layers, int P, int s, int V, int tp, int tp_rank) {
+nn::ModelShard pipeline_shard(int64_t layers, int P, int s, int V, int tp, int tp_rank, int64_t last_stage_layers) {
   nn::ModelShard shard;
   shard.tp = tp;
   shard.tp_rank = tp_rank;
   const int S = P * V;
-  const auto ranges = split_layers(layers, S);
+  const auto ranges = split_layers(layers, S, last_stage_layers);
   for (int v = 0; v < V; ++v) {
     const int g = v * P + s;
     shard.chunks.push_back({ranges[static_cast<size_t>(g)].first, ranges[static_cast<size_t>(g)].second, g == 0, g == S - 1});
@@ -261,13 +271,19 @@ void sum_tied_embedding_gradients(nn::Transformer& model, Communicator& pp) {
   TALLY_CHECK(grad.defined(), "internal: the tied embedding has no gradient on pipeline stage ", pp.rank());
   const int other = first ? pp.size() - 1 : 0;
   constexpr int kTag = 30000;  // above every activation and gradient tag (2 x stages)
-  Tensor mine = Tensor::empty(grad.shape(), grad.dtype(), Device::cpu(), make_owner(Category::Communication, "comm:embedding_group"));
-  Tensor theirs = Tensor::empty(grad.shape(), grad.dtype(), Device::cpu(), make_owner(Category::Communication, "comm:embedding_group"));
-  mine.copy_(grad);
-  auto sent = pp.send_async(mine, other, kTag);
-  pp.recv(theirs, other, kTag);
-  sent->wait();
-  ops::add_(grad, theirs);
+  // In pieces of at most 1M elements: the exchange needs one piece of staging, not a copy
+  // of the whole (V, C) gradient (154 MB for GPT-2 124M).
+  const Tensor flat = grad.reshape({-1});
+  const int64_t n = flat.numel(), piece = std::min<int64_t>(n, int64_t{1} << 20);
+  Tensor theirs = Tensor::empty({piece}, grad.dtype(), Device::cpu(), make_owner(Category::Communication, "comm:embedding_group"));
+  for (int64_t at = 0; at < n; at += piece) {
+    const int64_t len = std::min(piece, n - at);
+    Tensor mine = flat.slice(0, at, at + len), into = theirs.slice(0, 0, len);
+    auto sent = pp.send_async(mine, other, kTag);
+    pp.recv(into, other, kTag);
+    sent->wait();  // `mine` is read by the send: add only after it completes
+    ops::add_(mine, into);
+  }
   grad.storage().bump_version();
 }
 

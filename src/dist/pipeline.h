@@ -40,7 +40,8 @@ struct PipelineAction {
 // Checks the schedule's requirements and names the flag that breaks one: 1F1B needs
 // N >= P microbatches, interleaved N a multiple of P, and the layers must cover every
 // one of the P*V stages.
-void check_pipeline(PipelineSchedule schedule, int stages, int virtual_stages, int64_t microbatches, int64_t layers);
+void check_pipeline(PipelineSchedule schedule, int stages, int virtual_stages, int64_t microbatches, int64_t layers,
+                    int64_t last_stage_layers = 0);
 // Stage `stage`'s actions for one step of N microbatches, in order.
 std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stages, int stage, int64_t microbatches,
                                              int virtual_stages);
@@ -49,11 +50,16 @@ std::vector<PipelineAction> pipeline_actions(PipelineSchedule schedule, int stag
 int64_t pipeline_in_flight_bound(PipelineSchedule schedule, int stages, int stage, int64_t microbatches,
                                  int virtual_stages);
 // The layers of each of S stages, as even as possible: the first L mod S stages take
-// one layer more (the last stage also runs the head and the loss).
-std::vector<std::pair<int64_t, int64_t>> split_layers(int64_t layers, int stages);
+// one layer more (the last stage also runs the head and the loss). With
+// `last_stage_layers` K > 0 (Megatron's --decoder-last-pipeline-num-layers) the last
+// stage takes K and the others share the rest so: a large vocabulary's head costs as
+// much as several layers (GPT-2 124M's as ~5.5), and fewer layers beside it balance the
+// stages.
+std::vector<std::pair<int64_t, int64_t>> split_layers(int64_t layers, int stages, int64_t last_stage_layers = 0);
 // What rank (pipeline stage `stage`, tensor-parallel rank `tp_rank`) holds: chunk v is
 // global stage v*P + stage.
-nn::ModelShard pipeline_shard(int64_t layers, int stages, int stage, int virtual_stages, int tp, int tp_rank);
+nn::ModelShard pipeline_shard(int64_t layers, int stages, int stage, int virtual_stages, int tp, int tp_rank,
+                              int64_t last_stage_layers = 0);
 
 struct PipelineStepStats {
   double seconds = 0;       // the step's pipeline time on this rank

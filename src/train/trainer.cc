@@ -273,7 +273,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   const int TP = world.tp(), PP = world.pp();
   const bool model_parallel = TP * PP > 1;
   const dist::PipelineSchedule schedule = dist::parse_pipeline_schedule(c.pp_schedule);
-  dist::check_pipeline(schedule, PP, c.virtual_stages, c.grad_accum, mc.n_layer);
+  dist::check_pipeline(schedule, PP, c.virtual_stages, c.grad_accum, mc.n_layer, c.pp_last_stage_layers);
   TALLY_CHECK(!c.sequence_parallel || TP > 1, "--sp (sequence parallel) shards along the sequence over the tensor-parallel "
               "group: it needs --tp > 1");
   TALLY_CHECK(!c.sequence_parallel || c.seq_len % TP == 0, "--sp: --seq-len ", c.seq_len, " must divide into --tp ", TP,
@@ -285,7 +285,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
                 "tensor- or pipeline-parallel run are not supported yet (train with --dp and --zero, or without "
                 "checkpoints)");
     auto shard = std::make_unique<nn::Transformer>(
-        mc, dist::pipeline_shard(mc.n_layer, PP, world.pp_rank(), c.virtual_stages, TP, world.tp_rank()));
+        mc, dist::pipeline_shard(mc.n_layer, PP, world.pp_rank(), c.virtual_stages, TP, world.tp_rank(),
+                                 c.pp_last_stage_layers));
     shard->load_shard_from(*model);
     model = std::move(shard);  // the whole model is freed here
   }
@@ -344,7 +345,12 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
 
   const int64_t N = c.grad_accum, B = c.batch_size, T = c.seq_len;
   const int64_t tokens_per_step = N * D * B * T;  // over all data-parallel ranks
-  const double rank_step_flops = model->flops_per_token(T) * static_cast<double>(N * B * T);
+  // Each rank does its share of the model's work: 1/(tp x pp) of it under model parallelism.
+  // 6N + 6LCT per token for the whole model (Transformer::flops_per_token's formula).
+  const double model_flops_per_token = 6.0 * static_cast<double>(parameter_count(mc)) +
+                                       6.0 * static_cast<double>(mc.n_layer * mc.n_embd * T);
+  const double rank_step_flops =
+      model_flops_per_token * static_cast<double>(N * B * T) / static_cast<double>(world.tp() * world.pp());
   const double gemm_peak = runtime::backend(Device::cpu()).measured_gemm_peak_flops();
   const int64_t P = model->num_parameters();
   log("model: %s, %lld parameters\n", mc.describe().c_str(), static_cast<long long>(P));
@@ -364,7 +370,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
         c.recompute.c_str(), static_cast<long long>(model->num_parameters()), static_cast<long long>(parameter_count(mc)));
   log("parallel: %s, %s\n", world.describe().c_str(),
       c.zero ? ("ZeRO stage " + std::to_string(c.zero)).c_str()
-             : (D > 1 ? "bucketed all-reduce of " + std::to_string(all_reduce->buckets().size()) + " buckets" : "one process").c_str());
+             : (D > 1 ? "bucketed all-reduce of " + std::to_string(all_reduce->buckets().size()) + " buckets"
+                     : model_parallel ? "no data parallel" : "one process")
+                        .c_str());
   log("threads: %d per rank, measured fp32 GEMM peak %.0f GFLOP/s\n", omp_get_max_threads(), gemm_peak / 1e9);
 
   // Rank 0 writes the job's rows; with --log-json-all-ranks every rank also writes its own.
@@ -421,6 +429,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     auto t0 = std::chrono::steady_clock::now();
     sanitizer.begin_step(step);
     ledger.reset_peaks();
+    const int64_t tp_bytes_before = world.tp_group().stats().payload_bytes;
     double loss_sum = 0;
     if (pipeline) {
       // The loader's buffers are refilled per call: each microbatch keeps its own copy
@@ -513,10 +522,12 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     m.live_after_forward_bytes = live_after_forward;
     m.predicted_peak_bytes = planned_peak;
     m.peak_rss_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(peak_rss_bytes()), dist::ReduceOp::Max));
+    m.tp_payload_bytes = world.tp_group().stats().payload_bytes - tp_bytes_before;
     if (pipeline) {
       const dist::PipelineStepStats& ps = pipeline->last();
-      m.bubble_frac = everyone.all_reduce_scalar(ps.seconds > 0 ? ps.idle_seconds / ps.seconds : 0.0, dist::ReduceOp::Sum) /
-                      static_cast<double>(world.size());
+      m.pp_sent_bytes = ps.bytes_sent;
+      m.rank_idle_frac = everyone.all_gather_scalar(ps.seconds > 0 ? ps.idle_seconds / ps.seconds : 0.0);
+      for (double f : m.rank_idle_frac) m.bubble_frac += f / static_cast<double>(world.size());
       m.max_in_flight = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(ps.max_in_flight), dist::ReduceOp::Max));
     }
     if (step == start_step + 1 || (step == start_step && c.steps == start_step + 1)) {
@@ -581,8 +592,11 @@ if (pipeline) {
                         {"tokens", m.step * tokens_per_step}};
     if (pipeline) {
       j["bubble_frac"] = m.bubble_frac;
+      j["rank_idle_frac"] = m.rank_idle_frac;
       j["max_in_flight"] = m.max_in_flight;
+      j["pp_sent_bytes"] = m.pp_sent_bytes;
     }
+    if (TP > 1) j["tp_payload_bytes"] = m.tp_payload_bytes;
     const bool last = step + 1 == c.steps;
     if (val_loader && ((c.val_every > 0 && m.step % c.val_every == 0) || last)) {
       double vl = evaluate(*model, pipeline.get(), *val_loader, c.val_batches);  // every rank: ZeRO-3 gathers collectively

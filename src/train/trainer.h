@@ -67,6 +67,7 @@ struct TrainConfig {
   int pp = 1;
   std::string pp_schedule = "1f1b";  // gpipe | 1f1b | interleaved
   int virtual_stages = 1;            // model chunks per pipeline rank (interleaved)
+  int64_t pp_last_stage_layers = 0;  // layers of the last pipeline stage (0: split evenly)
   bool sequence_parallel = false;    // --sp: norms and residuals sharded along the sequence (needs --tp > 1)
   std::string recompute = "none";    // none | selective | full
   int zero = 0;              // 0: plain data parallel; 1, 2, 3: ZeRO stage
@@ -91,7 +92,10 @@ struct StepMetrics {
   std::vector<int64_t> rank_peak_bytes;  // one per rank (live_bytes and peak_bytes are the maxima)
   int64_t peak_rss_bytes = 0;            // the process's resident-set high-water mark (maximum over ranks)
   double bubble_frac = 0;                // pipeline: the share of the step stages wait for a neighbour (mean over ranks)
+  std::vector<double> rank_idle_frac;    // pipeline: that share on each rank
   int64_t max_in_flight = 0;             // pipeline: most microbatches one stage held at once (maximum over ranks)
+  int64_t tp_payload_bytes = 0;          // tensor parallel: bytes handed to the tp group's collectives this step (rank 0)
+  int64_t pp_sent_bytes = 0;             // pipeline: activation and gradient bytes rank 0 sent this step
 };
 
 struct TrainResult {
