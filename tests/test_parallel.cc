@@ -18,6 +18,8 @@
 // and 2 key/value heads with an untied head (LLaMA), written at start-up from a seed.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
 #include <map>
 
@@ -28,6 +30,7 @@
 #include "ops/ops.h"
 #include "sanitizer/sanitizer.h"
 #include "support.h"
+#include "train/plan.h"
 #include "train/trainer.h"
 
 using namespace tally;
@@ -216,6 +219,106 @@ TEST(Schedule, LayersThatDoNotDivideGoToTheFirstStagesAndBadSchedulesAreNamed) {
   EXPECT_NE(m.find("multiple of --pp"), std::string::npos) << m;
   m = test::message_of<Error>([] { dist::check_pipeline(dist::PipelineSchedule::OneFOneB, 4, 1, 4, 3); });
   EXPECT_NE(m.find("only 3 layers"), std::string::npos) << m;
+}
+
+// ------------------------------------------------------------------ checkpoints
+namespace {
+// A directory every rank agrees on (rank 0's process id names it).
+std::string shared_dir(const std::string& name) {
+  const int64_t job = static_cast<int64_t>(
+      g_world->world().all_reduce_scalar(g_world->is_root() ? static_cast<double>(::getpid()) : 0.0, dist::ReduceOp::Max));
+  return ::testing::TempDir() + "/tally_parallel_" + std::to_string(job) + "_" + name;
+}
+}  // namespace
+
+// A sharded run's checkpoint holds the whole model: resuming it in the same layout
+// continues bit-exactly, and one process resumes it too (within fp32 rounding of the
+// uninterrupted sharded run).
+TEST(ParallelCheckpoints, ASavedShardedRunResumesExactlyAndInOneProcess) {
+  const std::vector<Layout> layouts = {{1, 1, 2, "1f1b"}, {1, 2, 1, "1f1b", 1, true}, {2, 2, 1, "1f1b", 1, false, 1},
+                                       {2, 2, 2, "1f1b", 1, false, 1}};
+  for (const Layout& l : layouts) {
+    if (l.world() != world_size()) continue;
+    for (bool llama : {false, true}) {
+      const std::string what = (llama ? "llama " : "gpt2 ") + l.name();
+      std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
+      train::TrainConfig c = base_config(llama);
+      c.dp = l.dp;
+      c.tp = l.tp;
+      c.pp = l.pp;
+      c.sequence_parallel = l.sp;
+      c.zero = l.zero;
+      c.grad_accum = l.pp > 1 ? 2 : 1;
+      c.save_every = 5;
+      c.out_dir = shared_dir(std::string(llama ? "llama_" : "gpt2_") + std::to_string(l.dp) + std::to_string(l.tp) +
+                             std::to_string(l.pp));
+      const train::TrainResult full = train::run_training(c, *world);
+      ASSERT_EQ(full.history.size(), 10u) << what;
+      train::TrainConfig r = c;
+      r.resume = c.out_dir + "/step_00000005";
+      r.save_every = 0;
+      const train::TrainResult resumed = train::run_training(r, *world);
+      ASSERT_EQ(resumed.history.size(), 5u) << what;
+      for (size_t s = 0; s < 5; ++s)
+        EXPECT_EQ(resumed.history[s].loss, full.history[s + 5].loss) << what << ": resumed step " << s + 6;
+      // One process, the same global batch, from the same checkpoint.
+      train::TrainConfig one = r;
+      one.dp = one.tp = one.pp = 1;
+      one.sequence_parallel = false;
+      one.zero = 0;
+      one.grad_accum = c.grad_accum * l.dp;
+      one.out_dir = test::temp_path("one_process_resume_rank" + std::to_string(g_world->rank()));
+      std::unique_ptr<dist::World> self = dist::World::self();
+      const train::TrainResult alone = train::run_training(one, *self);
+      ASSERT_EQ(alone.history.size(), 5u) << what;
+      for (size_t s = 0; s < 5; ++s)
+        EXPECT_NEAR(alone.history[s].loss, full.history[s + 5].loss, 1e-5 * std::abs(full.history[s + 5].loss))
+            << what << ": one process resumed, step " << s + 6;
+      world->world().barrier();  // rank 0 reads nothing more before the others are done
+    }
+  }
+}
+
+// ------------------------------------------------------------------ memory per stage
+// What the schedules hold: under GPipe stage s keeps the activations of all N
+// microbatches at its peak, under 1F1B of P - s. Everything else at the peak (model
+// states, the backward's transients) is the same in both, so the difference of the two
+// peaks is (N - (P - s)) microbatches of the stage's activations, A_s, which the memory
+// plan's per-layer formulas give (train/plan.h): the stage's share of the layers' saved
+// tensors, plus on the first stage the tokens its embedding saves and the output it
+// keeps for its backward, and on the last the head's saved tensors and the targets.
+TEST(PipelineMemory, EachStageHoldsWhatItsScheduleNeedsWithinFivePercent) {
+  if (world_size() != 2) GTEST_SKIP();
+  const int P = 2;
+  const int64_t N = 8;
+  std::map<std::string, std::vector<int64_t>> peaks;
+  for (const char* schedule : {"gpipe", "1f1b"}) {
+    std::unique_ptr<dist::World> world = dist::World::create({1, 1, P});
+    train::TrainConfig c = base_config(false);
+    c.pp = P;
+    c.pp_schedule = schedule;
+    c.grad_accum = N;
+    c.steps = 3;
+    peaks[schedule] = train::run_training(c, *world).history.back().rank_peak_bytes;
+  }
+  train::TrainConfig c = base_config(false);
+  train::PlanInput in;
+  in.model = tiny_model(false);
+  in.batch_size = c.batch_size;
+  in.seq_len = c.seq_len;
+  const train::MemoryPlan plan = train::plan_memory(in);
+  int64_t layers = 0, head = 0;
+  for (const auto& [kind, bytes] : plan.activations_by_kind) (kind.rfind("head:", 0) == 0 ? head : layers) += bytes;
+  const int64_t BT = c.batch_size * c.seq_len, C = in.model.n_embd, L = in.model.n_layer;
+  const int64_t per_stage_layers = layers / L * (L / P);
+  const std::vector<int64_t> activations = {per_stage_layers + BT * 4 + BT * C * 4, per_stage_layers + head + BT * 4};
+  for (int s = 0; s < P; ++s) {
+    const int64_t measured = peaks["gpipe"][static_cast<size_t>(s)] - peaks["1f1b"][static_cast<size_t>(s)];
+    const int64_t predicted = (N - (P - s)) * activations[static_cast<size_t>(s)];
+    EXPECT_NEAR(static_cast<double>(measured), static_cast<double>(predicted), 0.05 * static_cast<double>(predicted))
+        << "stage " << s << ": gpipe peak " << peaks["gpipe"][static_cast<size_t>(s)] << ", 1f1b peak "
+        << peaks["1f1b"][static_cast<size_t>(s)] << ", one microbatch's activations " << activations[static_cast<size_t>(s)];
+  }
 }
 
 // ------------------------------------------------------------------ the seed bug in a real pipeline

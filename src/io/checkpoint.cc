@@ -6,10 +6,13 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
+#include "autograd/grad_mode.h"
 #include "core/crash_point.h"
+#include "core/owner.h"
 #include "io/atomic_file.h"
 #include "io/checksum.h"
 #include "io/model_files.h"
@@ -40,8 +43,161 @@ std::string step_dir_name(int64_t step) {
 }
 }  // namespace
 
+namespace {
+
+// The whole model's moments, held by rank 0 while it writes a gathered checkpoint.
+class WholeMoments final : public optim::Optimizer {
+ public:
+  WholeMoments(const nn::ParameterStore& whole, int64_t steps) : whole_(whole), steps_(steps) {
+    for (Tensor& m : moments_)
+      m = Tensor::zeros({whole.numel()}, DType::F32, Device::cpu(), make_owner(Category::OptimizerState, "checkpoint.gather"));
+  }
+  int64_t steps_taken() const override { return steps_; }
+  void set_steps_taken(int64_t t) override { steps_ = t; }
+  Tensor moment_unit(int which, size_t unit) override {
+    const nn::ParameterUnit& u = whole_.unit(unit);
+    return moments_[which].slice(0, u.begin, u.end);
+  }
+  void set_moment_unit(int, size_t, const Tensor&) override { TALLY_FAIL("internal: WholeMoments is written only"); }
+  // Moment `which` of whole parameter `i`, in its shape.
+  Tensor of(int which, size_t i) const {
+    return moments_[which].slice(0, whole_.offset(i), whole_.offset(i) + shape_numel(whole_.spec(i).shape)).view(whole_.spec(i).shape);
+  }
+
+ private:
+  const nn::ParameterStore& whole_;
+  int64_t steps_;
+  Tensor moments_[2];
+};
+
+// A shard's view of a whole model's moments as load_checkpoint_state streams them: each
+// whole unit's values are cut into this shard's parameters, and a local unit goes to the
+// real optimizer once all its parameters are filled.
+class ShardMoments final : public optim::Optimizer {
+ public:
+  ShardMoments(const nn::Transformer& whole, const nn::Transformer& local, optim::Optimizer& real)
+      : whole_(whole), local_(local), real_(real) {
+    const nn::ParameterStore& lp = local.params();
+    for (size_t i = 0; i < lp.size(); ++i) local_index_[lp.spec(i).name].push_back(i);
+    for (int w = 0; w < 2; ++w) {
+      staged_[w].resize(lp.num_units());
+      filled_[w].assign(lp.num_units(), 0);
+    }
+  }
+  int64_t steps_taken() const override { return real_.steps_taken(); }
+  void set_steps_taken(int64_t t) override { real_.set_steps_taken(t); }
+  Tensor moment_unit(int, size_t) override { TALLY_FAIL("internal: ShardMoments is read only"); }
+  void set_moment_unit(int which, size_t unit, const Tensor& values) override {
+    const nn::ParameterStore& wp = whole_.params();
+    const nn::ParameterStore& lp = local_.params();
+    const nn::ParameterUnit& wu = wp.unit(unit);
+    for (size_t j = wu.first; j < wu.last; ++j) {
+      auto it = local_index_.find(wp.spec(j).name);
+      if (it == local_index_.end()) continue;  // another rank's
+      const Tensor whole = values.slice(0, wp.offset(j) - wu.begin, wp.offset(j) - wu.begin + shape_numel(wp.spec(j).shape))
+                               .view(wp.spec(j).shape);
+      for (size_t i : it->second) {  // the tied head's copy shares wte's name
+        const size_t lu = lp.spec(i).unit;
+        const nn::ParameterUnit& u = lp.unit(lu);
+        if (!staged_[which][lu].defined())
+          staged_[which][lu] = Tensor::empty({u.numel()}, DType::F32, Device::cpu(), make_owner(Category::Other, "checkpoint.read"));
+        const int64_t n = shape_numel(lp.spec(i).shape);
+        const Tensor local = staged_[which][lu].slice(0, lp.offset(i) - u.begin, lp.offset(i) - u.begin + n).view(lp.spec(i).shape);
+        for (auto& [w, l] : local_.shard_regions(i, whole, local)) l.copy_(w);
+        filled_[which][lu] += n;
+        if (filled_[which][lu] == u.numel()) {
+          real_.set_moment_unit(which, lu, staged_[which][lu]);
+          staged_[which][lu] = Tensor();
+        }
+      }
+    }
+  }
+  void check_complete() const {
+    for (int w = 0; w < 2; ++w)
+      for (size_t u = 0; u < filled_[w].size(); ++u)
+        TALLY_CHECK(filled_[w][u] == local_.params().unit(u).numel(), "internal: the checkpoint left unit '",
+                    local_.params().unit(u).name, "' of this shard without moments");
+  }
+
+ private:
+  const nn::Transformer& whole_;
+  const nn::Transformer& local_;
+  optim::Optimizer& real_;
+  std::unordered_map<std::string, std::vector<size_t>> local_index_;
+  std::vector<Tensor> staged_[2];
+  std::vector<int64_t> filled_[2];
+};
+
+constexpr int kGatherTag = 31000;  // above the pipeline's tags
+
+std::string save_gathered_checkpoint(const std::string& out_dir, const nn::Transformer& model, optim::Optimizer& opt,
+                                     const TrainingState& state, const dist::World& world, const ShardLayout& layout) {
+  TALLY_CHECK(layout, "internal: a sharded model's checkpoint needs the shard layout");
+  const nn::ParameterStore& params = model.params();
+  // This rank's moments, unit by unit (ZeRO-1 gathers each over the data-parallel group:
+  // every rank takes part).
+  std::vector<Tensor> local_moments[2];
+  for (int which = 0; which < 2; ++which)
+    for (size_t u = 0; u < params.num_units(); ++u) local_moments[which].push_back(opt.moment_unit(which, u).contiguous());
+  auto moment_of = [&](int which, size_t i) {
+    const nn::ParameterUnit& u = params.unit(params.spec(i).unit);
+    return local_moments[which][params.spec(i).unit]
+        .slice(0, params.offset(i) - u.begin, params.offset(i) - u.begin + shape_numel(params.spec(i).shape))
+        .view(params.spec(i).shape);
+  };
+  dist::Communicator& comm = world.world();
+  const int D = world.dp(), T = world.tp(), P = world.pp();
+  std::string dir = (fs::path(out_dir) / step_dir_name(state.step)).string();
+  if (world.dp_rank() == 0 && !world.is_root()) {
+    // Parameters, then their two moments, in this shard's order (a tied head's copy is
+    // the embedding's, which the first stage sends).
+    std::vector<std::shared_ptr<dist::Work>> sends;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (model.is_tied_head_copy(i)) continue;
+      for (const Tensor& t : {params[i].detach().contiguous(), moment_of(0, i).contiguous(), moment_of(1, i).contiguous()})
+        sends.push_back(comm.send_async(t, 0, kGatherTag));
+    }
+    for (auto& w : sends) w->wait();
+  }
+  if (world.is_root()) {
+    nn::Transformer whole(model.config());
+    WholeMoments moments(whole.params(), opt.steps_taken());
+    autograd::NoGradGuard no_grad;
+    for (int pp = 0; pp < P; ++pp) {
+      for (int tp = 0; tp < T; ++tp) {
+        const int source = pp * D * T + tp;  // data-parallel rank 0 of (pp, tp)
+        const nn::Transformer shard = source == 0 ? nn::Transformer::layout_only(model.config(), model.shard())
+                                                  : nn::Transformer::layout_only(model.config(), layout(pp, tp));
+        const nn::ParameterStore& sp = shard.params();
+        for (size_t i = 0; i < sp.size(); ++i) {
+          if (shard.is_tied_head_copy(i)) continue;
+          const size_t j = whole.params().index_of(sp.spec(i).name);
+          const Tensor targets[3] = {whole.params()[j].detach(), moments.of(0, j), moments.of(1, j)};
+          for (int k = 0; k < 3; ++k) {
+            Tensor local;
+            if (source == 0) {
+              local = k == 0 ? params[i].detach() : moment_of(k - 1, i);
+            } else {
+              local = Tensor::empty(sp.spec(i).shape, DType::F32, Device::cpu(), make_owner(Category::Communication, "comm:checkpoint_gather"));
+              comm.recv(local, source, kGatherTag);
+            }
+            for (auto& [w, l] : shard.shard_regions(i, targets[k], local)) w.copy_(l);
+          }
+        }
+      }
+    }
+    std::unique_ptr<dist::World> self = dist::World::self();
+    dir = save_checkpoint(out_dir, whole, moments, state, *self);
+  }
+  comm.barrier();  // everyone returns once `latest` names the new checkpoint
+  return dir;
+}
+
+}  // namespace
+
 std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& model, optim::Optimizer& opt,
-                            const TrainingState& state, const dist::World& world) {
+                            const TrainingState& state, const dist::World& world, const ShardLayout& layout) {
+  if (!model.shard().whole()) return save_gathered_checkpoint(out_dir, model, opt, state, world, layout);
   const bool writer = world.is_root();
   const std::string final_dir = (fs::path(out_dir) / step_dir_name(state.step)).string();
   const std::string tmp_dir = final_dir + ".tmp";
@@ -203,6 +359,15 @@ void load_checkpoint_model(const std::string& dir, nn::Transformer& model) {
 }
 
 TrainingState load_checkpoint_state(const std::string& dir, const nn::Transformer& model, optim::Optimizer& opt) {
+  if (!model.shard().whole()) {
+    // The file holds the whole model's moments: read them against the whole layout, and
+    // keep this shard's slices.
+    const nn::Transformer whole = nn::Transformer::layout_only(model.config());
+    ShardMoments shard(whole, model, opt);
+    TrainingState st = load_checkpoint_state(dir, whole, shard);
+    shard.check_complete();
+    return st;
+  }
   const std::string path = (fs::path(dir) / "state.bin").string();
   const nn::ParameterStore& params = model.params();
   int64_t size = 0;

@@ -15,6 +15,7 @@
 // (one machine, or a shared filesystem, as the data shards are).
 #pragma once
 #include <array>
+#include <functional>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -35,10 +36,19 @@ struct TrainingState {
   std::vector<std::pair<std::string, std::string>> recipe;
 };
 
+// What the rank at (pipeline stage, tensor-parallel rank) holds, for tensor- and
+// pipeline-parallel runs.
+using ShardLayout = std::function<nn::ModelShard(int pp_rank, int tp_rank)>;
+
 // Writes <out_dir>/step_<step>/ and points <out_dir>/latest at it. Returns the directory.
 // Collective over `world`; under ZeRO-3 the model's units are gathered while it writes.
+// A tensor- or pipeline-parallel model (a shard) is written as the whole model: data-
+// parallel rank 0 of every (stage, tp rank) sends its parameters and moments to rank 0,
+// which puts them together and writes the same files one process would (so any layout,
+// one process included, resumes from them). Rank 0 holds the whole model and its moments
+// (16P bytes) while it writes.
 std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& model, optim::Optimizer& opt,
-                            const TrainingState& state, const dist::World& world);
+                            const TrainingState& state, const dist::World& world, const ShardLayout& layout = {});
 
 // `path` is a checkpoint directory or an out_dir with a `latest` file.
 std::string resolve_checkpoint(const std::string& path);
@@ -55,7 +65,8 @@ void recover_out_dir(const std::string& out_dir);
 void load_checkpoint_model(const std::string& dir, nn::Transformer& model);
 // The recipe saved with a checkpoint (empty for checkpoints older than recipes).
 std::vector<std::pair<std::string, std::string>> load_checkpoint_recipe(const std::string& dir);
-// Loads the optimizer moments and step count and returns the training state.
+// Loads the optimizer moments and step count and returns the training state. A shard
+// (tensor or pipeline parallel) takes its slices of the whole model's moments.
 TrainingState load_checkpoint_state(const std::string& dir, const nn::Transformer& model, optim::Optimizer& opt);
 
 }  // namespace tally::io

@@ -166,7 +166,32 @@ size_t Transformer::declare(const std::string& name, Shape shape, bool decay, Tp
   return i;
 }
 
-Transformer::Transformer(const TransformerConfig& config, ModelShard shard) : config_(config), shard_(std::move(shard)) {
+Transformer::Transformer(const TransformerConfig& config, ModelShard shard)
+    : Transformer(config, std::move(shard), LayoutOnly{}) {
+  params_.allocate();
+  if (config_.is_llama()) {
+    // A model constant beside the parameters: persistent, owned by the model.
+    OwnerTag tag;
+    tag.category = Category::Other;
+    tag.persistent = true;
+    tag.name = intern_name("rope.inv_freq");
+    std::vector<double> freqs = rope_inv_freq(config_);
+    inv_freq_ = Tensor::empty({static_cast<int64_t>(freqs.size())}, DType::F32, Device::cpu(), tag);
+    float* d = inv_freq_.data<float>();
+    for (size_t i = 0; i < freqs.size(); ++i) d[i] = static_cast<float>(freqs[i]);
+  }
+}
+
+Transformer Transformer::layout_only(const TransformerConfig& config, ModelShard shard) {
+  return Transformer(config, std::move(shard), LayoutOnly{});
+}
+
+Transformer::Transformer(const TransformerConfig& config, ModelShard shard, LayoutOnly)
+    : config_(config), shard_(std::move(shard)) {
+  declare_parameters();
+}
+
+void Transformer::declare_parameters() {
   const auto& c = config_;
   c.validate();
   const bool llama = c.is_llama();
@@ -234,51 +259,40 @@ Transformer::Transformer(const TransformerConfig& config, ModelShard shard) : co
       }
     }
   }
-  params_.allocate();
-  if (llama) {
-    // A model constant beside the parameters: persistent, owned by the model.
-    OwnerTag tag;
-    tag.category = Category::Other;
-    tag.persistent = true;
-    tag.name = intern_name("rope.inv_freq");
-    std::vector<double> freqs = rope_inv_freq(c);
-    inv_freq_ = Tensor::empty({static_cast<int64_t>(freqs.size())}, DType::F32, Device::cpu(), tag);
-    float* d = inv_freq_.data<float>();
-    for (size_t i = 0; i < freqs.size(); ++i) d[i] = static_cast<float>(freqs[i]);
+}
+
+std::vector<std::pair<Tensor, Tensor>> Transformer::shard_regions(size_t i, const Tensor& whole, const Tensor& local) const {
+  const auto& c = config_;
+  const int r = shard_.tp_rank;
+  const int64_t D = c.head_dim(), Hl = c.n_head / shard_.tp, KVl = c.n_kv_head / shard_.tp;
+  auto rows = [](const Tensor& t, int64_t begin, int64_t n) { return t.slice(0, begin, begin + n); };
+  switch (splits_[i]) {
+    case TpSplit::Replicated: return {{whole, local}};
+    case TpSplit::Rows: {
+      const int64_t n = local.shape()[0];
+      return {{rows(whole, r * n, n), local}};
+    }
+    case TpSplit::Columns: {
+      const int64_t n = local.shape()[1];
+      return {{whole.slice(1, r * n, (r + 1) * n), local}};
+    }
+    case TpSplit::QkvRows: {
+      // [q of my heads | k of my kv heads | v of my kv heads] within [q | k | v].
+      const int64_t q = Hl * D, kv = KVl * D;
+      return {{rows(whole, r * q, q), rows(local, 0, q)},
+              {rows(whole, c.n_embd + r * kv, kv), rows(local, q, kv)},
+              {rows(whole, c.n_embd + c.kv_dim() + r * kv, kv), rows(local, q + kv, kv)}};
+    }
   }
+  return {};
 }
 
 void Transformer::load_shard_from(const Transformer& full) {
   TALLY_CHECK(full.shard_.whole(), "internal: load_shard_from needs the whole model");
-  const auto& c = config_;
-  const int tp = shard_.tp, r = shard_.tp_rank;
-  const int64_t D = c.head_dim(), Hl = c.n_head / tp, KVl = c.n_kv_head / tp;
   autograd::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
-    const Tensor dst = params_[i].detach();
     const Tensor& src = full.params().get(params_.spec(i).name);
-    auto rows = [&](const Tensor& t, int64_t begin, int64_t n) { return t.slice(0, begin, begin + n).detach(); };
-    switch (splits_[i]) {
-      case TpSplit::Replicated: dst.copy_(src.detach()); break;
-      case TpSplit::Rows: {
-        const int64_t n = dst.shape()[0];
-        dst.copy_(rows(src, r * n, n));
-        break;
-      }
-      case TpSplit::Columns: {
-        const int64_t n = dst.shape()[1];
-        dst.copy_(src.slice(1, r * n, (r + 1) * n).detach());
-        break;
-      }
-      case TpSplit::QkvRows: {
-        // [q of my heads | k of my kv heads | v of my kv heads] from [q | k | v].
-        const int64_t q = Hl * D, kv = KVl * D;
-        rows(dst, 0, q).copy_(rows(src, r * q, q));
-        rows(dst, q, kv).copy_(rows(src, c.n_embd + r * kv, kv));
-        rows(dst, q + kv, kv).copy_(rows(src, c.n_embd + c.kv_dim() + r * kv, kv));
-        break;
-      }
-    }
+    for (auto& [whole, local] : shard_regions(i, src.detach(), params_[i].detach())) local.copy_(whole);
     params_[i].storage().bump_version();
   }
 }

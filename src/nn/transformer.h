@@ -133,6 +133,9 @@ class Transformer {
  public:
   // The whole model, or a shard of it (pipeline chunks, tensor-parallel slices).
   explicit Transformer(const TransformerConfig& config, ModelShard shard = {});
+  // The parameters' names, shapes, units and splits only, nothing allocated: what another
+  // rank's shard holds (checkpoints gather and scatter by it).
+  static Transformer layout_only(const TransformerConfig& config, ModelShard shard = {});
 
   const TransformerConfig& config() const { return config_; }
   ParameterStore& params() { return params_; }
@@ -147,6 +150,11 @@ class Transformer {
   size_t num_chunks() const { return shard_.chunks.size(); }
   // Copies this shard's parameters out of the whole model `full` (same config).
   void load_shard_from(const Transformer& full);
+  // The pairs (region of the whole parameter, region of this shard's parameter) that
+  // correspond for parameter `param` (by its index in this shard): copying each pair
+  // one way cuts the shard from the whole, the other way puts it back. `whole` has the
+  // whole model's shape of that parameter, `local` this shard's.
+  std::vector<std::pair<Tensor, Tensor>> shard_regions(size_t param, const Tensor& whole, const Tensor& local) const;
   TpSplit tp_split(size_t param) const { return splits_[param]; }
   // The last pipeline chunk's copy of a tied wte (its gradient is summed with the first's).
   bool is_tied_head_copy(size_t param) const { return param == wte_ && tied_head_copy_; }
@@ -208,6 +216,10 @@ class Transformer {
   // A row-parallel projection: the partial products summed over the tensor-parallel
   // group, then the (replicated) bias.
   Tensor row_linear(const Tensor& x, size_t weight, size_t bias) const;
+
+  struct LayoutOnly {};
+  Transformer(const TransformerConfig& config, ModelShard shard, LayoutOnly);
+  void declare_parameters();
 
   TransformerConfig config_;
   ModelShard shard_;

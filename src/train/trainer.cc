@@ -268,6 +268,11 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   const nn::TransformerConfig mc = model->config();
   TALLY_CHECK(c.seq_len <= mc.max_seq_len, "--seq-len ", c.seq_len, " exceeds the model's maximum sequence length ",
               mc.max_seq_len);
+  std::string resume_dir;
+  if (!c.resume.empty()) {
+    resume_dir = io::resolve_checkpoint(c.resume);
+    io::load_checkpoint_model(resume_dir, *model);  // the whole model: before ZeRO or tp/pp shard it
+  }
   // Tensor and pipeline parallel: this rank keeps its shard of the model (its pipeline
   // chunks, its slices of the heads, MLP and vocabulary), cut from the whole one.
   const int TP = world.tp(), PP = world.pp();
@@ -281,9 +286,6 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (model_parallel) {
     TALLY_CHECK(c.zero <= 1, "--zero ", c.zero, " with --tp/--pp: the model is already sharded by tensor and pipeline "
                 "parallelism; use --zero 1 (optimizer state sharded over the data-parallel group)");
-    TALLY_CHECK(c.resume.empty() && c.save_every == 0, "--resume and --save-every with --tp or --pp > 1: checkpoints of a "
-                "tensor- or pipeline-parallel run are not supported yet (train with --dp and --zero, or without "
-                "checkpoints)");
     auto shard = std::make_unique<nn::Transformer>(
         mc, dist::pipeline_shard(mc.n_layer, PP, world.pp_rank(), c.virtual_stages, TP, world.tp_rank(),
                                  c.pp_last_stage_layers));
@@ -298,11 +300,6 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   model->set_recompute(nn::parse_recompute(c.recompute));
   std::unique_ptr<dist::PipelineStage> pipeline;
   if (PP > 1) pipeline = std::make_unique<dist::PipelineStage>(*model, world.pp_group(), schedule, c.virtual_stages);
-  std::string resume_dir;
-  if (!c.resume.empty()) {
-    resume_dir = io::resolve_checkpoint(c.resume);
-    io::load_checkpoint_model(resume_dir, *model);  // before ZeRO shards the model
-  }
   optim::AdamWConfig ac;
   ac.beta1 = c.beta1;
   ac.beta2 = c.beta2;
@@ -610,7 +607,8 @@ if (pipeline) {
     const bool sample_now =
         (c.sample_every > 0 && m.step % c.sample_every == 0) || (last && c.sample_tokens > 0 && c.sample_every >= 0);
     if (sample_now && model_parallel && last)
-      log("sample: not drawn: sampling runs on a whole model, and this run's is split by --tp/--pp\n");
+      log("sample: not drawn: sampling runs on a whole model, and this run's is split by --tp/--pp; "
+          "`tally sample --model-file %s` draws from its checkpoints (--save-every)\n", c.out_dir.c_str());
     if (sample_now && !model_parallel) {
       SampleOptions so;
       so.tokens = c.sample_tokens;
@@ -636,7 +634,9 @@ if (pipeline) {
       st.step = m.step;
       st.rng_state = sample_rng.state();
       st.recipe = recipe;
-      result.last_checkpoint = io::save_checkpoint(c.out_dir, *model, opt, st, world);
+      result.last_checkpoint = io::save_checkpoint(c.out_dir, *model, opt, st, world, [&](int pp_rank, int tp_rank) {
+        return dist::pipeline_shard(mc.n_layer, PP, pp_rank, c.virtual_stages, TP, tp_rank, c.pp_last_stage_layers);
+      });
       log("saved %s\n", result.last_checkpoint.c_str());
       crash_point("checkpoint", m.step);
     }
