@@ -91,6 +91,17 @@ struct Layout {
   bool sp = false;
   int zero = 0;  // over the data-parallel group
   int world() const { return dp * tp * pp; }
+  // `base` run in this layout.
+  train::TrainConfig apply(train::TrainConfig c) const {
+    c.dp = dp;
+    c.tp = tp;
+    c.pp = pp;
+    c.pp_schedule = schedule;
+    c.virtual_stages = virtual_stages;
+    c.sequence_parallel = sp;
+    c.zero = zero;
+    return c;
+  }
   std::string name() const {
     std::string n;
     if (dp > 1) n += "dp" + std::to_string(dp) + " ";
@@ -130,15 +141,8 @@ void expect_matches_one_process(const Layout& l, bool llama, const std::string& 
   const int64_t N = l.pp > 1 ? 4 : 2;  // per data-parallel rank; 1F1B over 4 stages needs 4
   const train::TrainResult& want = one_process(llama, N * l.dp);
   std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
-  train::TrainConfig c = base_config(llama);
-  c.dp = l.dp;
-  c.tp = l.tp;
-  c.pp = l.pp;
-  c.pp_schedule = l.schedule;
-  c.virtual_stages = l.virtual_stages;
-  c.sequence_parallel = l.sp;
+  train::TrainConfig c = l.apply(base_config(llama));
   c.recompute = recompute;
-  c.zero = l.zero;
   c.grad_accum = N;
   c.sanitize = "strict";
   const train::TrainResult got = train::run_training(c, *world);
@@ -242,12 +246,7 @@ TEST(ParallelCheckpoints, ASavedShardedRunResumesExactlyAndInOneProcess) {
     for (bool llama : {false, true}) {
       const std::string what = (llama ? "llama " : "gpt2 ") + l.name();
       std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
-      train::TrainConfig c = base_config(llama);
-      c.dp = l.dp;
-      c.tp = l.tp;
-      c.pp = l.pp;
-      c.sequence_parallel = l.sp;
-      c.zero = l.zero;
+      train::TrainConfig c = l.apply(base_config(llama));
       c.grad_accum = l.pp > 1 ? 2 : 1;
       c.save_every = 5;
       c.out_dir = shared_dir(std::string(llama ? "llama_" : "gpt2_") + std::to_string(l.dp) + std::to_string(l.tp) +

@@ -176,6 +176,8 @@ class MpiCommunicator final : public Communicator {
   // the other's queue. PyTorch's ProcessGroupMPI posts send/recv the same way.
   std::shared_ptr<Work> send_async(const Tensor& t, int dst, int tag) override;
   std::shared_ptr<Work> recv_async(const Tensor& t, int src, int tag) override;
+  // MPI_Isend or MPI_Irecv, posted now from the calling thread (see send_async).
+  std::shared_ptr<Work> post(const Tensor& t, int peer, int tag, bool send);
 
   std::shared_ptr<Work> barrier_async() override {
     return submit(0, {}, [this] { check(MPI_Barrier(comm_), "barrier"); });
@@ -246,18 +248,33 @@ class MpiCommunicator final : public Communicator {
   std::thread worker_;  // last: started once everything it reads exists
 };
 
+// Send buffers of requests dropped unfinished: MPI may still read them (see below).
+std::vector<Tensor>& orphaned_send_buffers() {
+  static std::vector<Tensor> buffers;
+  return buffers;
+}
+
 // A posted MPI_Isend or MPI_Irecv. Holds its buffer until the request completes; done()
-// tests it, wait() waits for it. A handle dropped unfinished waits in its destructor: the
-// buffer must outlive the transfer.
+// tests it, wait() waits for it.
 class PointToPointWork final : public Work {
  public:
   PointToPointWork(MPI_Request request, Tensor buffer, MpiCommunicator& comm, const char* op, int peer, int expected)
       : request_(request), buffer_(std::move(buffer)), comm_(comm), op_(op), peer_(peer), expected_(expected),
         submitted_(now_seconds()) {}
+  // Dropped unfinished only when an error unwinds the caller (every normal path waits).
+  // Waiting here could hang the failing rank, whose peer may never answer, before it
+  // reports the error and ends the job: a receive is cancelled, and a send is let go
+  // with its buffer kept alive for MPI to read.
   ~PointToPointWork() override {
-    try {
-      wait();
-    } catch (...) {  // already reported by whoever waited, or the job is ending
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (finished_ != 0) return;
+    if (expected_ >= 0) {
+      MPI_Cancel(&request_);
+      MPI_Status status;
+      MPI_Wait(&request_, &status);
+    } else {
+      MPI_Request_free(&request_);
+      orphaned_send_buffers().push_back(buffer_);
     }
   }
   bool done() override {
@@ -309,23 +326,26 @@ class PointToPointWork final : public Work {
 };
 
 std::shared_ptr<Work> MpiCommunicator::send_async(const Tensor& t, int dst, int tag) {
-  check_buffer("send", t);
-  TALLY_CHECK(dst >= 0 && dst < size_ && dst != rank_, "send on ", name_, " from rank ", rank_, " to rank ", dst);
-  const int n = count_of(t, "send");
-  MPI_Request request;
-  check(MPI_Isend(t.raw_data(), n, mpi_type(t.dtype(), "send"), dst, tag, comm_, &request), "send");
-  count(t.nbytes());
-  return std::make_shared<PointToPointWork>(request, t, *this, "send", dst, -1);
+  return post(t, dst, tag, true);
 }
 
 std::shared_ptr<Work> MpiCommunicator::recv_async(const Tensor& t, int src, int tag) {
-  check_buffer("recv", t);
-  TALLY_CHECK(src >= 0 && src < size_ && src != rank_, "recv on ", name_, " at rank ", rank_, " from rank ", src);
-  const int n = count_of(t, "recv");
+  return post(t, src, tag, false);
+}
+
+std::shared_ptr<Work> MpiCommunicator::post(const Tensor& t, int peer, int tag, bool send) {
+  const char* op = send ? "send" : "recv";
+  check_buffer(op, t);
+  TALLY_CHECK(peer >= 0 && peer < size_ && peer != rank_, op, " on ", name_, " between rank ", rank_, " and rank ", peer,
+              " of ", size_);
+  const int n = count_of(t, op);
+  const MPI_Datatype type = mpi_type(t.dtype(), op);
   MPI_Request request;
-  check(MPI_Irecv(t.raw_data(), n, mpi_type(t.dtype(), "recv"), src, tag, comm_, &request), "recv");
+  check(send ? MPI_Isend(t.raw_data(), n, type, peer, tag, comm_, &request)
+             : MPI_Irecv(t.raw_data(), n, type, peer, tag, comm_, &request),
+        op);
   count(t.nbytes());
-  return std::make_shared<PointToPointWork>(request, t, *this, "recv", src, n);
+  return std::make_shared<PointToPointWork>(request, t, *this, op, peer, send ? -1 : n);
 }
 
 void finalize_at_exit() {

@@ -2,10 +2,12 @@
 // communicators over MPI_COMM_WORLD and its splits, and ending the whole job when one
 // rank fails.
 //
-// Each MpiCommunicator owns one worker thread that issues its MPI calls in submission
+// Each MpiCommunicator owns one worker thread that issues its collectives in submission
 // order (every rank submits the same operations in the same order, as MPI requires), so
 // the caller never blocks on the wire until it waits; several communicators run
-// concurrently (MPI_THREAD_MULTIPLE). Errors are returned by MPI (MPI_ERRORS_RETURN) and
+// concurrently (MPI_THREAD_MULTIPLE). Sends and receives are posted at once from the
+// calling thread (MPI_Isend, MPI_Irecv): a pipeline's stages order them differently, and
+// queued behind one another on a worker they could wait for each other forever. Errors are returned by MPI (MPI_ERRORS_RETURN) and
 // rethrown by Work::wait() with the communicator's name and MPI's message.
 #pragma once
 #include <memory>

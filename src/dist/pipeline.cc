@@ -188,20 +188,59 @@ double PipelineStage::run(int64_t N, const BatchFn& batch, double loss_scale, sa
     w.wait();
     last_.idle_seconds += now_seconds() - t0;
   };
+  // Every microbatch has the first one's shape (the first action is microbatch 0's forward).
+  sanitizer.begin_microbatch(actions[0].microbatch);
+  std::pair<Tensor, Tensor> first_batch = batch(actions[0].microbatch);
+  const Shape act_shape = activation_shape(first_batch.first.shape()[0], first_batch.first.shape()[1]);
+  const DType dtype = model_.params().flat_params().dtype();
+  // Receives are posted one action ahead, so the next action's activation or gradient
+  // arrives while this one computes. A buffer belongs to its own microbatch (the
+  // sanitizer's clock is set to it while the buffer is made).
+  struct Posted {
+    Tensor buffer;
+    std::shared_ptr<Work> work;
+  };
+  std::map<size_t, Posted> posted;  // action index -> its receive
+  auto post_receive = [&](size_t i) {
+    if (i >= actions.size() || posted.count(i)) return;
+    const PipelineAction& n = actions[i];
+    const nn::ModelShard::Chunk& ch = chunks[static_cast<size_t>(n.chunk)];
+    const int g = global_stage(n.chunk);
+    if (n.forward ? ch.embed : ch.head) return;  // it receives nothing
+    sanitizer.begin_microbatch(n.microbatch);
+    Posted p;
+    if (n.forward) {
+      OwnerScope scope("pp_recv");
+      p.buffer = Tensor::empty(act_shape, dtype, Device::cpu(), current_owner("activation"));
+      p.work = group_.recv_async(p.buffer, (g - 1 + S) % S % stages_, activation_tag(g - 1));
+    } else {
+      p.buffer = Tensor::empty(act_shape, dtype, Device::cpu(), make_owner(Category::Communication, "comm:pp_recv_grad"));
+      p.work = group_.recv_async(p.buffer, (g + 1) % stages_, gradient_tag(g));
+    }
+    posted.emplace(i, std::move(p));
+  };
+  // This action's receive, waited for.
+  auto received = [&](size_t i) {
+    auto it = posted.find(i);
+    TALLY_CHECK(it != posted.end(), "internal: pipeline action ", i, " has no receive posted");
+    Posted p = std::move(it->second);
+    posted.erase(it);
+    wait_timed(*p.work);
+    return p.buffer;
+  };
   for (size_t i = 0; i < actions.size(); ++i) {
     const PipelineAction& a = actions[i];
     const nn::ModelShard::Chunk& chunk = chunks[static_cast<size_t>(a.chunk)];
     const int g = global_stage(a.chunk);
-    sanitizer.begin_microbatch(a.microbatch);  // first: what follows is this microbatch's
+    post_receive(i);
+    post_receive(i + 1);
+    sanitizer.begin_microbatch(a.microbatch);  // what follows is this microbatch's
     if (a.forward) {
-      auto [tokens, targets] = batch(a.microbatch);
-      const Shape act_shape = activation_shape(tokens.shape()[0], tokens.shape()[1]);
+      auto [tokens, targets] = i == 0 ? std::move(first_batch) : batch(a.microbatch);
       InFlight f;
       Tensor input = tokens;
       if (!chunk.embed) {
-        OwnerScope scope("pp_recv");
-        f.input = Tensor::empty(act_shape, model_.params().flat_params().dtype(), Device::cpu(), current_owner("activation"));
-        wait_timed(*group_.recv_async(f.input, (g - 1 + S) % S % stages_, activation_tag(g - 1)));
+        f.input = received(i);
         if (fault_ == Fault::LeafAndOutput) {
           // The receive recorded as an op (its output depends on a tensor that requires
           // grad), then made a leaf as well: R1 refuses it here.
@@ -234,10 +273,7 @@ double PipelineStage::run(int64_t N, const BatchFn& batch, double loss_scale, sa
       if (chunk.head) {
         f.output.backward();
       } else {
-        Tensor grad = Tensor::empty(f.output.shape(), f.output.dtype(), Device::cpu(),
-                                    make_owner(Category::Communication, "comm:pp_recv_grad"));
-        wait_timed(*group_.recv_async(grad, (g + 1) % stages_, gradient_tag(g)));
-        f.output.backward(grad);
+        f.output.backward(received(i));
         wait_timed(*f.sent);
       }
       if (!chunk.embed) {
@@ -257,7 +293,7 @@ double PipelineStage::run(int64_t N, const BatchFn& batch, double loss_scale, sa
     }
   }
   for (auto& w : gradient_sends) wait_timed(*w);
-  TALLY_CHECK(flight.empty() && backwards_left.empty(), "internal: the pipeline schedule left ", flight.size(),
+  TALLY_CHECK(flight.empty() && backwards_left.empty() && posted.empty(), "internal: the pipeline schedule left ", flight.size(),
               " forwards without a backward");
   last_.seconds = now_seconds() - begin;
   return loss_sum;
