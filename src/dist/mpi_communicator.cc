@@ -248,10 +248,13 @@ class MpiCommunicator final : public Communicator {
   std::thread worker_;  // last: started once everything it reads exists
 };
 
-// Send buffers of requests dropped unfinished: MPI may still read them (see below).
-std::vector<Tensor>& orphaned_send_buffers() {
-  static std::vector<Tensor> buffers;
-  return buffers;
+// Send buffers of requests dropped unfinished: MPI may still read them (see below), up to
+// MPI_Finalize at exit, so they are never freed.
+void keep_orphaned_send_buffer(const Tensor& buffer) {
+  static std::mutex mutex;
+  static auto* buffers = new std::vector<Tensor>();  // never destroyed: outlives MPI_Finalize
+  std::lock_guard<std::mutex> lock(mutex);
+  buffers->push_back(buffer);
 }
 
 // A posted MPI_Isend or MPI_Irecv. Holds its buffer until the request completes; done()
@@ -274,7 +277,7 @@ class PointToPointWork final : public Work {
       MPI_Wait(&request_, &status);
     } else {
       MPI_Request_free(&request_);
-      orphaned_send_buffers().push_back(buffer_);
+      keep_orphaned_send_buffer(buffer_);
     }
   }
   bool done() override {

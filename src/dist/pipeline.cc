@@ -40,6 +40,8 @@ void check_pipeline(PipelineSchedule schedule, int stages, int virtual_stages, i
   TALLY_CHECK(virtual_stages >= 1, "--virtual-stages must be >= 1, got ", virtual_stages);
   TALLY_CHECK(schedule == PipelineSchedule::Interleaved || virtual_stages == 1, "--virtual-stages ", virtual_stages,
               " needs --pp-schedule interleaved (", pipeline_schedule_name(schedule), " runs one chunk per stage)");
+  TALLY_CHECK(virtual_stages == 1 || stages > 1, "--virtual-stages ", virtual_stages, " needs --pp > 1 (chunks are "
+              "pipeline stages)");
   if (stages == 1) return;
   if (schedule == PipelineSchedule::OneFOneB)
     TALLY_CHECK(microbatches >= stages, "--pp-schedule 1f1b with --pp ", stages, " needs at least ", stages,
@@ -174,7 +176,11 @@ double PipelineStage::run(int64_t N, const BatchFn& batch, double loss_scale, sa
   const std::vector<PipelineAction> actions = pipeline_actions(schedule_, stages_, stage_, N, virtual_stages_);
   std::map<std::pair<int64_t, int>, InFlight> flight;  // (microbatch, chunk)
   std::map<int64_t, int> backwards_left;               // per microbatch: chunks whose backward has not run
-  std::vector<std::shared_ptr<Work>> gradient_sends;   // drained before the step ends
+  // The last gradient sent back: waited for before the next is sent, so a stage holds one
+  // send buffer, not one per microbatch (deadlock-free for these schedules: a stage's
+  // previous gradient is received by its neighbour at or before that neighbour's next
+  // backward, which needs nothing more from this stage).
+  std::shared_ptr<Work> gradient_sent;
   std::vector<Tensor> kept;                            // Fault::KeepReceived only
   last_ = PipelineStepStats();
   const double begin = now_seconds();
@@ -279,9 +285,11 @@ double PipelineStage::run(int64_t N, const BatchFn& batch, double loss_scale, sa
       if (!chunk.embed) {
         // The received activation's gradient goes back in a buffer of its own, so the
         // leaf and its gradient die now, with this microbatch.
+        if (gradient_sent) wait_timed(*gradient_sent);
+        gradient_sent.reset();  // its buffer is freed before the next is made
         Tensor out = Tensor::empty(f.input.shape(), f.input.dtype(), Device::cpu(), make_owner(Category::Communication, "comm:pp_send_grad"));
         out.copy_(f.input.grad());
-        gradient_sends.push_back(group_.send_async(out, (g - 1 + S) % S % stages_, gradient_tag(g - 1)));
+        gradient_sent = group_.send_async(out, (g - 1 + S) % S % stages_, gradient_tag(g - 1));
         last_.bytes_sent += out.nbytes();
       }
       if (fault_ == Fault::KeepReceived && f.input.defined()) kept.push_back(f.input);
@@ -292,7 +300,7 @@ double PipelineStage::run(int64_t N, const BatchFn& batch, double loss_scale, sa
       }
     }
   }
-  for (auto& w : gradient_sends) wait_timed(*w);
+  if (gradient_sent) wait_timed(*gradient_sent);
   TALLY_CHECK(flight.empty() && backwards_left.empty() && posted.empty(), "internal: the pipeline schedule left ", flight.size(),
               " forwards without a backward");
   last_.seconds = now_seconds() - begin;

@@ -194,7 +194,10 @@ Tensor TensorParallel::vocab_parallel_embedding(const Tensor& weight_shard, cons
   const int32_t* ip = ids.data<int32_t>();
   const float* wp = weight_shard.data<float>();
   float* op = out.data<float>();
-  const int64_t n = ids.numel();
+  const int64_t n = ids.numel(), vocab = rows * size();
+  for (int64_t i = 0; i < n; ++i)
+    TALLY_CHECK(ip[i] >= 0 && ip[i] < vocab, "vocab-parallel embedding: token ", ip[i], " at position ", i,
+                " is outside the vocabulary [0, ", vocab, ")");
 #pragma omp parallel for
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = static_cast<int64_t>(ip[i]) - vocab_start;
@@ -230,6 +233,9 @@ Tensor TensorParallel::vocab_parallel_cross_entropy(const Tensor& logits_shard, 
   const int64_t valid = std::clamp<int64_t>(vocab_size - vocab_start, 0, V);  // the rest is padding
   const float* lp = logits.data<float>();
   const int32_t* tp = tgt.data<int32_t>();
+  for (int64_t i = 0; i < N; ++i)
+    TALLY_CHECK(tp[i] < vocab_size, "vocab-parallel cross-entropy: target ", tp[i], " in row ", i,
+                " is outside the vocabulary [0, ", vocab_size, ") (negative targets are ignored)");
   // Row maxima over the group.
   Tensor row_max = Tensor::empty({N}, DType::F64, Device::cpu(), current_owner("vocab_ce_stats"));
   double* mp = row_max.data<double>();
