@@ -20,8 +20,12 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
+#include <set>
+#include <tuple>
 
 #include "dist/pipeline.h"
 #include "dist/world.h"
@@ -203,6 +207,80 @@ TEST(Schedule, OneFOneBHoldsAtMostPMinusSMicrobatchesAndGPipeAllOfThem) {
       EXPECT_EQ(seen.size(), static_cast<size_t>(8 * V));
     }
   }
+}
+
+// The stages' blocking rules, played out on every rank's action list at once: an action
+// posts its own receive and the next one's; a forward waits for its activation, a
+// backward for its gradient, and a backward that sends a gradient back first waits until
+// the previous one it sent has its receive posted. Sends never block otherwise. Every
+// schedule must run to the end, for any P, V and N it accepts.
+namespace {
+using StageActions = std::vector<std::vector<dist::PipelineAction>>;  // per pipeline rank
+
+StageActions schedule_of(dist::PipelineSchedule schedule, int P, int64_t N, int V) {
+  StageActions acts;
+  for (int s = 0; s < P; ++s) acts.push_back(dist::pipeline_actions(schedule, P, s, N, V));
+  return acts;
+}
+
+bool runs_to_the_end(const StageActions& acts, int V) {
+  const int P = static_cast<int>(acts.size()), S = P * V;
+  using Msg = std::tuple<bool, int, int64_t>;  // (gradient?, receiving global stage, microbatch)
+  std::set<Msg> sent, posted;
+  std::vector<size_t> pc(static_cast<size_t>(P), 0);
+  std::vector<std::optional<Msg>> last_gradient(static_cast<size_t>(P));
+  auto receive_of = [&](int r, size_t i) -> std::optional<Msg> {
+    const auto& a = acts[static_cast<size_t>(r)][i];
+    const int g = a.chunk * P + r;
+    if (a.forward && g > 0) return Msg{false, g, a.microbatch};
+    if (!a.forward && g < S - 1) return Msg{true, g, a.microbatch};
+    return std::nullopt;
+  };
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < P; ++r) {
+      const size_t i = pc[static_cast<size_t>(r)];
+      if (i >= acts[static_cast<size_t>(r)].size()) continue;
+      for (size_t j : {i, i + 1})
+        if (j < acts[static_cast<size_t>(r)].size())
+          if (auto m = receive_of(r, j)) posted.insert(*m);
+      const auto& a = acts[static_cast<size_t>(r)][i];
+      const int g = a.chunk * P + r;
+      if (auto m = receive_of(r, i); m && !sent.count(*m)) continue;
+      if (!a.forward && g > 0) {
+        auto& prev = last_gradient[static_cast<size_t>(r)];
+        if (prev && !posted.count(*prev)) continue;
+        prev = Msg{true, g - 1, a.microbatch};
+        sent.insert(*prev);
+      }
+      if (a.forward && g < S - 1) sent.insert(Msg{false, g + 1, a.microbatch});
+      ++pc[static_cast<size_t>(r)];
+      progress = true;
+    }
+  }
+  for (int r = 0; r < P; ++r)
+    if (pc[static_cast<size_t>(r)] < acts[static_cast<size_t>(r)].size()) return false;
+  return true;
+}
+}  // namespace
+
+TEST(Schedule, NoScheduleDeadlocksUnderTheStagesBlockingRules) {
+  using PS = dist::PipelineSchedule;
+  for (PS sched : {PS::GPipe, PS::OneFOneB, PS::Interleaved})
+    for (int P : {2, 3, 4, 8})
+      for (int V : sched == PS::Interleaved ? std::vector<int>{2, 3, 4} : std::vector<int>{1})
+        for (int64_t N = 1; N <= 16; ++N) {
+          if ((sched == PS::OneFOneB && N < P) || (sched == PS::Interleaved && N % P != 0)) continue;
+          EXPECT_TRUE(runs_to_the_end(schedule_of(sched, P, N, V), V))
+              << dist::pipeline_schedule_name(sched) << " P=" << P << " V=" << V << " N=" << N;
+        }
+  // The check can fail: a first stage that runs its backwards in reverse order waits for
+  // the last microbatch's gradient, which the second stage sends only after the first
+  // microbatch's, whose receive the first stage has not posted.
+  StageActions broken = schedule_of(PS::OneFOneB, 2, 4, 1);
+  std::stable_partition(broken[0].begin(), broken[0].end(), [](const dist::PipelineAction& a) { return a.forward; });
+  std::reverse(std::find_if(broken[0].begin(), broken[0].end(), [](const auto& a) { return !a.forward; }), broken[0].end());
+  EXPECT_FALSE(runs_to_the_end(broken, 1));
 }
 
 TEST(Schedule, LayersThatDoNotDivideGoToTheFirstStagesAndBadSchedulesAreNamed) {
