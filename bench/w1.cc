@@ -35,7 +35,6 @@ int main(int argc, char** argv) {
   const int steps = argc > 1 ? std::atoi(argv[1]) : 10;
   const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
   omp_set_num_threads(threads);
-  if (!std::getenv("TALLY_KEEP_SUBNORMALS")) runtime::flush_subnormals_to_zero();  // as the trainer does
   const std::string preset = argc > 3 ? argv[3] : "gpt2";
   const int64_t B = 4, T = 64;
   nn::Transformer model(nn::TransformerConfig::preset(preset));

@@ -3,11 +3,6 @@
 #include <array>
 #include <atomic>
 
-#include <omp.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
-#endif
-
 #include "core/error.h"
 
 namespace tally::runtime {
@@ -122,14 +117,5 @@ void Backend::cross_entropy_backward(const Tensor&, const Tensor&, const Tensor&
 }
 void Backend::gather(const Tensor&, const Tensor&, int64_t, const Tensor&) { no_kernel("gather"); }
 void Backend::scatter_add(const Tensor&, int64_t, const Tensor&, const Tensor&) { no_kernel("scatter_add"); }
-
-void flush_subnormals_to_zero() {
-#if defined(__x86_64__) || defined(__i386__)
-  constexpr unsigned kFlushToZero = 0x8000, kDenormalsAreZero = 0x0040;
-  _mm_setcsr(_mm_getcsr() | kFlushToZero | kDenormalsAreZero);
-#pragma omp parallel
-  _mm_setcsr(_mm_getcsr() | kFlushToZero | kDenormalsAreZero);
-#endif
-}
 
 }  // namespace tally::runtime

@@ -98,14 +98,6 @@ memory::Ledger& ledger(Device device = Device::cpu());
 // Every backend created so far (CPU first): what the sanitizer walks to see all memory.
 std::vector<Backend*> active_backends();
 
-// Sets the calling thread and every OpenMP worker to flush subnormal floats to zero
-// (x86 MXCSR FTZ and DAZ), as TensorFlow's CPU thread pools do. Training makes subnormals
-// every step: the tied LM head's gradient for tokens the model gives probability ~1e-20
-// squares to ~1e-40 in AdamW's second moment, and each subnormal operand costs ~100
-// cycles. GPT-2 124M's optimizer step took 2.5x its memory-bound time because of it. The
-// values flushed are below 1.2e-38, far under every tolerance. Call after the thread
-// count is set (new OpenMP workers take the state of the thread that starts them).
-void flush_subnormals_to_zero();
 
 // A backend's factory (nullptr for an index that does not exist), registered once per
 // device type by the backend's own translation unit. Registering also makes the backend

@@ -238,7 +238,6 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   TALLY_CHECK(c.bucket_mb > 0, "--bucket-mb must be positive, got ", c.bucket_mb);
   TALLY_CHECK(c.dp == 0 || c.dp == world.dp(), "--dp ", c.dp, " but the world is laid out as ", world.describe());
   if (c.threads > 0) omp_set_num_threads(c.threads);
-  runtime::flush_subnormals_to_zero();
   const bool root = world.is_root();
   auto log = [&](const char* fmt, auto... args) {
     if (!c.quiet && root) std::printf(fmt, args...), std::fflush(stdout);
