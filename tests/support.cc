@@ -12,6 +12,7 @@
 #include "autograd/grad_mode.h"
 #include "core/random.h"
 #include "data/token_shard.h"
+#include "dist/world.h"
 #include "ops/ops.h"
 
 #include <nlohmann/json.hpp>
@@ -217,4 +218,38 @@ Tensor stacked_llmc_grad(const nn::Transformer& m, const std::string& name) {
   ADD_FAILURE() << "no llm.c tensor " << name;
   return Tensor();
 }
+namespace {
+// Prints only failures, prefixed with the rank: what the other ranks contribute to the log.
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed())
+      std::fprintf(stderr, "rank %d: %s:%d: %s\n", rank_, r.file_name() ? r.file_name() : "?", r.line_number(),
+                   r.summary());
+  }
+
+ private:
+  int rank_;
+};
+}  // namespace
+
+int run_tests_under_mpi(int argc, char** argv, dist::World** world) {
+  ::testing::InitGoogleTest(&argc, argv);
+  std::unique_ptr<dist::World> w = dist::World::create({});
+  *world = w.get();
+  if (!w->is_root()) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new FailurePrinter(w->rank()));
+  }
+  const int rc = RUN_ALL_TESTS();
+  // A rank whose tests failed must not leave the others waiting at the next collective.
+  const double failed = w->world().all_reduce_scalar(rc != 0 ? 1.0 : 0.0, dist::ReduceOp::Max);
+  if (failed != 0 && rc == 0) std::fprintf(stderr, "rank %d: tests passed here but failed on another rank\n", w->rank());
+  *world = nullptr;
+  w.reset();
+  return failed != 0 ? 1 : 0;
+}
+
 }  // namespace tally::test

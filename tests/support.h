@@ -79,4 +79,11 @@ Tensor random_tensor(const Shape& shape, uint64_t seed, DType dtype = DType::F64
 double gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, std::vector<Tensor> inputs,
                  double eps = 1e-6);
 
+// The main() of a test program run under mpirun (test_dist, test_parallel): runs every
+// test on every rank over a world of all processes (`*world` points at it meanwhile).
+// Only rank 0 prints progress; the others print their failures, prefixed with the rank.
+// The exit code is non-zero on every rank when any rank failed, so no rank waits for
+// another at a collective after a failure.
+int run_tests_under_mpi(int argc, char** argv, dist::World** world);
+
 }  // namespace tally::test

@@ -471,34 +471,4 @@ TEST(Checkpoints, ReshardsAcrossRankCounts) {
   }
 }
 
-// Prints only failures, prefixed with the rank: what the other ranks contribute to the log.
-class FailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit FailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed())
-      std::fprintf(stderr, "rank %d: %s:%d: %s\n", rank_, r.file_name() ? r.file_name() : "?", r.line_number(),
-                   r.summary());
-  }
-
- private:
-  int rank_;
-};
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  std::unique_ptr<dist::World> w = dist::World::create({});
-  g_world = w.get();
-  // Only rank 0 prints test progress; a failure on any rank is still printed and fails mpirun.
-  if (!w->is_root()) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new FailurePrinter(w->rank()));
-  }
-  const int rc = RUN_ALL_TESTS();
-  // A rank whose tests failed must not leave the others waiting at the next collective.
-  const double failed = w->world().all_reduce_scalar(rc != 0 ? 1.0 : 0.0, dist::ReduceOp::Max);
-  if (failed != 0 && rc == 0) std::fprintf(stderr, "rank %d: tests passed here but failed on another rank\n", w->rank());
-  w.reset();
-  return failed != 0 ? 1 : 0;
-}
+int main(int argc, char** argv) { return test::run_tests_under_mpi(argc, argv, &g_world); }

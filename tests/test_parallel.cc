@@ -465,17 +465,4 @@ TEST(PipelineSeed, AReceiveThatIsBothAnOpOutputAndALeafIsRefused) {
   }
 }
 
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  std::unique_ptr<dist::World> w = dist::World::create({});
-  g_world = w.get();
-  if (!w->is_root()) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  const int rc = RUN_ALL_TESTS();
-  const double failed = w->world().all_reduce_scalar(rc != 0 ? 1.0 : 0.0, dist::ReduceOp::Max);
-  if (failed != 0 && rc == 0) std::fprintf(stderr, "rank %d: tests passed here but failed on another rank\n", w->rank());
-  w.reset();
-  return failed != 0 ? 1 : 0;
-}
+int main(int argc, char** argv) { return test::run_tests_under_mpi(argc, argv, &g_world); }

@@ -70,11 +70,6 @@ Tensor mapped(TensorParallel& tp, Mapping m, const Tensor& x) {
   return out;
 }
 
-template <class T>
-const T* typed(const Tensor& t) {
-  return t.data<T>();
-}
-
 // ---- vocabulary-parallel embedding: rows of this rank's block, zeros for other tokens.
 struct VocabEmbedding {
   static constexpr const char* kName = "vocab_parallel_embedding";

@@ -45,6 +45,13 @@ std::string step_dir_name(int64_t step) {
 
 namespace {
 
+// Parameter i's values in `values`, a flat range of the block starting at element `base`
+// (0 for the whole block, a unit's begin for a unit), in the parameter's shape.
+Tensor parameter_in(const nn::ParameterStore& params, size_t i, const Tensor& values, int64_t base) {
+  const int64_t at = params.offset(i) - base;
+  return values.slice(0, at, at + shape_numel(params.spec(i).shape)).view(params.spec(i).shape);
+}
+
 // The whole model's moments, held by rank 0 while it writes a gathered checkpoint.
 class WholeMoments final : public optim::Optimizer {
  public:
@@ -61,7 +68,7 @@ class WholeMoments final : public optim::Optimizer {
   void set_moment_unit(int, size_t, const Tensor&) override { TALLY_FAIL("internal: WholeMoments is written only"); }
   // Moment `which` of whole parameter `i`, in its shape.
   Tensor of(int which, size_t i) const {
-    return moments_[which].slice(0, whole_.offset(i), whole_.offset(i) + shape_numel(whole_.spec(i).shape)).view(whole_.spec(i).shape);
+    return parameter_in(whole_, i, moments_[which], 0);
   }
 
  private:
@@ -94,17 +101,15 @@ class ShardMoments final : public optim::Optimizer {
     for (size_t j = wu.first; j < wu.last; ++j) {
       auto it = local_index_.find(wp.spec(j).name);
       if (it == local_index_.end()) continue;  // another rank's
-      const Tensor whole = values.slice(0, wp.offset(j) - wu.begin, wp.offset(j) - wu.begin + shape_numel(wp.spec(j).shape))
-                               .view(wp.spec(j).shape);
+      const Tensor whole = parameter_in(wp, j, values, wu.begin);
       for (size_t i : it->second) {  // the tied head's copy shares wte's name
         const size_t lu = lp.spec(i).unit;
         const nn::ParameterUnit& u = lp.unit(lu);
         if (!staged_[which][lu].defined())
           staged_[which][lu] = Tensor::empty({u.numel()}, DType::F32, Device::cpu(), make_owner(Category::Other, "checkpoint.read"));
-        const int64_t n = shape_numel(lp.spec(i).shape);
-        const Tensor local = staged_[which][lu].slice(0, lp.offset(i) - u.begin, lp.offset(i) - u.begin + n).view(lp.spec(i).shape);
+        const Tensor local = parameter_in(lp, i, staged_[which][lu], u.begin);
         for (auto& [w, l] : local_.shard_regions(i, whole, local)) l.copy_(w);
-        filled_[which][lu] += n;
+        filled_[which][lu] += local.numel();
         if (filled_[which][lu] == u.numel()) {
           real_.set_moment_unit(which, lu, staged_[which][lu]);
           staged_[which][lu] = Tensor();
@@ -140,10 +145,8 @@ std::string save_gathered_checkpoint(const std::string& out_dir, const nn::Trans
   for (int which = 0; which < 2; ++which)
     for (size_t u = 0; u < params.num_units(); ++u) local_moments[which].push_back(opt.moment_unit(which, u).contiguous());
   auto moment_of = [&](int which, size_t i) {
-    const nn::ParameterUnit& u = params.unit(params.spec(i).unit);
-    return local_moments[which][params.spec(i).unit]
-        .slice(0, params.offset(i) - u.begin, params.offset(i) - u.begin + shape_numel(params.spec(i).shape))
-        .view(params.spec(i).shape);
+    const size_t u = params.spec(i).unit;
+    return parameter_in(params, i, local_moments[which][u], params.unit(u).begin);
   };
   dist::Communicator& comm = world.world();
   const int D = world.dp(), T = world.tp(), P = world.pp();

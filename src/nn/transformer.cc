@@ -629,8 +629,8 @@ void Transformer::head(const Tensor& input, const Tensor& targets, bool return_l
 
 double Transformer::flops_per_token(int64_t seq_len) const {
   const auto& c = config_;
-  return 6.0 * static_cast<double>(num_parameters()) +
-         6.0 * static_cast<double>(c.n_layer * c.n_embd * seq_len);
+  const int64_t whole = shard_.whole() ? num_parameters() : layout_only(c).num_parameters();
+  return 6.0 * static_cast<double>(whole) + 6.0 * static_cast<double>(c.n_layer * c.n_embd * seq_len);
 }
 
 }  // namespace tally::nn

@@ -194,8 +194,8 @@ class Transformer {
   // The llm.c file layout of this model's parameters (file order).
   std::vector<LlmcTensor> llmc_tensors() const;
 
-  // FLOPs of one training token (forward + backward): 6N + 6*L*C*T (attention), the
-  // formula llm.c and the PaLM paper use for MFU.
+  // FLOPs of one training token (forward + backward) of the whole model, whatever shard
+  // this is: 6N + 6*L*C*T (attention), the formula llm.c and the PaLM paper use for MFU.
   double flops_per_token(int64_t seq_len) const;
 
  private:

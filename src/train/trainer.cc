@@ -343,11 +343,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   const int64_t N = c.grad_accum, B = c.batch_size, T = c.seq_len;
   const int64_t tokens_per_step = N * D * B * T;  // over all data-parallel ranks
   // Each rank does its share of the model's work: 1/(tp x pp) of it under model parallelism.
-  // 6N + 6LCT per token for the whole model (Transformer::flops_per_token's formula).
-  const double model_flops_per_token = 6.0 * static_cast<double>(parameter_count(mc)) +
-                                       6.0 * static_cast<double>(mc.n_layer * mc.n_embd * T);
   const double rank_step_flops =
-      model_flops_per_token * static_cast<double>(N * B * T) / static_cast<double>(world.tp() * world.pp());
+      model->flops_per_token(T) * static_cast<double>(N * B * T) / static_cast<double>(world.tp() * world.pp());
   const double gemm_peak = runtime::backend(Device::cpu()).measured_gemm_peak_flops();
   const int64_t P = model->num_parameters();
   log("model: %s, %lld parameters\n", mc.describe().c_str(), static_cast<long long>(P));
@@ -422,6 +419,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   ledger.track_peak_owners(true);
   const int64_t states_bytes = zero ? zero->footprint().total() : 16 * P;  // fp32 param, grad, m, v
 
+  // What this stage's schedule needs at most; every step checks it held no more.
+  const int64_t in_flight_bound =
+      pipeline ? dist::pipeline_in_flight_bound(schedule, PP, world.pp_rank(), N, c.virtual_stages) : 0;
   for (int64_t step = start_step; step < c.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
     sanitizer.begin_step(step);
@@ -450,9 +450,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
         if (c.virtual_stages > 1) all_reduce->arm();
         all_reduce->finish();
       }
-      const int64_t bound = dist::pipeline_in_flight_bound(schedule, PP, world.pp_rank(), N, c.virtual_stages);
-      TALLY_CHECK(pipeline->last().max_in_flight <= bound, "pipeline stage ", world.pp_rank(), " held ",
-                  pipeline->last().max_in_flight, " microbatches at once; the ", c.pp_schedule, " schedule needs ", bound);
+      TALLY_CHECK(pipeline->last().max_in_flight <= in_flight_bound, "pipeline stage ", world.pp_rank(), " held ",
+                  pipeline->last().max_in_flight, " microbatches at once; the ", c.pp_schedule, " schedule needs ", in_flight_bound);
       loss_sum = world.pp_group().all_reduce_scalar(loss_sum, dist::ReduceOp::Sum);  // the last stage's
     }
     for (int64_t mb = 0; mb < (pipeline ? 0 : N); ++mb) {
