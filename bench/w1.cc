@@ -1,21 +1,24 @@
 // Work W1 (bench/RESULTS.md): GPT-2 124M, batch 4, sequence 64, fp32, AdamW,
 // one training step, timed over several steps after warm-up. Prints one JSON line.
-// Another preset gives the same measurement on that model (L1: llama3-d6).
-//   bench_w1 [steps=10] [threads=2] [model=gpt2]
+// Another preset gives the same measurement on that model (L1: llama3-d6); --batch and
+// --seq give other shapes (W3: --batch 1 --seq 1024). --profile prints where the mean
+// step's time went, per phase and kernel (runtime/profiler.h), to stderr.
+//   bench_w1 [steps=10] [threads=2] [model=gpt2] [--batch B] [--seq T] [--profile]
 #include <omp.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/random.h"
 #include "memory/report.h"
-#include "runtime/backend.h"
 #include "nn/transformer.h"
 #include "runtime/backend.h"
+#include "runtime/profiler.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
 
@@ -32,11 +35,26 @@ int64_t peak_rss_bytes() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int steps = argc > 1 ? std::atoi(argv[1]) : 10;
-  const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
+  std::vector<std::string> positional;
+  int64_t B = 4, T = 64;
+  bool profile = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&] {
+      if (i + 1 >= argc) std::fprintf(stderr, "bench_w1: %s needs a value\n", a.c_str()), std::exit(2);
+      return std::atoll(argv[++i]);
+    };
+    if (a == "--batch") B = value();
+    else if (a == "--seq") T = value();
+    else if (a == "--profile") profile = true;
+    else if (a.rfind("--", 0) == 0) std::fprintf(stderr, "bench_w1: unknown flag %s\n", a.c_str()), std::exit(2);
+    else positional.push_back(a);
+  }
+  const int steps = positional.size() > 0 ? std::stoi(positional[0]) : 10;
+  const int threads = positional.size() > 1 ? std::stoi(positional[1]) : 2;
   omp_set_num_threads(threads);
-  const std::string preset = argc > 3 ? argv[3] : "gpt2";
-  const int64_t B = 4, T = 64;
+  const std::string preset = positional.size() > 2 ? positional[2] : "gpt2";
+  if (B < 1 || T < 1) std::fprintf(stderr, "bench_w1: --batch and --seq must be positive\n"), std::exit(2);
   nn::Transformer model(nn::TransformerConfig::preset(preset));
   model.init_weights(1);
   optim::AdamW opt(model.params(), optim::AdamWConfig{0.9, 0.999, 1e-8, 0.0, false});
@@ -53,37 +71,57 @@ int main(int argc, char** argv) {
   double loss_value = 0;
   using clock = std::chrono::steady_clock;
   auto since = [](clock::time_point t) { return std::chrono::duration<double, std::milli>(clock::now() - t).count(); };
-  double phase[4] = {0, 0, 0, 0};  // forward, backward, norm + AdamW, zero_grad (summed over timed steps)
+  double phase_ms[4] = {0, 0, 0, 0};  // forward, backward, norm + AdamW, zero_grad (summed over timed steps)
+  namespace profiler = runtime::profiler;
+  std::vector<profiler::Report> reports;
   for (int s = 0; s < steps + 2; ++s) {
+    profiler::enable(profile && s >= 2);
     auto t0 = clock::now();
+    std::optional<profiler::PhaseScope> phase(std::in_place, "forward");
     Tensor loss = model.forward(x, y).loss;
     double t_fwd = since(t0);
     if (s == 0) live_after_forward = ledger.stats().allocated;
+    phase.emplace("backward");
     loss.backward();
     loss_value = loss.item();
     double t_bwd = since(t0);
+    phase.emplace("optimizer");
     double norm = ops::global_norm({model.params().flat_grads()});
     opt.step(1e-4, optim::clip_scale(norm, 1.0), /*zero_grad=*/true);
+    phase.reset();
     double t_opt = since(t0);
     double dt = since(t0);
+    if (profile && s >= 2) reports.push_back(profiler::take());
     if (s >= 2) {  // two warm-up steps (JIT, first-touch, cache fill)
       ms.push_back(dt);
-      phase[0] += t_fwd, phase[1] += t_bwd - t_fwd, phase[2] += t_opt - t_bwd, phase[3] += dt - t_opt /* loss.item() etc. */;
+      phase_ms[0] += t_fwd, phase_ms[1] += t_bwd - t_fwd, phase_ms[2] += t_opt - t_bwd, phase_ms[3] += dt - t_opt /* loss.item() etc. */;
     }
   }
-  for (double& p : phase) p /= steps;
-  std::fprintf(stderr, "phases (mean ms): forward %.0f, backward %.0f, grad norm + AdamW (zeroing grads) %.0f, other %.0f\n", phase[0],
-               phase[1], phase[2], phase[3]);
+  for (double& p : phase_ms) p /= steps;
+  if (profile) {
+    // The median step's table (by total time), so one slow outlier does not speak for all.
+    std::vector<std::pair<double, size_t>> totals;
+    for (size_t i = 0; i < reports.size(); ++i) {
+      double t = 0;
+      for (const auto& p : reports[i].phases) t += p.ms;
+      totals.push_back({t, i});
+    }
+    std::sort(totals.begin(), totals.end());
+    std::fprintf(stderr, "median step by kernel (ms):\n%s", profiler::format(reports[totals[totals.size() / 2].second], 8).c_str());
+  }
+  std::fprintf(stderr, "phases (mean ms): forward %.0f, backward %.0f, grad norm + AdamW (zeroing grads) %.0f, other %.0f\n",
+               phase_ms[0], phase_ms[1], phase_ms[2], phase_ms[3]);
   std::sort(ms.begin(), ms.end());
   const double median = ms[ms.size() / 2];
   const double flops = model.flops_per_token(T) * B * T;
   std::printf(
       "{\"system\": \"tally\", \"model\": \"%s\", \"ms_per_step\": %.1f, \"min_ms\": %.1f, \"tokens_per_s\": %.0f, \"gemm_peak_gflops\": %.0f, "
       "\"pct_gemm_peak\": %.1f, \"peak_rss_bytes\": %lld, \"peak_allocated_bytes\": %lld, \"reserved_bytes\": %lld, "
-      "\"live_after_forward_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d}\n",
+      "\"live_after_forward_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d, \"batch\": %lld, \"seq\": %lld}\n",
       preset.c_str(), median, ms.front(), B * T / (median / 1e3), gemm_peak / 1e9, 100.0 * flops / (median / 1e3) / gemm_peak,
       static_cast<long long>(peak_rss_bytes()), static_cast<long long>(ledger.stats().peak_allocated),
       static_cast<long long>(ledger.stats().reserved), static_cast<long long>(live_after_forward),
-      static_cast<long long>(model.num_parameters()), loss_value, threads);
+      static_cast<long long>(model.num_parameters()), loss_value, threads, static_cast<long long>(B),
+      static_cast<long long>(T));
   return 0;
 }

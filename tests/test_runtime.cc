@@ -15,6 +15,7 @@
 #include "memory/caching_allocator.h"
 #include "ops/ops.h"
 #include "runtime/backend.h"
+#include "runtime/profiler.h"
 #include "support.h"
 
 using namespace tally;
@@ -177,6 +178,47 @@ TEST(Runtime, EachBackendOwnsItsLedger) {
 }
 
 // ---- AddressSanitizer sees tensor memory (TALLY_SANITIZE builds)
+// --profile-ops: every kernel entry is timed under the phase that encloses it, GEMMs carry
+// their FLOPs, nested phases count exclusive time, and nothing is recorded while off.
+TEST(Profiler, TimesKernelsPerPhaseWithGemmFlops) {
+  namespace profiler = runtime::profiler;
+  Tensor a = Tensor::full({8, 16}, 0.5f), b = Tensor::full({16, 4}, 0.25f);
+  profiler::enable(false);
+  (void)ops::matmul(a, b);
+  profiler::enable(true);
+  EXPECT_TRUE(profiler::take().kernels.empty()) << "kernels ran while the profiler was off";
+  {
+    profiler::PhaseScope forward("forward");
+    Tensor c = ops::matmul(a, b);
+    Tensor d = ops::matmul(a, b);
+    {
+      profiler::PhaseScope inner("optimizer");
+      (void)ops::add(c, d);
+    }
+  }
+  const profiler::Report report = profiler::take();
+  profiler::enable(false);
+  const profiler::KernelRow* gemm = nullptr;
+  const profiler::KernelRow* add = nullptr;
+  for (const auto& k : report.kernels) {
+    if (std::strcmp(k.kernel, "gemm") == 0) gemm = &k;
+    if (std::strcmp(k.kernel, "add") == 0) add = &k;
+  }
+  ASSERT_NE(gemm, nullptr);
+  EXPECT_STREQ(gemm->phase, "forward");
+  EXPECT_EQ(gemm->calls, 2);
+  EXPECT_DOUBLE_EQ(gemm->flops, 2 * (2.0 * 8 * 4 * 16));
+  ASSERT_NE(add, nullptr);
+  EXPECT_STREQ(add->phase, "optimizer");
+  ASSERT_EQ(report.phases.size(), 2u);
+  for (const auto& p : report.phases) EXPECT_GE(p.ms, p.kernel_ms) << p.phase;
+  const std::string text = profiler::format(report);
+  EXPECT_NE(text.find("forward"), std::string::npos) << text;
+  EXPECT_NE(text.find("GFLOP/s"), std::string::npos) << text;
+  EXPECT_NE(text.find("untimed"), std::string::npos) << text;
+  EXPECT_TRUE(profiler::take().kernels.empty()) << "take() must clear the table";
+}
+
 #if defined(__SANITIZE_ADDRESS__)
 TEST(AsanPoisoning, ReadingACachedBlockThroughAStalePointerFails) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");

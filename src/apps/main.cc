@@ -91,6 +91,8 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
       ->check(CLI::Range(0, 3))->capture_default_str();
   t->add_option("--bucket-mb", c.bucket_mb, "Gradient all-reduce bucket size in MiB (data parallel, ZeRO-1)")->capture_default_str();
   t->add_flag("--log-json-all-ranks", c.log_json_all_ranks, "Also write <log-json>.rank<R> on every rank");
+  t->add_flag("--profile-ops", c.profile_ops,
+              "Time every kernel: after each step line, where each phase's time went (and in the --log-json row)");
 }
 
 struct SampleArgs {

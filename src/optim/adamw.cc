@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "runtime/profiler.h"
+
 namespace tally::optim {
 
 AdamWCoefficients adamw_coefficients(const AdamWConfig& c, int64_t t, double lr, double grad_scale) {
@@ -44,6 +46,7 @@ AdamW::AdamW(nn::ParameterStore& params, AdamWConfig config) : params_(params), 
 }
 
 void AdamW::step(double lr, double grad_scale, bool zero_grad) {
+  runtime::profiler::KernelScope scope("adamw");
   ++t_;
   const AdamWCoefficients k = adamw_coefficients(config_, t_, lr, grad_scale);
   float* p = params_.flat_params().data<float>();

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <memory>
 
 #include <nlohmann/json.hpp>
@@ -422,6 +423,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // What this stage's schedule needs at most; every step checks it held no more.
   const int64_t in_flight_bound =
       pipeline ? dist::pipeline_in_flight_bound(schedule, PP, world.pp_rank(), N, c.virtual_stages) : 0;
+  namespace profiler = runtime::profiler;
+  profiler::enable(c.profile_ops);
   for (int64_t step = start_step; step < c.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
     sanitizer.begin_step(step);
@@ -443,6 +446,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       // Data parallel overlaps its all-reduce with the step's last backward, which under
       // gpipe and 1f1b finishes every parameter of the stage; interleaved chunks finish at
       // different times, so their reduction starts after the pipeline.
+      profiler::PhaseScope phase("pipeline");
       loss_sum = pipeline->run(N, batch_of, 1.0 / static_cast<double>(N * D), sanitizer, [&] {
         if (all_reduce && c.virtual_stages == 1) all_reduce->arm();
       });
@@ -461,6 +465,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       {
         // This rank's share of the global batch: microbatch mb*D + r of D*N.
         const data::Batch& batch = train_loader.batch_at(step, mb * D + dp_rank, N * D);
+        std::optional<profiler::PhaseScope> phase(std::in_place, "forward");
         Tensor loss = model->forward(batch.inputs, batch.targets).loss;
         if (live_after_forward == 0) {
           // At the end of the first forward the live set is exactly model states + loader
@@ -468,6 +473,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
           live_after_forward = ledger.stats().allocated;
         }
         loss_sum += loss.item();  // R4: only the number escapes the microbatch
+        phase.emplace("backward");
         (N * D == 1 ? loss : ops::scale(loss, 1.0 / static_cast<double>(N * D))).backward();
       }
       if (zero) zero->finish_microbatch();
@@ -481,6 +487,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       dist::sum_tied_embedding_gradients(*model, world.pp_group());
       if (tensor_parallel && c.sequence_parallel) dist::sum_replicated_gradients(*model, world.tp_group());
     }
+    std::optional<profiler::PhaseScope> phase(std::in_place, "grad_norm");
     const double norm = model_parallel ? dist::model_parallel_gradient_norm(*model, world)
                         : zero         ? zero->gradient_norm()
                                        : ops::global_norm({model->params().flat_grads()});
@@ -489,6 +496,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     // A non-finite loss or gradient would silently turn every parameter into NaN.
     TALLY_CHECK(std::isfinite(loss_sum) && std::isfinite(norm), "step ", step + 1, ": loss ", loss_sum / static_cast<double>(N * D),
                 ", gradient norm ", norm, " is not finite; stopping before the update (try a lower --lr or --grad-clip)");
+    phase.emplace("optimizer");
     {
       autograd::NoGradGuard ng;
       OwnerScope scope("optimizer");
@@ -496,6 +504,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       if (zero) zero->step(lr, scale);
       else adamw->step(lr, scale, /*zero_grad=*/true);
     }
+    phase.reset();
     sanitizer.end_step();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
@@ -519,6 +528,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     m.predicted_peak_bytes = planned_peak;
     m.peak_rss_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(peak_rss_bytes()), dist::ReduceOp::Max));
     m.tp_payload_bytes = world.tp_group().stats().payload_bytes - tp_bytes_before;
+    if (c.profile_ops) m.ops = profiler::take();
     if (pipeline) {
       const dist::PipelineStepStats& ps = pipeline->last();
       m.pp_sent_bytes = ps.bytes_sent;
@@ -577,6 +587,14 @@ if (pipeline) {
         static_cast<long long>(m.step), static_cast<long long>(c.steps), 100.0 * static_cast<double>(m.step) / static_cast<double>(c.steps),
         m.loss, m.grad_norm, m.lr, m.ms, 100.0 * m.gemm_peak_frac, m.tokens_per_s, format_bytes(m.live_bytes).c_str(),
         format_bytes(m.peak_bytes).c_str(), eta.c_str());
+    if (c.profile_ops) {
+      // Where this step's time went, per phase: the largest kernels, and what no kernel
+      // accounts for (allocation, graph building, dispatch: the framework's own cost).
+      std::string table = profiler::format(m.ops);
+      for (size_t at = 0; (at = table.find('\n', at)) != std::string::npos && at + 1 < table.size(); at += 3)
+        table.insert(at + 1, "  ");
+      log("  %s", table.c_str());
+    }
     curve.add_step(m.step, m.loss, m.lr, m.step * tokens_per_step);
 
     nlohmann::json j = {{"step", m.step},       {"loss", m.loss},           {"lr", m.lr},
@@ -593,6 +611,17 @@ if (pipeline) {
       j["pp_sent_bytes"] = m.pp_sent_bytes;
     }
     if (TP > 1) j["tp_payload_bytes"] = m.tp_payload_bytes;
+    if (c.profile_ops) {
+      // {"forward": {"ms": 452.1, "kernels": {"gemm": {"ms": 301.2, "calls": 49, "gflop": 42.5}, ...}}, ...}
+      nlohmann::json phases = nlohmann::json::object();
+      for (const profiler::PhaseRow& p : m.ops.phases) phases[p.phase] = {{"ms", p.ms}, {"kernel_ms", p.kernel_ms}, {"kernels", nlohmann::json::object()}};
+      for (const profiler::KernelRow& k : m.ops.kernels) {
+        nlohmann::json row = {{"ms", k.ms}, {"calls", k.calls}};
+        if (k.flops > 0) row["gflop"] = k.flops / 1e9;
+        phases[k.phase]["kernels"][k.kernel] = row;
+      }
+      j["ops"] = phases;
+    }
     const bool last = step + 1 == c.steps;
     if (val_loader && ((c.val_every > 0 && m.step % c.val_every == 0) || last)) {
       double vl = evaluate(*model, pipeline.get(), *val_loader, c.val_batches);  // every rank: ZeRO-3 gathers collectively

@@ -16,6 +16,7 @@
 
 #include "dist/world.h"
 #include "nn/transformer.h"
+#include "runtime/profiler.h"
 #include "sanitizer/sanitizer.h"
 
 namespace tally::train {
@@ -74,6 +75,7 @@ struct TrainConfig {
   double bucket_mb = 25;     // all-reduce bucket size (MiB)
   bool log_json_all_ranks = false;  // also write <log-json>.rank<R> on every rank
   bool return_parameters = false;   // fill TrainResult::parameters (tests)
+  bool profile_ops = false;         // time every kernel; the step line and the JSONL row get the table
 };
 
 struct StepMetrics {
@@ -96,6 +98,7 @@ struct StepMetrics {
   int64_t max_in_flight = 0;             // pipeline: most microbatches one stage held at once (maximum over ranks)
   int64_t tp_payload_bytes = 0;          // tensor parallel: bytes handed to the tp group's collectives this step (rank 0)
   int64_t pp_sent_bytes = 0;             // pipeline: activation and gradient bytes rank 0 sent this step
+  runtime::profiler::Report ops;         // --profile-ops: this rank's time per phase and kernel
 };
 
 struct TrainResult {

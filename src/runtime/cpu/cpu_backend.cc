@@ -6,6 +6,7 @@
 
 #include "runtime/backend.h"
 #include "runtime/cpu/kernels.h"
+#include "runtime/profiler.h"
 
 namespace tally::runtime {
 
@@ -46,84 +47,138 @@ class CpuBackend final : public Backend {
   Stream& default_stream() override { return stream_; }
 
   void copy(const Tensor& dst, const Tensor& src) override {
+    profiler::KernelScope scope("copy");
     TALLY_CHECK(dst.device().is_cpu() && src.device().is_cpu(), "copy: the CPU backend got ", dst.device().str(),
                 " <- ", src.device().str());
     cpu::copy(dst, src);
   }
-  void fill(const Tensor& dst, double value) override { cpu::fill(dst, value); }
-  Tensor dense(const Tensor& t) override { return cpu::dense(t); }
-  void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) override { cpu::binary(op, out, a, b); }
+  void fill(const Tensor& dst, double value) override {
+    profiler::KernelScope scope("fill");
+    cpu::fill(dst, value);
+  }
+  Tensor dense(const Tensor& t) override {
+    profiler::KernelScope scope("dense");
+    return cpu::dense(t);
+  }
+  void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) override {
+    profiler::KernelScope scope(op == BinaryOp::Add   ? "add"
+                                 : op == BinaryOp::Sub ? "sub"
+                                 : op == BinaryOp::Mul ? "mul"
+                                                       : "div");
+    cpu::binary(op, out, a, b);
+  }
   void affine(const Tensor& out, const Tensor& x, double alpha, double beta) override {
+    profiler::KernelScope scope("affine");
     cpu::affine(out, x, alpha, beta);
   }
-  void add_inplace(const Tensor& dst, const Tensor& src, double alpha) override { cpu::add_inplace(dst, src, alpha); }
-  void sum_into(const Tensor& out, const Tensor& x) override { cpu::sum_into(out, x); }
+  void add_inplace(const Tensor& dst, const Tensor& src, double alpha) override {
+    profiler::KernelScope scope("add_inplace");
+    cpu::add_inplace(dst, src, alpha);
+  }
+  void sum_into(const Tensor& out, const Tensor& x) override {
+    profiler::KernelScope scope("sum_into");
+    cpu::sum_into(out, x);
+  }
   void max_dim(const Tensor& values, const Tensor& indices, const Tensor& x, int64_t dim) override {
+    profiler::KernelScope scope("max_dim");
     cpu::max_dim(values, indices, x, dim);
   }
-  void argmax_last(const Tensor& out, const Tensor& x) override { cpu::argmax_last(out, x); }
-  double sum_squares(const Tensor& x) override { return cpu::sum_squares(x); }
+  void argmax_last(const Tensor& out, const Tensor& x) override {
+    profiler::KernelScope scope("argmax_last");
+    cpu::argmax_last(out, x);
+  }
+  double sum_squares(const Tensor& x) override {
+    profiler::KernelScope scope("sum_squares");
+    return cpu::sum_squares(x);
+  }
   void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c, float alpha, float beta) override {
+    const double k = static_cast<double>(a.shape()[ta ? 0 : 1]);
+    profiler::KernelScope scope("gemm", 2.0 * static_cast<double>(c.numel()) * k);
     cpu::gemm(a, ta, b, tb, c, alpha, beta);
   }
   double measured_gemm_peak_flops() override { return cpu::measured_gemm_peak_flops(); }
   void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices) override {
+    profiler::KernelScope scope("embedding_forward");
     cpu::embedding_forward(out, weight, indices);
   }
   void embedding_backward(const Tensor& dweight, const Tensor& dout, const Tensor& indices) override {
+    profiler::KernelScope scope("embedding_backward");
     cpu::embedding_backward(dweight, dout, indices);
   }
   void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& w,
                          const Tensor& b, double eps) override {
+    profiler::KernelScope scope("layernorm_forward");
     cpu::layernorm_forward(out, mean, rstd, x, w, b, eps);
   }
   void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dout, const Tensor& x,
                           const Tensor& w, const Tensor& mean, const Tensor& rstd) override {
+    profiler::KernelScope scope("layernorm_backward");
     cpu::layernorm_backward(dx, dw, db, dout, x, w, mean, rstd);
   }
-  void gelu_forward(const Tensor& out, const Tensor& x) override { cpu::gelu_forward(out, x); }
-  void gelu_backward(const Tensor& dx, const Tensor& dout, const Tensor& x) override { cpu::gelu_backward(dx, dout, x); }
+  void gelu_forward(const Tensor& out, const Tensor& x) override {
+    profiler::KernelScope scope("gelu_forward");
+    cpu::gelu_forward(out, x);
+  }
+  void gelu_backward(const Tensor& dx, const Tensor& dout, const Tensor& x) override {
+    profiler::KernelScope scope("gelu_backward");
+    cpu::gelu_backward(dx, dout, x);
+  }
   void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& w, double eps) override {
+    profiler::KernelScope scope("rmsnorm_forward");
     cpu::rmsnorm_forward(out, rstd, x, w, eps);
   }
   void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dout, const Tensor& x, const Tensor& w,
                         const Tensor& rstd) override {
+    profiler::KernelScope scope("rmsnorm_backward");
     cpu::rmsnorm_backward(dx, dw, dout, x, w, rstd);
   }
   void rotary(const Tensor& out, const Tensor& x, const Tensor& inv_freq, int64_t offset, bool inverse) override {
+    profiler::KernelScope scope("rotary");
     cpu::rotary(out, x, inv_freq, offset, inverse);
   }
   void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) override {
+    profiler::KernelScope scope("swiglu_forward");
     cpu::swiglu_forward(out, gate, up);
   }
   void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dout, const Tensor& gate,
                        const Tensor& up) override {
+    profiler::KernelScope scope("swiglu_backward");
     cpu::swiglu_backward(dgate, dup, dout, gate, up);
   }
-  void softmax_forward(const Tensor& out, const Tensor& x) override { cpu::softmax_forward(out, x); }
+  void softmax_forward(const Tensor& out, const Tensor& x) override {
+    profiler::KernelScope scope("softmax_forward");
+    cpu::softmax_forward(out, x);
+  }
   void softmax_backward(const Tensor& dx, const Tensor& dout, const Tensor& y) override {
+    profiler::KernelScope scope("softmax_backward");
     cpu::softmax_backward(dx, dout, y);
   }
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                          const Tensor& v) override {
+    profiler::KernelScope scope("attention_forward");
     cpu::attention_forward(out, lse, q, k, v);
   }
   void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
                           const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse) override {
+    profiler::KernelScope scope("attention_backward");
     cpu::attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
   }
   void cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor& logits, const Tensor& targets,
                              int64_t valid_vocab) override {
+    profiler::KernelScope scope("cross_entropy_forward");
     cpu::cross_entropy_forward(losses, lse, logits, targets, valid_vocab);
   }
   void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse, const Tensor& targets,
                               int64_t valid_vocab, double scale) override {
+    profiler::KernelScope scope("cross_entropy_backward");
     cpu::cross_entropy_backward(dlogits, logits, lse, targets, valid_vocab, scale);
   }
   void gather(const Tensor& out, const Tensor& x, int64_t dim, const Tensor& index) override {
+    profiler::KernelScope scope("gather");
     cpu::gather(out, x, dim, index);
   }
   void scatter_add(const Tensor& dx, int64_t dim, const Tensor& index, const Tensor& src) override {
+    profiler::KernelScope scope("scatter_add");
     cpu::scatter_add(dx, dim, index, src);
   }
 
