@@ -92,7 +92,8 @@ std::string format(const Report& report, int top) {
   std::string out;
   char buf[160];
   for (const PhaseRow& p : report.phases) {
-    if (p.ms < 0.05) continue;  // a phase with nothing to say (a fill outside the step's phases)
+    // Kernels outside every named phase (a fill between steps) only when they add up.
+    if (p.ms < 0.05 && std::strcmp(p.phase, "other") == 0) continue;
     std::snprintf(buf, sizeof buf, "%s %.1f ms:", p.phase, p.ms);
     out += buf;
     int shown = 0;
