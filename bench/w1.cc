@@ -3,7 +3,8 @@
 // Another preset gives the same measurement on that model (L1: llama3-d6); --batch and
 // --seq give other shapes (W3: --batch 1 --seq 1024). --profile prints where the mean
 // step's time went, per phase and kernel (runtime/profiler.h), to stderr.
-//   bench_w1 [steps=10] [threads=2] [model=gpt2] [--batch B] [--seq T] [--profile]
+// --dtype bf16 runs the GEMMs in bf16 (mixed precision, as `tally train --dtype bf16`).
+//   bench_w1 [steps=10] [threads=2] [model=gpt2] [--batch B] [--seq T] [--dtype fp32|bf16] [--profile]
 #include <omp.h>
 
 #include <algorithm>
@@ -38,6 +39,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> positional;
   int64_t B = 4, T = 64;
   bool profile = false;
+  std::string dtype = "fp32";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&] {
@@ -47,6 +49,11 @@ int main(int argc, char** argv) {
     if (a == "--batch") B = value();
     else if (a == "--seq") T = value();
     else if (a == "--profile") profile = true;
+    else if (a == "--dtype") {
+      if (i + 1 >= argc) std::fprintf(stderr, "bench_w1: --dtype needs fp32 or bf16\n"), std::exit(2);
+      dtype = argv[++i];
+      if (dtype != "fp32" && dtype != "bf16") std::fprintf(stderr, "bench_w1: --dtype %s: expected fp32 or bf16\n", dtype.c_str()), std::exit(2);
+    }
     else if (a.rfind("--", 0) == 0) std::fprintf(stderr, "bench_w1: unknown flag %s\n", a.c_str()), std::exit(2);
     else positional.push_back(a);
   }
@@ -57,6 +64,7 @@ int main(int argc, char** argv) {
   if (B < 1 || T < 1) std::fprintf(stderr, "bench_w1: --batch and --seq must be positive\n"), std::exit(2);
   nn::Transformer model(nn::TransformerConfig::preset(preset));
   model.init_weights(1);
+  if (dtype == "bf16") model.set_matmul_dtype(DType::BF16);
   optim::AdamW opt(model.params(), optim::AdamWConfig{0.9, 0.999, 1e-8, 0.0, false});
   Rng rng(2);
   std::vector<int32_t> toks(B * T + 1);
@@ -117,11 +125,11 @@ int main(int argc, char** argv) {
   std::printf(
       "{\"system\": \"tally\", \"model\": \"%s\", \"ms_per_step\": %.1f, \"min_ms\": %.1f, \"tokens_per_s\": %.0f, \"gemm_peak_gflops\": %.0f, "
       "\"pct_gemm_peak\": %.1f, \"peak_rss_bytes\": %lld, \"peak_allocated_bytes\": %lld, \"reserved_bytes\": %lld, "
-      "\"live_after_forward_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d, \"batch\": %lld, \"seq\": %lld}\n",
+      "\"live_after_forward_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d, \"batch\": %lld, \"seq\": %lld, \"dtype\": \"%s\"}\n",
       preset.c_str(), median, ms.front(), B * T / (median / 1e3), gemm_peak / 1e9, 100.0 * flops / (median / 1e3) / gemm_peak,
       static_cast<long long>(peak_rss_bytes()), static_cast<long long>(ledger.stats().peak_allocated),
       static_cast<long long>(ledger.stats().reserved), static_cast<long long>(live_after_forward),
       static_cast<long long>(model.num_parameters()), loss_value, threads, static_cast<long long>(B),
-      static_cast<long long>(T));
+      static_cast<long long>(T), dtype.c_str());
   return 0;
 }

@@ -99,6 +99,57 @@ TEST(Gpt2Parity, DecayOn2dWeightsAndClippingMatchPyTorch) {
   }
 }
 
+// --dtype bf16 (mixed precision): the projections' GEMMs take bf16 operands, everything
+// else stays fp32. Reference: the fp32 fixture, and PyTorch's CPU autocast (bfloat16) on the
+// same model and batch (scripts/gen_bf16_reference.py). bf16 keeps 8 significant bits, a
+// relative rounding of u = 2^-8 ~ 3.9e-3 per operand. Tolerances, per quantity:
+//  - the loss: 1e-4 relative (u/40). The logits' rounding errors are unbiased and average
+//    out in the mean over rows; measured 1.0e-5 from fp32 and 1.8e-5 from autocast;
+//  - every gradient: relative L2 error <= 1e-2 (2.5u: a few rounded operands per product,
+//    and dy is rounded once more in backward) against fp32 and against autocast; measured
+//    1.9e-3..4.5e-3 and 1.7e-3..5.9e-3; autocast itself lands 2.6e-3..5.9e-3 from fp32;
+//  - and each must differ from fp32 by more than 1e-4, or the GEMMs did not run in bf16;
+//  - 10 AdamW steps: each loss within 2e-4 of autocast's (measured at most 4e-5).
+namespace {
+double relative_l2(const Tensor& a, const Tensor& b) {
+  Tensor d = ops::sub(a.to(DType::F64), b.to(DType::F64));
+  return std::sqrt(ops::sum(ops::mul(d, d)).item()) /
+         std::max(std::sqrt(ops::sum(ops::mul(b.to(DType::F64), b.to(DType::F64))).item()), 1e-30);
+}
+}  // namespace
+
+TEST(Gpt2MixedPrecision, Bf16MatchesFp32AndPyTorchAutocastWithinBf16Rounding) {
+  static io::SafetensorsFile autocast = io::read_safetensors(test::fixture_path("gpt2_tiny_bf16_ref.safetensors"));
+  auto m = tiny_model();
+  m->set_matmul_dtype(DType::BF16);
+  EXPECT_EQ(m->params().compute_copy(0).dtype(), DType::BF16);
+  Tensor loss = m->forward(ref().at("x"), ref().at("y")).loss;
+  EXPECT_EQ(loss.dtype(), DType::F32);
+  const double fp32_loss = ref().at("loss").item();
+  EXPECT_NEAR(loss.item(), fp32_loss, 1e-4 * fp32_loss);
+  EXPECT_NEAR(loss.item(), autocast.at("loss").item(), 1e-4 * fp32_loss);
+  loss.backward();
+  for (auto& [name, shape] : nn::llmc_tensor_layout(m->config())) {
+    Tensor grad = test::stacked_llmc_grad(*m, name);
+    EXPECT_EQ(grad.dtype(), DType::F32) << name;
+    const double vs_fp32 = relative_l2(grad, ref().at("grad." + name));
+    const double vs_autocast = relative_l2(grad, autocast.at("grad." + name));
+    EXPECT_LT(vs_fp32, 1e-2) << "gradient of " << name << " against fp32";
+    EXPECT_GT(vs_fp32, 1e-4) << "gradient of " << name << " equals fp32's: the GEMMs did not run in bf16";
+    EXPECT_LT(vs_autocast, 1e-2) << "gradient of " << name << " against PyTorch autocast";
+  }
+  m->params().zero_grad();
+
+  // Ten AdamW steps: the bf16 copy must follow the master weights after every update.
+  auto losses = train_on_fixture_batch(*m, optim::AdamWConfig{0.9, 0.999, 1e-8, 0.01, true}, 1e-4, 0, nullptr);
+  auto expected = autocast.at("losses").to_vector<double>();
+  for (int i = 0; i < 10; ++i) EXPECT_NEAR(losses[i], expected[i], 2e-4) << "step " << i;
+  EXPECT_LT(losses[9], losses[0] - 0.04) << "the loss must fall (by 0.069 in fp32)";
+  for (size_t i = 0; i < m->params().size(); ++i)
+    test::expect_close(m->params().compute_copy(i).to(DType::F32), m->params()[i].to(DType::BF16).to(DType::F32), 0, 0,
+                       m->params().spec(i).name);
+}
+
 // Data parallel buckets its all-reduce on "this parameter's gradient is final": every
 // parameter must be announced exactly once per backward, in backward order, although the
 // linear and embedding weights' gradients are written in place (grad sinks), and the
@@ -260,7 +311,8 @@ TEST(Trainer, LossFallsOnRepeatedData) {
 // Many steps x microbatches under --sanitize strict:
 // live bytes at every step boundary identical, census empty, peak identical from step 2.
 namespace {
-void expect_flat_under_strict_sanitizer(const std::string& model_file, int64_t steps, int64_t microbatches) {
+void expect_flat_under_strict_sanitizer(const std::string& model_file, int64_t steps, int64_t microbatches,
+                                        const std::string& dtype = "fp32") {
   const char* steps_env = std::getenv("TALLY_FLAT_STEPS");
   const char* mb_env = std::getenv("TALLY_FLAT_MICROBATCHES");
   train::TrainConfig c;
@@ -273,6 +325,7 @@ void expect_flat_under_strict_sanitizer(const std::string& model_file, int64_t s
   c.steps = steps_env ? std::atoll(steps_env) : steps;
   c.grad_accum = mb_env ? std::atoll(mb_env) : microbatches;
   c.sanitize = "strict";
+  c.dtype = dtype;
   c.quiet = true;
   c.sample_every = -1;
   c.sample_tokens = 0;
@@ -300,4 +353,11 @@ TEST(Trainer, MemoryIsFlatAcrossStepsAndMicrobatchesUnderStrictSanitizer) {
 // The same for LLaMA (RMSNorm, rotary, grouped-query attention, SwiGLU, untied head).
 TEST(Trainer, LlamaMemoryIsFlatAcrossStepsAndMicrobatchesUnderStrictSanitizer) {
   expect_flat_under_strict_sanitizer(test::fixture_path("llama3_tiny.bin"), 100, 32);
+}
+
+// Mixed precision adds a bf16 parameter copy refreshed after every update and bf16 copies
+// saved for backward: still nothing may grow or survive a boundary.
+TEST(Trainer, Bf16MemoryIsFlatAcrossStepsAndMicrobatchesUnderStrictSanitizer) {
+  expect_flat_under_strict_sanitizer(test::fixture_path("gpt2_tiny.bin"), 50, 8, "bf16");
+  expect_flat_under_strict_sanitizer(test::fixture_path("llama3_tiny.bin"), 30, 8, "bf16");
 }

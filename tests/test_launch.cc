@@ -9,8 +9,11 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <string>
+
+#include <nlohmann/json.hpp>
 
 #include "core/random.h"
 #include "data/token_shard.h"
@@ -98,6 +101,34 @@ TEST(Launch, ALayoutThatDoesNotFitTheWorldNamesTheFlags) {
   o = run(train_command("mpirun --oversubscribe -np 2", data, "--tp 2 --zero 2", 2));
   EXPECT_NE(o.exit_code, 0) << o.output;
   EXPECT_NE(o.output.find("--zero 2 with --tp/--pp"), std::string::npos) << o.output;
+}
+
+// Mixed precision and the kernel profile from the command line: the run says which peak
+// it measures against, --profile-ops prints each phase's kernels after the step line and
+// adds them to the JSONL row, and bad values name the flag.
+TEST(Launch, Bf16AndProfileOpsFromTheCommandLine) {
+  const std::string data = test::write_random_shard("ok.bin", 20000, 97, 3);
+  const std::string log = test::temp_path("profile.jsonl");
+  Outcome o = run(train_command("", data, "--dtype bf16 --profile-ops --out-dir " + test::temp_path("out") +
+                                              " --log-json " + log, 2));
+  EXPECT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("measured bf16 GEMM peak"), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("  backward "), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("parameters_to_bf16"), std::string::npos) << o.output;
+  std::ifstream in(log);
+  std::string row;
+  std::getline(in, row);
+  const nlohmann::json j = nlohmann::json::parse(row);
+  ASSERT_TRUE(j.contains("ops")) << row;
+  EXPECT_GT(j["ops"]["forward"]["kernels"]["gemm"]["gflop"].get<double>(), 0) << row;
+  EXPECT_GE(j["ops"]["backward"]["ms"].get<double>(), j["ops"]["backward"]["kernel_ms"].get<double>()) << row;
+
+  o = run(train_command("", data, "--dtype fp16", 1));
+  EXPECT_NE(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("--dtype"), std::string::npos) << o.output;
+  o = run(train_command("mpirun --oversubscribe -np 2", data, "--dtype bf16 --zero 3", 1));
+  EXPECT_NE(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("--dtype bf16 with --zero 3"), std::string::npos) << o.output;
 }
 
 // One command trains a pipeline: the step line, the pipeline's own memory line, and the

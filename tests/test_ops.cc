@@ -287,6 +287,42 @@ TEST(Ops, Bf16MatmulThroughOneDnnMatchesFp32WithinBf16Rounding) {
   EXPECT_LT(d.max_abs, d.ref_scale / 128) << d.max_abs << " vs scale " << d.ref_scale;
 }
 
+TEST(Ops, LinearBf16IsAnFp32LinearOfBf16RoundedOperands) {
+  // The exact math: y = bf16(x) bf16(W)^T + b, dx = bf16(dy) bf16(W), dW = bf16(dy)^T bf16(x),
+  // db = sum dy, with fp32 accumulation. The reference computes it in fp64 from the same
+  // rounded operands, so the only difference is fp32 accumulation over K <= 48 products of
+  // magnitude <= 1: |err| <= K * 2^-24 * K ~ 1.4e-4.
+  Tensor x = test::random_tensor({2, 3, 64}, 60).to(DType::F32).transpose(0, 1);  // a strided input
+  Tensor w = test::random_tensor({48, 64}, 61).to(DType::F32), b = test::random_tensor({48}, 62).to(DType::F32);
+  for (Tensor* t : {&x, &w, &b}) t->set_requires_grad(true);
+  Tensor w_bf16 = w.detach().to(DType::BF16);
+  Tensor y = ops::linear_bf16(x, w, w_bf16, b);
+  ASSERT_EQ(y.dtype(), DType::F32);
+  ASSERT_EQ(y.shape(), (Shape{3, 2, 48}));
+  Tensor dy = test::random_tensor({3, 2, 48}, 63).to(DType::F32);
+  autograd::backward({y}, {dy});
+
+  auto rounded = [](const Tensor& t) { return t.detach().to(DType::BF16).to(DType::F64); };
+  Tensor xr = rounded(x).reshape({6, 64}), wr = rounded(w), dyr = rounded(dy).reshape({6, 48});
+  Tensor y_ref = ops::add(ops::matmul(xr, wr, false, true), b.detach().to(DType::F64));
+  expect_close(y.reshape({6, 48}), y_ref, 0, 1.5e-4, "y");
+  expect_close(x.grad().reshape({6, 64}), ops::matmul(dyr, wr), 0, 1.5e-4, "dx");
+  expect_close(w.grad(), ops::matmul(dyr, xr, true, false), 0, 1.5e-4, "dW");
+  expect_close(b.grad(), ops::sum(dy.to(DType::F64).reshape({6, 48}), {0}), 0, 1e-5, "db");
+  EXPECT_EQ(w.grad().dtype(), DType::F32);
+  EXPECT_FALSE(w_bf16.grad().defined()) << "gradients flow to the fp32 weight, never to its copy";
+  // And the rounding is real: the fp32 linear differs by far more than the tolerance.
+  test::Diff d = test::compare(ops::linear(x.detach(), w.detach(), b.detach()).reshape({6, 48}), y_ref);
+  EXPECT_GT(d.max_abs, 1e-3);
+  // Mismatched dtypes are refused, naming what was expected.
+  try {
+    ops::linear_bf16(x, w, w.detach(), b);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bfloat16 weight copy"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Ops, CrossEntropyWithRetainedGraphGivesTheSameGradientTwice) {
   // The in-place gradient reuse of the logits must not happen when the graph is retained.
   Tensor logits = test::random_tensor({4, 7}, 50);

@@ -22,6 +22,7 @@ struct Shape3 {
   std::string model;  // preset, or a fixture model file (*.bin)
   int64_t batch, seq, accum;
   bool val;
+  bool bf16 = false;  // --dtype bf16
 };
 
 }  // namespace
@@ -30,7 +31,10 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
   const std::vector<Shape3> shapes = {{"gpt2_tiny.bin", 2, 16, 1, false},   {"gpt2_tiny.bin", 4, 32, 2, true},
                                       {"d1", 2, 32, 1, false},              {"d2", 4, 16, 2, true},
                                       {"d2", 1, 64, 1, false},              {"llama3_tiny.bin", 2, 16, 1, false},
-                                      {"llama3_tiny.bin", 4, 32, 2, true},  {"llama3-d1", 1, 16, 1, false}};
+                                      {"llama3_tiny.bin", 4, 32, 2, true},  {"llama3-d1", 1, 16, 1, false},
+                                      // mixed precision: bf16 copies saved, the parameters' copy, bf16 dy
+                                      {"gpt2_tiny.bin", 2, 16, 1, false, true}, {"d2", 4, 16, 2, true, true},
+                                      {"llama3_tiny.bin", 4, 32, 2, true, true}, {"llama3-d1", 1, 16, 1, false, true}};
   for (const Shape3& s : shapes) {
     train::TrainConfig c;
     const bool file = s.model.size() > 4 && s.model.substr(s.model.size() - 4) == ".bin";
@@ -51,6 +55,7 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
     c.sample_every = -1;
     c.threads = 1;
     c.out_dir = test::temp_path("out");
+    if (s.bf16) c.dtype = "bf16";
     const train::TrainResult r = train::run_training(c);
     const int64_t measured = r.history.back().peak_bytes;
     train::PlanInput in;
@@ -59,11 +64,12 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
     in.seq_len = s.seq;
     in.grad_accum = s.accum;
     in.val_loader = s.val;
+    in.bf16 = s.bf16;
     const int64_t planned = train::plan_memory(in).ranks[0].predicted_peak_bytes;
     EXPECT_EQ(r.history.back().predicted_peak_bytes, planned);
     // The plan is exact here: every allocation alive at the peak has a term.
     EXPECT_EQ(measured, planned) << s.model << " B" << s.batch << " T" << s.seq
-                                 << " accum " << s.accum;
+                                 << " accum " << s.accum << (s.bf16 ? " bf16" : "");
   }
 }
 

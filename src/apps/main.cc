@@ -91,6 +91,10 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
       ->check(CLI::Range(0, 3))->capture_default_str();
   t->add_option("--bucket-mb", c.bucket_mb, "Gradient all-reduce bucket size in MiB (data parallel, ZeRO-1)")->capture_default_str();
   t->add_flag("--log-json-all-ranks", c.log_json_all_ranks, "Also write <log-json>.rank<R> on every rank");
+  t->add_option("--dtype", c.dtype,
+                "GEMM precision: fp32, or bf16 (mixed precision: bf16 GEMM operands, fp32 master weights, "
+                "gradients, optimizer state, norms, attention and loss)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   t->add_flag("--profile-ops", c.profile_ops,
               "Time every kernel: after each step line, where each phase's time went (and in the --log-json row)");
 }

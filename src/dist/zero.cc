@@ -251,7 +251,10 @@ void ZeroOptimizer::step(double lr, double grad_scale) {
   if (stage_ == 1) params_.flat_grads().zero_();
   if (stage_ >= 2) grad_shard_.storage().bump_version();
   if (stage_ == 3) param_shard_.storage().bump_version();
-  if (stage_ < 3) all_gather_parameters();
+  if (stage_ < 3) {
+    all_gather_parameters();
+    params_.flat_params().storage().bump_version();  // new values: a bf16 copy of them is stale
+  }
 }
 
 void ZeroOptimizer::all_gather_parameters() {

@@ -1,5 +1,7 @@
 #include "nn/parameters.h"
 
+#include "runtime/profiler.h"
+
 namespace tally::nn {
 
 size_t ParameterStore::begin_unit(std::string name) {
@@ -35,6 +37,28 @@ void ParameterStore::allocate(DType dtype, Device device) {
     p.set_grad(g);
     params_.push_back(p);
   }
+}
+
+void ParameterStore::enable_compute_copy(DType dtype) {
+  TALLY_CHECK(flat_params_.defined(), "mixed precision needs the parameter block (allocate first; not with ZeRO-3)");
+  TALLY_CHECK(dtype == DType::BF16, "mixed precision: compute dtype ", dtype_name(dtype), " is not supported (bfloat16)");
+  compute_block_ = Tensor::empty({total_}, dtype, flat_params_.device(), make_owner(Category::Parameter, "parameters.bf16"));
+  compute_views_.clear();
+  for (size_t i = 0; i < specs_.size(); ++i)
+    compute_views_.push_back(make_view(compute_block_, specs_[i].shape, contiguous_strides(specs_[i].shape), offsets_[i]));
+  compute_current_ = false;
+}
+
+const Tensor& ParameterStore::compute_copy(size_t i) const {
+  TALLY_CHECK(compute_block_.defined(), "parameter '", specs_.at(i).name, "': no compute copy (enable_compute_copy)");
+  const uint64_t version = flat_params_.storage().version();
+  if (!compute_current_ || version != compute_version_) {
+    runtime::profiler::KernelScope scope("parameters_to_bf16");
+    compute_block_.copy_(flat_params_);
+    compute_version_ = version;
+    compute_current_ = true;
+  }
+  return compute_views_.at(i);
 }
 
 void ParameterStore::rebind(size_t i, const Tensor& param) {

@@ -59,6 +59,17 @@ class ParameterStore {
   const Tensor& flat_grads() const { return flat_grads_; }    // (numel), Category::Gradient
   void zero_grad() const { flat_grads_.zero_(); }
 
+  // Mixed precision (--dtype bf16): a copy of the parameter block in `dtype`, the operand
+  // the GEMMs read, 2 bytes per parameter (Category::Parameter, owner "parameters.bf16").
+  // The fp32 block stays the master weights the optimizer updates; the copy follows it
+  // lazily: compute_copy() rounds the whole block again when the fp32 block's version
+  // moved (an optimizer step, a load, a ZeRO gather), so a step pays one pass however many
+  // microbatches it has. Needs the parameter block (not after release_params).
+  void enable_compute_copy(DType dtype);
+  bool has_compute_copy() const { return compute_block_.defined(); }
+  // Parameter i in the compute dtype, current with the fp32 block.
+  const Tensor& compute_copy(size_t i) const;
+
   // Replaces parameter i with `param` (same shape; a view of another storage, e.g. a
   // ZeRO-3 unit buffer). The new tensor becomes a registered parameter named like the old.
   void rebind(size_t i, const Tensor& param);
@@ -75,6 +86,10 @@ class ParameterStore {
   std::vector<Tensor> params_;
   int64_t total_ = 0;
   Tensor flat_params_, flat_grads_;
+  Tensor compute_block_;                 // the parameter block in the compute dtype (or undefined)
+  std::vector<Tensor> compute_views_;    // parameter i's view of it
+  mutable uint64_t compute_version_ = 0;  // the fp32 block's version the copy was made from
+  mutable bool compute_current_ = false;
 };
 
 }  // namespace tally::nn

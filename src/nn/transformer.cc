@@ -508,9 +508,21 @@ Tensor Transformer::embed(const Tensor& tokens, int64_t start) const {
   return x;
 }
 
+void Transformer::set_matmul_dtype(DType dtype) {
+  TALLY_CHECK(dtype == DType::F32 || dtype == DType::BF16, "model: matmul dtype ", dtype_name(dtype),
+              " is not supported (float32, bfloat16)");
+  if (dtype == DType::BF16 && !params_.has_compute_copy()) params_.enable_compute_copy(DType::BF16);
+  matmul_dtype_ = dtype;
+}
+
+Tensor Transformer::linear(const Tensor& x, size_t weight, size_t bias) const {
+  if (matmul_dtype_ == DType::BF16) return ops::linear_bf16(x, params_[weight], params_.compute_copy(weight), param(bias));
+  return ops::linear(x, params_[weight], param(bias));
+}
+
 Tensor Transformer::row_linear(const Tensor& x, size_t weight, size_t bias) const {
-  if (!tp_ops_) return ops::linear(x, params_[weight], param(bias));
-  Tensor partial = ops::linear(x, params_[weight]);
+  if (!tp_ops_) return linear(x, weight, bias);
+  Tensor partial = linear(x, weight, kAbsent);
   Tensor out = tp_ops_->out_of_row_parallel(partial);
   return bias == kAbsent ? out : ops::add(out, params_[bias]);
 }
@@ -547,7 +559,7 @@ Tensor Transformer::layer_body(int64_t l, const Tensor& input, int64_t start, Kv
     Tensor h = norm(x, p.ln1w, p.ln1b);
     if (tp_ops_) h = tp_ops_->into_column_parallel(h);  // (B, T, C) on every rank
     const int64_t B = h.shape()[0], T = h.shape()[1];
-    Tensor qkv = ops::linear(h, params_[p.qkvw], param(p.qkvb));                      // (B,T,(H+2KV)*D)
+    Tensor qkv = linear(h, p.qkvw, p.qkvb);                      // (B,T,(H+2KV)*D)
     std::vector<Tensor> parts = ops::split(qkv, {H * D, KV * D, KV * D}, 2);           // strided views
     Tensor q = parts[0].view({B, T, H, D}), k = parts[1].view({B, T, KV, D}), v = parts[2].view({B, T, KV, D});
     if (c.is_llama()) {
@@ -581,11 +593,11 @@ Tensor Transformer::layer_body(int64_t l, const Tensor& input, int64_t start, Kv
     if (tp_ops_) h = tp_ops_->into_column_parallel(h);
     Tensor f;
     if (c.is_llama()) {
-      Tensor gate = ops::linear(h, params_[p.fc2w]);
-      Tensor up = ops::linear(h, params_[p.fcw]);
+      Tensor gate = linear(h, p.fc2w, kAbsent);
+      Tensor up = linear(h, p.fcw, kAbsent);
       f = ops::swiglu(gate, up);
     } else {
-      f = ops::gelu(ops::linear(h, params_[p.fcw], params_[p.fcb]));
+      f = ops::gelu(linear(h, p.fcw, p.fcb));
     }
     x = ops::add(x, row_linear(f, p.fcprojw, p.fcprojb));
   }
@@ -600,13 +612,13 @@ void Transformer::head(const Tensor& input, const Tensor& targets, bool return_l
   enter(units);
   Tensor x = released_in_backward(input, units);
   x = norm(x, lnfw_, lnfb_);
-  const Tensor& head_weight = params_[c.tie_embeddings ? wte_ : lm_head_];
+  const size_t head_weight = c.tie_embeddings ? wte_ : lm_head_;
   if (tp_ops_) {
     // Logits of this rank's vocabulary block only: (B, T, Vp / tp).
     TALLY_CHECK(!return_logits, "model: a tensor-parallel model does not return whole logits");
     x = tp_ops_->into_column_parallel(x);
     const int64_t B = x.shape()[0], T = x.shape()[1];
-    Tensor logits = ops::linear(x, head_weight);
+    Tensor logits = linear(x, head_weight, kAbsent);
     if (targets.defined()) {
       TALLY_CHECK(targets.dim() == 2 && targets.shape()[0] == B && targets.shape()[1] == T, "model: targets ",
                   targets.str(), " do not match the batch (", B, ", ", T, ")");
@@ -615,7 +627,7 @@ void Transformer::head(const Tensor& input, const Tensor& targets, bool return_l
     }
   } else {
     const int64_t B = x.shape()[0], T = x.shape()[1];
-    Tensor logits = ops::linear(x, head_weight);  // (B,T,Vp)
+    Tensor logits = linear(x, head_weight, kAbsent);  // (B,T,Vp)
     if (targets.defined()) {
       TALLY_CHECK(targets.dim() == 2 && targets.shape()[0] == B && targets.shape()[1] == T, "model: targets ",
                   targets.str(), " do not match the batch (", B, ", ", T, ")");

@@ -163,6 +163,13 @@ class Transformer {
   // Tensor parallel collectives (null without tensor parallelism). Not owned.
   void set_tensor_parallel(TensorParallelOps* ops) { tp_ops_ = ops; }
   TensorParallelOps* tensor_parallel() const { return tp_ops_; }
+  // Mixed precision: with BF16 every projection (qkv, attention output, MLP, head) runs
+  // its GEMMs in bf16 over a bf16 copy of the parameters that the store keeps current
+  // (ParameterStore::enable_compute_copy, 2 bytes per parameter); norms, attention,
+  // softmax, the loss, gradients and the optimizer stay fp32. F32 (the default): off.
+  // Needs the parameter block resident (not with ZeRO-3).
+  void set_matmul_dtype(DType dtype);
+  DType matmul_dtype() const { return matmul_dtype_; }
   void set_recompute(Recompute r) { recompute_ = r; }
   Recompute recompute() const { return recompute_; }
 
@@ -216,6 +223,8 @@ class Transformer {
   // A row-parallel projection: the partial products summed over the tensor-parallel
   // group, then the (replicated) bias.
   Tensor row_linear(const Tensor& x, size_t weight, size_t bias) const;
+  // x W^T + b for parameters `weight` and `bias` (kAbsent: none), in the matmul dtype.
+  Tensor linear(const Tensor& x, size_t weight, size_t bias) const;
 
   struct LayoutOnly {};
   Transformer(const TransformerConfig& config, ModelShard shard, LayoutOnly);
@@ -227,6 +236,7 @@ class Transformer {
   std::vector<TpSplit> splits_;  // per parameter
   TensorParallelOps* tp_ops_ = nullptr;  // non-owning
   Recompute recompute_ = Recompute::None;
+  DType matmul_dtype_ = DType::F32;
   bool tied_head_copy_ = false;
   size_t embed_unit_ = 0, final_unit_ = 0;
   ParameterResidency* residency_ = nullptr;  // non-owning

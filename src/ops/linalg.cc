@@ -191,4 +191,83 @@ Tensor linear(const Tensor& x_in, const Tensor& w, const Tensor& b) {
   return out;
 }
 
+namespace {
+// Rounds x to bf16 into a fresh tensor owned by the current module path.
+Tensor to_bf16(const Tensor& x, const char* owner) {
+  Tensor out = Tensor::empty(x.shape(), DType::BF16, x.device(), current_owner(owner));
+  on(x).copy(out, x);
+  return out;
+}
+
+// y = x W^T + b with bf16 GEMM operands and fp32 results (see ops.h).
+//   dx = bf16(g) W_bf16,  dW += bf16(g)^T bf16(x),  db = sum over rows of g (fp32).
+struct LinearBf16Fn {
+  static constexpr const char* kName = "linear_bf16";
+  using Context = autograd::Context;  // saved: x in bf16, W's bf16 copy
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    Tensor x_bf16 = ctx.saved(0), w_bf16 = ctx.saved(1);
+    Tensor g = materialize(grads[0]);
+    const int64_t out_f = w_bf16.shape()[0], in_f = w_bf16.shape()[1], rows = g.numel() / out_f;
+    Tensor g2 = make_view(g, {rows, out_f}, {out_f, 1}, g.offset());
+    Tensor g_bf16 = (ctx.needs_input_grad(0) || ctx.needs_input_grad(1)) ? to_bf16(g2, "linear_bf16_dy") : Tensor();
+    Tensor dx, dw, db;
+    if (ctx.needs_input_grad(0)) {
+      Shape shape = x_bf16.shape();
+      dx = Tensor::empty(shape, DType::F32, g.device(), current_owner("linear_dx"));
+      on(g2).gemm(g_bf16, false, w_bf16, false, make_view(dx, {rows, in_f}, {in_f, 1}, 0));
+    }
+    if (ctx.needs_input_grad(1)) {
+      Tensor x2 = make_view(x_bf16, {rows, in_f}, {in_f, 1}, x_bf16.offset());
+      Tensor sink = ctx.grad_sink(1);
+      if (sink.defined() && sink.is_contiguous() && sink.dtype() == DType::F32) {
+        on(g2).gemm(g_bf16, true, x2, false, sink, 1.f, 1.f);  // dW accumulated in place, in fp32
+      } else {
+        dw = Tensor::empty({out_f, in_f}, DType::F32, g.device(), current_owner("linear_dw"));
+        on(g2).gemm(g_bf16, true, x2, false, dw);
+      }
+    }
+    g_bf16 = Tensor();
+    if (ctx.needs_input_grad(2)) {
+      db = Tensor::empty({out_f}, g.dtype(), g.device(), current_owner("linear_db"));
+      on(db).sum_into(make_view(db, {1, out_f}, {out_f, 1}, 0), g2);
+      Tensor sink = ctx.grad_sink(2);
+      if (sink.defined() && sink.dtype() == db.dtype()) {
+        on(sink).add_inplace(sink, db);
+        db = Tensor();
+      }
+    }
+    return {dx, dw, db};
+  }
+};
+}  // namespace
+
+Tensor linear_bf16(const Tensor& x_in, const Tensor& w, const Tensor& w_bf16, const Tensor& b) {
+  detail::require_same_device("linear_bf16", {&x_in, &w, &w_bf16, &b});
+  TALLY_CHECK(x_in.dtype() == DType::F32 && w.dtype() == DType::F32 && w_bf16.dtype() == DType::BF16 &&
+                  (!b.defined() || b.dtype() == DType::F32),
+              "linear_bf16: expected fp32 input, weight and bias and a bfloat16 weight copy, got ", x_in.str(), ", ",
+              w.str(), ", ", w_bf16.str(), (b.defined() ? ", " + b.str() : std::string()));
+  TALLY_CHECK(w.dim() == 2 && w_bf16.shape() == w.shape(), "linear_bf16: weight ", w.str(), " and its copy ",
+              w_bf16.str(), " must be the same (out_features, in_features)");
+  TALLY_CHECK(x_in.dim() >= 1 && x_in.size(-1) == w.shape()[1], "linear_bf16: input ", x_in.str(), " has ",
+              x_in.dim() ? x_in.size(-1) : 0, " features but weight ", w.str(), " expects ", w.shape()[1]);
+  TALLY_CHECK(!b.defined() || (b.dim() == 1 && b.shape()[0] == w.shape()[0]), "linear_bf16: bias ", b.str(),
+              " must be (", w.shape()[0], ")");
+  const int64_t out_f = w.shape()[0], in_f = w.shape()[1], rows = x_in.numel() / in_f;
+  Tensor x_bf16 = to_bf16(x_in, "linear_x_bf16");  // contiguous, whatever x's strides
+  Tensor wb = materialize(w_bf16);
+  Shape shape = x_in.shape();
+  shape.back() = out_f;
+  Tensor out = new_output(shape, DType::F32, x_in.device(), "linear");
+  Tensor out2 = make_view(out, {rows, out_f}, {out_f, 1}, 0);
+  if (b.defined()) on(out2).copy(out2, b);  // the bias in every row, then accumulate the GEMM
+  on(x_bf16).gemm(make_view(x_bf16, {rows, in_f}, {in_f, 1}, 0), false, wb, true, out2, 1.f, b.defined() ? 1.f : 0.f);
+  if (autograd::needs_graph({x_in, w, b})) {
+    auto ctx = std::make_unique<LinearBf16Fn::Context>();
+    ctx->save_for_backward({x_bf16, wb});
+    autograd::record<LinearBf16Fn>(std::move(ctx), {x_in, w, b}, {out});
+  }
+  return out;
+}
+
 }  // namespace tally::ops

@@ -35,6 +35,13 @@ Tensor sum_to(const Tensor& x, const Shape& shape);
 Tensor matmul(const Tensor& a, const Tensor& b, bool transpose_a = false, bool transpose_b = false);
 // x (..., in) @ weight(out, in)^T + bias(out); bias may be undefined.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+// Mixed precision (bf16 autocast): y = x W^T + b with the GEMM's operands in bf16 and its
+// products accumulated, and y returned, in fp32. x (fp32) is rounded to bf16, and saved so
+// for backward (half of fp32's bytes); `weight_bf16` is the caller's bf16 copy of `weight`
+// (ParameterStore::compute_copy keeps it current). Backward rounds dy to bf16 for the two
+// GEMMs (dx = dy W, dW += dy^T x, fp32 outputs) and sums db in fp32. Gradients flow to
+// `weight`, the fp32 master weights, never to its copy.
+Tensor linear_bf16(const Tensor& x, const Tensor& weight, const Tensor& weight_bf16, const Tensor& bias = Tensor());
 
 // ---- neural-network ops
 Tensor embedding(const Tensor& weight, const Tensor& indices);  // weight (V, C), indices int

@@ -75,7 +75,7 @@ void Backend::max_dim(const Tensor&, const Tensor&, const Tensor&, int64_t) { no
 void Backend::argmax_last(const Tensor&, const Tensor&) { no_kernel("argmax"); }
 double Backend::sum_squares(const Tensor&) { no_kernel("sum of squares"); }
 void Backend::gemm(const Tensor&, bool, const Tensor&, bool, const Tensor&, float, float) { no_kernel("matmul"); }
-double Backend::measured_gemm_peak_flops() { no_kernel("GEMM peak measurement"); }
+double Backend::measured_gemm_peak_flops(DType) { no_kernel("GEMM peak measurement"); }
 void Backend::embedding_forward(const Tensor&, const Tensor&, const Tensor&) { no_kernel("embedding"); }
 void Backend::embedding_backward(const Tensor&, const Tensor&, const Tensor&) { no_kernel("embedding backward"); }
 void Backend::layernorm_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,

@@ -46,8 +46,9 @@ class Backend : public DeviceHooks {
   // columns are contiguous.
   virtual void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c,
                     float alpha = 1.f, float beta = 0.f);
-  // Measured fp32 GEMM throughput of this device in FLOP/s (cached after the first call).
-  virtual double measured_gemm_peak_flops();
+  // Measured GEMM throughput of this device in FLOP/s with operands of `dtype` (fp32, or
+  // bf16 with fp32 accumulation), cached per dtype after the first call.
+  virtual double measured_gemm_peak_flops(DType dtype = DType::F32);
 
   // ---- neural-network kernels
   virtual void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices);

@@ -67,29 +67,40 @@ MemoryPlan plan_memory(const PlanInput& in) {
 
   MemoryPlan plan;
   // Activations of one microbatch, by kind over all layers (floats per token, times B*T).
-  auto act = [&](const char* kind, int64_t floats_per_token) {
-    plan.activations_by_kind.emplace_back(kind, checked_product({floats_per_token, BT, kFloat}, "plan: activations"));
+  // `bytes` per element: 4 (fp32), or 2 for what mixed precision keeps in bf16.
+  auto act = [&](const std::string& kind, int64_t per_token, int64_t bytes = kFloat) {
+    plan.activations_by_kind.emplace_back(kind, checked_product({per_token, BT, bytes}, "plan: activations"));
   };
+  const bool bf16 = in.bf16;
+  // A projection's saved input: fp32, or its bf16 copy under mixed precision.
+  const int64_t proj_bytes = bf16 ? 2 : kFloat;
+  const char* proj = bf16 ? " (bf16 copies the projections keep)" : "";
   act("residual stream (x, x + attention)", 2 * C * L);
   if (c.is_llama()) {
     // q and k leave rotary as new tensors and v is copied out of the fused projection,
     // so the (B,T,C+2KV*D) projection itself is freed within the layer.
     const int64_t KVD = c.kv_dim(), F = c.ffn_dim();
-    act("RMSNorm outputs", 2 * C * L);
+    // bf16: the second output feeds gate and up, and each keeps its own copy.
+    act(std::string("RMSNorm outputs") + proj, (bf16 ? 3 : 2) * C * L, proj_bytes);
     act("RMSNorm rstd", 2 * L);
     act("q and k after rotary, v", (C + 2 * KVD) * L);
     act("attention output", C * L);
+    if (bf16) act("attention output (the output projection's bf16 copy)", C * L, 2);
     act("attention log-sum-exp", H * L);
-    act("MLP gate, up and SwiGLU output", 3 * F * L);
+    act("MLP gate and up", 2 * F * L);
+    act(std::string("MLP SwiGLU output") + proj, F * L, proj_bytes);
   } else {
-    act("layernorm outputs", 2 * C * L);
+    act(std::string("layernorm outputs") + proj, 2 * C * L, proj_bytes);
     act("layernorm mean and rstd", 4 * L);
     act("q, k, v", 3 * C * L);
     act("attention output", C * L);
+    if (bf16) act("attention output (the output projection's bf16 copy)", C * L, 2);
     act("attention log-sum-exp", H * L);
-    act("MLP pre- and post-GELU", 8 * C * L);
+    act("MLP pre-GELU", 4 * C * L);
+    act(std::string("MLP post-GELU") + proj, 4 * C * L, proj_bytes);
   }
-  act("head: last residual and final norm output", 2 * C);
+  act("head: last residual", C);
+  act(std::string("head: final norm output") + proj, C, proj_bytes);
   act(c.is_llama() ? "head: final RMSNorm rstd" : "head: final norm mean and rstd", c.is_llama() ? 1 : 2);
   act("head: logits", Vp);
   act("head: cross-entropy log-sum-exp", 1);
@@ -104,12 +115,15 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // activation's backward allocates the gradients of its inputs: LLaMA's dgate and dup
   // (2F), GPT-2's d(pre-GELU) (4C). It wins when 2F (GPT-2: 2C) exceeds the head's
   // logits and 2C more: small vocabularies, wide MLPs.
-  const int64_t mlp_backward = checked_product({BT, C + (c.is_llama() ? 2 * c.ffn_dim() : 4 * C), kFloat}, "plan");
+  // Under bf16 the freed input was a bf16 copy, and its gradient is fp32: 2 more bytes each.
+  const int64_t mlp_backward = checked_product({BT, C + (c.is_llama() ? 2 * c.ffn_dim() : 4 * C), kFloat}, "plan") +
+                               (bf16 ? checked_product({BT, c.is_llama() ? c.ffn_dim() : 4 * C, 2}, "plan") : 0);
 
   const int64_t loader = (in.val_loader ? 2 : 1) * 2 * BT * kFloat;
   // At the peak (the start of backward): dL/d(final norm output) is allocated while the
-  // cross-entropy's log-sum-exp has been freed.
-  const int64_t transient = BT * C * kFloat - BT * kFloat;
+  // cross-entropy's log-sum-exp has been freed; under bf16 the logits' gradient is also
+  // held rounded to bf16 for the head's two GEMMs.
+  const int64_t transient = BT * C * kFloat - BT * kFloat + (bf16 ? BT * Vp * 2 : 0);
   const int64_t shard = piece_total * kFloat;  // one fp32 value per element of this rank's pieces
   for (int r = 0; r < in.world; ++r) {
     RankPlan rp;
@@ -123,6 +137,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
                 {"transient at the peak", transient},
                 // The loss (and, when scaled by 1/(N*D), its scaled copy): scalars.
                 {"loss", in.grad_accum * D > 1 ? 2 * kFloat : kFloat}};
+    if (bf16) rp.parts.emplace_back("parameters' bf16 copy (mixed precision)", 2 * P);
     // LLaMA's rotary frequencies, a model constant (D/2 floats).
     if (c.is_llama()) rp.parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
     // ZeRO-2/3 at the start of backward: the head's units (the final norm, and the tied
@@ -157,6 +172,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
       for (int64_t n : units) largest_piece = std::max(largest_piece, (n + D - 1) / D);
       std::vector<std::pair<std::string, int64_t>> step_parts(rp.parts.begin(), rp.parts.begin() + 3);
       step_parts.emplace_back("loader buffers", loader);
+      if (bf16) step_parts.emplace_back("parameters' bf16 copy (mixed precision)", 2 * P);
       if (c.is_llama()) step_parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
       step_parts.emplace_back("all-gather of the largest unit in the optimizer step (send piece, receive buffer)",
                               (1 + D) * largest_piece * kFloat);

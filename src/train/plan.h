@@ -25,6 +25,14 @@
 // the final RMSNorm's rstd (1) where GPT-2's saves mean and rstd; a model constant, the
 // rotary frequencies (D/2), is counted beside the parameters.
 //
+// Mixed precision (--dtype bf16) adds the parameters' bf16 copy (2P) and changes what the
+// projections save: each keeps its input rounded to bf16 (2 bytes) instead of the fp32
+// tensor. Where nothing else saves that input (the norm outputs, GPT-2's post-GELU,
+// LLaMA's SwiGLU output) the fp32 one is freed; the attention output is also saved by the
+// attention itself, so its bf16 copy comes on top; LLaMA's second RMSNorm output feeds two
+// projections (gate, up), which keep a bf16 copy each. At the start of backward the head's
+// projection also rounds the logits' gradient to bf16 (2 Vp per token).
+//
 // ZeRO-2 and -3 shard gradients (and, in stage 3, parameters) and add, at the start of
 // backward, the gradient staging of the head's units (final norm and the tied embedding,
 // whole units padded to D pieces); stage 3 also holds those two units gathered again and the
@@ -51,6 +59,7 @@ struct PlanInput {
   int world = 1;  // ranks; all are data-parallel today
   int zero = 0;
   bool val_loader = false;
+  bool bf16 = false;  // --dtype bf16: mixed precision (see below)
 };
 
 struct RankPlan {

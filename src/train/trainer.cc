@@ -118,7 +118,8 @@ std::vector<std::pair<std::string, std::string>> run_recipe(const TrainConfig& c
           {"--beta2", num(c.beta2)},
           {"--eps", num(c.eps)},
           {"--grad-clip", num(c.grad_clip)},
-          {"--seed", std::to_string(c.seed)}};
+          {"--seed", std::to_string(c.seed)},
+          {"--dtype", c.dtype}};
 }
 
 // "--lr 3e-4 -> 6e-4, --steps 100 -> 200", or "" when nothing differs. Checkpoints older
@@ -299,6 +300,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     model->set_tensor_parallel(tensor_parallel.get());
   }
   model->set_recompute(nn::parse_recompute(c.recompute));
+  TALLY_CHECK(c.dtype == "fp32" || c.dtype == "bf16", "--dtype must be fp32 or bf16, got '", c.dtype, "'");
+  const DType matmul_dtype = c.dtype == "bf16" ? DType::BF16 : DType::F32;
+  TALLY_CHECK(matmul_dtype == DType::F32 || c.zero <= 2, "--dtype bf16 with --zero 3: the GEMMs read a bf16 copy of "
+              "the whole parameter block, which ZeRO-3 does not keep; use --zero 2 or lower");
   std::unique_ptr<dist::PipelineStage> pipeline;
   if (PP > 1) pipeline = std::make_unique<dist::PipelineStage>(*model, world.pp_group(), schedule, c.virtual_stages);
   optim::AdamWConfig ac;
@@ -313,6 +318,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   else zero = std::make_unique<dist::ZeroOptimizer>(model->params(), ac, dp_group, c.zero);
   optim::Optimizer& opt = adamw ? static_cast<optim::Optimizer&>(*adamw) : *zero;
   if (zero && zero->stage() >= 2) model->set_residency(zero.get());
+  // After the optimizer: its state is allocated first, as the plan orders the parts.
+  model->set_matmul_dtype(matmul_dtype);
   // Plain data parallel and ZeRO-1 average full gradients with bucketed all-reduces.
   std::unique_ptr<dist::GradientAllReduce> all_reduce;
   if (c.zero <= 1 && D > 1)
@@ -346,7 +353,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // Each rank does its share of the model's work: 1/(tp x pp) of it under model parallelism.
   const double rank_step_flops =
       model->flops_per_token(T) * static_cast<double>(N * B * T) / static_cast<double>(world.tp() * world.pp());
-  const double gemm_peak = runtime::backend(Device::cpu()).measured_gemm_peak_flops();
+  const double gemm_peak = runtime::backend(Device::cpu()).measured_gemm_peak_flops(matmul_dtype);
   const int64_t P = model->num_parameters();
   log("model: %s, %lld parameters\n", mc.describe().c_str(), static_cast<long long>(P));
   log("data: %lld train tokens in %zu shard(s)%s; step = %lld rank(s) x %lld microbatch(es) x %lld x %lld = %lld tokens\n",
@@ -368,7 +375,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
              : (D > 1 ? "bucketed all-reduce of " + std::to_string(all_reduce->buckets().size()) + " buckets"
                      : model_parallel ? "no data parallel" : "one process")
                         .c_str());
-  log("threads: %d per rank, measured fp32 GEMM peak %.0f GFLOP/s\n", omp_get_max_threads(), gemm_peak / 1e9);
+  log("threads: %d per rank, measured %s GEMM peak %.0f GFLOP/s%s\n", omp_get_max_threads(),
+      matmul_dtype == DType::BF16 ? "bf16" : "fp32", gemm_peak / 1e9,
+      matmul_dtype == DType::BF16 ? " (mixed precision: bf16 GEMM operands, fp32 master weights and optimizer)" : "");
 
   // Rank 0 writes the job's rows; with --log-json-all-ranks every rank also writes its own.
   std::unique_ptr<StepLog> json_log, rank_json_log;
@@ -412,13 +421,15 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     pi.world = static_cast<int>(D);
     pi.zero = c.zero;
     pi.val_loader = val_loader != nullptr;
+    pi.bf16 = matmul_dtype == DType::BF16;
     const RankPlan rank_plan = plan_memory(pi).ranks[static_cast<size_t>(dp_rank)];
     planned_peak = rank_plan.predicted_peak_bytes;
     plan_parts = rank_plan.parts;
   }
   // Who holds the peak, for the check against the plan after the second step.
   ledger.track_peak_owners(true);
-  const int64_t states_bytes = zero ? zero->footprint().total() : 16 * P;  // fp32 param, grad, m, v
+  // fp32 param, grad, m, v (ZeRO: this rank's share), and bf16's copy of the parameters.
+  const int64_t states_bytes = (zero ? zero->footprint().total() : 16 * P) + (matmul_dtype == DType::BF16 ? 2 * P : 0);
 
   // What this stage's schedule needs at most; every step checks it held no more.
   const int64_t in_flight_bound =
@@ -565,9 +576,10 @@ if (pipeline) {
         const auto& st = s.allocated_by_category;
         const int64_t held = st[static_cast<int>(Category::Parameter)] + st[static_cast<int>(Category::Gradient)] +
                              st[static_cast<int>(Category::OptimizerState)];
-        const char* formula = c.zero == 0 ? "16P" : c.zero == 1 ? "8P + 8P/D" : c.zero == 2 ? "4P + 12P/D" : "16P/D";
+        std::string formula = c.zero == 0 ? "16P" : c.zero == 1 ? "8P + 8P/D" : c.zero == 2 ? "4P + 12P/D" : "16P/D";
+        if (matmul_dtype == DType::BF16) formula += " + 2P (bf16 copy)";
         log("memory per rank: model states %s by the formula %s (D=%lld), %s in the ledger\n",
-            format_bytes(states_bytes).c_str(), formula, static_cast<long long>(D), format_bytes(held).c_str());
+            format_bytes(states_bytes).c_str(), formula.c_str(), static_cast<long long>(D), format_bytes(held).c_str());
       }
       if (all_reduce) {
         const dist::ReductionStats& r = all_reduce->last();

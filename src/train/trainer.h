@@ -76,6 +76,7 @@ struct TrainConfig {
   bool log_json_all_ranks = false;  // also write <log-json>.rank<R> on every rank
   bool return_parameters = false;   // fill TrainResult::parameters (tests)
   bool profile_ops = false;         // time every kernel; the step line and the JSONL row get the table
+  std::string dtype = "fp32";       // fp32 | bf16: mixed precision, the projections' GEMMs in bf16
 };
 
 struct StepMetrics {

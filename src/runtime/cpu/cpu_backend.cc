@@ -96,7 +96,7 @@ class CpuBackend final : public Backend {
     profiler::KernelScope scope("gemm", 2.0 * static_cast<double>(c.numel()) * k);
     cpu::gemm(a, ta, b, tb, c, alpha, beta);
   }
-  double measured_gemm_peak_flops() override { return cpu::measured_gemm_peak_flops(); }
+  double measured_gemm_peak_flops(DType dtype) override { return cpu::measured_gemm_peak_flops(dtype); }
   void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices) override {
     profiler::KernelScope scope("embedding_forward");
     cpu::embedding_forward(out, weight, indices);

@@ -28,7 +28,7 @@ double sum_squares(const Tensor& x);
 void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c, float alpha = 1.f,
           float beta = 0.f);
 // Measured fp32 GEMM throughput of this machine in FLOP/s (cached after the first call).
-double measured_gemm_peak_flops();
+double measured_gemm_peak_flops(DType dtype);
 
 // ---- neural-network kernels (nn.cc)
 void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices);

@@ -3,8 +3,13 @@
 #include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include <array>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
 
 #include "runtime/cpu/kernels.h"
 #include "runtime/cpu/strided.h"
@@ -53,28 +58,56 @@ void naive_gemm(int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t ld
 }
 
 // bf16 GEMM through oneDNN's matmul primitive (AMX / AVX-512 BF16 where the CPU has
-// them), fp32 accumulation, bf16 output. Strided operands are described as-is; oneDNN
-// caches the primitive per shape.
+// them): bf16 operands, fp32 accumulation, the output in c's dtype (fp32 for mixed
+// precision, or bf16). Strided operands are described as they are. Creating a primitive
+// descriptor costs tens of microseconds, about a small GEMM's time, so primitives are kept
+// per (shapes, strides, dtypes, alpha, beta): a training step reuses a few dozen.
 void bf16_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c, float alpha, float beta) {
   using dnnl::memory;
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   static dnnl::stream stream(engine);
-  auto desc = [](const Tensor& t, bool transpose) {
-    memory::dims dims = {t.shape()[0], t.shape()[1]}, strides = {t.strides()[0], t.strides()[1]};
-    if (transpose) std::swap(dims[0], dims[1]), std::swap(strides[0], strides[1]);
-    return memory::desc(dims, memory::data_type::bf16, strides);
+  struct Cached {
+    memory::desc ad, bd, cd;
+    dnnl::matmul primitive;
   };
-  memory::desc ad = desc(a, ta), bd = desc(b, tb), cd = desc(c, false);
-  dnnl::primitive_attr attr;
-  if (alpha != 1.f) attr.set_output_scales(0, {alpha});
-  if (beta != 0.f) {
-    dnnl::post_ops po;
-    po.append_sum(beta);
-    attr.set_post_ops(po);
+  static std::mutex mutex;
+  static std::unordered_map<std::string, Cached> cache;
+  auto dims_strides = [](const Tensor& t, bool transpose) {
+    std::array<int64_t, 4> d = {t.shape()[0], t.shape()[1], t.strides()[0], t.strides()[1]};
+    if (transpose) std::swap(d[0], d[1]), std::swap(d[2], d[3]);
+    return d;
+  };
+  const auto da = dims_strides(a, ta), db = dims_strides(b, tb), dc = dims_strides(c, false);
+  char key[256];
+  std::snprintf(key, sizeof key, "%lld,%lld,%lld,%lld|%lld,%lld,%lld,%lld|%lld,%lld,%lld,%lld|%d|%a|%a",
+                static_cast<long long>(da[0]), static_cast<long long>(da[1]), static_cast<long long>(da[2]),
+                static_cast<long long>(da[3]), static_cast<long long>(db[0]), static_cast<long long>(db[1]),
+                static_cast<long long>(db[2]), static_cast<long long>(db[3]), static_cast<long long>(dc[0]),
+                static_cast<long long>(dc[1]), static_cast<long long>(dc[2]), static_cast<long long>(dc[3]),
+                static_cast<int>(c.dtype()), static_cast<double>(alpha), static_cast<double>(beta));
+  std::unique_lock lock(mutex);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    auto desc = [](const std::array<int64_t, 4>& d, memory::data_type type) {
+      return memory::desc({d[0], d[1]}, type, memory::dims{d[2], d[3]});
+    };
+    const auto out_type = c.dtype() == DType::F32 ? memory::data_type::f32 : memory::data_type::bf16;
+    memory::desc ad = desc(da, memory::data_type::bf16), bd = desc(db, memory::data_type::bf16), cd = desc(dc, out_type);
+    dnnl::primitive_attr attr;
+    if (alpha != 1.f) attr.set_output_scales(0, {alpha});
+    if (beta != 0.f) {
+      dnnl::post_ops po;
+      po.append_sum(beta);
+      attr.set_post_ops(po);
+    }
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), attr, engine);
+    if (cache.size() >= 512) cache.clear();  // sampling grows M token by token: keep it bounded
+    it = cache.emplace(key, Cached{ad, bd, cd, dnnl::matmul(pd)}).first;
   }
-  dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), attr, engine);
-  memory am(ad, engine, a.raw_data()), bm(bd, engine, b.raw_data()), cm(cd, engine, c.raw_data());
-  dnnl::matmul(pd).execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  const Cached& k = it->second;
+  lock.unlock();
+  memory am(k.ad, engine, a.raw_data()), bm(k.bd, engine, b.raw_data()), cm(k.cd, engine, c.raw_data());
+  k.primitive.execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
   stream.wait();
 }
 
@@ -92,13 +125,16 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
               (transpose_b ? "^T" : ""));
   TALLY_CHECK(c.shape()[0] == M && c.shape()[1] == N, "gemm: output ", c.str(), " is not ", M, "x", N);
   TALLY_CHECK(c.strides()[1] == 1 || N == 1, "gemm: output rows must be contiguous");
-  TALLY_CHECK(a.dtype() == b.dtype() && a.dtype() == c.dtype(), "matmul: dtypes differ: ", a.str(), " @ ", b.str());
+  // Mixed precision: bf16 operands may write (or accumulate into) an fp32 output.
+  const bool bf16_operands = a.dtype() == DType::BF16 && b.dtype() == DType::BF16;
+  TALLY_CHECK(a.dtype() == b.dtype() && (a.dtype() == c.dtype() || (bf16_operands && c.dtype() == DType::F32)),
+              "matmul: dtypes differ: ", a.str(), " @ ", b.str(), " -> ", c.str());
   if (M == 0 || N == 0) return;
   if (K == 0) {
     if (beta == 0.f) fill(c, 0.0);
     return;
   }
-  if (c.dtype() == DType::BF16) {
+  if (bf16_operands) {
     bf16_gemm(a, transpose_a, b, transpose_b, c, alpha, beta);
     c.storage().bump_version();
     return;
@@ -124,23 +160,31 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
   c.storage().bump_version();
 }
 
-double measured_gemm_peak_flops() {
-  static double peak = [] {
-    // A square sgemm large enough to reach steady state; best of a few repetitions.
-    const int64_t n = 1024;
-    CategoryScope scope(Category::Workspace);
-    OwnerScope owner("gemm_peak_probe");  // three 4 MiB matrices, freed before training starts
-    Tensor a = Tensor::full({n, n}, 0.5), b = Tensor::full({n, n}, 0.25), c = Tensor::zeros({n, n});
-    gemm(a, false, b, false, c);  // warm-up (JIT)
-    double best = 1e30;
-    for (int rep = 0; rep < 5; ++rep) {
-      auto t0 = std::chrono::steady_clock::now();
-      gemm(a, false, b, false, c);
-      double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      best = std::min(best, s);
-    }
-    return 2.0 * n * n * n / best;
-  }();
+namespace {
+double measure_gemm_peak(DType dtype) {
+  // A square GEMM large enough to reach steady state; best of a few repetitions. bf16:
+  // bf16 operands into an fp32 result, as mixed precision runs its GEMMs.
+  const int64_t n = 1024;
+  CategoryScope scope(Category::Workspace);
+  OwnerScope owner("gemm_peak_probe");  // a few MiB, freed before training starts
+  Tensor a = Tensor::full({n, n}, 0.5).to(dtype), b = Tensor::full({n, n}, 0.25).to(dtype), c = Tensor::zeros({n, n});
+  gemm(a, false, b, false, c);  // warm-up (JIT)
+  double best = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    auto t0 = std::chrono::steady_clock::now();
+    gemm(a, false, b, false, c);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::min(best, s);
+  }
+  return 2.0 * n * n * n / best;
+}
+}  // namespace
+
+double measured_gemm_peak_flops(DType dtype) {
+  TALLY_CHECK(dtype == DType::F32 || dtype == DType::BF16, "GEMM peak: no measurement for ", dtype_name(dtype));
+  static double f32 = 0, bf16 = 0;
+  double& peak = dtype == DType::F32 ? f32 : bf16;
+  if (peak == 0) peak = measure_gemm_peak(dtype);
   return peak;
 }
 

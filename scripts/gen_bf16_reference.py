@@ -1,0 +1,79 @@
+#!/usr/bin/python3
+"""PyTorch CPU autocast (bfloat16) on the tiny GPT-2 fixture: the reference tally's
+--dtype bf16 (mixed precision) is compared against.
+
+Reads tests/fixtures/gpt2_tiny.bin and the batch of gpt2_tiny_ref.safetensors (both written
+by gen_gpt2_reference.py, whose model this reuses) and writes
+  tests/fixtures/gpt2_tiny_bf16_ref.safetensors
+    loss               step-0 loss under torch.autocast("cpu", dtype=torch.bfloat16)
+    grad.<llm.c name>  step-0 gradients of the fp32 parameters under autocast
+    losses             10 AdamW steps (run 1 of gen_gpt2_reference.py) under autocast
+Regenerate with
+    /usr/bin/python3 scripts/gen_bf16_reference.py
+
+Autocast runs every linear and matmul (the attention's too) with bf16 operands and bf16
+outputs; LayerNorm, softmax and the loss in fp32. tally rounds the same operands but keeps
+fp32 outputs and its attention in fp32, so the two agree to bf16 rounding, not bit for bit:
+the test states its tolerance per quantity.
+"""
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gen_gpt2_reference as g  # noqa: E402
+import safetensors_io  # noqa: E402
+
+OUT_PATH = os.path.join(g.FIX, "gpt2_tiny_bf16_ref.safetensors")
+
+
+def main():
+    ref, _ = safetensors_io.load(g.REF_PATH)
+    x = torch.from_numpy(ref["x"].astype(np.int64))
+    y = torch.from_numpy(ref["y"].astype(np.int64))
+    model = g.read_llmc_checkpoint(g.BIN_PATH)
+    init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(x, y)
+    assert logits.dtype == torch.bfloat16, logits.dtype  # autocast did run the head in bf16
+    loss.backward()
+    grads = g.llmc_tensors(model, use_grad=True)
+
+    model = g.read_llmc_checkpoint(g.BIN_PATH)
+    model.load_state_dict(init_state)
+    cfg = g.RUN1
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=cfg["betas"], eps=cfg["eps"],
+                            weight_decay=cfg["weight_decay"])
+    losses = []
+    for _ in range(g.STEPS):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, step_loss = model(x, y)
+        step_loss.backward()
+        losses.append(step_loss.item())
+        opt.step()
+
+    tensors = {"loss": np.array(loss.item(), dtype=np.float32), "losses": np.array(losses, dtype=np.float32)}
+    for name, gr in grads:
+        tensors["grad." + name] = gr
+    metadata = {
+        "generator": "scripts/gen_bf16_reference.py", "torch_version": torch.__version__,
+        "autocast": "torch.autocast('cpu', dtype=torch.bfloat16) around the forward",
+        "losses.optimizer": "torch.optim.AdamW, run 1 of gen_gpt2_reference.py (fp32 master weights)",
+    }
+    safetensors_io.save(OUT_PATH, tensors, metadata)
+    safetensors_io.roundtrip_check(OUT_PATH, tensors, metadata)
+    print(f"{OUT_PATH}: {os.path.getsize(OUT_PATH)} bytes")
+    print("loss: autocast", loss.item(), "fp32", float(ref["loss"]))
+    print("losses autocast:", np.array(losses))
+    print("losses fp32    :", ref["losses"])
+    for name, gr in grads:
+        r = ref["grad." + name]
+        print(f"  grad.{name:9s} rel L2 vs fp32 {np.linalg.norm(gr - r) / max(np.linalg.norm(r), 1e-30):.2e}")
+
+
+if __name__ == "__main__":
+    main()
