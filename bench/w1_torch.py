@@ -2,8 +2,11 @@
 """Work W1 in PyTorch (Debian's python3-torch): GPT-2 124M, B=4, T=64, fp32, AdamW, one
 training step, timed over several steps after two warm-up steps. Same model as tally's
 (pre-LN, tanh GELU, tied head, padded vocab 50304, loss over the first 50257 columns).
-Prints one JSON line.  usage: w1_torch.py [steps=10] [threads=2]"""
-import json, math, resource, sys, time
+--batch/--seq give other shapes (W3: --batch 1 --seq 1024); --dtype bf16 runs the forward
+under torch.autocast("cpu", dtype=torch.bfloat16), PyTorch's CPU mixed precision, with
+fp32 master weights and AdamW. Prints one JSON line.
+usage: w1_torch.py [steps=10] [threads=2] [--batch B] [--seq T] [--dtype fp32|bf16]"""
+import argparse, contextlib, json, math, resource, time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -59,8 +62,16 @@ def init_gpt2(model):
 
 
 def main():
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 10
-    threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    global B, T
+    ap = argparse.ArgumentParser()
+    ap.add_argument("steps", type=int, nargs="?", default=10)
+    ap.add_argument("threads", type=int, nargs="?", default=2)
+    ap.add_argument("--batch", type=int, default=B)
+    ap.add_argument("--seq", type=int, default=T)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    a = ap.parse_args()
+    steps, threads, B, T = a.steps, a.threads, a.batch, a.seq
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if a.dtype == "bf16" else contextlib.nullcontext
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = init_gpt2(GPT())
@@ -71,7 +82,8 @@ def main():
     times = []
     for s in range(steps + 2):
         t0 = time.perf_counter()
-        loss = model(x, y)
+        with autocast():
+            loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
@@ -83,7 +95,8 @@ def main():
     print(json.dumps({"system": "pytorch " + torch.__version__, "ms_per_step": round(median, 1), "min_ms": round(times[0], 1),
                       "tokens_per_s": round(B * T / (median / 1e3)),
                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "params": params, "loss": round(loss.item(), 4), "threads": threads}))
+                      "params": params, "loss": round(loss.item(), 4), "threads": threads,
+                      "batch": B, "seq": T, "dtype": a.dtype}))
 
 
 if __name__ == "__main__":

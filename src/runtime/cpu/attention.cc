@@ -1,17 +1,22 @@
-// Causal attention on CPU, computed one query row at a time so the (T,T) score matrix
-// is never stored: forward keeps the output and lse[b,h,t] = log sum_j exp(s_tj);
-// backward recomputes p_tj = exp(s_tj - lse_t) from q, k and lse.
+// Causal attention on CPU, blocked as FlashAttention-2 is: tiles of Bq queries x Bk keys,
+// each product a small GEMM, with an online softmax, so the (T,T) score matrix is never
+// stored. Memory beyond the inputs and outputs: lse[b,h,t] (kept for backward) and a few
+// (Bq x Bk) tiles per thread.
 //
 //   s_tj = scale * q_t . k_j  (j <= t),  p_tj = softmax_j(s_tj),  o_t = sum_j p_tj v_j
-// Backward, with D_t = do_t . o_t:
-//   dp_tj = do_t . v_j,  ds_tj = p_tj (dp_tj - D_t)
-//   dq_t = scale * sum_j ds_tj k_j,  dk_j += scale * ds_tj q_t,  dv_j += p_tj do_t
+// Forward, per query tile, over the key tiles it sees: S = scale Q K^T, then per row the
+// running max m and sum l: m' = max(m, max_j s_j), O <- O exp(m - m') + exp(S - m') V,
+// l <- l exp(m - m') + sum_j exp(s_j - m'); at the end o = O / l and lse = m' + log l.
+// Backward, with D_t = do_t . o_t, recomputing P = exp(S - lse) per tile:
+//   dV += P^T dO,  dP = dO V^T,  dS = P o (dP - D),  dQ += scale dS K,  dK += scale dS^T Q
 //
 // Queries may be fewer than keys (decoding with a KV cache): q holds the last Tq of Tk
 // positions, so query row t sits at position t + Tk - Tq and sees keys j <= that.
 //
-// Parallel over (batch, kv head): the query heads that share a kv head (GQA) run in the
-// same thread, so dk/dv accumulate without races.
+// Forward runs (batch, head, query tile) items in parallel. Backward runs (batch, kv head)
+// items: the query heads that share a kv head (GQA) and every tile of them run in the same
+// thread, so dq, dk and dv accumulate without races or per-thread copies.
+#include <oneapi/dnnl/dnnl.h>
 #include <omp.h>
 
 #include <cmath>
@@ -25,6 +30,11 @@
 namespace tally::runtime::cpu {
 
 namespace {
+// 128 x 128 fp32 tiles are 64 KiB each: the score, probability and gradient tiles of a
+// thread stay in its L2, and each tile GEMM (128 x 128 x 64) is large enough for oneDNN's
+// kernels to run near their peak. The diagonal tile's masked half is the only waste.
+constexpr int64_t kBlockQ = 128, kBlockK = 128;
+
 struct Geometry {
   int64_t B, Tq, Tk, H, KV, D;
   // element strides of q, k, v along (b, t, h); the last dim is contiguous
@@ -38,56 +48,103 @@ Geometry geometry(const Tensor& q, const Tensor& k, const Tensor& v) {
   return g;
 }
 
+// C (m x n, row stride ldc) = alpha op(A) op(B) + beta C, all row-major. fp32 through
+// oneDNN's sgemm, which runs on the calling thread inside a parallel region; fp64 (the
+// gradient checks) through a plain loop.
+void tile_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+               const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  TALLY_CHECK(st == dnnl_success, "attention: oneDNN sgemm failed with status ", static_cast<int>(st), " for a ", m,
+              "x", n, "x", k, " tile");
+}
+void tile_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
+               const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (int64_t p = 0; p < k; ++p) s += (ta ? a[p * lda + i] : a[i * lda + p]) * (tb ? b[j * ldb + p] : b[p * ldb + j]);
+      c[i * ldc + j] = alpha * s + (beta == 0 ? 0 : beta * c[i * ldc + j]);
+    }
+}
+
 template <class T> inline T dot(const T* a, const T* b, int64_t n) {
   T s = 0;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
+
+// The key tiles query tile [t0, t0 + rows) sees: keys [0, t0 + rows + offset).
+inline int64_t keys_seen(int64_t t0, int64_t rows, int64_t offset) { return t0 + rows + offset; }
 }  // namespace
 
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v) {
   const Geometry g = geometry(q, k, v);
   const int64_t group = g.H / g.KV;
+  const int64_t q_tiles = (g.Tq + kBlockQ - 1) / kBlockQ;
   dispatch_floating(q.dtype(), "attention", [&](auto tag) {
     using T = decltype(tag);
     const T* pq = q.data<T>();
     const T* pk = k.data<T>();
     const T* pv = v.data<T>();
-    T* po = out.data<T>();
-    T* pl = lse.data<T>();
+    T* po = out.data<T>();  // contiguous (B, Tq, H, D)
+    T* pl = lse.data<T>();  // (B, H, Tq)
     const T scale = T(1) / std::sqrt(static_cast<T>(g.D));
+    const T neg_inf = -std::numeric_limits<T>::infinity();
     const int64_t offset = g.Tk - g.Tq;
+    const int64_t items = g.B * g.H * q_tiles;
     const bool parallel = g.B * g.H * g.Tq * g.Tk * g.D > (1 << 16);
 #pragma omp parallel if (parallel)
     {
-      std::vector<T> p(static_cast<size_t>(g.Tk));
-#pragma omp for collapse(2) schedule(static)
-      for (int64_t b = 0; b < g.B; ++b)
-        for (int64_t h = 0; h < g.H; ++h) {
-          const int64_t kvh = h / group;
-          for (int64_t t = 0; t < g.Tq; ++t) {
-            const T* qrow = pq + b * g.qb + t * g.qt + h * g.qh;
-            const int64_t last = t + offset;  // the last key this query sees
-            T m = -std::numeric_limits<T>::infinity();
-            for (int64_t j = 0; j <= last; ++j) {
-              p[j] = scale * dot(qrow, pk + b * g.kb + j * g.kt + kvh * g.kh, g.D);
-              m = std::max(m, p[j]);
+      std::vector<T> s(static_cast<size_t>(kBlockQ * kBlockK)), acc(static_cast<size_t>(kBlockQ * g.D));
+      std::vector<T> m(kBlockQ), l(kBlockQ);
+      // Later query tiles see more keys: hand items out dynamically, longest first.
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t item = 0; item < items; ++item) {
+        const int64_t tile = q_tiles - 1 - item % q_tiles, bh = item / q_tiles, b = bh / g.H, h = bh % g.H;
+        const int64_t kvh = h / group;
+        const int64_t t0 = tile * kBlockQ, rows = std::min(kBlockQ, g.Tq - t0);
+        const T* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
+        std::fill(m.begin(), m.end(), neg_inf);
+        std::fill(l.begin(), l.end(), T(0));
+        std::fill(acc.begin(), acc.end(), T(0));
+        const int64_t seen = keys_seen(t0, rows, offset);
+        for (int64_t j0 = 0; j0 < seen; j0 += kBlockK) {
+          const int64_t cols = std::min(kBlockK, seen - j0);
+          const T* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
+          tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), s.data(), kBlockK);
+          for (int64_t i = 0; i < rows; ++i) {
+            T* srow = s.data() + i * kBlockK;
+            // Row i sees columns c <= last (its position minus j0); the rest get p = 0.
+            const int64_t last = std::min(cols - 1, t0 + i + offset - j0);
+            if (last < 0) {
+              std::fill(srow, srow + cols, T(0));
+              continue;
             }
+            T mx = m[i];
+            for (int64_t c = 0; c <= last; ++c) mx = std::max(mx, srow[c]);
+            const T rescale = vexp(m[i] - mx);  // 0 on the first tile (m = -inf)
             T sum = 0;
-            for (int64_t j = 0; j <= last; ++j) sum += (p[j] = vexp(p[j] - m));
-            const T inv = T(1) / sum;
-            T* orow = po + ((b * g.Tq + t) * g.H + h) * g.D;
-            for (int64_t d = 0; d < g.D; ++d) orow[d] = 0;
-            for (int64_t j = 0; j <= last; ++j) {
-              const T w = p[j] * inv;
-              const T* vrow = pv + b * g.vb + j * g.vt + kvh * g.vh;
-#pragma omp simd
-              for (int64_t d = 0; d < g.D; ++d) orow[d] += w * vrow[d];
-            }
-            pl[(b * g.H + h) * g.Tq + t] = m + std::log(sum);
+#pragma omp simd reduction(+ : sum)
+            for (int64_t c = 0; c <= last; ++c) sum += (srow[c] = vexp(srow[c] - mx));
+            for (int64_t c = last + 1; c < cols; ++c) srow[c] = 0;
+            l[i] = l[i] * rescale + sum;
+            m[i] = mx;
+            T* arow = acc.data() + i * g.D;
+            if (rescale != T(1))
+              for (int64_t d = 0; d < g.D; ++d) arow[d] *= rescale;
           }
+          const T* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
+          tile_gemm(false, false, rows, g.D, cols, T(1), s.data(), kBlockK, vtile, g.vt, T(1), acc.data(), g.D);
         }
+        for (int64_t i = 0; i < rows; ++i) {
+          const T inv = T(1) / l[i];
+          T* orow = po + ((b * g.Tq + t0 + i) * g.H + h) * g.D;
+          const T* arow = acc.data() + i * g.D;
+          for (int64_t d = 0; d < g.D; ++d) orow[d] = arow[d] * inv;
+          pl[(b * g.H + h) * g.Tq + t0 + i] = m[i] + std::log(l[i]);
+        }
+      }
     }
   });
 }
@@ -104,46 +161,64 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
     const T* po = out.data<T>();
     const T* pdo = dout.data<T>();
     const T* pl = lse.data<T>();
-    T* pdq = dq.data<T>();  // contiguous (B,T,H,D), zero-initialized
-    T* pdk = dk.data<T>();  // contiguous (B,T,KV,D), zero-initialized
+    T* pdq = dq.data<T>();  // contiguous (B,Tq,H,D), zero-initialized
+    T* pdk = dk.data<T>();  // contiguous (B,Tk,KV,D), zero-initialized
     T* pdv = dv.data<T>();
     const T scale = T(1) / std::sqrt(static_cast<T>(g.D));
     const int64_t offset = g.Tk - g.Tq;
+    const int64_t ld_q = g.H * g.D, ld_kv = g.KV * g.D;  // row strides of dq/dout/out and of dk/dv
     const bool parallel = g.B * g.H * g.Tq * g.Tk * g.D > (1 << 16);
 #pragma omp parallel if (parallel)
     {
-      std::vector<T> p(static_cast<size_t>(g.Tk)), ds(static_cast<size_t>(g.Tk));
+      std::vector<T> p(static_cast<size_t>(kBlockQ * kBlockK)), dp(static_cast<size_t>(kBlockQ * kBlockK));
+      std::vector<T> delta(static_cast<size_t>(g.Tq));
 #pragma omp for collapse(2) schedule(static)
       for (int64_t b = 0; b < g.B; ++b)
         for (int64_t kvh = 0; kvh < g.KV; ++kvh)
-          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
+          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+            const T* lrow = pl + (b * g.H + h) * g.Tq;
             for (int64_t t = 0; t < g.Tq; ++t) {
-              const T* qrow = pq + b * g.qb + t * g.qt + h * g.qh;
-              const T* dorow = pdo + ((b * g.Tq + t) * g.H + h) * g.D;
-              const T* orow = po + ((b * g.Tq + t) * g.H + h) * g.D;
-              const T l = pl[(b * g.H + h) * g.Tq + t];
-              const T Dt = dot(dorow, orow, g.D);
-              const int64_t last = t + offset;
-              for (int64_t j = 0; j <= last; ++j) {
-                const T* krow = pk + b * g.kb + j * g.kt + kvh * g.kh;
-                const T* vrow = pv + b * g.vb + j * g.vt + kvh * g.vh;
-                p[j] = vexp(scale * dot(qrow, krow, g.D) - l);
-                ds[j] = p[j] * (dot(dorow, vrow, g.D) - Dt);
-              }
-              T* dqrow = pdq + ((b * g.Tq + t) * g.H + h) * g.D;
-              for (int64_t j = 0; j <= last; ++j) {
-                const T* krow = pk + b * g.kb + j * g.kt + kvh * g.kh;
-                T* dkrow = pdk + ((b * g.Tk + j) * g.KV + kvh) * g.D;
-                T* dvrow = pdv + ((b * g.Tk + j) * g.KV + kvh) * g.D;
-                const T a = scale * ds[j], w = p[j];
+              const int64_t at = ((b * g.Tq + t) * g.H + h) * g.D;
+              delta[t] = dot(pdo + at, po + at, g.D);
+            }
+            for (int64_t t0 = 0; t0 < g.Tq; t0 += kBlockQ) {
+              const int64_t rows = std::min(kBlockQ, g.Tq - t0);
+              const T* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
+              const T* dotile = pdo + ((b * g.Tq + t0) * g.H + h) * g.D;
+              T* dqtile = pdq + ((b * g.Tq + t0) * g.H + h) * g.D;
+              const int64_t seen = keys_seen(t0, rows, offset);
+              for (int64_t j0 = 0; j0 < seen; j0 += kBlockK) {
+                const int64_t cols = std::min(kBlockK, seen - j0);
+                const T* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
+                const T* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
+                T* dktile = pdk + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
+                T* dvtile = pdv + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
+                // P = exp(scale Q K^T - lse), masked
+                tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), p.data(), kBlockK);
+                for (int64_t i = 0; i < rows; ++i) {
+                  T* prow = p.data() + i * kBlockK;
+                  const int64_t last = std::min(cols - 1, t0 + i + offset - j0);
+                  const T li = lrow[t0 + i];
 #pragma omp simd
-                for (int64_t d = 0; d < g.D; ++d) {
-                  dqrow[d] += a * krow[d];
-                  dkrow[d] += a * qrow[d];
-                  dvrow[d] += w * dorow[d];
+                  for (int64_t c = 0; c < cols; ++c) prow[c] = c <= last ? vexp(prow[c] - li) : T(0);
                 }
+                // dV += P^T dO;  dP = dO V^T
+                tile_gemm(true, false, cols, g.D, rows, T(1), p.data(), kBlockK, dotile, ld_q, T(1), dvtile, ld_kv);
+                tile_gemm(false, true, rows, cols, g.D, T(1), dotile, ld_q, vtile, g.vt, T(0), dp.data(), kBlockK);
+                // dS = P o (dP - D), in place of dP (masked entries have P = 0)
+                for (int64_t i = 0; i < rows; ++i) {
+                  const T* prow = p.data() + i * kBlockK;
+                  T* dsrow = dp.data() + i * kBlockK;
+                  const T di = delta[t0 + i];
+#pragma omp simd
+                  for (int64_t c = 0; c < cols; ++c) dsrow[c] = prow[c] * (dsrow[c] - di);
+                }
+                // dQ += scale dS K;  dK += scale dS^T Q
+                tile_gemm(false, false, rows, g.D, cols, scale, dp.data(), kBlockK, ktile, g.kt, T(1), dqtile, ld_q);
+                tile_gemm(true, false, cols, g.D, rows, scale, dp.data(), kBlockK, qtile, g.qt, T(1), dktile, ld_kv);
               }
             }
+          }
     }
   });
 }
