@@ -78,6 +78,20 @@ TEST(Gpt2Parity, LogitsLossAndEveryGradientMatchPyTorchAtStepZero) {
   }
 }
 
+// The head and loss fused in chunks of 5 rows (the batch has 64, so 13 chunks, the last
+// partial): the same math in another order, held to the unfused test's tolerances.
+TEST(Gpt2Parity, ChunkedLossMatchesPyTorchLossAndEveryGradient) {
+  auto m = tiny_model();
+  m->set_loss_chunk_rows(5);
+  Tensor loss = m->forward(ref().at("x"), ref().at("y")).loss;
+  EXPECT_NEAR(loss.item(), ref().at("loss").item(), 1e-5);
+  loss.backward();
+  for (auto& [name, shape] : nn::llmc_tensor_layout(m->config())) {
+    double rel = relative_max_diff(test::stacked_llmc_grad(*m, name), ref().at("grad." + name));
+    EXPECT_LT(rel, 1e-4) << "gradient of " << name;
+  }
+}
+
 TEST(Gpt2Parity, TenAdamWStepsMatchPyTorchLosses) {
   auto m = tiny_model();
   optim::AdamWConfig ac{0.9, 0.999, 1e-8, 0.01, /*decay_all=*/true};
@@ -312,7 +326,7 @@ TEST(Trainer, LossFallsOnRepeatedData) {
 // live bytes at every step boundary identical, census empty, peak identical from step 2.
 namespace {
 void expect_flat_under_strict_sanitizer(const std::string& model_file, int64_t steps, int64_t microbatches,
-                                        const std::string& dtype = "fp32") {
+                                        const std::string& dtype = "fp32", bool chunked_loss = false) {
   const char* steps_env = std::getenv("TALLY_FLAT_STEPS");
   const char* mb_env = std::getenv("TALLY_FLAT_MICROBATCHES");
   train::TrainConfig c;
@@ -326,6 +340,7 @@ void expect_flat_under_strict_sanitizer(const std::string& model_file, int64_t s
   c.grad_accum = mb_env ? std::atoll(mb_env) : microbatches;
   c.sanitize = "strict";
   c.dtype = dtype;
+  c.chunked_loss = chunked_loss;
   c.quiet = true;
   c.sample_every = -1;
   c.sample_tokens = 0;
@@ -360,4 +375,6 @@ TEST(Trainer, LlamaMemoryIsFlatAcrossStepsAndMicrobatchesUnderStrictSanitizer) {
 TEST(Trainer, Bf16MemoryIsFlatAcrossStepsAndMicrobatchesUnderStrictSanitizer) {
   expect_flat_under_strict_sanitizer(test::fixture_path("gpt2_tiny.bin"), 50, 8, "bf16");
   expect_flat_under_strict_sanitizer(test::fixture_path("llama3_tiny.bin"), 30, 8, "bf16");
+  expect_flat_under_strict_sanitizer(test::fixture_path("gpt2_tiny.bin"), 30, 8, "bf16", /*chunked_loss=*/true);
+  expect_flat_under_strict_sanitizer(test::fixture_path("gpt2_tiny.bin"), 30, 8, "fp32", /*chunked_loss=*/true);
 }

@@ -400,6 +400,31 @@ TEST(Ops, BlockedAttentionMatchesTheDefinitionAcrossManyTiles) {
   }
 }
 
+TEST(Ops, ChunkedLinearCrossEntropyEqualsTheHeadThenTheLoss) {
+  // The same math as cross_entropy(linear(x, W)), only in chunks of rows: the chunks change
+  // nothing but GEMM blocking, so fp32 results agree to accumulation order (1e-6 on values
+  // of order 1). Chunks of 1 row, a size that leaves a partial last chunk, all rows and
+  // more; a padded vocabulary (13 of 16 columns valid) and an ignored target (-1).
+  const int64_t N = 10, C = 24, Vp = 16, V = 13;
+  std::vector<int32_t> t = {0, 5, 12, -1, 3, 3, 7, 11, 1, 2};
+  Tensor targets = Tensor::from_vector(t, {N});
+  for (bool bf16 : {false, true})
+    for (int64_t chunk : {1, 3, 10, 64}) {
+      Tensor x = test::random_tensor({N, C}, 80).to(DType::F32), w = test::random_tensor({Vp, C}, 81).to(DType::F32);
+      Tensor x2 = x.clone(), w2 = w.clone();
+      for (Tensor* p : {&x, &w, &x2, &w2}) p->set_requires_grad(true);
+      Tensor w_bf16 = w.detach().to(DType::BF16);
+      Tensor expected = ops::cross_entropy(bf16 ? ops::linear_bf16(x2, w2, w_bf16) : ops::linear(x2, w2), targets, V);
+      Tensor got = ops::linear_cross_entropy(x, w, targets, V, chunk, bf16 ? w_bf16 : Tensor());
+      const std::string tag = std::string(bf16 ? "bf16" : "fp32") + " chunk " + std::to_string(chunk);
+      EXPECT_NEAR(got.item(), expected.item(), 1e-6) << tag;
+      ops::scale(got, 0.5).backward();
+      ops::scale(expected, 0.5).backward();
+      expect_close(x.grad(), x2.grad(), 0, 1e-6, tag + " dx");
+      expect_close(w.grad(), w2.grad(), 0, 1e-6, tag + " dW");
+    }
+}
+
 TEST(Ops, CrossEntropyWithRetainedGraphGivesTheSameGradientTwice) {
   // The in-place gradient reuse of the logits must not happen when the graph is retained.
   Tensor logits = test::random_tensor({4, 7}, 50);

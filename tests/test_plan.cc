@@ -23,6 +23,7 @@ struct Shape3 {
   int64_t batch, seq, accum;
   bool val;
   bool bf16 = false;  // --dtype bf16
+  bool chunked = false;  // --chunked-loss
 };
 
 }  // namespace
@@ -37,7 +38,11 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
                                       {"d1", 1, 1024, 1, false},
                                       // mixed precision: bf16 copies saved, the parameters' copy, bf16 dy
                                       {"gpt2_tiny.bin", 2, 16, 1, false, true}, {"d2", 4, 16, 2, true, true},
-                                      {"llama3_tiny.bin", 4, 32, 2, true, true}, {"llama3-d1", 1, 16, 1, false, true}};
+                                      {"llama3_tiny.bin", 4, 32, 2, true, true}, {"llama3-d1", 1, 16, 1, false, true},
+                                      // the head and loss fused in chunks (d1: 1024 rows in 166-row chunks)
+                                      {"d1", 1, 1024, 1, false, false, true}, {"d1", 2, 256, 1, false, true, true},
+                                      {"gpt2_tiny.bin", 4, 32, 2, true, false, true},
+                                      {"llama3_tiny.bin", 4, 32, 2, true, true, true}};
   for (const Shape3& s : shapes) {
     train::TrainConfig c;
     const bool file = s.model.size() > 4 && s.model.substr(s.model.size() - 4) == ".bin";
@@ -59,6 +64,7 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
     c.threads = 1;
     c.out_dir = test::temp_path("out");
     if (s.bf16) c.dtype = "bf16";
+    c.chunked_loss = s.chunked;
     const train::TrainResult r = train::run_training(c);
     const int64_t measured = r.history.back().peak_bytes;
     train::PlanInput in;
@@ -68,11 +74,12 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
     in.grad_accum = s.accum;
     in.val_loader = s.val;
     in.bf16 = s.bf16;
+    in.loss_chunk_rows = s.chunked ? nn::Transformer::default_loss_chunk_rows(mc.padded_vocab_size) : 0;
     const int64_t planned = train::plan_memory(in).ranks[0].predicted_peak_bytes;
     EXPECT_EQ(r.history.back().predicted_peak_bytes, planned);
     // The plan is exact here: every allocation alive at the peak has a term.
     EXPECT_EQ(measured, planned) << s.model << " B" << s.batch << " T" << s.seq
-                                 << " accum " << s.accum << (s.bf16 ? " bf16" : "");
+                                 << " accum " << s.accum << (s.bf16 ? " bf16" : "") << (s.chunked ? " chunked loss" : "");
   }
 }
 

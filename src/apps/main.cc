@@ -95,6 +95,9 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
                 "GEMM precision: fp32, or bf16 (mixed precision: bf16 GEMM operands, fp32 master weights, "
                 "gradients, optimizer state, norms, attention and loss)")
       ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  t->add_flag("--chunked-loss", c.chunked_loss,
+              "Fuse the LM head with the loss in chunks of rows, so the (batch x seq, vocab) logits are never all "
+              "in memory (one more head GEMM per microbatch)");
   t->add_flag("--profile-ops", c.profile_ops,
               "Time every kernel: after each step line, where each phase's time went (and in the --log-json row)");
 }
@@ -191,7 +194,8 @@ struct PlanArgs {
   std::string model = "d6", model_file, init_from;
   int64_t batch_size = 4, seq_len = 64, grad_accum = 1;
   int world = 1, dp = 0, zero = 0;
-  bool val = false, json = false;
+  bool val = false, json = false, chunked_loss = false;
+  std::string dtype = "fp32";
 };
 
 int run_plan(const PlanArgs& a) {
@@ -209,6 +213,8 @@ int run_plan(const PlanArgs& a) {
   in.world = a.world;
   in.zero = a.zero;
   in.val_loader = a.val;
+  in.bf16 = a.dtype == "bf16";
+  in.loss_chunk_rows = a.chunked_loss ? nn::Transformer::default_loss_chunk_rows(in.model.padded_vocab_size) : 0;
   const train::MemoryPlan plan = train::plan_memory(in);
   std::printf("%s\n", a.json ? train::plan_json(plan).c_str() : train::plan_text(plan, in).c_str());
   return 0;
@@ -409,6 +415,9 @@ int main(int argc, char** argv) {
   q->add_option("--dp", pl.dp, "Data-parallel ranks (0 = --world)")->capture_default_str();
   q->add_option("--zero", pl.zero, "ZeRO stage 0-3")->capture_default_str();
   q->add_flag("--val", pl.val, "The run validates (--val-data): count its loader's buffers");
+  q->add_option("--dtype", pl.dtype, "GEMM precision of the run: fp32 or bf16 (mixed precision)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  q->add_flag("--chunked-loss", pl.chunked_loss, "The run fuses the head and the loss in chunks (--chunked-loss)");
   q->add_flag("--json", pl.json, "Print the plan as JSON");
   auto* p = app.add_subcommand("plot", "Draw the loss curves of one or more runs (their --log-json files) into one SVG");
   p->add_option("logs", pa.logs, "Logs written by `tally train --log-json`")->required()->check(CLI::ExistingFile);

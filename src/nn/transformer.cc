@@ -508,6 +508,17 @@ Tensor Transformer::embed(const Tensor& tokens, int64_t start) const {
   return x;
 }
 
+void Transformer::set_loss_chunk_rows(int64_t rows) {
+  TALLY_CHECK(rows >= 0, "model: loss chunk rows must be >= 0, got ", rows);
+  TALLY_CHECK(rows == 0 || !tp_ops_, "model: the chunked loss does not combine with tensor parallelism, whose loss is "
+              "vocabulary-parallel already");
+  loss_chunk_rows_ = rows;
+}
+
+int64_t Transformer::default_loss_chunk_rows(int64_t padded_vocab) {
+  return std::max<int64_t>(1, (int64_t{32} << 20) / (4 * std::max<int64_t>(padded_vocab, 1)));
+}
+
 void Transformer::set_matmul_dtype(DType dtype) {
   TALLY_CHECK(dtype == DType::F32 || dtype == DType::BF16, "model: matmul dtype ", dtype_name(dtype),
               " is not supported (float32, bfloat16)");
@@ -627,6 +638,16 @@ void Transformer::head(const Tensor& input, const Tensor& targets, bool return_l
     }
   } else {
     const int64_t B = x.shape()[0], T = x.shape()[1];
+    if (loss_chunk_rows_ > 0 && targets.defined() && !return_logits) {
+      TALLY_CHECK(targets.dim() == 2 && targets.shape()[0] == B && targets.shape()[1] == T, "model: targets ",
+                  targets.str(), " do not match the batch (", B, ", ", T, ")");
+      const Tensor copy = matmul_dtype_ == DType::BF16 ? params_.compute_copy(head_weight) : Tensor();
+      result.loss = ops::linear_cross_entropy(x.reshape({B * T, c.n_embd}), params_[head_weight], targets.reshape({B * T}),
+                                              c.vocab_size, loss_chunk_rows_, copy);
+      if (result.loss.defined()) result.loss = acquired_in_backward(result.loss, units);
+      leave(units);
+      return;
+    }
     Tensor logits = linear(x, head_weight, kAbsent);  // (B,T,Vp)
     if (targets.defined()) {
       TALLY_CHECK(targets.dim() == 2 && targets.shape()[0] == B && targets.shape()[1] == T, "model: targets ",

@@ -170,6 +170,14 @@ class Transformer {
   // Needs the parameter block resident (not with ZeRO-3).
   void set_matmul_dtype(DType dtype);
   DType matmul_dtype() const { return matmul_dtype_; }
+  // The head and the loss fused in chunks of `rows` rows (ops::linear_cross_entropy): the
+  // (B*T, Vp) logits are never all live. 0 (the default): the head's logits, then the loss.
+  // Not with tensor parallelism (its loss is vocabulary-parallel already).
+  void set_loss_chunk_rows(int64_t rows);
+  int64_t loss_chunk_rows() const { return loss_chunk_rows_; }
+  // The chunk `--chunked-loss` uses: 32 MiB of fp32 logits (166 rows of GPT-2's 50,304
+  // columns, 65 of LLaMA-3's 128,256), large enough for the head's GEMMs to run at speed.
+  static int64_t default_loss_chunk_rows(int64_t padded_vocab);
   void set_recompute(Recompute r) { recompute_ = r; }
   Recompute recompute() const { return recompute_; }
 
@@ -237,6 +245,7 @@ class Transformer {
   TensorParallelOps* tp_ops_ = nullptr;  // non-owning
   Recompute recompute_ = Recompute::None;
   DType matmul_dtype_ = DType::F32;
+  int64_t loss_chunk_rows_ = 0;
   bool tied_head_copy_ = false;
   size_t embed_unit_ = 0, final_unit_ = 0;
   ParameterResidency* residency_ = nullptr;  // non-owning

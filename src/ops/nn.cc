@@ -140,6 +140,50 @@ struct CrossEntropyFn {
   }
 };
 
+// linear_cross_entropy: forward keeps x (or its bf16 copy), W (or its copy), lse and the
+// targets. Backward, per chunk c of rows: logits_c = x_c W^T again, turned in place into
+// dlogits_c = (g / count) (softmax - onehot), then dx_c = dlogits_c W and dW += dlogits_c^T x_c.
+struct LinearCrossEntropyFn {
+  static constexpr const char* kName = "linear_cross_entropy";
+  struct Context : autograd::Context {  // saved: x (fp32 or bf16), W (fp32 or bf16), lse, targets
+    int64_t valid_vocab;
+    int64_t count;
+    int64_t chunk_rows;
+  };
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    Tensor x = ctx.saved(0), w = ctx.saved(1), lse = ctx.saved(2), targets = ctx.saved(3);
+    const double scale = grads[0].item() / static_cast<double>(std::max<int64_t>(ctx.count, 1));
+    const int64_t N = x.shape()[0], C = x.shape()[1], Vp = w.shape()[0], chunk = ctx.chunk_rows;
+    const bool bf16 = w.dtype() == DType::BF16;
+    Tensor dx, dw;
+    if (ctx.needs_input_grad(0)) dx = Tensor::empty({N, C}, DType::F32, x.device(), current_owner("linear_cross_entropy_dx"));
+    Tensor sink = ctx.grad_sink(1);
+    const bool into_sink = ctx.needs_input_grad(1) && sink.defined() && sink.is_contiguous() && sink.dtype() == DType::F32;
+    if (ctx.needs_input_grad(1) && !into_sink)
+      dw = Tensor::empty({Vp, C}, DType::F32, x.device(), current_owner("linear_cross_entropy_dw"));
+    Tensor logits = Tensor::empty({std::min(chunk, N), Vp}, DType::F32, x.device(), current_owner("linear_cross_entropy_logits"));
+    Tensor logits_bf16 = bf16 ? Tensor::empty(logits.shape(), DType::BF16, x.device(), current_owner("linear_cross_entropy_dlogits_bf16"))
+                              : Tensor();
+    for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+      const int64_t rows = std::min(chunk, N - r0);
+      Tensor x_c = make_view(x, {rows, C}, {C, 1}, x.offset() + r0 * C);
+      Tensor l_c = make_view(logits, {rows, Vp}, {Vp, 1}, 0);
+      on(x).gemm(x_c, false, w, true, l_c);
+      on(x).cross_entropy_backward(l_c, l_c, make_view(lse, {rows}, {1}, r0), make_view(targets, {rows}, {1}, targets.offset() + r0),
+                                   ctx.valid_vocab, scale);
+      Tensor d_c = l_c;
+      if (bf16) {
+        d_c = make_view(logits_bf16, {rows, Vp}, {Vp, 1}, 0);
+        on(x).copy(d_c, l_c);
+      }
+      if (dx.defined()) on(x).gemm(d_c, false, w, false, make_view(dx, {rows, C}, {C, 1}, r0 * C));
+      if (into_sink) on(x).gemm(d_c, true, x_c, false, sink, 1.f, 1.f);
+      else if (dw.defined()) on(x).gemm(d_c, true, x_c, false, dw, 1.f, r0 == 0 ? 0.f : 1.f);
+    }
+    return {dx, dw, Tensor()};
+  }
+};
+
 }  // namespace
 
 Tensor embedding(const Tensor& weight, const Tensor& indices_in) {
@@ -306,6 +350,63 @@ Tensor cross_entropy(const Tensor& logits_in, const Tensor& targets_in, int64_t 
     ctx->count = count;
     ctx->save_for_backward({logits, lse, targets});
     autograd::record<CrossEntropyFn>(std::move(ctx), {logits_in, targets_in}, {loss});
+  }
+  return loss;
+}
+
+Tensor linear_cross_entropy(const Tensor& x_in, const Tensor& w, const Tensor& targets_in, int64_t valid_vocab,
+                            int64_t chunk_rows, const Tensor& w_bf16) {
+  detail::require_same_device("linear_cross_entropy", {&x_in, &w, &targets_in, &w_bf16});
+  TALLY_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.shape()[1] == w.shape()[1], "linear_cross_entropy: x ", x_in.str(),
+              " and weight ", w.str(), " must be (N, C) and (vocab, C)");
+  TALLY_CHECK(x_in.dtype() == DType::F32 && w.dtype() == DType::F32, "linear_cross_entropy: x and weight must be float32, got ",
+              x_in.str(), " and ", w.str());
+  TALLY_CHECK(!w_bf16.defined() || (w_bf16.dtype() == DType::BF16 && w_bf16.shape() == w.shape()),
+              "linear_cross_entropy: the weight's copy ", w_bf16.str(), " must be bfloat16 of shape ", shape_str(w.shape()));
+  TALLY_CHECK(targets_in.numel() == x_in.shape()[0], "linear_cross_entropy: ", targets_in.numel(), " targets for ",
+              x_in.shape()[0], " rows");
+  TALLY_CHECK(chunk_rows > 0, "linear_cross_entropy: chunk_rows must be positive, got ", chunk_rows);
+  const int64_t N = x_in.shape()[0], C = x_in.shape()[1], Vp = w.shape()[0];
+  const int64_t V = valid_vocab < 0 ? Vp : valid_vocab;
+  TALLY_CHECK(V > 0 && V <= Vp, "linear_cross_entropy: valid_vocab ", V, " outside 1..", Vp);
+  const bool bf16 = w_bf16.defined();
+  Tensor targets = materialize(targets_in).reshape({N});
+  Tensor x = materialize(x_in);
+  if (bf16) {
+    Tensor rounded = Tensor::empty({N, C}, DType::BF16, x.device(), current_owner("linear_x_bf16"));
+    on(x).copy(rounded, x);
+    x = rounded;
+  }
+  const Tensor& wk = bf16 ? w_bf16 : w;
+  Tensor losses = new_output({N}, DType::F32, x.device(), "cross_entropy_rows");
+  Tensor lse = new_output({N}, DType::F32, x.device(), "cross_entropy_lse");
+  {
+    Tensor logits = Tensor::empty({std::min(chunk_rows, N), Vp}, DType::F32, x.device(),
+                                  current_owner("linear_cross_entropy_logits"));
+    for (int64_t r0 = 0; r0 < N; r0 += chunk_rows) {
+      const int64_t rows = std::min(chunk_rows, N - r0);
+      Tensor l_c = make_view(logits, {rows, Vp}, {Vp, 1}, 0);
+      on(x).gemm(make_view(x, {rows, C}, {C, 1}, x.offset() + r0 * C), false, wk, true, l_c);
+      on(x).cross_entropy_forward(make_view(losses, {rows}, {1}, r0), make_view(lse, {rows}, {1}, r0), l_c,
+                                  make_view(targets, {rows}, {1}, targets.offset() + r0), V);
+    }
+  }
+  int64_t count = 0;
+  for (int64_t t : targets.to_vector<int64_t>()) count += t >= 0;
+  Tensor loss = new_output({}, DType::F32, x.device(), "loss");
+  {
+    double total = 0;
+    for (double l : losses.to_vector<double>()) total += l;
+    loss.fill_(total / static_cast<double>(std::max<int64_t>(count, 1)));
+  }
+  losses = Tensor();
+  if (autograd::needs_graph({x_in, w})) {
+    auto ctx = std::make_unique<LinearCrossEntropyFn::Context>();
+    ctx->valid_vocab = V;
+    ctx->count = count;
+    ctx->chunk_rows = chunk_rows;
+    ctx->save_for_backward({x, wk, lse, targets});
+    autograd::record<LinearCrossEntropyFn>(std::move(ctx), {x_in, w, targets_in}, {loss});
   }
   return loss;
 }

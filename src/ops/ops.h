@@ -68,6 +68,15 @@ Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v);
 // columns (the rest are padding and get zero gradient). Targets < 0 are ignored.
 // The (N, Vp) probabilities are never stored: backward recomputes them row by row.
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t valid_vocab = -1);
+// The LM head and its loss in one op, in chunks of rows: the mean cross-entropy of the
+// logits x W^T (N, Vp) against targets (N), as cross_entropy(linear(x, W), targets, V),
+// but the logits are made `chunk_rows` rows at a time, reduced to their log-sum-exp and
+// dropped; backward makes each chunk again and turns it into its part of dx and dW. So
+// the (N, Vp) logits and their gradient are never all live, only one chunk's: the price is
+// one more x W^T GEMM. x (N, C) and W (Vp, C) fp32; with `weight_bf16` (W's bf16 copy) the
+// GEMMs run as linear_bf16's do.
+Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& targets, int64_t valid_vocab,
+                            int64_t chunk_rows, const Tensor& weight_bf16 = Tensor());
 
 // ---- shape and indexing
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim);

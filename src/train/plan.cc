@@ -102,7 +102,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
   act("head: last residual", C);
   act(std::string("head: final norm output") + proj, C, proj_bytes);
   act(c.is_llama() ? "head: final RMSNorm rstd" : "head: final norm mean and rstd", c.is_llama() ? 1 : 2);
-  act("head: logits", Vp);
+  const int64_t chunk = std::min(in.loss_chunk_rows, BT);
+  if (chunk == 0) act("head: logits", Vp);
   act("head: cross-entropy log-sum-exp", 1);
   int64_t activations = 0, head_activations = 0;
   for (const auto& [kind, bytes] : plan.activations_by_kind) {
@@ -123,7 +124,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // At the peak (the start of backward): dL/d(final norm output) is allocated while the
   // cross-entropy's log-sum-exp has been freed; under bf16 the logits' gradient is also
   // held rounded to bf16 for the head's two GEMMs.
-  const int64_t transient = BT * C * kFloat - BT * kFloat + (bf16 ? BT * Vp * 2 : 0);
+  const int64_t transient = chunk > 0 ? BT * C * kFloat + chunk * Vp * (bf16 ? kFloat + 2 : kFloat) + kFloat
+                                      : BT * C * kFloat - BT * kFloat + (bf16 ? BT * Vp * 2 : 0);
   const int64_t shard = piece_total * kFloat;  // one fp32 value per element of this rank's pieces
   for (int r = 0; r < in.world; ++r) {
     RankPlan rp;
@@ -201,7 +203,9 @@ MemoryPlan plan_memory(const PlanInput& in) {
 std::string plan_text(const MemoryPlan& plan, const PlanInput& in) {
   std::string out = "plan: " + in.model.describe() + ", batch " + std::to_string(in.batch_size) + " x " +
                     std::to_string(in.seq_len) + ", grad-accum " + std::to_string(in.grad_accum) + ", " +
-                    std::to_string(in.world) + " rank(s), zero " + std::to_string(in.zero) + "\n";
+                    std::to_string(in.world) + " rank(s), zero " + std::to_string(in.zero) +
+                    (in.bf16 ? ", bf16 mixed precision" : "") +
+                    (in.loss_chunk_rows > 0 ? ", chunked loss (" + std::to_string(in.loss_chunk_rows) + " rows)" : "") + "\n";
   // Ranks are symmetric today; print each distinct one once.
   for (const RankPlan& r : plan.ranks) {
     if (r.rank > 0 && r.parts == plan.ranks[0].parts) continue;

@@ -33,6 +33,11 @@
 // projections (gate, up), which keep a bf16 copy each. At the start of backward the head's
 // projection also rounds the logits' gradient to bf16 (2 Vp per token).
 //
+// The chunked loss (--chunked-loss) saves no logits; at the start of backward it holds dx
+// (B*T*C), one chunk of logits (R*Vp, R = min(rows per chunk, B*T)) and under bf16 the
+// chunk rounded to bf16 (2 R Vp bytes) and the loss's gradient (a scalar), while the
+// log-sum-exp is still saved.
+//
 // ZeRO-2 and -3 shard gradients (and, in stage 3, parameters) and add, at the start of
 // backward, the gradient staging of the head's units (final norm and the tied embedding,
 // whole units padded to D pieces); stage 3 also holds those two units gathered again and the
@@ -60,6 +65,7 @@ struct PlanInput {
   int zero = 0;
   bool val_loader = false;
   bool bf16 = false;  // --dtype bf16: mixed precision (see below)
+  int64_t loss_chunk_rows = 0;  // --chunked-loss: rows per chunk of the fused head and loss (0: off)
 };
 
 struct RankPlan {

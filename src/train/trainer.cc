@@ -320,6 +320,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (zero && zero->stage() >= 2) model->set_residency(zero.get());
   // After the optimizer: its state is allocated first, as the plan orders the parts.
   model->set_matmul_dtype(matmul_dtype);
+  TALLY_CHECK(!c.chunked_loss || TP == 1, "--chunked-loss with --tp: the tensor-parallel loss is vocabulary-parallel "
+              "already (no rank holds the whole logits)");
+  const int64_t loss_chunk_rows = c.chunked_loss ? nn::Transformer::default_loss_chunk_rows(mc.padded_vocab_size) : 0;
+  model->set_loss_chunk_rows(loss_chunk_rows);
   // Plain data parallel and ZeRO-1 average full gradients with bucketed all-reduces.
   std::unique_ptr<dist::GradientAllReduce> all_reduce;
   if (c.zero <= 1 && D > 1)
@@ -422,6 +426,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     pi.zero = c.zero;
     pi.val_loader = val_loader != nullptr;
     pi.bf16 = matmul_dtype == DType::BF16;
+    pi.loss_chunk_rows = loss_chunk_rows;
     const RankPlan rank_plan = plan_memory(pi).ranks[static_cast<size_t>(dp_rank)];
     planned_peak = rank_plan.predicted_peak_bytes;
     plan_parts = rank_plan.parts;

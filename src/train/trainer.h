@@ -77,6 +77,7 @@ struct TrainConfig {
   bool return_parameters = false;   // fill TrainResult::parameters (tests)
   bool profile_ops = false;         // time every kernel; the step line and the JSONL row get the table
   std::string dtype = "fp32";       // fp32 | bf16: mixed precision, the projections' GEMMs in bf16
+  bool chunked_loss = false;        // the head and the loss fused in chunks: the logits never all live
 };
 
 struct StepMetrics {
