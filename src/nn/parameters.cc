@@ -61,6 +61,12 @@ const Tensor& ParameterStore::compute_copy(size_t i) const {
   return compute_views_.at(i);
 }
 
+void ParameterStore::compute_copy_refreshed() {
+  compute_block_.storage().bump_version();
+  compute_version_ = flat_params_.storage().version();
+  compute_current_ = true;
+}
+
 void ParameterStore::rebind(size_t i, const Tensor& param) {
   TALLY_CHECK(i < params_.size(), "parameter index ", i, " out of range");
   TALLY_CHECK(param.shape() == specs_[i].shape, "rebinding '", specs_[i].name, "' ", shape_str(specs_[i].shape),

@@ -69,6 +69,11 @@ class ParameterStore {
   bool has_compute_copy() const { return compute_block_.defined(); }
   // Parameter i in the compute dtype, current with the fp32 block.
   const Tensor& compute_copy(size_t i) const;
+  // The whole copy, for an optimizer that writes it while it updates the fp32 block (AdamW
+  // does, saving the refresh's pass); it then calls compute_copy_refreshed().
+  const Tensor& compute_block() const { return compute_block_; }
+  // The copy was written from the fp32 block as it is now (its current version).
+  void compute_copy_refreshed();
 
   // Replaces parameter i with `param` (same shape; a view of another storage, e.g. a
   // ZeRO-3 unit buffer). The new tensor becomes a registered parameter named like the old.

@@ -23,10 +23,12 @@ AdamWCoefficients adamw_coefficients(const AdamWConfig& c, int64_t t, double lr,
   return k;
 }
 
-void adamw_update(float* p, float* g, float* m, float* v, int64_t n, const AdamWCoefficients& k, bool decay,
-                  bool zero_grad) {
+namespace {
+template <bool kZeroGrad, bool kCopy>
+void adamw_loop(float* p, float* g, float* m, float* v, int64_t n, const AdamWCoefficients& k, float keep,
+                BFloat16* p_bf16) {
   const float b1 = k.beta1, b2 = k.beta2, step_size = k.step_size, inv_bc2_sqrt = k.inv_bc2_sqrt, eps = k.eps,
-              gs = k.grad_scale, keep = k.keep(decay);
+              gs = k.grad_scale;
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
     const float gj = g[j] * gs;
@@ -34,8 +36,23 @@ void adamw_update(float* p, float* g, float* m, float* v, int64_t n, const AdamW
     const float vj = b2 * v[j] + (1.f - b2) * gj * gj;
     m[j] = mj;
     v[j] = vj;
-    p[j] = p[j] * keep - step_size * mj / (std::sqrt(vj) * inv_bc2_sqrt + eps);
-    if (zero_grad) g[j] = 0.f;
+    const float pj = p[j] * keep - step_size * mj / (std::sqrt(vj) * inv_bc2_sqrt + eps);
+    p[j] = pj;
+    if constexpr (kCopy) p_bf16[j].bits = bf16_round_bits(pj);
+    if constexpr (kZeroGrad) g[j] = 0.f;
+  }
+}
+}  // namespace
+
+void adamw_update(float* p, float* g, float* m, float* v, int64_t n, const AdamWCoefficients& k, bool decay,
+                  bool zero_grad, BFloat16* p_bf16) {
+  const float keep = k.keep(decay);
+  if (zero_grad) {
+    if (p_bf16) adamw_loop<true, true>(p, g, m, v, n, k, keep, p_bf16);
+    else adamw_loop<true, false>(p, g, m, v, n, k, keep, p_bf16);
+  } else {
+    if (p_bf16) adamw_loop<false, true>(p, g, m, v, n, k, keep, p_bf16);
+    else adamw_loop<false, false>(p, g, m, v, n, k, keep, p_bf16);
   }
 }
 
@@ -53,6 +70,8 @@ void AdamW::step(double lr, double grad_scale, bool zero_grad) {
   float* g = params_.flat_grads().data<float>();
   float* m = m_.data<float>();
   float* v = v_.data<float>();
+  // Mixed precision: the bf16 copy is written in the same pass.
+  BFloat16* p_bf16 = params_.has_compute_copy() ? params_.compute_block().data<BFloat16>() : nullptr;
   // Every parameter's range split into chunks across the threads (static schedule over a
   // flat index of (parameter, chunk) pairs keeps the work even).
   constexpr int64_t kChunk = 1 << 14;
@@ -63,10 +82,11 @@ void AdamW::step(double lr, double grad_scale, bool zero_grad) {
 #pragma omp for schedule(static) nowait
     for (int64_t c = 0; c < n; c += kChunk) {
       const int64_t j = begin + c;
-      adamw_update(p + j, g + j, m + j, v + j, std::min(kChunk, n - c), k, decay, zero_grad);
+      adamw_update(p + j, g + j, m + j, v + j, std::min(kChunk, n - c), k, decay, zero_grad, p_bf16 ? p_bf16 + j : nullptr);
     }
   }
   params_.flat_params().storage().bump_version();
+  if (p_bf16) params_.compute_copy_refreshed();
   if (zero_grad) params_.flat_grads().storage().bump_version();
 }
 

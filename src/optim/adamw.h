@@ -32,8 +32,10 @@ AdamWCoefficients adamw_coefficients(const AdamWConfig& config, int64_t t, doubl
 // Updates n consecutive elements in place (parameters p, gradients g, moments m and v);
 // with zero_grad, each gradient is zeroed in the same pass that reads it. Runs on the
 // calling thread: callers parallelize over ranges.
+// With `p_bf16`, the updated parameters are also written rounded to bf16 there (mixed
+// precision's copy, refreshed in the same pass instead of another read of the block).
 void adamw_update(float* p, float* g, float* m, float* v, int64_t n, const AdamWCoefficients& k, bool decay,
-                  bool zero_grad);
+                  bool zero_grad, BFloat16* p_bf16 = nullptr);
 
 class AdamW final : public Optimizer {
  public:

@@ -29,16 +29,6 @@ Shape broadcast_strides(const Tensor& t, const Shape& shape) {
 
 
 namespace {
-// fp32 -> bf16, rounding to nearest even (NaN kept a quiet NaN), as BFloat16(float) does,
-// written branch-free so the loop vectorizes (vcvtneps2bf16's rounding on AVX512-BF16).
-inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t quiet_nan = (u >> 16) | 0x40u;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
-}
-
 // Contiguous fp32 <-> bf16: the casts of mixed precision (activations into a GEMM, the
 // parameter block's bf16 copy once per step) are memory-bound passes; use every thread.
 bool convert_contiguous(const Tensor& dst, const Tensor& src) {
@@ -48,7 +38,7 @@ bool convert_contiguous(const Tensor& dst, const Tensor& src) {
     BFloat16* d = dst.data<BFloat16>();
     const float* s = src.data<float>();
 #pragma omp parallel for simd schedule(static) if (n > (1 << 16))
-    for (int64_t i = 0; i < n; ++i) d[i].bits = bf16_bits(s[i]);
+    for (int64_t i = 0; i < n; ++i) d[i].bits = bf16_round_bits(s[i]);
     return true;
   }
   if (dst.dtype() == DType::F32 && src.dtype() == DType::BF16) {
