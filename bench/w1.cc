@@ -71,7 +71,8 @@ int main(int argc, char** argv) {
   for (auto& t : toks) t = static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(model.config().vocab_size));
   Tensor x = Tensor::from_vector(std::vector<int32_t>(toks.begin(), toks.end() - 1), {B, T});
   Tensor y = Tensor::from_vector(std::vector<int32_t>(toks.begin() + 1, toks.end()), {B, T});
-  const double gemm_peak = runtime::backend(Device::cpu()).measured_gemm_peak_flops();
+  // The peak of the GEMMs this run does: fp32, or bf16 operands with fp32 accumulation.
+  const double gemm_peak = runtime::backend(Device::cpu()).measured_gemm_peak_flops(dtype == "bf16" ? DType::BF16 : DType::F32);
 
   auto& ledger = runtime::ledger();
   int64_t live_after_forward = 0;  // model states + saved activations, measured at the end of the first forward

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Turns bench/run_cpu.sh's runs (JSON lines) into the table of bench/RESULTS.md, between
+the lines "<!-- cpu-bench:begin -->" and "<!-- cpu-bench:end -->" (added at the end the
+first time). Standard library only.   usage: cpu_table.py RUNS.jsonl RESULTS.md"""
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+
+BEGIN, END = "<!-- cpu-bench:begin -->", "<!-- cpu-bench:end -->"
+WORKS = {
+    "W1": "GPT-2 124M, batch 4 x 64, fp32",
+    "W1-bf16": "GPT-2 124M, batch 4 x 64, bf16 mixed precision",
+    "W3": "GPT-2 124M, batch 1 x 1024, fp32",
+    "W3-bf16": "GPT-2 124M, batch 1 x 1024, bf16 mixed precision",
+}
+
+
+def machine():
+    model, flags = platform.processor() or "?", ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and model in ("?", "", platform.machine()):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                flags = line
+    except OSError:
+        pass
+    isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
+    return f"{model} ({', '.join(isa) or 'no AVX-512'})"
+
+
+def mib(b):
+    return f"{b / 2**20:.0f}"
+
+
+def main():
+    runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+    rows, peaks = [], {}
+    for work in [w for w in WORKS if any(r["work"] == w for r in runs)]:
+        by = {"tally": [r for r in runs if r["work"] == work and r["system"] == "tally"],
+              "peer": [r for r in runs if r["work"] == work and r["system"] != "tally"]}
+        if not by["tally"] or not by["peer"]:
+            continue
+        stats = {}
+        for side, rs in by.items():
+            meds = [r["ms_per_step"] for r in rs]
+            mins = [r["min_ms"] for r in rs]
+            stats[side] = dict(min=min(mins), median=statistics.median(meds), tokens=statistics.median(r["tokens_per_s"] for r in rs),
+                               rss=max(r["peak_rss_bytes"] for r in rs), name=rs[0]["system"], rounds=len(rs))
+        t = stats["tally"]
+        t["alloc"] = max(r["peak_allocated_bytes"] for r in by["tally"])
+        t["pct"] = statistics.median(r["pct_gemm_peak"] for r in by["tally"])
+        g = [r["gemm_peak_gflops"] for r in by["tally"]]
+        peaks[work] = (min(g), max(g), by["tally"][0].get("dtype", "fp32"))
+        p = stats["peer"]
+        peer = p["name"] + (" autocast(bfloat16)" if work.endswith("bf16") else "")
+        rows.append(f"| {work} | tally | {t['min']:.0f} | {t['median']:.0f} | {t['tokens']:.0f} | {mib(t['alloc'])} / {mib(t['rss'])} "
+                    f"| {t['pct']:.0f}% | **{p['median'] / t['median']:.2f}x** ({p['min'] / t['min']:.2f}x on min) |")
+        rows.append(f"| {work} | {peer} | {p['min']:.0f} | {p['median']:.0f} | {p['tokens']:.0f} | – / {mib(p['rss'])} | | |")
+    rounds = max(r["round"] for r in runs)
+    threads = runs[0].get("threads", "?")
+    peak_text = "; ".join(f"{w} ({d}): {lo:.0f}-{hi:.0f}" for w, (lo, hi, d) in peaks.items())
+    block = [BEGIN,
+             f"**{datetime.date.today()}**, {machine()}, {threads} threads, `bench/run_cpu.sh {rounds}`: "
+             f"{rounds} alternating rounds, tally then the peer for each work, each run timing its steps after "
+             f"two warm-up steps. GEMM peak measured by tally in the same runs (GFLOP/s, min-max over rounds; "
+             f"bf16 = bf16 operands, fp32 accumulation): {peak_text}.",
+             "",
+             "| work | system | min ms | median ms | tokens/s | peak MiB (ledger / RSS) | % of GEMM peak | peer / tally |",
+             "|---|---|---|---|---|---|---|---|"] + rows + [
+             "",
+             "Works: " + "; ".join(f"{w} = {d}" for w, d in WORKS.items()) + ". Min and median are over every "
+             "timed step of every round (min: the best step; median: the median of the rounds' median steps). "
+             "% of GEMM peak: the model's training FLOPs (6N + 6LCT per token) per second over the peak of the "
+             "run's precision.",
+             END]
+    text = open(sys.argv[2]).read()
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + "\n".join(block) + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n## CPU training against PyTorch: W1, W3, fp32 and bf16 (issue 12, bench/run_cpu.sh)\n\n" + "\n".join(block) + "\n"
+    open(sys.argv[2], "w").write(text)
+    print("\n".join(block))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The CPU benchmark of issue 12, in one command: every work against its peer in the same
+# session, alternating rounds, then the table into bench/RESULTS.md (bench/cpu_table.py).
+#   W1       GPT-2 124M, batch 4 x 64 tokens, fp32       tally  vs PyTorch fp32
+#   W1-bf16  the same in mixed precision                 tally --dtype bf16 vs PyTorch autocast(bfloat16)
+#   W3       GPT-2 124M, batch 1 x 1024 tokens, fp32      tally  vs PyTorch fp32
+#   W3-bf16  the same in mixed precision                 tally --dtype bf16 vs PyTorch autocast(bfloat16)
+# Each run times `steps` training steps (AdamW included) after two warm-up steps.
+#   bench/run_cpu.sh [rounds=3] [steps=3] [threads=2]     (about 4 minutes a round on 2 cores)
+# The raw JSON lines go to bench/cpu_runs.jsonl (one per run); RESULTS.md gets the table
+# between its "cpu-bench" markers. BENCH_WORKS="W1 W3" runs a subset.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+rounds="${1:-3}"
+steps="${2:-3}"
+threads="${3:-2}"
+works="${BENCH_WORKS:-W1 W1-bf16 W3 W3-bf16}"
+[ -x "$root/build/bench/bench_w1" ] || bash "$root/scripts/build.sh"
+/usr/bin/python3 -c "import torch" 2>/dev/null || bash "$root/scripts/setup.sh" --torch
+export OPENBLAS_CORETYPE="${OPENBLAS_CORETYPE:-SkylakeX}"  # see run_w1.sh
+export OMP_NUM_THREADS="$threads"
+out="$root/bench/cpu_runs.jsonl"
+: > "$out"
+shape() {  # the flags of a work's shape and precision
+  case "$1" in
+    W1) echo "--batch 4 --seq 64 --dtype fp32" ;;
+    W1-bf16) echo "--batch 4 --seq 64 --dtype bf16" ;;
+    W3) echo "--batch 1 --seq 1024 --dtype fp32" ;;
+    W3-bf16) echo "--batch 1 --seq 1024 --dtype bf16" ;;
+    *) echo "bench/run_cpu.sh: unknown work '$1' (W1, W1-bf16, W3, W3-bf16)" >&2; exit 2 ;;
+  esac
+}
+record() {  # runs a command, tags its JSON line with the work and round, appends it
+  local work="$1" round="$2"; shift 2
+  local line
+  line="$("$@" 2>/dev/null | tail -1)"
+  echo "$line" | /usr/bin/python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['work']='$work'; r['round']=$round; print(json.dumps(r))" >> "$out"
+  tail -1 "$out"
+}
+for round in $(seq "$rounds"); do
+  for work in $works; do
+    flags="$(shape "$work")"
+    # shellcheck disable=SC2086
+    record "$work" "$round" "$root/build/bench/bench_w1" "$steps" "$threads" gpt2 $flags
+    # shellcheck disable=SC2086
+    record "$work" "$round" /usr/bin/python3 "$root/bench/w1_torch.py" "$steps" "$threads" $flags
+  done
+done
+python3 "$root/bench/cpu_table.py" "$out" "$root/bench/RESULTS.md"
