@@ -162,15 +162,17 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
 
 namespace {
 double measure_gemm_peak(DType dtype) {
-  // A square GEMM large enough to reach steady state; best of a few repetitions. bf16:
-  // bf16 operands into an fp32 result, as mixed precision runs its GEMMs.
+  // A square GEMM large enough to reach steady state; the best of 20 repetitions (about
+  // 0.2 s): on a shared machine a neighbour's burst can slow a handful of them, and with 5
+  // the probe read a third below the rate the training GEMMs then ran at. bf16: bf16
+  // operands into an fp32 result, as mixed precision runs its GEMMs.
   const int64_t n = 1024;
   CategoryScope scope(Category::Workspace);
   OwnerScope owner("gemm_peak_probe");  // a few MiB, freed before training starts
   Tensor a = Tensor::full({n, n}, 0.5).to(dtype), b = Tensor::full({n, n}, 0.25).to(dtype), c = Tensor::zeros({n, n});
   gemm(a, false, b, false, c);  // warm-up (JIT)
   double best = 1e30;
-  for (int rep = 0; rep < 5; ++rep) {
+  for (int rep = 0; rep < 20; ++rep) {
     auto t0 = std::chrono::steady_clock::now();
     gemm(a, false, b, false, c);
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
