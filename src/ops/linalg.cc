@@ -123,6 +123,18 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
 }
 
 namespace {
+// db = the sum over rows of g2 (rows, out), added in place to the bias's gradient buffer
+// when backward may (then undefined is returned), as linear and linear_bf16 both do.
+Tensor bias_gradient(const autograd::Context& ctx, const Tensor& g2) {
+  const int64_t out_f = g2.shape()[1];
+  Tensor db = Tensor::empty({out_f}, g2.dtype(), g2.device(), current_owner("linear_db"));
+  on(db).sum_into(make_view(db, {1, out_f}, {out_f, 1}, 0), g2);
+  Tensor sink = ctx.grad_sink(2);
+  if (!sink.defined() || sink.dtype() != db.dtype()) return db;
+  on(sink).add_inplace(sink, db);
+  return Tensor();
+}
+
 // y = x W^T + b over the flattened rows of x.
 //   dx = g W,  dW = g^T x,  db = sum over rows of g.
 struct LinearFn {
@@ -148,15 +160,7 @@ struct LinearFn {
         on(g2).gemm(g2, true, x2, false, dw);
       }
     }
-    if (ctx.needs_input_grad(2)) {
-      db = Tensor::empty({out_f}, g.dtype(), g.device(), current_owner("linear_db"));
-      on(db).sum_into(make_view(db, {1, out_f}, {out_f, 1}, 0), g2);
-      Tensor sink = ctx.grad_sink(2);
-      if (sink.defined() && sink.dtype() == db.dtype()) {
-        on(sink).add_inplace(sink, db);
-        db = Tensor();
-      }
-    }
+    if (ctx.needs_input_grad(2)) db = bias_gradient(ctx, g2);
     return {dx, dw, db};
   }
 };
@@ -227,15 +231,7 @@ struct LinearBf16Fn {
       }
     }
     g_bf16 = Tensor();
-    if (ctx.needs_input_grad(2)) {
-      db = Tensor::empty({out_f}, g.dtype(), g.device(), current_owner("linear_db"));
-      on(db).sum_into(make_view(db, {1, out_f}, {out_f, 1}, 0), g2);
-      Tensor sink = ctx.grad_sink(2);
-      if (sink.defined() && sink.dtype() == db.dtype()) {
-        on(sink).add_inplace(sink, db);
-        db = Tensor();
-      }
-    }
+    if (ctx.needs_input_grad(2)) db = bias_gradient(ctx, g2);
     return {dx, dw, db};
   }
 };
