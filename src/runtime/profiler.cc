@@ -6,11 +6,10 @@
 
 namespace tally::runtime::profiler {
 
-namespace detail {
-thread_local bool on = false;
-thread_local const char* phase = "other";
-thread_local int depth = 0;
-}  // namespace detail
+detail::ThreadState& detail::thread_state() {
+  thread_local ThreadState state;
+  return state;
+}
 
 namespace {
 // A step has a few dozen (phase, kernel) pairs: a linear search over pointers (names are
@@ -32,6 +31,7 @@ double ms_since(std::chrono::steady_clock::time_point start) {
 
 void detail::add_kernel(const char* kernel, std::chrono::steady_clock::time_point start, double flops) {
   const double ms = ms_since(start);
+  const char* phase = thread_state().phase;
   KernelRow* row = nullptr;
   for (KernelRow& r : kernel_rows)
     if (r.kernel == kernel && r.phase == phase) row = &r;
@@ -51,13 +51,14 @@ void detail::add_phase(const char* phase, std::chrono::steady_clock::time_point 
 }
 
 void enable(bool turn_on) {
-  detail::on = turn_on;
-  detail::depth = 0;
+  detail::ThreadState& st = detail::thread_state();
+  st.on = turn_on;
+  st.depth = 0;
   kernel_rows.clear();
   phase_rows.clear();
 }
 
-bool enabled() { return detail::on; }
+bool enabled() { return detail::thread_state().on; }
 
 Report take() {
   Report report;

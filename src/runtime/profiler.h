@@ -47,31 +47,41 @@ Report take();
 std::string format(const Report& report, int top = 6);
 
 namespace detail {
-extern thread_local bool on;
+// The calling thread's profiler state. Reached through a function, not an extern
+// thread_local variable: UBSan (GCC 12) reports the TLS wrapper of an extern thread_local
+// as a null load, and the call costs nanoseconds beside a kernel.
+struct ThreadState {
+  bool on = false;
+  int depth = 0;                // open kernel scopes (only the outermost counts)
+  const char* phase = "other";  // the innermost PhaseScope's name
+};
+ThreadState& thread_state();
 void add_kernel(const char* kernel, std::chrono::steady_clock::time_point start, double flops);
 void add_phase(const char* phase, std::chrono::steady_clock::time_point start, const char* outer);
-extern thread_local const char* phase;
-extern thread_local int depth;
 }  // namespace detail
 
 class KernelScope {
  public:
   explicit KernelScope(const char* kernel, double flops = 0) {
-    if (!detail::on || detail::depth++ > 0) return;
+    detail::ThreadState& st = detail::thread_state();
+    if (!st.on) return;
+    state_ = &st;
+    if (st.depth++ > 0) return;
     kernel_ = kernel;
     flops_ = flops;
     start_ = std::chrono::steady_clock::now();
   }
   ~KernelScope() {
-    if (!detail::on) return;
-    --detail::depth;
-    if (kernel_) detail::add_kernel(kernel_, start_, flops_);
+    if (!state_) return;
+    --state_->depth;
+    if (kernel_ && state_->on) detail::add_kernel(kernel_, start_, flops_);
   }
   KernelScope(const KernelScope&) = delete;
   KernelScope& operator=(const KernelScope&) = delete;
 
  private:
-  const char* kernel_ = nullptr;
+  detail::ThreadState* state_ = nullptr;  // set when the profiler was on at the start
+  const char* kernel_ = nullptr;          // set when this is the outermost scope
   double flops_ = 0;
   std::chrono::steady_clock::time_point start_;
 };
@@ -80,18 +90,19 @@ class KernelScope {
 // `phase` must outlive the report: a string literal.
 class PhaseScope {
  public:
-  explicit PhaseScope(const char* phase) : outer_(detail::phase) {
-    detail::phase = phase;
-    if (detail::on) start_ = std::chrono::steady_clock::now(), timed_ = true;
+  explicit PhaseScope(const char* phase) : state_(detail::thread_state()), outer_(state_.phase) {
+    state_.phase = phase;
+    if (state_.on) start_ = std::chrono::steady_clock::now(), timed_ = true;
   }
   ~PhaseScope() {
-    if (timed_ && detail::on) detail::add_phase(detail::phase, start_, outer_);
-    detail::phase = outer_;
+    if (timed_ && state_.on) detail::add_phase(state_.phase, start_, outer_);
+    state_.phase = outer_;
   }
   PhaseScope(const PhaseScope&) = delete;
   PhaseScope& operator=(const PhaseScope&) = delete;
 
  private:
+  detail::ThreadState& state_;
   const char* outer_;
   bool timed_ = false;
   std::chrono::steady_clock::time_point start_;
