@@ -7,7 +7,7 @@
 // optimizer) and times the phase as a whole, so the report can say how much of it no
 // kernel accounts for: allocation, graph building, dispatch: the framework's own cost.
 //
-// Off, a scope costs one thread-local load and a branch. Only the outermost scope on a
+// Off, a scope costs a call (for the thread's state) and a branch. Only the outermost scope on a
 // thread counts, so a kernel that calls another is not counted twice. Timers are per
 // thread: kernels that a communicator's worker thread runs are not in the table of the
 // thread that turned the profiler on.
