@@ -46,17 +46,16 @@ void ParameterStore::enable_compute_copy(DType dtype) {
   compute_views_.clear();
   for (size_t i = 0; i < specs_.size(); ++i)
     compute_views_.push_back(make_view(compute_block_, specs_[i].shape, contiguous_strides(specs_[i].shape), offsets_[i]));
-  compute_current_ = false;
+  compute_version_.reset();
 }
 
 const Tensor& ParameterStore::compute_copy(size_t i) const {
   TALLY_CHECK(compute_block_.defined(), "parameter '", specs_.at(i).name, "': no compute copy (enable_compute_copy)");
   const uint64_t version = flat_params_.storage().version();
-  if (!compute_current_ || version != compute_version_) {
+  if (compute_version_ != version) {
     runtime::profiler::KernelScope scope("parameters_to_bf16");
     compute_block_.copy_(flat_params_);
     compute_version_ = version;
-    compute_current_ = true;
   }
   return compute_views_.at(i);
 }
@@ -64,7 +63,6 @@ const Tensor& ParameterStore::compute_copy(size_t i) const {
 void ParameterStore::compute_copy_refreshed() {
   compute_block_.storage().bump_version();
   compute_version_ = flat_params_.storage().version();
-  compute_current_ = true;
 }
 
 void ParameterStore::rebind(size_t i, const Tensor& param) {

@@ -14,6 +14,7 @@
 // (llm.c's files stack each kind of weight over layers instead; io/model_files.cc maps
 // between the two.)
 #pragma once
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -93,8 +94,8 @@ class ParameterStore {
   Tensor flat_params_, flat_grads_;
   Tensor compute_block_;                 // the parameter block in the compute dtype (or undefined)
   std::vector<Tensor> compute_views_;    // parameter i's view of it
-  mutable uint64_t compute_version_ = 0;  // the fp32 block's version the copy was made from
-  mutable bool compute_current_ = false;
+  // The fp32 block's version the copy was made from (none: not made yet).
+  mutable std::optional<uint64_t> compute_version_;
 };
 
 }  // namespace tally::nn

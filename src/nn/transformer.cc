@@ -624,37 +624,33 @@ void Transformer::head(const Tensor& input, const Tensor& targets, bool return_l
   Tensor x = released_in_backward(input, units);
   x = norm(x, lnfw_, lnfb_);
   const size_t head_weight = c.tie_embeddings ? wte_ : lm_head_;
+  auto check_targets = [&](int64_t B, int64_t T) {
+    TALLY_CHECK(targets.dim() == 2 && targets.shape()[0] == B && targets.shape()[1] == T, "model: targets ",
+                targets.str(), " do not match the batch (", B, ", ", T, ")");
+  };
   if (tp_ops_) {
     // Logits of this rank's vocabulary block only: (B, T, Vp / tp).
     TALLY_CHECK(!return_logits, "model: a tensor-parallel model does not return whole logits");
     x = tp_ops_->into_column_parallel(x);
     const int64_t B = x.shape()[0], T = x.shape()[1];
+    if (targets.defined()) check_targets(B, T);
     Tensor logits = linear(x, head_weight, kAbsent);
-    if (targets.defined()) {
-      TALLY_CHECK(targets.dim() == 2 && targets.shape()[0] == B && targets.shape()[1] == T, "model: targets ",
-                  targets.str(), " do not match the batch (", B, ", ", T, ")");
+    if (targets.defined())
       result.loss = tp_ops_->vocab_parallel_cross_entropy(logits.view({B * T, logits.shape()[2]}), targets.view({B * T}),
                                                           vocab_start(), c.vocab_size);
-    }
   } else {
     const int64_t B = x.shape()[0], T = x.shape()[1];
+    if (targets.defined()) check_targets(B, T);
     if (loss_chunk_rows_ > 0 && targets.defined() && !return_logits) {
-      TALLY_CHECK(targets.dim() == 2 && targets.shape()[0] == B && targets.shape()[1] == T, "model: targets ",
-                  targets.str(), " do not match the batch (", B, ", ", T, ")");
       const Tensor copy = matmul_dtype_ == DType::BF16 ? params_.compute_copy(head_weight) : Tensor();
       result.loss = ops::linear_cross_entropy(x.reshape({B * T, c.n_embd}), params_[head_weight], targets.reshape({B * T}),
                                               c.vocab_size, loss_chunk_rows_, copy);
-      if (result.loss.defined()) result.loss = acquired_in_backward(result.loss, units);
-      leave(units);
-      return;
+    } else {
+      Tensor logits = linear(x, head_weight, kAbsent);  // (B,T,Vp)
+      if (targets.defined())
+        result.loss = ops::cross_entropy(logits.view({B * T, c.padded_vocab_size}), targets.view({B * T}), c.vocab_size);
+      if (return_logits) result.logits = logits;
     }
-    Tensor logits = linear(x, head_weight, kAbsent);  // (B,T,Vp)
-    if (targets.defined()) {
-      TALLY_CHECK(targets.dim() == 2 && targets.shape()[0] == B && targets.shape()[1] == T, "model: targets ",
-                  targets.str(), " do not match the batch (", B, ", ", T, ")");
-      result.loss = ops::cross_entropy(logits.view({B * T, c.padded_vocab_size}), targets.view({B * T}), c.vocab_size);
-    }
-    if (return_logits) result.logits = logits;
   }
   if (result.loss.defined()) result.loss = acquired_in_backward(result.loss, units);
   leave(units);

@@ -7,6 +7,7 @@ namespace tally::ops {
 using detail::materialize;
 using detail::new_output;
 using detail::on;
+using detail::to_bf16;
 
 namespace {
 
@@ -196,13 +197,6 @@ Tensor linear(const Tensor& x_in, const Tensor& w, const Tensor& b) {
 }
 
 namespace {
-// Rounds x to bf16 into a fresh tensor owned by the current module path.
-Tensor to_bf16(const Tensor& x, const char* owner) {
-  Tensor out = Tensor::empty(x.shape(), DType::BF16, x.device(), current_owner(owner));
-  on(x).copy(out, x);
-  return out;
-}
-
 // y = x W^T + b with bf16 GEMM operands and fp32 results (see ops.h).
 //   dx = bf16(g) W_bf16,  dW += bf16(g)^T bf16(x),  db = sum over rows of g (fp32).
 struct LinearBf16Fn {

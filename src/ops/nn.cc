@@ -140,6 +140,19 @@ struct CrossEntropyFn {
   }
 };
 
+// The mean of the per-row losses over the rows with a target (>= 0), a scalar owned as
+// "loss"; `count` gets that number of rows (backward's denominator). cross_entropy and
+// linear_cross_entropy both end so.
+Tensor mean_over_targets(const Tensor& losses, const Tensor& targets, int64_t& count) {
+  count = 0;
+  for (int64_t t : targets.to_vector<int64_t>()) count += t >= 0;
+  double total = 0;
+  for (double l : losses.to_vector<double>()) total += l;
+  Tensor loss = new_output({}, losses.dtype(), losses.device(), "loss");
+  loss.fill_(total / static_cast<double>(std::max<int64_t>(count, 1)));
+  return loss;
+}
+
 // linear_cross_entropy: forward keeps x (or its bf16 copy), W (or its copy), lse and the
 // targets. Backward, per chunk c of rows: logits_c = x_c W^T again, turned in place into
 // dlogits_c = (g / count) (softmax - onehot), then dx_c = dlogits_c W and dW += dlogits_c^T x_c.
@@ -337,13 +350,7 @@ Tensor cross_entropy(const Tensor& logits_in, const Tensor& targets_in, int64_t 
   Tensor lse = new_output({N}, logits.dtype(), logits.device(), "cross_entropy_lse");
   on(losses).cross_entropy_forward(losses, lse, logits, targets, V);
   int64_t count = 0;
-  for (int64_t v : targets.to_vector<int64_t>()) count += v >= 0;
-  Tensor loss = new_output({}, logits.dtype(), logits.device(), "loss");
-  {
-    double total = 0;
-    for (double l : losses.to_vector<double>()) total += l;
-    loss.fill_(total / static_cast<double>(std::max<int64_t>(count, 1)));
-  }
+  Tensor loss = mean_over_targets(losses, targets, count);
   if (autograd::needs_graph({logits_in})) {
     auto ctx = std::make_unique<CrossEntropyFn::Context>();
     ctx->valid_vocab = V;
@@ -371,12 +378,7 @@ Tensor linear_cross_entropy(const Tensor& x_in, const Tensor& w, const Tensor& t
   TALLY_CHECK(V > 0 && V <= Vp, "linear_cross_entropy: valid_vocab ", V, " outside 1..", Vp);
   const bool bf16 = w_bf16.defined();
   Tensor targets = materialize(targets_in).reshape({N});
-  Tensor x = materialize(x_in);
-  if (bf16) {
-    Tensor rounded = Tensor::empty({N, C}, DType::BF16, x.device(), current_owner("linear_x_bf16"));
-    on(x).copy(rounded, x);
-    x = rounded;
-  }
+  Tensor x = bf16 ? detail::to_bf16(x_in, "linear_x_bf16") : materialize(x_in);
   const Tensor& wk = bf16 ? w_bf16 : w;
   Tensor losses = new_output({N}, DType::F32, x.device(), "cross_entropy_rows");
   Tensor lse = new_output({N}, DType::F32, x.device(), "cross_entropy_lse");
@@ -392,13 +394,7 @@ Tensor linear_cross_entropy(const Tensor& x_in, const Tensor& w, const Tensor& t
     }
   }
   int64_t count = 0;
-  for (int64_t t : targets.to_vector<int64_t>()) count += t >= 0;
-  Tensor loss = new_output({}, DType::F32, x.device(), "loss");
-  {
-    double total = 0;
-    for (double l : losses.to_vector<double>()) total += l;
-    loss.fill_(total / static_cast<double>(std::max<int64_t>(count, 1)));
-  }
+  Tensor loss = mean_over_targets(losses, targets, count);
   losses = Tensor();
   if (autograd::needs_graph({x_in, w})) {
     auto ctx = std::make_unique<LinearCrossEntropyFn::Context>();

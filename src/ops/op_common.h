@@ -33,6 +33,14 @@ inline void require_same_device(const char* op, std::initializer_list<const Tens
   }
 }
 
+// x rounded to bf16 into a fresh contiguous tensor owned by the current module path
+// (":owner" appended), whatever x's strides: mixed precision's GEMM operands.
+inline Tensor to_bf16(const Tensor& x, const char* owner) {
+  Tensor out = Tensor::empty(x.shape(), DType::BF16, x.device(), current_owner(owner));
+  on(x).copy(out, x);
+  return out;
+}
+
 inline void require_same_dtype(const char* op, const Tensor& a, const Tensor& b) {
   TALLY_CHECK(a.dtype() == b.dtype(), op, ": dtype mismatch between ", a.str(), " and ", b.str());
 }

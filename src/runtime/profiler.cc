@@ -62,19 +62,10 @@ bool enabled() { return detail::thread_state().on; }
 
 Report take() {
   Report report;
+  // add_kernel made a row for every phase a kernel ran in, and summed its kernel time.
   report.phases = std::move(phase_rows);
   phase_rows.clear();
-  // Kernels outside any timed phase still show, under "other".
-  for (const KernelRow& k : kernel_rows)
-    if (std::none_of(report.phases.begin(), report.phases.end(),
-                     [&](const PhaseRow& p) { return std::strcmp(p.phase, k.phase) == 0; }))
-      report.phases.push_back(PhaseRow{k.phase, 0, 0});
-  for (PhaseRow& p : report.phases) {
-    p.kernel_ms = 0;
-    for (const KernelRow& k : kernel_rows)
-      if (std::strcmp(p.phase, k.phase) == 0) p.kernel_ms += k.ms;
-    if (p.ms < p.kernel_ms) p.ms = p.kernel_ms;  // kernels outside a timed span of the phase
-  }
+  for (PhaseRow& p : report.phases) p.ms = std::max(p.ms, p.kernel_ms);  // kernels outside a timed span of the phase
   auto phase_index = [&](const char* name) {
     for (size_t i = 0; i < report.phases.size(); ++i)
       if (std::strcmp(report.phases[i].phase, name) == 0) return i;

@@ -12,6 +12,7 @@ namespace tally::train {
 namespace {
 
 constexpr int64_t kFloat = 4;
+constexpr const char* kBf16CopyPart = "parameters' bf16 copy (mixed precision)";
 
 }  // namespace
 
@@ -139,7 +140,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
                 {"transient at the peak", transient},
                 // The loss (and, when scaled by 1/(N*D), its scaled copy): scalars.
                 {"loss", in.grad_accum * D > 1 ? 2 * kFloat : kFloat}};
-    if (bf16) rp.parts.emplace_back("parameters' bf16 copy (mixed precision)", 2 * P);
+    if (bf16) rp.parts.emplace_back(kBf16CopyPart, 2 * P);
     // LLaMA's rotary frequencies, a model constant (D/2 floats).
     if (c.is_llama()) rp.parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
     // ZeRO-2/3 at the start of backward: the head's units (the final norm, and the tied
@@ -174,7 +175,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
       for (int64_t n : units) largest_piece = std::max(largest_piece, (n + D - 1) / D);
       std::vector<std::pair<std::string, int64_t>> step_parts(rp.parts.begin(), rp.parts.begin() + 3);
       step_parts.emplace_back("loader buffers", loader);
-      if (bf16) step_parts.emplace_back("parameters' bf16 copy (mixed precision)", 2 * P);
+      if (bf16) step_parts.emplace_back(kBf16CopyPart, 2 * P);
       if (c.is_llama()) step_parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
       step_parts.emplace_back("all-gather of the largest unit in the optimizer step (send piece, receive buffer)",
                               (1 + D) * largest_piece * kFloat);
