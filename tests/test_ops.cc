@@ -265,6 +265,34 @@ TEST(Ops, Fp32MatmulMatchesFp64WithinSinglePrecision) {
   expect_close(got, ref, 0, 300 * 6e-8 * 4, "sgemm vs fp64");
 }
 
+TEST(Ops, Fp32MatmulMatchesFp64InEveryLayoutAndThroughBothOneDnnPaths) {
+  // 96 output rows: the NT case (x @ W^T) runs through oneDNN's matmul primitive, the
+  // others through sgemm (runtime/cpu/matmul.cc). Each layout, contiguous and as a
+  // column slice of a wider tensor (row stride > columns), against the fp64 loop.
+  const int64_t M = 96, K = 300, N = 70;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (bool sliced : {false, true}) {
+        // Returns the fp64 operand and its fp32 twin, each sliced from its own wide tensor.
+        auto operand = [&](int64_t rows, int64_t cols, uint64_t seed) {
+          Tensor wide = test::random_tensor({rows, cols + (sliced ? 9 : 0)}, seed);
+          Tensor wide32 = wide.to(DType::F32);
+          if (!sliced) return std::pair{wide, wide32};
+          return std::pair{wide.slice(1, 4, 4 + cols), wide32.slice(1, 4, 4 + cols)};
+        };
+        auto [a, a32] = ta ? operand(K, M, 50) : operand(M, K, 50);
+        auto [b, b32] = tb ? operand(N, K, 51) : operand(K, N, 51);
+        if (sliced) {
+          ASSERT_FALSE(a32.is_contiguous());
+        }
+        Tensor ref = ops::matmul(a, b, ta, tb);
+        Tensor got = ops::matmul(a32, b32, ta, tb);
+        ASSERT_EQ(got.shape(), (Shape{M, N}));
+        expect_close(got, ref, 0, K * 6e-8 * 4,
+                     std::string("layout ") + (ta ? "T" : "N") + (tb ? "T" : "N") + (sliced ? " sliced" : ""));
+      }
+}
+
 TEST(Ops, ShapeErrorsNameTheOperands) {
   try {
     ops::add(Tensor::zeros({2, 3}), Tensor::zeros({4}));
