@@ -9,12 +9,15 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #include "autograd/engine.h"
 #include "autograd/function.h"
 #include "memory/caching_allocator.h"
 #include "ops/ops.h"
 #include "runtime/backend.h"
+#include "runtime/cpu/vec_math.h"
 #include "runtime/profiler.h"
 #include "support.h"
 
@@ -180,6 +183,23 @@ TEST(Runtime, EachBackendOwnsItsLedger) {
 // ---- AddressSanitizer sees tensor memory (TALLY_SANITIZE builds)
 // --profile-ops: every kernel entry is timed under the phase that encloses it, GEMMs carry
 // their FLOPs, nested phases count exclusive time, and nothing is recorded while off.
+TEST(VecMath, RowMaxFindsTheLargestEntryWhereverItSits) {
+  // Every length around the 16-lane blocking, the maximum in every position (lanes and
+  // tail alike), a NaN that must be skipped, and `init` winning when it is larger.
+  for (int64_t n : {1, 5, 15, 16, 17, 31, 32, 33, 100}) {
+    for (int64_t at = 0; at < n; ++at) {
+      std::vector<float> x(static_cast<size_t>(n));
+      for (int64_t j = 0; j < n; ++j) x[j] = -1.0f - 0.01f * static_cast<float>((j * 7) % 13);
+      x[at] = 3.5f;
+      if (n > 2) x[(at + 1) % n] = std::numeric_limits<float>::quiet_NaN();
+      EXPECT_EQ(runtime::cpu::row_max(x.data(), n, -std::numeric_limits<float>::infinity()), 3.5f) << n << " " << at;
+      EXPECT_EQ(runtime::cpu::row_max(x.data(), n, 7.0f), 7.0f);
+    }
+  }
+  const double d[3] = {-2.0, -0.5, -1.0};
+  EXPECT_EQ(runtime::cpu::row_max(d, 3, -10.0), -0.5);
+}
+
 TEST(Profiler, TimesKernelsPerPhaseWithGemmFlops) {
   namespace profiler = runtime::profiler;
   Tensor a = Tensor::full({8, 16}, 0.5f), b = Tensor::full({16, 4}, 0.25f);

@@ -121,8 +121,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
               std::fill(srow, srow + cols, T(0));
               continue;
             }
-            T mx = m[i];
-            for (int64_t c = 0; c <= last; ++c) mx = std::max(mx, srow[c]);
+            const T mx = row_max(srow, last + 1, m[i]);
             const T rescale = vexp(m[i] - mx);  // 0 on the first tile (m = -inf)
             T sum = 0;
 #pragma omp simd reduction(+ : sum)

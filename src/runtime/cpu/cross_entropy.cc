@@ -35,8 +35,7 @@ void cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor
 #pragma omp parallel for schedule(static) if (N * V > (1 << 14))
     for (int64_t n = 0; n < N; ++n) {
       const T* row = pl + n * Vp;
-      T m = row[0];
-      for (int64_t j = 1; j < V; ++j) m = std::max(m, row[j]);
+      const T m = row_max(row, V, row[0]);
       T s = 0;
 #pragma omp simd reduction(+ : s)
       for (int64_t j = 0; j < V; ++j) s += vexp(row[j] - m);

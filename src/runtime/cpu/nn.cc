@@ -359,9 +359,9 @@ void softmax_forward(const Tensor& out, const Tensor& x) {
     for (int64_t n = 0; n < N; ++n) {
       const T* row = px + n * C;
       T* o = po + n * C;
-      T m = row[0];
-      for (int64_t c = 1; c < C; ++c) m = std::max(m, row[c]);
+      const T m = row_max(row, C, row[0]);
       T s = 0;
+#pragma omp simd reduction(+ : s)
       for (int64_t c = 0; c < C; ++c) s += (o[c] = vexp(row[c] - m));
       T inv = T(1) / s;
       for (int64_t c = 0; c < C; ++c) o[c] *= inv;
