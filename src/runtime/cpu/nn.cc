@@ -95,10 +95,14 @@ void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd
 #pragma omp parallel for schedule(static) if (N * C > (1 << 14))
     for (int64_t n = 0; n < N; ++n) {
       const T* row = px + n * C;
+      // The sums are simd reductions: without them GCC keeps each a scalar chain of
+      // dependent adds (it may not reassociate floating point on its own).
       T m = 0;
+#pragma omp simd reduction(+ : m)
       for (int64_t c = 0; c < C; ++c) m += row[c];
       m /= static_cast<T>(C);
       T v = 0;
+#pragma omp simd reduction(+ : v)
       for (int64_t c = 0; c < C; ++c) v += (row[c] - m) * (row[c] - m);
       v /= static_cast<T>(C);
       T r = T(1) / std::sqrt(v + static_cast<T>(eps));
@@ -144,6 +148,7 @@ void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, co
         const T* g = pg + n * C;
         const T m = pm[n], r = pr[n];
         T mean_g = 0, mean_gx = 0;
+#pragma omp simd reduction(+ : mean_g, mean_gx)
         for (int64_t c = 0; c < C; ++c) {
           T xhat = (row[c] - m) * r;
           T gw = g[c] * pw[c];
@@ -156,6 +161,7 @@ void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, co
         mean_gx /= static_cast<T>(C);
         if (pdx) {
           T* d = pdx + n * C;
+#pragma omp simd
           for (int64_t c = 0; c < C; ++c) {
             T xhat = (row[c] - m) * r;
             d[c] = r * (g[c] * pw[c] - mean_g - xhat * mean_gx);
@@ -255,6 +261,7 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dout, co
         const T* g = pg + n * C;
         const T r = pr[n];
         T mean_gx = 0;
+#pragma omp simd reduction(+ : mean_gx)
         for (int64_t c = 0; c < C; ++c) {
           const T xhat = row[c] * r;
           mean_gx += g[c] * pw[c] * xhat;
