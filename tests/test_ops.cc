@@ -293,6 +293,19 @@ TEST(Ops, Fp32MatmulMatchesFp64InEveryLayoutAndThroughBothOneDnnPaths) {
       }
 }
 
+TEST(Ops, Fp32LinearAddsItsBiasOnEitherGemmPath) {
+  // 96 rows: oneDNN's matmul primitive adds the bias as it writes the output; 8 rows:
+  // sgemm accumulates onto the bias written first. Both against the fp64 linear, whose
+  // values differ from the bias-free product by the bias (so a dropped bias fails).
+  const int64_t K = 200, N = 40;
+  for (int64_t M : {96, 8}) {
+    Tensor x = test::random_tensor({M, K}, 60), w = test::random_tensor({N, K}, 61), b = test::random_tensor({N}, 62);
+    Tensor ref = ops::linear(x, w, b);
+    Tensor got = ops::linear(x.to(DType::F32), w.to(DType::F32), b.to(DType::F32));
+    expect_close(got, ref, 0, K * 6e-8 * 4, "linear with bias, " + std::to_string(M) + " rows");
+  }
+}
+
 TEST(Ops, ShapeErrorsNameTheOperands) {
   try {
     ops::add(Tensor::zeros({2, 3}), Tensor::zeros({4}));

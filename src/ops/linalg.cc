@@ -182,11 +182,11 @@ Tensor linear(const Tensor& x_in, const Tensor& w, const Tensor& b) {
   Tensor out = new_output(shape, x.dtype(), x.device(), "linear");
   Tensor out2 = make_view(out, {rows, out_f}, {out_f, 1}, 0);
   Tensor w_c = materialize(w);
+  const Tensor x2 = make_view(x, {rows, in_f}, {in_f, 1}, x.offset());
   if (b.defined()) {
-    on(out2).copy(out2, b);  // broadcast the bias into every row, then accumulate the GEMM
-    on(x).gemm(make_view(x, {rows, in_f}, {in_f, 1}, x.offset()), false, w_c, true, out2, 1.f, 1.f);
+    on(x).gemm_bias(x2, false, w_c, true, out2, materialize(b));
   } else {
-    on(x).gemm(make_view(x, {rows, in_f}, {in_f, 1}, x.offset()), false, w_c, true, out2, 1.f, 0.f);
+    on(x).gemm(x2, false, w_c, true, out2, 1.f, 0.f);
   }
   if (autograd::needs_graph({x_in, w, b})) {
     auto ctx = std::make_unique<LinearFn::Context>();
@@ -250,8 +250,12 @@ Tensor linear_bf16(const Tensor& x_in, const Tensor& w, const Tensor& w_bf16, co
   shape.back() = out_f;
   Tensor out = new_output(shape, DType::F32, x_in.device(), "linear");
   Tensor out2 = make_view(out, {rows, out_f}, {out_f, 1}, 0);
-  if (b.defined()) on(out2).copy(out2, b);  // the bias in every row, then accumulate the GEMM
-  on(x_bf16).gemm(make_view(x_bf16, {rows, in_f}, {in_f, 1}, 0), false, wb, true, out2, 1.f, b.defined() ? 1.f : 0.f);
+  const Tensor x2 = make_view(x_bf16, {rows, in_f}, {in_f, 1}, 0);
+  if (b.defined()) {
+    on(x_bf16).gemm_bias(x2, false, wb, true, out2, materialize(b));
+  } else {
+    on(x_bf16).gemm(x2, false, wb, true, out2, 1.f, 0.f);
+  }
   if (autograd::needs_graph({x_in, w, b})) {
     auto ctx = std::make_unique<LinearBf16Fn::Context>();
     ctx->save_for_backward({x_bf16, wb});

@@ -75,6 +75,11 @@ void Backend::max_dim(const Tensor&, const Tensor&, const Tensor&, int64_t) { no
 void Backend::argmax_last(const Tensor&, const Tensor&) { no_kernel("argmax"); }
 double Backend::sum_squares(const Tensor&) { no_kernel("sum of squares"); }
 void Backend::gemm(const Tensor&, bool, const Tensor&, bool, const Tensor&, float, float) { no_kernel("matmul"); }
+void Backend::gemm_bias(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c,
+                        const Tensor& bias) {
+  copy(c, bias);
+  gemm(a, transpose_a, b, transpose_b, c, 1.f, 1.f);
+}
 double Backend::measured_gemm_peak_flops(DType) { no_kernel("GEMM peak measurement"); }
 void Backend::embedding_forward(const Tensor&, const Tensor&, const Tensor&) { no_kernel("embedding"); }
 void Backend::embedding_backward(const Tensor&, const Tensor&, const Tensor&) { no_kernel("embedding backward"); }

@@ -46,6 +46,11 @@ class Backend : public DeviceHooks {
   // columns are contiguous.
   virtual void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c,
                     float alpha = 1.f, float beta = 0.f);
+  // C = op(A) @ op(B) + bias, the bias (one value per column of C) added to every row: a
+  // linear layer's forward. This default writes the bias into every row and accumulates
+  // the GEMM onto it; a backend whose GEMM adds a bias itself overrides it.
+  virtual void gemm_bias(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c,
+                         const Tensor& bias);
   // Measured GEMM throughput of this device in FLOP/s with operands of `dtype` (fp32, or
   // bf16 with fp32 accumulation), cached per dtype after the first call.
   virtual double measured_gemm_peak_flops(DType dtype = DType::F32);

@@ -96,6 +96,14 @@ class CpuBackend final : public Backend {
     profiler::KernelScope scope("gemm", 2.0 * static_cast<double>(c.numel()) * k);
     cpu::gemm(a, ta, b, tb, c, alpha, beta);
   }
+  void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c, const Tensor& bias) override {
+    // The matmul primitive adds the bias as it writes C; sgemm gets it written first (the
+    // base class: a timed copy, then the GEMM accumulating onto it).
+    if (!cpu::gemm_on_matmul_primitive(a, ta, b, tb, c)) return Backend::gemm_bias(a, ta, b, tb, c, bias);
+    const double k = static_cast<double>(a.shape()[ta ? 0 : 1]);
+    profiler::KernelScope scope("gemm", 2.0 * static_cast<double>(c.numel()) * k);
+    cpu::gemm(a, ta, b, tb, c, 1.f, 0.f, bias);
+  }
   double measured_gemm_peak_flops(DType dtype) override { return cpu::measured_gemm_peak_flops(dtype); }
   void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices) override {
     profiler::KernelScope scope("embedding_forward");

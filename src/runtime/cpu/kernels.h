@@ -23,10 +23,14 @@ void max_dim(const Tensor& values, const Tensor& indices, const Tensor& x, int64
 void argmax_last(const Tensor& out, const Tensor& x);
 double sum_squares(const Tensor& x);
 
-// ---- GEMM (matmul.cc). C = alpha * op(A) @ op(B) + beta * C for 2-D strided views
-// whose rows or columns are contiguous; fp32 through oneDNN, fp64 with a blocked loop.
+// ---- GEMM (matmul.cc). C = alpha * op(A) @ op(B) + beta * C (+ bias in every row) for
+// 2-D strided views; fp32 and bf16 through oneDNN, fp64 with a plain loop. A bias needs
+// beta = 0.
 void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c, float alpha = 1.f,
-          float beta = 0.f);
+          float beta = 0.f, const Tensor& bias = Tensor());
+// Whether gemm() runs this on oneDNN's matmul primitive, which adds a bias in its own pass
+// over the output (sgemm and the fp64 loop write the bias first and accumulate onto it).
+bool gemm_on_matmul_primitive(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c);
 // Measured fp32 GEMM throughput of this machine in FLOP/s (cached after the first call).
 double measured_gemm_peak_flops(DType dtype);
 

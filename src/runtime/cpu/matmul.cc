@@ -27,12 +27,25 @@ struct Operand {
   int64_t ld;
 };
 
+// How a 2-D view's elements are laid out: rows contiguous (a row-major matrix with row
+// stride >= columns), columns contiguous (column-major), or neither.
+enum class Layout { RowMajor, ColumnMajor, Strided };
+Layout layout_of(const Tensor& t) {
+  const int64_t R = t.shape()[0], C = t.shape()[1];
+  const int64_t sr = t.strides()[0], sc = t.strides()[1];
+  if ((sc == 1 || C == 1) && (R == 1 || sr >= C)) return Layout::RowMajor;
+  if ((sr == 1 || R == 1) && (C == 1 || sc >= R)) return Layout::ColumnMajor;
+  return Layout::Strided;
+}
+
 // `t` is (R, C); the logical operand is t (transpose=false) or t^T (transpose=true).
 Operand describe(const Tensor& t, bool transpose) {
   const int64_t R = t.shape()[0], C = t.shape()[1];
-  const int64_t sr = t.strides()[0], sc = t.strides()[1];
-  if ((sc == 1 || C == 1) && (R == 1 || sr >= C)) return {t, transpose, std::max<int64_t>(R == 1 ? C : sr, 1)};
-  if ((sr == 1 || R == 1) && (C == 1 || sc >= R)) return {t, !transpose, std::max<int64_t>(C == 1 ? R : sc, 1)};
+  switch (layout_of(t)) {
+    case Layout::RowMajor: return {t, transpose, std::max<int64_t>(R == 1 ? C : t.strides()[0], 1)};
+    case Layout::ColumnMajor: return {t, !transpose, std::max<int64_t>(C == 1 ? R : t.strides()[1], 1)};
+    case Layout::Strided: break;
+  }
   Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device(), current_owner("gemm_copy"));
   copy(c, t);
   return {c, transpose, std::max<int64_t>(C, 1)};
@@ -67,12 +80,13 @@ constexpr int64_t kPrimitiveMinRows = 64;
 // operands are described as they are. Making a primitive costs a few hundred microseconds
 // (descriptor plus JIT), about a small GEMM's time, so primitives are kept per (shapes,
 // strides, dtypes, alpha, beta): a training step reuses a few dozen.
-void primitive_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c, float alpha, float beta) {
+void primitive_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c, float alpha, float beta,
+                    const Tensor& bias) {
   using dnnl::memory;
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   static dnnl::stream stream(engine);
   struct Cached {
-    memory::desc ad, bd, cd;
+    memory::desc ad, bd, cd, biasd;
     dnnl::matmul primitive;
   };
   static std::mutex mutex;
@@ -84,13 +98,13 @@ void primitive_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Te
   };
   const auto da = dims_strides(a, ta), db = dims_strides(b, tb), dc = dims_strides(c, false);
   char key[256];
-  std::snprintf(key, sizeof key, "%lld,%lld,%lld,%lld|%lld,%lld,%lld,%lld|%lld,%lld,%lld,%lld|%d,%d|%a|%a",
+  std::snprintf(key, sizeof key, "%lld,%lld,%lld,%lld|%lld,%lld,%lld,%lld|%lld,%lld,%lld,%lld|%d,%d,%d|%a|%a",
                 static_cast<long long>(da[0]), static_cast<long long>(da[1]), static_cast<long long>(da[2]),
                 static_cast<long long>(da[3]), static_cast<long long>(db[0]), static_cast<long long>(db[1]),
                 static_cast<long long>(db[2]), static_cast<long long>(db[3]), static_cast<long long>(dc[0]),
                 static_cast<long long>(dc[1]), static_cast<long long>(dc[2]), static_cast<long long>(dc[3]),
-                static_cast<int>(a.dtype()), static_cast<int>(c.dtype()), static_cast<double>(alpha),
-                static_cast<double>(beta));
+                static_cast<int>(a.dtype()), static_cast<int>(c.dtype()), bias.defined() ? static_cast<int>(bias.dtype()) : -1,
+                static_cast<double>(alpha), static_cast<double>(beta));
   std::unique_lock lock(mutex);
   auto it = cache.find(key);
   if (it == cache.end()) {
@@ -106,21 +120,44 @@ void primitive_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Te
       po.append_sum(beta);
       attr.set_post_ops(po);
     }
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), attr, engine);
+    // The bias is one value per output column, broadcast over the rows.
+    memory::desc biasd = bias.defined() ? memory::desc({1, dc[1]}, type_of(bias.dtype()), memory::dims{dc[1], 1})
+                                        : memory::desc();
+    dnnl::matmul::primitive_desc pd =
+        bias.defined() ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(ad, bd, biasd, cd), attr, engine)
+                       : dnnl::matmul::primitive_desc(dnnl::matmul::desc(ad, bd, cd), attr, engine);
     if (cache.size() >= 512) cache.clear();  // sampling grows M token by token: keep it bounded
-    it = cache.emplace(key, Cached{ad, bd, cd, dnnl::matmul(pd)}).first;
+    it = cache.emplace(key, Cached{ad, bd, cd, biasd, dnnl::matmul(pd)}).first;
   }
   const Cached& k = it->second;
   lock.unlock();
   memory am(k.ad, engine, a.raw_data()), bm(k.bd, engine, b.raw_data()), cm(k.cd, engine, c.raw_data());
-  k.primitive.execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+  if (bias.defined()) args.emplace(DNNL_ARG_BIAS, memory(k.biasd, engine, bias.raw_data()));
+  k.primitive.execute(stream, args);
   stream.wait();
 }
 
 }  // namespace
 
+// Which engine runs a GEMM. bf16 operands: oneDNN's matmul primitive, the only bf16 GEMM
+// oneDNN has. fp32 x @ W^T (a linear layer's forward, W stored (out, in)) also takes the
+// primitive: oneDNN's sgemm runs this NT case 10-35% below its NN and TN cases on these
+// shapes (measured on Zen 4 at M = 256 and 1024: the MLP's down projection, K = 3072, at
+// 130-167 GFLOP/s against 200-212 for the same shape through the primitive), while the
+// primitive is slower than sgemm for the backward's NN and TN. Small M (decoding) stays
+// on sgemm: a primitive per shape costs more than such a GEMM.
+bool gemm_on_matmul_primitive(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c) {
+  if (a.dtype() == DType::BF16) return true;
+  if (a.dtype() != DType::F32 || c.dtype() != DType::F32 || c.shape()[0] < kPrimitiveMinRows) return false;
+  const Layout la = layout_of(a), lb = layout_of(b);
+  if (la == Layout::Strided || lb == Layout::Strided) return false;
+  const bool blas_ta = transpose_a != (la == Layout::ColumnMajor), blas_tb = transpose_b != (lb == Layout::ColumnMajor);
+  return !blas_ta && blas_tb;
+}
+
 void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c, float alpha,
-          float beta) {
+          float beta, const Tensor& bias) {
   TALLY_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2, "gemm: expected 2-D operands, got ", a.str(), ", ",
               b.str(), ", ", c.str());
   const int64_t M = transpose_a ? a.shape()[1] : a.shape()[0];
@@ -135,29 +172,26 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
   const bool bf16_operands = a.dtype() == DType::BF16 && b.dtype() == DType::BF16;
   TALLY_CHECK(a.dtype() == b.dtype() && (a.dtype() == c.dtype() || (bf16_operands && c.dtype() == DType::F32)),
               "matmul: dtypes differ: ", a.str(), " @ ", b.str(), " -> ", c.str());
+  TALLY_CHECK(!bias.defined() || (bias.dim() == 1 && bias.shape()[0] == N && bias.is_contiguous() && beta == 0.f),
+              "gemm: the bias ", bias.str(), " must be a contiguous vector of the output's ", N,
+              " columns, and the output is not accumulated onto");
   if (M == 0 || N == 0) return;
   if (K == 0) {
-    if (beta == 0.f) fill(c, 0.0);
+    if (bias.defined()) copy(c, bias);
+    else if (beta == 0.f) fill(c, 0.0);
     return;
   }
-  if (bf16_operands) {
-    primitive_gemm(a, transpose_a, b, transpose_b, c, alpha, beta);
+  if (gemm_on_matmul_primitive(a, transpose_a, b, transpose_b, c)) {
+    primitive_gemm(a, transpose_a, b, transpose_b, c, alpha, beta, bias);
     c.storage().bump_version();
     return;
+  }
+  if (bias.defined()) {  // the bias in every row, then accumulate the GEMM onto it
+    copy(c, bias);
+    beta = 1.f;
   }
   Operand oa = describe(a, transpose_a);
   Operand ob = describe(b, transpose_b);
-  // fp32 x @ W^T (a linear layer's forward, W stored (out, in)): oneDNN's sgemm runs this
-  // NT case 10-35% below its NN and TN cases on these shapes (measured on Zen 4 at
-  // M = 256 and 1024: the MLP's down projection, K = 3072, at 130-167 GFLOP/s against
-  // 200-212 for the same shape through the matmul primitive), while the primitive is
-  // slower than sgemm for the backward's NN and TN. Small M (decoding) stays on sgemm:
-  // a primitive per shape costs more than such a GEMM.
-  if (c.dtype() == DType::F32 && !oa.trans && ob.trans && M >= kPrimitiveMinRows) {
-    primitive_gemm(a, transpose_a, b, transpose_b, c, alpha, beta);
-    c.storage().bump_version();
-    return;
-  }
   const int64_t ldc = std::max<int64_t>(c.strides()[0], N);
   switch (c.dtype()) {
     case DType::F32: {
