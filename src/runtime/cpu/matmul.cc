@@ -79,7 +79,8 @@ constexpr int64_t kPrimitiveMinRows = 64;
 // accumulation); the output is c's dtype (fp32 for mixed precision, or bf16). Strided
 // operands are described as they are. Making a primitive costs a few hundred microseconds
 // (descriptor plus JIT), about a small GEMM's time, so primitives are kept per (shapes,
-// strides, dtypes, alpha, beta): a training step reuses a few dozen.
+// strides, dtypes, bias, alpha, beta): a training step reuses a few dozen. An optional
+// bias (one value per column of c) is added by the primitive as it writes c.
 void primitive_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c, float alpha, float beta,
                     const Tensor& bias) {
   using dnnl::memory;
@@ -129,7 +130,7 @@ void primitive_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Te
     if (cache.size() >= 512) cache.clear();  // sampling grows M token by token: keep it bounded
     it = cache.emplace(key, Cached{ad, bd, cd, biasd, dnnl::matmul(pd)}).first;
   }
-  const Cached& k = it->second;
+  const Cached k = it->second;  // a copy (the primitive is a shared handle): another thread may clear the cache
   lock.unlock();
   memory am(k.ad, engine, a.raw_data()), bm(k.bd, engine, b.raw_data()), cm(k.cd, engine, c.raw_data());
   std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
