@@ -303,6 +303,9 @@ TEST(Ops, Fp32LinearAddsItsBiasOnEitherGemmPath) {
     Tensor ref = ops::linear(x, w, b);
     Tensor got = ops::linear(x.to(DType::F32), w.to(DType::F32), b.to(DType::F32));
     expect_close(got, ref, 0, K * 6e-8 * 4, "linear with bias, " + std::to_string(M) + " rows");
+    // A bias of another dtype is converted to the output's, as it was when it was copied.
+    Tensor mixed = ops::linear(x.to(DType::F32), w.to(DType::F32), b);
+    expect_close(mixed, ref, 0, K * 6e-8 * 4, "fp32 linear with an fp64 bias, " + std::to_string(M) + " rows");
   }
 }
 

@@ -99,7 +99,9 @@ class CpuBackend final : public Backend {
   void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c, const Tensor& bias) override {
     // The matmul primitive adds the bias as it writes C; sgemm gets it written first (the
     // base class: a timed copy, then the GEMM accumulating onto it).
-    if (!cpu::gemm_on_matmul_primitive(a, ta, b, tb, c)) return Backend::gemm_bias(a, ta, b, tb, c, bias);
+    // A bias of another dtype than C's is converted by that copy too.
+    if (!cpu::gemm_on_matmul_primitive(a, ta, b, tb, c) || bias.dtype() != c.dtype() || !bias.is_contiguous())
+      return Backend::gemm_bias(a, ta, b, tb, c, bias);
     const double k = static_cast<double>(a.shape()[ta ? 0 : 1]);
     profiler::KernelScope scope("gemm", 2.0 * static_cast<double>(c.numel()) * k);
     cpu::gemm(a, ta, b, tb, c, 1.f, 0.f, bias);

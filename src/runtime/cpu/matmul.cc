@@ -173,9 +173,12 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
   const bool bf16_operands = a.dtype() == DType::BF16 && b.dtype() == DType::BF16;
   TALLY_CHECK(a.dtype() == b.dtype() && (a.dtype() == c.dtype() || (bf16_operands && c.dtype() == DType::F32)),
               "matmul: dtypes differ: ", a.str(), " @ ", b.str(), " -> ", c.str());
-  TALLY_CHECK(!bias.defined() || (bias.dim() == 1 && bias.shape()[0] == N && bias.is_contiguous() && beta == 0.f),
-              "gemm: the bias ", bias.str(), " must be a contiguous vector of the output's ", N,
-              " columns, and the output is not accumulated onto");
+  // oneDNN adds a bias before it applies alpha; sgemm's path adds it after: with alpha 1
+  // and nothing accumulated the two agree.
+  TALLY_CHECK(!bias.defined() || (bias.dim() == 1 && bias.shape()[0] == N && bias.is_contiguous() &&
+                                  bias.dtype() == c.dtype() && alpha == 1.f && beta == 0.f),
+              "gemm: the bias ", bias.str(), " must be a contiguous vector of the output's ", N, " columns in its dtype (",
+              dtype_name(c.dtype()), "), with alpha 1 and nothing accumulated");
   if (M == 0 || N == 0) return;
   if (K == 0) {
     if (bias.defined()) copy(c, bias);
