@@ -11,6 +11,13 @@ using detail::to_bf16;
 
 namespace {
 
+// out = x @ W^T (+ b in every row): a linear layer's forward GEMM, x (rows, in), W
+// (out, in), out (rows, out). The device adds the bias inside the GEMM where it can.
+void project(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& out) {
+  if (b.defined()) on(x).gemm_bias(x, false, w, true, out, materialize(b));
+  else on(x).gemm(x, false, w, true, out, 1.f, 0.f);
+}
+
 // 2-D view of batch element i of a (..., R, C) tensor (no graph).
 Tensor batch_matrix(const Tensor& t, int64_t i) {
   const int64_t nd = t.dim();
@@ -182,12 +189,7 @@ Tensor linear(const Tensor& x_in, const Tensor& w, const Tensor& b) {
   Tensor out = new_output(shape, x.dtype(), x.device(), "linear");
   Tensor out2 = make_view(out, {rows, out_f}, {out_f, 1}, 0);
   Tensor w_c = materialize(w);
-  const Tensor x2 = make_view(x, {rows, in_f}, {in_f, 1}, x.offset());
-  if (b.defined()) {
-    on(x).gemm_bias(x2, false, w_c, true, out2, materialize(b));
-  } else {
-    on(x).gemm(x2, false, w_c, true, out2, 1.f, 0.f);
-  }
+  project(make_view(x, {rows, in_f}, {in_f, 1}, x.offset()), w_c, b, out2);
   if (autograd::needs_graph({x_in, w, b})) {
     auto ctx = std::make_unique<LinearFn::Context>();
     ctx->save_for_backward({x, w_c});
@@ -250,12 +252,7 @@ Tensor linear_bf16(const Tensor& x_in, const Tensor& w, const Tensor& w_bf16, co
   shape.back() = out_f;
   Tensor out = new_output(shape, DType::F32, x_in.device(), "linear");
   Tensor out2 = make_view(out, {rows, out_f}, {out_f, 1}, 0);
-  const Tensor x2 = make_view(x_bf16, {rows, in_f}, {in_f, 1}, 0);
-  if (b.defined()) {
-    on(x_bf16).gemm_bias(x2, false, wb, true, out2, materialize(b));
-  } else {
-    on(x_bf16).gemm(x2, false, wb, true, out2, 1.f, 0.f);
-  }
+  project(make_view(x_bf16, {rows, in_f}, {in_f, 1}, 0), wb, b, out2);
   if (autograd::needs_graph({x_in, w, b})) {
     auto ctx = std::make_unique<LinearBf16Fn::Context>();
     ctx->save_for_backward({x_bf16, wb});

@@ -39,6 +39,11 @@ class CpuStream final : public Stream {
 };
 
 class CpuBackend final : public Backend {
+  // 2 M N K: a GEMM's multiply-adds, for the profiler's GFLOP/s.
+  static double gemm_flops(const Tensor& a, bool ta, const Tensor& c) {
+    return 2.0 * static_cast<double>(c.numel()) * static_cast<double>(a.shape()[ta ? 0 : 1]);
+  }
+
  public:
   CpuBackend() : allocator_(std::make_unique<CpuMemory>()) {}
 
@@ -92,18 +97,14 @@ class CpuBackend final : public Backend {
     return cpu::sum_squares(x);
   }
   void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c, float alpha, float beta) override {
-    const double k = static_cast<double>(a.shape()[ta ? 0 : 1]);
-    profiler::KernelScope scope("gemm", 2.0 * static_cast<double>(c.numel()) * k);
+    profiler::KernelScope scope("gemm", gemm_flops(a, ta, c));
     cpu::gemm(a, ta, b, tb, c, alpha, beta);
   }
   void gemm_bias(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c, const Tensor& bias) override {
-    // The matmul primitive adds the bias as it writes C; sgemm gets it written first (the
-    // base class: a timed copy, then the GEMM accumulating onto it).
-    // A bias of another dtype than C's is converted by that copy too.
-    if (!cpu::gemm_on_matmul_primitive(a, ta, b, tb, c) || bias.dtype() != c.dtype() || !bias.is_contiguous())
-      return Backend::gemm_bias(a, ta, b, tb, c, bias);
-    const double k = static_cast<double>(a.shape()[ta ? 0 : 1]);
-    profiler::KernelScope scope("gemm", 2.0 * static_cast<double>(c.numel()) * k);
+    // The matmul primitive adds the bias as it writes C. Elsewhere the base class writes
+    // it first (a timed copy, which also converts its dtype) and accumulates the GEMM.
+    if (!cpu::gemm_adds_bias(a, ta, b, tb, c, bias)) return Backend::gemm_bias(a, ta, b, tb, c, bias);
+    profiler::KernelScope scope("gemm", gemm_flops(a, ta, c));
     cpu::gemm(a, ta, b, tb, c, 1.f, 0.f, bias);
   }
   double measured_gemm_peak_flops(DType dtype) override { return cpu::measured_gemm_peak_flops(dtype); }

@@ -25,12 +25,14 @@ double sum_squares(const Tensor& x);
 
 // ---- GEMM (matmul.cc). C = alpha * op(A) @ op(B) + beta * C (+ bias in every row) for
 // 2-D strided views; fp32 and bf16 through oneDNN, fp64 with a plain loop. A bias needs
-// beta = 0.
+// alpha 1, beta 0 and gemm_adds_bias.
 void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c, float alpha = 1.f,
           float beta = 0.f, const Tensor& bias = Tensor());
-// Whether gemm() runs this on oneDNN's matmul primitive, which adds a bias in its own pass
-// over the output (sgemm and the fp64 loop write the bias first and accumulate onto it).
-bool gemm_on_matmul_primitive(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c);
+// Whether gemm() adds this bias inside the GEMM: oneDNN's matmul primitive runs it and the
+// bias is a contiguous vector in C's dtype. Elsewhere (sgemm, the fp64 loop, a bias to
+// convert) the caller writes the bias into C first and accumulates onto it.
+bool gemm_adds_bias(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c,
+                    const Tensor& bias);
 // Measured fp32 GEMM throughput of this machine in FLOP/s (cached after the first call).
 double measured_gemm_peak_flops(DType dtype);
 

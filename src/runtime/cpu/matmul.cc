@@ -148,6 +148,7 @@ void primitive_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Te
 // 130-167 GFLOP/s against 200-212 for the same shape through the primitive), while the
 // primitive is slower than sgemm for the backward's NN and TN. Small M (decoding) stays
 // on sgemm: a primitive per shape costs more than such a GEMM.
+namespace {
 bool gemm_on_matmul_primitive(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c) {
   if (a.dtype() == DType::BF16) return true;
   if (a.dtype() != DType::F32 || c.dtype() != DType::F32 || c.shape()[0] < kPrimitiveMinRows) return false;
@@ -155,6 +156,12 @@ bool gemm_on_matmul_primitive(const Tensor& a, bool transpose_a, const Tensor& b
   if (la == Layout::Strided || lb == Layout::Strided) return false;
   const bool blas_ta = transpose_a != (la == Layout::ColumnMajor), blas_tb = transpose_b != (lb == Layout::ColumnMajor);
   return !blas_ta && blas_tb;
+}
+}  // namespace
+
+bool gemm_adds_bias(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c,
+                    const Tensor& bias) {
+  return bias.dtype() == c.dtype() && bias.is_contiguous() && gemm_on_matmul_primitive(a, transpose_a, b, transpose_b, c);
 }
 
 void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c, float alpha,
@@ -173,12 +180,12 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
   const bool bf16_operands = a.dtype() == DType::BF16 && b.dtype() == DType::BF16;
   TALLY_CHECK(a.dtype() == b.dtype() && (a.dtype() == c.dtype() || (bf16_operands && c.dtype() == DType::F32)),
               "matmul: dtypes differ: ", a.str(), " @ ", b.str(), " -> ", c.str());
-  // oneDNN adds a bias before it applies alpha; sgemm's path adds it after: with alpha 1
-  // and nothing accumulated the two agree.
-  TALLY_CHECK(!bias.defined() || (bias.dim() == 1 && bias.shape()[0] == N && bias.is_contiguous() &&
-                                  bias.dtype() == c.dtype() && alpha == 1.f && beta == 0.f),
+  // The bias is oneDNN's, added before alpha would apply: alpha 1, nothing accumulated.
+  TALLY_CHECK(!bias.defined() || (bias.dim() == 1 && bias.shape()[0] == N && alpha == 1.f && beta == 0.f &&
+                                  gemm_adds_bias(a, transpose_a, b, transpose_b, c, bias)),
               "gemm: the bias ", bias.str(), " must be a contiguous vector of the output's ", N, " columns in its dtype (",
-              dtype_name(c.dtype()), "), with alpha 1 and nothing accumulated");
+              dtype_name(c.dtype()), "), with alpha 1 and nothing accumulated, on a GEMM the matmul primitive runs",
+              " (elsewhere Backend::gemm_bias writes it first)");
   if (M == 0 || N == 0) return;
   if (K == 0) {
     if (bias.defined()) copy(c, bias);
@@ -189,10 +196,6 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
     primitive_gemm(a, transpose_a, b, transpose_b, c, alpha, beta, bias);
     c.storage().bump_version();
     return;
-  }
-  if (bias.defined()) {  // the bias in every row, then accumulate the GEMM onto it
-    copy(c, bias);
-    beta = 1.f;
   }
   Operand oa = describe(a, transpose_a);
   Operand ob = describe(b, transpose_b);
