@@ -444,6 +444,61 @@ TEST(Ops, BlockedAttentionMatchesTheDefinitionAcrossManyTiles) {
   }
 }
 
+TEST(Ops, Bf16AttentionIsTheDefinitionOverBf16RoundedOperands) {
+  // Mixed precision's attention: q, k, v rounded to bf16, tile products with bf16 operands
+  // and fp32 accumulation, P and dS rounded to bf16 for the products they feed, dO once
+  // per query tile. Against the fp64 definition over the bf16-rounded q, k, v (and dO),
+  // what remains is the rounding of P, dS and dO, 2^-9 relative per entry, summed over
+  // keys or queries: each result's largest error stays within 1e-2 of its largest value
+  // (2.5 bf16 ulps; measured at most 3.5e-3, dK's, with q scaled by 3 so the softmax is
+  // far from uniform). A masking or rescaling error is of the order of the values; and the
+  // fp32 kernel on the unrounded inputs differs from this reference by more than 1e-3, so
+  // the rounding is real. Shapes
+  // as in the fp32 test: three key tiles (the last partial), GQA, a query block shorter
+  // than the keys, and q, k, v as strided slices of one fused projection.
+  struct Case {
+    int64_t Tq, Tk;
+  };
+  for (const Case c : {Case{300, 300}, Case{130, 300}, Case{1, 257}}) {
+    const int64_t B = 2, H = 4, KV = 2, D = 16;
+    Tensor qkv = test::random_tensor({B, c.Tk, H + 2 * KV, D}, 74).to(DType::F32);
+    Tensor q = ops::scale(qkv.slice(2, 0, H).slice(1, c.Tk - c.Tq, c.Tk), 3.0).detach();
+    Tensor k = qkv.slice(2, H, H + KV), v = qkv.slice(2, H + KV, H + 2 * KV);
+    Tensor dout = test::random_tensor({B, c.Tq, H, D}, 75).to(DType::F32);
+    ASSERT_FALSE(k.is_contiguous());
+    for (Tensor* t : {&q, &k, &v}) t->set_requires_grad(true);
+    Tensor out = ops::causal_attention_bf16(q, k, v);
+    ASSERT_EQ(out.dtype(), DType::F32);
+    autograd::backward({out}, {dout});
+    auto rounded = [](const Tensor& t) { return t.detach().to(DType::BF16).to(DType::F64); };
+    const AttentionReference r = attention_by_definition(rounded(q), rounded(k), rounded(v), rounded(dout));
+    const std::string tag = "Tq " + std::to_string(c.Tq) + " Tk " + std::to_string(c.Tk);
+    const std::vector<std::pair<const char*, test::Diff>> diffs = {
+        {"out", test::compare(out, Tensor::from_vector(r.out, out.shape()))},
+        {"dq", test::compare(q.grad(), Tensor::from_vector(r.dq, q.shape()))},
+        {"dk", test::compare(k.grad(), Tensor::from_vector(r.dk, k.shape()))},
+        {"dv", test::compare(v.grad(), Tensor::from_vector(r.dv, v.shape()))}};
+    for (const auto& [name, d] : diffs) {
+      std::printf("%s %s: largest error %.2g, largest value %.2g\n", tag.c_str(), name, d.max_abs, d.ref_scale);
+      EXPECT_LE(d.max_abs, 1e-2 * d.ref_scale) << tag << " " << name;
+    }
+    for (Tensor* t : {&q, &k, &v}) EXPECT_EQ(t->grad().dtype(), DType::F32) << tag;
+    if (c.Tq > 1) {
+      const test::Diff fp32 = test::compare(ops::causal_attention(q.detach(), k.detach(), v.detach()),
+                                            Tensor::from_vector(r.out, out.shape()));
+      EXPECT_GT(fp32.max_abs, 1e-3) << tag << ": the fp32 kernel should differ from the rounded reference";
+    }
+  }
+  // bf16 inputs to the fp32 op are refused with the dtypes named.
+  Tensor qb = test::random_tensor({1, 4, 2, 8}, 76).to(DType::BF16);
+  try {
+    ops::causal_attention(qb, qb, qb);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp32 outputs"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Ops, ChunkedLinearCrossEntropyEqualsTheHeadThenTheLoss) {
   // The same math as cross_entropy(linear(x, W)), only in chunks of rows: the chunks change
   // nothing but GEMM blocking, so fp32 results agree to accumulation order (1e-6 on values

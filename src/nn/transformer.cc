@@ -531,6 +531,11 @@ Tensor Transformer::linear(const Tensor& x, size_t weight, size_t bias) const {
   return ops::linear(x, params_[weight], param(bias));
 }
 
+Tensor Transformer::attention(const Tensor& q, const Tensor& k, const Tensor& v) const {
+  if (matmul_dtype_ == DType::BF16) return ops::causal_attention_bf16(q, k, v);
+  return ops::causal_attention(q, k, v);
+}
+
 Tensor Transformer::row_linear(const Tensor& x, size_t weight, size_t bias) const {
   if (!tp_ops_) return linear(x, weight, bias);
   Tensor partial = linear(x, weight, kAbsent);
@@ -576,8 +581,9 @@ Tensor Transformer::layer_body(int64_t l, const Tensor& input, int64_t start, Kv
     if (c.is_llama()) {
       q = ops::rotary(q, inv_freq_, start);
       k = ops::rotary(k, inv_freq_, start);
-      // v's own copy: saving the view would keep all of qkv alive until backward.
-      v = ops::contiguous(v);
+      // v's own copy: saving the view would keep all of qkv alive until backward. (Mixed
+      // precision's attention saves a bf16 copy of its own.)
+      if (matmul_dtype_ != DType::BF16 || cache) v = ops::contiguous(v);
     }
     if (cache) {
       // Append this call's keys and values, then attend over everything cached.
@@ -590,10 +596,10 @@ Tensor Transformer::layer_body(int64_t l, const Tensor& input, int64_t start, Kv
     if (recompute_ == Recompute::Selective && autograd::grad_enabled()) {
       // The attention core keeps q, k, v (views of the projection it needs anyway) and
       // recomputes its output and log-sum-exp in backward.
-      a = autograd::checkpoint([](const std::vector<Tensor>& in) { return ops::causal_attention(in[0], in[1], in[2]); },
+      a = autograd::checkpoint([this](const std::vector<Tensor>& in) { return attention(in[0], in[1], in[2]); },
                                {q, k, v});
     } else {
-      a = ops::causal_attention(q, k, v);
+      a = attention(q, k, v);
     }
     a = a.view({B, T, H * D});
     x = ops::add(x, row_linear(a, p.attprojw, p.attprojb));

@@ -165,8 +165,9 @@ class Transformer {
   TensorParallelOps* tensor_parallel() const { return tp_ops_; }
   // Mixed precision: with BF16 every projection (qkv, attention output, MLP, head) runs
   // its GEMMs in bf16 over a bf16 copy of the parameters that the store keeps current
-  // (ParameterStore::enable_compute_copy, 2 bytes per parameter); norms, attention,
-  // softmax, the loss, gradients and the optimizer stay fp32. F32 (the default): off.
+  // (ParameterStore::enable_compute_copy, 2 bytes per parameter), and attention's tile
+  // products take bf16 q, k, v (ops::causal_attention_bf16); norms, attention's softmax,
+  // the loss, gradients and the optimizer stay fp32. F32 (the default): off.
   // Needs the parameter block resident (not with ZeRO-3).
   void set_matmul_dtype(DType dtype);
   DType matmul_dtype() const { return matmul_dtype_; }
@@ -233,6 +234,8 @@ class Transformer {
   Tensor row_linear(const Tensor& x, size_t weight, size_t bias) const;
   // x W^T + b for parameters `weight` and `bias` (kAbsent: none), in the matmul dtype.
   Tensor linear(const Tensor& x, size_t weight, size_t bias) const;
+  // Causal attention over q, k, v, its tile products in the matmul dtype.
+  Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v) const;
 
   struct LayoutOnly {};
   Transformer(const TransformerConfig& config, ModelShard shard, LayoutOnly);

@@ -105,12 +105,13 @@ struct SoftmaxFn {
 
 struct AttentionFn {
   static constexpr const char* kName = "causal_attention";
-  using Context = autograd::Context;  // saved: q, k, v, out, lse
+  using Context = autograd::Context;  // saved: q, k, v (fp32, or bf16 copies), out, lse
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor q = ctx.saved(0), k = ctx.saved(1), v = ctx.saved(2), out = ctx.saved(3), lse = ctx.saved(4);
-    Tensor dq = Tensor::zeros(q.shape(), q.dtype(), q.device());
-    Tensor dk = Tensor::zeros(k.shape(), k.dtype(), k.device());
-    Tensor dv = Tensor::zeros(v.shape(), v.dtype(), v.device());
+    // The gradients take the output's dtype: q, k, v may be saved rounded to bf16.
+    Tensor dq = Tensor::zeros(q.shape(), out.dtype(), q.device());
+    Tensor dk = Tensor::zeros(k.shape(), out.dtype(), k.device());
+    Tensor dv = Tensor::zeros(v.shape(), out.dtype(), v.device());
     on(dq).attention_backward(dq, dk, dv, materialize(grads[0]), q, k, v, out, lse);
     return {dq, dk, dv};
   }
@@ -313,21 +314,33 @@ Tensor softmax(const Tensor& x_in) {
   return out;
 }
 
-Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in) {
-  detail::require_same_device("causal_attention", {&q_in, &k_in, &v_in});
-  TALLY_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4, "causal_attention: q, k, v must be (B,T,heads,D), got ",
+namespace {
+// causal_attention's checks, then the kernel over q, k, v in `operand` dtype (fp32 inputs
+// rounded to bf16 for mixed precision), the output and statistics in q's.
+Tensor attention(const char* op, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, DType operand) {
+  detail::require_same_device(op, {&q_in, &k_in, &v_in});
+  TALLY_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4, op, ": q, k, v must be (B,T,heads,D), got ",
               q_in.str(), ", ", k_in.str(), ", ", v_in.str());
-  TALLY_CHECK(k_in.shape() == v_in.shape(), "causal_attention: k ", k_in.str(), " and v ", v_in.str(), " differ in shape");
+  TALLY_CHECK(k_in.shape() == v_in.shape(), op, ": k ", k_in.str(), " and v ", v_in.str(), " differ in shape");
   const int64_t B = q_in.shape()[0], T = q_in.shape()[1], H = q_in.shape()[2], D = q_in.shape()[3];
   TALLY_CHECK(k_in.shape()[0] == B && k_in.shape()[1] >= T && k_in.shape()[3] == D,
-              "causal_attention: k ", k_in.str(), " does not match q ", q_in.str(), " (k may be longer, never shorter)");
+              op, ": k ", k_in.str(), " does not match q ", q_in.str(), " (k may be longer, never shorter)");
   const int64_t KV = k_in.shape()[2];
-  TALLY_CHECK(KV > 0 && H % KV == 0, "causal_attention: ", H, " query heads are not a multiple of ", KV, " kv heads");
-  // Kernels need contiguous head vectors; other strides are read in place.
-  auto last_contig = [](const Tensor& t) { return t.strides()[3] == 1 ? t : materialize(t); };
-  Tensor q = last_contig(q_in), k = last_contig(k_in), v = last_contig(v_in);
-  Tensor out = new_output({B, T, H, D}, q.dtype(), q.device(), "attention");
-  Tensor lse = new_output({B, H, T}, q.dtype(), q.device(), "attention_lse");
+  TALLY_CHECK(KV > 0 && H % KV == 0, op, ": ", H, " query heads are not a multiple of ", KV, " kv heads");
+  Tensor q, k, v;
+  if (operand == q_in.dtype()) {
+    // Kernels need contiguous head vectors; other strides are read in place.
+    auto last_contig = [](const Tensor& t) { return t.strides()[3] == 1 ? t : materialize(t); };
+    q = last_contig(q_in), k = last_contig(k_in), v = last_contig(v_in);
+  } else {
+    TALLY_CHECK(q_in.dtype() == DType::F32 && k_in.dtype() == DType::F32 && v_in.dtype() == DType::F32, op,
+                ": expected fp32 q, k, v, got ", q_in.str(), ", ", k_in.str(), ", ", v_in.str());
+    q = detail::to_bf16(q_in, "attention_q_bf16");
+    k = detail::to_bf16(k_in, "attention_k_bf16");
+    v = detail::to_bf16(v_in, "attention_v_bf16");
+  }
+  Tensor out = new_output({B, T, H, D}, q_in.dtype(), q.device(), "attention");
+  Tensor lse = new_output({B, H, T}, q_in.dtype(), q.device(), "attention_lse");
   on(out).attention_forward(out, lse, q, k, v);
   if (autograd::needs_graph({q_in, k_in, v_in})) {
     auto ctx = std::make_unique<AttentionFn::Context>();
@@ -335,6 +348,15 @@ Tensor causal_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     autograd::record<AttentionFn>(std::move(ctx), {q_in, k_in, v_in}, {out});
   }
   return out;
+}
+}  // namespace
+
+Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
+  return attention("causal_attention", q, k, v, q.dtype());
+}
+
+Tensor causal_attention_bf16(const Tensor& q, const Tensor& k, const Tensor& v) {
+  return attention("causal_attention_bf16", q, k, v, DType::BF16);
 }
 
 Tensor cross_entropy(const Tensor& logits_in, const Tensor& targets_in, int64_t valid_vocab) {

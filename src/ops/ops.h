@@ -64,6 +64,11 @@ Tensor softmax(const Tensor& x);  // over the last dimension
 // Returns (B,Tq,H,D). Keeps only the output and a (B,H,T) log-sum-exp for backward,
 // never the (B,H,T,T) probabilities.
 Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v);
+// Mixed precision: causal_attention of fp32 q, k, v with its tile products in bf16 (fp32
+// accumulation), as PyTorch's autocast runs attention's matmuls. q, k and v are rounded
+// to bf16 and saved so (half of fp32's bytes); P and dS are rounded per tile for the
+// products they feed. The softmax statistics, the output and the gradients stay fp32.
+Tensor causal_attention_bf16(const Tensor& q, const Tensor& k, const Tensor& v);
 // Mean cross-entropy of logits (N, Vp) against targets (N) over the first `valid_vocab`
 // columns (the rest are padding and get zero gradient). Targets < 0 are ignored.
 // The (N, Vp) probabilities are never stored: backward recomputes them row by row.

@@ -73,7 +73,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
     plan.activations_by_kind.emplace_back(kind, checked_product({per_token, BT, bytes}, "plan: activations"));
   };
   const bool bf16 = in.bf16;
-  // A projection's saved input: fp32, or its bf16 copy under mixed precision.
+  // A projection's saved input, and attention's q, k, v: fp32, or bf16 copies under mixed
+  // precision.
   const int64_t proj_bytes = bf16 ? 2 : kFloat;
   const char* proj = bf16 ? " (bf16 copies the projections keep)" : "";
   act("residual stream (x, x + attention)", 2 * C * L);
@@ -84,7 +85,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
     // bf16: the second output feeds gate and up, and each keeps its own copy.
     act(std::string("RMSNorm outputs") + proj, (bf16 ? 3 : 2) * C * L, proj_bytes);
     act("RMSNorm rstd", 2 * L);
-    act("q and k after rotary, v", (C + 2 * KVD) * L);
+    act(std::string("q and k after rotary, v") + (bf16 ? " (attention's bf16 copies)" : ""), (C + 2 * KVD) * L,
+        proj_bytes);
     act("attention output", C * L);
     if (bf16) act("attention output (the output projection's bf16 copy)", C * L, 2);
     act("attention log-sum-exp", H * L);
@@ -93,7 +95,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
   } else {
     act(std::string("layernorm outputs") + proj, 2 * C * L, proj_bytes);
     act("layernorm mean and rstd", 4 * L);
-    act("q, k, v", 3 * C * L);
+    act(std::string("q, k, v") + (bf16 ? " (attention's bf16 copies)" : ""), 3 * C * L, proj_bytes);
     act("attention output", C * L);
     if (bf16) act("attention output (the output projection's bf16 copy)", C * L, 2);
     act("attention log-sum-exp", H * L);

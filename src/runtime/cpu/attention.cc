@@ -13,6 +13,11 @@
 // Queries may be fewer than keys (decoding with a KV cache): q holds the last Tq of Tk
 // positions, so query row t sits at position t + Tk - Tq and sees keys j <= that.
 //
+// Mixed precision: q, k and v may be bf16 (the output, lse and every gradient stay fp32).
+// The tile GEMMs then take bf16 operands with fp32 accumulation, as the projections'
+// GEMMs do: P and dS are rounded to bf16 for the products they feed, dO once per query
+// tile; the softmax statistics, D and every sum stay fp32.
+//
 // Forward runs (batch, head, query tile) items in parallel. Backward runs (batch, kv head)
 // items: the query heads that share a kv head (GQA) and every tile of them run in the same
 // thread, so dq, dk and dv accumulate without races or per-thread copies.
@@ -21,6 +26,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "runtime/cpu/kernels.h"
@@ -67,6 +73,50 @@ void tile_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, 
     }
 }
 
+void tile_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const BFloat16* a, int64_t lda,
+               const BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  tile_gemm_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+// A (rows x cols, row stride ld) tile of T as a GEMM operand of type In, with its row
+// stride: the tile itself when In is T, else rounded into `scratch` with rows of `cols`.
+template <class In> struct TileOperand {
+  const In* data;
+  int64_t ld;
+};
+template <class In, class T>
+TileOperand<In> as_operand(const T* tile, int64_t ld, int64_t rows, int64_t cols, std::vector<In>& scratch) {
+  if constexpr (std::is_same_v<In, T>) {
+    return {tile, ld};
+  } else {
+    In* out = scratch.data();
+    for (int64_t i = 0; i < rows; ++i) {
+      const T* src = tile + i * ld;
+      In* dst = out + i * cols;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) dst[c].bits = bf16_round_bits(src[c]);
+    }
+    return {out, cols};
+  }
+}
+
+// Scratch for as_operand: none when no rounding is needed.
+template <class In, class T> std::vector<In> operand_scratch(int64_t elements) {
+  return std::vector<In>(std::is_same_v<In, T> ? 0 : static_cast<size_t>(elements));
+}
+
+// Runs `body` with In = the storage type of q, k, v and T = that of everything else:
+// (float, float), (double, double), or (BFloat16, float) for mixed precision.
+template <class F> void dispatch_attention(const Tensor& q, const Tensor& out, const char* what, F&& body) {
+  if (q.dtype() == DType::BF16) {
+    TALLY_CHECK(out.dtype() == DType::F32, what, ": bf16 q, k, v need fp32 outputs and gradients, got ", out.str());
+    body(BFloat16{}, float{});
+    return;
+  }
+  TALLY_CHECK(q.dtype() == out.dtype(), what, ": q ", q.str(), " and output ", out.str(), " differ in dtype");
+  dispatch_floating(q.dtype(), what, [&](auto tag) { body(tag, tag); });
+}
+
 template <class T> inline T dot(const T* a, const T* b, int64_t n) {
   T s = 0;
 #pragma omp simd reduction(+ : s)
@@ -82,11 +132,12 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
   const Geometry g = geometry(q, k, v);
   const int64_t group = g.H / g.KV;
   const int64_t q_tiles = (g.Tq + kBlockQ - 1) / kBlockQ;
-  dispatch_floating(q.dtype(), "attention", [&](auto tag) {
+  dispatch_attention(q, out, "attention", [&](auto in_tag, auto tag) {
+    using In = decltype(in_tag);
     using T = decltype(tag);
-    const T* pq = q.data<T>();
-    const T* pk = k.data<T>();
-    const T* pv = v.data<T>();
+    const In* pq = q.data<In>();
+    const In* pk = k.data<In>();
+    const In* pv = v.data<In>();
     T* po = out.data<T>();  // contiguous (B, Tq, H, D)
     T* pl = lse.data<T>();  // (B, H, Tq)
     const T scale = T(1) / std::sqrt(static_cast<T>(g.D));
@@ -98,20 +149,21 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
     {
       std::vector<T> s(static_cast<size_t>(kBlockQ * kBlockK)), acc(static_cast<size_t>(kBlockQ * g.D));
       std::vector<T> m(kBlockQ), l(kBlockQ);
+      std::vector<In> p_rounded = operand_scratch<In, T>(kBlockQ * kBlockK);
       // Later query tiles see more keys: hand items out dynamically, longest first.
 #pragma omp for schedule(dynamic, 1)
       for (int64_t item = 0; item < items; ++item) {
         const int64_t tile = q_tiles - 1 - item % q_tiles, bh = item / q_tiles, b = bh / g.H, h = bh % g.H;
         const int64_t kvh = h / group;
         const int64_t t0 = tile * kBlockQ, rows = std::min(kBlockQ, g.Tq - t0);
-        const T* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
+        const In* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
         std::fill(m.begin(), m.end(), neg_inf);
         std::fill(l.begin(), l.end(), T(0));
         std::fill(acc.begin(), acc.end(), T(0));
         const int64_t seen = keys_seen(t0, rows, offset);
         for (int64_t j0 = 0; j0 < seen; j0 += kBlockK) {
           const int64_t cols = std::min(kBlockK, seen - j0);
-          const T* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
+          const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
           tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), s.data(), kBlockK);
           for (int64_t i = 0; i < rows; ++i) {
             T* srow = s.data() + i * kBlockK;
@@ -133,8 +185,9 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
             if (rescale != T(1))
               for (int64_t d = 0; d < g.D; ++d) arow[d] *= rescale;
           }
-          const T* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
-          tile_gemm(false, false, rows, g.D, cols, T(1), s.data(), kBlockK, vtile, g.vt, T(1), acc.data(), g.D);
+          const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
+          const TileOperand<In> p = as_operand(s.data(), kBlockK, rows, cols, p_rounded);
+          tile_gemm(false, false, rows, g.D, cols, T(1), p.data, p.ld, vtile, g.vt, T(1), acc.data(), g.D);
         }
         for (int64_t i = 0; i < rows; ++i) {
           const T inv = T(1) / l[i];
@@ -152,11 +205,12 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse) {
   const Geometry g = geometry(q, k, v);
   const int64_t group = g.H / g.KV;
-  dispatch_floating(q.dtype(), "attention backward", [&](auto tag) {
+  dispatch_attention(q, dq, "attention backward", [&](auto in_tag, auto tag) {
+    using In = decltype(in_tag);
     using T = decltype(tag);
-    const T* pq = q.data<T>();
-    const T* pk = k.data<T>();
-    const T* pv = v.data<T>();
+    const In* pq = q.data<In>();
+    const In* pk = k.data<In>();
+    const In* pv = v.data<In>();
     const T* po = out.data<T>();
     const T* pdo = dout.data<T>();
     const T* pl = lse.data<T>();
@@ -171,6 +225,9 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
     {
       std::vector<T> p(static_cast<size_t>(kBlockQ * kBlockK)), dp(static_cast<size_t>(kBlockQ * kBlockK));
       std::vector<T> delta(static_cast<size_t>(g.Tq));
+      std::vector<In> p_rounded = operand_scratch<In, T>(kBlockQ * kBlockK);
+      std::vector<In> ds_rounded = operand_scratch<In, T>(kBlockQ * kBlockK);
+      std::vector<In> do_rounded = operand_scratch<In, T>(kBlockQ * g.D);
 #pragma omp for collapse(2) schedule(static)
       for (int64_t b = 0; b < g.B; ++b)
         for (int64_t kvh = 0; kvh < g.KV; ++kvh)
@@ -182,14 +239,15 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
             }
             for (int64_t t0 = 0; t0 < g.Tq; t0 += kBlockQ) {
               const int64_t rows = std::min(kBlockQ, g.Tq - t0);
-              const T* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
-              const T* dotile = pdo + ((b * g.Tq + t0) * g.H + h) * g.D;
+              const In* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
+              const TileOperand<In> dotile =
+                  as_operand(pdo + ((b * g.Tq + t0) * g.H + h) * g.D, ld_q, rows, g.D, do_rounded);
               T* dqtile = pdq + ((b * g.Tq + t0) * g.H + h) * g.D;
               const int64_t seen = keys_seen(t0, rows, offset);
               for (int64_t j0 = 0; j0 < seen; j0 += kBlockK) {
                 const int64_t cols = std::min(kBlockK, seen - j0);
-                const T* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
-                const T* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
+                const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
+                const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
                 T* dktile = pdk + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
                 T* dvtile = pdv + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
                 // P = exp(scale Q K^T - lse), masked
@@ -202,8 +260,9 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                   for (int64_t c = 0; c < cols; ++c) prow[c] = c <= last ? vexp(prow[c] - li) : T(0);
                 }
                 // dV += P^T dO;  dP = dO V^T
-                tile_gemm(true, false, cols, g.D, rows, T(1), p.data(), kBlockK, dotile, ld_q, T(1), dvtile, ld_kv);
-                tile_gemm(false, true, rows, cols, g.D, T(1), dotile, ld_q, vtile, g.vt, T(0), dp.data(), kBlockK);
+                const TileOperand<In> pt = as_operand(p.data(), kBlockK, rows, cols, p_rounded);
+                tile_gemm(true, false, cols, g.D, rows, T(1), pt.data, pt.ld, dotile.data, dotile.ld, T(1), dvtile, ld_kv);
+                tile_gemm(false, true, rows, cols, g.D, T(1), dotile.data, dotile.ld, vtile, g.vt, T(0), dp.data(), kBlockK);
                 // dS = P o (dP - D), in place of dP (masked entries have P = 0)
                 for (int64_t i = 0; i < rows; ++i) {
                   const T* prow = p.data() + i * kBlockK;
@@ -213,8 +272,9 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                   for (int64_t c = 0; c < cols; ++c) dsrow[c] = prow[c] * (dsrow[c] - di);
                 }
                 // dQ += scale dS K;  dK += scale dS^T Q
-                tile_gemm(false, false, rows, g.D, cols, scale, dp.data(), kBlockK, ktile, g.kt, T(1), dqtile, ld_q);
-                tile_gemm(true, false, cols, g.D, rows, scale, dp.data(), kBlockK, qtile, g.qt, T(1), dktile, ld_kv);
+                const TileOperand<In> ds = as_operand(dp.data(), kBlockK, rows, cols, ds_rounded);
+                tile_gemm(false, false, rows, g.D, cols, scale, ds.data, ds.ld, ktile, g.kt, T(1), dqtile, ld_q);
+                tile_gemm(true, false, cols, g.D, rows, scale, ds.data, ds.ld, qtile, g.qt, T(1), dktile, ld_kv);
               }
             }
           }

@@ -5,9 +5,11 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <array>
+#include <bit>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -216,6 +218,62 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
     default: TALLY_FAIL("matmul: dtype ", dtype_name(c.dtype()), " is not supported on CPU (float32, bfloat16, float64)");
   }
   c.storage().bump_version();
+}
+
+// A bf16 tile GEMM for kernels that run their own OpenMP threads (attention): oneDNN's
+// bf16 GEMM is reachable only through the matmul primitive, and a primitive executed
+// inside a parallel region runs on the calling thread. Each thread keeps its own
+// primitives, stream and scratchpad (user-managed, so no two threads share oneDNN's), keyed
+// by the tile's shape, layout, alpha and beta: an attention call uses at most a few dozen.
+void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
+                    const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  using dnnl::memory;
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  struct Tile {
+    memory::desc ad, bd, cd;
+    dnnl::matmul primitive;
+    std::vector<char> scratchpad;
+  };
+  // The key: shape, layout, leading dimensions, and alpha's and beta's bits.
+  using Key = std::array<int64_t, 10>;
+  struct ThreadState {
+    dnnl::stream stream{engine};
+    std::map<Key, Tile> tiles;
+  };
+  static thread_local ThreadState state;
+  const Key key = {m, n, k, transpose_a, transpose_b, lda, ldb, ldc, std::bit_cast<int32_t>(alpha),
+                   std::bit_cast<int32_t>(beta)};
+  auto it = state.tiles.find(key);
+  if (it == state.tiles.end()) {
+    // Row-major operands; a transposed one is described by swapping its strides.
+    auto desc = [](int64_t rows, int64_t cols, bool transposed, int64_t ld, memory::data_type type) {
+      return memory::desc({rows, cols}, type, transposed ? memory::dims{1, ld} : memory::dims{ld, 1});
+    };
+    memory::desc ad = desc(m, k, transpose_a, lda, memory::data_type::bf16);
+    memory::desc bd = desc(k, n, transpose_b, ldb, memory::data_type::bf16);
+    memory::desc cd = desc(m, n, false, ldc, memory::data_type::f32);
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    if (alpha != 1.f) attr.set_output_scales(0, {alpha});
+    if (beta != 0.f) {
+      dnnl::post_ops po;
+      po.append_sum(beta);
+      attr.set_post_ops(po);
+    }
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), attr, engine);
+    if (state.tiles.size() >= 256) state.tiles.clear();  // decoding's growing shapes: keep it bounded
+    it = state.tiles.emplace(key, Tile{ad, bd, cd, dnnl::matmul(pd), std::vector<char>(pd.scratchpad_desc().get_size())})
+             .first;
+  }
+  Tile& t = it->second;
+  memory am(t.ad, engine, const_cast<BFloat16*>(a)), bm(t.bd, engine, const_cast<BFloat16*>(b)), cm(t.cd, engine, c);
+  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+  if (!t.scratchpad.empty())
+    args.emplace(DNNL_ARG_SCRATCHPAD, memory(dnnl::memory::desc({static_cast<int64_t>(t.scratchpad.size())},
+                                                                memory::data_type::u8, memory::dims{1}),
+                                             engine, t.scratchpad.data()));
+  t.primitive.execute(state.stream, args);
+  state.stream.wait();
 }
 
 namespace {
