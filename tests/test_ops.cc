@@ -7,6 +7,7 @@
 // differences with eps 1e-6: truncation error ~eps^2 and rounding ~1e-16/eps, so a
 // relative error above 1e-6 means a wrong gradient.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include "autograd/engine.h"
 #include "io/safetensors.h"
@@ -77,6 +78,28 @@ TEST(OpsVsTorch, SumOverDim) {
   Tensor x = input("sum_dim.x");
   check_case("sum_dim", ops::sum(x, {1}), {{"x", x}});
 }
+TEST(Ops, SumOverRowsIsRoundedOnceAndTheSameOnAnyThreadCount) {
+  // The bias gradient's reduction, (rows, C) -> (C): fp64 partials over blocks of rows, in
+  // a fixed order, rounded to fp32 once. So each sum is the fp64 sum of the fp32 values
+  // rounded (within an fp32 ulp: 1.2e-7 relative), and one thread or two give the same
+  // bits. 1030 rows (not a multiple of the 64-row blocks or of the 4-row passes), wide
+  // enough to run threaded, and a width (97) no vector length divides.
+  Tensor x = test::random_tensor({1030, 97}, 90).to(DType::F32);
+  const auto xs = x.to_vector<float>();
+  std::vector<double> exact(97, 0.0);
+  for (size_t i = 0; i < xs.size(); ++i) exact[i % 97] += xs[i];
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const auto one = ops::sum(x, {0}).to_vector<float>();
+  omp_set_num_threads(2);
+  const auto two = ops::sum(x, {0}).to_vector<float>();
+  omp_set_num_threads(threads);
+  for (size_t j = 0; j < exact.size(); ++j) {
+    EXPECT_NEAR(one[j], exact[j], 1.2e-7 * std::abs(exact[j]) + 1e-12) << "column " << j;
+    EXPECT_EQ(one[j], two[j]) << "column " << j << ": the thread count changed the sum";
+  }
+}
+
 TEST(OpsVsTorch, SumAll) {
   Tensor x = input("sum_all.x");
   check_case("sum_all", ops::sum(x), {{"x", x}});
