@@ -12,8 +12,9 @@ Regenerate with
     /usr/bin/python3 scripts/gen_bf16_reference.py
 
 Autocast runs every linear and matmul (the attention's too) with bf16 operands and bf16
-outputs; LayerNorm, softmax and the loss in fp32. tally rounds the same operands but keeps
-fp32 outputs and its attention in fp32, so the two agree to bf16 rounding, not bit for bit:
+outputs; LayerNorm, softmax and the loss in fp32. tally rounds the same operands (its
+attention's q, k, v, P, dS and dO too) but keeps fp32 outputs and accumulates its blocked
+attention in fp32, so the two agree to bf16 rounding, not bit for bit:
 the test states its tolerance per quantity.
 """
 import os

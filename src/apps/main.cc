@@ -92,8 +92,8 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
   t->add_option("--bucket-mb", c.bucket_mb, "Gradient all-reduce bucket size in MiB (data parallel, ZeRO-1)")->capture_default_str();
   t->add_flag("--log-json-all-ranks", c.log_json_all_ranks, "Also write <log-json>.rank<R> on every rank");
   t->add_option("--dtype", c.dtype,
-                "GEMM precision: fp32, or bf16 (mixed precision: bf16 GEMM operands, fp32 master weights, "
-                "gradients, optimizer state, norms, attention and loss)")
+                "GEMM precision: fp32, or bf16 (mixed precision: bf16 operands for the projections' and "
+                "attention's products; fp32 master weights, gradients, optimizer state, norms, softmax and loss)")
       ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   t->add_flag("--chunked-loss", c.chunked_loss,
               "Fuse the LM head with the loss in chunks of rows, so the (batch x seq, vocab) logits are never all "

@@ -531,9 +531,9 @@ Tensor Transformer::linear(const Tensor& x, size_t weight, size_t bias) const {
   return ops::linear(x, params_[weight], param(bias));
 }
 
-Tensor Transformer::attention(const Tensor& q, const Tensor& k, const Tensor& v) const {
-  if (matmul_dtype_ == DType::BF16) return ops::causal_attention_bf16(q, k, v);
-  return ops::causal_attention(q, k, v);
+Tensor Transformer::attention(const Tensor& q, const Tensor& k, const Tensor& v, bool recompute) const {
+  if (matmul_dtype_ == DType::BF16) return ops::causal_attention_bf16(q, k, v, recompute);
+  return ops::causal_attention(q, k, v, recompute);
 }
 
 Tensor Transformer::row_linear(const Tensor& x, size_t weight, size_t bias) const {
@@ -582,8 +582,8 @@ Tensor Transformer::layer_body(int64_t l, const Tensor& input, int64_t start, Kv
       q = ops::rotary(q, inv_freq_, start);
       k = ops::rotary(k, inv_freq_, start);
       // v's own copy: saving the view would keep all of qkv alive until backward. (Mixed
-      // precision's attention saves a bf16 copy of its own.)
-      if (matmul_dtype_ != DType::BF16 || cache) v = ops::contiguous(v);
+      // precision's attention saves a bf16 copy of its own; a cache copies v in anyway.)
+      if (matmul_dtype_ != DType::BF16 && !cache) v = ops::contiguous(v);
     }
     if (cache) {
       // Append this call's keys and values, then attend over everything cached.
@@ -592,16 +592,10 @@ Tensor Transformer::layer_body(int64_t l, const Tensor& input, int64_t start, Kv
       k = cache->k[l].slice(1, 0, start + T);
       v = cache->v[l].slice(1, 0, start + T);
     }
-    Tensor a;
-    if (recompute_ == Recompute::Selective && autograd::grad_enabled()) {
-      // The attention core keeps q, k, v (views of the projection it needs anyway) and
-      // recomputes its output and log-sum-exp in backward.
-      a = autograd::checkpoint([this](const std::vector<Tensor>& in) { return attention(in[0], in[1], in[2]); },
-                               {q, k, v});
-    } else {
-      a = attention(q, k, v);
-    }
-    a = a.view({B, T, H * D});
+    // Selective recomputation: the attention core keeps only q, k, v (fp32 views of the
+    // projection, or under bf16 its own bf16 copies) and runs its forward again in backward
+    // for the output and log-sum-exp.
+    Tensor a = attention(q, k, v, recompute_ == Recompute::Selective).view({B, T, H * D});
     x = ops::add(x, row_linear(a, p.attprojw, p.attprojb));
   }
   {

@@ -234,8 +234,9 @@ class Transformer {
   Tensor row_linear(const Tensor& x, size_t weight, size_t bias) const;
   // x W^T + b for parameters `weight` and `bias` (kAbsent: none), in the matmul dtype.
   Tensor linear(const Tensor& x, size_t weight, size_t bias) const;
-  // Causal attention over q, k, v, its tile products in the matmul dtype.
-  Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v) const;
+  // Causal attention over q, k, v, its tile products in the matmul dtype; `recompute`:
+  // its output is made again in backward (selective recomputation).
+  Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool recompute) const;
 
   struct LayoutOnly {};
   Transformer(const TransformerConfig& config, ModelShard shard, LayoutOnly);

@@ -105,13 +105,25 @@ struct SoftmaxFn {
 
 struct AttentionFn {
   static constexpr const char* kName = "causal_attention";
-  using Context = autograd::Context;  // saved: q, k, v (fp32, or bf16 copies), out, lse
+  // saved: q, k, v (fp32, or bf16 copies), then out and lse unless they are recomputed
+  struct Context : autograd::Context {
+    DType out_dtype;  // the output's and the gradients' dtype (q, k, v may be bf16)
+    bool recompute;
+  };
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
-    Tensor q = ctx.saved(0), k = ctx.saved(1), v = ctx.saved(2), out = ctx.saved(3), lse = ctx.saved(4);
-    // The gradients take the output's dtype: q, k, v may be saved rounded to bf16.
-    Tensor dq = Tensor::zeros(q.shape(), out.dtype(), q.device());
-    Tensor dk = Tensor::zeros(k.shape(), out.dtype(), k.device());
-    Tensor dv = Tensor::zeros(v.shape(), out.dtype(), v.device());
+    Tensor q = ctx.saved(0), k = ctx.saved(1), v = ctx.saved(2), out, lse;
+    if (ctx.recompute) {
+      // Selective recomputation: the forward again, from the saved q, k, v.
+      const int64_t B = q.shape()[0], T = q.shape()[1], H = q.shape()[2];
+      out = Tensor::empty({B, T, H, q.shape()[3]}, ctx.out_dtype, q.device(), current_owner("attention_recomputed"));
+      lse = Tensor::empty({B, H, T}, ctx.out_dtype, q.device(), current_owner("attention_lse_recomputed"));
+      on(out).attention_forward(out, lse, q, k, v);
+    } else {
+      out = ctx.saved(3), lse = ctx.saved(4);
+    }
+    Tensor dq = Tensor::zeros(q.shape(), ctx.out_dtype, q.device());
+    Tensor dk = Tensor::zeros(k.shape(), ctx.out_dtype, k.device());
+    Tensor dv = Tensor::zeros(v.shape(), ctx.out_dtype, v.device());
     on(dq).attention_backward(dq, dk, dv, materialize(grads[0]), q, k, v, out, lse);
     return {dq, dk, dv};
   }
@@ -317,7 +329,8 @@ Tensor softmax(const Tensor& x_in) {
 namespace {
 // causal_attention's checks, then the kernel over q, k, v in `operand` dtype (fp32 inputs
 // rounded to bf16 for mixed precision), the output and statistics in q's.
-Tensor attention(const char* op, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, DType operand) {
+Tensor attention(const char* op, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, DType operand,
+                 bool recompute) {
   detail::require_same_device(op, {&q_in, &k_in, &v_in});
   TALLY_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4, op, ": q, k, v must be (B,T,heads,D), got ",
               q_in.str(), ", ", k_in.str(), ", ", v_in.str());
@@ -327,14 +340,18 @@ Tensor attention(const char* op, const Tensor& q_in, const Tensor& k_in, const T
               op, ": k ", k_in.str(), " does not match q ", q_in.str(), " (k may be longer, never shorter)");
   const int64_t KV = k_in.shape()[2];
   TALLY_CHECK(KV > 0 && H % KV == 0, op, ": ", H, " query heads are not a multiple of ", KV, " kv heads");
+  TALLY_CHECK(q_in.dtype() == k_in.dtype() && q_in.dtype() == v_in.dtype() && is_floating(q_in.dtype()) &&
+                  q_in.dtype() != DType::BF16,
+              op, ": q, k, v must share an fp32 or fp64 dtype, got ", q_in.str(), ", ", k_in.str(), ", ", v_in.str(),
+              " (causal_attention_bf16 takes fp32 q, k, v and rounds them to bf16 itself)");
   Tensor q, k, v;
   if (operand == q_in.dtype()) {
     // Kernels need contiguous head vectors; other strides are read in place.
     auto last_contig = [](const Tensor& t) { return t.strides()[3] == 1 ? t : materialize(t); };
     q = last_contig(q_in), k = last_contig(k_in), v = last_contig(v_in);
   } else {
-    TALLY_CHECK(q_in.dtype() == DType::F32 && k_in.dtype() == DType::F32 && v_in.dtype() == DType::F32, op,
-                ": expected fp32 q, k, v, got ", q_in.str(), ", ", k_in.str(), ", ", v_in.str());
+    TALLY_CHECK(q_in.dtype() == DType::F32, op, ": expected fp32 q, k, v, got ", q_in.str(), ", ", k_in.str(), ", ",
+                v_in.str());
     q = detail::to_bf16(q_in, "attention_q_bf16");
     k = detail::to_bf16(k_in, "attention_k_bf16");
     v = detail::to_bf16(v_in, "attention_v_bf16");
@@ -344,19 +361,22 @@ Tensor attention(const char* op, const Tensor& q_in, const Tensor& k_in, const T
   on(out).attention_forward(out, lse, q, k, v);
   if (autograd::needs_graph({q_in, k_in, v_in})) {
     auto ctx = std::make_unique<AttentionFn::Context>();
-    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->out_dtype = out.dtype();
+    ctx->recompute = recompute;
+    if (recompute) ctx->save_for_backward({q, k, v});
+    else ctx->save_for_backward({q, k, v, out, lse});
     autograd::record<AttentionFn>(std::move(ctx), {q_in, k_in, v_in}, {out});
   }
   return out;
 }
 }  // namespace
 
-Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
-  return attention("causal_attention", q, k, v, q.dtype());
+Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool recompute) {
+  return attention("causal_attention", q, k, v, q.dtype(), recompute);
 }
 
-Tensor causal_attention_bf16(const Tensor& q, const Tensor& k, const Tensor& v) {
-  return attention("causal_attention_bf16", q, k, v, DType::BF16);
+Tensor causal_attention_bf16(const Tensor& q, const Tensor& k, const Tensor& v, bool recompute) {
+  return attention("causal_attention_bf16", q, k, v, DType::BF16, recompute);
 }
 
 Tensor cross_entropy(const Tensor& logits_in, const Tensor& targets_in, int64_t valid_vocab) {

@@ -61,14 +61,16 @@ Tensor softmax(const Tensor& x);  // over the last dimension
 // strides are free (q, k, v are usually slices of one fused qkv projection).
 // k and v may be longer than q (Tk >= Tq, decoding with a KV cache): query row t is then
 // position t + Tk - Tq and sees the keys up to it.
-// Returns (B,Tq,H,D). Keeps only the output and a (B,H,T) log-sum-exp for backward,
-// never the (B,H,T,T) probabilities.
-Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v);
+// Returns (B,Tq,H,D). Keeps q, k, v, the output and a (B,H,T) log-sum-exp for backward,
+// never the (B,H,T,T) probabilities; with `recompute` (selective recomputation) only q,
+// k, v, and backward runs the forward again for the output and log-sum-exp.
+// q, k, v are fp32 (or fp64, for gradient checks).
+Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool recompute = false);
 // Mixed precision: causal_attention of fp32 q, k, v with its tile products in bf16 (fp32
 // accumulation), as PyTorch's autocast runs attention's matmuls. q, k and v are rounded
-// to bf16 and saved so (half of fp32's bytes); P and dS are rounded per tile for the
+// to bf16 and saved so (half of fp32's bytes); P, dS and dO are rounded per tile for the
 // products they feed. The softmax statistics, the output and the gradients stay fp32.
-Tensor causal_attention_bf16(const Tensor& q, const Tensor& k, const Tensor& v);
+Tensor causal_attention_bf16(const Tensor& q, const Tensor& k, const Tensor& v, bool recompute = false);
 // Mean cross-entropy of logits (N, Vp) against targets (N) over the first `valid_vocab`
 // columns (the rest are padding and get zero gradient). Targets < 0 are ignored.
 // The (N, Vp) probabilities are never stored: backward recomputes them row by row.

@@ -79,8 +79,9 @@ MemoryPlan plan_memory(const PlanInput& in) {
   const char* proj = bf16 ? " (bf16 copies the projections keep)" : "";
   act("residual stream (x, x + attention)", 2 * C * L);
   if (c.is_llama()) {
-    // q and k leave rotary as new tensors and v is copied out of the fused projection,
-    // so the (B,T,C+2KV*D) projection itself is freed within the layer.
+    // q and k leave rotary as new tensors and v is copied out of the fused projection (in
+    // fp32, or by the bf16 attention's rounding), so the (B,T,C+2KV*D) projection itself
+    // is freed within the layer.
     const int64_t KVD = c.kv_dim(), F = c.ffn_dim();
     // bf16: the second output feeds gate and up, and each keeps its own copy.
     act(std::string("RMSNorm outputs") + proj, (bf16 ? 3 : 2) * C * L, proj_bytes);

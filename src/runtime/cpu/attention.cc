@@ -24,7 +24,9 @@
 #include <oneapi/dnnl/dnnl.h>
 #include <omp.h>
 
+#include <atomic>
 #include <cmath>
+#include <exception>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -117,6 +119,25 @@ template <class F> void dispatch_attention(const Tensor& q, const Tensor& out, c
   dispatch_floating(q.dtype(), what, [&](auto tag) { body(tag, tag); });
 }
 
+// An exception must not leave an OpenMP region (the process would terminate): a tile GEMM
+// that throws (oneDNN's error, a failed check) has its exception kept, the remaining items
+// are skipped, and the first one is rethrown once the region has ended.
+class RegionErrors {
+ public:
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
+  void keep(std::exception_ptr e) {
+    bool expected = false;
+    if (failed_.compare_exchange_strong(expected, true)) first_ = std::move(e);
+  }
+  void rethrow() const {
+    if (first_) std::rethrow_exception(first_);
+  }
+
+ private:
+  std::atomic<bool> failed_{false};
+  std::exception_ptr first_;
+};
+
 template <class T> inline T dot(const T* a, const T* b, int64_t n) {
   T s = 0;
 #pragma omp simd reduction(+ : s)
@@ -145,6 +166,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
     const int64_t offset = g.Tk - g.Tq;
     const int64_t items = g.B * g.H * q_tiles;
     const bool parallel = g.B * g.H * g.Tq * g.Tk * g.D > (1 << 16);
+    RegionErrors errors;
 #pragma omp parallel if (parallel)
     {
       std::vector<T> s(static_cast<size_t>(kBlockQ * kBlockK)), acc(static_cast<size_t>(kBlockQ * g.D));
@@ -153,51 +175,57 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
       // Later query tiles see more keys: hand items out dynamically, longest first.
 #pragma omp for schedule(dynamic, 1)
       for (int64_t item = 0; item < items; ++item) {
-        const int64_t tile = q_tiles - 1 - item % q_tiles, bh = item / q_tiles, b = bh / g.H, h = bh % g.H;
-        const int64_t kvh = h / group;
-        const int64_t t0 = tile * kBlockQ, rows = std::min(kBlockQ, g.Tq - t0);
-        const In* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
-        std::fill(m.begin(), m.end(), neg_inf);
-        std::fill(l.begin(), l.end(), T(0));
-        std::fill(acc.begin(), acc.end(), T(0));
-        const int64_t seen = keys_seen(t0, rows, offset);
-        for (int64_t j0 = 0; j0 < seen; j0 += kBlockK) {
-          const int64_t cols = std::min(kBlockK, seen - j0);
-          const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
-          tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), s.data(), kBlockK);
-          for (int64_t i = 0; i < rows; ++i) {
-            T* srow = s.data() + i * kBlockK;
-            // Row i sees columns c <= last (its position minus j0); the rest get p = 0.
-            const int64_t last = std::min(cols - 1, t0 + i + offset - j0);
-            if (last < 0) {
-              std::fill(srow, srow + cols, T(0));
-              continue;
-            }
-            const T mx = row_max(srow, last + 1, m[i]);
-            const T rescale = vexp(m[i] - mx);  // 0 on the first tile (m = -inf)
-            T sum = 0;
+        if (errors.failed()) continue;
+        try {
+          const int64_t tile = q_tiles - 1 - item % q_tiles, bh = item / q_tiles, b = bh / g.H, h = bh % g.H;
+          const int64_t kvh = h / group;
+          const int64_t t0 = tile * kBlockQ, rows = std::min(kBlockQ, g.Tq - t0);
+          const In* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
+          std::fill(m.begin(), m.end(), neg_inf);
+          std::fill(l.begin(), l.end(), T(0));
+          std::fill(acc.begin(), acc.end(), T(0));
+          const int64_t seen = keys_seen(t0, rows, offset);
+          for (int64_t j0 = 0; j0 < seen; j0 += kBlockK) {
+            const int64_t cols = std::min(kBlockK, seen - j0);
+            const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
+            tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), s.data(), kBlockK);
+            for (int64_t i = 0; i < rows; ++i) {
+              T* srow = s.data() + i * kBlockK;
+              // Row i sees columns c <= last (its position minus j0); the rest get p = 0.
+              const int64_t last = std::min(cols - 1, t0 + i + offset - j0);
+              if (last < 0) {
+                std::fill(srow, srow + cols, T(0));
+                continue;
+              }
+              const T mx = row_max(srow, last + 1, m[i]);
+              const T rescale = vexp(m[i] - mx);  // 0 on the first tile (m = -inf)
+              T sum = 0;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t c = 0; c <= last; ++c) sum += (srow[c] = vexp(srow[c] - mx));
-            for (int64_t c = last + 1; c < cols; ++c) srow[c] = 0;
-            l[i] = l[i] * rescale + sum;
-            m[i] = mx;
-            T* arow = acc.data() + i * g.D;
-            if (rescale != T(1))
-              for (int64_t d = 0; d < g.D; ++d) arow[d] *= rescale;
+              for (int64_t c = 0; c <= last; ++c) sum += (srow[c] = vexp(srow[c] - mx));
+              for (int64_t c = last + 1; c < cols; ++c) srow[c] = 0;
+              l[i] = l[i] * rescale + sum;
+              m[i] = mx;
+              T* arow = acc.data() + i * g.D;
+              if (rescale != T(1))
+                for (int64_t d = 0; d < g.D; ++d) arow[d] *= rescale;
+            }
+            const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
+            const TileOperand<In> p = as_operand(s.data(), kBlockK, rows, cols, p_rounded);
+            tile_gemm(false, false, rows, g.D, cols, T(1), p.data, p.ld, vtile, g.vt, T(1), acc.data(), g.D);
           }
-          const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
-          const TileOperand<In> p = as_operand(s.data(), kBlockK, rows, cols, p_rounded);
-          tile_gemm(false, false, rows, g.D, cols, T(1), p.data, p.ld, vtile, g.vt, T(1), acc.data(), g.D);
-        }
-        for (int64_t i = 0; i < rows; ++i) {
-          const T inv = T(1) / l[i];
-          T* orow = po + ((b * g.Tq + t0 + i) * g.H + h) * g.D;
-          const T* arow = acc.data() + i * g.D;
-          for (int64_t d = 0; d < g.D; ++d) orow[d] = arow[d] * inv;
-          pl[(b * g.H + h) * g.Tq + t0 + i] = m[i] + std::log(l[i]);
+          for (int64_t i = 0; i < rows; ++i) {
+            const T inv = T(1) / l[i];
+            T* orow = po + ((b * g.Tq + t0 + i) * g.H + h) * g.D;
+            const T* arow = acc.data() + i * g.D;
+            for (int64_t d = 0; d < g.D; ++d) orow[d] = arow[d] * inv;
+            pl[(b * g.H + h) * g.Tq + t0 + i] = m[i] + std::log(l[i]);
+          }
+        } catch (...) {
+          errors.keep(std::current_exception());
         }
       }
     }
+    errors.rethrow();
   });
 }
 
@@ -221,6 +249,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
     const int64_t offset = g.Tk - g.Tq;
     const int64_t ld_q = g.H * g.D, ld_kv = g.KV * g.D;  // row strides of dq/dout/out and of dk/dv
     const bool parallel = g.B * g.H * g.Tq * g.Tk * g.D > (1 << 16);
+    RegionErrors errors;
 #pragma omp parallel if (parallel)
     {
       std::vector<T> p(static_cast<size_t>(kBlockQ * kBlockK)), dp(static_cast<size_t>(kBlockQ * kBlockK));
@@ -230,55 +259,62 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
       std::vector<In> do_rounded = operand_scratch<In, T>(kBlockQ * g.D);
 #pragma omp for collapse(2) schedule(static)
       for (int64_t b = 0; b < g.B; ++b)
-        for (int64_t kvh = 0; kvh < g.KV; ++kvh)
-          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-            const T* lrow = pl + (b * g.H + h) * g.Tq;
-            for (int64_t t = 0; t < g.Tq; ++t) {
-              const int64_t at = ((b * g.Tq + t) * g.H + h) * g.D;
-              delta[t] = dot(pdo + at, po + at, g.D);
-            }
-            for (int64_t t0 = 0; t0 < g.Tq; t0 += kBlockQ) {
-              const int64_t rows = std::min(kBlockQ, g.Tq - t0);
-              const In* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
-              const TileOperand<In> dotile =
-                  as_operand(pdo + ((b * g.Tq + t0) * g.H + h) * g.D, ld_q, rows, g.D, do_rounded);
-              T* dqtile = pdq + ((b * g.Tq + t0) * g.H + h) * g.D;
-              const int64_t seen = keys_seen(t0, rows, offset);
-              for (int64_t j0 = 0; j0 < seen; j0 += kBlockK) {
-                const int64_t cols = std::min(kBlockK, seen - j0);
-                const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
-                const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
-                T* dktile = pdk + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
-                T* dvtile = pdv + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
-                // P = exp(scale Q K^T - lse), masked
-                tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), p.data(), kBlockK);
-                for (int64_t i = 0; i < rows; ++i) {
-                  T* prow = p.data() + i * kBlockK;
-                  const int64_t last = std::min(cols - 1, t0 + i + offset - j0);
-                  const T li = lrow[t0 + i];
+        for (int64_t kvh = 0; kvh < g.KV; ++kvh) {
+          if (errors.failed()) continue;
+          try {
+            for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+              const T* lrow = pl + (b * g.H + h) * g.Tq;
+              for (int64_t t = 0; t < g.Tq; ++t) {
+                const int64_t at = ((b * g.Tq + t) * g.H + h) * g.D;
+                delta[t] = dot(pdo + at, po + at, g.D);
+              }
+              for (int64_t t0 = 0; t0 < g.Tq; t0 += kBlockQ) {
+                const int64_t rows = std::min(kBlockQ, g.Tq - t0);
+                const In* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
+                const TileOperand<In> dotile =
+                    as_operand(pdo + ((b * g.Tq + t0) * g.H + h) * g.D, ld_q, rows, g.D, do_rounded);
+                T* dqtile = pdq + ((b * g.Tq + t0) * g.H + h) * g.D;
+                const int64_t seen = keys_seen(t0, rows, offset);
+                for (int64_t j0 = 0; j0 < seen; j0 += kBlockK) {
+                  const int64_t cols = std::min(kBlockK, seen - j0);
+                  const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
+                  const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
+                  T* dktile = pdk + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
+                  T* dvtile = pdv + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
+                  // P = exp(scale Q K^T - lse), masked
+                  tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), p.data(), kBlockK);
+                  for (int64_t i = 0; i < rows; ++i) {
+                    T* prow = p.data() + i * kBlockK;
+                    const int64_t last = std::min(cols - 1, t0 + i + offset - j0);
+                    const T li = lrow[t0 + i];
 #pragma omp simd
-                  for (int64_t c = 0; c < cols; ++c) prow[c] = c <= last ? vexp(prow[c] - li) : T(0);
-                }
-                // dV += P^T dO;  dP = dO V^T
-                const TileOperand<In> pt = as_operand(p.data(), kBlockK, rows, cols, p_rounded);
-                tile_gemm(true, false, cols, g.D, rows, T(1), pt.data, pt.ld, dotile.data, dotile.ld, T(1), dvtile, ld_kv);
-                tile_gemm(false, true, rows, cols, g.D, T(1), dotile.data, dotile.ld, vtile, g.vt, T(0), dp.data(), kBlockK);
-                // dS = P o (dP - D), in place of dP (masked entries have P = 0)
-                for (int64_t i = 0; i < rows; ++i) {
-                  const T* prow = p.data() + i * kBlockK;
-                  T* dsrow = dp.data() + i * kBlockK;
-                  const T di = delta[t0 + i];
+                    for (int64_t c = 0; c < cols; ++c) prow[c] = c <= last ? vexp(prow[c] - li) : T(0);
+                  }
+                  // dV += P^T dO;  dP = dO V^T
+                  const TileOperand<In> pt = as_operand(p.data(), kBlockK, rows, cols, p_rounded);
+                  tile_gemm(true, false, cols, g.D, rows, T(1), pt.data, pt.ld, dotile.data, dotile.ld, T(1), dvtile, ld_kv);
+                  tile_gemm(false, true, rows, cols, g.D, T(1), dotile.data, dotile.ld, vtile, g.vt, T(0), dp.data(), kBlockK);
+                  // dS = P o (dP - D), in place of dP (masked entries have P = 0)
+                  for (int64_t i = 0; i < rows; ++i) {
+                    const T* prow = p.data() + i * kBlockK;
+                    T* dsrow = dp.data() + i * kBlockK;
+                    const T di = delta[t0 + i];
 #pragma omp simd
-                  for (int64_t c = 0; c < cols; ++c) dsrow[c] = prow[c] * (dsrow[c] - di);
+                    for (int64_t c = 0; c < cols; ++c) dsrow[c] = prow[c] * (dsrow[c] - di);
+                  }
+                  // dQ += scale dS K;  dK += scale dS^T Q
+                  const TileOperand<In> ds = as_operand(dp.data(), kBlockK, rows, cols, ds_rounded);
+                  tile_gemm(false, false, rows, g.D, cols, scale, ds.data, ds.ld, ktile, g.kt, T(1), dqtile, ld_q);
+                  tile_gemm(true, false, cols, g.D, rows, scale, ds.data, ds.ld, qtile, g.qt, T(1), dktile, ld_kv);
                 }
-                // dQ += scale dS K;  dK += scale dS^T Q
-                const TileOperand<In> ds = as_operand(dp.data(), kBlockK, rows, cols, ds_rounded);
-                tile_gemm(false, false, rows, g.D, cols, scale, ds.data, ds.ld, ktile, g.kt, T(1), dqtile, ld_q);
-                tile_gemm(true, false, cols, g.D, rows, scale, ds.data, ds.ld, qtile, g.qt, T(1), dktile, ld_kv);
               }
             }
+          } catch (...) {
+            errors.keep(std::current_exception());
           }
+        }
     }
+    errors.rethrow();
   });
 }
 

@@ -33,8 +33,9 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
 // convert) the caller writes the bias into C first and accumulates onto it.
 bool gemm_adds_bias(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c,
                     const Tensor& bias);
-// C (m x n, row-major, fp32) = alpha op(A) op(B) + beta C for row-major bf16 tiles,
-// on the calling thread: for kernels that thread themselves (attention's tiles).
+// C (m x n, row-major, fp32) = alpha op(A) op(B) + beta C for row-major bf16 tiles, on
+// one thread: for kernels that thread themselves (attention's tiles, from inside their
+// OpenMP regions).
 void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
                     const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc);
 // Measured fp32 GEMM throughput of this machine in FLOP/s (cached after the first call).

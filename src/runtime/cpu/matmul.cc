@@ -3,6 +3,7 @@
 // matmul primitive. fp64 (gradient checks only) through a plain loop.
 #include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <omp.h>
 
 #include <array>
 #include <bit>
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 
@@ -221,10 +223,12 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
 }
 
 // A bf16 tile GEMM for kernels that run their own OpenMP threads (attention): oneDNN's
-// bf16 GEMM is reachable only through the matmul primitive, and a primitive executed
-// inside a parallel region runs on the calling thread. Each thread keeps its own
-// primitives, stream and scratchpad (user-managed, so no two threads share oneDNN's), keyed
-// by the tile's shape, layout, alpha and beta: an attention call uses at most a few dozen.
+// bf16 GEMM is reachable only through the matmul primitive. Each primitive is made for one
+// thread (oneDNN sizes its blocking and scratchpad by the thread count it sees when the
+// primitive is made), so inside a parallel region it runs on the calling thread; outside
+// one it runs on one thread too. Each thread keeps its own primitives, stream and one
+// scratchpad (user-managed, so no two threads share oneDNN's), keyed by the tile's shape,
+// layout, alpha and beta: an attention call uses at most a few dozen.
 void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
                     const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   using dnnl::memory;
@@ -232,13 +236,14 @@ void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, in
   struct Tile {
     memory::desc ad, bd, cd;
     dnnl::matmul primitive;
-    std::vector<char> scratchpad;
+    size_t scratchpad_bytes;
   };
   // The key: shape, layout, leading dimensions, and alpha's and beta's bits.
   using Key = std::array<int64_t, 10>;
   struct ThreadState {
     dnnl::stream stream{engine};
     std::map<Key, Tile> tiles;
+    std::vector<char> scratchpad;  // the largest any of this thread's tiles needs
   };
   static thread_local ThreadState state;
   const Key key = {m, n, k, transpose_a, transpose_b, lda, ldb, ldc, std::bit_cast<int32_t>(alpha),
@@ -260,18 +265,29 @@ void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, in
       po.append_sum(beta);
       attr.set_post_ops(po);
     }
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), attr, engine);
+    // One thread's primitive: this thread's OpenMP thread count (inside a region, only
+    // its own) set to 1 while oneDNN plans it, then restored.
+    const int threads = omp_get_max_threads();
+    omp_set_num_threads(1);
+    std::optional<dnnl::matmul::primitive_desc> pd;
+    try {
+      pd.emplace(dnnl::matmul::desc(ad, bd, cd), attr, engine);
+    } catch (...) {
+      omp_set_num_threads(threads);
+      throw;
+    }
+    omp_set_num_threads(threads);
     if (state.tiles.size() >= 256) state.tiles.clear();  // decoding's growing shapes: keep it bounded
-    it = state.tiles.emplace(key, Tile{ad, bd, cd, dnnl::matmul(pd), std::vector<char>(pd.scratchpad_desc().get_size())})
-             .first;
+    it = state.tiles.emplace(key, Tile{ad, bd, cd, dnnl::matmul(*pd), pd->scratchpad_desc().get_size()}).first;
+    state.scratchpad.resize(std::max(state.scratchpad.size(), it->second.scratchpad_bytes));
   }
-  Tile& t = it->second;
+  const Tile& t = it->second;
   memory am(t.ad, engine, const_cast<BFloat16*>(a)), bm(t.bd, engine, const_cast<BFloat16*>(b)), cm(t.cd, engine, c);
   std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
-  if (!t.scratchpad.empty())
-    args.emplace(DNNL_ARG_SCRATCHPAD, memory(dnnl::memory::desc({static_cast<int64_t>(t.scratchpad.size())},
-                                                                memory::data_type::u8, memory::dims{1}),
-                                             engine, t.scratchpad.data()));
+  if (t.scratchpad_bytes > 0)
+    args.emplace(DNNL_ARG_SCRATCHPAD,
+                 memory(memory::desc({static_cast<int64_t>(t.scratchpad_bytes)}, memory::data_type::u8, memory::dims{1}),
+                        engine, state.scratchpad.data()));
   t.primitive.execute(state.stream, args);
   state.stream.wait();
 }
