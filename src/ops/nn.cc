@@ -103,6 +103,19 @@ struct SoftmaxFn {
   }
 };
 
+// The attention kernel's forward over q, k, v (as the kernel takes them: fp32, fp64, or
+// bf16 copies): the output (B,Tq,H,D) and log-sum-exp (B,H,Tq) in `dtype`.
+struct AttentionOutputs {
+  Tensor out, lse;
+};
+AttentionOutputs run_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, DType dtype) {
+  const int64_t B = q.shape()[0], T = q.shape()[1], H = q.shape()[2], D = q.shape()[3];
+  AttentionOutputs r{new_output({B, T, H, D}, dtype, q.device(), "attention"),
+                     new_output({B, H, T}, dtype, q.device(), "attention_lse")};
+  on(r.out).attention_forward(r.out, r.lse, q, k, v);
+  return r;
+}
+
 struct AttentionFn {
   static constexpr const char* kName = "causal_attention";
   // saved: q, k, v (fp32, or bf16 copies), then out and lse unless they are recomputed
@@ -111,20 +124,14 @@ struct AttentionFn {
     bool recompute;
   };
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
-    Tensor q = ctx.saved(0), k = ctx.saved(1), v = ctx.saved(2), out, lse;
-    if (ctx.recompute) {
-      // Selective recomputation: the forward again, from the saved q, k, v.
-      const int64_t B = q.shape()[0], T = q.shape()[1], H = q.shape()[2];
-      out = Tensor::empty({B, T, H, q.shape()[3]}, ctx.out_dtype, q.device(), current_owner("attention_recomputed"));
-      lse = Tensor::empty({B, H, T}, ctx.out_dtype, q.device(), current_owner("attention_lse_recomputed"));
-      on(out).attention_forward(out, lse, q, k, v);
-    } else {
-      out = ctx.saved(3), lse = ctx.saved(4);
-    }
+    Tensor q = ctx.saved(0), k = ctx.saved(1), v = ctx.saved(2);
+    // Selective recomputation: the forward again, from the saved q, k, v.
+    const AttentionOutputs f =
+        ctx.recompute ? run_attention_forward(q, k, v, ctx.out_dtype) : AttentionOutputs{ctx.saved(3), ctx.saved(4)};
     Tensor dq = Tensor::zeros(q.shape(), ctx.out_dtype, q.device());
     Tensor dk = Tensor::zeros(k.shape(), ctx.out_dtype, k.device());
     Tensor dv = Tensor::zeros(v.shape(), ctx.out_dtype, v.device());
-    on(dq).attention_backward(dq, dk, dv, materialize(grads[0]), q, k, v, out, lse);
+    on(dq).attention_backward(dq, dk, dv, materialize(grads[0]), q, k, v, f.out, f.lse);
     return {dq, dk, dv};
   }
 };
@@ -356,18 +363,16 @@ Tensor attention(const char* op, const Tensor& q_in, const Tensor& k_in, const T
     k = detail::to_bf16(k_in, "attention_k_bf16");
     v = detail::to_bf16(v_in, "attention_v_bf16");
   }
-  Tensor out = new_output({B, T, H, D}, q_in.dtype(), q.device(), "attention");
-  Tensor lse = new_output({B, H, T}, q_in.dtype(), q.device(), "attention_lse");
-  on(out).attention_forward(out, lse, q, k, v);
+  const AttentionOutputs f = run_attention_forward(q, k, v, q_in.dtype());
   if (autograd::needs_graph({q_in, k_in, v_in})) {
     auto ctx = std::make_unique<AttentionFn::Context>();
-    ctx->out_dtype = out.dtype();
+    ctx->out_dtype = f.out.dtype();
     ctx->recompute = recompute;
     if (recompute) ctx->save_for_backward({q, k, v});
-    else ctx->save_for_backward({q, k, v, out, lse});
-    autograd::record<AttentionFn>(std::move(ctx), {q_in, k_in, v_in}, {out});
+    else ctx->save_for_backward({q, k, v, f.out, f.lse});
+    autograd::record<AttentionFn>(std::move(ctx), {q_in, k_in, v_in}, {f.out});
   }
-  return out;
+  return f.out;
 }
 }  // namespace
 

@@ -31,8 +31,8 @@
 // LLaMA's SwiGLU output) the fp32 one is freed; the attention output is also saved by the
 // attention itself, so its bf16 copy comes on top; LLaMA's second RMSNorm output feeds two
 // projections (gate, up), which keep a bf16 copy each. Attention saves q, k and v rounded
-// to bf16 (its tile products are bf16), and the fp32 ones are freed. At the start of backward the head's
-// projection also rounds the logits' gradient to bf16 (2 Vp per token).
+// to bf16 (its tile products are bf16), and the fp32 ones are freed. At the start of
+// backward the head's projection also rounds the logits' gradient to bf16 (2 Vp per token).
 //
 // The chunked loss (--chunked-loss) saves no logits; at the start of backward it holds dx
 // (B*T*C), one chunk of logits (R*Vp, R = min(rows per chunk, B*T)) and under bf16 the

@@ -8,12 +8,9 @@
 #include <array>
 #include <bit>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <optional>
-#include <string>
 #include <unordered_map>
 
 #include "runtime/cpu/kernels.h"
@@ -78,6 +75,25 @@ void naive_gemm(int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t ld
 // Below this many output rows an fp32 GEMM stays on sgemm (see gemm()).
 constexpr int64_t kPrimitiveMinRows = 64;
 
+// oneDNN's CPU engine, shared by every primitive this file makes (engines are thread-safe).
+const dnnl::engine& cpu_engine() {
+  static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+// C = alpha op(A) op(B) + beta C in oneDNN's terms: alpha scales the product, beta C is a
+// sum post-op.
+dnnl::primitive_attr gemm_attr(float alpha, float beta) {
+  dnnl::primitive_attr attr;
+  if (alpha != 1.f) attr.set_output_scales(0, {alpha});
+  if (beta != 0.f) {
+    dnnl::post_ops po;
+    po.append_sum(beta);
+    attr.set_post_ops(po);
+  }
+  return attr;
+}
+
 // A GEMM through oneDNN's matmul primitive (brgemm kernels: AMX / AVX-512 BF16 for bf16
 // operands where the CPU has them, AVX-512 for fp32). Operands are fp32 or bf16 (fp32
 // accumulation); the output is c's dtype (fp32 for mixed precision, or bf16). Strided
@@ -88,28 +104,27 @@ constexpr int64_t kPrimitiveMinRows = 64;
 void primitive_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c, float alpha, float beta,
                     const Tensor& bias) {
   using dnnl::memory;
-  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  const dnnl::engine& engine = cpu_engine();
   static dnnl::stream stream(engine);
   struct Cached {
     memory::desc ad, bd, cd, biasd;
     dnnl::matmul primitive;
   };
+  // The key: each operand's dims and strides as the primitive sees them, the dtypes (the
+  // bias's, or -1), and alpha's and beta's bits.
+  using Key = std::array<int64_t, 17>;
   static std::mutex mutex;
-  static std::unordered_map<std::string, Cached> cache;
+  static std::map<Key, Cached> cache;
   auto dims_strides = [](const Tensor& t, bool transpose) {
     std::array<int64_t, 4> d = {t.shape()[0], t.shape()[1], t.strides()[0], t.strides()[1]};
     if (transpose) std::swap(d[0], d[1]), std::swap(d[2], d[3]);
     return d;
   };
   const auto da = dims_strides(a, ta), db = dims_strides(b, tb), dc = dims_strides(c, false);
-  char key[256];
-  std::snprintf(key, sizeof key, "%lld,%lld,%lld,%lld|%lld,%lld,%lld,%lld|%lld,%lld,%lld,%lld|%d,%d,%d|%a|%a",
-                static_cast<long long>(da[0]), static_cast<long long>(da[1]), static_cast<long long>(da[2]),
-                static_cast<long long>(da[3]), static_cast<long long>(db[0]), static_cast<long long>(db[1]),
-                static_cast<long long>(db[2]), static_cast<long long>(db[3]), static_cast<long long>(dc[0]),
-                static_cast<long long>(dc[1]), static_cast<long long>(dc[2]), static_cast<long long>(dc[3]),
-                static_cast<int>(a.dtype()), static_cast<int>(c.dtype()), bias.defined() ? static_cast<int>(bias.dtype()) : -1,
-                static_cast<double>(alpha), static_cast<double>(beta));
+  const Key key = {da[0], da[1], da[2], da[3], db[0], db[1], db[2], db[3], dc[0], dc[1], dc[2], dc[3],
+                   static_cast<int64_t>(a.dtype()), static_cast<int64_t>(c.dtype()),
+                   bias.defined() ? static_cast<int64_t>(bias.dtype()) : -1, std::bit_cast<int32_t>(alpha),
+                   std::bit_cast<int32_t>(beta)};
   std::unique_lock lock(mutex);
   auto it = cache.find(key);
   if (it == cache.end()) {
@@ -118,13 +133,7 @@ void primitive_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Te
     };
     auto type_of = [](DType d) { return d == DType::F32 ? memory::data_type::f32 : memory::data_type::bf16; };
     memory::desc ad = desc(da, type_of(a.dtype())), bd = desc(db, type_of(b.dtype())), cd = desc(dc, type_of(c.dtype()));
-    dnnl::primitive_attr attr;
-    if (alpha != 1.f) attr.set_output_scales(0, {alpha});
-    if (beta != 0.f) {
-      dnnl::post_ops po;
-      po.append_sum(beta);
-      attr.set_post_ops(po);
-    }
+    const dnnl::primitive_attr attr = gemm_attr(alpha, beta);
     // The bias is one value per output column, broadcast over the rows.
     memory::desc biasd = bias.defined() ? memory::desc({1, dc[1]}, type_of(bias.dtype()), memory::dims{dc[1], 1})
                                         : memory::desc();
@@ -232,7 +241,7 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
 void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
                     const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   using dnnl::memory;
-  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  const dnnl::engine& engine = cpu_engine();
   struct Tile {
     memory::desc ad, bd, cd;
     dnnl::matmul primitive;
@@ -241,7 +250,7 @@ void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, in
   // The key: shape, layout, leading dimensions, and alpha's and beta's bits.
   using Key = std::array<int64_t, 10>;
   struct ThreadState {
-    dnnl::stream stream{engine};
+    dnnl::stream stream{cpu_engine()};
     std::map<Key, Tile> tiles;
     std::vector<char> scratchpad;  // the largest any of this thread's tiles needs
   };
@@ -257,28 +266,21 @@ void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, in
     memory::desc ad = desc(m, k, transpose_a, lda, memory::data_type::bf16);
     memory::desc bd = desc(k, n, transpose_b, ldb, memory::data_type::bf16);
     memory::desc cd = desc(m, n, false, ldc, memory::data_type::f32);
-    dnnl::primitive_attr attr;
+    dnnl::primitive_attr attr = gemm_attr(alpha, beta);
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-    if (alpha != 1.f) attr.set_output_scales(0, {alpha});
-    if (beta != 0.f) {
-      dnnl::post_ops po;
-      po.append_sum(beta);
-      attr.set_post_ops(po);
-    }
-    // One thread's primitive: this thread's OpenMP thread count (inside a region, only
-    // its own) set to 1 while oneDNN plans it, then restored.
-    const int threads = omp_get_max_threads();
-    omp_set_num_threads(1);
-    std::optional<dnnl::matmul::primitive_desc> pd;
-    try {
-      pd.emplace(dnnl::matmul::desc(ad, bd, cd), attr, engine);
-    } catch (...) {
-      omp_set_num_threads(threads);
-      throw;
-    }
-    omp_set_num_threads(threads);
+    // One thread's primitive: this thread's OpenMP thread count (inside a region, only its
+    // own) is 1 while oneDNN plans it, and restored however the planning ends.
+    struct OneThread {
+      int saved = omp_get_max_threads();
+      OneThread() { omp_set_num_threads(1); }
+      ~OneThread() { omp_set_num_threads(saved); }
+    };
+    const dnnl::matmul::primitive_desc pd = [&] {
+      OneThread one;
+      return dnnl::matmul::primitive_desc(dnnl::matmul::desc(ad, bd, cd), attr, engine);
+    }();
     if (state.tiles.size() >= 256) state.tiles.clear();  // decoding's growing shapes: keep it bounded
-    it = state.tiles.emplace(key, Tile{ad, bd, cd, dnnl::matmul(*pd), pd->scratchpad_desc().get_size()}).first;
+    it = state.tiles.emplace(key, Tile{ad, bd, cd, dnnl::matmul(pd), pd.scratchpad_desc().get_size()}).first;
     state.scratchpad.resize(std::max(state.scratchpad.size(), it->second.scratchpad_bytes));
   }
   const Tile& t = it->second;
