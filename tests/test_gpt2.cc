@@ -360,6 +360,31 @@ TEST(Trainer, BadFlagsFailWithTheFlagName) {
   EXPECT_THROW(train::run_training(c), std::exception);
 }
 
+// ZeRO in one process (a world of one, no MPI): every stage trains as the plain run does,
+// with and without the chunked loss and gradient accumulation. The single-process
+// communicator's all-gather once copied through Tensor::copy_, which bumps the storage's
+// version, so stage 3's re-gather before backward looked like an in-place write to
+// every saved weight ("modified in place after it was saved") and the run failed.
+// The shards are the whole buffers here, so the results are bit-identical.
+TEST(Trainer, ZeroStagesInOneProcessTrainAsThePlainRun) {
+  for (const bool chunked : {false, true}) {
+    train::TrainConfig c = tiny_config();
+    c.steps = 3;
+    c.grad_accum = 2;
+    c.chunked_loss = chunked;
+    const train::TrainResult want = train::run_training(c);
+    for (int zero = 1; zero <= 3; ++zero) {
+      c.zero = zero;
+      const std::string what = "zero " + std::to_string(zero) + (chunked ? ", chunked loss" : "");
+      train::TrainResult got;
+      ASSERT_NO_THROW(got = train::run_training(c)) << what;
+      ASSERT_EQ(got.history.size(), want.history.size()) << what;
+      for (size_t s = 0; s < want.history.size(); ++s)
+        EXPECT_EQ(got.history[s].loss, want.history[s].loss) << what << ", step " << s + 1;
+    }
+  }
+}
+
 TEST(Trainer, LossFallsOnRepeatedData) {
   train::TrainConfig c = tiny_config();
   c.train_data = test::write_random_shard("small.bin", 2 * 16 * 2 + 1, 97, 7);  // one step's worth: memorizable

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "core/device_hooks.h"
 #include "core/error.h"
 
 namespace tally::dist {
@@ -42,7 +43,7 @@ class SelfCommunicator final : public Communicator {
     check_buffer("reduce_scatter", in);
     TALLY_CHECK(in.numel() == out.numel(), "reduce_scatter on ", name_, ": input ", in.str(), " for output ",
                 out.str(), " in a group of 1");
-    if (in.raw_data() != out.raw_data()) out.copy_(in);
+    if (in.raw_data() != out.raw_data()) copy_bytes(out, in);
     return done(in.nbytes());
   }
   std::shared_ptr<Work> all_gather_async(const Tensor& out, const Tensor& in) override {
@@ -50,7 +51,7 @@ class SelfCommunicator final : public Communicator {
     check_buffer("all_gather", in);
     TALLY_CHECK(in.numel() == out.numel(), "all_gather on ", name_, ": input ", in.str(), " for output ", out.str(),
                 " in a group of 1");
-    if (in.raw_data() != out.raw_data()) out.copy_(in);
+    if (in.raw_data() != out.raw_data()) copy_bytes(out, in);
     return done(in.nbytes());
   }
   std::shared_ptr<Work> broadcast_async(const Tensor& t, int root) override {
@@ -67,6 +68,10 @@ class SelfCommunicator final : public Communicator {
   CommStats stats() const override { return stats_; }
 
  private:
+  // Writes out's bytes as MPI does, leaving its version counter alone: whether the values
+  // are new is the caller's to say (ZeRO-3's re-gather before backward restores the values
+  // that forward's saved weights hold, and must not look like an in-place write).
+  static void copy_bytes(const Tensor& out, const Tensor& in) { copy_hooks(out.device(), in.device()).copy(out, in); }
   std::shared_ptr<Work> done(int64_t bytes) {
     stats_.operations++;
     stats_.payload_bytes += bytes;

@@ -4,6 +4,11 @@
 // communication overlaps compute (data parallel starts a bucket's all-reduce while
 // backward goes on). The blocking forms are the asynchronous ones followed by wait().
 //
+// Versions: an operation writes its outputs' bytes and leaves their storages' version
+// counters alone. Whether the values are new is the caller's to say (it bumps the
+// version), since a collective may also restore values a saved tensor already holds
+// (ZeRO-3 gathering a layer again for backward).
+//
 // Ownership: a Work holds the tensors of its operation (shared handles) until it
 // completes, so a buffer can never be freed, reused or released while the engine still
 // reads or writes it. Staging buffers the communicator allocates itself carry a
