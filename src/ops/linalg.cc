@@ -10,6 +10,13 @@ using detail::on;
 using detail::to_bf16;
 
 namespace {
+// The rows a linear layer maps: the product of every dimension but the last (the features).
+// Not numel / features, which divides by zero when a layer has no features.
+int64_t leading_rows(const Tensor& t) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.shape()[d];
+  return rows;
+}
 
 // out = x @ W^T (+ b in every row): a linear layer's forward GEMM, x (rows, in), W
 // (out, in), out (rows, out). The device adds the bias inside the GEMM where it can.
@@ -151,7 +158,7 @@ struct LinearFn {
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor x = ctx.saved(0), w = ctx.saved(1);
     Tensor g = materialize(grads[0]);
-    const int64_t out_f = w.shape()[0], in_f = w.shape()[1], rows = g.numel() / out_f;
+    const int64_t out_f = w.shape()[0], in_f = w.shape()[1], rows = leading_rows(g);
     Tensor g2 = make_view(g, {rows, out_f}, {out_f, 1}, g.offset());
     Tensor dx, dw, db;
     if (ctx.needs_input_grad(0)) {
@@ -183,7 +190,7 @@ Tensor linear(const Tensor& x_in, const Tensor& w, const Tensor& b) {
   TALLY_CHECK(!b.defined() || (b.dim() == 1 && b.shape()[0] == w.shape()[0]), "linear: bias ", b.str(),
               " must be (", w.shape()[0], ")");
   Tensor x = materialize(x_in);
-  const int64_t out_f = w.shape()[0], in_f = w.shape()[1], rows = x.numel() / in_f;
+  const int64_t out_f = w.shape()[0], in_f = w.shape()[1], rows = leading_rows(x);
   Shape shape = x.shape();
   shape.back() = out_f;
   Tensor out = new_output(shape, x.dtype(), x.device(), "linear");
@@ -207,7 +214,7 @@ struct LinearBf16Fn {
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor x_bf16 = ctx.saved(0), w_bf16 = ctx.saved(1);
     Tensor g = materialize(grads[0]);
-    const int64_t out_f = w_bf16.shape()[0], in_f = w_bf16.shape()[1], rows = g.numel() / out_f;
+    const int64_t out_f = w_bf16.shape()[0], in_f = w_bf16.shape()[1], rows = leading_rows(g);
     Tensor g2 = make_view(g, {rows, out_f}, {out_f, 1}, g.offset());
     Tensor g_bf16 = (ctx.needs_input_grad(0) || ctx.needs_input_grad(1)) ? to_bf16(g2, "linear_bf16_dy") : Tensor();
     Tensor dx, dw, db;
@@ -245,7 +252,7 @@ Tensor linear_bf16(const Tensor& x_in, const Tensor& w, const Tensor& w_bf16, co
               x_in.dim() ? x_in.size(-1) : 0, " features but weight ", w.str(), " expects ", w.shape()[1]);
   TALLY_CHECK(!b.defined() || (b.dim() == 1 && b.shape()[0] == w.shape()[0]), "linear_bf16: bias ", b.str(),
               " must be (", w.shape()[0], ")");
-  const int64_t out_f = w.shape()[0], in_f = w.shape()[1], rows = x_in.numel() / in_f;
+  const int64_t out_f = w.shape()[0], in_f = w.shape()[1], rows = leading_rows(x_in);
   Tensor x_bf16 = to_bf16(x_in, "linear_x_bf16");  // contiguous, whatever x's strides
   Tensor wb = materialize(w_bf16);
   Shape shape = x_in.shape();
