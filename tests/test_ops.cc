@@ -518,6 +518,33 @@ TEST(Ops, Bf16AttentionIsTheDefinitionOverBf16RoundedOperands) {
       EXPECT_GT(fp32.max_abs, 1e-3) << tag << ": the fp32 kernel should differ from the rounded reference";
     }
   }
+  // Softmax is shift-invariant, so a query that sees one key has dq = 0 and gives that key
+  // dk = 0 (dS = P (dP - D) with P = 1 and D = dO . o = dO . v = dP). Under bf16 that
+  // holds only if D is made from the same rounded dO as dP; with D from the fp32 dO (as
+  // once) dq of the first query was 3.7e-3 of dq's scale at T = 256. Only fp32 summation
+  // order is left: 1e-5 of the largest gradient. T = 1: dq and dk; T = 256: the first
+  // query's dq (its key gets dk from the later queries too).
+  for (const int64_t T : {1, 256}) {
+    const int64_t B = 2, H = 2, D = 64;
+    Tensor q = test::random_tensor({B, T, H, D}, 77).to(DType::F32), k = test::random_tensor({B, T, H, D}, 78).to(DType::F32);
+    Tensor v = test::random_tensor({B, T, H, D}, 79).to(DType::F32);
+    for (Tensor* t : {&q, &k, &v}) t->set_requires_grad(true);
+    Tensor out = ops::causal_attention_bf16(q, k, v);
+    autograd::backward({out}, {test::random_tensor({B, T, H, D}, 80).to(DType::F32)});
+    auto largest_at = [&](const Tensor& g, bool first_position_only) {
+      std::vector<float> all = g.to_vector<float>();
+      float m = 0;
+      for (size_t i = 0; i < all.size(); ++i)
+        if (!first_position_only || (static_cast<int64_t>(i) / (H * D)) % T == 0) m = std::max(m, std::abs(all[i]));
+      return m;
+    };
+    const float dq_scale = largest_at(q.grad(), false), dk_scale = largest_at(k.grad(), false);
+    EXPECT_GT(dq_scale, 0.f);
+    EXPECT_LE(largest_at(q.grad(), true), 1e-5 * (T == 1 ? 1.0 : dq_scale)) << "T " << T << ": dq of the first query";
+    if (T == 1) {
+      EXPECT_LE(dk_scale, 1e-5) << "T 1: dk";
+    }
+  }
   // bf16 inputs to the fp32 op are refused with the dtypes named.
   Tensor qb = test::random_tensor({1, 4, 2, 8}, 76).to(DType::BF16);
   try {
@@ -551,6 +578,31 @@ TEST(Ops, ChunkedLinearCrossEntropyEqualsTheHeadThenTheLoss) {
       expect_close(x.grad(), x2.grad(), 0, 1e-6, tag + " dx");
       expect_close(w.grad(), w2.grad(), 0, 1e-6, tag + " dW");
     }
+}
+
+TEST(Ops, EmptyRowsAndFeaturesGiveZeroGradientsNotGarbageOrACrash) {
+  // No rows (an empty batch): the fused head's weight gradient was an uninitialized buffer
+  // that no chunk wrote (its loop never ran). No input features: the rows were counted as
+  // numel / in_features, a division by zero. Both are sums over nothing: zero.
+  for (bool bf16 : {false, true}) {
+    Tensor x = Tensor::zeros({0, 4}), w = test::random_tensor({8, 4}, 90).to(DType::F32);
+    x.set_requires_grad(true);
+    w.set_requires_grad(true);
+    Tensor loss = ops::linear_cross_entropy(x, w, Tensor::from_vector(std::vector<int32_t>{}, {0}), 8, 4,
+                                            bf16 ? w.detach().to(DType::BF16) : Tensor());
+    loss.backward();
+    expect_close(w.grad(), Tensor::zeros({8, 4}), 0, 0, bf16 ? "bf16 dW" : "fp32 dW");
+  }
+  for (bool bf16 : {false, true}) {
+    Tensor x = Tensor::zeros({2, 0}), w = Tensor::zeros({3, 0}), b = test::random_tensor({3}, 91).to(DType::F32);
+    for (Tensor* p : {&x, &w, &b}) p->set_requires_grad(true);
+    Tensor y = bf16 ? ops::linear_bf16(x, w, w.detach().to(DType::BF16), b) : ops::linear(x, w, b);
+    ASSERT_EQ(y.shape(), (Shape{2, 3}));
+    expect_close(y, ops::add(Tensor::zeros({2, 3}), b.detach()), 0, 0, "y = b");
+    ops::sum(y).backward();
+    expect_close(b.grad(), Tensor::full({3}, 2.0).to(DType::F32), 0, 0, "db");
+    EXPECT_EQ(x.grad().numel(), 0);
+  }
 }
 
 TEST(Ops, CrossEntropyWithRetainedGraphGivesTheSameGradientTwice) {

@@ -138,10 +138,10 @@ class RegionErrors {
   std::exception_ptr first_;
 };
 
-template <class T> inline T dot(const T* a, const T* b, int64_t n) {
+template <class In, class T> inline T dot(const In* a, const T* b, int64_t n) {
   T s = 0;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) s += static_cast<T>(a[i]) * b[i];
   return s;
 }
 
@@ -253,7 +253,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
 #pragma omp parallel if (parallel)
     {
       std::vector<T> p(static_cast<size_t>(kBlockQ * kBlockK)), dp(static_cast<size_t>(kBlockQ * kBlockK));
-      std::vector<T> delta(static_cast<size_t>(g.Tq));
+      std::vector<T> delta(static_cast<size_t>(kBlockQ));  // D for the query tile's rows
       std::vector<In> p_rounded = operand_scratch<In, T>(kBlockQ * kBlockK);
       std::vector<In> ds_rounded = operand_scratch<In, T>(kBlockQ * kBlockK);
       std::vector<In> do_rounded = operand_scratch<In, T>(kBlockQ * g.D);
@@ -264,15 +264,15 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
           try {
             for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
               const T* lrow = pl + (b * g.H + h) * g.Tq;
-              for (int64_t t = 0; t < g.Tq; ++t) {
-                const int64_t at = ((b * g.Tq + t) * g.H + h) * g.D;
-                delta[t] = dot(pdo + at, po + at, g.D);
-              }
               for (int64_t t0 = 0; t0 < g.Tq; t0 += kBlockQ) {
                 const int64_t rows = std::min(kBlockQ, g.Tq - t0);
                 const In* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
                 const TileOperand<In> dotile =
                     as_operand(pdo + ((b * g.Tq + t0) * g.H + h) * g.D, ld_q, rows, g.D, do_rounded);
+                // D = dO . o from the dO that dP = dO V^T takes (under bf16, rounded): the
+                // rows of dS = P (dP - D) then sum to zero as softmax's shift invariance says.
+                for (int64_t i = 0; i < rows; ++i)
+                  delta[i] = dot(dotile.data + i * dotile.ld, po + ((b * g.Tq + t0 + i) * g.H + h) * g.D, g.D);
                 T* dqtile = pdq + ((b * g.Tq + t0) * g.H + h) * g.D;
                 const int64_t seen = keys_seen(t0, rows, offset);
                 for (int64_t j0 = 0; j0 < seen; j0 += kBlockK) {
@@ -298,7 +298,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                   for (int64_t i = 0; i < rows; ++i) {
                     const T* prow = p.data() + i * kBlockK;
                     T* dsrow = dp.data() + i * kBlockK;
-                    const T di = delta[t0 + i];
+                    const T di = delta[i];
 #pragma omp simd
                     for (int64_t c = 0; c < cols; ++c) dsrow[c] = prow[c] * (dsrow[c] - di);
                   }
