@@ -3,6 +3,8 @@
 // written against a defect found by mutating valid files and command lines.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -15,6 +17,7 @@
 #include "data/loader.h"
 #include "data/token_shard.h"
 #include "data/tokenizer.h"
+#include "io/atomic_file.h"
 #include "io/checkpoint.h"
 #include "io/hf_files.h"
 #include "io/model_files.h"
@@ -248,6 +251,52 @@ TEST(Hardening, BadOutputPathsFailBeforeTraining) {
   c.mem_trace = test::temp_path("trace_dir");
   fs::create_directories(c.mem_trace);
   EXPECT_NE(message_of<Error>([&] { train::run_training(c); }).find("--mem-trace"), std::string::npos);
+}
+
+TEST(Hardening, OutputsAreWrittenThroughLinksAndNeverReplaceDevicesOrDirectories) {
+  // Every write is a temporary file renamed over the destination. Renaming over a symbolic
+  // link replaced the link with a file (its target kept the old bytes); renaming over
+  // `-o /dev/full` as root replaced the device node with a file and reported success.
+  const std::string dir = test::temp_path("links");
+  fs::create_directories(dir);
+  const std::string real = dir + "/real.bin", link = dir + "/link.bin", link2 = dir + "/link2.bin";
+  test::write_all(real, "old");
+  fs::create_symlink("real.bin", link);   // relative, as `ln -s` makes them
+  fs::create_symlink(link, link2);        // a link to a link
+  {
+    io::AtomicFile out(link2);
+    out.write("new", 3);
+    out.commit();
+  }
+  EXPECT_TRUE(fs::is_symlink(link)) << "the link stays a link";
+  EXPECT_TRUE(fs::is_symlink(link2));
+  EXPECT_EQ(test::read_all(real), "new") << "the file it points to is replaced";
+  data::write_token_shard(link, {1, 2, 3}, data::TokenWidth::U16);
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_EQ(fs::file_size(real), 256 * 4 + 3 * 2) << "a token shard through the link";
+  // A dangling link: the file it names is created.
+  const std::string dangling = dir + "/dangling.bin";
+  fs::create_symlink("made.bin", dangling);
+  {
+    io::AtomicFile out(dangling);
+    out.write("x", 1);
+    out.commit();
+  }
+  EXPECT_TRUE(fs::is_symlink(dangling));
+  EXPECT_EQ(test::read_all(dir + "/made.bin"), "x");
+  // Special files and directories are refused, named, and left as they were. (A FIFO made
+  // here stands for the devices: a regression must not be able to replace /dev/null.)
+  const std::string fifo = dir + "/fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& target : {fifo, dir}) {
+    const std::string msg = message_of<Error>([&] { io::AtomicFile out(target); });
+    EXPECT_NE(msg.find("'" + target + "' is a"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("expected the path of a regular file"), std::string::npos) << msg;
+    EXPECT_NE(message_of<Error>([&] { data::write_token_shard(target, {1}, data::TokenWidth::U16); }).find("token shard"),
+              std::string::npos);
+  }
+  EXPECT_TRUE(fs::is_fifo(fifo));
+  EXPECT_FALSE(fs::exists(fifo + ".tmp"));
 }
 
 // ---------------------------------------------------------------- 4. durability

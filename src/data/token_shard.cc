@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/file_target.h"
 
 namespace tally::data {
 namespace {
@@ -74,7 +75,8 @@ void write_token_shard(const std::string& path, const std::vector<int32_t>& toke
     std::memcpy(body.data(), tokens.data(), body.size());
   }
 
-  const std::string tmp = path + ".tmp";
+  const std::string target = replacement_target(path, "token shard");  // through links; no devices
+  const std::string tmp = target + ".tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TALLY_CHECK(fd >= 0, "token shard '", path, "': cannot create '", tmp, "': ", errno_text());
   const auto fail = [&](const char* what) {
@@ -90,14 +92,14 @@ void write_token_shard(const std::string& path, const std::vector<int32_t>& toke
     ::unlink(tmp.c_str());
     TALLY_FAIL("token shard '", path, "': closing '", tmp, "' failed: ", err);
   }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+  if (::rename(tmp.c_str(), target.c_str()) != 0) {
     const std::string err = errno_text();
     ::unlink(tmp.c_str());
     TALLY_FAIL("token shard '", path, "': renaming '", tmp, "' to it failed: ", err);
   }
   // Make the rename itself durable. Best effort: some filesystems refuse fsync on directories.
-  const std::size_t slash = path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  const std::size_t slash = target.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : target.substr(0, slash);
   const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     (void)::fsync(dfd);

@@ -10,10 +10,12 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/file_target.h"
 
 namespace tally::io {
 
-AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), tmp_path_(path_ + ".tmp") {
+AtomicFile::AtomicFile(std::string path)
+    : path_(std::move(path)), target_(replacement_target(path_, "output file")), tmp_path_(target_ + ".tmp") {
   file_ = std::fopen(tmp_path_.c_str(), "wb");
   TALLY_CHECK(file_, "cannot create '", tmp_path_, "': ", std::strerror(errno));
 }
@@ -51,12 +53,12 @@ void AtomicFile::commit() {
     std::remove(tmp_path_.c_str());
     TALLY_FAIL("failed closing '", tmp_path_, "': ", err);
   }
-  if (std::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
+  if (std::rename(tmp_path_.c_str(), target_.c_str()) != 0) {
     const std::string err = std::strerror(errno);
     std::remove(tmp_path_.c_str());
-    TALLY_FAIL("cannot rename '", tmp_path_, "' to '", path_, "': ", err);
+    TALLY_FAIL("cannot rename '", tmp_path_, "' to '", target_, "': ", err);
   }
-  const std::string parent = std::filesystem::path(path_).parent_path().string();
+  const std::string parent = std::filesystem::path(target_).parent_path().string();
   sync_directory(parent.empty() ? "." : parent);
 }
 

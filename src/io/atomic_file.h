@@ -1,6 +1,8 @@
 // Writes a file atomically: data goes to "<path>.tmp", is flushed and fsync'ed, then
 // renamed over <path>, and the directory is fsync'ed. A crash leaves either the old file or
-// the new one, never half. Every write and the close are checked (a full disk is an error
+// the new one, never half. A <path> that is a symbolic link is written through (the file it
+// points to is replaced; the link stays); one that is a directory, device, FIFO or socket is
+// refused (core/file_target.h). Every write and the close are checked (a full disk is an error
 // naming the file, never a truncated file).
 #pragma once
 #include <cstdint>
@@ -23,7 +25,8 @@ class AtomicFile {
   void commit();
 
  private:
-  std::string path_;
+  std::string path_;    // as given, for messages
+  std::string target_;  // the file replaced: path_, or what its links point to
   std::string tmp_path_;
   std::FILE* file_ = nullptr;
 };

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/file_target.h"
 
 namespace tally::memory {
 
@@ -25,7 +26,8 @@ namespace {
 // Writes `text` to "<path>.tmp" and renames it over `path`, checking every step: a full disk
 // is an error naming the file, never a truncated report left behind as if complete. (The
 // memory layer sits below io's AtomicFile, hence this small copy of its steps.)
-void write_whole_file(const std::string& path, const std::string& text, const char* what) {
+void write_whole_file(const std::string& given_path, const std::string& text, const char* what) {
+  const std::string path = replacement_target(given_path, what);  // through links; no devices
   const std::string tmp = path + ".tmp";
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
   TALLY_CHECK(f, "cannot write ", what, " '", path, "': ", std::strerror(errno));
