@@ -253,6 +253,26 @@ TEST(Hardening, BadOutputPathsFailBeforeTraining) {
   EXPECT_NE(message_of<Error>([&] { train::run_training(c); }).find("--mem-trace"), std::string::npos);
 }
 
+TEST(Hardening, ATokenizerLargerThanTheModelsVocabularyIsRefusedBeforeTraining) {
+  // The tiny model has 97 tokens; a GPT-2-style tokenizer has 257 (256 bytes and
+  // <|endoftext|>). Training used to run every step and then fail in the final sample
+  // (the separator, id 256, is out of the embedding's range) before the last checkpoint
+  // was saved: the whole run was lost.
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  c.tokenizer_dir = test::temp_path("big_tok");
+  fs::create_directories(c.tokenizer_dir);
+  test::write_tiny_gpt2_tokenizer(c.tokenizer_dir, {});
+  c.steps = 3;
+  c.save_every = 3;
+  c.sample_every = 0;  // one sample, at the end
+  c.sample_tokens = 4;
+  c.log_json = c.out_dir + "/log.jsonl";
+  const std::string msg = message_of<Error>([&] { train::run_training(c); });
+  EXPECT_NE(msg.find("--tokenizer '" + c.tokenizer_dir + "' has 257 tokens"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("only 97"), std::string::npos) << msg;
+  EXPECT_FALSE(fs::exists(c.log_json) && fs::file_size(c.log_json) > 0) << "refused before the first step";
+}
+
 TEST(Hardening, OutputsAreWrittenThroughLinksAndNeverReplaceDevicesOrDirectories) {
   // Every write is a temporary file renamed over the destination. Renaming over a symbolic
   // link replaced the link with a file (its target kept the old bytes); renaming over

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -334,6 +335,11 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   std::unique_ptr<data::TokenLoader> val_loader;
   if (!c.val_data.empty()) val_loader = std::make_unique<data::TokenLoader>(c.val_data, c.batch_size, c.seq_len, mc.vocab_size, "--val-data");
   Detokenizer detok(c.tokenizer_dir);
+  // A tokenizer with more tokens than the model has is a different tokenizer: samples would
+  // start from a separator the embedding does not hold. Said now, not after the last step.
+  TALLY_CHECK(!detok.tok || detok.tok->vocab_size() <= mc.vocab_size, "--tokenizer '", c.tokenizer_dir, "' has ",
+              detok.tok ? detok.tok->vocab_size() : 0, " tokens but the model only ", mc.vocab_size,
+              ": it is not the tokenizer of this model's vocabulary");
   Rng sample_rng(c.seed + 1);
 
   const auto recipe = run_recipe(c, world);
@@ -654,13 +660,20 @@ if (pipeline) {
     if (sample_now && model_parallel && last)
       log("sample: not drawn: sampling runs on a whole model, and this run's is split by --tp/--pp; "
           "`tally sample --model-file %s` draws from its checkpoints (--save-every)\n", c.out_dir.c_str());
+    // A sample that fails is rethrown only after this step's checkpoint is saved: showing
+    // text must never cost the training it shows.
+    std::exception_ptr sample_error;
     if (sample_now && !model_parallel) {
-      SampleOptions so;
-      so.tokens = c.sample_tokens;
-      so.temperature = c.temperature;
-      so.top_k = c.top_k;
-      auto ids = sample(*model, {detok.start_token(mc.vocab_size)}, so, sample_rng);  // every rank, same draws
-      log("sample:\n---\n%s\n---\n", detok.text(ids).c_str());
+      try {
+        SampleOptions so;
+        so.tokens = c.sample_tokens;
+        so.temperature = c.temperature;
+        so.top_k = c.top_k;
+        auto ids = sample(*model, {detok.start_token(mc.vocab_size)}, so, sample_rng);  // every rank, same draws
+        log("sample:\n---\n%s\n---\n", detok.text(ids).c_str());
+      } catch (...) {
+        sample_error = std::current_exception();
+      }
     }
     // The row goes to the log before the checkpoint: a checkpointed step always has its row.
     const bool checkpoint = c.save_every > 0 && (m.step % c.save_every == 0 || last);
@@ -685,6 +698,7 @@ if (pipeline) {
       log("saved %s\n", result.last_checkpoint.c_str());
       crash_point("checkpoint", m.step);
     }
+    if (sample_error) std::rethrow_exception(sample_error);
     result.history.push_back(m);
     result.final_loss = m.loss;
     result.steps_run++;
