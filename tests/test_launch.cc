@@ -83,6 +83,29 @@ TEST(Launch, ABadTokenIsReportedBeforeTrainingNamingTheShard) {
   EXPECT_EQ(o.output.find("step     1/"), std::string::npos) << "a step ran before the bad token was found\n" << o.output;
 }
 
+TEST(Launch, TokenizeLeavesNoStaleValidationSplitBehind) {
+  // A second tokenize into the same prefix that makes no validation split (one document)
+  // used to leave the first run's <prefix>_val.bin: its documents were now in _train.bin
+  // too, and validation measured text the model trained on.
+  const std::string dir = test::temp_path("tokenize_stale");
+  std::filesystem::create_directories(dir);
+  test::write_tiny_gpt2_tokenizer(dir, {{"a", "b"}});
+  test::write_all(dir + "/two.txt", "ab ab ab\n%\nba ba\n");
+  test::write_all(dir + "/one.txt", "ab ab ab ba ba\n");
+  const std::string prefix = dir + "/corpus", tokenize = std::string(TALLY_CLI) + " tokenize --tokenizer " + dir;
+  Outcome first = run(tokenize + " --separator % --val-fraction 0.3 --out " + prefix + " " + dir + "/two.txt");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  ASSERT_TRUE(std::filesystem::exists(prefix + "_val.bin")) << first.output;
+  Outcome second = run(tokenize + " --out " + prefix + " " + dir + "/one.txt");
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_FALSE(std::filesystem::exists(prefix + "_val.bin")) << second.output;
+  EXPECT_NE(second.output.find("no validation split"), std::string::npos) << second.output;
+  EXPECT_NE(second.output.find("removed the earlier " + prefix + "_val.bin"), std::string::npos) << second.output;
+  Outcome empty = run(tokenize + " --out '' " + dir + "/one.txt");
+  EXPECT_NE(empty.exit_code, 0);
+  EXPECT_NE(empty.output.find("--out"), std::string::npos) << empty.output;
+}
+
 TEST(Launch, DataParallelWithoutMpirunSaysHowToLaunch) {
   const std::string data = test::write_random_shard("ok.bin", 20000, 97, 3);
   Outcome o = run(train_command("", data, "--dp 2"));

@@ -255,6 +255,9 @@ int run_tokenize(const TokenizeArgs& a) {
   TALLY_CHECK(tok.can_encode(), "tokenize: --tokenizer must hold tokenizer.json or encoder.json + vocab.bpe (an llm.c "
               "tokenizer .bin only decodes)");
   TALLY_CHECK(a.val_fraction >= 0 && a.val_fraction < 1, "--val-fraction must be in [0, 1)");
+  TALLY_CHECK(!a.out_prefix.empty() && a.out_prefix.back() != '/',
+              "tokenize: --out must be a path prefix (it writes <prefix>_train.bin and <prefix>_val.bin), got '",
+              a.out_prefix, "'");
   std::vector<std::string> documents;
   for (const std::string& path : a.inputs) {
     std::ifstream in(path, std::ios::binary);
@@ -280,12 +283,22 @@ int run_tokenize(const TokenizeArgs& a) {
   }
   // GPT-2's ids fit uint16 (llm.c's version 1 shards); LLaMA-3's 128,256 need uint32 (version 7).
   const data::TokenWidth width = tok.vocab_size() <= 65536 ? data::TokenWidth::U16 : data::TokenWidth::U32;
+  // With no validation split, a _val.bin an earlier run left under this prefix would hold
+  // documents that _train.bin now holds too: removed before the new split is written.
+  const std::string val_path = a.out_prefix + "_val.bin";
+  const bool stale_val = val.empty() && fs::exists(val_path);
+  if (stale_val) fs::remove(val_path);
   data::write_token_shard(a.out_prefix + "_train.bin", train, width);
   std::printf("wrote %s_train.bin (%zu tokens, %zu documents)\n", a.out_prefix.c_str(), train.size(),
               encoded.size() - n_val);
   if (!val.empty()) {
-    data::write_token_shard(a.out_prefix + "_val.bin", val, width);
-    std::printf("wrote %s_val.bin (%zu tokens, %zu documents)\n", a.out_prefix.c_str(), val.size(), n_val);
+    data::write_token_shard(val_path, val, width);
+    std::printf("wrote %s (%zu tokens, %zu documents)\n", val_path.c_str(), val.size(), n_val);
+  } else {
+    std::printf("no validation split: %zu document%s, --val-fraction %g%s\n", encoded.size(),
+                encoded.size() == 1 ? "" : "s", a.val_fraction,
+                stale_val ? ("; removed the earlier " + val_path + ", whose documents are in the training split now").c_str()
+                          : (a.val_fraction > 0 ? " (a split never cuts a document)" : ""));
   }
   return 0;
 }
