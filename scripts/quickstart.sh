@@ -36,7 +36,8 @@ if [ ! -f "$corpus/fortunes_train.bin" ] || [ "$corpus/fortunes.txt" -nt "$corpu
 fi
 
 mkdir -p "$OUT"
-rm -f "$OUT/log.jsonl"   # a fresh run: its log and plot start empty
+rm -f "$OUT/log.jsonl"   # a fresh run: its log and plot start empty, and --overwrite replaces
+                         # the checkpoints an earlier quickstart left in $OUT
 build/tally train \
   --model "$MODEL" \
   --train-data "$corpus/fortunes_train.bin" --val-data "$corpus/fortunes_val.bin" \
@@ -44,7 +45,7 @@ build/tally train \
   --batch-size "$BATCH" --seq-len "$SEQ_LEN" --steps "$STEPS" \
   --lr "$LR" --warmup-steps "$WARMUP" --lr-schedule cosine --min-lr-frac 0.1 \
   --val-every "$VAL_EVERY" --val-batches 16 --sample-every -1 \
-  --save-every "$STEPS" --out-dir "$OUT" \
+  --save-every "$STEPS" --out-dir "$OUT" --overwrite \
   --log-json "$OUT/log.jsonl" --sanitize warn
 
 # The sample, from the checkpoint just written (the same command works on any checkpoint).

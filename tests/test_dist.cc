@@ -445,6 +445,7 @@ TEST(Checkpoints, ReshardsAcrossRankCounts) {
     c.grad_accum = 4;
     c.save_every = 4;
     c.out_dir = dir;
+    c.overwrite = true;  // the shared directory keeps the previous ctest run's checkpoints
     const train::TrainResult straight = train::run_training(c, world());
     if (world().is_root()) {
       std::ofstream out(dir + "/losses.txt");

@@ -273,6 +273,42 @@ TEST(Hardening, ATokenizerLargerThanTheModelsVocabularyIsRefusedBeforeTraining) 
   EXPECT_FALSE(fs::exists(c.log_json) && fs::file_size(c.log_json) > 0) << "refused before the first step";
 }
 
+TEST(Hardening, AFreshRunDoesNotOverwriteAnEarlierRunsCheckpoints) {
+  // A second run (another model, or the same recipe started over) into the same --out-dir
+  // replaced the first run's checkpoints step by step; with other step numbers the
+  // directory ended up holding both runs' checkpoints under one `latest`.
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  fs::remove_all(c.out_dir);
+  c.steps = 4;
+  c.save_every = 2;
+  train::run_training(c);
+  const std::string first = test::read_all(c.out_dir + "/step_00000004/model.bin");
+  train::TrainConfig again = c;
+  again.steps = 3;
+  again.save_every = 3;
+  again.seed = 7;
+  const std::string msg = message_of<Error>([&] { train::run_training(again); });
+  EXPECT_NE(msg.find("--out-dir '" + c.out_dir + "' holds an earlier run's checkpoints (step_00000002 ... latest)"),
+            std::string::npos) << msg;
+  EXPECT_NE(msg.find("--resume " + c.out_dir), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--overwrite"), std::string::npos) << msg;
+  EXPECT_EQ(test::read_all(c.out_dir + "/step_00000004/model.bin"), first) << "the earlier checkpoints are untouched";
+  again.overwrite = true;
+  train::run_training(again);
+  EXPECT_EQ(io::checkpoints_in(c.out_dir), (std::vector<std::string>{"step_00000003", "latest"}))
+      << "only the new run's checkpoints";
+  // Continuing a run, and runs that save nothing, are not affected.
+  train::TrainConfig resumed = again;
+  resumed.overwrite = false;
+  resumed.steps = 4;
+  resumed.allow_recipe_change = true;  // the schedule's length changes
+  resumed.resume = c.out_dir;
+  EXPECT_NO_THROW(train::run_training(resumed));
+  train::TrainConfig unsaved = c;
+  unsaved.save_every = 0;
+  EXPECT_NO_THROW(train::run_training(unsaved));
+}
+
 TEST(Hardening, OutputsAreWrittenThroughLinksAndNeverReplaceDevicesOrDirectories) {
   // Every write is a temporary file renamed over the destination. Renaming over a symbolic
   // link replaced the link with a file (its target kept the old bytes); renaming over

@@ -67,6 +67,9 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
   t->add_option("--save-every", c.save_every, "Checkpoint every N steps (and at the end; 0 = never)")->capture_default_str();
   t->add_option("--out-dir", c.out_dir, "Where checkpoints go")->capture_default_str();
   t->add_option("--resume", c.resume, "Resume from a checkpoint directory (or an --out-dir with 'latest')");
+  t->add_flag("--overwrite", c.overwrite,
+              "Start afresh in an --out-dir that holds an earlier run's checkpoints, removing them (without it such a "
+              "run is refused when it saves)");
   t->add_flag("--allow-recipe-change", c.allow_recipe_change,
               "Resume even if batch shape, schedule or optimizer differ from the checkpoint's run");
   t->add_option("--log-json", c.log_json, "Append one JSON object per step to this file");

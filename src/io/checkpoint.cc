@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -337,6 +338,25 @@ void recover_out_dir(const std::string& out_dir) {
     const bool step_leftover = name.rfind("step_", 0) == 0 && (name.ends_with(".tmp") || name.ends_with(".old"));
     if (step_leftover || name == "latest.tmp" || name == "loss.svg.tmp") fs::remove_all(entry.path());
   }
+}
+
+std::vector<std::string> checkpoints_in(const std::string& out_dir) {
+  std::vector<std::string> found;
+  if (!fs::is_directory(out_dir)) return found;
+  bool latest = false;
+  for (const auto& entry : fs::directory_iterator(out_dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name == "latest") latest = true;
+    else if (name.rfind("step_", 0) == 0 && entry.is_directory()) found.push_back(name);
+  }
+  std::sort(found.begin(), found.end());  // step_%08lld: name order is step order
+  if (latest) found.push_back("latest");
+  return found;
+}
+
+void remove_checkpoints(const std::string& out_dir) {
+  for (const std::string& name : checkpoints_in(out_dir)) fs::remove_all(fs::path(out_dir) / name);
+  sync_directory(out_dir);
 }
 
 std::vector<std::pair<std::string, std::string>> load_checkpoint_recipe(const std::string& dir) {

@@ -254,7 +254,20 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (!c.mem_trace.empty())
     TALLY_CHECK(!fs::is_directory(c.mem_trace), "--mem-trace '", c.mem_trace,
                 "' is a directory, expected a file path ending in .json or .html");
+  // A fresh run that saves into an --out-dir holding an earlier run's checkpoints would
+  // replace them one step at a time and leave two runs' checkpoints mixed under one
+  // `latest`: refused unless --resume continues that run or --overwrite starts afresh.
+  std::vector<std::string> earlier;
+  if (c.resume.empty() && c.save_every > 0) earlier = io::checkpoints_in(c.out_dir);
+  TALLY_CHECK(earlier.empty() || c.overwrite, "--out-dir '", c.out_dir, "' holds an earlier run's checkpoints (",
+              earlier.empty() ? "" : earlier.front(), earlier.size() > 1 ? " ... " + earlier.back() : "",
+              "): --resume ", c.out_dir, " continues that run, --overwrite starts afresh and removes them; or choose "
+              "another --out-dir");
   if (root) {
+    if (!earlier.empty()) {
+      io::remove_checkpoints(c.out_dir);
+      log("--overwrite: removed the earlier run's checkpoints from %s\n", c.out_dir.c_str());
+    }
     fs::create_directories(c.out_dir);
     if (!c.mem_trace.empty() && !fs::path(c.mem_trace).parent_path().empty())
       fs::create_directories(fs::path(c.mem_trace).parent_path());

@@ -57,6 +57,7 @@ struct TrainConfig {
   int64_t save_every = 0;
   std::string out_dir = "out";
   std::string resume;
+  bool overwrite = false;  // start afresh in an out_dir that holds an earlier run's checkpoints (removed)
   bool allow_recipe_change = false;  // resume even though batch shape, schedule or optimizer differ from the checkpoint's
   std::string log_json;
   std::string sanitize = "off";
