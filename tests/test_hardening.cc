@@ -5,6 +5,7 @@
 
 #include <sys/stat.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -271,6 +272,20 @@ TEST(Hardening, ATokenizerLargerThanTheModelsVocabularyIsRefusedBeforeTraining) 
   EXPECT_NE(msg.find("--tokenizer '" + c.tokenizer_dir + "' has 257 tokens"), std::string::npos) << msg;
   EXPECT_NE(msg.find("only 97"), std::string::npos) << msg;
   EXPECT_FALSE(fs::exists(c.log_json) && fs::file_size(c.log_json) > 0) << "refused before the first step";
+}
+
+TEST(Hardening, MoreValidationBatchesThanTheValidationDataHoldsAreCappedNotWrapped) {
+  // --val-batches beyond the data wrapped around and evaluated the same tokens again and
+  // again (10^6 batches of a 5,000-token split ran for hours) and weighted the wrapped part
+  // twice. Capped at the batches the data holds ((5000 - 1) / 32 tokens per batch = 156),
+  // 1,000 asked for give what 156 give.
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  c.val_data = test::write_random_shard("v.bin", 5000, 97, 2);
+  c.steps = 1;
+  c.val_batches = 156;
+  const double all = train::run_training(c).final_val_loss;
+  c.val_batches = 1000;
+  EXPECT_EQ(train::run_training(c).final_val_loss, all);
 }
 
 TEST(Hardening, AFreshRunDoesNotOverwriteAnEarlierRunsCheckpoints) {

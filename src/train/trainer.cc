@@ -347,6 +347,20 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   data::TokenLoader train_loader(c.train_data, c.batch_size, c.seq_len, mc.vocab_size, "--train-data");
   std::unique_ptr<data::TokenLoader> val_loader;
   if (!c.val_data.empty()) val_loader = std::make_unique<data::TokenLoader>(c.val_data, c.batch_size, c.seq_len, mc.vocab_size, "--val-data");
+  // Validation reads consecutive batches; past the end of the data they would wrap around
+  // and count tokens twice. At most the batches the data holds (at least one).
+  int64_t val_batches = c.val_batches;
+  if (val_loader) {
+    const int64_t held = std::max<int64_t>(1, (val_loader->total_tokens() - 1) / val_loader->tokens_per_batch());
+    if (val_batches > held) {
+      log("validation: --val-batches %lld, but --val-data holds %lld tokens: %lld batch%s of %lld x %lld; "
+          "validating on those\n",
+          static_cast<long long>(val_batches), static_cast<long long>(val_loader->total_tokens()),
+          static_cast<long long>(held), held == 1 ? "" : "es", static_cast<long long>(c.batch_size),
+          static_cast<long long>(c.seq_len));
+      val_batches = held;
+    }
+  }
   Detokenizer detok(c.tokenizer_dir);
   // A tokenizer with more tokens than the model has is a different tokenizer: samples would
   // start from a separator the embedding does not hold. Said now, not after the last step.
@@ -660,7 +674,7 @@ if (pipeline) {
     }
     const bool last = step + 1 == c.steps;
     if (val_loader && ((c.val_every > 0 && m.step % c.val_every == 0) || last)) {
-      double vl = evaluate(*model, pipeline.get(), *val_loader, c.val_batches);  // every rank: ZeRO-3 gathers collectively
+      double vl = evaluate(*model, pipeline.get(), *val_loader, val_batches);  // every rank: ZeRO-3 gathers collectively
       result.final_val_loss = vl;
       j["val_loss"] = vl;
       log("val loss %.4f\n", vl);
