@@ -156,6 +156,30 @@ TEST(LlamaFiles, HuggingFaceExportIsHfsLayoutAndRoundTripsBitExactly) {
     test::expect_close(b16.params()[i], m->params()[i].to(DType::BF16).to(DType::F32), 0, 0, "bf16 export");
 }
 
+TEST(LlamaFiles, ExportIntoASavedShardedModelReplacesItInsteadOfBreakingIt) {
+  // HuggingFace's own save of this model is sharded: an index and two shards. Exporting
+  // over it wrote model.safetensors beside them, but loaders (transformers, and tally)
+  // read the index first: the directory then failed to load ("missing tensor"), or loaded
+  // the old weights. The export removes the index and the shards it names.
+  const std::string dir = test::temp_path("over_sharded");
+  std::filesystem::copy(test::fixture_path("llama3_tiny_hf"), dir);
+  test::write_all(dir + "/README.md", "kept");
+  auto m = tiny_llama();
+  for (size_t i = 0; i < m->params().size(); ++i) m->params()[i].detach().fill_(0.5 + 0.001 * static_cast<double>(i));
+  io::save_hf(dir, *m);
+  EXPECT_FALSE(std::filesystem::exists(dir + "/model.safetensors.index.json"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/model-00001-of-00002.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/model-00002-of-00002.safetensors"));
+  EXPECT_EQ(test::read_all(dir + "/README.md"), "kept") << "files the index does not name stay";
+  nn::Transformer back(io::read_hf_config(dir)), fresh(io::read_hf_config(dir));
+  io::load_hf(dir, back);
+  const std::string empty_dir = test::temp_path("fresh_export");
+  io::save_hf(empty_dir, *m);
+  io::load_hf(empty_dir, fresh);  // the vocabulary's padding rows are not exported: compare like with like
+  expect_same_weights(back, fresh, 0, "the exported weights, not the old ones");
+  test::expect_close(back.params().get("h.0.attn.c_proj.weight"), m->params().get("h.0.attn.c_proj.weight"), 0, 0, "a layer");
+}
+
 TEST(LlamaFiles, LlmcRoundTripKeepsTheExactConfigTiedHeadIncluded) {
   auto m = tiny_llama();
   const std::string p = test::temp_path("llama.bin");

@@ -414,6 +414,20 @@ void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
   AtomicFile out((fs::path(dir) / "config.json").string());
   out.write(text.data(), text.size());
   out.commit();
+  // An earlier sharded save here (an index and its shards) would shadow the new file, since
+  // loaders read the index first: removed once the new weights and config are in place.
+  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+  if (fs::exists(index)) {
+    std::vector<std::string> shards;
+    try {
+      shards = locate(dir).shards;
+    } catch (const Error&) {
+      // An unreadable index: it names nothing to remove, but still shadows the new file.
+    }
+    for (const std::string& shard : shards)
+      if (fs::path(shard).filename() != "model.safetensors") fs::remove(shard);
+    fs::remove(index);
+  }
   sync_directory(dir);
 }
 
