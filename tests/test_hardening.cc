@@ -142,6 +142,52 @@ TEST(Hardening, IntegerTensorsAreNotTakenAsFloatWeights) {
   EXPECT_NE(msg.find("ln_f.weight is int32, expected a float weight"), std::string::npos) << msg;
 }
 
+TEST(Hardening, HuggingFaceConfigsThatContradictTheWeightsOrTheModelAreRefusedNamingTheFile) {
+  // GPT-2's config.json was read for n_head only: an n_layer, n_embd, vocab_size or
+  // n_positions that the weights contradict, a layer_norm_epsilon of -1 or another
+  // activation loaded without a word. LLaMA's rms_norm_eps -1 loaded and sampled NaN, its
+  // hidden_act was ignored, and the model's own checks did not name the file.
+  const std::string gpt2 = test::temp_path("hf_gpt2");
+  {
+    nn::Transformer m(io::read_llmc_config(test::fixture_path("gpt2_tiny.bin")));
+    io::load_llmc(test::fixture_path("gpt2_tiny.bin"), m);
+    io::save_hf(gpt2, m);
+  }
+  const nlohmann::json gpt2_config = nlohmann::json::parse(test::read_all(gpt2 + "/config.json"));
+  EXPECT_NO_THROW(io::read_hf_config(gpt2));
+  struct Case {
+    const char* key;
+    nlohmann::json value;
+    const char* expected;
+  };
+  for (const Case& k : {Case{"n_layer", 3, "\"n_layer\" is 3 but the weights have 2"},
+                        Case{"n_embd", 64, "\"n_embd\" is 64 but the weights have 32"},
+                        Case{"vocab_size", 50257, "\"vocab_size\" is 50257 but the weights have 97"},
+                        Case{"n_positions", 1024, "\"n_positions\" is 1024 but the weights have 32"},
+                        Case{"layer_norm_epsilon", -1, "\"layer_norm_epsilon\" is -1, expected a positive number"},
+                        Case{"activation_function", "relu", "activation_function 'relu'"}}) {
+    nlohmann::json j = gpt2_config;
+    j[k.key] = k.value;
+    test::write_all(gpt2 + "/config.json", j.dump());
+    const std::string msg = message_of<Error>([&] { io::read_hf_config(gpt2); });
+    EXPECT_NE(msg.find("HuggingFace config '" + gpt2 + "/config.json'"), std::string::npos) << k.key << ": " << msg;
+    EXPECT_NE(msg.find(k.expected), std::string::npos) << k.key << ": " << msg;
+  }
+  const std::string llama = test::temp_path("hf_llama");
+  fs::copy(test::fixture_path("llama3_tiny_hf"), llama);
+  const nlohmann::json llama_config = nlohmann::json::parse(test::read_all(llama + "/config.json"));
+  for (const Case& k : {Case{"rms_norm_eps", -1, "\"rms_norm_eps\" is -1, expected a positive number"},
+                        Case{"hidden_act", "relu", "hidden_act 'relu'"},
+                        Case{"rope_theta", 0, "rope_theta must be positive"}}) {
+    nlohmann::json j = llama_config;
+    j[k.key] = k.value;
+    test::write_all(llama + "/config.json", j.dump());
+    const std::string msg = message_of<Error>([&] { io::read_hf_config(llama); });
+    EXPECT_NE(msg.find("HuggingFace config '" + llama + "/config.json'"), std::string::npos) << k.key << ": " << msg;
+    EXPECT_NE(msg.find(k.expected), std::string::npos) << k.key << ": " << msg;
+  }
+}
+
 TEST(Hardening, ATruncatedVocabBpeIsRefusedNamingATokenNoMergeMakes) {
   const std::string dir = test::temp_path("tok");
   fs::create_directories(dir);

@@ -1,5 +1,6 @@
 #include "io/hf_files.h"
 
+#include <cmath>
 #include <filesystem>
 #include <set>
 
@@ -86,6 +87,25 @@ int64_t integer(const json& j, const char* key, const std::string& path, double 
   return static_cast<int64_t>(v);
 }
 
+// A field that must be a positive finite number (epsilons); `fallback` when absent.
+double positive(const json& j, const char* key, const std::string& path, double fallback) {
+  const double v = number(j, key, path, fallback);
+  TALLY_CHECK(std::isfinite(v) && v > 0, "HuggingFace config '", path, "': \"", key, "\" is ", v,
+              ", expected a positive number");
+  return v;
+}
+
+// The model's own checks (TransformerConfig::validate), their message naming the config.
+void validate_from(const nn::TransformerConfig& c, const std::string& path) {
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    std::string what = e.what();
+    if (what.rfind("tally: ", 0) == 0) what.erase(0, 7);
+    TALLY_FAIL("HuggingFace config '", path, "': ", what);
+  }
+}
+
 std::string model_type(const HfSource& src) {
   if (src.config_path.empty()) return "gpt2";  // a bare GPT-2 model.safetensors
   json j = read_config(src.config_path);
@@ -123,7 +143,11 @@ nn::TransformerConfig llama_config(const std::string& path) {
   c.vocab_size = integer(j, "vocab_size", path);
   c.padded_vocab_size = (c.vocab_size + 127) / 128 * 128;
   c.max_seq_len = integer(j, "max_position_embeddings", path);
-  c.norm_eps = number(j, "rms_norm_eps", path, 1e-6);
+  c.norm_eps = positive(j, "rms_norm_eps", path, 1e-6);
+  if (j.contains("hidden_act") && !j["hidden_act"].is_null())
+    TALLY_CHECK(j["hidden_act"] == "silu", "HuggingFace config '", path, "': hidden_act ",
+                j["hidden_act"].is_string() ? "'" + j["hidden_act"].get<std::string>() + "'" : j["hidden_act"].dump(),
+                " is not supported (LLaMA's SwiGLU uses silu, as tally's model does)");
   c.rope_theta = number(j, "rope_theta", path, 10000.0);
   c.tie_embeddings = j.contains("tie_word_embeddings") && j["tie_word_embeddings"].is_boolean() &&
                      j["tie_word_embeddings"].get<bool>();
@@ -149,7 +173,7 @@ nn::TransformerConfig llama_config(const std::string& path) {
     c.rope_original_max_position = integer(r, "original_max_position_embeddings", path);
   }
   ffn_rounding(c);
-  c.validate();
+  validate_from(c, path);
   return c;
 }
 
@@ -207,6 +231,30 @@ nn::TransformerConfig gpt2_config(const HfSource& src) {
   TALLY_CHECK(c.n_head > 0 && c.n_embd % c.n_head == 0, "HuggingFace GPT-2 file '", f.path, "': ", c.n_head,
               " heads do not divide the width ", c.n_embd);
   c.n_kv_head = c.n_head;
+  if (!src.config_path.empty()) {
+    // The shape comes from the weights; a config.json beside them that says otherwise
+    // belongs to another model (or the weights do): refused rather than half believed.
+    const std::string& path = src.config_path;
+    const json j = read_config(path);
+    auto agrees = [&](const char* key, int64_t from_weights, const char* unit) {
+      if (!j.contains(key) || j[key].is_null()) return;
+      const int64_t v = integer(j, key, path);
+      TALLY_CHECK(v == from_weights, "HuggingFace config '", path, "': \"", key, "\" is ", v, " but the weights have ",
+                  from_weights, " ", unit);
+    };
+    agrees("n_layer", c.n_layer, "layers");
+    agrees("n_embd", c.n_embd, "channels");
+    agrees("vocab_size", c.vocab_size, "tokens");
+    agrees("n_positions", c.max_seq_len, "positions");
+    c.norm_eps = positive(j, "layer_norm_epsilon", path, c.norm_eps);
+    if (j.contains("activation_function") && !j["activation_function"].is_null()) {
+      const json& act = j["activation_function"];
+      TALLY_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh", "HuggingFace config '", path,
+                  "': activation_function ", act.is_string() ? "'" + act.get<std::string>() + "'" : act.dump(),
+                  " is not supported (GPT-2's is gelu_new, the tanh approximation tally's model computes)");
+    }
+    validate_from(c, path);
+  }
   return c;
 }
 

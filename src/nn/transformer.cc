@@ -29,6 +29,7 @@ void TransformerConfig::validate() const {
   TALLY_CHECK(n_kv_head >= 1 && n_head % n_kv_head == 0, "model: n_head ", n_head, " is not a multiple of n_kv_head ",
               n_kv_head);
   TALLY_CHECK(padded_vocab_size >= vocab_size, "model: padded vocab ", padded_vocab_size, " < vocab ", vocab_size);
+  TALLY_CHECK(std::isfinite(norm_eps) && norm_eps > 0, "model: the norm's epsilon must be positive, got ", norm_eps);
   if (is_llama()) {
     TALLY_CHECK(head_dim() % 2 == 0, "model: rotary embeddings need an even head dimension, got ", head_dim());
     TALLY_CHECK(ffn_hidden >= 1, "model: the SwiGLU width (ffn_hidden) must be set, got ", ffn_hidden);
