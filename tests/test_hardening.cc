@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 
 #include <nlohmann/json.hpp>
@@ -298,6 +299,24 @@ TEST(Hardening, BadOutputPathsFailBeforeTraining) {
   c.mem_trace = test::temp_path("trace_dir");
   fs::create_directories(c.mem_trace);
   EXPECT_NE(message_of<Error>([&] { train::run_training(c); }).find("--mem-trace"), std::string::npos);
+  // A path under a file: "file system: filesystem error: cannot create directories: Not a
+  // directory" named no flag. And a --train-data pattern that matches nothing named none.
+  const std::string file = test::temp_path("plain_file");
+  test::write_all(file, "x");
+  struct Case {
+    const char* flag;
+    std::function<void(train::TrainConfig&)> set;
+  };
+  for (const Case& k : {Case{"--out-dir", [&](train::TrainConfig& t) { t.out_dir = file + "/sub"; }},
+                        Case{"--log-json", [&](train::TrainConfig& t) { t.log_json = file + "/sub/log.jsonl"; }},
+                        Case{"--mem-trace", [&](train::TrainConfig& t) { t.mem_trace = file + "/sub/trace.json"; }},
+                        Case{"--train-data", [&](train::TrainConfig& t) { t.train_data = file + "_*.bin"; }},
+                        Case{"--val-data", [&](train::TrainConfig& t) { t.val_data = file + "_*.bin"; }}}) {
+    train::TrainConfig b = tiny_config(c.train_data);
+    k.set(b);
+    const std::string msg = message_of<Error>([&] { train::run_training(b); });
+    EXPECT_EQ(msg.rfind(std::string("tally: ") + k.flag + " '", 0), 0u) << k.flag << ": " << msg;
+  }
 }
 
 TEST(Hardening, ATokenizerLargerThanTheModelsVocabularyIsRefusedBeforeTraining) {

@@ -8,7 +8,7 @@ TokenLoader::TokenLoader(const std::string& pattern, int64_t batch_size, int64_t
                          const std::string& split)
     : B_(batch_size), T_(seq_len), vocab_(vocab_size) {
   TALLY_CHECK(B_ > 0 && T_ > 0, "--batch-size and --seq-len must be positive (got ", B_, " and ", T_, ")");
-  files_ = expand_glob(pattern);
+  files_ = expand_glob(pattern, split);
   for (const std::string& f : files_) {
     shards_.push_back(TokenShard::open(f));
     const int64_t bad = shards_.back().find_token_at_or_above(vocab_);

@@ -258,14 +258,14 @@ int64_t TokenShard::find_token_at_or_above(int64_t limit) const {
 
 // ---------------------------------------------------------------------------------------------
 
-std::vector<std::string> expand_glob(const std::string& pattern) {
+std::vector<std::string> expand_glob(const std::string& pattern, const std::string& what) {
   glob_t g{};
   const int rc = ::glob(pattern.c_str(), 0, nullptr, &g);
   std::vector<std::string> paths;
   if (rc == 0) paths.assign(g.gl_pathv, g.gl_pathv + g.gl_pathc);
   ::globfree(&g);
-  TALLY_CHECK(rc != GLOB_NOMATCH, "no files match the pattern '", pattern, "'");
-  TALLY_CHECK(rc == 0, "expanding the pattern '", pattern, "' failed (",
+  TALLY_CHECK(rc != GLOB_NOMATCH, what, " '", pattern, "': no files match");
+  TALLY_CHECK(rc == 0, what, " '", pattern, "': expanding the pattern failed (",
               rc == GLOB_ABORTED ? "a directory could not be read" : rc == GLOB_NOSPACE ? "out of memory" : "glob error",
               ")");
   // glob(3) sorts by the locale's collation; bytewise order is the same on every machine.

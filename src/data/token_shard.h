@@ -53,7 +53,8 @@ class TokenShard {
 };
 
 // Expands a glob(3) pattern (e.g. "data/fineweb_train_*.bin") to the matching paths, sorted
-// bytewise. Throws std::runtime_error naming the pattern if nothing matches.
-std::vector<std::string> expand_glob(const std::string& pattern);
+// bytewise. Throws naming `what` (the flag, e.g. "--train-data") and the pattern if nothing
+// matches.
+std::vector<std::string> expand_glob(const std::string& pattern, const std::string& what = "pattern");
 
 }  // namespace tally::data

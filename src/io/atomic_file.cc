@@ -62,6 +62,13 @@ void AtomicFile::commit() {
   sync_directory(parent.empty() ? "." : parent);
 }
 
+void create_directories_for(const std::string& what, const std::string& path, const std::string& dir) {
+  if (dir.empty()) return;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  TALLY_CHECK(!ec, what, " '", path, "': cannot create the directory '", dir, "': ", ec.message());
+}
+
 void sync_directory(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return;

@@ -31,6 +31,11 @@ class AtomicFile {
   std::FILE* file_ = nullptr;
 };
 
+// Creates `dir` and its parents for the path `path` that `what` names (a flag: "--out-dir");
+// a failure (a file in the way, no permission) is an error naming both, not the standard
+// library's "filesystem error: cannot create directories".
+void create_directories_for(const std::string& what, const std::string& path, const std::string& dir);
+
 // fsync of a directory, so the renames inside it survive a power loss. Best effort: some
 // filesystems refuse fsync on directories.
 void sync_directory(const std::string& dir);

@@ -17,8 +17,7 @@ namespace tally::train {
 namespace fs = std::filesystem;
 
 StepLog::StepLog(std::string path, int64_t resumed_step) : path_(std::move(path)) {
-  const fs::path parent = fs::path(path_).parent_path();
-  if (!parent.empty()) fs::create_directories(parent);
+  io::create_directories_for("--log-json", path_, fs::path(path_).parent_path().string());
   TALLY_CHECK(!fs::is_directory(path_), "--log-json '", path_, "': is a directory, expected a file path");
   if (resumed_step > 0 && fs::exists(path_)) {
     // Keep the rows up to the checkpoint's step; a torn last line (a kill mid-write) goes too.

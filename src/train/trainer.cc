@@ -24,6 +24,7 @@
 #include "dist/tensor_parallel.h"
 #include "dist/world.h"
 #include "dist/zero.h"
+#include "io/atomic_file.h"
 #include "io/checkpoint.h"
 #include "io/hf_files.h"
 #include "io/model_files.h"
@@ -268,9 +269,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       io::remove_checkpoints(c.out_dir);
       log("--overwrite: removed the earlier run's checkpoints from %s\n", c.out_dir.c_str());
     }
-    fs::create_directories(c.out_dir);
-    if (!c.mem_trace.empty() && !fs::path(c.mem_trace).parent_path().empty())
-      fs::create_directories(fs::path(c.mem_trace).parent_path());
+    io::create_directories_for("--out-dir", c.out_dir, c.out_dir);
+    if (!c.mem_trace.empty())
+      io::create_directories_for("--mem-trace", c.mem_trace, fs::path(c.mem_trace).parent_path().string());
     io::recover_out_dir(c.out_dir);  // what a killed save left behind
   }
   world.world().barrier();
@@ -750,8 +751,7 @@ if (pipeline) {
   if (!c.mem_trace.empty()) {
     const bool html = c.mem_trace.size() > 5 && c.mem_trace.compare(c.mem_trace.size() - 5, 5, ".html") == 0;
     const std::string path = root ? c.mem_trace : c.mem_trace + ".rank" + std::to_string(world.rank());
-    fs::path parent = fs::path(path).parent_path();
-    if (!parent.empty()) fs::create_directories(parent);
+    io::create_directories_for("--mem-trace", path, fs::path(path).parent_path().string());
     if (html) memory::write_html_report(path, ledger.history(), plan_parts);
     else memory::write_chrome_trace(path, ledger.history(), 1 << 20, plan_parts);
     ledger.enable_history(false);
