@@ -106,6 +106,21 @@ TEST(Launch, TokenizeLeavesNoStaleValidationSplitBehind) {
   EXPECT_NE(empty.output.find("--out"), std::string::npos) << empty.output;
 }
 
+TEST(Launch, NegativeSeedsAreRefusedAndAnEmptyRunSaysSo) {
+  // --seed -1 was taken as 2^64 - 1 (an unsigned option), and --steps 0 exited silently.
+  const std::string model = " --model-file " + test::fixture_path("gpt2_tiny.bin");
+  for (const std::string& command :
+       {std::string(TALLY_CLI) + " sample" + model + " --seed -1", train_command("", test::write_random_shard("s.bin", 2000, 97, 3), "--seed -1", 1)}) {
+    Outcome o = run(command);
+    EXPECT_NE(o.exit_code, 0) << command << "\n" << o.output;
+    EXPECT_NE(o.output.find("--seed"), std::string::npos) << o.output;
+  }
+  Outcome empty = run(train_command("", test::write_random_shard("s0.bin", 2000, 97, 3),
+                                    "--out-dir " + test::temp_path("steps0"), 0));
+  EXPECT_EQ(empty.exit_code, 0) << empty.output;
+  EXPECT_NE(empty.output.find("nothing to train: the run is at step 0 of --steps 0"), std::string::npos) << empty.output;
+}
+
 TEST(Launch, DataParallelWithoutMpirunSaysHowToLaunch) {
   const std::string data = test::write_random_shard("ok.bin", 20000, 97, 3);
   Outcome o = run(train_command("", data, "--dp 2"));

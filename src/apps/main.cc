@@ -29,9 +29,20 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* kModelHelp =
-    "Preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, dN (depth N); llama3.2-1b, llama3.2-3b, llama3.1-8b, llama3-dN";
+    "Preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, dN (GPT-2 of depth N, width 64N; N in 1..64); llama3.2-1b, "
+    "llama3.2-3b, llama3.1-8b, llama3-dN (N in 1..64)";
 constexpr const char* kTokenizerHelp =
     "A directory with tokenizer.json (LLaMA-3) or encoder.json + vocab.bpe (GPT-2), or an llm.c tokenizer .bin";
+
+// For unsigned options (seeds): CLI11 would take "-1" as 2^64 - 1, and its NonNegativeNumber
+// names a range up to 1.8e308.
+const CLI::Validator kNonNegativeInteger(
+    [](std::string& value) {
+      return value.find_first_not_of("0123456789") == std::string::npos && !value.empty()
+                 ? std::string()
+                 : "expected a non-negative integer, got " + value;
+    },
+    "");
 
 void add_train(CLI::App& app, train::TrainConfig& c) {
   auto* t = app.add_subcommand("train", "Train a GPT-2 or LLaMA-3 model on llm.c token shards");
@@ -52,18 +63,20 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
   t->add_option("--lr-schedule", c.lr_schedule, "constant or cosine")->check(CLI::IsMember({"constant", "cosine"}))->capture_default_str();
   t->add_option("--min-lr-frac", c.min_lr_frac, "Final learning rate as a fraction of --lr (cosine)")->capture_default_str();
   t->add_option("--weight-decay", c.weight_decay, "Decoupled weight decay on 2-D weights")->capture_default_str();
-  t->add_option("--beta1", c.beta1)->capture_default_str();
-  t->add_option("--beta2", c.beta2)->capture_default_str();
-  t->add_option("--eps", c.eps)->capture_default_str();
+  t->add_option("--beta1", c.beta1, "AdamW's decay of the gradient's running mean")->capture_default_str();
+  t->add_option("--beta2", c.beta2, "AdamW's decay of the squared gradient's running mean")->capture_default_str();
+  t->add_option("--eps", c.eps, "AdamW's epsilon, added to the root of the second moment")->capture_default_str();
   t->add_option("--grad-clip", c.grad_clip, "Clip the global gradient norm (0 = off)")->capture_default_str();
   t->add_option("--threads", c.threads, "CPU threads (0 = all)")->capture_default_str();
-  t->add_option("--seed", c.seed)->capture_default_str();
+  t->add_option("--seed", c.seed, "Seed of the weights' initialization (without --model-file) and of the samples")
+      ->check(kNonNegativeInteger)
+      ->capture_default_str();
   t->add_option("--val-every", c.val_every, "Validate every N steps (and at the end)")->capture_default_str();
   t->add_option("--val-batches", c.val_batches, "Batches per validation")->capture_default_str();
   t->add_option("--sample-every", c.sample_every, "Print a sample every N steps (and at the end; -1 never)")->capture_default_str();
   t->add_option("--sample-tokens", c.sample_tokens, "Tokens per sample")->capture_default_str();
-  t->add_option("--temperature", c.temperature)->capture_default_str();
-  t->add_option("--top-k", c.top_k)->capture_default_str();
+  t->add_option("--temperature", c.temperature, "Temperature of the printed samples (0 = greedy)")->capture_default_str();
+  t->add_option("--top-k", c.top_k, "The printed samples draw from the K likeliest tokens (0 = all)")->capture_default_str();
   t->add_option("--save-every", c.save_every, "Checkpoint every N steps (and at the end; 0 = never)")->capture_default_str();
   t->add_option("--out-dir", c.out_dir, "Where checkpoints go")->capture_default_str();
   t->add_option("--resume", c.resume, "Resume from a checkpoint directory (or an --out-dir with 'latest')");
@@ -171,6 +184,10 @@ int run_sample(const SampleArgs& a) {
   const int32_t start = tok ? tok->document_separator_id() : static_cast<int32_t>(model.config().vocab_size - 1);
   if (tok && tok->is_llama3()) prompt.insert(prompt.begin(), start);  // LLaMA: <|begin_of_text|> always leads
   if (prompt.empty()) prompt.push_back(start);
+  if (static_cast<int64_t>(prompt.size()) > model.config().max_seq_len)
+    std::fprintf(stderr, "tally: warning: the prompt is %zu tokens and the model's context %lld: samples continue its last %lld\n",
+                 prompt.size(), static_cast<long long>(model.config().max_seq_len),
+                 static_cast<long long>(model.config().max_seq_len));
   train::SampleOptions so;
   so.tokens = a.tokens;
   so.temperature = a.temperature;
@@ -209,7 +226,7 @@ int run_plan(const PlanArgs& a) {
               in.model.max_seq_len);
   TALLY_CHECK(a.world >= 1, "--world must be at least 1, got ", a.world);
   TALLY_CHECK(a.dp == 0 || a.dp == a.world, "--dp ", a.dp, " but --world ", a.world,
-              ": every rank is data-parallel until tensor and pipeline parallelism land");
+              ": the plan models data parallelism (and ZeRO) only, where every rank is data-parallel (--dp = --world)");
   in.batch_size = a.batch_size;
   in.seq_len = a.seq_len;
   in.grad_accum = a.grad_accum;
@@ -376,14 +393,16 @@ int main(int argc, char** argv) {
   s->add_option("--prompt", sa.prompt, "Text to continue (needs a tokenizer that encodes)");
   s->add_option("--tokens", sa.tokens, "Most tokens to generate per sample")->capture_default_str();
   s->add_option("--count", sa.count, "Samples to draw, each from the prompt")->capture_default_str();
-  s->add_flag("--stop-at-eot,!--no-stop-at-eot", sa.stop_at_eot,
-              "End a sample at the end of text or the next document's start (default on)");
+  s->add_flag("--stop-at-eot", [&sa](int64_t) { sa.stop_at_eot = true; },
+              "End a sample at the end of text or the next document's start (the default)");
+  s->add_flag("--no-stop-at-eot", [&sa](int64_t) { sa.stop_at_eot = false; },
+              "Keep generating past the end of text or the next document's start (by default a sample ends there)");
   s->add_option("--temperature", sa.temperature, "0 = greedy")->capture_default_str();
   s->add_option("--top-k", sa.top_k, "0 = no truncation")->capture_default_str();
   s->add_option("--top-p", sa.top_p, "Nucleus: keep the likeliest tokens up to this probability mass (1 = all)")
       ->capture_default_str();
-  s->add_option("--seed", sa.seed)->capture_default_str();
-  s->add_option("--threads", sa.threads)->capture_default_str();
+  s->add_option("--seed", sa.seed, "Seed of the draws")->check(kNonNegativeInteger)->capture_default_str();
+  s->add_option("--threads", sa.threads, "CPU threads (0 = all)")->capture_default_str();
 
   TokenizeArgs ta;
   auto* k = app.add_subcommand("tokenize", "Turn text files into llm.c token shards (GPT-2 or LLaMA-3)");
@@ -394,6 +413,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   k->add_option("--separator", ta.separator, "A line that separates documents inside a file (e.g. % in fortune files)");
   k->add_option("--shuffle-seed", ta.shuffle_seed, "Shuffle the documents with this seed before the split (0: keep their order)")
+      ->check(kNonNegativeInteger)
       ->capture_default_str();
   k->add_option("inputs", ta.inputs, "Text files")->required()->check(CLI::ExistingFile);
 

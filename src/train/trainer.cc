@@ -475,6 +475,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       pipeline ? dist::pipeline_in_flight_bound(schedule, PP, world.pp_rank(), N, c.virtual_stages) : 0;
   namespace profiler = runtime::profiler;
   profiler::enable(c.profile_ops);
+  if (start_step >= c.steps)
+    log("nothing to train: the run is at step %lld of --steps %lld\n", static_cast<long long>(start_step),
+        static_cast<long long>(c.steps));
   for (int64_t step = start_step; step < c.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
     sanitizer.begin_step(step);
