@@ -183,6 +183,24 @@ TEST(Runtime, EachBackendOwnsItsLedger) {
 // ---- AddressSanitizer sees tensor memory (TALLY_SANITIZE builds)
 // --profile-ops: every kernel entry is timed under the phase that encloses it, GEMMs carry
 // their FLOPs, nested phases count exclusive time, and nothing is recorded while off.
+TEST(Runtime, EmptyInnerDimensionGemmScalesCAndReductionsCheckShapes) {
+  // C = alpha A B + beta C with K = 0 is beta C: it was left as C for any beta but 0.
+  runtime::Backend& cpu = runtime::backend(Device::cpu());
+  Tensor a = Tensor::zeros({2, 0}), b = Tensor::zeros({0, 3}), c = Tensor::full({2, 3}, 4.0).to(DType::F32);
+  const uint64_t version = c.storage().version();
+  cpu.gemm(a, false, b, false, c, 1.f, 0.5f);
+  EXPECT_EQ(c.to_vector<float>(), std::vector<float>(6, 2.f));
+  EXPECT_GT(c.storage().version(), version) << "C was written";
+  // A reduction whose output dimension is neither the input's nor 1 wrote past its buffer.
+  Tensor x = Tensor::zeros({4, 5}), bad = Tensor::zeros({3, 5});
+  try {
+    cpu.sum_into(bad, x);
+    FAIL() << "a (3, 5) sum of a (4, 5) tensor was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sum_into"), std::string::npos) << e.what();
+  }
+}
+
 TEST(VecMath, RowMaxFindsTheLargestEntryWhereverItSits) {
   // Every length around the 16-lane blocking, the maximum in every position (lanes and
   // tail alike), a NaN that must be skipped, and `init` winning when it is larger.

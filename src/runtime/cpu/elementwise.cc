@@ -176,6 +176,9 @@ void add_inplace(const Tensor& dst, const Tensor& src, double alpha) {
 
 void sum_into(const Tensor& out, const Tensor& x) {
   TALLY_CHECK(out.dim() == x.dim(), "sum_into: rank mismatch ", out.str(), " vs ", x.str());
+  for (int64_t d = 0; d < x.dim(); ++d)
+    TALLY_CHECK(out.shape()[d] == x.shape()[d] || out.shape()[d] == 1, "sum_into: ", out.str(), " is not ", x.str(),
+                " with some dimensions reduced to 1");
   TALLY_CHECK(out.is_contiguous(), "sum_into: output must be contiguous");
   dispatch_floating(x.dtype(), "sum", [&](auto tag) {
     using T = decltype(tag);

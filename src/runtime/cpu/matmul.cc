@@ -200,9 +200,11 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
               dtype_name(c.dtype()), "), with alpha 1 and nothing accumulated, on a GEMM the matmul primitive runs",
               " (elsewhere Backend::gemm_bias writes it first)");
   if (M == 0 || N == 0) return;
-  if (K == 0) {
+  if (K == 0) {  // an empty sum: C = beta C (+ bias)
     if (bias.defined()) copy(c, bias);
     else if (beta == 0.f) fill(c, 0.0);
+    else if (beta != 1.f) affine(c, c, beta, 0.0);
+    c.storage().bump_version();
     return;
   }
   if (gemm_on_matmul_primitive(a, transpose_a, b, transpose_b, c)) {
