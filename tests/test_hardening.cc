@@ -114,6 +114,24 @@ TEST(Hardening, LlmcTokenizerWithAHugeVocabularyIsRefusedBeforeAllocating) {
 
 // ---------------------------------------------------------------- 2. silent acceptance
 
+TEST(Hardening, AModelGivenToTheWrongFlagNamesTheRightOne) {
+  // A HuggingFace directory or a checkpoint given as --model-file was "expected a regular
+  // file, found a directory"; an llm.c file given as --init-from read its magic as a
+  // safetensors header length ("header length 12905142691 exceeds the file size").
+  const std::string hf = test::fixture_path("llama3_tiny_hf");
+  std::string msg = message_of<Error>([&] { train::model_config("d6", hf, ""); });
+  EXPECT_NE(msg.find("is a HuggingFace model directory: --init-from " + hf), std::string::npos) << msg;
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  fs::remove_all(c.out_dir);
+  c.steps = 1;
+  c.save_every = 1;
+  train::run_training(c);
+  msg = message_of<Error>([&] { train::model_config("d6", c.out_dir, ""); });
+  EXPECT_NE(msg.find("is a checkpoint or training --out-dir: --resume " + c.out_dir), std::string::npos) << msg;
+  msg = message_of<Error>([&] { train::model_config("d6", "", test::fixture_path("llama3_tiny.bin")); });
+  EXPECT_NE(msg.find("is an llm.c model file (magic 20240803), not safetensors"), std::string::npos) << msg;
+}
+
 TEST(Hardening, ADirectoryGivenAsAModelOrStateFileIsNamedAsSuch) {
   const std::string dir = test::temp_path("a_directory");
   fs::create_directories(dir);

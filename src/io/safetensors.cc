@@ -48,6 +48,10 @@ SafetensorsFile read_safetensors(const std::string& path, Category category) {
   TALLY_CHECK(file_size >= 8, "safetensors '", path, "': file is ", file_size, " bytes, too short for the 8-byte header length");
   uint64_t header_len = 0;
   in.read(reinterpret_cast<char*>(&header_len), 8);
+  // llm.c model files start with an int32 magic where safetensors has its header length.
+  const auto magic = static_cast<int32_t>(header_len & 0xffffffffu);
+  TALLY_CHECK(magic != 20240326 && magic != 20240803, "safetensors '", path, "' is an llm.c model file (magic ", magic,
+              "), not safetensors: --model-file takes it");
   TALLY_CHECK(header_len <= static_cast<uint64_t>(file_size - 8), "safetensors '", path, "': header length ", header_len,
               " exceeds the file size ", file_size);
   std::string header(header_len, '\0');

@@ -231,7 +231,17 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
 }
 
 nn::TransformerConfig model_config(const std::string& preset, const std::string& model_file, const std::string& init_from) {
-  if (!model_file.empty()) return io::read_llmc_config(model_file);
+  if (!model_file.empty()) {
+    // The directories a user may mean here are other flags' (a HuggingFace model, a checkpoint).
+    const bool hf = fs::exists(fs::path(model_file) / "config.json");
+    const bool checkpoint = fs::exists(fs::path(model_file) / "state.bin") || fs::exists(fs::path(model_file) / "latest");
+    TALLY_CHECK(!hf, "--model-file '", model_file, "' is a HuggingFace model directory: --init-from ", model_file,
+                " starts from it (--model-file takes an llm.c model file, .bin)");
+    TALLY_CHECK(!checkpoint, "--model-file '", model_file, "' is a checkpoint or training --out-dir: --resume ", model_file,
+                " continues its run, and --model-file with its step directory's model.bin starts a new run from its "
+                "weights (--model-file takes an llm.c model file, .bin)");
+    return io::read_llmc_config(model_file);
+  }
   if (!init_from.empty()) return io::read_hf_config(init_from);
   return nn::TransformerConfig::preset(preset);
 }
