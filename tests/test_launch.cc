@@ -106,7 +106,7 @@ TEST(Launch, TokenizeLeavesNoStaleValidationSplitBehind) {
   EXPECT_NE(empty.output.find("--out"), std::string::npos) << empty.output;
 }
 
-TEST(Launch, NegativeSeedsAreRefusedAndAnEmptyRunSaysSo) {
+TEST(Launch, NegativeSeedsTwoModelSourcesAndAnEmptyRunAreSaidSo) {
   // --seed -1 was taken as 2^64 - 1 (an unsigned option), and --steps 0 exited silently.
   const std::string model = " --model-file " + test::fixture_path("gpt2_tiny.bin");
   for (const std::string& command :
@@ -114,6 +114,14 @@ TEST(Launch, NegativeSeedsAreRefusedAndAnEmptyRunSaysSo) {
     Outcome o = run(command);
     EXPECT_NE(o.exit_code, 0) << command << "\n" << o.output;
     EXPECT_NE(o.output.find("--seed"), std::string::npos) << o.output;
+  }
+  // A preset beside a model file was ignored without a word; train and plan take one source.
+  for (const std::string& command : {train_command("", "unused.bin", "--model gpt2-xl", 1),
+                                     std::string(TALLY_CLI) + " plan --model-file " + test::fixture_path("gpt2_tiny.bin") +
+                                         " --init-from " + test::fixture_path("llama3_tiny_hf")}) {
+    Outcome o = run(command);
+    EXPECT_NE(o.exit_code, 0) << command;
+    EXPECT_NE(o.output.find("excludes"), std::string::npos) << o.output;
   }
   Outcome empty = run(train_command("", test::write_random_shard("s0.bin", 2000, 97, 3),
                                     "--out-dir " + test::temp_path("steps0"), 0));

@@ -46,11 +46,14 @@ const CLI::Validator kNonNegativeInteger(
 
 void add_train(CLI::App& app, train::TrainConfig& c) {
   auto* t = app.add_subcommand("train", "Train a GPT-2 or LLaMA-3 model on llm.c token shards");
-  t->add_option("--model", c.model, kModelHelp)->capture_default_str();
-  t->add_option("--model-file", c.model_file, "Start from an llm.c model file (.bin, GPT-2 or LLaMA-3)");
-  t->add_option("--init-from", c.init_from,
-                "Start from a HuggingFace model: a directory (config.json + model.safetensors or shards) or a GPT-2 "
-                "model.safetensors");
+  auto* preset = t->add_option("--model", c.model, kModelHelp)->capture_default_str();
+  auto* file = t->add_option("--model-file", c.model_file, "Start from an llm.c model file (.bin, GPT-2 or LLaMA-3)");
+  auto* hf = t->add_option("--init-from", c.init_from,
+                           "Start from a HuggingFace model: a directory (config.json + model.safetensors or shards) or "
+                           "a GPT-2 model.safetensors");
+  // One source for the model: a preset named beside a file was ignored without a word.
+  preset->excludes(file)->excludes(hf);
+  file->excludes(hf);
   t->add_option("--train-data", c.train_data, "Glob of training token shards")->required();
   t->add_option("--val-data", c.val_data, "Glob of validation token shards");
   t->add_option("--tokenizer", c.tokenizer_dir, kTokenizerHelp);
@@ -441,9 +444,12 @@ int main(int argc, char** argv) {
   md->add_option("b", ma.other, "Trace B (.json)")->required()->check(CLI::ExistingFile);
   PlanArgs pl;
   auto* q = app.add_subcommand("plan", "Predict every rank's memory peak and its parts for a training configuration, without running it");
-  q->add_option("--model", pl.model, kModelHelp)->capture_default_str();
-  q->add_option("--model-file", pl.model_file, "Plan for an llm.c model file's shape");
-  q->add_option("--init-from", pl.init_from, "Plan for a HuggingFace model's shape (a directory, or a GPT-2 model.safetensors)");
+  auto* plan_preset = q->add_option("--model", pl.model, kModelHelp)->capture_default_str();
+  auto* plan_file = q->add_option("--model-file", pl.model_file, "Plan for an llm.c model file's shape");
+  auto* plan_hf = q->add_option("--init-from", pl.init_from,
+                                "Plan for a HuggingFace model's shape (a directory, or a GPT-2 model.safetensors)");
+  plan_preset->excludes(plan_file)->excludes(plan_hf);
+  plan_file->excludes(plan_hf);
   q->add_option("--batch-size", pl.batch_size, "Sequences per microbatch (B)")->capture_default_str();
   q->add_option("--seq-len", pl.seq_len, "Tokens per sequence (T)")->capture_default_str();
   q->add_option("--grad-accum", pl.grad_accum, "Microbatches per step")->capture_default_str();
