@@ -114,6 +114,11 @@ TEST(Plot, ReadingALogNamesTheFileAndLineOfABadRow) {
   test::write_all(path, "{\"step\": 1, \"lr\": 0.001}\n");
   m = test::message_of<Error>([&] { train::read_run_log(path, "x"); });
   EXPECT_NE(m.find("\"loss\""), std::string::npos) << m;
+  // A last row without its newline is a write a kill cut short (resume drops it too): the
+  // rows before it are drawn. It used to be refused, so a killed run's log could not be.
+  test::write_all(path, "{\"step\": 1, \"loss\": 10.5}\n{\"step\": 2, \"loss\": 9.5}\n{\"step\": 3, \"lo");
+  const train::RunCurve run = train::read_run_log(path, "x");
+  EXPECT_EQ(run.steps, (std::vector<int64_t>{1, 2}));
 }
 
 TEST(Plot, TheTrainerDrawsLossSvgInItsOutDirAndLogsTokens) {

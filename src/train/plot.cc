@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -21,17 +22,24 @@ void RunCurve::add_step(int64_t step, double l, double rate, int64_t t) {
 }
 
 RunCurve read_run_log(const std::string& path, const std::string& name) {
-  std::ifstream in(path);
+  std::ifstream in(path, std::ios::binary);
   TALLY_CHECK(in.good(), "plot: cannot read log '", path, "'");
+  std::stringstream whole;
+  whole << in.rdbuf();
+  const std::string text = whole.str();
+  // A last row without its newline is one a kill cut short: skipped, as resume skips it.
+  const bool last_row_torn = !text.empty() && text.back() != '\n';
   RunCurve run;
   run.name = name;
+  std::istringstream rows(text);
   std::string line;
-  for (int64_t n = 1; std::getline(in, line); ++n) {
+  for (int64_t n = 1; std::getline(rows, line); ++n) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     nlohmann::json j;
     try {
       j = nlohmann::json::parse(line);
     } catch (const std::exception& e) {
+      if (last_row_torn && rows.peek() == std::char_traits<char>::eof()) break;
       TALLY_FAIL("plot: log '", path, "' line ", n, " is not JSON: ", e.what());
     }
     TALLY_CHECK(j.is_object() && j.contains("step") && j["step"].is_number() && j.contains("loss") && j["loss"].is_number(),
