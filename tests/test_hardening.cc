@@ -114,6 +114,29 @@ TEST(Hardening, LlmcTokenizerWithAHugeVocabularyIsRefusedBeforeAllocating) {
 
 // ---------------------------------------------------------------- 2. silent acceptance
 
+TEST(Hardening, DataAndTokenizersOfAnotherModelFamilyAreWarnedAbout) {
+  // A LLaMA-3-sized vocabulary trained on a 16-bit (GPT-2) shard, and printed its samples
+  // through GPT-2's tokenizer, without a word: the ids are in range, the text is not theirs.
+  train::TrainConfig c = tiny_config(test::write_random_shard("t16.bin", 5000, 97, 1));  // 16-bit
+  c.model_file.clear();
+  c.model = "llama3-d1";  // vocabulary 128,256
+  c.steps = 1;
+  c.tokenizer_dir = test::temp_path("small_tok");
+  fs::create_directories(c.tokenizer_dir);
+  test::write_tiny_gpt2_tokenizer(c.tokenizer_dir, {});  // 257 tokens
+  ::testing::internal::CaptureStderr();
+  train::run_training(c);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("shard '" + c.train_data + "' holds 16-bit tokens"), std::string::npos) << err;
+  EXPECT_NE(err.find("--tokenizer '" + c.tokenizer_dir + "' has 257 tokens and the model 128256"), std::string::npos) << err;
+  // The matching pair says nothing.
+  train::TrainConfig same = tiny_config(c.train_data);
+  same.steps = 1;
+  ::testing::internal::CaptureStderr();
+  train::run_training(same);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr().find("warning"), std::string::npos);
+}
+
 TEST(Hardening, AModelGivenToTheWrongFlagNamesTheRightOne) {
   // A HuggingFace directory or a checkpoint given as --model-file was "expected a regular
   // file, found a directory"; an llm.c file given as --init-from read its magic as a

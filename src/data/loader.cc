@@ -30,6 +30,12 @@ const Batch& TokenLoader::batch_at(int64_t step, int64_t microbatch, int64_t mic
   return batch_from((step * microbatches_per_step + microbatch) * B_ * T_);
 }
 
+std::string TokenLoader::first_16_bit_shard() const {
+  for (size_t i = 0; i < shards_.size(); ++i)
+    if (shards_[i].width() == TokenWidth::U16) return files_[i];
+  return "";
+}
+
 const Batch& TokenLoader::batch_from(int64_t first_token) {
   const int64_t n = B_ * T_ + 1;
   TALLY_CHECK(first_token >= 0, "data loader: negative token position ", first_token);

@@ -33,6 +33,9 @@ class TokenLoader {
   int64_t total_tokens() const { return total_; }
   int64_t tokens_per_batch() const { return B_ * T_; }
   const std::vector<std::string>& files() const { return files_; }
+  // The first shard holding 16-bit tokens (llm.c's version 1, which GPT-2's tokenizer
+  // writes), or "" when every shard is 32-bit.
+  std::string first_16_bit_shard() const;
 
  private:
   int64_t B_, T_, vocab_;

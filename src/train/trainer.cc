@@ -358,6 +358,15 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   data::TokenLoader train_loader(c.train_data, c.batch_size, c.seq_len, mc.vocab_size, "--train-data");
   std::unique_ptr<data::TokenLoader> val_loader;
   if (!c.val_data.empty()) val_loader = std::make_unique<data::TokenLoader>(c.val_data, c.batch_size, c.seq_len, mc.vocab_size, "--val-data");
+  // A vocabulary wider than 16 bits (LLaMA-3's 128,256) is not the tokenizer that wrote a
+  // 16-bit shard (GPT-2's writes those): the ids are valid, the text they stand for is not.
+  for (const data::TokenLoader* loader : {&train_loader, val_loader.get()}) {
+    const std::string narrow = loader && mc.vocab_size > 65536 ? loader->first_16_bit_shard() : "";
+    if (!narrow.empty() && root)
+      std::fprintf(stderr, "tally: warning: shard '%s' holds 16-bit tokens (a tokenizer of at most 65,536, such as "
+                   "GPT-2's), but the model's vocabulary has %lld: was it tokenized for this model?\n",
+                   narrow.c_str(), static_cast<long long>(mc.vocab_size));
+  }
   // Validation reads consecutive batches; past the end of the data they would wrap around
   // and count tokens twice. At most the batches the data holds (at least one).
   int64_t val_batches = c.val_batches;
@@ -378,6 +387,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   TALLY_CHECK(!detok.tok || detok.tok->vocab_size() <= mc.vocab_size, "--tokenizer '", c.tokenizer_dir, "' has ",
               detok.tok ? detok.tok->vocab_size() : 0, " tokens but the model only ", mc.vocab_size,
               ": it is not the tokenizer of this model's vocabulary");
+  if (detok.tok && detok.tok->vocab_size() < mc.vocab_size && root)
+    std::fprintf(stderr, "tally: warning: --tokenizer '%s' has %lld tokens and the model %lld: is it this model's "
+                 "tokenizer? (samples show only the ids it has)\n", c.tokenizer_dir.c_str(),
+                 static_cast<long long>(detok.tok->vocab_size()), static_cast<long long>(mc.vocab_size));
   Rng sample_rng(c.seed + 1);
 
   const auto recipe = run_recipe(c, world);
