@@ -153,6 +153,19 @@ TEST(Hardening, AModelGivenToTheWrongFlagNamesTheRightOne) {
   EXPECT_NE(msg.find("is a checkpoint or training --out-dir: --resume " + c.out_dir), std::string::npos) << msg;
   msg = message_of<Error>([&] { train::model_config("d6", "", test::fixture_path("llama3_tiny.bin")); });
   EXPECT_NE(msg.find("is an llm.c model file (magic 20240803), not safetensors"), std::string::npos) << msg;
+  // A bare GPT-2 save (model.safetensors, no config.json) is a HuggingFace directory too:
+  // `sample --model-file` said it had "neither model.bin nor latest".
+  const std::string bare = test::temp_path("bare_gpt2");
+  {
+    nn::Transformer m(io::read_llmc_config(test::fixture_path("gpt2_tiny.bin")));
+    io::save_hf(bare, m);
+  }
+  fs::remove(bare + "/config.json");
+  EXPECT_TRUE(io::is_hf_model_dir(bare));
+  // (The tiny model's 32-wide layer is not GPT-2's 64-wide heads, so without config.json
+  // its head count is unknown: read as a HuggingFace file, it says so.)
+  msg = message_of<Error>([&] { io::read_hf_config(bare); });
+  EXPECT_NE(msg.find("no n_head metadata"), std::string::npos) << msg;
 }
 
 TEST(Hardening, ADirectoryGivenAsAModelOrStateFileIsNamedAsSuch) {

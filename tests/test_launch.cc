@@ -129,6 +129,24 @@ TEST(Launch, NegativeSeedsTwoModelSourcesAndAnEmptyRunAreSaidSo) {
   EXPECT_NE(empty.output.find("nothing to train: the run is at step 0 of --steps 0"), std::string::npos) << empty.output;
 }
 
+TEST(Launch, SamplingWithASmallerTokenizerWarnsAndShowsTheIdsItLacks) {
+  // A model with 128,256 tokens sampled through a 257-token tokenizer failed mid-sample
+  // with "token id N is out of range", naming neither the model nor the tokenizer.
+  const std::string out = test::temp_path("wide_vocab");
+  Outcome trained = run(std::string(TALLY_CLI) + " train --model llama3-d1 --train-data " +
+                        test::write_random_shard("w.bin", 2000, 97, 5) +
+                        " --batch-size 1 --seq-len 8 --steps 1 --threads 1 --sample-every -1 --save-every 1 --out-dir " + out);
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  const std::string tok = test::temp_path("tok257");
+  std::filesystem::create_directories(tok);
+  test::write_tiny_gpt2_tokenizer(tok, {});
+  Outcome o = run(std::string(TALLY_CLI) + " sample --model-file " + out + " --tokenizer " + tok +
+                  " --tokens 16 --temperature 1 --no-stop-at-eot --seed 3");
+  EXPECT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("--tokenizer '" + tok + "' has 257 tokens and the model"), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("<|id "), std::string::npos) << o.output;  // an untrained 128k model draws high ids
+}
+
 TEST(Launch, DataParallelWithoutMpirunSaysHowToLaunch) {
   const std::string data = test::write_random_shard("ok.bin", 20000, 97, 3);
   Outcome o = run(train_command("", data, "--dp 2"));

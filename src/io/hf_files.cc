@@ -378,7 +378,10 @@ void load_gpt2(const HfSource& src, nn::Transformer& model) {
 
 bool is_hf_model_dir(const std::string& path) {
   std::error_code ec;
-  return fs::is_directory(path, ec) && fs::exists(fs::path(path) / "config.json", ec);
+  // config.json, or a bare GPT-2 save (its weights alone: the shape is in them).
+  return fs::is_directory(path, ec) &&
+         (fs::exists(fs::path(path) / "config.json", ec) || fs::exists(fs::path(path) / "model.safetensors", ec) ||
+          fs::exists(fs::path(path) / "model.safetensors.index.json", ec));
 }
 
 nn::TransformerConfig read_hf_config(const std::string& path) {

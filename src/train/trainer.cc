@@ -233,7 +233,7 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
 nn::TransformerConfig model_config(const std::string& preset, const std::string& model_file, const std::string& init_from) {
   if (!model_file.empty()) {
     // The directories a user may mean here are other flags' (a HuggingFace model, a checkpoint).
-    const bool hf = fs::exists(fs::path(model_file) / "config.json");
+    const bool hf = io::is_hf_model_dir(model_file);
     const bool checkpoint = fs::exists(fs::path(model_file) / "state.bin") || fs::exists(fs::path(model_file) / "latest");
     TALLY_CHECK(!hf, "--model-file '", model_file, "' is a HuggingFace model directory: --init-from ", model_file,
                 " starts from it (--model-file takes an llm.c model file, .bin)");
