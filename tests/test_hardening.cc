@@ -405,6 +405,8 @@ TEST(Hardening, MoreValidationBatchesThanTheValidationDataHoldsAreCappedNotWrapp
   const double all = train::run_training(c).final_val_loss;
   c.val_batches = 1000;
   EXPECT_EQ(train::run_training(c).final_val_loss, all);
+  c.val_batches = 155;  // the cap is not below what the data holds
+  EXPECT_NE(train::run_training(c).final_val_loss, all);
 }
 
 TEST(Hardening, AFreshRunDoesNotOverwriteAnEarlierRunsCheckpoints) {
@@ -427,7 +429,33 @@ TEST(Hardening, AFreshRunDoesNotOverwriteAnEarlierRunsCheckpoints) {
   EXPECT_NE(msg.find("--resume " + c.out_dir), std::string::npos) << msg;
   EXPECT_NE(msg.find("--overwrite"), std::string::npos) << msg;
   EXPECT_EQ(test::read_all(c.out_dir + "/step_00000004/model.bin"), first) << "the earlier checkpoints are untouched";
+  // --overwrite removes them only once every check has passed: a run refused for another
+  // reason (a tokenizer of another model) leaves them.
   again.overwrite = true;
+  again.tokenizer_dir = test::temp_path("tok257");
+  fs::create_directories(again.tokenizer_dir);
+  test::write_tiny_gpt2_tokenizer(again.tokenizer_dir, {});
+  EXPECT_THROW(train::run_training(again), Error);
+  EXPECT_EQ(test::read_all(c.out_dir + "/step_00000004/model.bin"), first) << "a refused --overwrite removes nothing";
+  // Continuing into the directory it continues from cannot also overwrite it.
+  train::TrainConfig both = again;
+  both.tokenizer_dir.clear();
+  both.resume = c.out_dir;
+  both.steps = 5;
+  both.allow_recipe_change = true;
+  EXPECT_NE(message_of<Error>([&] { train::run_training(both); }).find("--overwrite with --resume"), std::string::npos);
+  // A run resumed from another directory's checkpoint is a new run here: refused as well.
+  train::TrainConfig elsewhere = c;
+  elsewhere.out_dir = test::temp_path("other_out");
+  elsewhere.steps = 2;
+  elsewhere.save_every = 2;
+  train::run_training(elsewhere);
+  train::TrainConfig moved = c;
+  moved.resume = elsewhere.out_dir;
+  moved.allow_recipe_change = true;
+  EXPECT_NE(message_of<Error>([&] { train::run_training(moved); }).find("holds an earlier run's checkpoints"),
+            std::string::npos);
+  again.tokenizer_dir.clear();
   train::run_training(again);
   EXPECT_EQ(io::checkpoints_in(c.out_dir), (std::vector<std::string>{"step_00000003", "latest"}))
       << "only the new run's checkpoints";
@@ -441,6 +469,13 @@ TEST(Hardening, AFreshRunDoesNotOverwriteAnEarlierRunsCheckpoints) {
   train::TrainConfig unsaved = c;
   unsaved.save_every = 0;
   EXPECT_NO_THROW(train::run_training(unsaved));
+  // A first save that a kill interrupted before `latest` (a step directory, or its .tmp)
+  // is no earlier run: starting again is not refused.
+  train::TrainConfig interrupted = c;
+  interrupted.out_dir = test::temp_path("interrupted");
+  fs::create_directories(interrupted.out_dir + "/step_00000002");
+  fs::create_directories(interrupted.out_dir + "/step_00000002.tmp");
+  EXPECT_NO_THROW(train::run_training(interrupted));
 }
 
 TEST(Hardening, OutputsAreWrittenThroughLinksAndNeverReplaceDevicesOrDirectories) {
@@ -487,6 +522,11 @@ TEST(Hardening, OutputsAreWrittenThroughLinksAndNeverReplaceDevicesOrDirectories
   }
   EXPECT_TRUE(fs::is_fifo(fifo));
   EXPECT_FALSE(fs::exists(fifo + ".tmp"));
+  // /dev/stdout leads into /proc/self/fd: a descriptor, never a file to rename over.
+  if (fs::is_symlink("/dev/stdout")) {
+    const std::string msg = message_of<Error>([&] { io::AtomicFile out("/dev/stdout"); });
+    EXPECT_NE(msg.find("a link to a process's file descriptor"), std::string::npos) << msg;
+  }
 }
 
 // ---------------------------------------------------------------- 4. durability

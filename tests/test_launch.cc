@@ -101,9 +101,18 @@ TEST(Launch, TokenizeLeavesNoStaleValidationSplitBehind) {
   EXPECT_FALSE(std::filesystem::exists(prefix + "_val.bin")) << second.output;
   EXPECT_NE(second.output.find("no validation split"), std::string::npos) << second.output;
   EXPECT_NE(second.output.find("removed the earlier " + prefix + "_val.bin"), std::string::npos) << second.output;
-  Outcome empty = run(tokenize + " --out '' " + dir + "/one.txt");
-  EXPECT_NE(empty.exit_code, 0);
-  EXPECT_NE(empty.output.find("--out"), std::string::npos) << empty.output;
+  for (const std::string& bad : {std::string("''"), dir + "/"}) {
+    Outcome o = run(tokenize + " --out " + bad + " " + dir + "/one.txt");
+    EXPECT_NE(o.exit_code, 0) << bad;
+    EXPECT_NE(o.output.find("--out must be a path prefix"), std::string::npos) << o.output;
+  }
+  // With --val-fraction 0 no split is asked for: a _val.bin there may be the user's own
+  // held-out set, kept with a warning.
+  test::write_all(prefix + "_val.bin", "mine");
+  Outcome none = run(tokenize + " --val-fraction 0 --out " + prefix + " " + dir + "/one.txt");
+  ASSERT_EQ(none.exit_code, 0) << none.output;
+  EXPECT_EQ(test::read_all(prefix + "_val.bin"), "mine");
+  EXPECT_NE(none.output.find("is not from this run"), std::string::npos) << none.output;
 }
 
 TEST(Launch, NegativeSeedsTwoModelSourcesAndAnEmptyRunAreSaidSo) {

@@ -327,11 +327,16 @@ int run_tokenize(const TokenizeArgs& a) {
   }
   // GPT-2's ids fit uint16 (llm.c's version 1 shards); LLaMA-3's 128,256 need uint32 (version 7).
   const data::TokenWidth width = tok.vocab_size() <= 65536 ? data::TokenWidth::U16 : data::TokenWidth::U32;
-  // With no validation split, a _val.bin an earlier run left under this prefix would hold
-  // documents that _train.bin now holds too: removed before the new split is written.
+  // A split was asked for but none could be made (too few documents): a _val.bin an earlier
+  // run left under this prefix would hold documents that _train.bin now holds too, so it is
+  // removed before the new split is written. With --val-fraction 0 it may be a held-out set
+  // of the user's own: kept, with a warning.
   const std::string val_path = a.out_prefix + "_val.bin";
-  const bool stale_val = val.empty() && fs::exists(val_path);
+  const bool stale_val = val.empty() && a.val_fraction > 0 && fs::exists(val_path);
   if (stale_val) fs::remove(val_path);
+  if (val.empty() && a.val_fraction == 0 && fs::exists(val_path))
+    std::fprintf(stderr, "tally: warning: %s is not from this run (--val-fraction 0 makes no split): if it holds "
+                 "any of these documents, validation measures text the model trains on\n", val_path.c_str());
   data::write_token_shard(a.out_prefix + "_train.bin", train, width);
   std::printf("wrote %s_train.bin (%zu tokens, %zu documents)\n", a.out_prefix.c_str(), train.size(),
               encoded.size() - n_val);

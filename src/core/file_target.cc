@@ -33,6 +33,10 @@ std::string replacement_target(const std::string& path, const char* what) {
     const fs::path next = fs::read_symlink(target, ec);
     TALLY_CHECK(!ec, what, " '", path, "': cannot read the symbolic link '", target.string(), "': ", ec.message());
     target = next.is_absolute() ? next : target.parent_path() / next;
+    // /dev/stdout and the like lead into /proc/<pid>/fd: a descriptor (a pipe, a terminal,
+    // a file opened for appending), not a file to replace.
+    TALLY_CHECK(target.string().rfind("/proc/", 0) != 0, what, " '", path, "' is a link to a process's file descriptor ('",
+                target.string(), "'): expected the path of a regular file to write");
   }
   std::error_code ec;
   const fs::file_status status = fs::status(target, ec);

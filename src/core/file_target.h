@@ -13,7 +13,8 @@ namespace tally {
 // The path to rename over for a write to `path`: `path` itself, or, when it is a symbolic
 // link (to any depth), the file it finally points to, so the link stays a link. Throws,
 // naming `what` and `path`, when that target exists and is not a regular file (a
-// directory, a device, a FIFO, a socket), or when the links loop.
+// directory, a device, a FIFO, a socket), when a link leads into /proc (/dev/stdout is a
+// process's file descriptor), or when the links loop.
 std::string replacement_target(const std::string& path, const char* what);
 
 }  // namespace tally

@@ -342,15 +342,15 @@ void recover_out_dir(const std::string& out_dir) {
 
 std::vector<std::string> checkpoints_in(const std::string& out_dir) {
   std::vector<std::string> found;
-  if (!fs::is_directory(out_dir)) return found;
-  bool latest = false;
+  // A run has checkpoints once its first save wrote `latest`. Without it, a step directory
+  // is a first save that a kill interrupted (before `latest`), which the next save replaces.
+  if (!fs::is_directory(out_dir) || !fs::exists(fs::path(out_dir) / "latest")) return found;
   for (const auto& entry : fs::directory_iterator(out_dir)) {
     const std::string name = entry.path().filename().string();
-    if (name == "latest") latest = true;
-    else if (name.rfind("step_", 0) == 0 && entry.is_directory()) found.push_back(name);
+    if (name.rfind("step_", 0) == 0 && name.find('.') == std::string::npos && entry.is_directory()) found.push_back(name);
   }
   std::sort(found.begin(), found.end());  // step_%08lld: name order is step order
-  if (latest) found.push_back("latest");
+  found.push_back("latest");
   return found;
 }
 

@@ -61,8 +61,9 @@ std::string latest_step_dir(const std::string& out_dir, const char* flag);
 // a step directory moved aside as "<step>.old" while its replacement was not yet in place
 // is moved back, and "*.tmp" leftovers of unfinished writes are removed.
 void recover_out_dir(const std::string& out_dir);
-// The checkpoints an earlier run left in `out_dir`: its step directories (by name, in step
-// order) and "latest" when that file exists; empty when there are none (or no out_dir).
+// The checkpoints an earlier run left in `out_dir`: when it has a `latest`, its step
+// directories (by name, in step order) and "latest"; empty otherwise (a step directory
+// without `latest` is a first save a kill interrupted).
 std::vector<std::string> checkpoints_in(const std::string& out_dir);
 // Removes them (a fresh run's --overwrite).
 void remove_checkpoints(const std::string& out_dir);

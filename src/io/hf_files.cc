@@ -465,8 +465,9 @@ void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
   AtomicFile out((fs::path(dir) / "config.json").string());
   out.write(text.data(), text.size());
   out.commit();
-  // An earlier sharded save here (an index and its shards) would shadow the new file, since
-  // loaders read the index first: removed once the new weights and config are in place.
+  // An earlier sharded save here (an index and its shards) would shadow the new file for
+  // loaders that read the index first (tally's among them) and leave two models in one
+  // directory: removed once the new weights and config are in place.
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   if (fs::exists(index)) {
     std::vector<std::string> shards;

@@ -24,8 +24,8 @@ nn::TransformerConfig read_hf_config(const std::string& path);
 void load_hf(const std::string& path, nn::Transformer& model);
 // Writes `dir`/config.json and `dir`/model.safetensors (fp32, or bf16 rounded to nearest
 // even), atomically each; the directory is created when missing. An earlier sharded save
-// there (model.safetensors.index.json and the shards it names) is removed afterwards: it
-// would shadow the new weights.
+// there (model.safetensors.index.json and the shards it names) is removed afterwards: for
+// loaders that read the index first it would shadow the new weights.
 void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16 = false);
 
 }  // namespace tally::io

@@ -193,7 +193,8 @@ struct LinearCrossEntropyFn {
     Tensor sink = ctx.grad_sink(1);
     const bool into_sink = ctx.needs_input_grad(1) && sink.defined() && sink.is_contiguous() && sink.dtype() == DType::F32;
     if (ctx.needs_input_grad(1) && !into_sink)
-      dw = Tensor::zeros({Vp, C}, DType::F32, x.device(), current_owner("linear_cross_entropy_dw"));  // N may be 0
+      dw = Tensor::empty({Vp, C}, DType::F32, x.device(), current_owner("linear_cross_entropy_dw"));
+    if (dw.defined() && N == 0) dw.fill_(0.0);  // no chunk writes it: the sum over no rows
     Tensor logits = Tensor::empty({std::min(chunk, N), Vp}, DType::F32, x.device(), current_owner("linear_cross_entropy_logits"));
     Tensor logits_bf16 = bf16 ? Tensor::empty(logits.shape(), DType::BF16, x.device(), current_owner("linear_cross_entropy_dlogits_bf16"))
                               : Tensor();
@@ -211,7 +212,7 @@ struct LinearCrossEntropyFn {
       }
       if (dx.defined()) on(x).gemm(d_c, false, w, false, make_view(dx, {rows, C}, {C, 1}, r0 * C));
       if (into_sink) on(x).gemm(d_c, true, x_c, false, sink, 1.f, 1.f);
-      else if (dw.defined()) on(x).gemm(d_c, true, x_c, false, dw, 1.f, 1.f);
+      else if (dw.defined()) on(x).gemm(d_c, true, x_c, false, dw, 1.f, r0 == 0 ? 0.f : 1.f);
     }
     return {dx, dw, Tensor()};
   }

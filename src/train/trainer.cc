@@ -230,6 +230,17 @@ TrainResult run_training(const TrainConfig& c, const std::function<void(const St
   return run_training(c, *world, on_step);
 }
 
+namespace {
+// Whether the checkpoint directory `checkpoint` is one of `out_dir`'s (a run continuing
+// where it saves).
+bool continues_in(const std::string& checkpoint, const std::string& out_dir) {
+  std::error_code ec;
+  const fs::path parent = fs::weakly_canonical(fs::path(checkpoint), ec).parent_path();
+  const fs::path dir = fs::weakly_canonical(fs::path(out_dir), ec);
+  return !ec && parent == dir;
+}
+}  // namespace
+
 nn::TransformerConfig model_config(const std::string& preset, const std::string& model_file, const std::string& init_from) {
   if (!model_file.empty()) {
     // The directories a user may mean here are other flags' (a HuggingFace model, a checkpoint).
@@ -265,26 +276,29 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (!c.mem_trace.empty())
     TALLY_CHECK(!fs::is_directory(c.mem_trace), "--mem-trace '", c.mem_trace,
                 "' is a directory, expected a file path ending in .json or .html");
-  // A fresh run that saves into an --out-dir holding an earlier run's checkpoints would
-  // replace them one step at a time and leave two runs' checkpoints mixed under one
-  // `latest`: refused unless --resume continues that run or --overwrite starts afresh.
-  std::vector<std::string> earlier;
-  if (c.resume.empty() && c.save_every > 0) earlier = io::checkpoints_in(c.out_dir);
-  TALLY_CHECK(earlier.empty() || c.overwrite, "--out-dir '", c.out_dir, "' holds an earlier run's checkpoints (",
-              earlier.empty() ? "" : earlier.front(), earlier.size() > 1 ? " ... " + earlier.back() : "",
-              "): --resume ", c.out_dir, " continues that run, --overwrite starts afresh and removes them; or choose "
-              "another --out-dir");
   if (root) {
-    if (!earlier.empty()) {
-      io::remove_checkpoints(c.out_dir);
-      log("--overwrite: removed the earlier run's checkpoints from %s\n", c.out_dir.c_str());
-    }
     io::create_directories_for("--out-dir", c.out_dir, c.out_dir);
     if (!c.mem_trace.empty())
       io::create_directories_for("--mem-trace", c.mem_trace, fs::path(c.mem_trace).parent_path().string());
     io::recover_out_dir(c.out_dir);  // what a killed save left behind
   }
   world.world().barrier();
+  // A fresh run that saves into an --out-dir holding an earlier run's checkpoints would
+  // replace them one step at a time and leave two runs' checkpoints mixed under one
+  // `latest`: refused unless --resume continues that run or --overwrite starts afresh (the
+  // earlier checkpoints are removed just before the first step, once every other check has
+  // passed and the model is loaded, which may come from one of them). Rank 0 decides, since
+  // out-dirs may be node-local, and every rank learns the answer.
+  const bool continues = !c.resume.empty() && continues_in(io::resolve_checkpoint(c.resume), c.out_dir);
+  TALLY_CHECK(!(continues && c.overwrite), "--overwrite with --resume '", c.resume,
+              "': it would remove the checkpoints the run continues from");
+  std::vector<std::string> earlier;
+  if (root && c.save_every > 0 && !continues) earlier = io::checkpoints_in(c.out_dir);
+  const bool has_earlier = world.world().all_reduce_scalar(earlier.empty() ? 0.0 : 1.0, dist::ReduceOp::Max) > 0;
+  TALLY_CHECK(!has_earlier || c.overwrite, "--out-dir '", c.out_dir, "' holds an earlier run's checkpoints",
+              earlier.empty() ? "" : " (" + earlier.front() + (earlier.size() > 1 ? " ... " + earlier.back() : "") + ")",
+              ": --resume ", c.out_dir, " continues that run, --overwrite starts afresh and removes them; or choose "
+              "another --out-dir");
 
   sanitizer::SanitizeMode mode = sanitizer::parse_sanitize_mode(c.sanitize);
   auto& ledger = runtime::ledger();
@@ -498,6 +512,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       pipeline ? dist::pipeline_in_flight_bound(schedule, PP, world.pp_rank(), N, c.virtual_stages) : 0;
   namespace profiler = runtime::profiler;
   profiler::enable(c.profile_ops);
+  if (!earlier.empty()) {  // --overwrite (rank 0 found them): every check has passed
+    io::remove_checkpoints(c.out_dir);
+    log("--overwrite: removed the earlier run's checkpoints from %s\n", c.out_dir.c_str());
+  }
   if (start_step >= c.steps)
     log("nothing to train: the run is at step %lld of --steps %lld\n", static_cast<long long>(start_step),
         static_cast<long long>(c.steps));
