@@ -31,6 +31,16 @@ std::string temp_path(const std::string& name) {
   return ::testing::TempDir() + "/tally_" + test + "_" + run + "_" + name;
 }
 
+std::string shared_run_id(const dist::World& world) {
+  const bool root = world.is_root();
+  const auto agreed = [&](double mine) {
+    return static_cast<int64_t>(world.world().all_reduce_scalar(root ? mine : 0.0, dist::ReduceOp::Max));
+  };
+  const int64_t pid = agreed(static_cast<double>(::getpid()));
+  const int64_t start = agreed(static_cast<double>(std::chrono::steady_clock::now().time_since_epoch().count() % 1000000007));
+  return std::to_string(pid) + "_" + std::to_string(start);
+}
+
 std::string write_random_shard(const std::string& name, int64_t n, int vocab, uint64_t seed) {
   std::vector<int32_t> tokens(static_cast<size_t>(n));
   Rng rng(seed);

@@ -85,5 +85,10 @@ double gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, std
 // The exit code is non-zero on every rank when any rank failed, so no rank waits for
 // another at a collective after a failure.
 int run_tests_under_mpi(int argc, char** argv, dist::World** world);
+// A name that every rank of `world` agrees on and that no earlier run of the suite used:
+// rank 0's process id and start time (ids repeat across runs, and a directory an earlier
+// run left, checkpoints in it, must never be taken for this run's). For paths that rank 0
+// writes and every rank reads.
+std::string shared_run_id(const dist::World& world);
 
 }  // namespace tally::test

@@ -37,13 +37,12 @@ namespace {
 dist::World* g_world = nullptr;
 const dist::World& world() { return *g_world; }
 
-// A path every rank agrees on (rank 0's process id names it), for checkpoints that rank 0
-// writes and every rank reads.
+// A path every rank agrees on, new to this run of the suite (test::shared_run_id), for
+// checkpoints that rank 0 writes and every rank reads.
 std::string shared_path(const std::string& name) {
-  static const int64_t job = static_cast<int64_t>(world().world().all_reduce_scalar(
-      world().is_root() ? static_cast<double>(::getpid()) : 0.0, dist::ReduceOp::Max));
+  static const std::string job = test::shared_run_id(world());
   const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return ::testing::TempDir() + "/tally_dist_" + std::to_string(job) + "_" + info->name() + "_" + name;
+  return ::testing::TempDir() + "/tally_dist_" + job + "_" + info->name() + "_" + name;
 }
 
 // Steps and microbatches of the flatness test: 50 x 16 by default; the AddressSanitizer

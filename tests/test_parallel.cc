@@ -333,11 +333,10 @@ TEST(Schedule, LayersThatDoNotDivideGoToTheFirstStagesAndBadSchedulesAreNamed) {
 
 // ------------------------------------------------------------------ checkpoints
 namespace {
-// A directory every rank agrees on (rank 0's process id names it).
+// A directory every rank agrees on, new to this run of the suite (test::shared_run_id).
 std::string shared_dir(const std::string& name) {
-  const int64_t job = static_cast<int64_t>(
-      g_world->world().all_reduce_scalar(g_world->is_root() ? static_cast<double>(::getpid()) : 0.0, dist::ReduceOp::Max));
-  return ::testing::TempDir() + "/tally_parallel_" + std::to_string(job) + "_" + name;
+  static const std::string job = test::shared_run_id(*g_world);  // new to this run of the suite
+  return ::testing::TempDir() + "/tally_parallel_" + job + "_" + name;
 }
 }  // namespace
 
