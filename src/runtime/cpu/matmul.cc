@@ -250,8 +250,7 @@ void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, in
   struct Tile {
     dnnl::matmul primitive;
     size_t scratchpad_bytes;
-    memory a, b, c, scratchpad;
-    std::unordered_map<int, memory> args;
+    std::unordered_map<int, memory> args;  // SRC, WEIGHTS, DST (and SCRATCHPAD), handles unset
   };
   // The key: shape, layout, leading dimensions, and alpha's and beta's bits.
   using Key = std::array<int64_t, 10>;
@@ -286,23 +285,22 @@ void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, in
       return dnnl::matmul::primitive_desc(dnnl::matmul::desc(ad, bd, cd), attr, engine);
     }();
     if (state.tiles.size() >= 256) state.tiles.clear();  // decoding's growing shapes: keep it bounded
-    Tile tile{dnnl::matmul(pd), pd.scratchpad_desc().get_size(), memory(ad, engine, DNNL_MEMORY_NONE),
-              memory(bd, engine, DNNL_MEMORY_NONE), memory(cd, engine, DNNL_MEMORY_NONE), memory(), {}};
-    tile.args = {{DNNL_ARG_SRC, tile.a}, {DNNL_ARG_WEIGHTS, tile.b}, {DNNL_ARG_DST, tile.c}};
-    if (tile.scratchpad_bytes > 0) {
-      tile.scratchpad = memory(pd.scratchpad_desc(), engine, DNNL_MEMORY_NONE);
-      tile.args.emplace(DNNL_ARG_SCRATCHPAD, tile.scratchpad);
-    }
+    Tile tile{dnnl::matmul(pd), pd.scratchpad_desc().get_size(),
+              {{DNNL_ARG_SRC, memory(ad, engine, DNNL_MEMORY_NONE)},
+               {DNNL_ARG_WEIGHTS, memory(bd, engine, DNNL_MEMORY_NONE)},
+               {DNNL_ARG_DST, memory(cd, engine, DNNL_MEMORY_NONE)}}};
+    if (tile.scratchpad_bytes > 0)
+      tile.args.emplace(DNNL_ARG_SCRATCHPAD, memory(pd.scratchpad_desc(), engine, DNNL_MEMORY_NONE));
     it = state.tiles.emplace(key, std::move(tile)).first;
     state.scratchpad.resize(std::max(state.scratchpad.size(), it->second.scratchpad_bytes));
   }
-  // The memory objects in args share their handles with a, b, c and scratchpad. The
-  // scratchpad is pointed at on every call: a later tile may have grown (moved) it.
+  // Each call points the tile's memory objects at its operands; the scratchpad too, since a
+  // later tile may have grown (moved) it.
   const Tile& t = it->second;
-  t.a.set_data_handle(const_cast<BFloat16*>(a));
-  t.b.set_data_handle(const_cast<BFloat16*>(b));
-  t.c.set_data_handle(c);
-  if (t.scratchpad_bytes > 0) t.scratchpad.set_data_handle(state.scratchpad.data());
+  t.args.at(DNNL_ARG_SRC).set_data_handle(const_cast<BFloat16*>(a));
+  t.args.at(DNNL_ARG_WEIGHTS).set_data_handle(const_cast<BFloat16*>(b));
+  t.args.at(DNNL_ARG_DST).set_data_handle(c);
+  if (t.scratchpad_bytes > 0) t.args.at(DNNL_ARG_SCRATCHPAD).set_data_handle(state.scratchpad.data());
   t.primitive.execute(state.stream, t.args);
   state.stream.wait();
 }
