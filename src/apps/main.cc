@@ -191,14 +191,7 @@ int run_sample(const SampleArgs& a) {
   std::vector<int32_t> prompt;
   std::unique_ptr<data::Tokenizer> tok;
   if (!a.tokenizer.empty()) tok = std::make_unique<data::Tokenizer>(data::Tokenizer::load_path(a.tokenizer));
-  TALLY_CHECK(!tok || tok->vocab_size() <= model.config().vocab_size, "--tokenizer '", a.tokenizer, "' has ",
-              tok ? tok->vocab_size() : 0, " tokens but the model '", model_file, "' only ", model.config().vocab_size,
-              ": they do not belong together");
-  if (tok && tok->vocab_size() < model.config().vocab_size)
-    std::fprintf(stderr, "tally: warning: --tokenizer '%s' has %lld tokens and the model '%s' %lld: is it this model's "
-                 "tokenizer? (ids it lacks are shown as <|id N|>)\n", a.tokenizer.c_str(),
-                 static_cast<long long>(tok->vocab_size()), model_file.c_str(),
-                 static_cast<long long>(model.config().vocab_size));
+  if (tok) train::check_tokenizer_for_model(*tok, a.tokenizer, model.config().vocab_size, model_file, true);
   if (tok && !a.prompt.empty()) {
     TALLY_CHECK(tok->can_encode(), "--prompt needs tokenizer.json or encoder.json + vocab.bpe (an llm.c tokenizer .bin only decodes)");
     prompt = tok->encode(a.prompt);

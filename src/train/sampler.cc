@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "autograd/grad_mode.h"
+#include "core/error.h"
 
 namespace tally::train {
 
@@ -73,6 +75,17 @@ std::vector<int32_t> sample(const nn::Transformer& model, std::vector<int32_t> t
     }
   }
   return generated;
+}
+
+void check_tokenizer_for_model(const data::Tokenizer& tok, const std::string& tokenizer, int64_t model_vocab,
+                               const std::string& model, bool warn) {
+  const std::string named = model.empty() ? "" : " '" + model + "'";
+  TALLY_CHECK(tok.vocab_size() <= model_vocab, "--tokenizer '", tokenizer, "' has ", tok.vocab_size(),
+              " tokens but the model", named, " only ", model_vocab, ": it is not this model's tokenizer");
+  if (warn && tok.vocab_size() < model_vocab)
+    std::fprintf(stderr, "tally: warning: --tokenizer '%s' has %lld tokens and the model%s %lld: is it this model's "
+                 "tokenizer? (ids it lacks cannot be shown as text)\n", tokenizer.c_str(),
+                 static_cast<long long>(tok.vocab_size()), named.c_str(), static_cast<long long>(model_vocab));
 }
 
 }  // namespace tally::train

@@ -3,9 +3,11 @@
 // attending to the cache (nn::KvCache). When the sequence reaches the model's context,
 // the cache restarts from the last half of it (a sliding window, re-run once).
 #pragma once
+#include <string>
 #include <vector>
 
 #include "core/random.h"
+#include "data/tokenizer.h"
 #include "nn/transformer.h"
 
 namespace tally::train {
@@ -20,5 +22,13 @@ struct SampleOptions {
 
 std::vector<int32_t> sample(const nn::Transformer& model, std::vector<int32_t> prompt, const SampleOptions& options,
                             Rng& rng);
+
+// Whether `tok` (loaded from `tokenizer`, the --tokenizer flag's value) can turn a model's
+// samples into text. More tokens than the model's vocabulary: another model's tokenizer
+// (samples would start from a separator the embedding lacks), refused naming both. Fewer:
+// it may be too, so a warning on stderr when `warn`. `model` names the model file in
+// messages ("" for none).
+void check_tokenizer_for_model(const data::Tokenizer& tok, const std::string& tokenizer, int64_t model_vocab,
+                               const std::string& model, bool warn);
 
 }  // namespace tally::train

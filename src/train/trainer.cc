@@ -396,15 +396,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     }
   }
   Detokenizer detok(c.tokenizer_dir);
-  // A tokenizer with more tokens than the model has is a different tokenizer: samples would
-  // start from a separator the embedding does not hold. Said now, not after the last step.
-  TALLY_CHECK(!detok.tok || detok.tok->vocab_size() <= mc.vocab_size, "--tokenizer '", c.tokenizer_dir, "' has ",
-              detok.tok ? detok.tok->vocab_size() : 0, " tokens but the model only ", mc.vocab_size,
-              ": it is not the tokenizer of this model's vocabulary");
-  if (detok.tok && detok.tok->vocab_size() < mc.vocab_size && root)
-    std::fprintf(stderr, "tally: warning: --tokenizer '%s' has %lld tokens and the model %lld: is it this model's "
-                 "tokenizer? (samples show only the ids it has)\n", c.tokenizer_dir.c_str(),
-                 static_cast<long long>(detok.tok->vocab_size()), static_cast<long long>(mc.vocab_size));
+  // Checked now, not at the first sample after training.
+  if (detok.tok) check_tokenizer_for_model(*detok.tok, c.tokenizer_dir, mc.vocab_size, "", root);
   Rng sample_rng(c.seed + 1);
 
   const auto recipe = run_recipe(c, world);
