@@ -401,9 +401,7 @@ void load_hf(const std::string& path, nn::Transformer& model) {
 void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
   const auto& c = model.config();
   const auto& p = model.params();
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  TALLY_CHECK(fs::is_directory(dir), "export: cannot create the directory '", dir, "'", ec ? ": " + ec.message() : "");
+  create_directories_for("export", dir, dir);
   autograd::NoGradGuard no_grad;
   std::vector<std::pair<std::string, Tensor>> tensors;
   auto add = [&](const std::string& name, const Tensor& t) {
