@@ -2,6 +2,8 @@
 // and the structural rules R1-R3 of the memory contract.
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include "autograd/checkpoint.h"
 #include "autograd/cycles.h"
 #include "autograd/engine.h"
@@ -243,6 +245,40 @@ TEST(Checkpoint, GradientsEqualTheUncheckpointedRegion) {
   ops::sum(autograd::checkpoint(region, {x2})).backward();
   test::expect_close(x2.grad(), x1.grad(), 0, 0, "dx");
   test::expect_close(w.grad(), gw, 0, 0, "dw");
+}
+
+// What a recomputed region allocates in backward carries the region's own module path:
+// the inner backward names its nodes' paths as they are ("blk.inner:gelu_dx"), not
+// appended to the checkpoint node's ("blk.blk.inner:...").
+TEST(Checkpoint, BackwardAllocationsKeepTheRegionsModulePath) {
+  Tensor w = test::random_tensor({6, 4}, 1);
+  w.set_requires_grad(true);
+  auto region = [&](const std::vector<Tensor>& in) {
+    OwnerScope inner("inner");
+    return ops::gelu(ops::linear(in[0], w));
+  };
+  Tensor x = test::random_tensor({3, 4}, 2);
+  x.set_requires_grad(true);
+  auto& L = runtime::ledger();
+  Tensor loss;
+  {
+    OwnerScope block("blk");
+    loss = ops::sum(autograd::checkpoint(region, {x}));
+  }
+  L.clear_history();
+  L.enable_history(true);
+  loss.backward();
+  L.enable_history(false);
+  std::set<std::string> names;
+  for (const memory::MemoryEvent& e : L.history())
+    if (e.delta > 0) names.insert(name_of(e.name));
+  L.clear_history();
+  bool recomputed = false;
+  for (const std::string& n : names) {
+    EXPECT_EQ(n.find("blk.blk"), std::string::npos) << n;
+    recomputed = recomputed || n.rfind("blk.inner:", 0) == 0;
+  }
+  EXPECT_TRUE(recomputed) << "no allocation named blk.inner:* in the recomputation's backward";
 }
 
 TEST(AutogradContract, SavedActivationsAreAccountedAsSavedOnlyWhileSaved) {

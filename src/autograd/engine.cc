@@ -178,7 +178,9 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_
     bool any_grad = false;
     for (const Tensor& g : grads) any_grad = any_grad || g.defined();
     if (any_grad) {  // a node no gradient reached contributes nothing; skip its backward
-      OwnerScope scope(node->module_path().empty() ? std::string_view("backward") : node->module_path());
+      // The node's own path, absolute: a recomputation's inner backward runs inside the
+      // checkpoint node's, and must not nest its nodes' paths under that one's.
+      ModulePathScope scope(node->module_path().empty() ? std::string_view("backward") : node->module_path());
       input_grads = node->apply(std::move(grads), /*will_release=*/!retain_graph);
     }
     if (!retain_graph) node->release_state();  // R3: the context dies here

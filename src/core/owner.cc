@@ -111,6 +111,16 @@ OwnerScope::~OwnerScope() {
   t_module_path_id = previous_id_;
 }
 
+ModulePathScope::ModulePathScope(std::string_view path)
+    : previous_(t_module_path), previous_id_(t_module_path_id) {
+  t_module_path = path;
+  t_module_path_id = intern_name(t_module_path);
+}
+ModulePathScope::~ModulePathScope() {
+  t_module_path = std::move(previous_);
+  t_module_path_id = previous_id_;
+}
+
 CategoryScope::CategoryScope(Category c) : previous_(t_category) { t_category = c; }
 CategoryScope::~CategoryScope() { t_category = previous_; }
 

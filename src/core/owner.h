@@ -74,6 +74,21 @@ class OwnerScope {
   NameId previous_id_;
 };
 
+// Sets the whole module path for the current thread, whatever path it was under: the
+// autograd engine runs each node's backward under the path the node was recorded at (an
+// absolute path already), also when that backward runs inside another's (recomputation).
+class ModulePathScope {
+ public:
+  explicit ModulePathScope(std::string_view path);
+  ~ModulePathScope();
+  ModulePathScope(const ModulePathScope&) = delete;
+  ModulePathScope& operator=(const ModulePathScope&) = delete;
+
+ private:
+  std::string previous_;
+  NameId previous_id_;
+};
+
 // Sets the category that allocations without an explicit tag get (default Activation).
 class CategoryScope {
  public:
