@@ -24,6 +24,7 @@ struct Shape3 {
   bool val;
   bool bf16 = false;  // --dtype bf16
   bool chunked = false;  // --chunked-loss
+  std::string recompute = "none";  // --recompute
 };
 
 }  // namespace
@@ -42,11 +43,43 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
                                       // the head and loss fused in chunks (d1: 1024 rows in 166-row chunks)
                                       {"d1", 1, 1024, 1, false, false, true}, {"d1", 2, 256, 1, false, true, true},
                                       {"gpt2_tiny.bin", 4, 32, 2, true, false, true},
-                                      {"llama3_tiny.bin", 4, 32, 2, true, true, true}};
+                                      {"llama3_tiny.bin", 4, 32, 2, true, true, true},
+                                      // recomputation: selective drops the attention's saved output
+                                      // and log-sum-exp; full keeps each layer's input, and recomputes
+                                      // the last layer in backward (a second peak when the vocabulary is
+                                      // small: the tiny models' 128 padded rows)
+                                      {"d2", 4, 16, 2, true, false, false, "selective"},
+                                      {"d2", 4, 16, 2, true, true, false, "selective"},
+                                      {"llama3_tiny.bin", 4, 32, 2, true, false, false, "selective"},
+                                      {"llama3_tiny.bin", 4, 32, 1, false, true, false, "selective"},
+                                      {"d2", 4, 16, 2, true, false, false, "full"},
+                                      {"d1", 1, 1024, 1, false, true, false, "full"},
+                                      {"gpt2_tiny.bin", 4, 32, 2, true, false, false, "full"},
+                                      {"gpt2_tiny.bin", 2, 16, 1, false, true, false, "full"},
+                                      {"llama3_tiny.bin", 4, 32, 2, true, false, false, "full"},
+                                      {"llama3_tiny.bin", 4, 32, 1, false, true, false, "full"},
+                                      {"llama3-d1", 1, 16, 1, false, false, false, "full"},
+                                      {"d2", 2, 32, 1, false, false, true, "full"},
+                                      {"llama3_tiny.bin", 4, 32, 2, true, true, true, "selective"},
+                                      // GPT-2 wide with a small vocabulary: the last layer's MLP backward
+                                      // is the peak without recomputation too (in fp32 at the output
+                                      // projection's bias gradient, under bf16 at GELU's)
+                                      {"wide_small_vocab", 2, 32, 1, false}, {"wide_small_vocab", 2, 32, 1, false, true}};
+  // A GPT-2 of width 256 over a 97-token vocabulary (128 padded rows), written as an llm.c file.
+  nn::TransformerConfig wide;
+  wide.max_seq_len = 64;
+  wide.vocab_size = 97;
+  wide.padded_vocab_size = 128;
+  wide.n_layer = 1;
+  wide.n_head = wide.n_kv_head = 4;
+  wide.n_embd = 256;
+  const std::string wide_file = test::temp_path("wide_small_vocab.bin");
+  io::save_llmc(wide_file, nn::Transformer(wide));
   for (const Shape3& s : shapes) {
     train::TrainConfig c;
-    const bool file = s.model.size() > 4 && s.model.substr(s.model.size() - 4) == ".bin";
-    if (file) c.model_file = test::fixture_path(s.model);
+    const bool file = (s.model.size() > 4 && s.model.substr(s.model.size() - 4) == ".bin") || s.model == "wide_small_vocab";
+    if (s.model == "wide_small_vocab") c.model_file = wide_file;
+    else if (file) c.model_file = test::fixture_path(s.model);
     else c.model = s.model;
     const nn::TransformerConfig mc = file ? io::read_llmc_config(c.model_file) : nn::TransformerConfig::preset(s.model);
     // uint16 tokens: below 65535 for the 128,256-token LLaMA vocabulary.
@@ -65,6 +98,7 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
     c.out_dir = test::temp_path("out");
     if (s.bf16) c.dtype = "bf16";
     c.chunked_loss = s.chunked;
+    c.recompute = s.recompute;
     const train::TrainResult r = train::run_training(c);
     const int64_t measured = r.history.back().peak_bytes;
     train::PlanInput in;
@@ -75,11 +109,13 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
     in.val_loader = s.val;
     in.bf16 = s.bf16;
     in.loss_chunk_rows = s.chunked ? nn::Transformer::default_loss_chunk_rows(mc.padded_vocab_size) : 0;
+    in.recompute = nn::parse_recompute(s.recompute);
     const int64_t planned = train::plan_memory(in).ranks[0].predicted_peak_bytes;
     EXPECT_EQ(r.history.back().predicted_peak_bytes, planned);
     // The plan is exact here: every allocation alive at the peak has a term.
     EXPECT_EQ(measured, planned) << s.model << " B" << s.batch << " T" << s.seq
-                                 << " accum " << s.accum << (s.bf16 ? " bf16" : "") << (s.chunked ? " chunked loss" : "");
+                                 << " accum " << s.accum << (s.bf16 ? " bf16" : "") << (s.chunked ? " chunked loss" : "")
+                                 << " recompute " << s.recompute;
   }
 }
 

@@ -232,7 +232,7 @@ struct PlanArgs {
   int64_t batch_size = 4, seq_len = 64, grad_accum = 1;
   int world = 1, dp = 0, zero = 0;
   bool val = false, json = false, chunked_loss = false;
-  std::string dtype = "fp32";
+  std::string dtype = "fp32", recompute = "none";
 };
 
 int run_plan(const PlanArgs& a) {
@@ -252,6 +252,7 @@ int run_plan(const PlanArgs& a) {
   in.val_loader = a.val;
   in.bf16 = a.dtype == "bf16";
   in.loss_chunk_rows = a.chunked_loss ? nn::Transformer::default_loss_chunk_rows(in.model.padded_vocab_size) : 0;
+  in.recompute = nn::parse_recompute(a.recompute);
   const train::MemoryPlan plan = train::plan_memory(in);
   std::printf("%s\n", a.json ? train::plan_json(plan).c_str() : train::plan_text(plan, in).c_str());
   return 0;
@@ -479,6 +480,8 @@ int main(int argc, char** argv) {
   q->add_option("--dtype", pl.dtype, "GEMM precision of the run: fp32 or bf16 (mixed precision)")
       ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   q->add_flag("--chunked-loss", pl.chunked_loss, "The run fuses the head and the loss in chunks (--chunked-loss)");
+  q->add_option("--recompute", pl.recompute, "The run's activation recomputation: none, selective or full (--recompute)")
+      ->check(CLI::IsMember({"none", "selective", "full"}))->capture_default_str();
   q->add_flag("--json", pl.json, "Print the plan as JSON");
   auto* p = app.add_subcommand("plot", "Draw the loss curves of one or more runs (their --log-json files) into one SVG");
   p->add_option("logs", pa.logs, "Logs written by `tally train --log-json`")->required()->check(CLI::ExistingFile);

@@ -67,41 +67,59 @@ MemoryPlan plan_memory(const PlanInput& in) {
   const size_t embed = 0, last_layer = units.size() - 2, final_norm = units.size() - 1;
 
   MemoryPlan plan;
-  // Activations of one microbatch, by kind over all layers (floats per token, times B*T).
-  // `bytes` per element: 4 (fp32), or 2 for what mixed precision keeps in bf16.
-  auto act = [&](const std::string& kind, int64_t per_token, int64_t bytes = kFloat) {
-    plan.activations_by_kind.emplace_back(kind, checked_product({per_token, BT, bytes}, "plan: activations"));
-  };
   const bool bf16 = in.bf16;
-  // A projection's saved input, and attention's q, k, v: fp32, or bf16 copies under mixed
-  // precision.
+  const bool selective = in.recompute == nn::Recompute::Selective, full = in.recompute == nn::Recompute::Full;
+  // What one layer saves for backward, by kind: elements per token and bytes per element
+  // (4, or 2 for what mixed precision keeps in bf16). A projection's saved input, and
+  // attention's q, k, v: fp32, or bf16 copies under mixed precision.
+  struct Kind {
+    std::string name;
+    int64_t per_token, bytes;
+  };
+  std::vector<Kind> layer;
   const int64_t proj_bytes = bf16 ? 2 : kFloat;
   const char* proj = bf16 ? " (bf16 copies the projections keep)" : "";
-  act("residual stream (x, x + attention)", 2 * C * L);
+  layer.push_back({"residual stream (x, x + attention)", 2 * C, kFloat});
+  // The attention's own saved output (the output projection saves it too in fp32, so only
+  // bf16's copy is extra) and log-sum-exp, neither kept under selective recomputation.
+  auto attention_outputs = [&] {
+    if (!(bf16 && selective)) layer.push_back({"attention output", C, kFloat});
+    if (bf16) layer.push_back({"attention output (the output projection's bf16 copy)", C, 2});
+    if (!selective) layer.push_back({"attention log-sum-exp", H, kFloat});
+  };
   if (c.is_llama()) {
     // q and k leave rotary as new tensors and v is copied out of the fused projection (in
     // fp32, or by the bf16 attention's rounding), so the (B,T,C+2KV*D) projection itself
     // is freed within the layer.
     const int64_t KVD = c.kv_dim(), F = c.ffn_dim();
     // bf16: the second output feeds gate and up, and each keeps its own copy.
-    act(std::string("RMSNorm outputs") + proj, (bf16 ? 3 : 2) * C * L, proj_bytes);
-    act("RMSNorm rstd", 2 * L);
-    act(std::string("q and k after rotary, v") + (bf16 ? " (attention's bf16 copies)" : ""), (C + 2 * KVD) * L,
-        proj_bytes);
-    act("attention output", C * L);
-    if (bf16) act("attention output (the output projection's bf16 copy)", C * L, 2);
-    act("attention log-sum-exp", H * L);
-    act("MLP gate and up", 2 * F * L);
-    act(std::string("MLP SwiGLU output") + proj, F * L, proj_bytes);
+    layer.push_back({std::string("RMSNorm outputs") + proj, (bf16 ? 3 : 2) * C, proj_bytes});
+    layer.push_back({"RMSNorm rstd", 2, kFloat});
+    layer.push_back({std::string("q and k after rotary, v") + (bf16 ? " (attention's bf16 copies)" : ""), C + 2 * KVD,
+                     proj_bytes});
+    attention_outputs();
+    layer.push_back({"MLP gate and up", 2 * F, kFloat});
+    layer.push_back({std::string("MLP SwiGLU output") + proj, F, proj_bytes});
   } else {
-    act(std::string("layernorm outputs") + proj, 2 * C * L, proj_bytes);
-    act("layernorm mean and rstd", 4 * L);
-    act(std::string("q, k, v") + (bf16 ? " (attention's bf16 copies)" : ""), 3 * C * L, proj_bytes);
-    act("attention output", C * L);
-    if (bf16) act("attention output (the output projection's bf16 copy)", C * L, 2);
-    act("attention log-sum-exp", H * L);
-    act("MLP pre-GELU", 4 * C * L);
-    act(std::string("MLP post-GELU") + proj, 4 * C * L, proj_bytes);
+    layer.push_back({std::string("layernorm outputs") + proj, 2 * C, proj_bytes});
+    layer.push_back({"layernorm mean and rstd", 4, kFloat});
+    layer.push_back({std::string("q, k, v") + (bf16 ? " (attention's bf16 copies)" : ""), 3 * C, proj_bytes});
+    attention_outputs();
+    layer.push_back({"MLP pre-GELU", 4 * C, kFloat});
+    layer.push_back({std::string("MLP post-GELU") + proj, 4 * C, proj_bytes});
+  }
+  int64_t layer_bytes = 0;  // one layer's saved activations of one microbatch
+  for (const Kind& k : layer)
+    layer_bytes = checked_add(layer_bytes, checked_product({k.per_token, BT, k.bytes}, "plan: activations"), "plan");
+
+  // Activations of one microbatch, by kind over all layers (times B*T).
+  auto act = [&](const std::string& kind, int64_t per_token, int64_t bytes = kFloat) {
+    plan.activations_by_kind.emplace_back(kind, checked_product({per_token, BT, bytes}, "plan: activations"));
+  };
+  if (full) {
+    act("layer inputs (kept by --recompute full)", C * L);
+  } else {
+    for (const Kind& k : layer) act(k.name, checked_mul(k.per_token, L, "plan: activations"), k.bytes);
   }
   act("head: last residual", C);
   act(std::string("head: final norm output") + proj, C, proj_bytes);
@@ -121,8 +139,18 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // (2F), GPT-2's d(pre-GELU) (4C). It wins when 2F (GPT-2: 2C) exceeds the head's
   // logits and 2C more: small vocabularies, wide MLPs.
   // Under bf16 the freed input was a bf16 copy, and its gradient is fp32: 2 more bytes each.
+  // Under full recomputation the last layer's activations are live again (recomputed), and
+  // so is the region's recomputed output (C), which its inner backward starts from; its
+  // input is one of the layers' inputs already counted, so the layer adds exactly its own
+  // saved set.
+  // GPT-2 in fp32 peaks a moment earlier, by C floats: in the output projection's backward
+  // its input (post-GELU, 4C) is still saved beside its new gradient (4C, what d(pre-GELU)
+  // will replace it by), while the bias's gradient (C floats) is summed before being added
+  // into the gradient buffer. Under bf16 the freed input was smaller and GELU's moment wins.
   const int64_t mlp_backward = checked_product({BT, C + (c.is_llama() ? 2 * c.ffn_dim() : 4 * C), kFloat}, "plan") +
-                               (bf16 ? checked_product({BT, c.is_llama() ? c.ffn_dim() : 4 * C, 2}, "plan") : 0);
+                               (bf16 ? checked_product({BT, c.is_llama() ? c.ffn_dim() : 4 * C, 2}, "plan") : 0) +
+                               (!c.is_llama() && !bf16 ? C * kFloat : 0);
+  const int64_t recomputed_layer = full ? layer_bytes : 0;
 
   const int64_t loader = (in.val_loader ? 2 : 1) * 2 * BT * kFloat;
   // At the peak (the start of backward): dL/d(final norm output) is allocated while the
@@ -158,12 +186,16 @@ MemoryPlan plan_memory(const PlanInput& in) {
     for (const auto& [name, bytes] : rp.parts) rp.predicted_peak_bytes += bytes;
     // The last layer's MLP backward (zero <= 1, where nothing else changes in backward).
     const int64_t at_mlp = rp.predicted_peak_bytes - activations - transient + (activations - head_activations) +
-                           mlp_backward;
+                           recomputed_layer + mlp_backward;
     if (at_mlp > rp.predicted_peak_bytes && in.zero <= 1) {
-      rp.parts[3] = {"activations (one microbatch, the layers'; the head's are freed)", activations - head_activations};
+      rp.parts[3] = {full ? "activations (one microbatch: the layers' inputs; the head's are freed)"
+                          : "activations (one microbatch, the layers'; the head's are freed)",
+                     activations - head_activations};
       rp.parts[5] = {std::string("transient at the peak (the last layer's MLP backward: the residual's gradient, ") +
-                         (c.is_llama() ? "dgate and dup)" : "d(pre-GELU))"),
+                         (c.is_llama() ? "dgate and dup)" : bf16 ? "d(pre-GELU))" : "d(post-GELU) and the bias's)"),
                      mlp_backward};
+      if (full)
+        rp.parts.insert(rp.parts.begin() + 4, {"activations (the last layer, recomputed, and its output)", recomputed_layer});
       rp.predicted_peak_bytes = at_mlp;
     } else if (at_mlp > rp.predicted_peak_bytes && in.zero >= 2 && r == 0) {
       plan.notes.push_back("ZeRO-" + std::to_string(in.zero) +
@@ -209,7 +241,11 @@ std::string plan_text(const MemoryPlan& plan, const PlanInput& in) {
                     std::to_string(in.seq_len) + ", grad-accum " + std::to_string(in.grad_accum) + ", " +
                     std::to_string(in.world) + " rank(s), zero " + std::to_string(in.zero) +
                     (in.bf16 ? ", bf16 mixed precision" : "") +
-                    (in.loss_chunk_rows > 0 ? ", chunked loss (" + std::to_string(in.loss_chunk_rows) + " rows)" : "") + "\n";
+                    (in.loss_chunk_rows > 0 ? ", chunked loss (" + std::to_string(in.loss_chunk_rows) + " rows)" : "") +
+                    (in.recompute == nn::Recompute::Selective ? ", selective recomputation"
+                     : in.recompute == nn::Recompute::Full    ? ", full recomputation"
+                                                              : "") +
+                    "\n";
   // Ranks are symmetric today; print each distinct one once.
   for (const RankPlan& r : plan.ranks) {
     if (r.rank > 0 && r.parts == plan.ranks[0].parts) continue;

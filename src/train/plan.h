@@ -39,6 +39,14 @@
 // chunk rounded to bf16 (2 R Vp bytes) and the loss's gradient (a scalar), while the
 // log-sum-exp is still saved.
 //
+// Recomputation (--recompute). Selective: the attention keeps only q, k and v, so its
+// log-sum-exp (H per token per layer) is not saved, nor under bf16 its fp32 output (C; the
+// output projection keeps its bf16 copy). Full: each layer keeps only its input (C per
+// token per layer, fp32), beside the head's activations. Backward then recomputes the last
+// layer: a second candidate peak, after the head's activations are freed, holds the
+// layers' inputs, the last layer's whole activations again, its recomputed output (C) and
+// its MLP backward's gradients (as below); it wins when the vocabulary is small.
+//
 // ZeRO-2 and -3 shard gradients (and, in stage 3, parameters) and add, at the start of
 // backward, the gradient staging of the head's units (final norm and the tied embedding,
 // whole units padded to D pieces); stage 3 also holds those two units gathered again and the
@@ -67,6 +75,7 @@ struct PlanInput {
   bool val_loader = false;
   bool bf16 = false;  // --dtype bf16: mixed precision (see below)
   int64_t loss_chunk_rows = 0;  // --chunked-loss: rows per chunk of the fused head and loss (0: off)
+  nn::Recompute recompute = nn::Recompute::None;  // --recompute (see below)
 };
 
 struct RankPlan {

@@ -491,6 +491,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     pi.val_loader = val_loader != nullptr;
     pi.bf16 = matmul_dtype == DType::BF16;
     pi.loss_chunk_rows = loss_chunk_rows;
+    pi.recompute = model->recompute();
     const RankPlan rank_plan = plan_memory(pi).ranks[static_cast<size_t>(dp_rank)];
     planned_peak = rank_plan.predicted_peak_bytes;
     plan_parts = rank_plan.parts;
