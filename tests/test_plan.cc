@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -145,6 +146,49 @@ TEST(Plan, PartsAddUpAndFollowTheirFormulas) {
   const auto j = nlohmann::json::parse(json);
   EXPECT_EQ(j["ranks"].size(), 4u);
   EXPECT_EQ(j["ranks"][3]["predicted_peak_bytes"].get<int64_t>(), plan.ranks[3].predicted_peak_bytes);
+}
+
+// Tensor parallel: a rank's parameters are its shard's (the model's own layout says which),
+// column-parallel widths and the logits are 1/tp, and what the plan cannot model is refused
+// by name. Its peaks are checked to the byte against the ledger in tests/test_parallel.cc.
+TEST(Plan, TensorParallelPlansARanksShardAndRefusesWhatItDoesNotModel) {
+  train::PlanInput in;
+  in.model = nn::TransformerConfig::preset("gpt2");
+  in.batch_size = 4;
+  in.seq_len = 1024;
+  in.world = 8;
+  in.tp = 4;
+  in.sequence_parallel = true;
+  in.zero = 1;
+  const train::MemoryPlan plan = train::plan_memory(in);
+  ASSERT_EQ(plan.ranks.size(), 8u);
+  nn::ModelShard shard;
+  shard.tp = 4;
+  const int64_t shard_params = nn::Transformer::layout_only(in.model, shard).num_parameters();
+  EXPECT_LT(shard_params, 124475904 / 3);  // a quarter of the matrices, plus replicated norms and positions
+  EXPECT_EQ(plan.ranks[5].parts[0].second, 4 * shard_params);
+  std::map<std::string, int64_t> kinds(plan.activations_by_kind.begin(), plan.activations_by_kind.end());
+  const int64_t BT = 4 * 1024, C = 768, L = 12;
+  EXPECT_EQ(kinds["head: logits (this rank's vocabulary block)"], BT * (50304 / 4) * 4);
+  EXPECT_EQ(kinds["q, k, v"], L * BT * 3 * C / 4 * 4);
+  EXPECT_EQ(kinds["residual stream (x, x + attention)"], L * (BT / 4) * 2 * C * 4);  // sequence-sharded
+  EXPECT_EQ(kinds["layernorm outputs (all-gathered over the sequence)"], L * BT * 2 * C * 4);
+  EXPECT_EQ(kinds["head: cross-entropy log-sum-exp"], BT * 8);  // fp64
+  auto refused = [&](train::PlanInput bad) {
+    return test::message_of<Error>([&] { train::plan_memory(bad); });
+  };
+  train::PlanInput full = in;
+  full.recompute = nn::Recompute::Full;
+  EXPECT_NE(refused(full).find("--recompute full is not planned"), std::string::npos);
+  train::PlanInput odd = in;
+  odd.tp = 8;  // 12 heads do not divide by 8
+  EXPECT_NE(refused(odd).find("must divide the heads (12)"), std::string::npos);
+  train::PlanInput uneven = in;
+  uneven.world = 6;
+  EXPECT_NE(refused(uneven).find("--world 6 is not a multiple of --tp 4"), std::string::npos);
+  train::PlanInput zero3 = in;
+  zero3.zero = 3;
+  EXPECT_NE(refused(zero3).find("ZeRO-2/3 do not run with --tp"), std::string::npos);
 }
 
 TEST(Plan, SaysWhenItsPeakMomentMayNotHold) {

@@ -230,8 +230,8 @@ int run_sample(const SampleArgs& a) {
 struct PlanArgs {
   std::string model = "d6", model_file, init_from;
   int64_t batch_size = 4, seq_len = 64, grad_accum = 1;
-  int world = 1, dp = 0, zero = 0;
-  bool val = false, json = false, chunked_loss = false;
+  int world = 1, dp = 0, tp = 1, zero = 0;
+  bool val = false, json = false, chunked_loss = false, sp = false;
   std::string dtype = "fp32", recompute = "none";
 };
 
@@ -242,12 +242,15 @@ int run_plan(const PlanArgs& a) {
   TALLY_CHECK(a.seq_len <= in.model.max_seq_len, "--seq-len ", a.seq_len, " exceeds the model's maximum sequence length ",
               in.model.max_seq_len);
   TALLY_CHECK(a.world >= 1, "--world must be at least 1, got ", a.world);
-  TALLY_CHECK(a.dp == 0 || a.dp == a.world, "--dp ", a.dp, " but --world ", a.world,
-              ": the plan models data parallelism (and ZeRO) only, where every rank is data-parallel (--dp = --world)");
+  TALLY_CHECK(a.tp >= 1 && a.world % a.tp == 0, "--world ", a.world, " is not a multiple of --tp ", a.tp);
+  TALLY_CHECK(a.dp == 0 || a.dp * a.tp == a.world, "--dp ", a.dp, " x --tp ", a.tp, " is not --world ", a.world,
+              ": the plan models data and tensor parallelism (not the pipeline), so --world = --dp x --tp");
   in.batch_size = a.batch_size;
   in.seq_len = a.seq_len;
   in.grad_accum = a.grad_accum;
   in.world = a.world;
+  in.tp = a.tp;
+  in.sequence_parallel = a.sp;
   in.zero = a.zero;
   in.val_loader = a.val;
   in.bf16 = a.dtype == "bf16";
@@ -474,7 +477,10 @@ int main(int argc, char** argv) {
   q->add_option("--seq-len", pl.seq_len, "Tokens per sequence (T)")->capture_default_str();
   q->add_option("--grad-accum", pl.grad_accum, "Microbatches per step")->capture_default_str();
   q->add_option("--world", pl.world, "Ranks the job would run on (mpirun -np)")->capture_default_str();
-  q->add_option("--dp", pl.dp, "Data-parallel ranks (0 = --world)")->capture_default_str();
+  q->add_option("--dp", pl.dp, "Data-parallel ranks (0 = --world / --tp)")->capture_default_str();
+  q->add_option("--tp", pl.tp, "Tensor-parallel ranks (Megatron's split of heads, MLP width and vocabulary)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  q->add_flag("--sp", pl.sp, "Sequence parallel over the --tp group");
   q->add_option("--zero", pl.zero, "ZeRO stage 0-3")->capture_default_str();
   q->add_flag("--val", pl.val, "The run validates (--val-data): count its loader's buffers");
   q->add_option("--dtype", pl.dtype, "GEMM precision of the run: fp32 or bf16 (mixed precision)")

@@ -52,11 +52,35 @@ MemoryPlan plan_memory(const PlanInput& in) {
   c.validate();
   TALLY_CHECK(in.zero >= 0 && in.zero <= 3, "plan: --zero must be 0, 1, 2 or 3, got ", in.zero);
   TALLY_CHECK(in.world >= 1, "plan: --world must be at least 1, got ", in.world);
-  const int64_t D = in.world, B = in.batch_size, T = in.seq_len, C = c.n_embd, H = c.n_head, L = c.n_layer;
+  TALLY_CHECK(in.tp >= 1 && in.world % in.tp == 0, "plan: --world ", in.world, " is not a multiple of --tp ", in.tp);
+  TALLY_CHECK(!in.sequence_parallel || in.tp > 1, "plan: --sp needs --tp 2 or more");
+  const int64_t TP = in.tp;
+  TALLY_CHECK(c.n_head % TP == 0 && c.n_kv_head % TP == 0 && c.ffn_dim() % TP == 0 && c.padded_vocab_size % TP == 0,
+              "plan: --tp ", TP, " must divide the heads (", c.n_head, "), the kv heads (", c.n_kv_head,
+              "), the MLP width (", c.ffn_dim(), ") and the padded vocabulary (", c.padded_vocab_size, ")");
+  TALLY_CHECK(!(TP > 1 && in.recompute == nn::Recompute::Full),
+              "plan: tensor parallelism with --recompute full is not planned (its recomputed layer peaks in the "
+              "row-parallel projections' forward, which the plan does not model)");
+  TALLY_CHECK(!(TP > 1 && in.zero >= 2), "plan: ZeRO-2/3 do not run with --tp");
+  TALLY_CHECK(!(TP > 1 && in.loss_chunk_rows > 0), "plan: --chunked-loss does not run with --tp");
+  // D: the data-parallel ranks, over which ZeRO shards and the loss is averaged.
+  const int64_t D = in.world / TP, B = in.batch_size, T = in.seq_len, C = c.n_embd, H = c.n_head, L = c.n_layer;
   const int64_t Vp = c.padded_vocab_size;
   const int64_t BT = checked_mul(B, T, "plan: --batch-size x --seq-len");
+  TALLY_CHECK(!in.sequence_parallel || T % TP == 0, "plan: --seq-len ", T, " must divide by --tp ", TP, " with --sp");
+  // Rows of what sequence parallelism shards (norms, residuals): B*T/tp with --sp.
+  const int64_t sp_rows = in.sequence_parallel ? BT / TP : BT;
 
-  const std::vector<int64_t> units = unit_numels(c);
+  // A tensor-parallel rank's units are its shard's (every rank's alike: each split divides).
+  std::vector<int64_t> units;
+  if (TP == 1) {
+    units = unit_numels(c);
+  } else {
+    nn::ModelShard shard;
+    shard.tp = static_cast<int>(TP);
+    const nn::Transformer layout = nn::Transformer::layout_only(c, shard);
+    for (size_t u = 0; u < layout.params().num_units(); ++u) units.push_back(layout.params().unit(u).numel());
+  }
   int64_t P = 0, piece_total = 0;
   for (int64_t n : units) {
     P = checked_add(P, n, "plan: parameters");
@@ -72,20 +96,26 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // What one layer saves for backward, by kind: elements per token and bytes per element
   // (4, or 2 for what mixed precision keeps in bf16). A projection's saved input, and
   // attention's q, k, v: fp32, or bf16 copies under mixed precision.
+  // Under tensor parallelism a column-parallel projection's outputs (q, k, v, the MLP's
+  // hidden) and what follows from them (the attention output, its log-sum-exp) are this
+  // rank's heads' or columns' share, 1/tp; its input (a norm's output) is whole, and under
+  // sequence parallelism it is the all-gathered copy the projection saves, while the norms
+  // and the residual stream hold B*T/tp rows.
   struct Kind {
     std::string name;
-    int64_t per_token, bytes;
+    int64_t rows, columns, bytes;  // columns per row, bytes per element
   };
   std::vector<Kind> layer;
   const int64_t proj_bytes = bf16 ? 2 : kFloat;
   const char* proj = bf16 ? " (bf16 copies the projections keep)" : "";
-  layer.push_back({"residual stream (x, x + attention)", 2 * C, kFloat});
+  const std::string gathered = in.sequence_parallel && !bf16 ? " (all-gathered over the sequence)" : "";
+  layer.push_back({"residual stream (x, x + attention)", sp_rows, 2 * C, kFloat});
   // The attention's own saved output (the output projection saves it too in fp32, so only
   // bf16's copy is extra) and log-sum-exp, neither kept under selective recomputation.
   auto attention_outputs = [&] {
-    if (!(bf16 && selective)) layer.push_back({"attention output", C, kFloat});
-    if (bf16) layer.push_back({"attention output (the output projection's bf16 copy)", C, 2});
-    if (!selective) layer.push_back({"attention log-sum-exp", H, kFloat});
+    if (!(bf16 && selective)) layer.push_back({"attention output", BT, C / TP, kFloat});
+    if (bf16) layer.push_back({"attention output (the output projection's bf16 copy)", BT, C / TP, 2});
+    if (!selective) layer.push_back({"attention log-sum-exp", BT, H / TP, kFloat});
   };
   if (c.is_llama()) {
     // q and k leave rotary as new tensors and v is copied out of the fused projection (in
@@ -93,71 +123,109 @@ MemoryPlan plan_memory(const PlanInput& in) {
     // is freed within the layer.
     const int64_t KVD = c.kv_dim(), F = c.ffn_dim();
     // bf16: the second output feeds gate and up, and each keeps its own copy.
-    layer.push_back({std::string("RMSNorm outputs") + proj, (bf16 ? 3 : 2) * C, proj_bytes});
-    layer.push_back({"RMSNorm rstd", 2, kFloat});
-    layer.push_back({std::string("q and k after rotary, v") + (bf16 ? " (attention's bf16 copies)" : ""), C + 2 * KVD,
-                     proj_bytes});
+    layer.push_back({std::string("RMSNorm outputs") + proj + gathered, BT, (bf16 ? 3 : 2) * C, proj_bytes});
+    layer.push_back({"RMSNorm rstd", sp_rows, 2, kFloat});
+    layer.push_back({std::string("q and k after rotary, v") + (bf16 ? " (attention's bf16 copies)" : ""), BT,
+                     (C + 2 * KVD) / TP, proj_bytes});
     attention_outputs();
-    layer.push_back({"MLP gate and up", 2 * F, kFloat});
-    layer.push_back({std::string("MLP SwiGLU output") + proj, F, proj_bytes});
+    layer.push_back({"MLP gate and up", BT, 2 * F / TP, kFloat});
+    layer.push_back({std::string("MLP SwiGLU output") + proj, BT, F / TP, proj_bytes});
   } else {
-    layer.push_back({std::string("layernorm outputs") + proj, 2 * C, proj_bytes});
-    layer.push_back({"layernorm mean and rstd", 4, kFloat});
-    layer.push_back({std::string("q, k, v") + (bf16 ? " (attention's bf16 copies)" : ""), 3 * C, proj_bytes});
+    layer.push_back({std::string("layernorm outputs") + proj + gathered, BT, 2 * C, proj_bytes});
+    layer.push_back({"layernorm mean and rstd", sp_rows, 4, kFloat});
+    layer.push_back({std::string("q, k, v") + (bf16 ? " (attention's bf16 copies)" : ""), BT, 3 * C / TP, proj_bytes});
     attention_outputs();
-    layer.push_back({"MLP pre-GELU", 4 * C, kFloat});
-    layer.push_back({std::string("MLP post-GELU") + proj, 4 * C, proj_bytes});
+    layer.push_back({"MLP pre-GELU", BT, 4 * C / TP, kFloat});
+    layer.push_back({std::string("MLP post-GELU") + proj, BT, 4 * C / TP, proj_bytes});
   }
   int64_t layer_bytes = 0;  // one layer's saved activations of one microbatch
   for (const Kind& k : layer)
-    layer_bytes = checked_add(layer_bytes, checked_product({k.per_token, BT, k.bytes}, "plan: activations"), "plan");
+    layer_bytes = checked_add(layer_bytes, checked_product({k.rows, k.columns, k.bytes}, "plan: activations"), "plan");
 
-  // Activations of one microbatch, by kind over all layers (times B*T).
-  auto act = [&](const std::string& kind, int64_t per_token, int64_t bytes = kFloat) {
-    plan.activations_by_kind.emplace_back(kind, checked_product({per_token, BT, bytes}, "plan: activations"));
+  // Activations of one microbatch, by kind over all layers.
+  auto act = [&](const std::string& kind, int64_t rows, int64_t columns, int64_t bytes = kFloat) {
+    plan.activations_by_kind.emplace_back(kind, checked_product({rows, columns, bytes}, "plan: activations"));
   };
   if (full) {
-    act("layer inputs (kept by --recompute full)", C * L);
+    act("layer inputs (kept by --recompute full)", sp_rows, C * L);
   } else {
-    for (const Kind& k : layer) act(k.name, checked_mul(k.per_token, L, "plan: activations"), k.bytes);
+    for (const Kind& k : layer) act(k.name, k.rows, checked_mul(k.columns, L, "plan: activations"), k.bytes);
   }
-  act("head: last residual", C);
-  act(std::string("head: final norm output") + proj, C, proj_bytes);
-  act(c.is_llama() ? "head: final RMSNorm rstd" : "head: final norm mean and rstd", c.is_llama() ? 1 : 2);
+  act("head: last residual", sp_rows, C);
+  act(std::string("head: final norm output") + proj + gathered, BT, C, proj_bytes);
+  act(c.is_llama() ? "head: final RMSNorm rstd" : "head: final norm mean and rstd", sp_rows, c.is_llama() ? 1 : 2);
   const int64_t chunk = std::min(in.loss_chunk_rows, BT);
-  if (chunk == 0) act("head: logits", Vp);
-  act("head: cross-entropy log-sum-exp", 1);
+  if (chunk == 0) act(TP > 1 ? "head: logits (this rank's vocabulary block)" : "head: logits", BT, Vp / TP);
+  // The vocabulary-parallel loss keeps its log-sum-exp in fp64 (two floats a row).
+  act("head: cross-entropy log-sum-exp", BT, TP > 1 ? 2 : 1);
   int64_t activations = 0, head_activations = 0;
   for (const auto& [kind, bytes] : plan.activations_by_kind) {
     activations = checked_add(activations, bytes, "plan");
     if (kind.rfind("head:", 0) == 0) head_activations += bytes;
   }
-  // The second candidate moment: the last layer's MLP backward, after the head's
-  // activations are freed. The residual's gradient (C) is live, the MLP output's input
-  // (SwiGLU output / post-GELU) has been freed and its gradient allocated, and the
-  // activation's backward allocates the gradients of its inputs: LLaMA's dgate and dup
-  // (2F), GPT-2's d(pre-GELU) (4C). It wins when 2F (GPT-2: 2C) exceeds the head's
-  // logits and 2C more: small vocabularies, wide MLPs.
-  // Under bf16 the freed input was a bf16 copy, and its gradient is fp32: 2 more bytes each.
-  // Under full recomputation the last layer's activations are live again (recomputed), and
-  // so is the region's recomputed output (C), which its inner backward starts from; its
-  // input is one of the layers' inputs already counted, so the layer adds exactly its own
-  // saved set.
-  // GPT-2 in fp32 peaks a moment earlier, by C floats: in the output projection's backward
-  // its input (post-GELU, 4C) is still saved beside its new gradient (4C, what d(pre-GELU)
-  // will replace it by), while the bias's gradient (C floats) is summed before being added
-  // into the gradient buffer. Under bf16 the freed input was smaller and GELU's moment wins.
-  const int64_t mlp_backward = checked_product({BT, C + (c.is_llama() ? 2 * c.ffn_dim() : 4 * C), kFloat}, "plan") +
-                               (bf16 ? checked_product({BT, c.is_llama() ? c.ffn_dim() : 4 * C, 2}, "plan") : 0) +
-                               (!c.is_llama() && !bf16 ? C * kFloat : 0);
+  // Other candidate moments (the plan takes the largest; each is checked to the byte in
+  // tests/test_plan.cc and tests/test_parallel.cc where the test models make it the peak):
+  //
+  // The last layer's MLP backward, after the head's activations are freed: the residual's
+  // gradient (C, B*T/tp rows under --sp) is live, and then either
+  //  - the activation's backward: the MLP output's input (post-GELU or SwiGLU output, W
+  //    wide: 4C or F, 1/tp under tensor parallelism) is freed, its gradient (W floats)
+  //    allocated, and the gradients of the activation's inputs: GPT-2's d(pre-GELU) (W),
+  //    LLaMA's dgate and dup (2W); under bf16 the freed input was a bf16 copy;
+  //  - or the moment before, the output projection's backward: its input still saved
+  //    beside its new gradient (W floats), with under --sp the residual's gradient
+  //    all-gathered (B*T x C floats), and in one process GPT-2's bias gradient (C floats,
+  //    not per token) summed before it is added into its buffer.
+  // It wins when the vocabulary is small and the MLP wide. Under full recomputation the
+  // last layer's activations are live again (recomputed), and so is the region's
+  // recomputed output (C), which its inner backward starts from; its input is one of the
+  // layers' inputs already counted, so the layer adds exactly its own saved set.
+  const int64_t mlp_width = c.is_llama() ? c.ffn_dim() / TP : 4 * C / TP;
+  const int64_t activation_backward = checked_product({BT, mlp_width, kFloat - proj_bytes}, "plan") +
+                                      checked_product({BT, (c.is_llama() ? 2 : 1) * mlp_width, kFloat}, "plan");
+  const int64_t projection_backward = (in.sequence_parallel ? checked_product({BT, C, kFloat}, "plan") : 0) +
+                                      checked_product({BT, mlp_width, kFloat}, "plan") +
+                                      (TP == 1 && !c.is_llama() ? C * kFloat : 0);
+  const int64_t mlp_backward =
+      checked_product({sp_rows, C, kFloat}, "plan") + std::max(activation_backward, projection_backward);
   const int64_t recomputed_layer = full ? layer_bytes : 0;
+  // The last layer's MLP output projection in forward, before the head runs: its output
+  // and the sum that makes it. One process: the projection's output and the residual sum
+  // (2C). Tensor parallel: the partial product and its all-reduce (2C), and GPT-2's bias
+  // added to it (C more); under --sp the partial product, the reduce-scatter's buffer (2C)
+  // and its output (C, B*T/tp rows). Under bf16 also the fp32 norm output (C, all-gathered
+  // under --sp) and MLP output (W), which the projections keep only as bf16 copies.
+  const int64_t row_parallel = in.sequence_parallel ? checked_product({BT, 2 * C, kFloat}, "plan") +
+                                                          checked_product({sp_rows, C, kFloat}, "plan")
+                               : TP > 1 && !c.is_llama() ? checked_product({BT, 3 * C, kFloat}, "plan")
+                                                         : checked_product({BT, 2 * C, kFloat}, "plan");
+  const int64_t mlp_forward =
+      row_parallel + (bf16 ? checked_product({BT, C + mlp_width, kFloat}, "plan") : 0);
+  // Tensor parallel, after the loss's backward: its saved logits and log-sum-exp are freed
+  // and the head's projection writes its input's gradient (B*T x C floats) beside the
+  // logits' gradient (and under bf16 that gradient's bf16 copy); then its saved input is
+  // freed and the input's gradient is summed over the tensor-parallel ranks (all-reduced
+  // into a new tensor, or under --sp reduce-scattered through a buffer).
+  const int64_t logits_bytes = chunk == 0 ? checked_product({BT, Vp / TP, kFloat}, "plan") : 0;
+  const int64_t loss_lse_bytes = checked_product({BT, TP > 1 ? 2 : 1, kFloat}, "plan");
+  const int64_t head_input_grad = checked_product({BT, C, kFloat}, "plan");
+  const int64_t head_backward = logits_bytes + head_input_grad + (bf16 ? checked_product({BT, Vp / TP, 2}, "plan") : 0);
+  const int64_t head_input_sum = head_input_grad + (in.sequence_parallel ? head_input_grad +
+                                                                               checked_product({sp_rows, C, kFloat}, "plan")
+                                                                         : head_input_grad);
+  const int64_t final_norm_output = checked_product({BT, C, proj_bytes}, "plan");
 
   const int64_t loader = (in.val_loader ? 2 : 1) * 2 * BT * kFloat;
   // At the peak (the start of backward): dL/d(final norm output) is allocated while the
   // cross-entropy's log-sum-exp has been freed; under bf16 the logits' gradient is also
   // held rounded to bf16 for the head's two GEMMs.
-  const int64_t transient = chunk > 0 ? BT * C * kFloat + chunk * Vp * (bf16 ? kFloat + 2 : kFloat) + kFloat
-                                      : BT * C * kFloat - BT * kFloat + (bf16 ? BT * Vp * 2 : 0);
+  // Tensor parallel: the vocabulary-parallel loss's backward writes the logits' gradient
+  // beside the saved logits (not in their place), holding the loss's incoming gradient and
+  // its value read as a double: that moment, before the head's projection runs backward,
+  // is the peak.
+  const int64_t transient = TP > 1      ? checked_product({BT, Vp / TP, kFloat}, "plan") + kFloat + 8
+                            : chunk > 0 ? BT * C * kFloat + chunk * Vp * (bf16 ? kFloat + 2 : kFloat) + kFloat
+                                        : BT * C * kFloat - BT * kFloat + (bf16 ? BT * Vp * 2 : 0);
   const int64_t shard = piece_total * kFloat;  // one fp32 value per element of this rank's pieces
   for (int r = 0; r < in.world; ++r) {
     RankPlan rp;
@@ -184,23 +252,54 @@ MemoryPlan plan_memory(const PlanInput& in) {
     if (in.zero == 3)
       rp.parts.emplace_back("gathered units (" + head_names + ", last layer prefetched)", head_units + padded(last_layer));
     for (const auto& [name, bytes] : rp.parts) rp.predicted_peak_bytes += bytes;
-    // The last layer's MLP backward (zero <= 1, where nothing else changes in backward).
-    const int64_t at_mlp = rp.predicted_peak_bytes - activations - transient + (activations - head_activations) +
-                           recomputed_layer + mlp_backward;
-    if (at_mlp > rp.predicted_peak_bytes && in.zero <= 1) {
-      rp.parts[3] = {full ? "activations (one microbatch: the layers' inputs; the head's are freed)"
-                          : "activations (one microbatch, the layers'; the head's are freed)",
-                     activations - head_activations};
-      rp.parts[5] = {std::string("transient at the peak (the last layer's MLP backward: the residual's gradient, ") +
-                         (c.is_llama() ? "dgate and dup)" : bf16 ? "d(pre-GELU))" : "d(post-GELU) and the bias's)"),
-                     mlp_backward};
-      if (full)
-        rp.parts.insert(rp.parts.begin() + 4, {"activations (the last layer, recomputed, and its output)", recomputed_layer});
-      rp.predicted_peak_bytes = at_mlp;
-    } else if (at_mlp > rp.predicted_peak_bytes && in.zero >= 2 && r == 0) {
+    // The other moments (above), where nothing else changes between them (zero <= 1); with
+    // ZeRO-2/3 the last layer's MLP backward is only noted.
+    struct Moment {
+      std::string activations_name;
+      int64_t activations;
+      std::string transient_name;
+      int64_t transient;
+      bool in_forward = false;  // the loss does not exist yet
+    };
+    std::vector<Moment> moments;
+    moments.push_back({full ? "activations (one microbatch: the layers' inputs; the head's are freed)"
+                            : "activations (one microbatch, the layers'; the head's are freed)",
+                       activations - head_activations + recomputed_layer,
+                       std::string("transient at the peak (the last layer's MLP backward") +
+                           (full ? ", the layer recomputed" : "") + ": the residual's gradient and the MLP's)",
+                       mlp_backward});
+    if (!full)
+      moments.push_back({"activations (one microbatch, the layers'; the head has not run)",
+                         activations - head_activations,
+                         "transient at the peak (the last layer's MLP output projection in forward)", mlp_forward,
+                         true});
+    if (TP > 1) {
+      moments.push_back({"activations (one microbatch; the logits and the loss's log-sum-exp are freed)",
+                         activations - logits_bytes - loss_lse_bytes,
+                         "transient at the peak (the head's backward: the logits' gradient, its input's gradient)",
+                         head_backward});
+      moments.push_back({"activations (one microbatch; the logits, the loss's log-sum-exp and the head's input are freed)",
+                         activations - logits_bytes - loss_lse_bytes - final_norm_output,
+                         "transient at the peak (the head input's gradient, summed over the tensor-parallel ranks)",
+                         head_input_sum});
+    }
+    const int64_t others = rp.predicted_peak_bytes - activations - transient;
+    const int64_t loss_bytes = rp.parts[6].second;
+    const Moment* peak = nullptr;
+    int64_t at_peak = rp.predicted_peak_bytes;
+    for (const Moment& m : moments) {
+      const int64_t at = others + m.activations + m.transient - (m.in_forward ? loss_bytes : 0);
+      if (at > at_peak) peak = &m, at_peak = at;
+    }
+    if (peak && in.zero >= 2 && r == 0) {
       plan.notes.push_back("ZeRO-" + std::to_string(in.zero) +
-                           ": the last layer's MLP backward holds more activation memory than the start of backward "
-                           "(a small vocabulary or a wide MLP); the peak may come there, and be higher");
+                           ": the last layer's MLP backward holds more activation memory than the start of "
+                           "backward (a small vocabulary or a wide MLP); the peak may come there, and be higher");
+    } else if (peak && in.zero <= 1) {
+      rp.parts[3] = {peak->activations_name, peak->activations};
+      rp.parts[5] = {peak->transient_name, peak->transient};
+      if (peak->in_forward) rp.parts.erase(rp.parts.begin() + 6);
+      rp.predicted_peak_bytes = at_peak;
     }
     // ZeRO-1/2's other candidate: the optimizer step all-gathers each unit's parameters
     // through a send piece (c) and a receive buffer (D*c) while only the model states and
@@ -239,7 +338,9 @@ MemoryPlan plan_memory(const PlanInput& in) {
 std::string plan_text(const MemoryPlan& plan, const PlanInput& in) {
   std::string out = "plan: " + in.model.describe() + ", batch " + std::to_string(in.batch_size) + " x " +
                     std::to_string(in.seq_len) + ", grad-accum " + std::to_string(in.grad_accum) + ", " +
-                    std::to_string(in.world) + " rank(s), zero " + std::to_string(in.zero) +
+                    std::to_string(in.world) + " rank(s)" +
+                    (in.tp > 1 ? " (tp " + std::to_string(in.tp) + (in.sequence_parallel ? " with sp" : "") + ")" : "") +
+                    ", zero " + std::to_string(in.zero) +
                     (in.bf16 ? ", bf16 mixed precision" : "") +
                     (in.loss_chunk_rows > 0 ? ", chunked loss (" + std::to_string(in.loss_chunk_rows) + " rows)" : "") +
                     (in.recompute == nn::Recompute::Selective ? ", selective recomputation"

@@ -47,6 +47,19 @@
 // layers' inputs, the last layer's whole activations again, its recomputed output (C) and
 // its MLP backward's gradients (as below); it wins when the vocabulary is small.
 //
+// Tensor parallelism (--tp, Megatron's layout): parameters are this rank's shard (split
+// heads, MLP width and vocabulary; replicated norms, row-parallel biases and positions).
+// Column-parallel outputs (q, k, v, the MLP's hidden, the attention output and its
+// log-sum-exp, the logits) are 1/tp of their width; the projections' inputs (the norms'
+// outputs) are whole. Sequence parallelism (--sp) makes the residual stream and the norms'
+// statistics B*T/tp rows, and the projections save the all-gathered norm output. The
+// vocabulary-parallel loss keeps its log-sum-exp in fp64, and its backward writes the
+// logits' gradient beside the logits: that moment is the peak for real vocabularies (the
+// transient: the logits' gradient, B*T*Vp/tp floats, the loss's incoming gradient and its
+// value as a double). plan.cc lists the other moments, which a small vocabulary or a wide
+// MLP makes the peak; the plan takes the largest.
+// Not planned: --recompute full with --tp (refused), the pipeline (--pp).
+//
 // ZeRO-2 and -3 shard gradients (and, in stage 3, parameters) and add, at the start of
 // backward, the gradient staging of the head's units (final norm and the tied embedding,
 // whole units padded to D pieces); stage 3 also holds those two units gathered again and the
@@ -70,8 +83,10 @@ namespace tally::train {
 struct PlanInput {
   nn::TransformerConfig model;
   int64_t batch_size = 4, seq_len = 64, grad_accum = 1;
-  int world = 1;  // ranks; all are data-parallel today
-  int zero = 0;
+  int world = 1;  // ranks: data-parallel x tensor-parallel
+  int tp = 1;     // tensor-parallel ranks (--tp); the data-parallel ones are world / tp
+  bool sequence_parallel = false;  // --sp
+  int zero = 0;   // over the data-parallel ranks
   bool val_loader = false;
   bool bf16 = false;  // --dtype bf16: mixed precision (see below)
   int64_t loss_chunk_rows = 0;  // --chunked-loss: rows per chunk of the fused head and loss (0: off)

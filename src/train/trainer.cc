@@ -480,19 +480,23 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // The plan: every rank's peak from the configuration alone, printed beside the measured one.
   int64_t planned_peak = 0;
   memory::PlanParts plan_parts;  // this rank's, for --mem-trace
-  if (!model_parallel) {
+  // Planned: data and tensor parallel (not the pipeline, nor tensor parallel with full
+  // recomputation: plan.h).
+  if (PP == 1 && !(TP > 1 && model->recompute() == nn::Recompute::Full)) {
     PlanInput pi;
     pi.model = mc;
     pi.batch_size = B;
     pi.seq_len = T;
     pi.grad_accum = N;
-    pi.world = static_cast<int>(D);
+    pi.world = static_cast<int>(D * TP);
+    pi.tp = static_cast<int>(TP);
+    pi.sequence_parallel = c.sequence_parallel;
     pi.zero = c.zero;
     pi.val_loader = val_loader != nullptr;
     pi.bf16 = matmul_dtype == DType::BF16;
     pi.loss_chunk_rows = loss_chunk_rows;
     pi.recompute = model->recompute();
-    const RankPlan rank_plan = plan_memory(pi).ranks[static_cast<size_t>(dp_rank)];
+    const RankPlan rank_plan = plan_memory(pi).ranks[static_cast<size_t>(world.rank())];
     planned_peak = rank_plan.predicted_peak_bytes;
     plan_parts = rank_plan.parts;
   }
