@@ -171,9 +171,9 @@ void expect_matches_one_process(const Layout& l, bool llama, const std::string& 
   // The first loss is the same model on the same data: equal to rounding.
   EXPECT_NEAR(got.history[0].loss, want.history[0].loss, 1e-6 * std::abs(want.history[0].loss)) << what;
   expect_flat(got, what);
-  // The memory plan (train/plan.h) covers data and tensor parallel, except tensor parallel
-  // with full recomputation: there, every rank's measured peak is its planned one to the byte.
-  if (l.pp == 1 && !(l.tp > 1 && recompute == "full")) {
+  // The memory plan (train/plan.h) covers data and tensor parallel: there, every rank's
+  // measured peak is its planned one to the byte.
+  if (l.pp == 1) {
     EXPECT_GT(got.history.back().predicted_peak_bytes, 0) << what;
     EXPECT_EQ(got.history.back().peak_bytes, got.history.back().predicted_peak_bytes)
         << what << ": rank " << g_world->rank() << "'s measured peak against its plan";

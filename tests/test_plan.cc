@@ -65,7 +65,9 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
                                       // GPT-2 wide with a small vocabulary: the last layer's MLP backward
                                       // is the peak without recomputation too (in fp32 at the output
                                       // projection's bias gradient, under bf16 at GELU's)
-                                      {"wide_small_vocab", 2, 32, 1, false}, {"wide_small_vocab", 2, 32, 1, false, true}};
+                                      {"wide_small_vocab", 2, 32, 1, false}, {"wide_small_vocab", 2, 32, 1, false, true},
+                                      {"wide_small_vocab", 2, 32, 1, false, false, false, "full"},
+                                      {"wide_small_vocab", 2, 32, 1, false, true, false, "full"}};
   // A GPT-2 of width 256 over a 97-token vocabulary (128 padded rows), written as an llm.c file.
   nn::TransformerConfig wide;
   wide.max_seq_len = 64;
@@ -177,9 +179,12 @@ TEST(Plan, TensorParallelPlansARanksShardAndRefusesWhatItDoesNotModel) {
   auto refused = [&](train::PlanInput bad) {
     return test::message_of<Error>([&] { train::plan_memory(bad); });
   };
+  // Full recomputation keeps each layer's input, sharded along the sequence under --sp.
   train::PlanInput full = in;
   full.recompute = nn::Recompute::Full;
-  EXPECT_NE(refused(full).find("--recompute full is not planned"), std::string::npos);
+  const train::MemoryPlan recomputed = train::plan_memory(full);
+  EXPECT_EQ(recomputed.activations_by_kind[0].first, "layer inputs (kept by --recompute full)");
+  EXPECT_EQ(recomputed.activations_by_kind[0].second, L * (BT / 4) * C * 4);
   train::PlanInput odd = in;
   odd.tp = 8;  // 12 heads do not divide by 8
   EXPECT_NE(refused(odd).find("must divide the heads (12)"), std::string::npos);

@@ -58,9 +58,6 @@ MemoryPlan plan_memory(const PlanInput& in) {
   TALLY_CHECK(c.n_head % TP == 0 && c.n_kv_head % TP == 0 && c.ffn_dim() % TP == 0 && c.padded_vocab_size % TP == 0,
               "plan: --tp ", TP, " must divide the heads (", c.n_head, "), the kv heads (", c.n_kv_head,
               "), the MLP width (", c.ffn_dim(), ") and the padded vocabulary (", c.padded_vocab_size, ")");
-  TALLY_CHECK(!(TP > 1 && in.recompute == nn::Recompute::Full),
-              "plan: tensor parallelism with --recompute full is not planned (its recomputed layer peaks in the "
-              "row-parallel projections' forward, which the plan does not model)");
   TALLY_CHECK(!(TP > 1 && in.zero >= 2), "plan: ZeRO-2/3 do not run with --tp");
   TALLY_CHECK(!(TP > 1 && in.loss_chunk_rows > 0), "plan: --chunked-loss does not run with --tp");
   // D: the data-parallel ranks, over which ZeRO shards and the loss is averaged.
@@ -273,6 +270,15 @@ MemoryPlan plan_memory(const PlanInput& in) {
                          activations - head_activations,
                          "transient at the peak (the last layer's MLP output projection in forward)", mlp_forward,
                          true});
+    // Full recomputation: the same projection's moment as the last layer is recomputed in
+    // backward, with the residual's gradient live and the layer's saved set made again
+    // (its input is among the layers' inputs already).
+    if (full)
+      moments.push_back({"activations (one microbatch: the layers' inputs, the last layer's recomputed so far)",
+                         activations - head_activations + layer_bytes - checked_product({sp_rows, C, kFloat}, "plan"),
+                         "transient at the peak (the recomputed last layer's MLP output projection, the residual's "
+                         "gradient)",
+                         mlp_forward + checked_product({sp_rows, C, kFloat}, "plan")});
     if (TP > 1) {
       moments.push_back({"activations (one microbatch; the logits and the loss's log-sum-exp are freed)",
                          activations - logits_bytes - loss_lse_bytes,

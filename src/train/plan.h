@@ -58,7 +58,7 @@
 // transient: the logits' gradient, B*T*Vp/tp floats, the loss's incoming gradient and its
 // value as a double). plan.cc lists the other moments, which a small vocabulary or a wide
 // MLP makes the peak; the plan takes the largest.
-// Not planned: --recompute full with --tp (refused), the pipeline (--pp).
+// Not planned: the pipeline (--pp).
 //
 // ZeRO-2 and -3 shard gradients (and, in stage 3, parameters) and add, at the start of
 // backward, the gradient staging of the head's units (final norm and the tied embedding,

@@ -480,9 +480,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // The plan: every rank's peak from the configuration alone, printed beside the measured one.
   int64_t planned_peak = 0;
   memory::PlanParts plan_parts;  // this rank's, for --mem-trace
-  // Planned: data and tensor parallel (not the pipeline, nor tensor parallel with full
-  // recomputation: plan.h).
-  if (PP == 1 && !(TP > 1 && model->recompute() == nn::Recompute::Full)) {
+  // Planned: data and tensor parallel, not the pipeline (plan.h).
+  if (PP == 1) {
     PlanInput pi;
     pi.model = mc;
     pi.batch_size = B;
