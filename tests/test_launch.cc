@@ -154,6 +154,13 @@ TEST(Launch, SamplingWithASmallerTokenizerWarnsAndShowsTheIdsItLacks) {
   EXPECT_EQ(o.exit_code, 0) << o.output;
   EXPECT_NE(o.output.find("--tokenizer '" + tok + "' has 257 tokens and the model"), std::string::npos) << o.output;
   EXPECT_NE(o.output.find("<|id "), std::string::npos) << o.output;  // an untrained 128k model draws high ids
+  // Training's own samples show them the same way (they were dropped without a trace).
+  Outcome during = run(std::string(TALLY_CLI) + " train --model llama3-d1 --train-data " +
+                       test::write_random_shard("w2.bin", 2000, 97, 5) + " --tokenizer " + tok +
+                       " --batch-size 1 --seq-len 8 --steps 1 --threads 1 --sample-every 1 --sample-tokens 16 --out-dir " +
+                       test::temp_path("wide_vocab_train"));
+  EXPECT_EQ(during.exit_code, 0) << during.output;
+  EXPECT_NE(during.output.find("<|id "), std::string::npos) << during.output;
 }
 
 TEST(Launch, DataParallelWithoutMpirunSaysHowToLaunch) {

@@ -158,22 +158,6 @@ std::unique_ptr<nn::Transformer> load_model(const std::string& path, std::string
   return model;
 }
 
-// The text of `ids`, each run of ids the tokenizer has decoded together; an id it lacks (a
-// model with a larger vocabulary) shows as <|id N|> rather than failing the sample.
-std::string decode_known(const data::Tokenizer& tok, const std::vector<int32_t>& ids) {
-  std::string text;
-  std::vector<int32_t> run;
-  for (int32_t id : ids) {
-    if (id >= 0 && id < tok.vocab_size()) {
-      run.push_back(id);
-      continue;
-    }
-    text += tok.decode(run) + "<|id " + std::to_string(id) + "|>";
-    run.clear();
-  }
-  return text + tok.decode(run);
-}
-
 int run_sample(const SampleArgs& a) {
   TALLY_CHECK(a.count >= 1, "--count must be at least 1, got ", a.count);
   TALLY_CHECK(a.tokens >= 0, "--tokens must be >= 0, got ", a.tokens);
@@ -218,7 +202,7 @@ int run_sample(const SampleArgs& a) {
     if (a.stop_at_eot && !ids.empty() &&
         std::find(so.stop_tokens.begin(), so.stop_tokens.end(), ids.back()) != so.stop_tokens.end())
       ids.pop_back();  // the end, not text
-    if (tok) std::printf("%s%s\n", a.prompt.c_str(), decode_known(*tok, ids).c_str());
+    if (tok) std::printf("%s%s\n", a.prompt.c_str(), train::decode_known(*tok, ids).c_str());
     else {
       for (int32_t i : ids) std::printf("%d ", i);
       std::printf("\n");

@@ -88,4 +88,18 @@ void check_tokenizer_for_model(const data::Tokenizer& tok, const std::string& to
                  static_cast<long long>(tok.vocab_size()), named.c_str(), static_cast<long long>(model_vocab));
 }
 
+std::string decode_known(const data::Tokenizer& tok, const std::vector<int32_t>& ids) {
+  std::string text;
+  std::vector<int32_t> run;
+  for (int32_t id : ids) {
+    if (id >= 0 && id < tok.vocab_size()) {
+      run.push_back(id);
+      continue;
+    }
+    text += tok.decode(run) + "<|id " + std::to_string(id) + "|>";
+    run.clear();
+  }
+  return text + tok.decode(run);
+}
+
 }  // namespace tally::train

@@ -31,4 +31,9 @@ std::vector<int32_t> sample(const nn::Transformer& model, std::vector<int32_t> p
 void check_tokenizer_for_model(const data::Tokenizer& tok, const std::string& tokenizer, int64_t model_vocab,
                                const std::string& model, bool warn);
 
+// The text of `ids`, each run of ids the tokenizer has decoded together; an id it lacks (a
+// model with a larger vocabulary than the tokenizer) shows as <|id N|> rather than failing
+// or vanishing from the sample. `tally sample` and the trainer's samples both print this.
+std::string decode_known(const data::Tokenizer& tok, const std::vector<int32_t>& ids);
+
 }  // namespace tally::train

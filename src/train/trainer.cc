@@ -152,12 +152,7 @@ struct Detokenizer {
     tok = std::make_unique<data::Tokenizer>(data::Tokenizer::load_path(dir));
   }
   std::string text(const std::vector<int32_t>& ids) const {
-    if (tok) {
-      std::vector<int32_t> valid;
-      for (int32_t i : ids)
-        if (i >= 0 && i < tok->vocab_size()) valid.push_back(i);
-      return tok->decode(valid);
-    }
+    if (tok) return decode_known(*tok, ids);
     std::string s;
     for (int32_t i : ids) s += std::to_string(i) + " ";
     return s;
