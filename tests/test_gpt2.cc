@@ -16,7 +16,7 @@
 #include "autograd/engine.h"
 #include "autograd/observer.h"
 #include "data/token_shard.h"
-#include "io/atomic_file.h"
+#include "io/files.h"
 #include "io/hf_files.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"

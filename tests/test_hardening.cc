@@ -15,11 +15,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/atomic_file.h"
 #include "core/checked.h"
 #include "data/loader.h"
 #include "data/token_shard.h"
 #include "data/tokenizer.h"
-#include "io/atomic_file.h"
 #include "io/checkpoint.h"
 #include "io/hf_files.h"
 #include "io/model_files.h"
@@ -489,7 +489,7 @@ TEST(Hardening, OutputsAreWrittenThroughLinksAndNeverReplaceDevicesOrDirectories
   fs::create_symlink("real.bin", link);   // relative, as `ln -s` makes them
   fs::create_symlink(link, link2);        // a link to a link
   {
-    io::AtomicFile out(link2);
+    AtomicFile out(link2);
     out.write("new", 3);
     out.commit();
   }
@@ -503,7 +503,7 @@ TEST(Hardening, OutputsAreWrittenThroughLinksAndNeverReplaceDevicesOrDirectories
   const std::string dangling = dir + "/dangling.bin";
   fs::create_symlink("made.bin", dangling);
   {
-    io::AtomicFile out(dangling);
+    AtomicFile out(dangling);
     out.write("x", 1);
     out.commit();
   }
@@ -514,7 +514,7 @@ TEST(Hardening, OutputsAreWrittenThroughLinksAndNeverReplaceDevicesOrDirectories
   const std::string fifo = dir + "/fifo";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   for (const std::string& target : {fifo, dir}) {
-    const std::string msg = message_of<Error>([&] { io::AtomicFile out(target); });
+    const std::string msg = message_of<Error>([&] { AtomicFile out(target); });
     EXPECT_NE(msg.find("'" + target + "' is a"), std::string::npos) << msg;
     EXPECT_NE(msg.find("expected the path of a regular file"), std::string::npos) << msg;
     EXPECT_NE(message_of<Error>([&] { data::write_token_shard(target, {1}, data::TokenWidth::U16); }).find("token shard"),
@@ -524,7 +524,7 @@ TEST(Hardening, OutputsAreWrittenThroughLinksAndNeverReplaceDevicesOrDirectories
   EXPECT_FALSE(fs::exists(fifo + ".tmp"));
   // /dev/stdout leads into /proc/self/fd: a descriptor, never a file to rename over.
   if (fs::is_symlink("/dev/stdout")) {
-    const std::string msg = message_of<Error>([&] { io::AtomicFile out("/dev/stdout"); });
+    const std::string msg = message_of<Error>([&] { AtomicFile out("/dev/stdout"); });
     EXPECT_NE(msg.find("a link to a process's file descriptor"), std::string::npos) << msg;
   }
 }

@@ -3,8 +3,8 @@
 // Renaming over a path replaces whatever directory entry is there. For a symbolic link
 // that would turn the link into a file and leave the file it points to stale; for a
 // device, FIFO or socket (`-o /dev/full`, `-o /dev/stdout`) it would replace the node
-// itself, and as root the write "succeeds" into a new file in /dev. So every writer in
-// tally (io's AtomicFile, the memory reports, the token shards) asks here first.
+// itself, and as root the write "succeeds" into a new file in /dev. So AtomicFile
+// (core/atomic_file.h), through which tally writes every file, asks here first.
 #pragma once
 #include <string>
 

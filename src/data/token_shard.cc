@@ -13,8 +13,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "core/atomic_file.h"
 #include "core/error.h"
-#include "core/file_target.h"
 
 namespace tally::data {
 namespace {
@@ -30,21 +30,6 @@ constexpr int32_t kLlama3Magic = 20240801, kLlama3Version = 7;
 std::size_t width_bytes(TokenWidth w) { return w == TokenWidth::U16 ? 2 : 4; }
 
 std::string errno_text() { return std::strerror(errno); }
-
-// write(2) until everything is written (it may write less than asked).
-bool write_all(int fd, const void* data, std::size_t n) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    p += w;
-    n -= static_cast<std::size_t>(w);
-  }
-  return true;
-}
 
 }  // namespace
 
@@ -75,36 +60,10 @@ void write_token_shard(const std::string& path, const std::vector<int32_t>& toke
     std::memcpy(body.data(), tokens.data(), body.size());
   }
 
-  const std::string target = replacement_target(path, "token shard");  // through links; no devices
-  const std::string tmp = target + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TALLY_CHECK(fd >= 0, "token shard '", path, "': cannot create '", tmp, "': ", errno_text());
-  const auto fail = [&](const char* what) {
-    const std::string err = errno_text();
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    TALLY_FAIL("token shard '", path, "': ", what, " '", tmp, "' failed: ", err);
-  };
-  if (!write_all(fd, header, sizeof header) || !write_all(fd, body.data(), body.size())) fail("writing");
-  if (::fsync(fd) != 0) fail("fsync of");
-  if (::close(fd) != 0) {
-    const std::string err = errno_text();
-    ::unlink(tmp.c_str());
-    TALLY_FAIL("token shard '", path, "': closing '", tmp, "' failed: ", err);
-  }
-  if (::rename(tmp.c_str(), target.c_str()) != 0) {
-    const std::string err = errno_text();
-    ::unlink(tmp.c_str());
-    TALLY_FAIL("token shard '", path, "': renaming '", tmp, "' to it failed: ", err);
-  }
-  // Make the rename itself durable. Best effort: some filesystems refuse fsync on directories.
-  const std::size_t slash = target.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : target.substr(0, slash);
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    (void)::fsync(dfd);
-    ::close(dfd);
-  }
+  AtomicFile out(path, "token shard");
+  out.write(header, sizeof header);
+  out.write(body.data(), body.size());
+  out.commit();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@
 #include "autograd/grad_mode.h"
 #include "core/crash_point.h"
 #include "core/owner.h"
-#include "io/atomic_file.h"
+#include "core/atomic_file.h"
+#include "io/files.h"
 #include "io/checksum.h"
 #include "io/model_files.h"
 

@@ -7,7 +7,8 @@
 #include <nlohmann/json.hpp>
 
 #include "autograd/grad_mode.h"
-#include "io/atomic_file.h"
+#include "core/atomic_file.h"
+#include "io/files.h"
 #include "io/safetensors.h"
 
 namespace tally::io {

@@ -6,7 +6,8 @@
 
 #include "autograd/grad_mode.h"
 #include "core/checked.h"
-#include "io/atomic_file.h"
+#include "core/atomic_file.h"
+#include "io/files.h"
 #include "io/checksum.h"
 
 namespace tally::io {

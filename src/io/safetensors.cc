@@ -6,7 +6,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/checked.h"
-#include "io/atomic_file.h"
+#include "core/atomic_file.h"
+#include "io/files.h"
 
 namespace tally::io {
 

@@ -17,31 +17,18 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/atomic_file.h"
 #include "core/error.h"
-#include "core/file_target.h"
 
 namespace tally::memory {
 
 namespace {
-// Writes `text` to "<path>.tmp" and renames it over `path`, checking every step: a full disk
-// is an error naming the file, never a truncated report left behind as if complete. (The
-// memory layer sits below io's AtomicFile, hence this small copy of its steps.)
-void write_whole_file(const std::string& given_path, const std::string& text, const char* what) {
-  const std::string path = replacement_target(given_path, what);  // through links; no devices
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  TALLY_CHECK(f, "cannot write ", what, " '", path, "': ", std::strerror(errno));
-  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0;
-  const int saved_errno = errno;
-  if (std::fclose(f) != 0 || !written) {
-    std::remove(tmp.c_str());
-    TALLY_FAIL("failed writing ", what, " '", path, "': ", std::strerror(written ? errno : saved_errno));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string err = std::strerror(errno);
-    std::remove(tmp.c_str());
-    TALLY_FAIL("cannot rename '", tmp, "' to '", path, "': ", err);
-  }
+// Writes `text` whole through an AtomicFile: a full disk is an error naming the file, never
+// a truncated report left behind as if complete.
+void write_whole_file(const std::string& path, const std::string& text, const char* what) {
+  AtomicFile out(path, what);
+  out.write(text.data(), text.size());
+  out.commit();
 }
 }  // namespace
 

@@ -9,8 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/atomic_file.h"
 #include "core/error.h"
-#include "io/atomic_file.h"
 
 namespace tally::train {
 
@@ -240,7 +240,7 @@ std::string render_loss_svg(const std::vector<RunCurve>& runs, const std::string
 
 void write_loss_svg(const std::string& path, const std::vector<RunCurve>& runs, const std::string& title) {
   const std::string svg = render_loss_svg(runs, title);
-  io::AtomicFile out(path);
+  AtomicFile out(path);
   out.write(svg.data(), svg.size());
   out.commit();
 }

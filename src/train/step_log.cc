@@ -10,7 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "io/atomic_file.h"
+#include "core/atomic_file.h"
+#include "io/files.h"
 
 namespace tally::train {
 
@@ -29,7 +30,7 @@ StepLog::StepLog(std::string path, int64_t resumed_step) : path_(std::move(path)
       if (row.is_discarded() || !row.is_object() || !row.contains("step") || !row["step"].is_number_integer()) continue;
       if (row["step"].get<int64_t>() <= resumed_step) kept += line + "\n";
     }
-    io::AtomicFile rewritten(path_);
+    AtomicFile rewritten(path_);
     rewritten.write(kept.data(), kept.size());
     rewritten.commit();
   }

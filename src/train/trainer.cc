@@ -24,7 +24,7 @@
 #include "dist/tensor_parallel.h"
 #include "dist/world.h"
 #include "dist/zero.h"
-#include "io/atomic_file.h"
+#include "io/files.h"
 #include "io/checkpoint.h"
 #include "io/hf_files.h"
 #include "io/model_files.h"

@@ -2,19 +2,22 @@
 // renamed over <path>, and the directory is fsync'ed. A crash leaves either the old file or
 // the new one, never half. A <path> that is a symbolic link is written through (the file it
 // points to is replaced; the link stays); one that is a directory, device, FIFO or socket is
-// refused (core/file_target.h). Every write and the close are checked (a full disk is an error
-// naming the file, never a truncated file).
+// refused (core/file_target.h). Every write and the close are checked: a full disk is an
+// error naming the file, never a truncated file left behind as if complete.
+//
+// Every file tally writes goes through here: checkpoints and model files (io), token shards
+// (data), memory reports (memory), logs and plots (train).
 #pragma once
 #include <cstdint>
 #include <cstdio>
-#include <fstream>
 #include <string>
 
-namespace tally::io {
+namespace tally {
 
 class AtomicFile {
  public:
-  explicit AtomicFile(std::string path);
+  // `what` names the kind of file in errors ("token shard", "memory report").
+  explicit AtomicFile(std::string path, const char* what = "output file");
   ~AtomicFile();  // removes the temporary file if commit() was not reached
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
@@ -25,27 +28,18 @@ class AtomicFile {
   void commit();
 
  private:
+  // Throws "<what> '<path>': <action> '<tmp>' failed: <errno text>", the temporary removed.
+  [[noreturn]] void fail(const char* action, int error);
+
   std::string path_;    // as given, for messages
+  const char* what_;
   std::string target_;  // the file replaced: path_, or what its links point to
   std::string tmp_path_;
   std::FILE* file_ = nullptr;
 };
 
-// Creates `dir` and its parents for the path `path` that `what` names (a flag: "--out-dir");
-// a failure (a file in the way, no permission) is an error naming both, not the standard
-// library's "filesystem error: cannot create directories".
-void create_directories_for(const std::string& what, const std::string& path, const std::string& dir);
-
 // fsync of a directory, so the renames inside it survive a power loss. Best effort: some
 // filesystems refuse fsync on directories.
 void sync_directory(const std::string& dir);
 
-// Reads a whole file; throws naming the path when it cannot.
-std::string read_file(const std::string& path);
-
-// Opens `in` on `path` for binary reading and reports its size; `what` names the kind of
-// file in the error ("safetensors file", "training state", ...). The stream is opened in
-// place, never moved: GCC 12 warns (falsely) about moving a std::ifstream.
-void open_input(const std::string& path, const char* what, std::ifstream& in, int64_t* size);
-
-}  // namespace tally::io
+}  // namespace tally
