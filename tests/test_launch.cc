@@ -340,6 +340,14 @@ TEST(Launch, PlanPrintsEveryRanksPeakAsTextAndJson) {
   Outcome zero5 = run(std::string(TALLY_CLI) + " plan --model d2 --world 2 --zero 5");
   EXPECT_EQ(zero5.exit_code, 1);
   EXPECT_NE(zero5.output.find("tally: plan: --zero must be 0, 1, 2 or 3"), std::string::npos) << zero5.output;
+  // Tensor parallel: --world defaults to --dp x --tp; a split the model cannot take is named.
+  Outcome tp = run(std::string(TALLY_CLI) + " plan --model d2 --dp 2 --tp 2 --sp --recompute full");
+  EXPECT_EQ(tp.exit_code, 0) << tp.output;
+  EXPECT_NE(tp.output.find("4 rank(s) (tp 2 with sp)"), std::string::npos) << tp.output;
+  EXPECT_NE(tp.output.find("layer inputs (kept by --recompute full)"), std::string::npos) << tp.output;
+  Outcome odd = run(std::string(TALLY_CLI) + " plan --model gpt2 --tp 5");
+  EXPECT_EQ(odd.exit_code, 1);
+  EXPECT_NE(odd.output.find("--tp 5 must divide the heads (12)"), std::string::npos) << odd.output;
 }
 
 TEST(Launch, AKillAtEveryCrashPointOfACheckpointLosesNothing) {

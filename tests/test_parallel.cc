@@ -174,8 +174,10 @@ void expect_matches_one_process(const Layout& l, bool llama, const std::string& 
   // The memory plan (train/plan.h) covers data and tensor parallel: there, every rank's
   // measured peak is its planned one to the byte.
   if (l.pp == 1) {
-    EXPECT_GT(got.history.back().predicted_peak_bytes, 0) << what;
-    EXPECT_EQ(got.history.back().peak_bytes, got.history.back().predicted_peak_bytes)
+    const train::StepMetrics& last = got.history.back();
+    EXPECT_GT(last.predicted_peak_bytes, 0) << what;
+    ASSERT_EQ(last.rank_peak_bytes.size(), static_cast<size_t>(world_size())) << what;
+    EXPECT_EQ(last.rank_peak_bytes[static_cast<size_t>(g_world->rank())], last.predicted_peak_bytes)
         << what << ": rank " << g_world->rank() << "'s measured peak against its plan";
   } else {
     EXPECT_EQ(got.history.back().predicted_peak_bytes, 0) << what << ": no plan for this layout";

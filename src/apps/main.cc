@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/checked.h"
 #include "core/random.h"
 #include "data/documents.h"
 #include "data/token_shard.h"
@@ -214,7 +215,7 @@ int run_sample(const SampleArgs& a) {
 struct PlanArgs {
   std::string model = "d6", model_file, init_from;
   int64_t batch_size = 4, seq_len = 64, grad_accum = 1;
-  int world = 1, dp = 0, tp = 1, zero = 0;
+  int world = 0, dp = 0, tp = 1, zero = 0;
   bool val = false, json = false, chunked_loss = false, sp = false;
   std::string dtype = "fp32", recompute = "none";
 };
@@ -225,14 +226,18 @@ int run_plan(const PlanArgs& a) {
   TALLY_CHECK(a.batch_size > 0 && a.seq_len > 0 && a.grad_accum > 0, "--batch-size, --seq-len and --grad-accum must be positive");
   TALLY_CHECK(a.seq_len <= in.model.max_seq_len, "--seq-len ", a.seq_len, " exceeds the model's maximum sequence length ",
               in.model.max_seq_len);
-  TALLY_CHECK(a.world >= 1, "--world must be at least 1, got ", a.world);
-  TALLY_CHECK(a.tp >= 1 && a.world % a.tp == 0, "--world ", a.world, " is not a multiple of --tp ", a.tp);
-  TALLY_CHECK(a.dp == 0 || a.dp * a.tp == a.world, "--dp ", a.dp, " x --tp ", a.tp, " is not --world ", a.world,
+  TALLY_CHECK(a.world >= 0 && a.dp >= 0 && a.tp >= 1, "--world and --dp must be >= 0 and --tp >= 1, got --world ",
+              a.world, " --dp ", a.dp, " --tp ", a.tp);
+  // --world 0: the ranks --dp x --tp make (one data-parallel rank without --dp).
+  const int64_t world = a.world > 0 ? a.world : checked_mul(std::max(a.dp, 1), a.tp, "--dp x --tp");
+  TALLY_CHECK(world <= 1 << 20, "--world ", world, " is more ranks than the plan models (at most 2^20)");
+  TALLY_CHECK(world % a.tp == 0, "--world ", world, " is not a multiple of --tp ", a.tp);
+  TALLY_CHECK(a.dp == 0 || int64_t{a.dp} * a.tp == world, "--dp ", a.dp, " x --tp ", a.tp, " is not --world ", world,
               ": the plan models data and tensor parallelism (not the pipeline), so --world = --dp x --tp");
   in.batch_size = a.batch_size;
   in.seq_len = a.seq_len;
   in.grad_accum = a.grad_accum;
-  in.world = a.world;
+  in.world = static_cast<int>(world);
   in.tp = a.tp;
   in.sequence_parallel = a.sp;
   in.zero = a.zero;
@@ -460,7 +465,7 @@ int main(int argc, char** argv) {
   q->add_option("--batch-size", pl.batch_size, "Sequences per microbatch (B)")->capture_default_str();
   q->add_option("--seq-len", pl.seq_len, "Tokens per sequence (T)")->capture_default_str();
   q->add_option("--grad-accum", pl.grad_accum, "Microbatches per step")->capture_default_str();
-  q->add_option("--world", pl.world, "Ranks the job would run on (mpirun -np)")->capture_default_str();
+  q->add_option("--world", pl.world, "Ranks the job would run on (mpirun -np; 0 = --dp x --tp)")->capture_default_str();
   q->add_option("--dp", pl.dp, "Data-parallel ranks (0 = --world / --tp)")->capture_default_str();
   q->add_option("--tp", pl.tp, "Tensor-parallel ranks (Megatron's split of heads, MLP width and vocabulary)")
       ->check(CLI::PositiveNumber)->capture_default_str();

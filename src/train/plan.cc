@@ -1,6 +1,7 @@
 #include "train/plan.h"
 
 #include <algorithm>
+#include <initializer_list>
 
 #include <nlohmann/json.hpp>
 
@@ -58,7 +59,10 @@ MemoryPlan plan_memory(const PlanInput& in) {
   TALLY_CHECK(c.n_head % TP == 0 && c.n_kv_head % TP == 0 && c.ffn_dim() % TP == 0 && c.padded_vocab_size % TP == 0,
               "plan: --tp ", TP, " must divide the heads (", c.n_head, "), the kv heads (", c.n_kv_head,
               "), the MLP width (", c.ffn_dim(), ") and the padded vocabulary (", c.padded_vocab_size, ")");
-  TALLY_CHECK(!(TP > 1 && in.zero >= 2), "plan: ZeRO-2/3 do not run with --tp");
+  TALLY_CHECK(!(TP > 1 && in.zero >= 2), "plan: --zero ", in.zero, " with --tp: the model is already sharded by tensor "
+              "parallelism; use --zero 1 (as tally train says)");
+  TALLY_CHECK(!(in.bf16 && in.zero == 3), "plan: --dtype bf16 with --zero 3: the GEMMs read a bf16 copy of the whole "
+              "parameter block, which ZeRO-3 does not keep; use --zero 2 or lower (as tally train says)");
   TALLY_CHECK(!(TP > 1 && in.loss_chunk_rows > 0), "plan: --chunked-loss does not run with --tp");
   // D: the data-parallel ranks, over which ZeRO shards and the loss is averaged.
   const int64_t D = in.world / TP, B = in.batch_size, T = in.seq_len, C = c.n_embd, H = c.n_head, L = c.n_layer;
@@ -105,7 +109,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
   std::vector<Kind> layer;
   const int64_t proj_bytes = bf16 ? 2 : kFloat;
   const char* proj = bf16 ? " (bf16 copies the projections keep)" : "";
-  const std::string gathered = in.sequence_parallel && !bf16 ? " (all-gathered over the sequence)" : "";
+  const std::string gathered = in.sequence_parallel ? " (all-gathered over the sequence)" : "";
   layer.push_back({"residual stream (x, x + attention)", sp_rows, 2 * C, kFloat});
   // The attention's own saved output (the output projection saves it too in fp32, so only
   // bf16's copy is extra) and log-sum-exp, neither kept under selective recomputation.
@@ -177,14 +181,21 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // last layer's activations are live again (recomputed), and so is the region's
   // recomputed output (C), which its inner backward starts from; its input is one of the
   // layers' inputs already counted, so the layer adds exactly its own saved set.
+  // Sums of terms, each already an overflow-checked product.
+  auto sum = [](std::initializer_list<int64_t> terms) {
+    int64_t total = 0;
+    for (int64_t t : terms) total = checked_add(total, t, "plan");
+    return total;
+  };
+  auto bytes_of = [](int64_t rows, int64_t columns, int64_t per_element) {
+    return checked_product({rows, columns, per_element}, "plan");
+  };
   const int64_t mlp_width = c.is_llama() ? c.ffn_dim() / TP : 4 * C / TP;
-  const int64_t activation_backward = checked_product({BT, mlp_width, kFloat - proj_bytes}, "plan") +
-                                      checked_product({BT, (c.is_llama() ? 2 : 1) * mlp_width, kFloat}, "plan");
-  const int64_t projection_backward = (in.sequence_parallel ? checked_product({BT, C, kFloat}, "plan") : 0) +
-                                      checked_product({BT, mlp_width, kFloat}, "plan") +
-                                      (TP == 1 && !c.is_llama() ? C * kFloat : 0);
-  const int64_t mlp_backward =
-      checked_product({sp_rows, C, kFloat}, "plan") + std::max(activation_backward, projection_backward);
+  const int64_t activation_backward =
+      sum({bytes_of(BT, mlp_width, kFloat - proj_bytes), bytes_of(BT, (c.is_llama() ? 2 : 1) * mlp_width, kFloat)});
+  const int64_t projection_backward = sum({in.sequence_parallel ? bytes_of(BT, C, kFloat) : 0, bytes_of(BT, mlp_width, kFloat),
+                                           TP == 1 && !c.is_llama() ? C * kFloat : 0});
+  const int64_t mlp_backward = sum({bytes_of(sp_rows, C, kFloat), std::max(activation_backward, projection_backward)});
   const int64_t recomputed_layer = full ? layer_bytes : 0;
   // The last layer's MLP output projection in forward, before the head runs: its output
   // and the sum that makes it. One process: the projection's output and the residual sum
@@ -192,25 +203,21 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // added to it (C more); under --sp the partial product, the reduce-scatter's buffer (2C)
   // and its output (C, B*T/tp rows). Under bf16 also the fp32 norm output (C, all-gathered
   // under --sp) and MLP output (W), which the projections keep only as bf16 copies.
-  const int64_t row_parallel = in.sequence_parallel ? checked_product({BT, 2 * C, kFloat}, "plan") +
-                                                          checked_product({sp_rows, C, kFloat}, "plan")
-                               : TP > 1 && !c.is_llama() ? checked_product({BT, 3 * C, kFloat}, "plan")
-                                                         : checked_product({BT, 2 * C, kFloat}, "plan");
-  const int64_t mlp_forward =
-      row_parallel + (bf16 ? checked_product({BT, C + mlp_width, kFloat}, "plan") : 0);
+  const int64_t row_parallel = in.sequence_parallel      ? sum({bytes_of(BT, 2 * C, kFloat), bytes_of(sp_rows, C, kFloat)})
+                               : TP > 1 && !c.is_llama() ? bytes_of(BT, 3 * C, kFloat)
+                                                         : bytes_of(BT, 2 * C, kFloat);
+  const int64_t mlp_forward = sum({row_parallel, bf16 ? bytes_of(BT, C + mlp_width, kFloat) : 0});
   // Tensor parallel, after the loss's backward: its saved logits and log-sum-exp are freed
   // and the head's projection writes its input's gradient (B*T x C floats) beside the
   // logits' gradient (and under bf16 that gradient's bf16 copy); then its saved input is
   // freed and the input's gradient is summed over the tensor-parallel ranks (all-reduced
   // into a new tensor, or under --sp reduce-scattered through a buffer).
-  const int64_t logits_bytes = chunk == 0 ? checked_product({BT, Vp / TP, kFloat}, "plan") : 0;
-  const int64_t loss_lse_bytes = checked_product({BT, TP > 1 ? 2 : 1, kFloat}, "plan");
-  const int64_t head_input_grad = checked_product({BT, C, kFloat}, "plan");
-  const int64_t head_backward = logits_bytes + head_input_grad + (bf16 ? checked_product({BT, Vp / TP, 2}, "plan") : 0);
-  const int64_t head_input_sum = head_input_grad + (in.sequence_parallel ? head_input_grad +
-                                                                               checked_product({sp_rows, C, kFloat}, "plan")
-                                                                         : head_input_grad);
-  const int64_t final_norm_output = checked_product({BT, C, proj_bytes}, "plan");
+  const int64_t logits_bytes = chunk == 0 ? bytes_of(BT, Vp / TP, kFloat) : 0;
+  const int64_t loss_lse_bytes = bytes_of(BT, TP > 1 ? 2 : 1, kFloat);
+  const int64_t head_input_grad = bytes_of(BT, C, kFloat);
+  const int64_t head_backward = sum({logits_bytes, head_input_grad, bf16 ? bytes_of(BT, Vp / TP, 2) : 0});
+  const int64_t head_input_sum = sum({head_input_grad, head_input_grad, in.sequence_parallel ? bytes_of(sp_rows, C, kFloat) : 0});
+  const int64_t final_norm_output = bytes_of(BT, C, proj_bytes);
 
   const int64_t loader = (in.val_loader ? 2 : 1) * 2 * BT * kFloat;
   // At the peak (the start of backward): dL/d(final norm output) is allocated while the
@@ -220,9 +227,9 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // beside the saved logits (not in their place), holding the loss's incoming gradient and
   // its value read as a double: that moment, before the head's projection runs backward,
   // is the peak.
-  const int64_t transient = TP > 1      ? checked_product({BT, Vp / TP, kFloat}, "plan") + kFloat + 8
-                            : chunk > 0 ? BT * C * kFloat + chunk * Vp * (bf16 ? kFloat + 2 : kFloat) + kFloat
-                                        : BT * C * kFloat - BT * kFloat + (bf16 ? BT * Vp * 2 : 0);
+  const int64_t transient = TP > 1      ? sum({bytes_of(BT, Vp / TP, kFloat), kFloat, 8})
+                            : chunk > 0 ? sum({bytes_of(BT, C, kFloat), bytes_of(chunk, Vp, bf16 ? kFloat + 2 : kFloat), kFloat})
+                                        : sum({bytes_of(BT, C, kFloat) - BT * kFloat, bf16 ? bytes_of(BT, Vp, 2) : 0});
   const int64_t shard = piece_total * kFloat;  // one fp32 value per element of this rank's pieces
   for (int r = 0; r < in.world; ++r) {
     RankPlan rp;
@@ -248,7 +255,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
     // ZeRO-3 has gathered the same units again for backward, and prefetched the last layer.
     if (in.zero == 3)
       rp.parts.emplace_back("gathered units (" + head_names + ", last layer prefetched)", head_units + padded(last_layer));
-    for (const auto& [name, bytes] : rp.parts) rp.predicted_peak_bytes += bytes;
+    for (const auto& [name, bytes] : rp.parts) rp.predicted_peak_bytes = checked_add(rp.predicted_peak_bytes, bytes, "plan");
     // The other moments (above), where nothing else changes between them (zero <= 1); with
     // ZeRO-2/3 the last layer's MLP backward is only noted.
     struct Moment {
@@ -291,17 +298,23 @@ MemoryPlan plan_memory(const PlanInput& in) {
     }
     const int64_t others = rp.predicted_peak_bytes - activations - transient;
     const int64_t loss_bytes = rp.parts[6].second;
+    auto total = [&](const Moment& m) {
+      return checked_add(checked_add(others, m.activations, "plan"), m.transient, "plan") - (m.in_forward ? loss_bytes : 0);
+    };
+    // ZeRO-2/3 change what lives between these moments (staging and gathered units at the
+    // start of backward only): their later moments are noted, not planned.
+    if (in.zero >= 2) {
+      if (total(moments[0]) > rp.predicted_peak_bytes && r == 0)
+        plan.notes.push_back("ZeRO-" + std::to_string(in.zero) +
+                             ": the last layer's MLP backward holds more activation memory than the start of "
+                             "backward (a small vocabulary or a wide MLP); the peak may come there, and be higher");
+      moments.clear();
+    }
     const Moment* peak = nullptr;
     int64_t at_peak = rp.predicted_peak_bytes;
-    for (const Moment& m : moments) {
-      const int64_t at = others + m.activations + m.transient - (m.in_forward ? loss_bytes : 0);
-      if (at > at_peak) peak = &m, at_peak = at;
-    }
-    if (peak && in.zero >= 2 && r == 0) {
-      plan.notes.push_back("ZeRO-" + std::to_string(in.zero) +
-                           ": the last layer's MLP backward holds more activation memory than the start of "
-                           "backward (a small vocabulary or a wide MLP); the peak may come there, and be higher");
-    } else if (peak && in.zero <= 1) {
+    for (const Moment& m : moments)
+      if (total(m) > at_peak) peak = &m, at_peak = total(m);
+    if (peak) {
       rp.parts[3] = {peak->activations_name, peak->activations};
       rp.parts[5] = {peak->transient_name, peak->transient};
       if (peak->in_forward) rp.parts.erase(rp.parts.begin() + 6);

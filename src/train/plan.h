@@ -11,7 +11,10 @@
 //   loader         the (B, T) int32 inputs and targets of the train (and val) loader
 //   transient      at the peak: the first gradient of backward, dL/d(final norm output)
 //                  (B*T*C), while the cross-entropy's saved log-sum-exp (B*T) is already
-//                  freed and the logits' gradient is written in place of the logits
+//                  freed and the logits' gradient is written in place of the logits (one
+//                  process; tensor parallel: below). Other moments can be the peak with a
+//                  small vocabulary or a wide MLP; plan.cc lists them, the plan takes the
+//                  largest, and the parts then name the moment.
 //   loss           the loss scalar, and its copy scaled by 1/(N*D) when N*D > 1
 // Activations per token of a GPT-2 layer (floats): the residual input x and the middle
 // residual (2C, saved by the two layernorms), each norm's output (2C, saved by the next
@@ -43,9 +46,11 @@
 // log-sum-exp (H per token per layer) is not saved, nor under bf16 its fp32 output (C; the
 // output projection keeps its bf16 copy). Full: each layer keeps only its input (C per
 // token per layer, fp32), beside the head's activations. Backward then recomputes the last
-// layer: a second candidate peak, after the head's activations are freed, holds the
-// layers' inputs, the last layer's whole activations again, its recomputed output (C) and
-// its MLP backward's gradients (as below); it wins when the vocabulary is small.
+// layer after the head's activations are freed: the candidate moments there hold the
+// layers' inputs and the last layer's saved set again (its recomputed output standing in
+// for its input, already counted), with its MLP backward's gradients, or in its recomputed
+// forward the output projection's sum and the residual's gradient; they win when the
+// vocabulary is small.
 //
 // Tensor parallelism (--tp, Megatron's layout): parameters are this rank's shard (split
 // heads, MLP width and vocabulary; replicated norms, row-parallel biases and positions).
