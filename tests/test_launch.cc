@@ -345,6 +345,10 @@ TEST(Launch, PlanPrintsEveryRanksPeakAsTextAndJson) {
   EXPECT_EQ(tp.exit_code, 0) << tp.output;
   EXPECT_NE(tp.output.find("4 rank(s) (tp 2 with sp)"), std::string::npos) << tp.output;
   EXPECT_NE(tp.output.find("layer inputs (kept by --recompute full)"), std::string::npos) << tp.output;
+  Outcome stages = run(std::string(TALLY_CLI) + " plan --model d4 --pp 2 --grad-accum 4 --pp-schedule gpipe");
+  EXPECT_EQ(stages.exit_code, 0) << stages.output;
+  EXPECT_NE(stages.output.find("rank 1 (pipeline stage 1)"), std::string::npos) << stages.output;
+  EXPECT_NE(stages.output.find("4 microbatch chunk(s) in flight"), std::string::npos) << stages.output;
   Outcome odd = run(std::string(TALLY_CLI) + " plan --model gpt2 --tp 5");
   EXPECT_EQ(odd.exit_code, 1);
   EXPECT_NE(odd.output.find("--tp 5 must divide the heads (12)"), std::string::npos) << odd.output;

@@ -171,17 +171,13 @@ void expect_matches_one_process(const Layout& l, bool llama, const std::string& 
   // The first loss is the same model on the same data: equal to rounding.
   EXPECT_NEAR(got.history[0].loss, want.history[0].loss, 1e-6 * std::abs(want.history[0].loss)) << what;
   expect_flat(got, what);
-  // The memory plan (train/plan.h) covers data and tensor parallel: there, every rank's
-  // measured peak is its planned one to the byte.
-  if (l.pp == 1) {
-    const train::StepMetrics& last = got.history.back();
-    EXPECT_GT(last.predicted_peak_bytes, 0) << what;
-    ASSERT_EQ(last.rank_peak_bytes.size(), static_cast<size_t>(world_size())) << what;
-    EXPECT_EQ(last.rank_peak_bytes[static_cast<size_t>(g_world->rank())], last.predicted_peak_bytes)
-        << what << ": rank " << g_world->rank() << "'s measured peak against its plan";
-  } else {
-    EXPECT_EQ(got.history.back().predicted_peak_bytes, 0) << what << ": no plan for this layout";
-  }
+  // The memory plan (train/plan.h): every rank's measured peak is its planned one to the
+  // byte, in every layout.
+  const train::StepMetrics& last = got.history.back();
+  EXPECT_GT(last.predicted_peak_bytes, 0) << what;
+  ASSERT_EQ(last.rank_peak_bytes.size(), static_cast<size_t>(world_size())) << what;
+  EXPECT_EQ(last.rank_peak_bytes[static_cast<size_t>(g_world->rank())], last.predicted_peak_bytes)
+      << what << ": rank " << g_world->rank() << "'s measured peak against its plan";
 }
 
 const std::vector<Layout>& layouts() {

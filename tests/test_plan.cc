@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dist/pipeline.h"
 #include "io/model_files.h"
 #include "support.h"
 #include "train/plan.h"
@@ -190,7 +191,7 @@ TEST(Plan, TensorParallelPlansARanksShardAndRefusesWhatItDoesNotModel) {
   EXPECT_NE(refused(odd).find("must divide the heads (12)"), std::string::npos);
   train::PlanInput uneven = in;
   uneven.world = 6;
-  EXPECT_NE(refused(uneven).find("--world 6 is not a multiple of --tp 4"), std::string::npos);
+  EXPECT_NE(refused(uneven).find("--world 6 is not a multiple of --tp 4 x --pp 1"), std::string::npos);
   train::PlanInput zero3 = in;
   zero3.zero = 3;
   EXPECT_NE(refused(zero3).find("--zero 3 with --tp"), std::string::npos);
@@ -201,6 +202,48 @@ TEST(Plan, TensorParallelPlansARanksShardAndRefusesWhatItDoesNotModel) {
   bf16_zero3.zero = 3;
   bf16_zero3.bf16 = true;
   EXPECT_NE(refused(bf16_zero3).find("--dtype bf16 with --zero 3"), std::string::npos);
+}
+
+// The pipeline: each stage's plan walks its schedule (the ledger agrees to the byte in
+// tests/test_parallel.cc, every layout). Here: the stages differ as their shards and
+// schedules say, parts add up, and what tally train refuses is refused.
+TEST(Plan, PipelineStagesFollowTheirShardsAndSchedules) {
+  train::PlanInput in;
+  in.model = nn::TransformerConfig::preset("d4");
+  in.batch_size = 2;
+  in.seq_len = 64;
+  in.grad_accum = 8;
+  in.world = 4;
+  in.pp = 4;
+  const train::MemoryPlan one_f_one_b = train::plan_memory(in);
+  ASSERT_EQ(one_f_one_b.ranks.size(), 4u);
+  for (const train::RankPlan& r : one_f_one_b.ranks) {
+    int64_t sum = 0;
+    for (const auto& [name, bytes] : r.parts) sum += bytes;
+    EXPECT_EQ(sum, r.predicted_peak_bytes) << "rank " << r.rank;
+    nn::ModelShard shard = dist::pipeline_shard(4, 4, r.rank, 1, 1, 0);
+    EXPECT_EQ(r.parts[0].second, 4 * nn::Transformer::layout_only(in.model, shard).num_parameters()) << "rank " << r.rank;
+  }
+  // 1F1B: stage s holds P - s microbatches at its peak; GPipe all 8 on every stage.
+  auto in_flight = [](const train::RankPlan& r) { return r.parts[3].first; };
+  EXPECT_EQ(in_flight(one_f_one_b.ranks[0]), "activations (4 microbatch chunk(s) in flight)");
+  EXPECT_EQ(in_flight(one_f_one_b.ranks[2]), "activations (2 microbatch chunk(s) in flight)");
+  train::PlanInput gpipe = in;
+  gpipe.pp_schedule = "gpipe";
+  const train::MemoryPlan all = train::plan_memory(gpipe);
+  EXPECT_EQ(in_flight(all.ranks[1]), "activations (8 microbatch chunk(s) in flight)");
+  EXPECT_GT(all.ranks[1].predicted_peak_bytes, one_f_one_b.ranks[1].predicted_peak_bytes);
+  auto refused = [&](train::PlanInput bad) { return test::message_of<Error>([&] { train::plan_memory(bad); }); };
+  train::PlanInput few = in;
+  few.grad_accum = 2;
+  EXPECT_NE(refused(few).find("needs at least 4 microbatches"), std::string::npos);
+  train::PlanInput zero2 = in;
+  zero2.world = 8;
+  zero2.zero = 2;
+  EXPECT_NE(refused(zero2).find("--zero 2 with --pp"), std::string::npos);
+  train::PlanInput uneven = in;
+  uneven.world = 6;
+  EXPECT_NE(refused(uneven).find("--world 6 is not a multiple of --tp 1 x --pp 4"), std::string::npos);
 }
 
 TEST(Plan, SaysWhenItsPeakMomentMayNotHold) {

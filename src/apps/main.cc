@@ -215,7 +215,9 @@ int run_sample(const SampleArgs& a) {
 struct PlanArgs {
   std::string model = "d6", model_file, init_from;
   int64_t batch_size = 4, seq_len = 64, grad_accum = 1;
-  int world = 0, dp = 0, tp = 1, zero = 0;
+  int world = 0, dp = 0, tp = 1, pp = 1, virtual_stages = 1, zero = 0;
+  int64_t pp_last_stage_layers = 0;
+  std::string pp_schedule = "1f1b";
   bool val = false, json = false, chunked_loss = false, sp = false;
   std::string dtype = "fp32", recompute = "none";
 };
@@ -226,20 +228,25 @@ int run_plan(const PlanArgs& a) {
   TALLY_CHECK(a.batch_size > 0 && a.seq_len > 0 && a.grad_accum > 0, "--batch-size, --seq-len and --grad-accum must be positive");
   TALLY_CHECK(a.seq_len <= in.model.max_seq_len, "--seq-len ", a.seq_len, " exceeds the model's maximum sequence length ",
               in.model.max_seq_len);
-  TALLY_CHECK(a.world >= 0 && a.dp >= 0 && a.tp >= 1, "--world and --dp must be >= 0 and --tp >= 1, got --world ",
-              a.world, " --dp ", a.dp, " --tp ", a.tp);
-  // --world 0: the ranks --dp x --tp make (one data-parallel rank without --dp).
-  const int64_t world = a.world > 0 ? a.world : checked_mul(std::max(a.dp, 1), a.tp, "--dp x --tp");
+  TALLY_CHECK(a.world >= 0 && a.dp >= 0 && a.tp >= 1 && a.pp >= 1, "--world and --dp must be >= 0, --tp and --pp >= 1, "
+              "got --world ", a.world, " --dp ", a.dp, " --tp ", a.tp, " --pp ", a.pp);
+  // --world 0: the ranks --dp x --tp x --pp make (one data-parallel rank without --dp).
+  const int64_t model_parallel = checked_mul(a.tp, a.pp, "--tp x --pp");
+  const int64_t world = a.world > 0 ? a.world : checked_mul(std::max(a.dp, 1), model_parallel, "--dp x --tp x --pp");
   TALLY_CHECK(world <= 1 << 20, "--world ", world, " is more ranks than the plan models (at most 2^20)");
-  TALLY_CHECK(world % a.tp == 0, "--world ", world, " is not a multiple of --tp ", a.tp);
-  TALLY_CHECK(a.dp == 0 || int64_t{a.dp} * a.tp == world, "--dp ", a.dp, " x --tp ", a.tp, " is not --world ", world,
-              ": the plan models data and tensor parallelism (not the pipeline), so --world = --dp x --tp");
+  TALLY_CHECK(world % model_parallel == 0, "--world ", world, " is not a multiple of --tp ", a.tp, " x --pp ", a.pp);
+  TALLY_CHECK(a.dp == 0 || a.dp * model_parallel == world, "--dp ", a.dp, " x --tp ", a.tp, " x --pp ", a.pp,
+              " is not --world ", world);
   in.batch_size = a.batch_size;
   in.seq_len = a.seq_len;
   in.grad_accum = a.grad_accum;
   in.world = static_cast<int>(world);
   in.tp = a.tp;
   in.sequence_parallel = a.sp;
+  in.pp = a.pp;
+  in.pp_schedule = a.pp_schedule;
+  in.virtual_stages = a.virtual_stages;
+  in.pp_last_stage_layers = a.pp_last_stage_layers;
   in.zero = a.zero;
   in.val_loader = a.val;
   in.bf16 = a.dtype == "bf16";
@@ -465,11 +472,18 @@ int main(int argc, char** argv) {
   q->add_option("--batch-size", pl.batch_size, "Sequences per microbatch (B)")->capture_default_str();
   q->add_option("--seq-len", pl.seq_len, "Tokens per sequence (T)")->capture_default_str();
   q->add_option("--grad-accum", pl.grad_accum, "Microbatches per step")->capture_default_str();
-  q->add_option("--world", pl.world, "Ranks the job would run on (mpirun -np; 0 = --dp x --tp)")->capture_default_str();
-  q->add_option("--dp", pl.dp, "Data-parallel ranks (0 = --world / --tp)")->capture_default_str();
+  q->add_option("--world", pl.world, "Ranks the job would run on (mpirun -np; 0 = --dp x --tp x --pp)")->capture_default_str();
+  q->add_option("--dp", pl.dp, "Data-parallel ranks (0 = --world / (--tp x --pp))")->capture_default_str();
   q->add_option("--tp", pl.tp, "Tensor-parallel ranks (Megatron's split of heads, MLP width and vocabulary)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   q->add_flag("--sp", pl.sp, "Sequence parallel over the --tp group");
+  q->add_option("--pp", pl.pp, "Pipeline stages")->check(CLI::PositiveNumber)->capture_default_str();
+  q->add_option("--pp-schedule", pl.pp_schedule, "Pipeline schedule: gpipe, 1f1b or interleaved")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}))->capture_default_str();
+  q->add_option("--virtual-stages", pl.virtual_stages, "Model chunks per pipeline rank (interleaved)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  q->add_option("--pp-last-stage-layers", pl.pp_last_stage_layers, "Layers of the last pipeline stage (0: even split)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
   q->add_option("--zero", pl.zero, "ZeRO stage 0-3")->capture_default_str();
   q->add_flag("--val", pl.val, "The run validates (--val-data): count its loader's buffers");
   q->add_option("--dtype", pl.dtype, "GEMM precision of the run: fp32 or bf16 (mixed precision)")

@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <initializer_list>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
 #include "core/checked.h"
+#include "dist/pipeline.h"
 #include "memory/report.h"
 
 namespace tally::train {
@@ -53,7 +55,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
   c.validate();
   TALLY_CHECK(in.zero >= 0 && in.zero <= 3, "plan: --zero must be 0, 1, 2 or 3, got ", in.zero);
   TALLY_CHECK(in.world >= 1, "plan: --world must be at least 1, got ", in.world);
-  TALLY_CHECK(in.tp >= 1 && in.world % in.tp == 0, "plan: --world ", in.world, " is not a multiple of --tp ", in.tp);
+  TALLY_CHECK(in.tp >= 1 && in.pp >= 1 && in.world % (in.tp * in.pp) == 0, "plan: --world ", in.world,
+              " is not a multiple of --tp ", in.tp, " x --pp ", in.pp);
   TALLY_CHECK(!in.sequence_parallel || in.tp > 1, "plan: --sp needs --tp 2 or more");
   const int64_t TP = in.tp;
   TALLY_CHECK(c.n_head % TP == 0 && c.n_kv_head % TP == 0 && c.ffn_dim() % TP == 0 && c.padded_vocab_size % TP == 0,
@@ -65,7 +68,14 @@ MemoryPlan plan_memory(const PlanInput& in) {
               "parameter block, which ZeRO-3 does not keep; use --zero 2 or lower (as tally train says)");
   TALLY_CHECK(!(TP > 1 && in.loss_chunk_rows > 0), "plan: --chunked-loss does not run with --tp");
   // D: the data-parallel ranks, over which ZeRO shards and the loss is averaged.
-  const int64_t D = in.world / TP, B = in.batch_size, T = in.seq_len, C = c.n_embd, H = c.n_head, L = c.n_layer;
+  const int64_t PP = in.pp;
+  const dist::PipelineSchedule schedule = dist::parse_pipeline_schedule(in.pp_schedule);
+  if (PP > 1) {
+    TALLY_CHECK(in.zero <= 1, "plan: --zero ", in.zero, " with --pp: use --zero 1 (as tally train says)");
+    dist::check_pipeline(schedule, static_cast<int>(PP), in.virtual_stages, in.grad_accum, c.n_layer,
+                         in.pp_last_stage_layers);
+  }
+  const int64_t D = in.world / (TP * PP), B = in.batch_size, T = in.seq_len, C = c.n_embd, H = c.n_head, L = c.n_layer;
   const int64_t Vp = c.padded_vocab_size;
   const int64_t BT = checked_mul(B, T, "plan: --batch-size x --seq-len");
   TALLY_CHECK(!in.sequence_parallel || T % TP == 0, "plan: --seq-len ", T, " must divide by --tp ", TP, " with --sp");
@@ -191,6 +201,15 @@ MemoryPlan plan_memory(const PlanInput& in) {
     return checked_product({rows, columns, per_element}, "plan");
   };
   const int64_t mlp_width = c.is_llama() ? c.ffn_dim() / TP : 4 * C / TP;
+  // GPT-2's output-projection bias gradient (C floats): in one process the projection sums
+  // it itself, beside its input's gradient. Tensor parallel, the bias is added after the
+  // all-reduce and its gradient summed by the add's backward, then handed to the bias's
+  // accumulator, which the engine runs in sequence order: a fresh one (made by this
+  // microbatch's forward) right away, one an earlier microbatch's graph still holds (a
+  // pipeline stage with microbatches in flight) only after the rest of the layer, so
+  // there the sum stays live (C floats more; not under full recomputation, whose
+  // recomputed graph makes its own).
+  const int64_t tp_bias_gradient = TP > 1 && !c.is_llama() && !full ? C * kFloat : 0;
   const int64_t activation_backward =
       sum({bytes_of(BT, mlp_width, kFloat - proj_bytes), bytes_of(BT, (c.is_llama() ? 2 : 1) * mlp_width, kFloat)});
   const int64_t projection_backward = sum({in.sequence_parallel ? bytes_of(BT, C, kFloat) : 0, bytes_of(BT, mlp_width, kFloat),
@@ -230,6 +249,147 @@ MemoryPlan plan_memory(const PlanInput& in) {
   const int64_t transient = TP > 1      ? sum({bytes_of(BT, Vp / TP, kFloat), kFloat, 8})
                             : chunk > 0 ? sum({bytes_of(BT, C, kFloat), bytes_of(chunk, Vp, bf16 ? kFloat + 2 : kFloat), kFloat})
                                         : sum({bytes_of(BT, C, kFloat) - BT * kFloat, bf16 ? bytes_of(BT, Vp, 2) : 0});
+
+  // The pipeline: every stage walks its schedule's actions (dist::pipeline_actions) and
+  // the plan follows what is live at each: the model states of its shard; every
+  // microbatch in flight on it (forward run, backward not yet): its chunk's saved
+  // activations, on the embedding's chunk its tokens (B*T int32, its own copy), on other
+  // chunks but the head's the output kept for the gradient that comes back (B*T'*C), on the
+  // head's the loss; the receive posted for the next action (B*T'*C, an activation or a
+  // gradient); in a backward the gradient received for it; the gradient sent back by the
+  // previous backward, kept until the next one ends; and the action's own transient: in a
+  // forward the tokens and targets the loader copied for it and the last layer's MLP
+  // output projection, in a backward the moments above (the head's, the MLP's). The
+  // peak is the largest over the actions, and over the step's end: the tied embedding's
+  // gradient exchanged between the first and last stage in 1M-element pieces, and
+  // ZeRO-1's all-gather.
+  if (PP > 1) {
+    const int64_t boundary = bytes_of(sp_rows, C, kFloat);  // an activation or gradient between stages
+    const int64_t tokens = bytes_of(BT, 1, 4);                 // a microbatch's int32 token copy
+    for (int r = 0; r < in.world; ++r) {
+      const int stage = static_cast<int>(r / (D * TP));
+      const nn::ModelShard shard = dist::pipeline_shard(c.n_layer, static_cast<int>(PP), stage, in.virtual_stages,
+                                                        static_cast<int>(TP), 0, in.pp_last_stage_layers);
+      const nn::Transformer layout = nn::Transformer::layout_only(c, shard);
+      int64_t Ps = 0, largest_piece = 0, stage_pieces = 0;
+      for (size_t u = 0; u < layout.params().num_units(); ++u) {
+        const int64_t n = layout.params().unit(u).numel();
+        Ps = checked_add(Ps, n, "plan: parameters");
+        stage_pieces += (n + D - 1) / D;
+        largest_piece = std::max(largest_piece, (n + D - 1) / D);
+      }
+      RankPlan rp;
+      rp.rank = r;
+      std::vector<std::pair<std::string, int64_t>> states = {
+          {"parameters (this stage's)", Ps * kFloat},
+          {"gradients", Ps * kFloat},
+          {in.zero == 1 ? "optimizer state (AdamW m, v: this rank's pieces)" : "optimizer state (AdamW m, v)",
+           in.zero == 1 ? 2 * stage_pieces * kFloat : 2 * Ps * kFloat},
+          {"loader buffers", loader}};
+      if (bf16) states.emplace_back(kBf16CopyPart, 2 * Ps);
+      if (c.is_llama()) states.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
+      int64_t fixed = 0;
+      for (const auto& [name, b] : states) fixed = checked_add(fixed, b, "plan");
+
+      // One microbatch's saved bytes on chunk k.
+      auto chunk_bytes = [&](const nn::ModelShard::Chunk& ch) {
+        const int64_t n = ch.end_layer - ch.first_layer;
+        return sum({full ? bytes_of(sp_rows, n * C, kFloat) : checked_mul(n, layer_bytes, "plan"),
+                    ch.embed ? tokens : 0, ch.head ? sum({head_activations, kFloat, tokens}) : boundary});
+      };
+      auto receives = [&](const dist::PipelineAction& a) {
+        const nn::ModelShard::Chunk& ch = shard.chunks[static_cast<size_t>(a.chunk)];
+        return a.forward ? !ch.embed : !ch.head;
+      };
+      const std::vector<dist::PipelineAction> actions =
+          dist::pipeline_actions(schedule, static_cast<int>(PP), stage, in.grad_accum, in.virtual_stages);
+      std::map<std::pair<int64_t, int>, int64_t> in_flight;  // (microbatch, chunk) -> saved bytes
+      // Whether another microbatch of the same chunk was in flight when this one's forward
+      // ran: then its parameters' accumulators are older than its graph.
+      std::map<std::pair<int64_t, int>, bool> older_graph;
+      int64_t held = 0, gradient_send = 0, best = 0;
+      std::vector<std::pair<std::string, int64_t>> best_parts;
+      // A moment: what is in flight less what this action has freed by then, the
+      // pipeline's buffers, and the action's transient.
+      auto consider = [&](int64_t buffers, int64_t freed, int64_t transient_bytes, const std::string& moment) {
+        const int64_t at = sum({fixed, held - freed, buffers, transient_bytes});
+        if (at <= best) return;
+        best = at;
+        best_parts = {{"activations (" + std::to_string(in_flight.size()) + " microbatch chunk(s) in flight)", held - freed},
+                      {"pipeline buffers (receives posted, the gradient sent back)", buffers},
+                      {"transient at the peak (" + moment + ")", transient_bytes}};
+      };
+      for (size_t i = 0; i < actions.size(); ++i) {
+        const dist::PipelineAction& a = actions[i];
+        const nn::ModelShard::Chunk& ch = shard.chunks[static_cast<size_t>(a.chunk)];
+        const int64_t n = ch.end_layer - ch.first_layer;
+        const int64_t next = i + 1 < actions.size() && receives(actions[i + 1]) ? boundary : 0;
+        if (a.forward) {
+          // The last layer's MLP output projection, the chunk's layers saved so far; the
+          // loader's copies (the embedding's tokens stay, counted with the layers).
+          if (n > 0 && !full)
+            consider(sum({next, gradient_send}), 0,
+                     sum({checked_mul(n, layer_bytes, "plan"), ch.embed ? tokens : 0, ch.embed ? tokens : 2 * tokens,
+                          mlp_forward}),
+                     "a forward: the last layer's MLP output projection");
+          const int64_t saved = chunk_bytes(ch);
+          bool older = false;
+          for (const auto& [key, b] : in_flight) older = older || key.second == a.chunk;
+          older_graph[{a.microbatch, a.chunk}] = older;
+          in_flight[{a.microbatch, a.chunk}] = saved;
+          held = checked_add(held, saved, "plan");
+          continue;
+        }
+        const int64_t received = ch.head ? 0 : boundary;
+        const int64_t buffers = sum({next, gradient_send, received});
+        // The head's saved tensors, its loss and the targets its loss saved (the
+        // microbatch's own copy; one process reads the loader's).
+        const int64_t this_head = ch.head ? sum({head_activations, kFloat, tokens}) : 0;
+        if (ch.head) {
+          // The plain loss's backward has freed its targets with its log-sum-exp; the
+          // vocabulary-parallel and the chunked loss free them after it.
+          consider(buffers, TP > 1 || chunk > 0 ? 0 : tokens, transient, "the head's backward");
+          if (TP > 1) {
+            consider(buffers, logits_bytes + loss_lse_bytes + tokens, head_backward, "the head's projection backward");
+            consider(buffers, logits_bytes + loss_lse_bytes + tokens + final_norm_output, head_input_sum,
+                     "the head input's gradient summed over the tensor-parallel ranks");
+          }
+        }
+        if (n > 0) {
+          // The residual's gradient is the received one on chunks without the head.
+          const int64_t x = bytes_of(sp_rows, C, kFloat);
+          const int64_t residual = ch.head ? 0 : x;
+          // The head's saved tensors are freed by then, but for its loss scalar.
+          const int64_t head_freed = ch.head ? this_head - kFloat : 0;
+          const int64_t waiting = older_graph[{a.microbatch, a.chunk}] ? tp_bias_gradient : 0;
+          consider(buffers, head_freed, sum({mlp_backward, full ? layer_bytes : 0, waiting}) - residual,
+                   "a backward: the last layer's MLP");
+          // Full recomputation: the last layer's saved set made again (its input is among
+          // the inputs held), the output projection's sum, the residual's gradient.
+          if (full)
+            consider(buffers, head_freed, sum({layer_bytes, mlp_forward}) - x + (ch.head ? x : 0),
+                     "a backward: the recomputed last layer's MLP output projection");
+        }
+        const auto it = in_flight.find({a.microbatch, a.chunk});
+        TALLY_CHECK(it != in_flight.end(), "internal: plan: a backward before its forward");
+        held -= it->second;
+        in_flight.erase(it);
+        if (!ch.embed) gradient_send = boundary;
+      }
+      // The step's end: the tied embedding's gradient exchange, ZeRO-1's all-gather.
+      if (c.tie_embeddings && (shard.chunks.front().embed || shard.chunks.back().head)) {
+        const int64_t wte = checked_mul(Vp / TP, C, "plan");
+        consider(0, 0, std::min<int64_t>(wte, int64_t{1} << 20) * kFloat, "the tied embedding's gradient exchange");
+      }
+      if (in.zero == 1)
+        consider(0, 0, (1 + D) * largest_piece * kFloat, "the optimizer step's all-gather of the largest unit");
+      rp.parts = states;
+      rp.parts.insert(rp.parts.begin() + 3, best_parts.begin(), best_parts.end());
+      rp.predicted_peak_bytes = best;
+      plan.ranks.push_back(rp);
+    }
+    return plan;
+  }
   const int64_t shard = piece_total * kFloat;  // one fp32 value per element of this rank's pieces
   for (int r = 0; r < in.world; ++r) {
     RankPlan rp;
@@ -359,6 +519,9 @@ std::string plan_text(const MemoryPlan& plan, const PlanInput& in) {
                     std::to_string(in.seq_len) + ", grad-accum " + std::to_string(in.grad_accum) + ", " +
                     std::to_string(in.world) + " rank(s)" +
                     (in.tp > 1 ? " (tp " + std::to_string(in.tp) + (in.sequence_parallel ? " with sp" : "") + ")" : "") +
+                    (in.pp > 1 ? " (pp " + std::to_string(in.pp) + " " + in.pp_schedule +
+                                     (in.virtual_stages > 1 ? " x" + std::to_string(in.virtual_stages) : "") + ")"
+                               : "") +
                     ", zero " + std::to_string(in.zero) +
                     (in.bf16 ? ", bf16 mixed precision" : "") +
                     (in.loss_chunk_rows > 0 ? ", chunked loss (" + std::to_string(in.loss_chunk_rows) + " rows)" : "") +
@@ -366,15 +529,22 @@ std::string plan_text(const MemoryPlan& plan, const PlanInput& in) {
                      : in.recompute == nn::Recompute::Full    ? ", full recomputation"
                                                               : "") +
                     "\n";
-  // Ranks are symmetric today; print each distinct one once.
-  for (const RankPlan& r : plan.ranks) {
-    if (r.rank > 0 && r.parts == plan.ranks[0].parts) continue;
-    out += "rank " + std::to_string(r.rank) + (plan.ranks.size() > 1 ? " (and every rank like it)" : "") +
+  // Each distinct rank once (ranks differ by pipeline stage).
+  const int ranks_per_stage = std::max(1, in.world / std::max(1, in.pp));
+  for (size_t i = 0; i < plan.ranks.size(); ++i) {
+    const RankPlan& r = plan.ranks[i];
+    bool printed = false;
+    for (size_t j = 0; j < i; ++j) printed = printed || plan.ranks[j].parts == r.parts;
+    if (printed) continue;
+    out += "rank " + std::to_string(r.rank) +
+           (in.pp > 1 ? " (pipeline stage " + std::to_string(r.rank / ranks_per_stage) + ")" : "") +
+           (plan.ranks.size() > 1 ? " and every rank like it" : "") +
            ": predicted peak " + memory::format_bytes(r.predicted_peak_bytes) + "\n";
     for (const auto& [name, bytes] : r.parts) out += "  " + memory::format_bytes(bytes) + "  " + name + "\n";
   }
   for (const std::string& note : plan.notes) out += "note: " + note + "\n";
-  out += "activations of one microbatch, by kind:\n";
+  out += in.pp > 1 ? "activations of one microbatch, by kind (the whole model; each stage holds its layers' share):\n"
+                   : "activations of one microbatch, by kind:\n";
   for (const auto& [kind, bytes] : plan.activations_by_kind) out += "  " + memory::format_bytes(bytes) + "  " + kind + "\n";
   return out;
 }
@@ -386,7 +556,7 @@ std::string memory_kind(const std::string& part) {
   if (starts("optimizer")) return "optimizer state";
   if (starts("activations") || starts("transient") || starts("loss")) return "activations";
   if (starts("loader")) return "data";
-  if (starts("gathered") || starts("all-gather")) return "communication";
+  if (starts("gathered") || starts("all-gather") || starts("pipeline")) return "communication";
   return "other";
 }
 

@@ -63,7 +63,9 @@
 // transient: the logits' gradient, B*T*Vp/tp floats, the loss's incoming gradient and its
 // value as a double). plan.cc lists the other moments, which a small vocabulary or a wide
 // MLP makes the peak; the plan takes the largest.
-// Not planned: the pipeline (--pp).
+// The pipeline (--pp): each stage walks its schedule's actions and follows what is live at
+// each (the microbatches in flight, the posted receives and the gradient sent back, the
+// action's transient); plan.cc and docs/memory-plan.md say what each holds.
 //
 // ZeRO-2 and -3 shard gradients (and, in stage 3, parameters) and add, at the start of
 // backward, the gradient staging of the head's units (final norm and the tied embedding,
@@ -96,6 +98,12 @@ struct PlanInput {
   bool bf16 = false;  // --dtype bf16: mixed precision (see below)
   int64_t loss_chunk_rows = 0;  // --chunked-loss: rows per chunk of the fused head and loss (0: off)
   nn::Recompute recompute = nn::Recompute::None;  // --recompute (see below)
+  // The pipeline (--pp, --pp-schedule, --virtual-stages, --pp-last-stage-layers); world =
+  // dp x tp x pp.
+  int pp = 1;
+  std::string pp_schedule = "1f1b";
+  int virtual_stages = 1;
+  int64_t pp_last_stage_layers = 0;
 };
 
 struct RankPlan {

@@ -475,16 +475,19 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // The plan: every rank's peak from the configuration alone, printed beside the measured one.
   int64_t planned_peak = 0;
   memory::PlanParts plan_parts;  // this rank's, for --mem-trace
-  // Planned: data and tensor parallel, not the pipeline (plan.h).
-  if (PP == 1) {
+  {
     PlanInput pi;
     pi.model = mc;
     pi.batch_size = B;
     pi.seq_len = T;
     pi.grad_accum = N;
-    pi.world = static_cast<int>(D * TP);
+    pi.world = static_cast<int>(D * TP * PP);
     pi.tp = static_cast<int>(TP);
     pi.sequence_parallel = c.sequence_parallel;
+    pi.pp = PP;
+    pi.pp_schedule = c.pp_schedule;
+    pi.virtual_stages = c.virtual_stages;
+    pi.pp_last_stage_layers = c.pp_last_stage_layers;
     pi.zero = c.zero;
     pi.val_loader = val_loader != nullptr;
     pi.bf16 = matmul_dtype == DType::BF16;
