@@ -529,17 +529,44 @@ std::string plan_text(const MemoryPlan& plan, const PlanInput& in) {
                      : in.recompute == nn::Recompute::Full    ? ", full recomputation"
                                                               : "") +
                     "\n";
-  // Each distinct rank once (ranks differ by pipeline stage).
+  // Each distinct rank plan once, with the ranks (and pipeline stages) that share it, as
+  // ranges: "ranks 0-3 (pipeline stage 0)".
   const int ranks_per_stage = std::max(1, in.world / std::max(1, in.pp));
+  auto ranges = [](const std::vector<int>& ids) {
+    std::string text;
+    for (size_t i = 0; i < ids.size();) {
+      size_t j = i;
+      while (j + 1 < ids.size() && ids[j + 1] == ids[j] + 1) ++j;
+      if (!text.empty()) text += ", ";
+      text += std::to_string(ids[i]);
+      if (j > i) {
+        text += '-';
+        text += std::to_string(ids[j]);
+      }
+      i = j + 1;
+    }
+    return text;
+  };
+  std::vector<bool> done(plan.ranks.size(), false);
   for (size_t i = 0; i < plan.ranks.size(); ++i) {
+    if (done[i]) continue;
+    std::vector<int> ranks, stages;
+    for (size_t j = i; j < plan.ranks.size(); ++j)
+      if (!done[j] && plan.ranks[j].parts == plan.ranks[i].parts) {
+        done[j] = true;
+        ranks.push_back(plan.ranks[j].rank);
+        const int stage = plan.ranks[j].rank / ranks_per_stage;
+        if (stages.empty() || stages.back() != stage) stages.push_back(stage);
+      }
     const RankPlan& r = plan.ranks[i];
-    bool printed = false;
-    for (size_t j = 0; j < i; ++j) printed = printed || plan.ranks[j].parts == r.parts;
-    if (printed) continue;
-    out += "rank " + std::to_string(r.rank) +
-           (in.pp > 1 ? " (pipeline stage " + std::to_string(r.rank / ranks_per_stage) + ")" : "") +
-           (plan.ranks.size() > 1 ? " and every rank like it" : "") +
-           ": predicted peak " + memory::format_bytes(r.predicted_peak_bytes) + "\n";
+    out += ranks.size() > 1 ? "ranks " : "rank ";
+    out += ranges(ranks);
+    if (in.pp > 1) {
+      out += stages.size() > 1 ? " (pipeline stages " : " (pipeline stage ";
+      out += ranges(stages);
+      out += ')';
+    }
+    out += ": predicted peak " + memory::format_bytes(r.predicted_peak_bytes) + "\n";
     for (const auto& [name, bytes] : r.parts) out += "  " + memory::format_bytes(bytes) + "  " + name + "\n";
   }
   for (const std::string& note : plan.notes) out += "note: " + note + "\n";
