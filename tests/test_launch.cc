@@ -349,6 +349,12 @@ TEST(Launch, PlanPrintsEveryRanksPeakAsTextAndJson) {
   EXPECT_EQ(stages.exit_code, 0) << stages.output;
   EXPECT_NE(stages.output.find("rank 1 (pipeline stage 1)"), std::string::npos) << stages.output;
   EXPECT_NE(stages.output.find("4 microbatch chunk(s) in flight"), std::string::npos) << stages.output;
+  // Pipeline flags without the pipeline they need are refused as tally train refuses them.
+  for (const std::string& flags : {std::string("--virtual-stages 2"), std::string("--pp-last-stage-layers 3")}) {
+    Outcome o = run(std::string(TALLY_CLI) + " plan --model d4 " + flags);
+    EXPECT_EQ(o.exit_code, 1) << flags;
+    EXPECT_NE(o.output.find(flags.substr(0, flags.find(' '))), std::string::npos) << o.output;
+  }
   Outcome odd = run(std::string(TALLY_CLI) + " plan --model gpt2 --tp 5");
   EXPECT_EQ(odd.exit_code, 1);
   EXPECT_NE(odd.output.find("--tp 5 must divide the heads (12)"), std::string::npos) << odd.output;

@@ -55,7 +55,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
   c.validate();
   TALLY_CHECK(in.zero >= 0 && in.zero <= 3, "plan: --zero must be 0, 1, 2 or 3, got ", in.zero);
   TALLY_CHECK(in.world >= 1, "plan: --world must be at least 1, got ", in.world);
-  TALLY_CHECK(in.tp >= 1 && in.pp >= 1 && in.world % (in.tp * in.pp) == 0, "plan: --world ", in.world,
+  TALLY_CHECK(in.tp >= 1 && in.pp >= 1 && in.world % checked_mul(in.tp, in.pp, "plan: --tp x --pp") == 0, "plan: --world ", in.world,
               " is not a multiple of --tp ", in.tp, " x --pp ", in.pp);
   TALLY_CHECK(!in.sequence_parallel || in.tp > 1, "plan: --sp needs --tp 2 or more");
   const int64_t TP = in.tp;
@@ -70,11 +70,10 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // D: the data-parallel ranks, over which ZeRO shards and the loss is averaged.
   const int64_t PP = in.pp;
   const dist::PipelineSchedule schedule = dist::parse_pipeline_schedule(in.pp_schedule);
-  if (PP > 1) {
-    TALLY_CHECK(in.zero <= 1, "plan: --zero ", in.zero, " with --pp: use --zero 1 (as tally train says)");
-    dist::check_pipeline(schedule, static_cast<int>(PP), in.virtual_stages, in.grad_accum, c.n_layer,
-                         in.pp_last_stage_layers);
-  }
+  // As tally train checks them (a flag that needs --pp > 1 without it, too).
+  dist::check_pipeline(schedule, static_cast<int>(PP), in.virtual_stages, in.grad_accum, c.n_layer,
+                       in.pp_last_stage_layers);
+  TALLY_CHECK(PP == 1 || in.zero <= 1, "plan: --zero ", in.zero, " with --pp: use --zero 1 (as tally train says)");
   const int64_t D = in.world / (TP * PP), B = in.batch_size, T = in.seq_len, C = c.n_embd, H = c.n_head, L = c.n_layer;
   const int64_t Vp = c.padded_vocab_size;
   const int64_t BT = checked_mul(B, T, "plan: --batch-size x --seq-len");
@@ -206,7 +205,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // all-reduce and its gradient summed by the add's backward, then handed to the bias's
   // accumulator, which the engine runs in sequence order: a fresh one (made by this
   // microbatch's forward) right away, one an earlier microbatch's graph still holds (a
-  // pipeline stage with microbatches in flight) only after the rest of the layer, so
+  // pipeline stage with microbatches in flight) only after the rest of the chunk, so
   // there the sum stays live (C floats more; not under full recomputation, whose
   // recomputed graph makes its own).
   const int64_t tp_bias_gradient = TP > 1 && !c.is_llama() && !full ? C * kFloat : 0;
@@ -255,19 +254,19 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // microbatch in flight on it (forward run, backward not yet): its chunk's saved
   // activations, on the embedding's chunk its tokens (B*T int32, its own copy), on other
   // chunks but the head's the output kept for the gradient that comes back (B*T'*C), on the
-  // head's the loss; the receive posted for the next action (B*T'*C, an activation or a
-  // gradient); in a backward the gradient received for it; the gradient sent back by the
-  // previous backward, kept until the next one ends; and the action's own transient: in a
-  // forward the tokens and targets the loader copied for it and the last layer's MLP
-  // output projection, in a backward the moments above (the head's, the MLP's). The
-  // peak is the largest over the actions, and over the step's end: the tied embedding's
-  // gradient exchanged between the first and last stage in 1M-element pieces, and
-  // ZeRO-1's all-gather.
+  // head's the loss and the targets its loss saved; the receive posted for the next action
+  // (B*T'*C, an activation or a gradient); in a backward the gradient received for it; the
+  // last gradient sent back (once a stage has sent one it holds one: each send replaces the
+  // previous); and the action's own transient: in a forward the tokens and targets the
+  // loader copied for it and the last layer's MLP output projection, in a backward the
+  // moments above (the head's, the MLP's). The peak is the largest over the actions, and
+  // over the step's end: the tied embedding's gradient exchanged between the first and last
+  // stage in 1M-element pieces, and ZeRO-1's all-gather. The D x tp ranks of a stage
+  // share its plan.
   if (PP > 1) {
     const int64_t boundary = bytes_of(sp_rows, C, kFloat);  // an activation or gradient between stages
     const int64_t tokens = bytes_of(BT, 1, 4);                 // a microbatch's int32 token copy
-    for (int r = 0; r < in.world; ++r) {
-      const int stage = static_cast<int>(r / (D * TP));
+    auto stage_plan = [&](int stage) {
       const nn::ModelShard shard = dist::pipeline_shard(c.n_layer, static_cast<int>(PP), stage, in.virtual_stages,
                                                         static_cast<int>(TP), 0, in.pp_last_stage_layers);
       const nn::Transformer layout = nn::Transformer::layout_only(c, shard);
@@ -278,15 +277,13 @@ MemoryPlan plan_memory(const PlanInput& in) {
         stage_pieces += (n + D - 1) / D;
         largest_piece = std::max(largest_piece, (n + D - 1) / D);
       }
-      RankPlan rp;
-      rp.rank = r;
       std::vector<std::pair<std::string, int64_t>> states = {
-          {"parameters (this stage's)", Ps * kFloat},
-          {"gradients", Ps * kFloat},
+          {"parameters (this stage's)", bytes_of(Ps, 1, kFloat)},
+          {"gradients", bytes_of(Ps, 1, kFloat)},
           {in.zero == 1 ? "optimizer state (AdamW m, v: this rank's pieces)" : "optimizer state (AdamW m, v)",
-           in.zero == 1 ? 2 * stage_pieces * kFloat : 2 * Ps * kFloat},
+           bytes_of(in.zero == 1 ? stage_pieces : Ps, 2, kFloat)},
           {"loader buffers", loader}};
-      if (bf16) states.emplace_back(kBf16CopyPart, 2 * Ps);
+      if (bf16) states.emplace_back(kBf16CopyPart, bytes_of(Ps, 1, 2));
       if (c.is_llama()) states.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
       int64_t fixed = 0;
       for (const auto& [name, b] : states) fixed = checked_add(fixed, b, "plan");
@@ -309,28 +306,39 @@ MemoryPlan plan_memory(const PlanInput& in) {
       std::map<std::pair<int64_t, int>, bool> older_graph;
       int64_t held = 0, gradient_send = 0, best = 0;
       std::vector<std::pair<std::string, int64_t>> best_parts;
-      // A moment: what is in flight less what this action has freed by then, the
-      // pipeline's buffers, and the action's transient.
-      auto consider = [&](int64_t buffers, int64_t freed, int64_t transient_bytes, const std::string& moment) {
-        const int64_t at = sum({fixed, held - freed, buffers, transient_bytes});
+      // A moment: what is in flight less what this action has freed by then, the receive
+      // posted for the next action (an activation, or a gradient), the gradients received
+      // and sent, and the action's transient.
+      struct Buffers {
+        int64_t activation = 0, gradients = 0;
+      };
+      auto consider = [&](Buffers buffers, int64_t freed, int64_t transient_bytes, const std::string& moment,
+                          bool communication = false) {
+        const int64_t at = sum({fixed, held - freed, buffers.activation, buffers.gradients, transient_bytes});
         if (at <= best) return;
         best = at;
-        best_parts = {{"activations (" + std::to_string(in_flight.size()) + " microbatch chunk(s) in flight)", held - freed},
-                      {"pipeline buffers (receives posted, the gradient sent back)", buffers},
-                      {"transient at the peak (" + moment + ")", transient_bytes}};
+        best_parts.clear();
+        if (held - freed > 0)
+          best_parts.emplace_back("activations (" + std::to_string(in_flight.size()) + " microbatch chunk(s) in flight)",
+                                  held - freed);
+        if (buffers.activation > 0) best_parts.emplace_back("activations (the receive posted for the next forward)", buffers.activation);
+        if (buffers.gradients > 0)
+          best_parts.emplace_back("pipeline gradient buffers (received, posted, sent back)", buffers.gradients);
+        best_parts.emplace_back((communication ? "communication at the peak (" : "transient at the peak (") + moment + ")",
+                                transient_bytes);
       };
       for (size_t i = 0; i < actions.size(); ++i) {
         const dist::PipelineAction& a = actions[i];
         const nn::ModelShard::Chunk& ch = shard.chunks[static_cast<size_t>(a.chunk)];
         const int64_t n = ch.end_layer - ch.first_layer;
-        const int64_t next = i + 1 < actions.size() && receives(actions[i + 1]) ? boundary : 0;
+        Buffers buffers{0, gradient_send};
+        if (i + 1 < actions.size() && receives(actions[i + 1]))
+          (actions[i + 1].forward ? buffers.activation : buffers.gradients) += boundary;
         if (a.forward) {
-          // The last layer's MLP output projection, the chunk's layers saved so far; the
-          // loader's copies (the embedding's tokens stay, counted with the layers).
-          if (n > 0 && !full)
-            consider(sum({next, gradient_send}), 0,
-                     sum({checked_mul(n, layer_bytes, "plan"), ch.embed ? tokens : 0, ch.embed ? tokens : 2 * tokens,
-                          mlp_forward}),
+          // The last layer's MLP output projection, the chunk's layers saved so far, and the
+          // loader's two copies (the embedding's chunk saves its tokens, counted here).
+          if (!full)
+            consider(buffers, 0, sum({checked_mul(n, layer_bytes, "plan"), 2 * tokens, mlp_forward}),
                      "a forward: the last layer's MLP output projection");
           const int64_t saved = chunk_bytes(ch);
           bool older = false;
@@ -340,8 +348,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
           held = checked_add(held, saved, "plan");
           continue;
         }
-        const int64_t received = ch.head ? 0 : boundary;
-        const int64_t buffers = sum({next, gradient_send, received});
+        if (!ch.head) buffers.gradients += boundary;  // the gradient received for this backward
         // The head's saved tensors, its loss and the targets its loss saved (the
         // microbatch's own copy; one process reads the loader's).
         const int64_t this_head = ch.head ? sum({head_activations, kFloat, tokens}) : 0;
@@ -355,38 +362,48 @@ MemoryPlan plan_memory(const PlanInput& in) {
                      "the head input's gradient summed over the tensor-parallel ranks");
           }
         }
-        if (n > 0) {
-          // The residual's gradient is the received one on chunks without the head.
-          const int64_t x = bytes_of(sp_rows, C, kFloat);
-          const int64_t residual = ch.head ? 0 : x;
-          // The head's saved tensors are freed by then, but for its loss scalar.
-          const int64_t head_freed = ch.head ? this_head - kFloat : 0;
-          const int64_t waiting = older_graph[{a.microbatch, a.chunk}] ? tp_bias_gradient : 0;
-          consider(buffers, head_freed, sum({mlp_backward, full ? layer_bytes : 0, waiting}) - residual,
-                   "a backward: the last layer's MLP");
-          // Full recomputation: the last layer's saved set made again (its input is among
-          // the inputs held), the output projection's sum, the residual's gradient.
-          if (full)
-            consider(buffers, head_freed, sum({layer_bytes, mlp_forward}) - x + (ch.head ? x : 0),
-                     "a backward: the recomputed last layer's MLP output projection");
-        }
+        // The last layer's MLP backward. The residual's gradient is the received one on
+        // chunks without the head; the head's saved tensors are freed by then, but for its
+        // loss scalar.
+        const int64_t x = bytes_of(sp_rows, C, kFloat);
+        const int64_t residual = ch.head ? 0 : x;
+        const int64_t head_freed = ch.head ? this_head - kFloat : 0;
+        const int64_t waiting = older_graph[{a.microbatch, a.chunk}] ? tp_bias_gradient : 0;
+        consider(buffers, head_freed, sum({mlp_backward, full ? layer_bytes : 0, waiting}) - residual,
+                 "a backward: the last layer's MLP");
+        // Full recomputation: the last layer's saved set made again (its input is among
+        // the inputs held), the output projection's sum, the residual's gradient.
+        if (full)
+          consider(buffers, head_freed, sum({layer_bytes, mlp_forward}) - x + (ch.head ? x : 0),
+                   "a backward: the recomputed last layer's MLP output projection");
         const auto it = in_flight.find({a.microbatch, a.chunk});
         TALLY_CHECK(it != in_flight.end(), "internal: plan: a backward before its forward");
         held -= it->second;
         in_flight.erase(it);
         if (!ch.embed) gradient_send = boundary;
       }
-      // The step's end: the tied embedding's gradient exchange, ZeRO-1's all-gather.
+      // The step's end (the pipeline's buffers are gone): the tied embedding's gradient
+      // exchange, ZeRO-1's all-gather.
       if (c.tie_embeddings && (shard.chunks.front().embed || shard.chunks.back().head)) {
         const int64_t wte = checked_mul(Vp / TP, C, "plan");
-        consider(0, 0, std::min<int64_t>(wte, int64_t{1} << 20) * kFloat, "the tied embedding's gradient exchange");
+        consider({}, 0, std::min<int64_t>(wte, int64_t{1} << 20) * kFloat, "the tied embedding's gradient exchange",
+                 true);
       }
       if (in.zero == 1)
-        consider(0, 0, (1 + D) * largest_piece * kFloat, "the optimizer step's all-gather of the largest unit");
+        consider({}, 0, bytes_of(1 + D, largest_piece, kFloat), "the optimizer step's all-gather of the largest unit",
+                 true);
+      RankPlan rp;
+      rp.stage = stage;
       rp.parts = states;
       rp.parts.insert(rp.parts.begin() + 3, best_parts.begin(), best_parts.end());
       rp.predicted_peak_bytes = best;
-      plan.ranks.push_back(rp);
+      return rp;
+    };
+    std::vector<RankPlan> stages;
+    for (int stage = 0; stage < PP; ++stage) stages.push_back(stage_plan(stage));
+    for (int r = 0; r < in.world; ++r) {
+      plan.ranks.push_back(stages[static_cast<size_t>(r / (D * TP))]);
+      plan.ranks.back().rank = r;
     }
     return plan;
   }
@@ -520,7 +537,11 @@ std::string plan_text(const MemoryPlan& plan, const PlanInput& in) {
                     std::to_string(in.world) + " rank(s)" +
                     (in.tp > 1 ? " (tp " + std::to_string(in.tp) + (in.sequence_parallel ? " with sp" : "") + ")" : "") +
                     (in.pp > 1 ? " (pp " + std::to_string(in.pp) + " " + in.pp_schedule +
-                                     (in.virtual_stages > 1 ? " x" + std::to_string(in.virtual_stages) : "") + ")"
+                                     (in.virtual_stages > 1 ? " x" + std::to_string(in.virtual_stages) : "") +
+                                     (in.pp_last_stage_layers > 0
+                                          ? ", " + std::to_string(in.pp_last_stage_layers) + " layer(s) on the last stage"
+                                          : "") +
+                                     ")"
                                : "") +
                     ", zero " + std::to_string(in.zero) +
                     (in.bf16 ? ", bf16 mixed precision" : "") +
@@ -583,7 +604,8 @@ std::string memory_kind(const std::string& part) {
   if (starts("optimizer")) return "optimizer state";
   if (starts("activations") || starts("transient") || starts("loss")) return "activations";
   if (starts("loader")) return "data";
-  if (starts("gathered") || starts("all-gather") || starts("pipeline")) return "communication";
+  if (starts("gathered") || starts("all-gather") || starts("pipeline") || starts("communication"))
+    return "communication";
   return "other";
 }
 
@@ -639,7 +661,8 @@ std::string plan_json(const MemoryPlan& plan) {
   for (const RankPlan& r : plan.ranks) {
     nlohmann::json parts = nlohmann::json::object();
     for (const auto& [name, bytes] : r.parts) parts[name] = bytes;
-    ranks.push_back({{"rank", r.rank}, {"predicted_peak_bytes", r.predicted_peak_bytes}, {"parts", parts}});
+    ranks.push_back(
+        {{"rank", r.rank}, {"stage", r.stage}, {"predicted_peak_bytes", r.predicted_peak_bytes}, {"parts", parts}});
   }
   nlohmann::json activations = nlohmann::json::object();
   for (const auto& [kind, bytes] : plan.activations_by_kind) activations[kind] = bytes;

@@ -16,6 +16,7 @@
 //                  small vocabulary or a wide MLP; plan.cc lists them, the plan takes the
 //                  largest, and the parts then name the moment.
 //   loss           the loss scalar, and its copy scaled by 1/(N*D) when N*D > 1
+// (A pipeline stage holds several microbatches at once and its own parts: below.)
 // Activations per token of a GPT-2 layer (floats): the residual input x and the middle
 // residual (2C, saved by the two layernorms), each norm's output (2C, saved by the next
 // linear) and its mean and rstd (4), q/k/v (3C) and the attention output (C), the
@@ -108,6 +109,7 @@ struct PlanInput {
 
 struct RankPlan {
   int rank = 0;
+  int stage = 0;  // its pipeline stage (0 without --pp)
   std::vector<std::pair<std::string, int64_t>> parts;  // name -> bytes, in the order printed
   int64_t predicted_peak_bytes = 0;
 };
@@ -123,7 +125,7 @@ MemoryPlan plan_memory(const PlanInput& input);
 int64_t parameter_count(const nn::TransformerConfig& c);
 std::vector<int64_t> unit_numels(const nn::TransformerConfig& c);
 std::string plan_text(const MemoryPlan& plan, const PlanInput& input);
-// {"ranks": [{"rank": 0, "predicted_peak_bytes": N, "parts": {...}}, ...], "activations": {...}}
+// {"ranks": [{"rank": 0, "stage": 0, "predicted_peak_bytes": N, "parts": {...}}, ...], "activations": {...}}
 std::string plan_json(const MemoryPlan& plan);
 
 // The kind of memory a plan part or a ledger category is: parameters, gradients,

@@ -93,8 +93,9 @@ struct StepMetrics {
   int64_t peak_bytes = 0;
   int64_t reserved_bytes = 0;
   int64_t live_after_forward_bytes = 0;  // measured: model states + loader + one microbatch's saved activations
-  int64_t predicted_peak_bytes = 0;      // from the memory plan (plan.h); 0 where the plan does not model the mode
+  int64_t predicted_peak_bytes = 0;      // the memory plan's (plan.h), the maximum over ranks like peak_bytes
   std::vector<int64_t> rank_peak_bytes;  // one per rank (live_bytes and peak_bytes are the maxima)
+  std::vector<int64_t> rank_predicted_peak_bytes;  // the plan's, one per rank
   int64_t peak_rss_bytes = 0;            // the process's resident-set high-water mark (maximum over ranks)
   double bubble_frac = 0;                // pipeline: the share of the step stages wait for a neighbour (mean over ranks)
   std::vector<double> rank_idle_frac;    // pipeline: that share on each rank
