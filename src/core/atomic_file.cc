@@ -34,6 +34,7 @@ void AtomicFile::fail(const char* action, int error) {
 
 void AtomicFile::write(const void* data, size_t bytes) {
   TALLY_CHECK(file_, what_, " '", path_, "': written after commit");
+  if (bytes == 0) return;  // an empty vector's data() may be null, which fwrite must not see
   if (std::fwrite(data, 1, bytes, file_) != bytes) fail("writing", errno);
 }
 
@@ -42,6 +43,7 @@ void AtomicFile::rewrite(int64_t offset, const void* data, size_t bytes) {
   const long end = std::ftell(file_);
   TALLY_CHECK(end >= 0 && offset >= 0 && offset + static_cast<int64_t>(bytes) <= end, what_, " '", path_,
               "': rewrite of '", tmp_path_, "' outside what was written");
+  if (bytes == 0) return;
   if (std::fseek(file_, static_cast<long>(offset), SEEK_SET) != 0 || std::fwrite(data, 1, bytes, file_) != bytes ||
       std::fseek(file_, end, SEEK_SET) != 0)
     fail("writing", errno);
