@@ -234,7 +234,7 @@ int run_plan(const PlanArgs& a) {
   const int64_t model_parallel = checked_mul(a.tp, a.pp, "--tp x --pp");
   const int64_t world = a.world > 0 ? a.world : checked_mul(std::max(a.dp, 1), model_parallel, "--dp x --tp x --pp");
   TALLY_CHECK(world <= 1 << 20, "--world ", world, " is more ranks than the plan models (at most 2^20)");
-  TALLY_CHECK(world % model_parallel == 0, "--world ", world, " is not a multiple of --tp ", a.tp, " x --pp ", a.pp);
+  // (plan_memory checks that --world is a multiple of --tp x --pp.)
   TALLY_CHECK(a.dp == 0 || a.dp * model_parallel == world, "--dp ", a.dp, " x --tp ", a.tp, " x --pp ", a.pp,
               " is not --world ", world);
   in.batch_size = a.batch_size;

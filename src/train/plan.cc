@@ -50,6 +50,33 @@ int64_t parameter_count(const nn::TransformerConfig& c) {
   return total;
 }
 
+namespace {
+
+// A shard's units (parameters.h) as the model's own layout declares them (nothing allocated).
+std::vector<int64_t> shard_unit_numels(const nn::TransformerConfig& c, const nn::ModelShard& shard) {
+  const nn::Transformer layout = nn::Transformer::layout_only(c, shard);
+  std::vector<int64_t> units;
+  for (size_t u = 0; u < layout.params().num_units(); ++u) units.push_back(layout.params().unit(u).numel());
+  return units;
+}
+
+// Parameters of a set of units, and as ZeRO shards them over D ranks: each unit padded to D
+// equal pieces; this rank's pieces together, and the largest one piece.
+struct UnitSizes {
+  int64_t params = 0, pieces = 0, largest_piece = 0;
+};
+UnitSizes unit_sizes(const std::vector<int64_t>& units, int64_t D) {
+  UnitSizes s;
+  for (int64_t n : units) {
+    s.params = checked_add(s.params, n, "plan: parameters");
+    s.pieces += (n + D - 1) / D;
+    s.largest_piece = std::max(s.largest_piece, (n + D - 1) / D);
+  }
+  return s;
+}
+
+}  // namespace
+
 MemoryPlan plan_memory(const PlanInput& in) {
   const auto& c = in.model;
   c.validate();
@@ -82,20 +109,11 @@ MemoryPlan plan_memory(const PlanInput& in) {
   const int64_t sp_rows = in.sequence_parallel ? BT / TP : BT;
 
   // A tensor-parallel rank's units are its shard's (every rank's alike: each split divides).
-  std::vector<int64_t> units;
-  if (TP == 1) {
-    units = unit_numels(c);
-  } else {
-    nn::ModelShard shard;
-    shard.tp = static_cast<int>(TP);
-    const nn::Transformer layout = nn::Transformer::layout_only(c, shard);
-    for (size_t u = 0; u < layout.params().num_units(); ++u) units.push_back(layout.params().unit(u).numel());
-  }
-  int64_t P = 0, piece_total = 0;
-  for (int64_t n : units) {
-    P = checked_add(P, n, "plan: parameters");
-    piece_total += (n + D - 1) / D;  // ZeRO pads each unit to D equal pieces
-  }
+  nn::ModelShard tp_shard;
+  tp_shard.tp = static_cast<int>(TP);
+  const std::vector<int64_t> units = TP == 1 ? unit_numels(c) : shard_unit_numels(c, tp_shard);
+  const UnitSizes sizes = unit_sizes(units, D);
+  const int64_t P = sizes.params, piece_total = sizes.pieces;
   // A whole unit as ZeRO stages and gathers it: D pieces, padding included.
   auto padded = [&](size_t u) { return D * ((units[u] + D - 1) / D) * kFloat; };
   const size_t embed = 0, last_layer = units.size() - 2, final_norm = units.size() - 1;
@@ -269,19 +287,13 @@ MemoryPlan plan_memory(const PlanInput& in) {
     auto stage_plan = [&](int stage) {
       const nn::ModelShard shard = dist::pipeline_shard(c.n_layer, static_cast<int>(PP), stage, in.virtual_stages,
                                                         static_cast<int>(TP), 0, in.pp_last_stage_layers);
-      const nn::Transformer layout = nn::Transformer::layout_only(c, shard);
-      int64_t Ps = 0, largest_piece = 0, stage_pieces = 0;
-      for (size_t u = 0; u < layout.params().num_units(); ++u) {
-        const int64_t n = layout.params().unit(u).numel();
-        Ps = checked_add(Ps, n, "plan: parameters");
-        stage_pieces += (n + D - 1) / D;
-        largest_piece = std::max(largest_piece, (n + D - 1) / D);
-      }
+      const UnitSizes stage_sizes = unit_sizes(shard_unit_numels(c, shard), D);
+      const int64_t Ps = stage_sizes.params;
       std::vector<std::pair<std::string, int64_t>> states = {
           {"parameters (this stage's)", bytes_of(Ps, 1, kFloat)},
           {"gradients", bytes_of(Ps, 1, kFloat)},
           {in.zero == 1 ? "optimizer state (AdamW m, v: this rank's pieces)" : "optimizer state (AdamW m, v)",
-           bytes_of(in.zero == 1 ? stage_pieces : Ps, 2, kFloat)},
+           bytes_of(in.zero == 1 ? stage_sizes.pieces : Ps, 2, kFloat)},
           {"loader buffers", loader}};
       if (bf16) states.emplace_back(kBf16CopyPart, bytes_of(Ps, 1, 2));
       if (c.is_llama()) states.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
@@ -300,10 +312,14 @@ MemoryPlan plan_memory(const PlanInput& in) {
       };
       const std::vector<dist::PipelineAction> actions =
           dist::pipeline_actions(schedule, static_cast<int>(PP), stage, in.grad_accum, in.virtual_stages);
-      std::map<std::pair<int64_t, int>, int64_t> in_flight;  // (microbatch, chunk) -> saved bytes
-      // Whether another microbatch of the same chunk was in flight when this one's forward
-      // ran: then its parameters' accumulators are older than its graph.
-      std::map<std::pair<int64_t, int>, bool> older_graph;
+      // (microbatch, chunk) -> its saved bytes, and whether another microbatch of the same
+      // chunk was in flight when its forward ran (then its parameters' accumulators are
+      // older than its graph).
+      struct InFlight {
+        int64_t saved = 0;
+        bool older_graph = false;
+      };
+      std::map<std::pair<int64_t, int>, InFlight> in_flight;
       int64_t held = 0, gradient_send = 0, best = 0;
       std::vector<std::pair<std::string, int64_t>> best_parts;
       // A moment: what is in flight less what this action has freed by then, the receive
@@ -342,12 +358,13 @@ MemoryPlan plan_memory(const PlanInput& in) {
                      "a forward: the last layer's MLP output projection");
           const int64_t saved = chunk_bytes(ch);
           bool older = false;
-          for (const auto& [key, b] : in_flight) older = older || key.second == a.chunk;
-          older_graph[{a.microbatch, a.chunk}] = older;
-          in_flight[{a.microbatch, a.chunk}] = saved;
+          for (const auto& [key, f] : in_flight) older = older || key.second == a.chunk;
+          in_flight[{a.microbatch, a.chunk}] = {saved, older};
           held = checked_add(held, saved, "plan");
           continue;
         }
+        const auto it = in_flight.find({a.microbatch, a.chunk});
+        TALLY_CHECK(it != in_flight.end(), "internal: plan: a backward before its forward");
         if (!ch.head) buffers.gradients += boundary;  // the gradient received for this backward
         // The head's saved tensors, its loss and the targets its loss saved (the
         // microbatch's own copy; one process reads the loader's).
@@ -368,7 +385,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
         const int64_t x = bytes_of(sp_rows, C, kFloat);
         const int64_t residual = ch.head ? 0 : x;
         const int64_t head_freed = ch.head ? this_head - kFloat : 0;
-        const int64_t waiting = older_graph[{a.microbatch, a.chunk}] ? tp_bias_gradient : 0;
+        const int64_t waiting = it->second.older_graph ? tp_bias_gradient : 0;
         consider(buffers, head_freed, sum({mlp_backward, full ? layer_bytes : 0, waiting}) - residual,
                  "a backward: the last layer's MLP");
         // Full recomputation: the last layer's saved set made again (its input is among
@@ -376,9 +393,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
         if (full)
           consider(buffers, head_freed, sum({layer_bytes, mlp_forward}) - x + (ch.head ? x : 0),
                    "a backward: the recomputed last layer's MLP output projection");
-        const auto it = in_flight.find({a.microbatch, a.chunk});
-        TALLY_CHECK(it != in_flight.end(), "internal: plan: a backward before its forward");
-        held -= it->second;
+        held -= it->second.saved;
         in_flight.erase(it);
         if (!ch.embed) gradient_send = boundary;
       }
@@ -390,7 +405,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
                  true);
       }
       if (in.zero == 1)
-        consider({}, 0, bytes_of(1 + D, largest_piece, kFloat), "the optimizer step's all-gather of the largest unit",
+        consider({}, 0, bytes_of(1 + D, stage_sizes.largest_piece, kFloat),
+                 "the optimizer step's all-gather of the largest unit",
                  true);
       RankPlan rp;
       rp.stage = stage;
@@ -408,9 +424,9 @@ MemoryPlan plan_memory(const PlanInput& in) {
     return plan;
   }
   const int64_t shard = piece_total * kFloat;  // one fp32 value per element of this rank's pieces
-  for (int r = 0; r < in.world; ++r) {
+  // Without a pipeline every rank's plan is the same: made once (as rank 0's), then copied.
+  {
     RankPlan rp;
-    rp.rank = r;
     rp.parts = {{in.zero == 3 ? "parameters (this rank's pieces)" : "parameters", in.zero == 3 ? shard : P * kFloat},
                 {in.zero >= 2 ? "gradients (this rank's pieces)" : "gradients", in.zero >= 2 ? shard : P * kFloat},
                 {in.zero >= 1 ? "optimizer state (AdamW m, v: this rank's pieces)" : "optimizer state (AdamW m, v)",
@@ -481,7 +497,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
     // ZeRO-2/3 change what lives between these moments (staging and gathered units at the
     // start of backward only): their later moments are noted, not planned.
     if (in.zero >= 2) {
-      if (total(moments[0]) > rp.predicted_peak_bytes && r == 0)
+      if (total(moments[0]) > rp.predicted_peak_bytes)
         plan.notes.push_back("ZeRO-" + std::to_string(in.zero) +
                              ": the last layer's MLP backward holds more activation memory than the start of "
                              "backward (a small vocabulary or a wide MLP); the peak may come there, and be higher");
@@ -501,14 +517,12 @@ MemoryPlan plan_memory(const PlanInput& in) {
     // through a send piece (c) and a receive buffer (D*c) while only the model states and
     // the loader live. With few activations (a small microbatch) that moment is the peak.
     if (in.zero == 1 || in.zero == 2) {
-      int64_t largest_piece = 0;
-      for (int64_t n : units) largest_piece = std::max(largest_piece, (n + D - 1) / D);
       std::vector<std::pair<std::string, int64_t>> step_parts(rp.parts.begin(), rp.parts.begin() + 3);
       step_parts.emplace_back("loader buffers", loader);
       if (bf16) step_parts.emplace_back(kBf16CopyPart, 2 * P);
       if (c.is_llama()) step_parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
       step_parts.emplace_back("all-gather of the largest unit in the optimizer step (send piece, receive buffer)",
-                              (1 + D) * largest_piece * kFloat);
+                              bytes_of(1 + D, sizes.largest_piece, kFloat));
       int64_t at_step = 0;
       for (const auto& [name, bytes] : step_parts) at_step += bytes;
       if (at_step > rp.predicted_peak_bytes) {
@@ -516,7 +530,10 @@ MemoryPlan plan_memory(const PlanInput& in) {
         rp.predicted_peak_bytes = at_step;
       }
     }
-    plan.ranks.push_back(rp);
+    for (int r = 0; r < in.world; ++r) {
+      plan.ranks.push_back(rp);
+      plan.ranks.back().rank = r;
+    }
   }
   const int64_t layer_pair = 2 * padded(last_layer);
   if (in.zero >= 2 && BT * Vp * kFloat < layer_pair)
