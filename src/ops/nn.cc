@@ -360,9 +360,19 @@ Tensor attention(const char* op, const Tensor& q_in, const Tensor& k_in, const T
   } else {
     TALLY_CHECK(q_in.dtype() == DType::F32, op, ": expected fp32 q, k, v, got ", q_in.str(), ", ", k_in.str(), ", ",
                 v_in.str());
-    q = detail::to_bf16(q_in, "attention_q_bf16");
-    k = detail::to_bf16(k_in, "attention_k_bf16");
-    v = detail::to_bf16(v_in, "attention_v_bf16");
+    // Rounded into head-major storage (B, heads, T, D), seen as (B, T, heads, D): one
+    // head's tile of rows is then dense, which oneDNN's bf16 kernels (AMX, AVX512-BF16)
+    // need: with a row stride other than D they fall back to a kernel 10-20x slower.
+    auto head_major_bf16 = [](const Tensor& x, const char* owner) {
+      const Shape& s = x.shape();
+      Tensor storage = Tensor::empty({s[0], s[2], s[1], s[3]}, DType::BF16, x.device(), current_owner(owner));
+      Tensor view = storage.transpose(1, 2);
+      on(x).copy(view, x);
+      return view;
+    };
+    q = head_major_bf16(q_in, "attention_q_bf16");
+    k = head_major_bf16(k_in, "attention_k_bf16");
+    v = head_major_bf16(v_in, "attention_v_bf16");
   }
   const AttentionOutputs f = run_attention_forward(q, k, v, q_in.dtype());
   if (autograd::needs_graph({q_in, k_in, v_in})) {

@@ -145,6 +145,16 @@ template <class In, class T> inline T dot(const In* a, const T* b, int64_t n) {
   return s;
 }
 
+// dst (rows x cols, row stride ld) += src (rows x cols, dense).
+template <class T> void add_rows(T* dst, int64_t ld, const T* src, int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i) {
+    T* d = dst + i * ld;
+    const T* s = src + i * cols;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) d[c] += s[c];
+  }
+}
+
 // The key tiles query tile [t0, t0 + rows) sees: keys [0, t0 + rows + offset).
 inline int64_t keys_seen(int64_t t0, int64_t rows, int64_t offset) { return t0 + rows + offset; }
 }  // namespace
@@ -188,9 +198,9 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
           for (int64_t j0 = 0; j0 < seen; j0 += kBlockK) {
             const int64_t cols = std::min(kBlockK, seen - j0);
             const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
-            tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), s.data(), kBlockK);
+            tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), s.data(), cols);
             for (int64_t i = 0; i < rows; ++i) {
-              T* srow = s.data() + i * kBlockK;
+              T* srow = s.data() + i * cols;
               // Row i sees columns c <= last (its position minus j0); the rest get p = 0.
               const int64_t last = std::min(cols - 1, t0 + i + offset - j0);
               if (last < 0) {
@@ -210,7 +220,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
                 for (int64_t d = 0; d < g.D; ++d) arow[d] *= rescale;
             }
             const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
-            const TileOperand<In> p = as_operand(s.data(), kBlockK, rows, cols, p_rounded);
+            const TileOperand<In> p = as_operand(s.data(), cols, rows, cols, p_rounded);
             tile_gemm(false, false, rows, g.D, cols, T(1), p.data, p.ld, vtile, g.vt, T(1), acc.data(), g.D);
           }
           for (int64_t i = 0; i < rows; ++i) {
@@ -254,6 +264,10 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
     {
       std::vector<T> p(static_cast<size_t>(kBlockQ * kBlockK)), dp(static_cast<size_t>(kBlockQ * kBlockK));
       std::vector<T> delta(static_cast<size_t>(kBlockQ));  // D for the query tile's rows
+      // Dense accumulators (rows of D): dq for one query tile, dk and dv for every key of
+      // the item's kv head; each is added into the strided gradient once it is complete.
+      std::vector<T> dq_acc(static_cast<size_t>(kBlockQ * g.D));
+      std::vector<T> dk_acc(static_cast<size_t>(g.Tk * g.D)), dv_acc(static_cast<size_t>(g.Tk * g.D));
       std::vector<In> p_rounded = operand_scratch<In, T>(kBlockQ * kBlockK);
       std::vector<In> ds_rounded = operand_scratch<In, T>(kBlockQ * kBlockK);
       std::vector<In> do_rounded = operand_scratch<In, T>(kBlockQ * g.D);
@@ -262,6 +276,8 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
         for (int64_t kvh = 0; kvh < g.KV; ++kvh) {
           if (errors.failed()) continue;
           try {
+            std::fill(dk_acc.begin(), dk_acc.end(), T(0));
+            std::fill(dv_acc.begin(), dv_acc.end(), T(0));
             for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
               const T* lrow = pl + (b * g.H + h) * g.Tq;
               for (int64_t t0 = 0; t0 < g.Tq; t0 += kBlockQ) {
@@ -273,42 +289,46 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                 // rows of dS = P (dP - D) then sum to zero as softmax's shift invariance says.
                 for (int64_t i = 0; i < rows; ++i)
                   delta[i] = dot(dotile.data + i * dotile.ld, po + ((b * g.Tq + t0 + i) * g.H + h) * g.D, g.D);
-                T* dqtile = pdq + ((b * g.Tq + t0) * g.H + h) * g.D;
+                std::fill(dq_acc.begin(), dq_acc.end(), T(0));
                 const int64_t seen = keys_seen(t0, rows, offset);
                 for (int64_t j0 = 0; j0 < seen; j0 += kBlockK) {
                   const int64_t cols = std::min(kBlockK, seen - j0);
                   const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
                   const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
-                  T* dktile = pdk + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
-                  T* dvtile = pdv + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
-                  // P = exp(scale Q K^T - lse), masked
-                  tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), p.data(), kBlockK);
+                  T* dktile = dk_acc.data() + j0 * g.D;
+                  T* dvtile = dv_acc.data() + j0 * g.D;
+                  // P = exp(scale Q K^T - lse), masked; the score tiles are dense (rows of cols)
+                  tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), p.data(), cols);
                   for (int64_t i = 0; i < rows; ++i) {
-                    T* prow = p.data() + i * kBlockK;
+                    T* prow = p.data() + i * cols;
                     const int64_t last = std::min(cols - 1, t0 + i + offset - j0);
                     const T li = lrow[t0 + i];
 #pragma omp simd
                     for (int64_t c = 0; c < cols; ++c) prow[c] = c <= last ? vexp(prow[c] - li) : T(0);
                   }
                   // dV += P^T dO;  dP = dO V^T
-                  const TileOperand<In> pt = as_operand(p.data(), kBlockK, rows, cols, p_rounded);
-                  tile_gemm(true, false, cols, g.D, rows, T(1), pt.data, pt.ld, dotile.data, dotile.ld, T(1), dvtile, ld_kv);
-                  tile_gemm(false, true, rows, cols, g.D, T(1), dotile.data, dotile.ld, vtile, g.vt, T(0), dp.data(), kBlockK);
+                  const TileOperand<In> pt = as_operand(p.data(), cols, rows, cols, p_rounded);
+                  tile_gemm(true, false, cols, g.D, rows, T(1), pt.data, pt.ld, dotile.data, dotile.ld, T(1), dvtile, g.D);
+                  tile_gemm(false, true, rows, cols, g.D, T(1), dotile.data, dotile.ld, vtile, g.vt, T(0), dp.data(), cols);
                   // dS = P o (dP - D), in place of dP (masked entries have P = 0)
                   for (int64_t i = 0; i < rows; ++i) {
-                    const T* prow = p.data() + i * kBlockK;
-                    T* dsrow = dp.data() + i * kBlockK;
+                    const T* prow = p.data() + i * cols;
+                    T* dsrow = dp.data() + i * cols;
                     const T di = delta[i];
 #pragma omp simd
                     for (int64_t c = 0; c < cols; ++c) dsrow[c] = prow[c] * (dsrow[c] - di);
                   }
                   // dQ += scale dS K;  dK += scale dS^T Q
-                  const TileOperand<In> ds = as_operand(dp.data(), kBlockK, rows, cols, ds_rounded);
-                  tile_gemm(false, false, rows, g.D, cols, scale, ds.data, ds.ld, ktile, g.kt, T(1), dqtile, ld_q);
-                  tile_gemm(true, false, cols, g.D, rows, scale, ds.data, ds.ld, qtile, g.qt, T(1), dktile, ld_kv);
+                  const TileOperand<In> ds = as_operand(dp.data(), cols, rows, cols, ds_rounded);
+                  tile_gemm(false, false, rows, g.D, cols, scale, ds.data, ds.ld, ktile, g.kt, T(1), dq_acc.data(), g.D);
+                  tile_gemm(true, false, cols, g.D, rows, scale, ds.data, ds.ld, qtile, g.qt, T(1), dktile, g.D);
                 }
+                // This query tile of head h is complete: only this item writes it.
+                add_rows(pdq + ((b * g.Tq + t0) * g.H + h) * g.D, ld_q, dq_acc.data(), rows, g.D);
               }
             }
+            add_rows(pdk + b * g.Tk * ld_kv + kvh * g.D, ld_kv, dk_acc.data(), g.Tk, g.D);
+            add_rows(pdv + b * g.Tk * ld_kv + kvh * g.D, ld_kv, dv_acc.data(), g.Tk, g.D);
           } catch (...) {
             errors.keep(std::current_exception());
           }
