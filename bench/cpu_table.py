@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Turns bench/run_cpu.sh's runs (JSON lines) into the table of bench/RESULTS.md, between
-the lines "<!-- cpu-bench:begin -->" and "<!-- cpu-bench:end -->" (added at the end the
-first time). Standard library only.   usage: cpu_table.py RUNS.jsonl RESULTS.md"""
+"""Turns bench/run_cpu.sh's runs (JSON lines) into the table of bench/RESULTS.md for this
+machine's kind ("amd" or "intel", the two kinds of machine the issue names), between the
+lines "<!-- cpu-bench:KIND:begin -->" and "<!-- cpu-bench:KIND:end -->" (added at the end
+the first time): each kind keeps its own latest table. Standard library only.
+    usage: cpu_table.py RUNS.jsonl RESULTS.md         prints the kind with --kind"""
 import datetime
 import json
 import platform
@@ -9,7 +11,6 @@ import statistics
 import subprocess
 import sys
 
-BEGIN, END = "<!-- cpu-bench:begin -->", "<!-- cpu-bench:end -->"
 WORKS = {
     "W1": "GPT-2 124M, batch 4 x 64, fp32",
     "W1-bf16": "GPT-2 124M, batch 4 x 64, bf16 mixed precision",
@@ -18,18 +19,31 @@ WORKS = {
 }
 
 
-def machine():
-    model, flags = platform.processor() or "?", ""
+def cpuinfo():
+    """(model name, vendor, flags line) of the first CPU in /proc/cpuinfo."""
+    model, vendor, flags = platform.processor() or "?", "", ""
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name") and model in ("?", "", platform.machine()):
                 model = line.split(":", 1)[1].strip()
+            if line.startswith("vendor_id") and not vendor:
+                vendor = line.split(":", 1)[1].strip()
             if line.startswith("flags") and not flags:
                 flags = line
     except OSError:
         pass
+    return model, vendor, flags
+
+
+def machine():
+    model, _, flags = cpuinfo()
     isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
     return f"{model} ({', '.join(isa) or 'no AVX-512'})"
+
+
+def kind():
+    vendor = cpuinfo()[1]
+    return {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(vendor, vendor.lower() or "unknown")
 
 
 def mib(b):
@@ -37,6 +51,10 @@ def mib(b):
 
 
 def main():
+    if sys.argv[1:] == ["--kind"]:
+        print(kind())
+        return
+    begin, end = f"<!-- cpu-bench:{kind()}:begin -->", f"<!-- cpu-bench:{kind()}:end -->"
     runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
     rows, peaks = [], {}
     for work in [w for w in WORKS if any(r["work"] == w for r in runs)]:
@@ -63,7 +81,7 @@ def main():
     rounds = max(r["round"] for r in runs)
     threads = runs[0].get("threads", "?")
     peak_text = "; ".join(f"{w} ({d}): {lo:.0f}-{hi:.0f}" for w, (lo, hi, d) in peaks.items())
-    block = [BEGIN,
+    block = [begin,
              f"**{datetime.date.today()}**, {machine()}, {threads} threads, `bench/run_cpu.sh {rounds}`: "
              f"{rounds} alternating rounds, tally then the peer for each work, each run timing its steps after "
              f"two warm-up steps. GEMM peak measured by tally in the same runs (GFLOP/s, min-max over rounds; "
@@ -76,12 +94,12 @@ def main():
              "timed step of every round (min: the best step; median: the median of the rounds' median steps). "
              "% of GEMM peak: the model's training FLOPs (6N + 6LCT per token) per second over the peak of the "
              "run's precision.",
-             END]
+             end]
     text = open(sys.argv[2]).read()
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + "\n".join(block) + text[text.index(END) + len(END):]
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + "\n".join(block) + text[text.index(end) + len(end):]
     else:
-        text = text.rstrip("\n") + "\n\n## CPU training against PyTorch: W1, W3, fp32 and bf16 (issue 12, bench/run_cpu.sh)\n\n" + "\n".join(block) + "\n"
+        text = text.rstrip("\n") + f"\n\n## CPU training against PyTorch on the {kind()} kind of machine (issue 12, bench/run_cpu.sh)\n\n" + "\n".join(block) + "\n"
     open(sys.argv[2], "w").write(text)
     print("\n".join(block))
 

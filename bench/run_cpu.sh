@@ -7,8 +7,9 @@
 #   W3-bf16  the same in mixed precision                 tally --dtype bf16 vs PyTorch autocast(bfloat16)
 # Each run times `steps` training steps (AdamW included) after two warm-up steps.
 #   bench/run_cpu.sh [rounds=3] [steps=3] [threads=2]     (about 4 minutes a round on 2 cores)
-# The raw JSON lines go to bench/cpu_runs.jsonl (one per run); RESULTS.md gets the table
-# between its "cpu-bench" markers. BENCH_WORKS="W1 W3" runs a subset.
+# The raw JSON lines go to bench/cpu_runs_KIND.jsonl (one per run; KIND is amd or intel, the
+# two kinds of machine issue 12 names); RESULTS.md gets the table between that kind's
+# "cpu-bench" markers, so each kind keeps its latest table. BENCH_WORKS="W1 W3" runs a subset.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 rounds="${1:-3}"
@@ -19,7 +20,7 @@ works="${BENCH_WORKS:-W1 W1-bf16 W3 W3-bf16}"
 /usr/bin/python3 -c "import torch" 2>/dev/null || bash "$root/scripts/setup.sh" --torch
 export OPENBLAS_CORETYPE="${OPENBLAS_CORETYPE:-SkylakeX}"  # see run_w1.sh
 export OMP_NUM_THREADS="$threads"
-out="$root/bench/cpu_runs.jsonl"
+out="$root/bench/cpu_runs_$(python3 "$root/bench/cpu_table.py" --kind).jsonl"
 : > "$out"
 shape() {  # the flags of a work's shape and precision
   case "$1" in
