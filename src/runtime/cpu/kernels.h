@@ -35,7 +35,9 @@ bool gemm_adds_bias(const Tensor& a, bool transpose_a, const Tensor& b, bool tra
                     const Tensor& bias);
 // C (m x n, row-major, fp32) = alpha op(A) op(B) + beta C for row-major bf16 tiles, on
 // one thread: for kernels that thread themselves (attention's tiles, from inside their
-// OpenMP regions).
+// OpenMP regions). Pass dense tiles (lda, ldb, ldc equal to their row widths): oneDNN 2.6
+// runs its AMX / AVX512-BF16 kernels only on those, and any other stride falls back to a
+// jit gemm 10-20x slower (bench/RESULTS.md, "Dense bf16 attention tiles").
 void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
                     const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc);
 // Measured fp32 GEMM throughput of this machine in FLOP/s (cached after the first call).
