@@ -16,7 +16,10 @@
 // Mixed precision: q, k and v may be bf16 (the output, lse and every gradient stay fp32).
 // The tile GEMMs then take bf16 operands with fp32 accumulation, as the projections'
 // GEMMs do: P and dS are rounded to bf16 for the products they feed, dO once per query
-// tile; the softmax statistics, D and every sum stay fp32.
+// tile; the softmax statistics, D and every sum stay fp32. Every bf16 tile product reads
+// and writes dense tiles (the op rounds q, k, v into head-major storage; score tiles are
+// as wide as their rows; gradient terms go through a dense tile): oneDNN's AMX and
+// AVX512-BF16 kernels take nothing else.
 //
 // Forward runs (batch, head, query tile) items in parallel. Backward runs (batch, kv head)
 // items: the query heads that share a kv head (GQA) and every tile of them run in the same
@@ -155,6 +158,26 @@ template <class T> void add_rows(T* dst, int64_t ld, const T* src, int64_t rows,
   }
 }
 
+// C (m x n, row stride ldc: a gradient's rows) += alpha op(A) op(B). fp32 and fp64 tile
+// GEMMs take any stride and accumulate in place. bf16's must write a dense result (see
+// tile_gemm_bf16): it goes to `term` (m x n) and is added into C row by row, a pass over
+// one tile in cache, so the scratch stays one tile per thread whatever the length.
+template <class In, class T>
+void tile_accumulate(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const In* a, int64_t lda,
+                     const In* b, int64_t ldb, T* c, int64_t ldc, std::vector<T>& term) {
+  if constexpr (std::is_same_v<In, T>) {
+    tile_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, T(1), c, ldc);
+  } else {
+    tile_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, T(0), term.data(), n);
+    add_rows(c, ldc, term.data(), m, n);
+  }
+}
+
+// Scratch for a dense result tile: none when the tile GEMMs accumulate in place.
+template <class In, class T> std::vector<T> term_scratch(int64_t elements) {
+  return std::vector<T>(std::is_same_v<In, T> ? 0 : static_cast<size_t>(elements));
+}
+
 // The key tiles query tile [t0, t0 + rows) sees: keys [0, t0 + rows + offset).
 inline int64_t keys_seen(int64_t t0, int64_t rows, int64_t offset) { return t0 + rows + offset; }
 }  // namespace
@@ -264,10 +287,10 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
     {
       std::vector<T> p(static_cast<size_t>(kBlockQ * kBlockK)), dp(static_cast<size_t>(kBlockQ * kBlockK));
       std::vector<T> delta(static_cast<size_t>(kBlockQ));  // D for the query tile's rows
-      // Dense accumulators (rows of D): dq for one query tile, dk and dv for every key of
-      // the item's kv head; each is added into the strided gradient once it is complete.
-      std::vector<T> dq_acc(static_cast<size_t>(kBlockQ * g.D));
-      std::vector<T> dk_acc(static_cast<size_t>(g.Tk * g.D)), dv_acc(static_cast<size_t>(g.Tk * g.D));
+      // bf16: dq accumulates over a query tile's key tiles in a dense tile, added once the
+      // tile is complete; dk and dv terms go through `term` (tile_accumulate).
+      constexpr bool kDenseResults = !std::is_same_v<In, T>;
+      std::vector<T> term = term_scratch<In, T>(kBlockK * g.D), dq_acc = term_scratch<In, T>(kBlockQ * g.D);
       std::vector<In> p_rounded = operand_scratch<In, T>(kBlockQ * kBlockK);
       std::vector<In> ds_rounded = operand_scratch<In, T>(kBlockQ * kBlockK);
       std::vector<In> do_rounded = operand_scratch<In, T>(kBlockQ * g.D);
@@ -276,8 +299,6 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
         for (int64_t kvh = 0; kvh < g.KV; ++kvh) {
           if (errors.failed()) continue;
           try {
-            std::fill(dk_acc.begin(), dk_acc.end(), T(0));
-            std::fill(dv_acc.begin(), dv_acc.end(), T(0));
             for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
               const T* lrow = pl + (b * g.H + h) * g.Tq;
               for (int64_t t0 = 0; t0 < g.Tq; t0 += kBlockQ) {
@@ -289,14 +310,17 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                 // rows of dS = P (dP - D) then sum to zero as softmax's shift invariance says.
                 for (int64_t i = 0; i < rows; ++i)
                   delta[i] = dot(dotile.data + i * dotile.ld, po + ((b * g.Tq + t0 + i) * g.H + h) * g.D, g.D);
+                T* dqtile = pdq + ((b * g.Tq + t0) * g.H + h) * g.D;
+                T* dq_into = kDenseResults ? dq_acc.data() : dqtile;
+                const int64_t ld_dq_into = kDenseResults ? g.D : ld_q;
                 std::fill(dq_acc.begin(), dq_acc.end(), T(0));
                 const int64_t seen = keys_seen(t0, rows, offset);
                 for (int64_t j0 = 0; j0 < seen; j0 += kBlockK) {
                   const int64_t cols = std::min(kBlockK, seen - j0);
                   const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
                   const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
-                  T* dktile = dk_acc.data() + j0 * g.D;
-                  T* dvtile = dv_acc.data() + j0 * g.D;
+                  T* dktile = pdk + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
+                  T* dvtile = pdv + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
                   // P = exp(scale Q K^T - lse), masked; the score tiles are dense (rows of cols)
                   tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), p.data(), cols);
                   for (int64_t i = 0; i < rows; ++i) {
@@ -308,7 +332,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                   }
                   // dV += P^T dO;  dP = dO V^T
                   const TileOperand<In> pt = as_operand(p.data(), cols, rows, cols, p_rounded);
-                  tile_gemm(true, false, cols, g.D, rows, T(1), pt.data, pt.ld, dotile.data, dotile.ld, T(1), dvtile, g.D);
+                  tile_accumulate<In>(true, false, cols, g.D, rows, T(1), pt.data, pt.ld, dotile.data, dotile.ld, dvtile, ld_kv, term);
                   tile_gemm(false, true, rows, cols, g.D, T(1), dotile.data, dotile.ld, vtile, g.vt, T(0), dp.data(), cols);
                   // dS = P o (dP - D), in place of dP (masked entries have P = 0)
                   for (int64_t i = 0; i < rows; ++i) {
@@ -320,15 +344,12 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                   }
                   // dQ += scale dS K;  dK += scale dS^T Q
                   const TileOperand<In> ds = as_operand(dp.data(), cols, rows, cols, ds_rounded);
-                  tile_gemm(false, false, rows, g.D, cols, scale, ds.data, ds.ld, ktile, g.kt, T(1), dq_acc.data(), g.D);
-                  tile_gemm(true, false, cols, g.D, rows, scale, ds.data, ds.ld, qtile, g.qt, T(1), dktile, g.D);
+                  tile_gemm(false, false, rows, g.D, cols, scale, ds.data, ds.ld, ktile, g.kt, T(1), dq_into, ld_dq_into);
+                  tile_accumulate<In>(true, false, cols, g.D, rows, scale, ds.data, ds.ld, qtile, g.qt, dktile, ld_kv, term);
                 }
-                // This query tile of head h is complete: only this item writes it.
-                add_rows(pdq + ((b * g.Tq + t0) * g.H + h) * g.D, ld_q, dq_acc.data(), rows, g.D);
+                if constexpr (kDenseResults) add_rows(dqtile, ld_q, dq_acc.data(), rows, g.D);
               }
             }
-            add_rows(pdk + b * g.Tk * ld_kv + kvh * g.D, ld_kv, dk_acc.data(), g.Tk, g.D);
-            add_rows(pdv + b * g.Tk * ld_kv + kvh * g.D, ld_kv, dv_acc.data(), g.Tk, g.D);
           } catch (...) {
             errors.keep(std::current_exception());
           }
