@@ -41,6 +41,15 @@ std::string shared_run_id(const dist::World& world) {
   return std::to_string(pid) + "_" + std::to_string(start);
 }
 
+bool has_temporaries(const std::string& path) {
+  const std::filesystem::path p(path);
+  const std::filesystem::path dir = p.parent_path().empty() ? std::filesystem::path(".") : p.parent_path();
+  const std::string prefix = p.filename().string() + ".tmp";
+  for (const auto& entry : std::filesystem::directory_iterator(dir))
+    if (entry.path().filename().string().starts_with(prefix)) return true;
+  return false;
+}
+
 std::string write_random_shard(const std::string& name, int64_t n, int vocab, uint64_t seed) {
   std::vector<int32_t> tokens(static_cast<size_t>(n));
   Rng rng(seed);

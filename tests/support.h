@@ -31,6 +31,8 @@ template <class E, class F> std::string message_of(F&& fn) {
 // Whole-file helpers for tests that build (corrupt) files byte by byte.
 std::string read_all(const std::string& path);
 void write_all(const std::string& path, const std::string& data);
+// Whether an AtomicFile temporary of `path` ("<path>.tmp...") lies beside it.
+bool has_temporaries(const std::string& path);
 
 // GPT-2 tokenizer files written by hand: OpenAI's byte -> printable code point mapping as
 // UTF-8 (`gpt2_byte_token`, `gpt2_token_of` for a byte string), and a tiny vocabulary

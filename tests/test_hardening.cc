@@ -478,6 +478,33 @@ TEST(Hardening, AFreshRunDoesNotOverwriteAnEarlierRunsCheckpoints) {
   EXPECT_NO_THROW(train::run_training(interrupted));
 }
 
+// Two writers of one file at once (two runs finishing into one --out-dir: ctest -j2 ran two
+// trainings that each wrote out/loss.svg). Both shared "<path>.tmp": the second truncated
+// the first's bytes, and whichever committed second found its temporary renamed away and
+// failed. Each writer now has its own temporary: both commit, the file holds one of them
+// whole, and no temporary is left.
+TEST(Hardening, TwoWritersOfOneFileBothCommitAndLeaveOneWholeFile) {
+  const std::string dir = test::temp_path("two_writers");
+  fs::create_directories(dir);
+  const std::string path = dir + "/loss.svg";
+  const std::string first(4096, 'a'), second(100, 'b');
+  {
+    AtomicFile a(path), b(path);
+    a.write(first.data(), first.size());
+    b.write(second.data(), second.size());
+    ASSERT_NO_THROW(a.commit());
+    EXPECT_EQ(test::read_all(path), first);
+    ASSERT_NO_THROW(b.commit());
+    EXPECT_EQ(test::read_all(path), second) << "the last commit wins, whole";
+  }
+  size_t entries = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    ++entries;
+    EXPECT_EQ(entry.path().filename(), "loss.svg");
+  }
+  EXPECT_EQ(entries, 1u) << "no temporary left behind";
+}
+
 TEST(Hardening, OutputsAreWrittenThroughLinksAndNeverReplaceDevicesOrDirectories) {
   // Every write is a temporary file renamed over the destination. Renaming over a symbolic
   // link replaced the link with a file (its target kept the old bytes); renaming over
@@ -521,7 +548,7 @@ TEST(Hardening, OutputsAreWrittenThroughLinksAndNeverReplaceDevicesOrDirectories
               std::string::npos);
   }
   EXPECT_TRUE(fs::is_fifo(fifo));
-  EXPECT_FALSE(fs::exists(fifo + ".tmp"));
+  EXPECT_FALSE(test::has_temporaries(fifo));
   // /dev/stdout leads into /proc/self/fd: a descriptor, never a file to rename over.
   if (fs::is_symlink("/dev/stdout")) {
     const std::string msg = message_of<Error>([&] { AtomicFile out("/dev/stdout"); });
@@ -544,11 +571,17 @@ TEST(Hardening, AKillWhileReSavingAStepLeavesALoadableCheckpoint) {
   fs::rename(step, step + ".old");
   fs::create_directories(step + ".tmp");
   test::write_all(step + ".tmp/state.bin", "half");
+  // and the temporaries of `latest` and the plot that the same kill cut short
+  const std::string latest_tmp = c.out_dir + "/latest.tmp.4242.0", plot_tmp = c.out_dir + "/loss.svg.tmp.4242.1";
+  test::write_all(latest_tmp, "step_0000");
+  test::write_all(plot_tmp, "<svg");
   EXPECT_EQ(io::resolve_checkpoint(c.out_dir), step + ".old");
   io::recover_out_dir(c.out_dir);
   EXPECT_TRUE(fs::exists(step + "/state.bin"));
   EXPECT_FALSE(fs::exists(step + ".old"));
   EXPECT_FALSE(fs::exists(step + ".tmp"));
+  EXPECT_FALSE(fs::exists(latest_tmp));
+  EXPECT_FALSE(fs::exists(plot_tmp));
   EXPECT_EQ(io::resolve_checkpoint(c.out_dir), step);
 }
 

@@ -49,7 +49,7 @@ TEST(TokenShard, RoundTripsU16) {
   const std::string path = scratch_dir() + "/gpt2.bin";
   const std::vector<int32_t> tokens = {0, 1, 50256, 65535, 15496, 995, 7};
   write_token_shard(path, tokens, TokenWidth::U16);
-  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  EXPECT_FALSE(tally::test::has_temporaries(path));
   EXPECT_EQ(fs::file_size(path), 1024 + 2 * tokens.size());
 
   // The exact llm.c layout: header {20240520, 1, n, 0...}, then little-endian uint16.
@@ -120,7 +120,7 @@ TEST(TokenShard, RejectsTokensThatDoNotFit) {
   msg = message_of<std::runtime_error>([&] { write_token_shard(path, {-5}, TokenWidth::U32); });
   EXPECT_NE(msg.find("token 0 is -5"), std::string::npos) << msg;
   EXPECT_FALSE(fs::exists(path));
-  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  EXPECT_FALSE(tally::test::has_temporaries(path));
 
   msg = message_of<std::runtime_error>(
       [&] { write_token_shard(scratch_dir() + "/no/such/dir/x.bin", {1}, TokenWidth::U16); });

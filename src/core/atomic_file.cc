@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -12,8 +13,19 @@
 
 namespace tally {
 
+namespace {
+// "<target>.tmp.<pid>.<n>": each writer its own temporary, so two writers of one file at
+// once (two runs finishing into one directory, two threads) never write into or rename
+// away each other's; the last commit wins, whole. Leftovers of a killed process all start
+// with "<target>.tmp" (io::recover_out_dir removes those of an --out-dir).
+std::string temporary_for(const std::string& target) {
+  static std::atomic<uint64_t> next{0};
+  return target + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(next.fetch_add(1));
+}
+}  // namespace
+
 AtomicFile::AtomicFile(std::string path, const char* what)
-    : path_(std::move(path)), what_(what), target_(replacement_target(path_, what)), tmp_path_(target_ + ".tmp") {
+    : path_(std::move(path)), what_(what), target_(replacement_target(path_, what)), tmp_path_(temporary_for(target_)) {
   file_ = std::fopen(tmp_path_.c_str(), "wb");
   TALLY_CHECK(file_, what_, " '", path_, "': cannot create '", tmp_path_, "': ", std::strerror(errno));
 }

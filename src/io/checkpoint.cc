@@ -337,7 +337,9 @@ void recover_out_dir(const std::string& out_dir) {
   for (const auto& entry : fs::directory_iterator(out_dir)) {
     const std::string name = entry.path().filename().string();
     const bool step_leftover = name.rfind("step_", 0) == 0 && (name.ends_with(".tmp") || name.ends_with(".old"));
-    if (step_leftover || name == "latest.tmp" || name == "loss.svg.tmp") fs::remove_all(entry.path());
+    // AtomicFile's temporaries are "<file>.tmp.<pid>.<n>"
+    const bool file_leftover = name.starts_with("latest.tmp") || name.starts_with("loss.svg.tmp");
+    if (step_leftover || file_leftover) fs::remove_all(entry.path());
   }
 }
 
