@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -571,10 +572,14 @@ TEST(Hardening, AKillWhileReSavingAStepLeavesALoadableCheckpoint) {
   fs::rename(step, step + ".old");
   fs::create_directories(step + ".tmp");
   test::write_all(step + ".tmp/state.bin", "half");
-  // and the temporaries of `latest` and the plot that the same kill cut short
-  const std::string latest_tmp = c.out_dir + "/latest.tmp.4242.0", plot_tmp = c.out_dir + "/loss.svg.tmp.4242.1";
+  // and the temporaries of `latest` and the plot that the same kill cut short (pid 4194305
+  // is above Linux's largest pid_max: no process has it). A live process's temporary (this
+  // one's: another run finishing into the same directory) is left alone.
+  const std::string latest_tmp = c.out_dir + "/latest.tmp.4194305.0", plot_tmp = c.out_dir + "/loss.svg.tmp.4194305.1";
+  const std::string live_tmp = c.out_dir + "/loss.svg.tmp." + std::to_string(::getpid()) + ".9";
   test::write_all(latest_tmp, "step_0000");
   test::write_all(plot_tmp, "<svg");
+  test::write_all(live_tmp, "<svg");
   EXPECT_EQ(io::resolve_checkpoint(c.out_dir), step + ".old");
   io::recover_out_dir(c.out_dir);
   EXPECT_TRUE(fs::exists(step + "/state.bin"));
@@ -582,6 +587,8 @@ TEST(Hardening, AKillWhileReSavingAStepLeavesALoadableCheckpoint) {
   EXPECT_FALSE(fs::exists(step + ".tmp"));
   EXPECT_FALSE(fs::exists(latest_tmp));
   EXPECT_FALSE(fs::exists(plot_tmp));
+  EXPECT_TRUE(fs::exists(live_tmp));
+  fs::remove(live_tmp);
   EXPECT_EQ(io::resolve_checkpoint(c.out_dir), step);
 }
 

@@ -1,8 +1,11 @@
 #include "io/checkpoint.h"
 
+#include <signal.h>
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -319,6 +322,22 @@ std::string resolve_checkpoint(const std::string& path) {
   return dir;
 }
 
+namespace {
+// Whether `name` is an AtomicFile temporary of `file` ("<file>.tmp.<pid>.<n>", or an older
+// tally's "<file>.tmp") whose writer is gone. A live writer's is left alone: another run
+// finishing into the same directory may be about to rename it into place.
+bool abandoned_temporary(const std::string& name, const std::string& file) {
+  const std::string prefix = file + ".tmp";
+  if (!name.starts_with(prefix)) return false;
+  if (name.size() == prefix.size()) return true;
+  if (name[prefix.size()] != '.') return false;
+  char* end = nullptr;
+  const long pid = std::strtol(name.c_str() + prefix.size() + 1, &end, 10);
+  if (pid <= 0 || *end != '.') return true;  // not a name AtomicFile makes: a leftover
+  return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+}  // namespace
+
 void recover_out_dir(const std::string& out_dir) {
   if (!fs::is_directory(out_dir)) return;
   std::string dir;
@@ -337,8 +356,7 @@ void recover_out_dir(const std::string& out_dir) {
   for (const auto& entry : fs::directory_iterator(out_dir)) {
     const std::string name = entry.path().filename().string();
     const bool step_leftover = name.rfind("step_", 0) == 0 && (name.ends_with(".tmp") || name.ends_with(".old"));
-    // AtomicFile's temporaries are "<file>.tmp.<pid>.<n>"
-    const bool file_leftover = name.starts_with("latest.tmp") || name.starts_with("loss.svg.tmp");
+    const bool file_leftover = abandoned_temporary(name, "latest") || abandoned_temporary(name, "loss.svg");
     if (step_leftover || file_leftover) fs::remove_all(entry.path());
   }
 }

@@ -59,7 +59,8 @@ std::string resolve_checkpoint(const std::string& path);
 std::string latest_step_dir(const std::string& out_dir, const char* flag);
 // Repairs what a killed save can leave in `out_dir` (run by the writer before training):
 // a step directory moved aside as "<step>.old" while its replacement was not yet in place
-// is moved back, and "*.tmp" leftovers of unfinished writes are removed.
+// is moved back, and the temporaries of unfinished writes are removed (a file's only when
+// the process that wrote it is gone).
 void recover_out_dir(const std::string& out_dir);
 // The checkpoints an earlier run left in `out_dir`: when it has a `latest`, its step
 // directories (by name, in step order) and "latest"; empty otherwise (a step directory
