@@ -539,7 +539,12 @@ TEST(Ops, Bf16AttentionIsTheDefinitionOverBf16RoundedOperands) {
       return m;
     };
     const float dq_scale = largest_at(q.grad(), false), dk_scale = largest_at(k.grad(), false);
-    EXPECT_GT(dq_scale, 0.f);
+    // At T = 1 every dq is 0 by the same invariance, and may come out exactly 0 (the ASan
+    // build on an AMX machine summed D and dP in the same order); at T = 256 the later
+    // queries' dq are what the first query's is compared with, so they must not be 0.
+    if (T > 1) {
+      EXPECT_GT(dq_scale, 0.f);
+    }
     EXPECT_LE(largest_at(q.grad(), true), 1e-5 * (T == 1 ? 1.0 : dq_scale)) << "T " << T << ": dq of the first query";
     if (T == 1) {
       EXPECT_LE(dk_scale, 1e-5) << "T 1: dk";
