@@ -1,9 +1,10 @@
 // Writes a file atomically: data goes to "<path>.tmp.<pid>.<n>" (each writer its own), is
 // flushed and fsync'ed, then renamed over <path>, and the directory is fsync'ed. A crash
-// leaves either the old file or the new one, never half. A <path> that is a symbolic link is written through (the file it
-// points to is replaced; the link stays); one that is a directory, device, FIFO or socket is
-// refused (core/file_target.h). Every write and the close are checked: a full disk is an
-// error naming the file, never a truncated file left behind as if complete.
+// leaves either the old file or the new one, never half. A <path> that is a symbolic link
+// is written through (the file it points to is replaced; the link stays); one that is a
+// directory, device, FIFO or socket is refused (core/file_target.h). Every write and the
+// close are checked: a full disk is an error naming the file, never a truncated file left
+// behind as if complete.
 //
 // Every file tally writes goes through here: checkpoints and model files (io), token shards
 // (data), memory reports (memory), logs and plots (train).
