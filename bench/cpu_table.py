@@ -54,7 +54,8 @@ def main():
     if sys.argv[1:] == ["--kind"]:
         print(kind())
         return
-    begin, end = f"<!-- cpu-bench:{kind()}:begin -->", f"<!-- cpu-bench:{kind()}:end -->"
+    this_kind = kind()
+    begin, end = f"<!-- cpu-bench:{this_kind}:begin -->", f"<!-- cpu-bench:{this_kind}:end -->"
     runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
     rows, peaks = [], {}
     for work in [w for w in WORKS if any(r["work"] == w for r in runs)]:
@@ -99,7 +100,7 @@ def main():
     if begin in text and end in text:
         text = text[:text.index(begin)] + "\n".join(block) + text[text.index(end) + len(end):]
     else:
-        text = text.rstrip("\n") + f"\n\n## CPU training against PyTorch on the {kind()} kind of machine (issue 12, bench/run_cpu.sh)\n\n" + "\n".join(block) + "\n"
+        text = text.rstrip("\n") + f"\n\n## CPU training against PyTorch on the {this_kind} kind of machine (issue 12, bench/run_cpu.sh)\n\n" + "\n".join(block) + "\n"
     open(sys.argv[2], "w").write(text)
     print("\n".join(block))
 

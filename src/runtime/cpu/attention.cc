@@ -105,9 +105,11 @@ TileOperand<In> as_operand(const T* tile, int64_t ld, int64_t rows, int64_t cols
   }
 }
 
-// Scratch for as_operand: none when no rounding is needed.
-template <class In, class T> std::vector<In> operand_scratch(int64_t elements) {
-  return std::vector<In>(std::is_same_v<In, T> ? 0 : static_cast<size_t>(elements));
+// Scratch of Elem that only mixed precision (In != T) uses: the rounded operands of
+// as_operand (Elem = In) and the dense result tiles of tile_accumulate and dq (Elem = T).
+// Empty when In is T: nothing is rounded, and the tile GEMMs accumulate in place.
+template <class Elem, class In, class T> std::vector<Elem> mixed_precision_scratch(int64_t elements) {
+  return std::vector<Elem>(std::is_same_v<In, T> ? 0 : static_cast<size_t>(elements));
 }
 
 // Runs `body` with In = the storage type of q, k, v and T = that of everything else:
@@ -173,11 +175,6 @@ void tile_accumulate(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha,
   }
 }
 
-// Scratch for a dense result tile: none when the tile GEMMs accumulate in place.
-template <class In, class T> std::vector<T> term_scratch(int64_t elements) {
-  return std::vector<T>(std::is_same_v<In, T> ? 0 : static_cast<size_t>(elements));
-}
-
 // The key tiles query tile [t0, t0 + rows) sees: keys [0, t0 + rows + offset).
 inline int64_t keys_seen(int64_t t0, int64_t rows, int64_t offset) { return t0 + rows + offset; }
 }  // namespace
@@ -204,7 +201,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
     {
       std::vector<T> s(static_cast<size_t>(kBlockQ * kBlockK)), acc(static_cast<size_t>(kBlockQ * g.D));
       std::vector<T> m(kBlockQ), l(kBlockQ);
-      std::vector<In> p_rounded = operand_scratch<In, T>(kBlockQ * kBlockK);
+      std::vector<In> p_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kBlockK);
       // Later query tiles see more keys: hand items out dynamically, longest first.
 #pragma omp for schedule(dynamic, 1)
       for (int64_t item = 0; item < items; ++item) {
@@ -290,10 +287,11 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
       // bf16: dq accumulates over a query tile's key tiles in a dense tile, added once the
       // tile is complete; dk and dv terms go through `term` (tile_accumulate).
       constexpr bool kDenseResults = !std::is_same_v<In, T>;
-      std::vector<T> term = term_scratch<In, T>(kBlockK * g.D), dq_acc = term_scratch<In, T>(kBlockQ * g.D);
-      std::vector<In> p_rounded = operand_scratch<In, T>(kBlockQ * kBlockK);
-      std::vector<In> ds_rounded = operand_scratch<In, T>(kBlockQ * kBlockK);
-      std::vector<In> do_rounded = operand_scratch<In, T>(kBlockQ * g.D);
+      std::vector<T> term = mixed_precision_scratch<T, In, T>(kBlockK * g.D);
+      std::vector<T> dq_acc = mixed_precision_scratch<T, In, T>(kBlockQ * g.D);
+      std::vector<In> p_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kBlockK);
+      std::vector<In> ds_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kBlockK);
+      std::vector<In> do_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * g.D);
 #pragma omp for collapse(2) schedule(static)
       for (int64_t b = 0; b < g.B; ++b)
         for (int64_t kvh = 0; kvh < g.KV; ++kvh) {
