@@ -158,8 +158,9 @@ TEST(Gpt2MixedPrecision, Bf16MatchesFp32AndPyTorchAutocastWithinBf16Rounding) {
     EXPECT_GT(vs_fp32, 1e-4) << "gradient of " << name << " equals fp32's: the GEMMs did not run in bf16";
     EXPECT_LT(vs_autocast, 1e-2) << "gradient of " << name << " against PyTorch autocast";
   }
-  std::printf("bf16 gradients, relative L2: against fp32 %.2g-%.2g, against autocast at most %.2g\n", best_vs_fp32,
-              worst_vs_fp32, worst_vs_autocast);
+  std::printf("bf16 loss %.7f: %.2g from fp32, %.2g from autocast; gradients, relative L2: against fp32 %.2g-%.2g, "
+              "against autocast at most %.2g\n", loss.item(), std::abs(loss.item() - fp32_loss),
+              std::abs(loss.item() - autocast.at("loss").item()), best_vs_fp32, worst_vs_fp32, worst_vs_autocast);
   m->params().zero_grad();
 
   // Ten AdamW steps: the bf16 copy must follow the master weights after every update.

@@ -563,7 +563,7 @@ TEST(Ops, Bf16AttentionIsTheDefinitionOverBf16RoundedOperands) {
 TEST(Ops, ChunkedLinearCrossEntropyEqualsTheHeadThenTheLoss) {
   // The same math as cross_entropy(linear(x, W)), only in chunks of rows: the chunks change
   // nothing but GEMM blocking, so fp32 results agree to accumulation order (1e-6 on values
-  // of order 1). Chunks of 1 row, a size that leaves a partial last chunk, all rows and
+  // of order 1). Under bf16 both sides round the logits to bf16 (the head's bf16 output). Chunks of 1 row, a size that leaves a partial last chunk, all rows and
   // more; a padded vocabulary (13 of 16 columns valid) and an ignored target (-1).
   const int64_t N = 10, C = 24, Vp = 16, V = 13;
   std::vector<int32_t> t = {0, 5, 12, -1, 3, 3, 7, 11, 1, 2};
@@ -574,7 +574,8 @@ TEST(Ops, ChunkedLinearCrossEntropyEqualsTheHeadThenTheLoss) {
       Tensor x2 = x.clone(), w2 = w.clone();
       for (Tensor* p : {&x, &w, &x2, &w2}) p->set_requires_grad(true);
       Tensor w_bf16 = w.detach().to(DType::BF16);
-      Tensor expected = ops::cross_entropy(bf16 ? ops::linear_bf16(x2, w2, w_bf16) : ops::linear(x2, w2), targets, V);
+      Tensor expected = ops::cross_entropy(
+          bf16 ? ops::linear_bf16(x2, w2, w_bf16, Tensor(), DType::BF16) : ops::linear(x2, w2), targets, V);
       Tensor got = ops::linear_cross_entropy(x, w, targets, V, chunk, bf16 ? w_bf16 : Tensor());
       const std::string tag = std::string(bf16 ? "bf16" : "fp32") + " chunk " + std::to_string(chunk);
       EXPECT_NEAR(got.item(), expected.item(), 1e-6) << tag;
@@ -583,6 +584,55 @@ TEST(Ops, ChunkedLinearCrossEntropyEqualsTheHeadThenTheLoss) {
       expect_close(x.grad(), x2.grad(), 0, 1e-6, tag + " dx");
       expect_close(w.grad(), w2.grad(), 0, 1e-6, tag + " dW");
     }
+}
+
+TEST(Ops, CrossEntropyOfBf16LogitsIsTheFp32MathOnTheirValues) {
+  // bf16 logits (mixed precision's head) are read as their exact fp32 values and the math
+  // runs in fp32: the loss equals fp32's on the widened logits to summation order (1e-6),
+  // and the gradient, bf16 like the logits, is fp32's rounded once: equal exactly. Padded
+  // columns (13 of 16 valid) get 0, an ignored row (-1) all 0.
+  const int64_t N = 6, Vp = 16, V = 13;
+  Tensor targets = Tensor::from_vector(std::vector<int32_t>{0, 12, -1, 7, 3, 3}, {N});
+  Tensor logits = ops::scale(test::random_tensor({N, Vp}, 95).to(DType::F32), 4.0).to(DType::BF16);
+  Tensor wide = logits.to(DType::F32);
+  logits.set_requires_grad(true);
+  wide.set_requires_grad(true);
+  Tensor got = ops::cross_entropy(logits, targets, V), want = ops::cross_entropy(wide, targets, V);
+  EXPECT_EQ(got.dtype(), DType::F32);
+  EXPECT_NEAR(got.item(), want.item(), 1e-6);
+  ops::scale(got, 0.5).backward();
+  ops::scale(want, 0.5).backward();
+  ASSERT_EQ(logits.grad().dtype(), DType::BF16);
+  expect_close(logits.grad().to(DType::F32), wide.grad().to(DType::BF16).to(DType::F32), 0, 0, "dlogits");
+  EXPECT_NE(logits.grad().to(DType::F32).to_vector<float>()[0], 0.f);
+}
+
+TEST(Ops, Bf16LinearWithABf16OutputRoundsTheFp32ResultAndTakesABf16Gradient) {
+  // out = BF16: the same GEMM (bf16 operands, fp32 accumulation) with its result rounded
+  // once, so within half a bf16 ulp (2^-9 relative) of the fp32 output, plus one ulp for
+  // another blocking of the sum. Backward takes the bf16 gradient as its GEMM operand: dx
+  // and dW equal the fp32-output linear's given that same gradient (its rounding is then
+  // the identity), to accumulation order.
+  Tensor x = test::random_tensor({5, 24}, 96).to(DType::F32), w = test::random_tensor({16, 24}, 97).to(DType::F32);
+  Tensor x2 = x.clone(), w2 = w.clone();
+  for (Tensor* p : {&x, &w, &x2, &w2}) p->set_requires_grad(true);
+  Tensor w_bf16 = w.detach().to(DType::BF16);
+  Tensor y = ops::linear_bf16(x, w, w_bf16, Tensor(), DType::BF16), y32 = ops::linear_bf16(x2, w2, w_bf16);
+  ASSERT_EQ(y.dtype(), DType::BF16);
+  const std::vector<float> a = y.to(DType::F32).to_vector<float>(), b = y32.to_vector<float>();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], std::abs(b[i]) * (1.0 / 512 + 1.0 / 256) + 1e-7) << i;
+  Tensor g = test::random_tensor({5, 16}, 98).to(DType::BF16);
+  y.backward(g);
+  y32.backward(g.to(DType::F32));
+  expect_close(x.grad(), x2.grad(), 0, 1e-6, "dx");
+  expect_close(w.grad(), w2.grad(), 0, 1e-6, "dW");
+  // A bias would be added to a rounded output: refused, with what is allowed named.
+  try {
+    ops::linear_bf16(x, w, w_bf16, Tensor::zeros({16}), DType::BF16);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bfloat16 without a bias"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Ops, EmptyRowsAndFeaturesGiveZeroGradientsNotGarbageOrACrash) {

@@ -100,6 +100,14 @@ struct VocabEmbedding {
   }
 };
 
+// Runs f on the logits' data as float or, for mixed precision's bf16 logits, BFloat16.
+template <class F> void with_logits(const Tensor& logits, F&& f) {
+  if (logits.dtype() == DType::BF16) f(logits.data<BFloat16>());
+  else f(logits.data<float>());
+}
+inline double as_double(float v) { return v; }
+inline double as_double(BFloat16 v) { return static_cast<float>(v); }
+
 // ---- vocabulary-parallel cross-entropy (Megatron's _VocabParallelCrossEntropy): each
 // rank reduces its columns to a row maximum, a sum of exponentials and the target's logit
 // when the target is in its block; two all-reduces (max, then the sums) make the
@@ -112,25 +120,31 @@ struct VocabCrossEntropy {
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor logits = ctx.saved(0), targets = ctx.saved(1), lse = ctx.saved(2);
     const int64_t N = logits.shape()[0], V = logits.shape()[1];
-    Tensor dl = Tensor::empty({N, V}, DType::F32, Device::cpu(), current_owner("vocab_cross_entropy_grad"));
+    // The gradient in the logits' dtype: bf16 logits (mixed precision) get a bf16 gradient,
+    // each element rounded once from its fp64 value.
+    Tensor dl = Tensor::empty({N, V}, logits.dtype(), Device::cpu(), current_owner("vocab_cross_entropy_grad"));
     const double scale = grads[0].item() / static_cast<double>(std::max<int64_t>(ctx.counted, 1));
-    const float* lp = logits.data<float>();
     const int32_t* tp = targets.data<int32_t>();
     const double* lsep = lse.data<double>();
-    float* dp = dl.data<float>();
+    with_logits(logits, [&](const auto* lp) {
+      using Elem = std::remove_const_t<std::remove_pointer_t<decltype(lp)>>;
+      Elem* dp = dl.data<Elem>();
 #pragma omp parallel for
-    for (int64_t i = 0; i < N; ++i) {
-      float* d = dp + i * V;
-      if (tp[i] < 0) {
-        for (int64_t j = 0; j < V; ++j) d[j] = 0.f;
-        continue;
+      for (int64_t i = 0; i < N; ++i) {
+        Elem* d = dp + i * V;
+        if (tp[i] < 0) {
+          for (int64_t j = 0; j < V; ++j) d[j] = Elem(0.f);
+          continue;
+        }
+        const Elem* l = lp + i * V;
+        const int64_t t = static_cast<int64_t>(tp[i]) - ctx.vocab_start;
+        for (int64_t j = 0; j < ctx.valid; ++j) {
+          const double p = std::exp(as_double(l[j]) - lsep[i]) * scale;
+          d[j] = Elem(static_cast<float>(j == t ? p - scale : p));
+        }
+        for (int64_t j = ctx.valid; j < V; ++j) d[j] = Elem(0.f);
       }
-      const float* l = lp + i * V;
-      for (int64_t j = 0; j < ctx.valid; ++j) d[j] = static_cast<float>(std::exp(static_cast<double>(l[j]) - lsep[i]) * scale);
-      for (int64_t j = ctx.valid; j < V; ++j) d[j] = 0.f;
-      const int64_t t = static_cast<int64_t>(tp[i]) - ctx.vocab_start;
-      if (t >= 0 && t < ctx.valid) d[t] -= static_cast<float>(scale);
-    }
+    });
     return {dl, Tensor()};
   }
 };
@@ -217,8 +231,8 @@ Tensor TensorParallel::vocab_parallel_embedding(const Tensor& weight_shard, cons
 
 Tensor TensorParallel::vocab_parallel_cross_entropy(const Tensor& logits_shard, const Tensor& targets,
                                                      int64_t vocab_start, int64_t vocab_size) {
-  TALLY_CHECK(logits_shard.dim() == 2 && logits_shard.dtype() == DType::F32, "vocab-parallel cross-entropy: logits must be "
-              "float32 (N, V/tp), got ", logits_shard.str());
+  TALLY_CHECK(logits_shard.dim() == 2 && (logits_shard.dtype() == DType::F32 || logits_shard.dtype() == DType::BF16),
+              "vocab-parallel cross-entropy: logits must be float32 or bfloat16 (N, V/tp), got ", logits_shard.str());
   TALLY_CHECK(targets.dim() == 1 && targets.dtype() == DType::I32 && targets.shape()[0] == logits_shard.shape()[0],
               "vocab-parallel cross-entropy: targets must be int32 (N), got ", targets.str(), " for logits ",
               logits_shard.str());
@@ -226,32 +240,33 @@ Tensor TensorParallel::vocab_parallel_cross_entropy(const Tensor& logits_shard, 
   Tensor tgt = targets.is_contiguous() ? targets : ops::contiguous(targets);
   const int64_t N = logits.shape()[0], V = logits.shape()[1];
   const int64_t valid = std::clamp<int64_t>(vocab_size - vocab_start, 0, V);  // the rest is padding
-  const float* lp = logits.data<float>();
   const int32_t* tp = tgt.data<int32_t>();
   for (int64_t i = 0; i < N; ++i)
     TALLY_CHECK(tp[i] < vocab_size, "vocab-parallel cross-entropy: target ", tp[i], " in row ", i,
                 " is outside the vocabulary [0, ", vocab_size, ") (negative targets are ignored)");
-  // Row maxima over the group.
   Tensor row_max = Tensor::empty({N}, DType::F64, Device::cpu(), current_owner("vocab_ce_stats"));
-  double* mp = row_max.data<double>();
-#pragma omp parallel for
-  for (int64_t i = 0; i < N; ++i) {
-    double m = -std::numeric_limits<double>::infinity();
-    for (int64_t j = 0; j < valid; ++j) m = std::max(m, static_cast<double>(lp[i * V + j]));
-    mp[i] = m;
-  }
-  group_.all_reduce(row_max, ReduceOp::Max);
-  // Sums of exponentials and the target's logit (from the rank that holds it): one all-reduce.
   Tensor sums = Tensor::empty({2, N}, DType::F64, Device::cpu(), current_owner("vocab_ce_stats"));
+  double* mp = row_max.data<double>();
   double* sp = sums.data<double>();
+  with_logits(logits, [&](const auto* lp) {
+    // Row maxima over the group.
 #pragma omp parallel for
-  for (int64_t i = 0; i < N; ++i) {
-    double s = 0;
-    for (int64_t j = 0; j < valid; ++j) s += std::exp(static_cast<double>(lp[i * V + j]) - mp[i]);
-    sp[i] = s;
-    const int64_t t = static_cast<int64_t>(tp[i]) - vocab_start;
-    sp[N + i] = tp[i] >= 0 && t >= 0 && t < valid ? static_cast<double>(lp[i * V + t]) : 0.0;
-  }
+    for (int64_t i = 0; i < N; ++i) {
+      double m = -std::numeric_limits<double>::infinity();
+      for (int64_t j = 0; j < valid; ++j) m = std::max(m, as_double(lp[i * V + j]));
+      mp[i] = m;
+    }
+    group_.all_reduce(row_max, ReduceOp::Max);
+    // Sums of exponentials and the target's logit (from the rank that holds it): one all-reduce.
+#pragma omp parallel for
+    for (int64_t i = 0; i < N; ++i) {
+      double s = 0;
+      for (int64_t j = 0; j < valid; ++j) s += std::exp(as_double(lp[i * V + j]) - mp[i]);
+      sp[i] = s;
+      const int64_t t = static_cast<int64_t>(tp[i]) - vocab_start;
+      sp[N + i] = tp[i] >= 0 && t >= 0 && t < valid ? as_double(lp[i * V + t]) : 0.0;
+    }
+  });
   group_.all_reduce(sums);
   Tensor lse = Tensor::empty({N}, DType::F64, Device::cpu(), current_owner("vocab_ce_lse"));
   double* lsep = lse.data<double>();

@@ -532,6 +532,15 @@ Tensor Transformer::linear(const Tensor& x, size_t weight, size_t bias) const {
   return ops::linear(x, params_[weight], param(bias));
 }
 
+// Under bf16 the head writes bf16 logits, as autocast's linear does: the (B*T, Vp)
+// logits are the step's largest activation, and the loss reads them as fp32 anyway. Their
+// gradient is then bf16 too, the GEMMs' operand as it is, with no rounding pass between.
+Tensor Transformer::head_logits(const Tensor& x, size_t weight) const {
+  if (matmul_dtype_ == DType::BF16)
+    return ops::linear_bf16(x, params_[weight], params_.compute_copy(weight), Tensor(), DType::BF16);
+  return ops::linear(x, params_[weight]);
+}
+
 Tensor Transformer::attention(const Tensor& q, const Tensor& k, const Tensor& v, bool recompute) const {
   if (matmul_dtype_ == DType::BF16) return ops::causal_attention_bf16(q, k, v, recompute);
   return ops::causal_attention(q, k, v, recompute);
@@ -635,7 +644,7 @@ void Transformer::head(const Tensor& input, const Tensor& targets, bool return_l
     x = tp_ops_->into_column_parallel(x);
     const int64_t B = x.shape()[0], T = x.shape()[1];
     if (targets.defined()) check_targets(B, T);
-    Tensor logits = linear(x, head_weight, kAbsent);
+    Tensor logits = head_logits(x, head_weight);
     if (targets.defined())
       result.loss = tp_ops_->vocab_parallel_cross_entropy(logits.view({B * T, logits.shape()[2]}), targets.view({B * T}),
                                                           vocab_start(), c.vocab_size);
@@ -647,10 +656,11 @@ void Transformer::head(const Tensor& input, const Tensor& targets, bool return_l
       result.loss = ops::linear_cross_entropy(x.reshape({B * T, c.n_embd}), params_[head_weight], targets.reshape({B * T}),
                                               c.vocab_size, loss_chunk_rows_, copy);
     } else {
-      Tensor logits = linear(x, head_weight, kAbsent);  // (B,T,Vp)
+      Tensor logits = head_logits(x, head_weight);  // (B,T,Vp)
       if (targets.defined())
         result.loss = ops::cross_entropy(logits.view({B * T, c.padded_vocab_size}), targets.view({B * T}), c.vocab_size);
-      if (return_logits) result.logits = logits;
+      // Returned logits are fp32 whatever the head wrote (under bf16: its values, widened).
+      if (return_logits) result.logits = logits.dtype() == DType::F32 ? logits : logits.to(DType::F32);
     }
   }
   if (result.loss.defined()) result.loss = acquired_in_backward(result.loss, units);

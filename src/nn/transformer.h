@@ -234,6 +234,8 @@ class Transformer {
   Tensor row_linear(const Tensor& x, size_t weight, size_t bias) const;
   // x W^T + b for parameters `weight` and `bias` (kAbsent: none), in the matmul dtype.
   Tensor linear(const Tensor& x, size_t weight, size_t bias) const;
+  // The head's logits x W^T: fp32, or under bf16 bf16 (see transformer.cc).
+  Tensor head_logits(const Tensor& x, size_t weight) const;
   // Causal attention over q, k, v, its tile products in the matmul dtype; `recompute`:
   // its output is made again in backward (selective recomputation).
   Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool recompute) const;

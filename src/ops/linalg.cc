@@ -216,7 +216,10 @@ struct LinearBf16Fn {
     Tensor g = materialize(grads[0]);
     const int64_t out_f = w_bf16.shape()[0], in_f = w_bf16.shape()[1], rows = leading_rows(g);
     Tensor g2 = make_view(g, {rows, out_f}, {out_f, 1}, g.offset());
-    Tensor g_bf16 = (ctx.needs_input_grad(0) || ctx.needs_input_grad(1)) ? to_bf16(g2, "linear_bf16_dy") : Tensor();
+    // A bf16 output's gradient is bf16 already (the GEMMs' operand as it is).
+    Tensor g_bf16 = !(ctx.needs_input_grad(0) || ctx.needs_input_grad(1)) ? Tensor()
+                    : g2.dtype() == DType::BF16                          ? g2
+                                                                         : to_bf16(g2, "linear_bf16_dy");
     Tensor dx, dw, db;
     if (ctx.needs_input_grad(0)) {
       Shape shape = x_bf16.shape();
@@ -240,7 +243,7 @@ struct LinearBf16Fn {
 };
 }  // namespace
 
-Tensor linear_bf16(const Tensor& x_in, const Tensor& w, const Tensor& w_bf16, const Tensor& b) {
+Tensor linear_bf16(const Tensor& x_in, const Tensor& w, const Tensor& w_bf16, const Tensor& b, DType out_dtype) {
   detail::require_same_device("linear_bf16", {&x_in, &w, &w_bf16, &b});
   TALLY_CHECK(x_in.dtype() == DType::F32 && w.dtype() == DType::F32 && w_bf16.dtype() == DType::BF16 &&
                   (!b.defined() || b.dtype() == DType::F32),
@@ -252,12 +255,14 @@ Tensor linear_bf16(const Tensor& x_in, const Tensor& w, const Tensor& w_bf16, co
               x_in.dim() ? x_in.size(-1) : 0, " features but weight ", w.str(), " expects ", w.shape()[1]);
   TALLY_CHECK(!b.defined() || (b.dim() == 1 && b.shape()[0] == w.shape()[0]), "linear_bf16: bias ", b.str(),
               " must be (", w.shape()[0], ")");
+  TALLY_CHECK(out_dtype == DType::F32 || (out_dtype == DType::BF16 && !b.defined()), "linear_bf16: the output must be ",
+              "float32, or bfloat16 without a bias, got ", dtype_name(out_dtype), b.defined() ? " with a bias" : "");
   const int64_t out_f = w.shape()[0], in_f = w.shape()[1], rows = leading_rows(x_in);
   Tensor x_bf16 = to_bf16(x_in, "linear_x_bf16");  // contiguous, whatever x's strides
   Tensor wb = materialize(w_bf16);
   Shape shape = x_in.shape();
   shape.back() = out_f;
-  Tensor out = new_output(shape, DType::F32, x_in.device(), "linear");
+  Tensor out = new_output(shape, out_dtype, x_in.device(), "linear");
   Tensor out2 = make_view(out, {rows, out_f}, {out_f, 1}, 0);
   project(make_view(x_bf16, {rows, in_f}, {in_f, 1}, 0), wb, b, out2);
   if (autograd::needs_graph({x_in, w, b})) {

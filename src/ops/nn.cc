@@ -163,11 +163,24 @@ struct CrossEntropyFn {
 // The mean of the per-row losses over the rows with a target (>= 0), a scalar owned as
 // "loss"; `count` gets that number of rows (backward's denominator). cross_entropy and
 // linear_cross_entropy both end so.
+// Both are read in their own dtypes: on the CPU that makes no converted copy (which would
+// be a tensor of its own, live beside the logits at the loss's moment).
 Tensor mean_over_targets(const Tensor& losses, const Tensor& targets, int64_t& count) {
   count = 0;
-  for (int64_t t : targets.to_vector<int64_t>()) count += t >= 0;
+  auto count_targets = [&](auto tag) {
+    for (auto t : targets.to_vector<decltype(tag)>()) count += t >= 0;
+  };
+  switch (targets.dtype()) {
+    case DType::I32: count_targets(int32_t{}); break;
+    case DType::I64: count_targets(int64_t{}); break;
+    case DType::U16: count = targets.numel(); break;  // unsigned: every row has a target
+    default: TALLY_FAIL("cross_entropy: targets must be integers, got ", targets.str());
+  }
   double total = 0;
-  for (double l : losses.to_vector<double>()) total += l;
+  if (losses.dtype() == DType::F32)
+    for (float l : losses.to_vector<float>()) total += l;
+  else
+    for (double l : losses.to_vector<double>()) total += l;
   Tensor loss = new_output({}, losses.dtype(), losses.device(), "loss");
   loss.fill_(total / static_cast<double>(std::max<int64_t>(count, 1)));
   return loss;
@@ -176,6 +189,7 @@ Tensor mean_over_targets(const Tensor& losses, const Tensor& targets, int64_t& c
 // linear_cross_entropy: forward keeps x (or its bf16 copy), W (or its copy), lse and the
 // targets. Backward, per chunk c of rows: logits_c = x_c W^T again, turned in place into
 // dlogits_c = (g / count) (softmax - onehot), then dx_c = dlogits_c W and dW += dlogits_c^T x_c.
+// Under bf16 the logits (and so their gradient) are bf16, as linear_bf16's head writes them.
 struct LinearCrossEntropyFn {
   static constexpr const char* kName = "linear_cross_entropy";
   struct Context : autograd::Context {  // saved: x (fp32 or bf16), W (fp32 or bf16), lse, targets
@@ -187,7 +201,6 @@ struct LinearCrossEntropyFn {
     Tensor x = ctx.saved(0), w = ctx.saved(1), lse = ctx.saved(2), targets = ctx.saved(3);
     const double scale = grads[0].item() / static_cast<double>(std::max<int64_t>(ctx.count, 1));
     const int64_t N = x.shape()[0], C = x.shape()[1], Vp = w.shape()[0], chunk = ctx.chunk_rows;
-    const bool bf16 = w.dtype() == DType::BF16;
     Tensor dx, dw;
     if (ctx.needs_input_grad(0)) dx = Tensor::empty({N, C}, DType::F32, x.device(), current_owner("linear_cross_entropy_dx"));
     Tensor sink = ctx.grad_sink(1);
@@ -195,9 +208,9 @@ struct LinearCrossEntropyFn {
     if (ctx.needs_input_grad(1) && !into_sink)
       dw = Tensor::empty({Vp, C}, DType::F32, x.device(), current_owner("linear_cross_entropy_dw"));
     if (dw.defined() && N == 0) dw.fill_(0.0);  // no chunk writes it: the sum over no rows
-    Tensor logits = Tensor::empty({std::min(chunk, N), Vp}, DType::F32, x.device(), current_owner("linear_cross_entropy_logits"));
-    Tensor logits_bf16 = bf16 ? Tensor::empty(logits.shape(), DType::BF16, x.device(), current_owner("linear_cross_entropy_dlogits_bf16"))
-                              : Tensor();
+    // Under bf16 the chunk's logits are bf16, as the forward's were, and so is their gradient,
+    // written in place: what the two GEMMs take.
+    Tensor logits = Tensor::empty({std::min(chunk, N), Vp}, w.dtype(), x.device(), current_owner("linear_cross_entropy_logits"));
     for (int64_t r0 = 0; r0 < N; r0 += chunk) {
       const int64_t rows = std::min(chunk, N - r0);
       Tensor x_c = make_view(x, {rows, C}, {C, 1}, x.offset() + r0 * C);
@@ -205,11 +218,7 @@ struct LinearCrossEntropyFn {
       on(x).gemm(x_c, false, w, true, l_c);
       on(x).cross_entropy_backward(l_c, l_c, make_view(lse, {rows}, {1}, r0), make_view(targets, {rows}, {1}, targets.offset() + r0),
                                    ctx.valid_vocab, scale);
-      Tensor d_c = l_c;
-      if (bf16) {
-        d_c = make_view(logits_bf16, {rows, Vp}, {Vp, 1}, 0);
-        on(x).copy(d_c, l_c);
-      }
+      const Tensor& d_c = l_c;  // the chunk now holds its logits' gradient
       if (dx.defined()) on(x).gemm(d_c, false, w, false, make_view(dx, {rows, C}, {C, 1}, r0 * C));
       if (into_sink) on(x).gemm(d_c, true, x_c, false, sink, 1.f, 1.f);
       else if (dw.defined()) on(x).gemm(d_c, true, x_c, false, dw, 1.f, r0 == 0 ? 0.f : 1.f);
@@ -404,8 +413,10 @@ Tensor cross_entropy(const Tensor& logits_in, const Tensor& targets_in, int64_t 
   TALLY_CHECK(V > 0 && V <= logits_in.shape()[1], "cross_entropy: valid_vocab ", V, " outside 1..", logits_in.shape()[1]);
   Tensor logits = materialize(logits_in), targets = materialize(targets_in);
   const int64_t N = logits.shape()[0];
-  Tensor losses = new_output({N}, logits.dtype(), logits.device(), "cross_entropy_rows");
-  Tensor lse = new_output({N}, logits.dtype(), logits.device(), "cross_entropy_lse");
+  // bf16 logits (mixed precision's head) are read as fp32: the loss and lse are fp32.
+  const DType stats = logits.dtype() == DType::BF16 ? DType::F32 : logits.dtype();
+  Tensor losses = new_output({N}, stats, logits.device(), "cross_entropy_rows");
+  Tensor lse = new_output({N}, stats, logits.device(), "cross_entropy_lse");
   on(losses).cross_entropy_forward(losses, lse, logits, targets, V);
   int64_t count = 0;
   Tensor loss = mean_over_targets(losses, targets, count);
@@ -441,7 +452,7 @@ Tensor linear_cross_entropy(const Tensor& x_in, const Tensor& w, const Tensor& t
   Tensor losses = new_output({N}, DType::F32, x.device(), "cross_entropy_rows");
   Tensor lse = new_output({N}, DType::F32, x.device(), "cross_entropy_lse");
   {
-    Tensor logits = Tensor::empty({std::min(chunk_rows, N), Vp}, DType::F32, x.device(),
+    Tensor logits = Tensor::empty({std::min(chunk_rows, N), Vp}, wk.dtype(), x.device(),
                                   current_owner("linear_cross_entropy_logits"));
     for (int64_t r0 = 0; r0 < N; r0 += chunk_rows) {
       const int64_t rows = std::min(chunk_rows, N - r0);

@@ -40,8 +40,11 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor
 // for backward (half of fp32's bytes); `weight_bf16` is the caller's bf16 copy of `weight`
 // (ParameterStore::compute_copy keeps it current). Backward rounds dy to bf16 for the two
 // GEMMs (dx = dy W, dW += dy^T x, fp32 outputs) and sums db in fp32. Gradients flow to
-// `weight`, the fp32 master weights, never to its copy.
-Tensor linear_bf16(const Tensor& x, const Tensor& weight, const Tensor& weight_bf16, const Tensor& bias = Tensor());
+// `weight`, the fp32 master weights, never to its copy. `out` bf16 (no bias) returns y
+// rounded to bf16, as autocast's linear does: the head's logits, where half the bytes of
+// the largest activation is worth it; backward then takes dy in bf16 as it comes.
+Tensor linear_bf16(const Tensor& x, const Tensor& weight, const Tensor& weight_bf16, const Tensor& bias = Tensor(),
+                   DType out = DType::F32);
 
 // ---- neural-network ops
 Tensor embedding(const Tensor& weight, const Tensor& indices);  // weight (V, C), indices int

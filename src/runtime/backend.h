@@ -83,6 +83,8 @@ class Backend : public DeviceHooks {
                                   const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                   const Tensor& lse);
   // losses[n] = logsumexp(logits[n, :V]) - logits[n, target[n]]; lse[n] saved for backward.
+  // Logits fp32 or fp64 (losses and lse alike), or bf16 (mixed precision: read as fp32,
+  // losses and lse fp32); dlogits has the logits' dtype and may be the logits themselves.
   virtual void cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor& logits,
                                      const Tensor& targets, int64_t valid_vocab);
   // dlogits[n, j] = scale * (softmax_j - [j == target]) for j < V, 0 for padding columns.

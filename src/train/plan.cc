@@ -183,7 +183,10 @@ MemoryPlan plan_memory(const PlanInput& in) {
   act(std::string("head: final norm output") + proj + gathered, BT, C, proj_bytes);
   act(c.is_llama() ? "head: final RMSNorm rstd" : "head: final norm mean and rstd", sp_rows, c.is_llama() ? 1 : 2);
   const int64_t chunk = std::min(in.loss_chunk_rows, BT);
-  if (chunk == 0) act(TP > 1 ? "head: logits (this rank's vocabulary block)" : "head: logits", BT, Vp / TP);
+  // Under bf16 the head writes bf16 logits (as autocast's linear does), and their gradient
+  // is bf16 too: the GEMMs' operand, with no rounded copy.
+  const int64_t logit = bf16 ? 2 : kFloat;
+  if (chunk == 0) act(TP > 1 ? "head: logits (this rank's vocabulary block)" : "head: logits", BT, Vp / TP, logit);
   // The vocabulary-parallel loss keeps its log-sum-exp in fp64 (two floats a row).
   act("head: cross-entropy log-sum-exp", BT, TP > 1 ? 2 : 1);
   int64_t activations = 0, head_activations = 0;
@@ -245,27 +248,27 @@ MemoryPlan plan_memory(const PlanInput& in) {
   const int64_t mlp_forward = sum({row_parallel, bf16 ? bytes_of(BT, C + mlp_width, kFloat) : 0});
   // Tensor parallel, after the loss's backward: its saved logits and log-sum-exp are freed
   // and the head's projection writes its input's gradient (B*T x C floats) beside the
-  // logits' gradient (and under bf16 that gradient's bf16 copy); then its saved input is
+  // logits' gradient (bf16 under bf16, as the logits); then its saved input is
   // freed and the input's gradient is summed over the tensor-parallel ranks (all-reduced
   // into a new tensor, or under --sp reduce-scattered through a buffer).
-  const int64_t logits_bytes = chunk == 0 ? bytes_of(BT, Vp / TP, kFloat) : 0;
+  const int64_t logits_bytes = chunk == 0 ? bytes_of(BT, Vp / TP, logit) : 0;
   const int64_t loss_lse_bytes = bytes_of(BT, TP > 1 ? 2 : 1, kFloat);
   const int64_t head_input_grad = bytes_of(BT, C, kFloat);
-  const int64_t head_backward = sum({logits_bytes, head_input_grad, bf16 ? bytes_of(BT, Vp / TP, 2) : 0});
+  const int64_t head_backward = sum({logits_bytes, head_input_grad});
   const int64_t head_input_sum = sum({head_input_grad, head_input_grad, in.sequence_parallel ? bytes_of(sp_rows, C, kFloat) : 0});
   const int64_t final_norm_output = bytes_of(BT, C, proj_bytes);
 
   const int64_t loader = (in.val_loader ? 2 : 1) * 2 * BT * kFloat;
   // At the peak (the start of backward): dL/d(final norm output) is allocated while the
-  // cross-entropy's log-sum-exp has been freed; under bf16 the logits' gradient is also
-  // held rounded to bf16 for the head's two GEMMs.
+  // cross-entropy's log-sum-exp has been freed (the logits' gradient took the logits'
+  // place). The chunked loss holds one chunk of logits, then of their gradient, in place.
   // Tensor parallel: the vocabulary-parallel loss's backward writes the logits' gradient
   // beside the saved logits (not in their place), holding the loss's incoming gradient and
   // its value read as a double: that moment, before the head's projection runs backward,
   // is the peak.
-  const int64_t transient = TP > 1      ? sum({bytes_of(BT, Vp / TP, kFloat), kFloat, 8})
-                            : chunk > 0 ? sum({bytes_of(BT, C, kFloat), bytes_of(chunk, Vp, bf16 ? kFloat + 2 : kFloat), kFloat})
-                                        : sum({bytes_of(BT, C, kFloat) - BT * kFloat, bf16 ? bytes_of(BT, Vp, 2) : 0});
+  const int64_t transient = TP > 1      ? sum({bytes_of(BT, Vp / TP, logit), kFloat, 8})
+                            : chunk > 0 ? sum({bytes_of(BT, C, kFloat), bytes_of(chunk, Vp, logit), kFloat})
+                                        : bytes_of(BT, C, kFloat) - BT * kFloat;
 
   // The pipeline: every stage walks its schedule's actions (dist::pipeline_actions) and
   // the plan follows what is live at each: the model states of its shard; every
@@ -489,6 +492,19 @@ MemoryPlan plan_memory(const PlanInput& in) {
                          "transient at the peak (the head input's gradient, summed over the tensor-parallel ranks)",
                          head_input_sum});
     }
+    // The loss's forward, in one process: every activation, the per-row losses (B*T floats)
+    // and under bf16 the final norm's fp32 output, which the head still holds (its
+    // projection keeps a bf16 copy); then either the mean (the loss, one float) is made
+    // beside the logits, or the chunked loss's last chunk of logits is live. Under bf16,
+    // whose logits take half of fp32's bytes, the chunked loss peaks here.
+    if (TP == 1)
+      moments.push_back({"activations (one microbatch, all of them)", activations,
+                         "transient at the peak (the loss's forward: the per-row losses" +
+                             std::string(chunk > 0 ? ", a chunk of logits" : " and their mean") +
+                             (bf16 ? ", the final norm's fp32 output" : "") + ")",
+                         sum({bf16 ? bytes_of(BT, C, kFloat) : 0, chunk > 0 ? bytes_of(chunk, Vp, logit) : 0,
+                              bytes_of(BT, 1, kFloat), chunk > 0 ? 0 : kFloat}),
+                         true});
     const int64_t others = rp.predicted_peak_bytes - activations - transient;
     const int64_t loss_bytes = rp.parts[6].second;
     auto total = [&](const Moment& m) {

@@ -1,7 +1,11 @@
 // Softmax cross-entropy over a (possibly padded) vocabulary, one row at a time:
 // forward stores only lse[n]; backward recomputes softmax from the logits and lse, so the
 // (N, V) probabilities never exist as a tensor.
+#include <algorithm>
+#include <bit>
 #include <cmath>
+#include <limits>
+#include <type_traits>
 
 #include "runtime/cpu/kernels.h"
 #include "runtime/cpu/strided.h"
@@ -18,6 +22,80 @@ int64_t target_at(const Tensor& targets, int64_t n) {
     default: TALLY_FAIL("cross_entropy: targets must be integers, got ", targets.str());
   }
 }
+
+// Runs body(In{}, T{}) with In = the logits' storage type and T = that of the losses, lse
+// and the math: (float, float), (double, double), or (BFloat16, float) for mixed
+// precision's bf16 logits, read widened to fp32.
+template <class F> void dispatch_logits(const Tensor& logits, const Tensor& stats, const char* what, F&& body) {
+  if (logits.dtype() == DType::BF16) {
+    TALLY_CHECK(stats.dtype() == DType::F32, what, ": bf16 logits need fp32 losses and log-sum-exp, got ", stats.str());
+    body(BFloat16{}, float{});
+    return;
+  }
+  TALLY_CHECK(stats.dtype() == logits.dtype(), what, ": logits ", logits.str(), " and ", stats.str(), " differ in dtype");
+  dispatch_floating(logits.dtype(), what, [&](auto tag) { body(tag, tag); });
+}
+
+// bf16 rows are widened a block at a time into fp32 (a stack buffer), so the max, exp and
+// sum loops run on floats and vectorize as fp32's do; per element the widening is a shift.
+constexpr int64_t kWidenBlock = 1024;
+inline void widen_block(const BFloat16* x, float* out, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) out[j] = std::bit_cast<float>(static_cast<uint32_t>(x[j].bits) << 16);
+}
+inline void narrow_block(const float* x, BFloat16* out, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) out[j].bits = bf16_round_bits(x[j]);
+}
+
+// The log-sum-exp of row[0..V): fp32/fp64 in two passes (max, then the sum of exp); bf16
+// in one pass over blocks, rescaling the running sum when the running max grows (the
+// online softmax), so each block is widened once.
+template <class T> T row_logsumexp(const T* row, int64_t V) {
+  const T m = row_max(row, V, row[0]);
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < V; ++j) s += vexp(row[j] - m);
+  return m + std::log(s);
+}
+float row_logsumexp(const BFloat16* row, int64_t V) {
+  float block[kWidenBlock];
+  float m = -std::numeric_limits<float>::infinity(), s = 0;
+  for (int64_t j0 = 0; j0 < V; j0 += kWidenBlock) {
+    const int64_t n = std::min(kWidenBlock, V - j0);
+    widen_block(row + j0, block, n);
+    const float bm = row_max(block, n, m);
+    if (bm > m) s *= vexp(m - bm), m = bm;  // s is 0 while m is -inf
+    float bs = 0;
+#pragma omp simd reduction(+ : bs)
+    for (int64_t j = 0; j < n; ++j) bs += vexp(block[j] - m);
+    s += bs;
+  }
+  return m + std::log(s);
+}
+
+// d[j] = sc * exp(row[j] - l) for j < n, d may be row.
+template <class T> void scaled_softmax(const T* row, T* d, int64_t n, T l, T sc) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) d[j] = sc * vexp(row[j] - l);
+}
+void scaled_softmax(const BFloat16* row, BFloat16* d, int64_t n, float l, float sc) {
+  float block[kWidenBlock];
+  for (int64_t j0 = 0; j0 < n; j0 += kWidenBlock) {
+    const int64_t k = std::min(kWidenBlock, n - j0);
+    widen_block(row + j0, block, k);
+#pragma omp simd
+    for (int64_t j = 0; j < k; ++j) block[j] = sc * vexp(block[j] - l);
+    narrow_block(block, d + j0, k);
+  }
+}
+
+template <class T> T value_of(T v) { return v; }
+float value_of(BFloat16 v) { return static_cast<float>(v); }
+template <class Out, class T> Out stored_as(T v) {
+  if constexpr (std::is_same_v<Out, BFloat16>) return BFloat16(static_cast<float>(v));
+  else return static_cast<Out>(v);
+}
 }  // namespace
 
 void cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor& logits, const Tensor& targets,
@@ -27,49 +105,52 @@ void cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor
     int64_t t = target_at(targets, n);
     TALLY_CHECK(t < V, "cross_entropy: target ", t, " at row ", n, " is outside the vocabulary of ", V);
   }
-  dispatch_floating(logits.dtype(), "cross_entropy", [&](auto tag) {
+  dispatch_logits(logits, lse, "cross_entropy", [&](auto in_tag, auto tag) {
+    using In = decltype(in_tag);
     using T = decltype(tag);
-    const T* pl = logits.data<T>();
+    const In* pl = logits.data<In>();
     T* ploss = losses.data<T>();
     T* plse = lse.data<T>();
 #pragma omp parallel for schedule(static) if (N * V > (1 << 14))
     for (int64_t n = 0; n < N; ++n) {
-      const T* row = pl + n * Vp;
-      const T m = row_max(row, V, row[0]);
-      T s = 0;
-#pragma omp simd reduction(+ : s)
-      for (int64_t j = 0; j < V; ++j) s += vexp(row[j] - m);
-      const T l = m + std::log(s);
+      const In* row = pl + n * Vp;
+      const T l = row_logsumexp(row, V);
       plse[n] = l;
       const int64_t t = target_at(targets, n);
-      ploss[n] = t < 0 ? T(0) : l - row[t];
+      ploss[n] = t < 0 ? T(0) : l - value_of(row[t]);
     }
   });
 }
 
+// dlogits may be the logits themselves (the op overwrites them in place): each element is
+// read before it is written, the target's included.
 void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse, const Tensor& targets,
                             int64_t V, double scale) {
   const int64_t N = logits.shape()[0], Vp = logits.shape()[1];
-  dispatch_floating(logits.dtype(), "cross_entropy backward", [&](auto tag) {
+  TALLY_CHECK(dlogits.dtype() == logits.dtype(), "cross_entropy backward: the gradient ", dlogits.str(),
+              " must have the logits' dtype (", dtype_name(logits.dtype()), ")");
+  dispatch_logits(logits, lse, "cross_entropy backward", [&](auto in_tag, auto tag) {
+    using In = decltype(in_tag);
     using T = decltype(tag);
-    const T* pl = logits.data<T>();
+    const In* pl = logits.data<In>();
     const T* plse = lse.data<T>();
-    T* pd = dlogits.data<T>();
+    In* pd = dlogits.data<In>();
     const T sc = static_cast<T>(scale);
 #pragma omp parallel for schedule(static) if (N * V > (1 << 14))
     for (int64_t n = 0; n < N; ++n) {
-      const T* row = pl + n * Vp;
-      T* d = pd + n * Vp;
+      const In* row = pl + n * Vp;
+      In* d = pd + n * Vp;
       const int64_t t = target_at(targets, n);
       if (t < 0) {
-        for (int64_t j = 0; j < Vp; ++j) d[j] = 0;
+        for (int64_t j = 0; j < Vp; ++j) d[j] = stored_as<In>(T(0));
         continue;
       }
       const T l = plse[n];
-#pragma omp simd
-      for (int64_t j = 0; j < V; ++j) d[j] = sc * vexp(row[j] - l);
-      d[t] -= sc;
-      for (int64_t j = V; j < Vp; ++j) d[j] = 0;
+      // The target's entry, sc (p_t - 1), is rounded once (under bf16) from its fp32 value.
+      const T target_grad = sc * vexp(value_of(row[t]) - l) - sc;
+      scaled_softmax(row, d, V, l, sc);
+      d[t] = stored_as<In>(target_grad);
+      for (int64_t j = V; j < Vp; ++j) d[j] = stored_as<In>(T(0));
     }
   });
 }

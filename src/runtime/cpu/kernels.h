@@ -68,6 +68,8 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
 
 // ---- loss (cross_entropy.cc)
 // losses[n] = logsumexp(logits[n, :V]) - logits[n, target[n]]; lse[n] saved for backward.
+// Logits fp32 or fp64 (losses and lse alike), or bf16 (mixed precision: read as fp32,
+// losses and lse fp32); dlogits has the logits' dtype and may be the logits themselves.
 void cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor& logits, const Tensor& targets,
                            int64_t valid_vocab);
 // dlogits[n, j] = scale * (softmax_j - [j == target]) for j < V, 0 for padding columns.
