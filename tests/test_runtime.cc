@@ -7,6 +7,9 @@
 // to(Device), the engine's gradient sums and AccumulateGrad must all land in it.
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -17,6 +20,7 @@
 #include "memory/caching_allocator.h"
 #include "ops/ops.h"
 #include "runtime/backend.h"
+#include "runtime/cpu/strided.h"
 #include "runtime/cpu/vec_math.h"
 #include "runtime/profiler.h"
 #include "support.h"
@@ -198,6 +202,30 @@ TEST(Runtime, EmptyInnerDimensionGemmScalesCAndReductionsCheckShapes) {
     FAIL() << "a (3, 5) sum of a (4, 5) tensor was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("sum_into"), std::string::npos) << e.what();
+  }
+}
+
+TEST(StridedLoops, AContiguousTensorIsCutIntoPiecesThatEveryThreadRuns) {
+  // A contiguous tensor coalesces into one row; it ran on one thread whatever its size, so
+  // every residual add, fill and copy of a training step left the other threads idle. The
+  // row is now cut into pieces: each element visited once, by more than one thread when
+  // there are several; a small tensor stays on the calling thread.
+  const int threads = std::min(omp_get_max_threads(), 4);
+  if (threads < 2) GTEST_SKIP() << "one OpenMP thread";
+  for (const Shape& shape : {Shape{1 << 20}, Shape{1024, 768}, Shape{3, 1 << 18}, Shape{64, 8}}) {
+    const int64_t n = shape_numel(shape);
+    std::vector<std::atomic<int>> visits(static_cast<size_t>(n));
+    std::vector<std::atomic<bool>> ran_on(static_cast<size_t>(omp_get_max_threads()));
+    std::array<Shape, 1> strides{contiguous_strides(shape)};
+    runtime::cpu::for_each_row<1>(shape, strides, [&](auto off, int64_t len, auto inc) {
+      ran_on[static_cast<size_t>(omp_get_thread_num())] = true;
+      for (int64_t i = 0; i < len; ++i) visits[static_cast<size_t>(off[0] + i * inc[0])]++;
+    });
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(visits[static_cast<size_t>(i)].load(), 1) << shape_str(shape) << " element " << i;
+    int used = 0;
+    for (auto& r : ran_on) used += r.load();
+    if (n >= (1 << 16)) EXPECT_GE(used, 2) << shape_str(shape) << " ran on one thread";
+    else EXPECT_EQ(used, 1) << shape_str(shape) << ": a small tensor is not worth a parallel region";
   }
 }
 

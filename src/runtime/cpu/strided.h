@@ -45,7 +45,10 @@ template <size_t N> Rows<N> coalesce(const Shape& shape, const std::array<Shape,
 }
 
 // body(std::array<int64_t,N> offsets, int64_t n, std::array<int64_t,N> inner_strides)
-// Rows are independent; they run in parallel when the work is large enough.
+// over every element, as runs of n along the innermost (coalesced) dimension. Runs are
+// independent; they run in parallel when the work is large enough. A long row is cut into
+// pieces of kPiece elements: a contiguous tensor coalesces into a single row, and uncut it
+// would run on one thread (every residual add, fill and copy of a step did).
 template <size_t N, class Body>
 void for_each_row(const Shape& shape, const std::array<Shape, N>& strides, Body&& body) {
   Rows<N> r = coalesce<N>(shape, strides);
@@ -55,7 +58,8 @@ void for_each_row(const Shape& shape, const std::array<Shape, N>& strides, Body&
   for (int64_t d = 0; d + 1 < ndim; ++d) rows *= r.shape[d];
   std::array<int64_t, N> inner;
   for (size_t k = 0; k < N; ++k) inner[k] = r.strides[k].back();
-  auto run_row = [&](int64_t row) {
+  // The run [start, start + n) of row `row`.
+  auto run = [&](int64_t row, int64_t start, int64_t n) {
     std::array<int64_t, N> off{};
     int64_t rem = row;
     for (int64_t d = ndim - 2; d >= 0; --d) {
@@ -63,15 +67,21 @@ void for_each_row(const Shape& shape, const std::array<Shape, N>& strides, Body&
       rem /= r.shape[d];
       for (size_t k = 0; k < N; ++k) off[k] += i * r.strides[k][d];
     }
-    body(off, row_len, inner);
+    for (size_t k = 0; k < N; ++k) off[k] += start * inner[k];
+    body(off, n, inner);
   };
   // Small work runs inline: even a one-thread OpenMP region costs more than a small op.
-  if (rows == 1 || rows * row_len < (1 << 15)) {
-    for (int64_t row = 0; row < rows; ++row) run_row(row);
+  if (rows * row_len < (1 << 15)) {
+    for (int64_t row = 0; row < rows; ++row) run(row, 0, row_len);
     return;
   }
+  constexpr int64_t kPiece = 1 << 14;  // 64 KiB of fp32: long enough to stream, short enough to share
+  const int64_t pieces = (row_len + kPiece - 1) / kPiece;
 #pragma omp parallel for schedule(static)
-  for (int64_t row = 0; row < rows; ++row) run_row(row);
+  for (int64_t item = 0; item < rows * pieces; ++item) {
+    const int64_t row = item / pieces, start = item % pieces * kPiece;
+    run(row, start, std::min(kPiece, row_len - start));
+  }
 }
 
 // Runs f.template operator()<T>() for a floating dtype (fp32 or fp64).
