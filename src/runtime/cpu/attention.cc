@@ -41,10 +41,16 @@
 namespace tally::runtime::cpu {
 
 namespace {
-// 128 x 128 fp32 tiles are 64 KiB each: the score, probability and gradient tiles of a
-// thread stay in its L2, and each tile GEMM (128 x 128 x 64) is large enough for oneDNN's
-// kernels to run near their peak. The diagonal tile's masked half is the only waste.
-constexpr int64_t kBlockQ = 128, kBlockK = 128;
+// Query tiles of 128 rows. Forward takes keys 512 at a time: a 128 x 512 fp32 score tile is
+// 256 KiB, in a thread's L2, and a query tile of W3 (T = 1024) needs at most two tile
+// products of each kind instead of eight: fewer calls (each has a fixed cost) and longer
+// ones. Backward, whose five products per tile and dk/dv terms keep more tiles live, takes
+// 256. Measured on W3 (Sapphire Rapids, two threads), keys per tile 128 -> 512 forward:
+// fp32 148 -> 129 ms, bf16 92 -> 71-73 ms; backward, 128 -> 256: fp32 258-261 -> 253-256,
+// bf16 132-135 -> 131-133 ms (512 and 1024 were no better there, 1024 worse in bf16).
+// The diagonal tile's masked part is the only waste: a tile is as wide as the keys its
+// queries see.
+constexpr int64_t kBlockQ = 128, kForwardBlockK = 512, kBackwardBlockK = 256;
 
 struct Geometry {
   int64_t B, Tq, Tk, H, KV, D;
@@ -199,9 +205,9 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
     RegionErrors errors;
 #pragma omp parallel if (parallel)
     {
-      std::vector<T> s(static_cast<size_t>(kBlockQ * kBlockK)), acc(static_cast<size_t>(kBlockQ * g.D));
+      std::vector<T> s(static_cast<size_t>(kBlockQ * kForwardBlockK)), acc(static_cast<size_t>(kBlockQ * g.D));
       std::vector<T> m(kBlockQ), l(kBlockQ);
-      std::vector<In> p_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kBlockK);
+      std::vector<In> p_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kForwardBlockK);
       // Later query tiles see more keys: hand items out dynamically, longest first.
 #pragma omp for schedule(dynamic, 1)
       for (int64_t item = 0; item < items; ++item) {
@@ -215,8 +221,8 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
           std::fill(l.begin(), l.end(), T(0));
           std::fill(acc.begin(), acc.end(), T(0));
           const int64_t seen = keys_seen(t0, rows, offset);
-          for (int64_t j0 = 0; j0 < seen; j0 += kBlockK) {
-            const int64_t cols = std::min(kBlockK, seen - j0);
+          for (int64_t j0 = 0; j0 < seen; j0 += kForwardBlockK) {
+            const int64_t cols = std::min(kForwardBlockK, seen - j0);
             const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
             tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), s.data(), cols);
             for (int64_t i = 0; i < rows; ++i) {
@@ -282,15 +288,15 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
     RegionErrors errors;
 #pragma omp parallel if (parallel)
     {
-      std::vector<T> p(static_cast<size_t>(kBlockQ * kBlockK)), dp(static_cast<size_t>(kBlockQ * kBlockK));
+      std::vector<T> p(static_cast<size_t>(kBlockQ * kBackwardBlockK)), dp(static_cast<size_t>(kBlockQ * kBackwardBlockK));
       std::vector<T> delta(static_cast<size_t>(kBlockQ));  // D for the query tile's rows
       // bf16: dq accumulates over a query tile's key tiles in a dense tile, added once the
       // tile is complete; dk and dv terms go through `term` (tile_accumulate).
       constexpr bool kDenseResults = !std::is_same_v<In, T>;
-      std::vector<T> term = mixed_precision_scratch<T, In, T>(kBlockK * g.D);
+      std::vector<T> term = mixed_precision_scratch<T, In, T>(kBackwardBlockK * g.D);
       std::vector<T> dq_acc = mixed_precision_scratch<T, In, T>(kBlockQ * g.D);
-      std::vector<In> p_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kBlockK);
-      std::vector<In> ds_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kBlockK);
+      std::vector<In> p_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kBackwardBlockK);
+      std::vector<In> ds_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kBackwardBlockK);
       std::vector<In> do_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * g.D);
 #pragma omp for collapse(2) schedule(static)
       for (int64_t b = 0; b < g.B; ++b)
@@ -313,8 +319,8 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                 const int64_t ld_dq_into = kDenseResults ? g.D : ld_q;
                 std::fill(dq_acc.begin(), dq_acc.end(), T(0));
                 const int64_t seen = keys_seen(t0, rows, offset);
-                for (int64_t j0 = 0; j0 < seen; j0 += kBlockK) {
-                  const int64_t cols = std::min(kBlockK, seen - j0);
+                for (int64_t j0 = 0; j0 < seen; j0 += kBackwardBlockK) {
+                  const int64_t cols = std::min(kBackwardBlockK, seen - j0);
                   const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
                   const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
                   T* dktile = pdk + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
