@@ -48,25 +48,24 @@ inline void narrow_block(const float* x, BFloat16* out, int64_t n) {
   for (int64_t j = 0; j < n; ++j) out[j].bits = bf16_round_bits(x[j]);
 }
 
-// The log-sum-exp of row[0..V): fp32/fp64 in two passes (max, then the sum of exp); bf16
-// in one pass over blocks, rescaling the running sum when the running max grows (the
-// online softmax), so each block is widened once.
-template <class T> T row_logsumexp(const T* row, int64_t V) {
-  const T m = row_max(row, V, row[0]);
-  T s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < V; ++j) s += vexp(row[j] - m);
-  return m + std::log(s);
-}
-float row_logsumexp(const BFloat16* row, int64_t V) {
-  float block[kWidenBlock];
-  float m = -std::numeric_limits<float>::infinity(), s = 0;
+// The log-sum-exp of row[0..V) in one pass over blocks (the online softmax): each block's
+// max, then the running sum rescaled when the running max grows, and the block's exps
+// summed while it is in L1. bf16 blocks are widened into fp32 first.
+template <class In, class T> T row_logsumexp(const In* row, int64_t V) {
+  T widened[std::is_same_v<In, T> ? 1 : kWidenBlock];
+  T m = -std::numeric_limits<T>::infinity(), s = 0;
   for (int64_t j0 = 0; j0 < V; j0 += kWidenBlock) {
     const int64_t n = std::min(kWidenBlock, V - j0);
-    widen_block(row + j0, block, n);
-    const float bm = row_max(block, n, m);
+    const T* block;
+    if constexpr (std::is_same_v<In, T>) {
+      block = row + j0;
+    } else {
+      widen_block(row + j0, widened, n);
+      block = widened;
+    }
+    const T bm = row_max(block, n, m);
     if (bm > m) s *= vexp(m - bm), m = bm;  // s is 0 while m is -inf
-    float bs = 0;
+    T bs = 0;
 #pragma omp simd reduction(+ : bs)
     for (int64_t j = 0; j < n; ++j) bs += vexp(block[j] - m);
     s += bs;
@@ -114,7 +113,7 @@ void cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor
 #pragma omp parallel for schedule(static) if (N * V > (1 << 14))
     for (int64_t n = 0; n < N; ++n) {
       const In* row = pl + n * Vp;
-      const T l = row_logsumexp(row, V);
+      const T l = row_logsumexp<In, T>(row, V);
       plse[n] = l;
       const int64_t t = target_at(targets, n);
       ploss[n] = t < 0 ? T(0) : l - value_of(row[t]);
