@@ -118,18 +118,6 @@ template <class Elem, class In, class T> std::vector<Elem> mixed_precision_scrat
   return std::vector<Elem>(std::is_same_v<In, T> ? 0 : static_cast<size_t>(elements));
 }
 
-// Runs `body` with In = the storage type of q, k, v and T = that of everything else:
-// (float, float), (double, double), or (BFloat16, float) for mixed precision.
-template <class F> void dispatch_attention(const Tensor& q, const Tensor& out, const char* what, F&& body) {
-  if (q.dtype() == DType::BF16) {
-    TALLY_CHECK(out.dtype() == DType::F32, what, ": bf16 q, k, v need fp32 outputs and gradients, got ", out.str());
-    body(BFloat16{}, float{});
-    return;
-  }
-  TALLY_CHECK(q.dtype() == out.dtype(), what, ": q ", q.str(), " and output ", out.str(), " differ in dtype");
-  dispatch_floating(q.dtype(), what, [&](auto tag) { body(tag, tag); });
-}
-
 // An exception must not leave an OpenMP region (the process would terminate): a tile GEMM
 // that throws (oneDNN's error, a failed check) has its exception kept, the remaining items
 // are skipped, and the first one is rethrown once the region has ended.
@@ -189,7 +177,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
   const Geometry g = geometry(q, k, v);
   const int64_t group = g.H / g.KV;
   const int64_t q_tiles = (g.Tq + kBlockQ - 1) / kBlockQ;
-  dispatch_attention(q, out, "attention", [&](auto in_tag, auto tag) {
+  dispatch_mixed(q, out, "attention", [&](auto in_tag, auto tag) {
     using In = decltype(in_tag);
     using T = decltype(tag);
     const In* pq = q.data<In>();
@@ -269,7 +257,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse) {
   const Geometry g = geometry(q, k, v);
   const int64_t group = g.H / g.KV;
-  dispatch_attention(q, dq, "attention backward", [&](auto in_tag, auto tag) {
+  dispatch_mixed(q, dq, "attention backward", [&](auto in_tag, auto tag) {
     using In = decltype(in_tag);
     using T = decltype(tag);
     const In* pq = q.data<In>();

@@ -23,19 +23,6 @@ int64_t target_at(const Tensor& targets, int64_t n) {
   }
 }
 
-// Runs body(In{}, T{}) with In = the logits' storage type and T = that of the losses, lse
-// and the math: (float, float), (double, double), or (BFloat16, float) for mixed
-// precision's bf16 logits, read widened to fp32.
-template <class F> void dispatch_logits(const Tensor& logits, const Tensor& stats, const char* what, F&& body) {
-  if (logits.dtype() == DType::BF16) {
-    TALLY_CHECK(stats.dtype() == DType::F32, what, ": bf16 logits need fp32 losses and log-sum-exp, got ", stats.str());
-    body(BFloat16{}, float{});
-    return;
-  }
-  TALLY_CHECK(stats.dtype() == logits.dtype(), what, ": logits ", logits.str(), " and ", stats.str(), " differ in dtype");
-  dispatch_floating(logits.dtype(), what, [&](auto tag) { body(tag, tag); });
-}
-
 // bf16 rows are widened a block at a time into fp32 (a stack buffer), so the max, exp and
 // sum loops run on floats and vectorize as fp32's do; per element the widening is a shift.
 constexpr int64_t kWidenBlock = 1024;
@@ -104,7 +91,7 @@ void cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor
     int64_t t = target_at(targets, n);
     TALLY_CHECK(t < V, "cross_entropy: target ", t, " at row ", n, " is outside the vocabulary of ", V);
   }
-  dispatch_logits(logits, lse, "cross_entropy", [&](auto in_tag, auto tag) {
+  dispatch_mixed(logits, lse, "cross_entropy", [&](auto in_tag, auto tag) {
     using In = decltype(in_tag);
     using T = decltype(tag);
     const In* pl = logits.data<In>();
@@ -128,7 +115,7 @@ void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const T
   const int64_t N = logits.shape()[0], Vp = logits.shape()[1];
   TALLY_CHECK(dlogits.dtype() == logits.dtype(), "cross_entropy backward: the gradient ", dlogits.str(),
               " must have the logits' dtype (", dtype_name(logits.dtype()), ")");
-  dispatch_logits(logits, lse, "cross_entropy backward", [&](auto in_tag, auto tag) {
+  dispatch_mixed(logits, lse, "cross_entropy backward", [&](auto in_tag, auto tag) {
     using In = decltype(in_tag);
     using T = decltype(tag);
     const In* pl = logits.data<In>();

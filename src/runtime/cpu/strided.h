@@ -93,6 +93,19 @@ template <class F> void dispatch_floating(DType t, const char* op, F&& f) {
   }
 }
 
+// Runs body(In{}, T{}) with In = the storage type of `operand` and T = that of `result`
+// and of the math: (float, float), (double, double), or (BFloat16, float) for mixed
+// precision, whose bf16 operands are read as fp32 and whose results stay fp32.
+template <class F> void dispatch_mixed(const Tensor& operand, const Tensor& result, const char* what, F&& body) {
+  if (operand.dtype() == DType::BF16) {
+    TALLY_CHECK(result.dtype() == DType::F32, what, ": a bf16 ", operand.str(), " needs fp32 results, got ", result.str());
+    body(BFloat16{}, float{});
+    return;
+  }
+  TALLY_CHECK(operand.dtype() == result.dtype(), what, ": ", operand.str(), " and ", result.str(), " differ in dtype");
+  dispatch_floating(operand.dtype(), what, [&](auto tag) { body(tag, tag); });
+}
+
 // Runs f for any dtype tensor data can be converted from/to.
 template <class F> void dispatch_all(DType t, F&& f) {
   switch (t) {
