@@ -173,6 +173,23 @@ TEST(Gpt2MixedPrecision, Bf16MatchesFp32AndPyTorchAutocastWithinBf16Rounding) {
                        m->params().spec(i).name);
 }
 
+TEST(Gpt2MixedPrecision, ALossOnTheReturnedBf16LogitsBackpropagatesBesideTheCrossEntropy) {
+  // Under bf16 the head's logits are bf16 and returned widened to fp32. A term on the
+  // returned logits (a z-loss, say) sends the logits a second gradient beside the
+  // cross-entropy's, and the engine sums the two in bf16: the sum once had no bf16 kernel.
+  // The gradient of loss + 0 * mean(logits) is the loss's own (to bf16 rounding of the sum).
+  auto m = tiny_model();
+  m->set_matmul_dtype(DType::BF16);
+  nn::ForwardResult plain = m->forward(ref().at("x"), ref().at("y"));
+  plain.loss.backward();
+  Tensor want = test::stacked_llmc_grad(*m, "wte").clone();
+  m->params().zero_grad();
+  nn::ForwardResult r = m->forward(ref().at("x"), ref().at("y"), true);
+  ASSERT_EQ(r.logits.dtype(), DType::F32);
+  ops::add(r.loss, ops::scale(ops::mean(r.logits), 0.0)).backward();
+  test::expect_close(test::stacked_llmc_grad(*m, "wte"), want, 0, 1e-6, "wte's gradient");
+}
+
 // Selective recomputation keeps only attention's q, k, v, and backward makes the output and
 // log-sum-exp again. What a forward leaves live drops by exactly what nothing else holds:
 // in fp32 the log-sum-exp (H floats per token per layer), since the output projection

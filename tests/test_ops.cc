@@ -609,6 +609,67 @@ TEST(Ops, CrossEntropyOfBf16LogitsIsTheFp32MathOnTheirValues) {
   EXPECT_NE(logits.grad().to(DType::F32).to_vector<float>()[0], 0.f);
 }
 
+TEST(Ops, CrossEntropyOverManyVocabularyBlocksWithAMaskedPrefix) {
+  // The loss's kernels walk the vocabulary in blocks of 1024 (an online softmax). 2500 valid
+  // columns of 2560 span three blocks, the last partial; row 1's first 1100 logits are -inf
+  // (a masked prefix: a whole block of -inf once made the running sum NaN); row 2's target
+  // sits in the last block; row 3 is ignored (-1). The logits are made by an op, so the
+  // loss owns them alone and writes their gradient in place. Against fp64 by definition
+  // over the same (under bf16, rounded) values: the loss to 1e-6 relative, each gradient
+  // element to 1e-6 of the largest (fp32 sums of 2500 terms), or under bf16 to one bf16
+  // ulp of it (the gradient is rounded to bf16 once).
+  const int64_t N = 4, Vp = 2560, V = 2500;
+  const std::vector<int32_t> t = {17, 1500, 2400, -1};
+  const std::vector<float> base = ops::scale(test::random_tensor({N, Vp}, 93).to(DType::F32), 3.0).to_vector<float>();
+  for (DType dt : {DType::F32, DType::BF16}) {
+    std::vector<float> values = base;
+    for (int64_t j = 0; j < 1100; ++j) values[static_cast<size_t>(Vp + j)] = -std::numeric_limits<float>::infinity();
+    Tensor x = Tensor::from_vector(values, {N, Vp});
+    x.set_requires_grad(true);
+    Tensor logits = dt == DType::F32 ? ops::scale(x, 1.0) : x.to(DType::BF16);
+    const std::vector<float> seen = logits.detach().to(DType::F32).to_vector<float>();  // rounded under bf16
+    Tensor loss = ops::cross_entropy(logits, Tensor::from_vector(t, {N}), V);
+    logits = Tensor();
+    // By definition, in fp64.
+    double want_loss = 0, largest = 0;
+    std::vector<double> want_grad(static_cast<size_t>(N * Vp), 0.0);
+    for (int64_t n = 0; n < 3; ++n) {
+      const float* row = seen.data() + n * Vp;
+      double m = -std::numeric_limits<double>::infinity(), s = 0;
+      for (int64_t j = 0; j < V; ++j) m = std::max(m, static_cast<double>(row[j]));
+      for (int64_t j = 0; j < V; ++j) s += std::exp(static_cast<double>(row[j]) - m);
+      want_loss += (m + std::log(s) - row[t[static_cast<size_t>(n)]]) / 3;
+      for (int64_t j = 0; j < V; ++j)
+        want_grad[static_cast<size_t>(n * Vp + j)] = (std::exp(row[j] - m) / s - (j == t[static_cast<size_t>(n)])) / 3;
+    }
+    for (double g : want_grad) largest = std::max(largest, std::abs(g));
+    const std::string tag = dtype_name(dt);
+    ASSERT_TRUE(std::isfinite(loss.item())) << tag;
+    EXPECT_NEAR(loss.item(), want_loss, 1e-6 * want_loss) << tag;
+    loss.backward();
+    const std::vector<float> got = x.grad().to_vector<float>();
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double tol = dt == DType::F32 ? 1e-6 * largest : std::abs(want_grad[i]) / 128 + 1e-12;
+      ASSERT_NEAR(got[i], want_grad[i], tol) << tag << " row " << i / Vp << " column " << i % Vp;
+    }
+  }
+}
+
+TEST(Ops, Bf16TensorsAddAndTheirGradientsSum) {
+  // Elementwise arithmetic on bf16 tensors runs in fp32 and rounds once. The engine sums
+  // two gradients of one tensor with the same kernel: under --dtype bf16 the logits are
+  // bf16, and a loss that reaches them twice (the cross-entropy, and a term on the logits
+  // the model returns) needs bf16 gradients summed.
+  Tensor x = test::random_tensor({4, 5}, 99).to(DType::BF16);
+  x.set_requires_grad(true);
+  Tensor y = ops::add(x, x);
+  ASSERT_EQ(y.dtype(), DType::BF16);
+  expect_close(y.to(DType::F32), ops::scale(x.detach().to(DType::F32), 2.0), 0, 0, "x + x (doubling is exact)");
+  y.backward(Tensor::full({4, 5}, 0.375).to(DType::BF16));
+  ASSERT_EQ(x.grad().dtype(), DType::BF16);
+  expect_close(x.grad().to(DType::F32), Tensor::full({4, 5}, 0.75).to(DType::F32), 0, 0, "the two gradients summed");
+}
+
 TEST(Ops, Bf16LinearWithABf16OutputRoundsTheFp32ResultAndTakesABf16Gradient) {
   // out = BF16: the same GEMM (bf16 operands, fp32 accumulation) with its result rounded
   // once, so within half a bf16 ulp (2^-9 relative) of the fp32 output, plus one ulp for

@@ -223,6 +223,35 @@ TEST(Bf16Layouts, MatchOneProcessWithFlatMemory) {
   if (!ran) GTEST_SKIP() << "no bf16 layout for " << world_size() << " ranks";
 }
 
+// Under bf16 the logits are bf16, so with a real vocabulary (d2: GPT-2's 50,304 rows
+// beside a width of 128) the loss's forward holds more than the head's backward: every
+// activation of the microbatch, the per-row losses and the final norm's fp32 output. The
+// head stage's plan must have that moment, with the microbatches in flight beside it, to
+// the byte, for the plain and the chunked loss.
+TEST(Bf16Pipeline, TheHeadStagePeaksAtTheLossForwardAsPlanned) {
+  if (world_size() != 2) GTEST_SKIP() << "pp2 runs on 2 ranks";
+  for (bool chunked : {false, true}) {
+    std::unique_ptr<dist::World> world = dist::World::create({1, 1, 2});
+    train::TrainConfig c = Layout{1, 1, 2}.apply(base_config(false));
+    c.model_file.clear();
+    c.model = "d2";
+    c.batch_size = 4;  // 256 tokens: the logits (25 MiB) outweigh the tied embedding's exchange (4 MiB)
+    c.seq_len = 64;
+    c.grad_accum = 2;
+    c.steps = 3;
+    c.dtype = "bf16";
+    c.chunked_loss = chunked;
+    c.sanitize = "strict";
+    const train::TrainResult r = train::run_training(c, *world);
+    const std::string what = std::string("d2 pp2 bf16") + (chunked ? " chunked loss" : "");
+    expect_flat(r, what);
+    const train::StepMetrics& last = r.history.back();
+    ASSERT_EQ(last.rank_peak_bytes.size(), 2u) << what;
+    for (size_t rank = 0; rank < 2; ++rank)
+      EXPECT_EQ(last.rank_peak_bytes[rank], last.rank_predicted_peak_bytes[rank]) << what << ": rank " << rank;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Parallel, EveryLayout, ::testing::Range<size_t>(0, 13), [](const auto& info) {
   std::string n = layouts()[info.param].name();
   for (char& ch : n)

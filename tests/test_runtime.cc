@@ -227,6 +227,25 @@ TEST(StridedLoops, AContiguousTensorIsCutIntoPiecesThatEveryThreadRuns) {
     if (n >= (1 << 16)) EXPECT_GE(used, 2) << shape_str(shape) << " ran on one thread";
     else EXPECT_EQ(used, 1) << shape_str(shape) << ": a small tensor is not worth a parallel region";
   }
+  // Strided views: rows of a wider buffer (each row cut into pieces at its own offset), and
+  // an inner stride of 2 (a piece's start is start x stride): each element's offset once.
+  struct View {
+    Shape shape, strides;
+    int64_t span;
+  };
+  for (const View& v : {View{{3, 40000}, {80000, 1}, 200000}, View{{2, 40000}, {1, 2}, 80000}}) {
+    std::vector<std::atomic<int>> visits(static_cast<size_t>(v.span));
+    std::array<Shape, 1> strides{v.strides};
+    runtime::cpu::for_each_row<1>(v.shape, strides, [&](auto off, int64_t len, auto inc) {
+      for (int64_t i = 0; i < len; ++i) visits[static_cast<size_t>(off[0] + i * inc[0])]++;
+    });
+    for (int64_t i = 0; i < v.shape[0]; ++i)
+      for (int64_t j = 0; j < v.shape[1]; ++j) {
+        const int64_t at = i * v.strides[0] + j * v.strides[1];
+        ASSERT_EQ(visits[static_cast<size_t>(at)].exchange(0), 1) << shape_str(v.shape) << " element (" << i << ", " << j << ")";
+      }
+    for (auto& x : visits) ASSERT_EQ(x.load(), 0) << shape_str(v.shape) << ": an offset outside the view was visited";
+  }
 }
 
 TEST(VecMath, RowMaxFindsTheLargestEntryWhereverItSits) {

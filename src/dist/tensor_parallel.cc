@@ -121,7 +121,7 @@ struct VocabCrossEntropy {
     Tensor logits = ctx.saved(0), targets = ctx.saved(1), lse = ctx.saved(2);
     const int64_t N = logits.shape()[0], V = logits.shape()[1];
     // The gradient in the logits' dtype: bf16 logits (mixed precision) get a bf16 gradient,
-    // each element rounded once from its fp64 value.
+    // each element computed in fp64 and rounded to fp32, then to bf16.
     Tensor dl = Tensor::empty({N, V}, logits.dtype(), Device::cpu(), current_owner("vocab_cross_entropy_grad"));
     const double scale = grads[0].item() / static_cast<double>(std::max<int64_t>(ctx.counted, 1));
     const int32_t* tp = targets.data<int32_t>();

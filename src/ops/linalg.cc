@@ -206,7 +206,7 @@ Tensor linear(const Tensor& x_in, const Tensor& w, const Tensor& b) {
 }
 
 namespace {
-// y = x W^T + b with bf16 GEMM operands and fp32 results (see ops.h).
+// y = x W^T + b with bf16 GEMM operands and fp32 accumulation; y fp32, or bf16 (see ops.h).
 //   dx = bf16(g) W_bf16,  dW += bf16(g)^T bf16(x),  db = sum over rows of g (fp32).
 struct LinearBf16Fn {
   static constexpr const char* kName = "linear_bf16";

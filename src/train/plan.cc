@@ -266,6 +266,14 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // beside the saved logits (not in their place), holding the loss's incoming gradient and
   // its value read as a double: that moment, before the head's projection runs backward,
   // is the peak.
+  // The loss's forward (one process, or a pipeline's head stage): beside every activation
+  // of the microbatch, the per-row losses (B*T floats), under bf16 the final norm's fp32
+  // output (the head still holds it; its projection keeps a bf16 copy), and then either
+  // the mean (the loss, one float) beside the logits, or the chunked loss's last chunk of
+  // logits. Under bf16, whose logits take half of fp32's bytes, it is the peak
+  // (docs/memory-plan.md). The vocabulary-parallel loss's backward is larger.
+  const int64_t loss_forward = sum({bf16 ? bytes_of(BT, C, kFloat) : 0, chunk > 0 ? bytes_of(chunk, Vp, logit) : 0,
+                                    bytes_of(BT, 1, kFloat), chunk > 0 ? 0 : kFloat});
   const int64_t transient = TP > 1      ? sum({bytes_of(BT, Vp / TP, logit), kFloat, 8})
                             : chunk > 0 ? sum({bytes_of(BT, C, kFloat), bytes_of(chunk, Vp, logit), kFloat})
                                         : bytes_of(BT, C, kFloat) - BT * kFloat;
@@ -279,7 +287,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // (B*T'*C, an activation or a gradient); in a backward the gradient received for it; the
   // last gradient sent back (once a stage has sent one it holds one: each send replaces the
   // previous); and the action's own transient: in a forward the tokens and targets the
-  // loader copied for it and the last layer's MLP output projection, in a backward the
+  // loader copied for it and the last layer's MLP output projection (on the head's chunk
+  // also the loss's forward), in a backward the
   // moments above (the head's, the MLP's). The peak is the largest over the actions, and
   // over the step's end: the tied embedding's gradient exchanged between the first and last
   // stage in 1M-element pieces, and ZeRO-1's all-gather. The D x tp ranks of a stage
@@ -359,6 +368,12 @@ MemoryPlan plan_memory(const PlanInput& in) {
           if (!full)
             consider(buffers, 0, sum({checked_mul(n, layer_bytes, "plan"), 2 * tokens, mlp_forward}),
                      "a forward: the last layer's MLP output projection");
+          // The head's chunk: the loss's forward (above), beside the chunk's layers.
+          if (ch.head && TP == 1)
+            consider(buffers, 0,
+                     sum({full ? bytes_of(sp_rows, n * C, kFloat) : checked_mul(n, layer_bytes, "plan"), head_activations,
+                          2 * tokens, loss_forward}),
+                     "a forward: the loss");
           const int64_t saved = chunk_bytes(ch);
           bool older = false;
           for (const auto& [key, f] : in_flight) older = older || key.second == a.chunk;
@@ -492,19 +507,12 @@ MemoryPlan plan_memory(const PlanInput& in) {
                          "transient at the peak (the head input's gradient, summed over the tensor-parallel ranks)",
                          head_input_sum});
     }
-    // The loss's forward, in one process: every activation, the per-row losses (B*T floats)
-    // and under bf16 the final norm's fp32 output, which the head still holds (its
-    // projection keeps a bf16 copy); then either the mean (the loss, one float) is made
-    // beside the logits, or the chunked loss's last chunk of logits is live. Under bf16,
-    // whose logits take half of fp32's bytes, the chunked loss peaks here.
     if (TP == 1)
       moments.push_back({"activations (one microbatch, all of them)", activations,
                          "transient at the peak (the loss's forward: the per-row losses" +
                              std::string(chunk > 0 ? ", a chunk of logits" : " and their mean") +
                              (bf16 ? ", the final norm's fp32 output" : "") + ")",
-                         sum({bf16 ? bytes_of(BT, C, kFloat) : 0, chunk > 0 ? bytes_of(chunk, Vp, logit) : 0,
-                              bytes_of(BT, 1, kFloat), chunk > 0 ? 0 : kFloat}),
-                         true});
+                         loss_forward, true});
     const int64_t others = rp.predicted_peak_bytes - activations - transient;
     const int64_t loss_bytes = rp.parts[6].second;
     auto total = [&](const Moment& m) {

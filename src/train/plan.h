@@ -22,7 +22,8 @@
 // linear) and its mean and rstd (4), q/k/v (3C) and the attention output (C), the
 // attention's log-sum-exp (H per token), the MLP's pre-GELU and post-GELU (8C):
 // 16C + 4 + H. The head saves the last residual and the final norm's output (2C), its
-// mean and rstd (2), the logits (Vp) and the cross-entropy's log-sum-exp (1).
+// mean and rstd (2), the logits (Vp; 2 bytes each under bf16) and the cross-entropy's
+// log-sum-exp (1).
 // A LLaMA layer: x and the middle residual (2C), the RMSNorm outputs (2C) and rstd (2),
 // q and k after rotary and v (C + 2 KV D), the attention output (C) and log-sum-exp (H),
 // the MLP's gate, up and SwiGLU output (3F): 6C + 2 KV D + 3F + H + 2. Its head saves
@@ -35,12 +36,14 @@
 // LLaMA's SwiGLU output) the fp32 one is freed; the attention output is also saved by the
 // attention itself, so its bf16 copy comes on top; LLaMA's second RMSNorm output feeds two
 // projections (gate, up), which keep a bf16 copy each. Attention saves q, k and v rounded
-// to bf16 (its tile products are bf16), and the fp32 ones are freed. At the start of
-// backward the head's projection also rounds the logits' gradient to bf16 (2 Vp per token).
+// to bf16 (its tile products are bf16), and the fp32 ones are freed. The head writes bf16
+// logits, and the loss turns them in place into their bf16 gradient, which the head's
+// GEMMs take as it is. The loss's forward, holding every activation, the per-row losses
+// and the final norm's fp32 output, is then the peak of one process.
 //
 // The chunked loss (--chunked-loss) saves no logits; at the start of backward it holds dx
-// (B*T*C), one chunk of logits (R*Vp, R = min(rows per chunk, B*T)) and under bf16 the
-// chunk rounded to bf16 (2 R Vp bytes) and the loss's gradient (a scalar), while the
+// (B*T*C), one chunk of logits (R*Vp, R = min(rows per chunk, B*T); bf16 under bf16,
+// turned in place into its gradient) and the loss's gradient (a scalar), while the
 // log-sum-exp is still saved.
 //
 // Recomputation (--recompute). Selective: the attention keeps only q, k and v, so its
@@ -61,7 +64,7 @@
 // statistics B*T/tp rows, and the projections save the all-gathered norm output. The
 // vocabulary-parallel loss keeps its log-sum-exp in fp64, and its backward writes the
 // logits' gradient beside the logits: that moment is the peak for real vocabularies (the
-// transient: the logits' gradient, B*T*Vp/tp floats, the loss's incoming gradient and its
+// transient: the logits' gradient, B*T*Vp/tp elements, the loss's incoming gradient and its
 // value as a double). plan.cc lists the other moments, which a small vocabulary or a wide
 // MLP makes the peak; the plan takes the largest.
 // The pipeline (--pp): each stage walks its schedule's actions and follows what is live at

@@ -51,7 +51,8 @@ template <class In, class T> T row_logsumexp(const In* row, int64_t V) {
       block = widened;
     }
     const T bm = row_max(block, n, m);
-    if (bm > m) s *= vexp(m - bm), m = bm;  // s is 0 while m is -inf
+    if (bm == -std::numeric_limits<T>::infinity()) continue;  // nothing but -inf so far (masked): adds 0
+    if (bm > m) s *= vexp(m - bm), m = bm;                    // s is 0 while m is -inf
     T bs = 0;
 #pragma omp simd reduction(+ : bs)
     for (int64_t j = 0; j < n; ++j) bs += vexp(block[j] - m);

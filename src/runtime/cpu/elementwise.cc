@@ -123,6 +123,22 @@ void binary_loop(const Tensor& out, const Tensor& a, const Tensor& b, F f) {
 void binary(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b) {
   TALLY_CHECK(a.dtype() == b.dtype() && a.dtype() == out.dtype(), "elementwise op on ", a.str(), " and ", b.str(),
               ": dtypes differ");
+  if (out.dtype() == DType::BF16) {
+    // In fp32, rounded once: mixed precision's bf16 tensors (the logits) and the engine's
+    // sums of their gradients.
+    auto in_fp32 = [&](auto f) {
+      binary_loop<BFloat16>(out, a, b, [f](BFloat16 x, BFloat16 y) {
+        return BFloat16(f(static_cast<float>(x), static_cast<float>(y)));
+      });
+    };
+    switch (op) {
+      case BinaryOp::Add: in_fp32([](float x, float y) { return x + y; }); break;
+      case BinaryOp::Sub: in_fp32([](float x, float y) { return x - y; }); break;
+      case BinaryOp::Mul: in_fp32([](float x, float y) { return x * y; }); break;
+      case BinaryOp::Div: in_fp32([](float x, float y) { return x / y; }); break;
+    }
+    return;
+  }
   dispatch_floating(out.dtype(), "elementwise", [&](auto tag) {
     using T = decltype(tag);
     switch (op) {
