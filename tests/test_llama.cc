@@ -276,6 +276,25 @@ TEST(KvCache, RefusesGradientsAndOverflow) {
             std::string::npos);
 }
 
+TEST(Sampler, TiedLogitsGoToTheLowestTokenId) {
+  // Equal logits (here all of them: every weight is 0) are broken as argmax breaks them in
+  // PyTorch and llm.c: the lowest token id. bf16 logits (--dtype bf16's samples) tie far
+  // more often than fp32 ones: 8 significant bits. Greedy took the highest id, and top-k
+  // kept the highest ids of a tied boundary.
+  auto m = tiny_llama();
+  m->params().flat_params().fill_(0.0);
+  Rng rng(1);
+  train::SampleOptions greedy;
+  greedy.tokens = 3;
+  greedy.temperature = 0;
+  EXPECT_EQ(train::sample(*m, {1, 2, 3}, greedy, rng), (std::vector<int32_t>{0, 0, 0}));
+  // top-k = 1 at any temperature keeps one token of the tie: the lowest id.
+  train::SampleOptions top1 = greedy;
+  top1.temperature = 1.0;
+  top1.top_k = 1;
+  EXPECT_EQ(train::sample(*m, {1, 2, 3}, top1, rng), (std::vector<int32_t>{0, 0, 0}));
+}
+
 TEST(Sampler, NucleusOfATinyMassIsGreedyAndStopTokensEndASample) {
   auto m = tiny_llama();
   train::SampleOptions greedy;

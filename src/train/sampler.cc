@@ -15,9 +15,14 @@ int32_t choose(const float* logits, int64_t vocab, const SampleOptions& opt, Rng
   std::vector<std::pair<float, int32_t>> scored;
   scored.reserve(static_cast<size_t>(vocab));
   for (int64_t v = 0; v < vocab; ++v) scored.emplace_back(logits[v], static_cast<int32_t>(v));
-  if (opt.temperature <= 0) return std::max_element(scored.begin(), scored.end())->second;
+  // Likelier first; equal logits (bf16 logits tie often) by the lower token id, as argmax
+  // breaks ties in PyTorch and llm.c.
+  auto likelier = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  if (opt.temperature <= 0) return std::min_element(scored.begin(), scored.end(), likelier)->second;
   const size_t keep = opt.top_k > 0 && opt.top_k < vocab ? static_cast<size_t>(opt.top_k) : scored.size();
-  std::partial_sort(scored.begin(), scored.begin() + static_cast<std::ptrdiff_t>(keep), scored.end(), std::greater<>());
+  std::partial_sort(scored.begin(), scored.begin() + static_cast<std::ptrdiff_t>(keep), scored.end(), likelier);
   scored.resize(keep);
   // softmax(logits / temperature) over the kept tokens, most likely first.
   const double max_logit = scored.front().first;
