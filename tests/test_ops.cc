@@ -672,7 +672,7 @@ TEST(Ops, Bf16TensorsAddAndTheirGradientsSum) {
 
 TEST(Ops, Bf16LinearWithABf16OutputRoundsTheFp32ResultAndTakesABf16Gradient) {
   // out = BF16: the same GEMM (bf16 operands, fp32 accumulation) with its result rounded
-  // once, so within half a bf16 ulp (2^-9 relative) of the fp32 output, plus one ulp for
+  // once, so within half a bf16 ulp (at most 2^-8 relative) of the fp32 output, plus one ulp for
   // another blocking of the sum. Backward takes the bf16 gradient as its GEMM operand: dx
   // and dW equal the fp32-output linear's given that same gradient (its rounding is then
   // the identity), to accumulation order.
@@ -689,13 +689,74 @@ TEST(Ops, Bf16LinearWithABf16OutputRoundsTheFp32ResultAndTakesABf16Gradient) {
   y32.backward(g.to(DType::F32));
   expect_close(x.grad(), x2.grad(), 0, 1e-6, "dx");
   expect_close(w.grad(), w2.grad(), 0, 1e-6, "dW");
-  // A bias would be added to a rounded output: refused, with what is allowed named.
-  try {
-    ops::linear_bf16(x, w, w_bf16, Tensor::zeros({16}), DType::BF16);
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("bfloat16 without a bias"), std::string::npos) << e.what();
-  }
+  // With a bias (the MLP's first projection under --dtype bf16): the bias is added to the
+  // fp32 accumulator before the one rounding, and its gradient sums the bf16 gradient's
+  // values in fp32.
+  Tensor bias = test::random_tensor({16}, 95).to(DType::F32), bias2 = bias.clone();
+  Tensor x3 = x.detach().clone(), w3 = w.detach().clone(), x4 = x3.clone(), w4 = w3.clone();
+  for (Tensor* p : {&bias, &bias2, &x3, &w3, &x4, &w4}) p->set_requires_grad(true);
+  Tensor yb = ops::linear_bf16(x3, w3, w_bf16, bias, DType::BF16), yb32 = ops::linear_bf16(x4, w4, w_bf16, bias2);
+  ASSERT_EQ(yb.dtype(), DType::BF16);
+  const std::vector<float> yc = yb.to(DType::F32).to_vector<float>(), yd = yb32.to_vector<float>();
+  for (size_t i = 0; i < yc.size(); ++i) EXPECT_NEAR(yc[i], yd[i], std::abs(yd[i]) * (1.0 / 512 + 1.0 / 256) + 1e-7) << i;
+  yb.backward(g);
+  yb32.backward(g.to(DType::F32));
+  expect_close(bias.grad(), bias2.grad(), 0, 1e-6, "db from a bf16 gradient");
+  EXPECT_EQ(bias.grad().dtype(), DType::F32);
+  expect_close(x3.grad(), x4.grad(), 0, 1e-6, "dx with a bias");
+}
+
+TEST(Ops, Bf16LinearTakesABf16InputAsItIsAndGivesItABf16Gradient) {
+  // A bf16 input (the MLP's GELU output under --dtype bf16) is the GEMM's operand as it is,
+  // with no rounded copy: the output equals the fp32 input's path on the same values (their
+  // rounding to bf16 is the identity), and the saved operand is the input itself. Its
+  // gradient is bf16, as every gradient has its tensor's dtype: the fp32 path's dx rounded
+  // once (half an ulp: bf16 keeps 8 significant bits, so at most 2^-8 relative), plus
+  // accumulation order.
+  Tensor x = test::random_tensor({6, 40}, 92).to(DType::BF16), w = test::random_tensor({24, 40}, 93).to(DType::F32);
+  Tensor b = test::random_tensor({24}, 94).to(DType::F32);
+  Tensor x2 = x.to(DType::F32), w2 = w.clone(), b2 = b.clone();
+  for (Tensor* p : {&x, &w, &b, &x2, &w2, &b2}) p->set_requires_grad(true);
+  Tensor w_bf16 = w.detach().to(DType::BF16);
+  Tensor y = ops::linear_bf16(x, w, w_bf16, b), y2 = ops::linear_bf16(x2, w2, w_bf16, b2);
+  ASSERT_EQ(y.dtype(), DType::F32);
+  expect_close(y, y2, 0, 1e-6, "y");
+  Tensor dy = test::random_tensor({6, 24}, 89).to(DType::F32);
+  y.backward(dy);
+  y2.backward(dy);
+  ASSERT_EQ(x.grad().dtype(), DType::BF16);
+  const std::vector<float> got = x.grad().to(DType::F32).to_vector<float>(), want = x2.grad().to_vector<float>();
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_NEAR(got[i], want[i], std::abs(want[i]) * (1.0 / 256 + 1.0 / 4096) + 1e-7) << i;
+  expect_close(w.grad(), w2.grad(), 0, 1e-6, "dW");
+  expect_close(b.grad(), b2.grad(), 0, 1e-6, "db");
+}
+
+TEST(Ops, GeluOfBf16IsTheFp32MathRoundedOnce) {
+  // Under --dtype bf16 GPT-2's MLP runs GELU on its bf16 projection, as autocast does: each
+  // value is read as fp32, the tanh form computed in fp32 and rounded once to bf16, and so
+  // is the gradient (dout * gelu'(x)). Against fp64 on the same bf16 values: half a bf16 ulp
+  // (at most 2^-8 relative) plus fp32's own error in the tanh form (~1e-6).
+  Tensor x = ops::scale(test::random_tensor({3, 1000}, 88), 4.0).to(DType::BF16);  // through GELU's bend
+  x.set_requires_grad(true);
+  Tensor y = ops::gelu(x);
+  ASSERT_EQ(y.dtype(), DType::BF16);
+  Tensor x64 = x.detach().to(DType::F64);
+  x64.set_requires_grad(true);
+  Tensor y64 = ops::gelu(x64);
+  const std::vector<float> got = y.to(DType::F32).to_vector<float>();
+  const std::vector<double> want = y64.detach().to_vector<double>();
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], std::abs(want[i]) / 256 + 2e-6) << i;
+  Tensor g = test::random_tensor({3, 1000}, 87).to(DType::BF16);
+  y.backward(g);
+  y64.backward(g.to(DType::F64));
+  ASSERT_EQ(x.grad().dtype(), DType::BF16);
+  const std::vector<float> dgot = x.grad().to(DType::F32).to_vector<float>();
+  const std::vector<double> dwant = x64.grad().to_vector<double>();
+  for (size_t i = 0; i < dgot.size(); ++i) EXPECT_NEAR(dgot[i], dwant[i], std::abs(dwant[i]) / 256 + 2e-6) << i;
+  // And the rounding is real: some outputs are not their fp32 values.
+  Tensor y32 = ops::gelu(x.detach().to(DType::F32));
+  EXPECT_GT(test::compare(y.to(DType::F32), y32).max_abs, 1e-4);
 }
 
 TEST(Ops, EmptyRowsAndFeaturesGiveZeroGradientsNotGarbageOrACrash) {

@@ -166,8 +166,9 @@ class Transformer {
   // Mixed precision: with BF16 every projection (qkv, attention output, MLP, head) runs
   // its GEMMs in bf16 over a bf16 copy of the parameters that the store keeps current
   // (ParameterStore::enable_compute_copy, 2 bytes per parameter), and attention's tile
-  // products take bf16 q, k, v (ops::causal_attention_bf16); norms, attention's softmax,
-  // the loss, gradients and the optimizer stay fp32. F32 (the default): off.
+  // products take bf16 q, k, v (ops::causal_attention_bf16); the head's logits and GPT-2's
+  // MLP hidden layer (and their gradients) are bf16; norms, attention's softmax, the loss,
+  // the residual stream, the parameters' gradients and the optimizer stay fp32. F32 (the default): off.
   // Needs the parameter block resident (not with ZeRO-3).
   void set_matmul_dtype(DType dtype);
   DType matmul_dtype() const { return matmul_dtype_; }
@@ -233,8 +234,9 @@ class Transformer {
   // A row-parallel projection: the partial products summed over the tensor-parallel
   // group, then the (replicated) bias.
   Tensor row_linear(const Tensor& x, size_t weight, size_t bias) const;
-  // x W^T + b for parameters `weight` and `bias` (kAbsent: none), in the matmul dtype.
-  Tensor linear(const Tensor& x, size_t weight, size_t bias) const;
+  // x W^T + b for parameters `weight` and `bias` (kAbsent: none), in the matmul dtype;
+  // under bf16 the output is `out` (fp32, or bf16 rounded once).
+  Tensor linear(const Tensor& x, size_t weight, size_t bias, DType out = DType::F32) const;
   // The head's logits x W^T: fp32, or under bf16 bf16 (see transformer.cc).
   Tensor head_logits(const Tensor& x, size_t weight) const;
   // Causal attention over q, k, v, its tile products in the matmul dtype; `recompute`:

@@ -142,7 +142,9 @@ namespace {
 // when backward may (then undefined is returned), as linear and linear_bf16 both do.
 Tensor bias_gradient(const autograd::Context& ctx, const Tensor& g2) {
   const int64_t out_f = g2.shape()[1];
-  Tensor db = Tensor::empty({out_f}, g2.dtype(), g2.device(), current_owner("linear_db"));
+  // A bf16 gradient (a bf16 output's) sums into fp32, the bias's dtype.
+  const DType dtype = g2.dtype() == DType::BF16 ? DType::F32 : g2.dtype();
+  Tensor db = Tensor::empty({out_f}, dtype, g2.device(), current_owner("linear_db"));
   on(db).sum_into(make_view(db, {1, out_f}, {out_f, 1}, 0), g2);
   Tensor sink = ctx.grad_sink(2);
   if (!sink.defined() || sink.dtype() != db.dtype()) return db;
@@ -208,9 +210,12 @@ Tensor linear(const Tensor& x_in, const Tensor& w, const Tensor& b) {
 namespace {
 // y = x W^T + b with bf16 GEMM operands and fp32 accumulation; y fp32, or bf16 (see ops.h).
 //   dx = bf16(g) W_bf16,  dW += bf16(g)^T bf16(x),  db = sum over rows of g (fp32).
+// dx has x's dtype: fp32, or bf16 for a bf16 input (the GEMM rounds it as it writes).
 struct LinearBf16Fn {
   static constexpr const char* kName = "linear_bf16";
-  using Context = autograd::Context;  // saved: x in bf16, W's bf16 copy
+  struct Context : autograd::Context {  // saved: x in bf16, W's bf16 copy
+    DType input_dtype = DType::F32;      // x's, and so dx's
+  };
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor x_bf16 = ctx.saved(0), w_bf16 = ctx.saved(1);
     Tensor g = materialize(grads[0]);
@@ -222,8 +227,7 @@ struct LinearBf16Fn {
                                                                          : to_bf16(g2, "linear_bf16_dy");
     Tensor dx, dw, db;
     if (ctx.needs_input_grad(0)) {
-      Shape shape = x_bf16.shape();
-      dx = Tensor::empty(shape, DType::F32, g.device(), current_owner("linear_dx"));
+      dx = Tensor::empty(x_bf16.shape(), ctx.input_dtype, g.device(), current_owner("linear_dx"));
       on(g2).gemm(g_bf16, false, w_bf16, false, make_view(dx, {rows, in_f}, {in_f, 1}, 0));
     }
     if (ctx.needs_input_grad(1)) {
@@ -245,28 +249,30 @@ struct LinearBf16Fn {
 
 Tensor linear_bf16(const Tensor& x_in, const Tensor& w, const Tensor& w_bf16, const Tensor& b, DType out_dtype) {
   detail::require_same_device("linear_bf16", {&x_in, &w, &w_bf16, &b});
-  TALLY_CHECK(x_in.dtype() == DType::F32 && w.dtype() == DType::F32 && w_bf16.dtype() == DType::BF16 &&
-                  (!b.defined() || b.dtype() == DType::F32),
-              "linear_bf16: expected fp32 input, weight and bias and a bfloat16 weight copy, got ", x_in.str(), ", ",
-              w.str(), ", ", w_bf16.str(), (b.defined() ? ", " + b.str() : std::string()));
+  TALLY_CHECK((x_in.dtype() == DType::F32 || x_in.dtype() == DType::BF16) && w.dtype() == DType::F32 &&
+                  w_bf16.dtype() == DType::BF16 && (!b.defined() || b.dtype() == DType::F32),
+              "linear_bf16: expected an fp32 or bf16 input, fp32 weight and bias and a bfloat16 weight copy, got ",
+              x_in.str(), ", ", w.str(), ", ", w_bf16.str(), (b.defined() ? ", " + b.str() : std::string()));
   TALLY_CHECK(w.dim() == 2 && w_bf16.shape() == w.shape(), "linear_bf16: weight ", w.str(), " and its copy ",
               w_bf16.str(), " must be the same (out_features, in_features)");
   TALLY_CHECK(x_in.dim() >= 1 && x_in.size(-1) == w.shape()[1], "linear_bf16: input ", x_in.str(), " has ",
               x_in.dim() ? x_in.size(-1) : 0, " features but weight ", w.str(), " expects ", w.shape()[1]);
   TALLY_CHECK(!b.defined() || (b.dim() == 1 && b.shape()[0] == w.shape()[0]), "linear_bf16: bias ", b.str(),
               " must be (", w.shape()[0], ")");
-  TALLY_CHECK(out_dtype == DType::F32 || (out_dtype == DType::BF16 && !b.defined()), "linear_bf16: the output must be ",
-              "float32, or bfloat16 without a bias, got ", dtype_name(out_dtype), b.defined() ? " with a bias" : "");
+  TALLY_CHECK(out_dtype == DType::F32 || out_dtype == DType::BF16, "linear_bf16: the output must be float32 or ",
+              "bfloat16, got ", dtype_name(out_dtype));
   const int64_t out_f = w.shape()[0], in_f = w.shape()[1], rows = leading_rows(x_in);
-  Tensor x_bf16 = to_bf16(x_in, "linear_x_bf16");  // contiguous, whatever x's strides
+  // The GEMM's operand: a bf16 input as it is (contiguous), an fp32 one rounded.
+  Tensor x_bf16 = x_in.dtype() == DType::BF16 ? materialize(x_in) : to_bf16(x_in, "linear_x_bf16");
   Tensor wb = materialize(w_bf16);
   Shape shape = x_in.shape();
   shape.back() = out_f;
   Tensor out = new_output(shape, out_dtype, x_in.device(), "linear");
   Tensor out2 = make_view(out, {rows, out_f}, {out_f, 1}, 0);
-  project(make_view(x_bf16, {rows, in_f}, {in_f, 1}, 0), wb, b, out2);
+  project(make_view(x_bf16, {rows, in_f}, {in_f, 1}, x_bf16.offset()), wb, b, out2);
   if (autograd::needs_graph({x_in, w, b})) {
     auto ctx = std::make_unique<LinearBf16Fn::Context>();
+    ctx->input_dtype = x_in.dtype();
     ctx->save_for_backward({x_bf16, wb});
     autograd::record<LinearBf16Fn>(std::move(ctx), {x_in, w, b}, {out});
   }

@@ -36,13 +36,15 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool transpose_a = false, bool t
 // x (..., in) @ weight(out, in)^T + bias(out); bias may be undefined.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
 // Mixed precision (bf16 autocast): y = x W^T + b with the GEMM's operands in bf16 and its
-// products accumulated, and y returned, in fp32. x (fp32) is rounded to bf16, and saved so
-// for backward (half of fp32's bytes); `weight_bf16` is the caller's bf16 copy of `weight`
-// (ParameterStore::compute_copy keeps it current). Backward rounds dy to bf16 for the two
-// GEMMs (dx = dy W, dW += dy^T x, fp32 outputs) and sums db in fp32. Gradients flow to
-// `weight`, the fp32 master weights, never to its copy. `out` bf16 (no bias) returns y
-// rounded to bf16, as autocast's linear does: the head's logits, where half the bytes of
-// the largest activation is worth it; backward then takes dy in bf16 as it comes.
+// products accumulated, and y returned, in fp32. An fp32 x is rounded to bf16, and saved so
+// for backward (half of fp32's bytes); a bf16 x (GPT-2's GELU output) is the operand as it
+// is, and its gradient is bf16. `weight_bf16` is the caller's bf16 copy of `weight`
+// (ParameterStore::compute_copy keeps it current). Backward rounds an fp32 dy to bf16 for
+// the two GEMMs (dx = dy W, dW += dy^T x, fp32 accumulation) and sums db in fp32. Gradients
+// flow to `weight`, the fp32 master weights, never to its copy. `out` bf16 returns y (the
+// bias added first) rounded to bf16, as autocast's linear does: the head's logits and
+// GPT-2's MLP projection, where half the bytes is worth it; backward then takes dy in bf16
+// as it comes.
 Tensor linear_bf16(const Tensor& x, const Tensor& weight, const Tensor& weight_bf16, const Tensor& bias = Tensor(),
                    DType out = DType::F32);
 
@@ -51,7 +53,9 @@ Tensor embedding(const Tensor& weight, const Tensor& indices);  // weight (V, C)
 Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
 // RMSNorm over the last dimension (LLaMA): x / sqrt(mean(x^2) + eps) * weight.
 Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps = 1e-5);
-Tensor gelu(const Tensor& x);     // tanh approximation, as GPT-2
+// GELU, tanh approximation, as GPT-2. bf16: fp32 math on the values, rounded once (and so
+// the gradient), as autocast runs it.
+Tensor gelu(const Tensor& x);
 // silu(gate) * up, LLaMA's gated MLP activation (gate and up have one shape).
 Tensor swiglu(const Tensor& gate, const Tensor& up);
 // Rotary position embedding of x (B,T,heads,D), D even, at positions offset..offset+T-1:

@@ -163,8 +163,10 @@ MemoryPlan plan_memory(const PlanInput& in) {
     layer.push_back({"layernorm mean and rstd", sp_rows, 4, kFloat});
     layer.push_back({std::string("q, k, v") + (bf16 ? " (attention's bf16 copies)" : ""), BT, 3 * C / TP, proj_bytes});
     attention_outputs();
-    layer.push_back({"MLP pre-GELU", BT, 4 * C / TP, kFloat});
-    layer.push_back({std::string("MLP post-GELU") + proj, BT, 4 * C / TP, proj_bytes});
+    // Under bf16 the hidden layer is bf16 end to end (the projection writes it rounded),
+    // so GELU saves a bf16 input and the output projection its bf16 input as it is.
+    layer.push_back({std::string("MLP pre-GELU") + (bf16 ? " (bf16)" : ""), BT, 4 * C / TP, proj_bytes});
+    layer.push_back({std::string("MLP post-GELU") + (bf16 ? " (bf16)" : ""), BT, 4 * C / TP, proj_bytes});
   }
   int64_t layer_bytes = 0;  // one layer's saved activations of one microbatch
   for (const Kind& k : layer)
@@ -200,13 +202,15 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // The last layer's MLP backward, after the head's activations are freed: the residual's
   // gradient (C, B*T/tp rows under --sp) is live, and then either
   //  - the activation's backward: the MLP output's input (post-GELU or SwiGLU output, W
-  //    wide: 4C or F, 1/tp under tensor parallelism) is freed, its gradient (W floats)
+  //    wide: 4C or F, 1/tp under tensor parallelism) is freed, its gradient (W values)
   //    allocated, and the gradients of the activation's inputs: GPT-2's d(pre-GELU) (W),
-  //    LLaMA's dgate and dup (2W); under bf16 the freed input was a bf16 copy;
+  //    LLaMA's dgate and dup (2W); under bf16 the freed input was bf16 (LLaMA's a bf16
+  //    copy), and GPT-2's hidden layer and its gradients are bf16 (2 bytes, not 4);
   //  - or the moment before, the output projection's backward: its input still saved
-  //    beside its new gradient (W floats), with under --sp the residual's gradient
-  //    all-gathered (B*T x C floats), and in one process GPT-2's bias gradient (C floats,
-  //    not per token) summed before it is added into its buffer.
+  //    beside its new gradient (W values), with under --sp the residual's gradient
+  //    all-gathered (B*T x C floats), and then either (bf16) the residual's gradient
+  //    rounded for the GEMMs (B*T x C bf16) or, after them, in one process GPT-2's bias
+  //    gradient (C floats, not per token) summed before it is added into its buffer.
   // It wins when the vocabulary is small and the MLP wide. Under full recomputation the
   // last layer's activations are live again (recomputed), and so is the region's
   // recomputed output (C), which its inner backward starts from; its input is one of the
@@ -230,10 +234,14 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // there the sum stays live (C floats more; not under full recomputation, whose
   // recomputed graph makes its own).
   const int64_t tp_bias_gradient = TP > 1 && !c.is_llama() && !full ? C * kFloat : 0;
-  const int64_t activation_backward =
-      sum({bytes_of(BT, mlp_width, kFloat - proj_bytes), bytes_of(BT, (c.is_llama() ? 2 : 1) * mlp_width, kFloat)});
-  const int64_t projection_backward = sum({in.sequence_parallel ? bytes_of(BT, C, kFloat) : 0, bytes_of(BT, mlp_width, kFloat),
-                                           TP == 1 && !c.is_llama() ? C * kFloat : 0});
+  // Bytes per value of the MLP's hidden activations and their gradients: GPT-2's are bf16
+  // under bf16 (the projection writes them rounded), LLaMA's gate and up stay fp32.
+  const int64_t hidden_bytes = bf16 && !c.is_llama() ? 2 : kFloat;
+  const int64_t activation_backward = sum({bytes_of(BT, mlp_width, hidden_bytes - proj_bytes),
+                                           bytes_of(BT, (c.is_llama() ? 2 : 1) * mlp_width, hidden_bytes)});
+  const int64_t projection_backward =
+      sum({in.sequence_parallel ? bytes_of(BT, C, kFloat) : 0, bytes_of(BT, mlp_width, hidden_bytes),
+           std::max(bf16 ? bytes_of(BT, C, 2) : 0, TP == 1 && !c.is_llama() ? C * kFloat : 0)});
   const int64_t mlp_backward = sum({bytes_of(sp_rows, C, kFloat), std::max(activation_backward, projection_backward)});
   const int64_t recomputed_layer = full ? layer_bytes : 0;
   // The last layer's MLP output projection in forward, before the head runs: its output
@@ -241,11 +249,13 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // (2C). Tensor parallel: the partial product and its all-reduce (2C), and GPT-2's bias
   // added to it (C more); under --sp the partial product, the reduce-scatter's buffer (2C)
   // and its output (C, B*T/tp rows). Under bf16 also the fp32 norm output (C, all-gathered
-  // under --sp) and MLP output (W), which the projections keep only as bf16 copies.
+  // under --sp), which the projection keeps only as a bf16 copy, and LLaMA's SwiGLU output
+  // (W, likewise; GPT-2's GELU output is bf16 and saved as it is).
   const int64_t row_parallel = in.sequence_parallel      ? sum({bytes_of(BT, 2 * C, kFloat), bytes_of(sp_rows, C, kFloat)})
                                : TP > 1 && !c.is_llama() ? bytes_of(BT, 3 * C, kFloat)
                                                          : bytes_of(BT, 2 * C, kFloat);
-  const int64_t mlp_forward = sum({row_parallel, bf16 ? bytes_of(BT, C + mlp_width, kFloat) : 0});
+  const int64_t mlp_forward =
+      sum({row_parallel, bf16 ? bytes_of(BT, C + (c.is_llama() ? mlp_width : 0), kFloat) : 0});
   // Tensor parallel, after the loss's backward: its saved logits and log-sum-exp are freed
   // and the head's projection writes its input's gradient (B*T x C floats) beside the
   // logits' gradient (bf16 under bf16, as the logits); then its saved input is

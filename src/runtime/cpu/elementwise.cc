@@ -196,13 +196,15 @@ void sum_into(const Tensor& out, const Tensor& x) {
     TALLY_CHECK(out.shape()[d] == x.shape()[d] || out.shape()[d] == 1, "sum_into: ", out.str(), " is not ", x.str(),
                 " with some dimensions reduced to 1");
   TALLY_CHECK(out.is_contiguous(), "sum_into: output must be contiguous");
-  dispatch_floating(x.dtype(), "sum", [&](auto tag) {
+  // bf16 input (a bias's gradient under mixed precision) sums into fp32.
+  dispatch_mixed(x, out, "sum", [&](auto in_tag, auto tag) {
+    using In = decltype(in_tag);
     using T = decltype(tag);
     // Accumulate in double for fp32 sums over long axes, then store.
     const int64_t n_out = out.numel();
     const int64_t n_in = x.numel();
     T* o = out.data<T>();
-    const T* px = x.data<T>();
+    const In* px = x.data<In>();
     // Output strides as seen from x's index space: 0 on reduced dims.
     Shape ostr(x.dim());
     Shape ocontig = contiguous_strides(out.shape());
@@ -237,17 +239,17 @@ void sum_into(const Tensor& out, const Tensor& x) {
           int64_t r = blk * kRows;
           // Four rows per pass over the partial: a quarter of its loads and stores.
           for (; r + 4 <= end; r += 4) {
-            const T* r0 = px + r * inner;
-            const T *r1 = r0 + inner, *r2 = r1 + inner, *r3 = r2 + inner;
+            const In* r0 = px + r * inner;
+            const In *r1 = r0 + inner, *r2 = r1 + inner, *r3 = r2 + inner;
 #pragma omp simd
             for (int64_t j = 0; j < inner; ++j)
-              a[j] += (static_cast<double>(r0[j]) + static_cast<double>(r1[j])) +
-                      (static_cast<double>(r2[j]) + static_cast<double>(r3[j]));
+              a[j] += (convert<double>(r0[j]) + convert<double>(r1[j])) +
+                      (convert<double>(r2[j]) + convert<double>(r3[j]));
           }
           for (; r < end; ++r) {
-            const T* row = px + r * inner;
+            const In* row = px + r * inner;
 #pragma omp simd
-            for (int64_t j = 0; j < inner; ++j) a[j] += static_cast<double>(row[j]);
+            for (int64_t j = 0; j < inner; ++j) a[j] += convert<double>(row[j]);
           }
         }
 #pragma omp for schedule(static)
@@ -267,7 +269,7 @@ void sum_into(const Tensor& out, const Tensor& x) {
           xo += idx[d] * x.strides()[d];
           oo += idx[d] * ostr[d];
         }
-        acc[oo] += px[xo];
+        acc[oo] += convert<double>(px[xo]);
         for (size_t d = shape.size(); d-- > 0;) {
           if (++idx[d] < shape[d]) break;
           idx[d] = 0;

@@ -174,7 +174,10 @@ bool gemm_on_matmul_primitive(const Tensor& a, bool transpose_a, const Tensor& b
 
 bool gemm_adds_bias(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c,
                     const Tensor& bias) {
-  return bias.dtype() == c.dtype() && bias.is_contiguous() && gemm_on_matmul_primitive(a, transpose_a, b, transpose_b, c);
+  // bf16 operands take an fp32 bias whatever the output (added to the fp32 accumulator,
+  // before a bf16 output's one rounding).
+  const bool dtype_ok = bias.dtype() == c.dtype() || (a.dtype() == DType::BF16 && bias.dtype() == DType::F32);
+  return dtype_ok && bias.is_contiguous() && gemm_on_matmul_primitive(a, transpose_a, b, transpose_b, c);
 }
 
 void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c, float alpha,
@@ -197,7 +200,7 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
   TALLY_CHECK(!bias.defined() || (bias.dim() == 1 && bias.shape()[0] == N && alpha == 1.f && beta == 0.f &&
                                   gemm_adds_bias(a, transpose_a, b, transpose_b, c, bias)),
               "gemm: the bias ", bias.str(), " must be a contiguous vector of the output's ", N, " columns in its dtype (",
-              dtype_name(c.dtype()), "), with alpha 1 and nothing accumulated, on a GEMM the matmul primitive runs",
+              dtype_name(c.dtype()), ", or fp32 for bf16 operands), with alpha 1 and nothing accumulated, on a GEMM the matmul primitive runs",
               " (elsewhere Backend::gemm_bias writes it first)");
   if (M == 0 || N == 0) return;
   if (K == 0) {  // an empty sum: C = beta C (+ bias)

@@ -175,37 +175,76 @@ void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, co
 }
 
 // GELU, tanh approximation (GPT-2): y = 0.5 x (1 + tanh(s (x + 0.044715 x^3))), s = sqrt(2/pi).
+namespace {
+// GELU's tanh form at v, and its derivative:
+//   gelu(v) = 0.5 v (1 + t),  gelu'(v) = 0.5 (1 + t) + 0.5 v (1 - t^2) s (1 + 3 * 0.044715 v^2),
+//   t = tanh(s (v + 0.044715 v^3)).
+template <class T> inline T gelu_value(T v) {
+  const T s = static_cast<T>(0.7978845608028654);
+  return T(0.5) * v * (T(1) + vtanh(s * (v + T(0.044715) * v * v * v)));
+}
+template <class T> inline T gelu_slope(T v) {
+  const T s = static_cast<T>(0.7978845608028654);
+  const T t = vtanh(s * (v + T(0.044715) * v * v * v));
+  return T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * s * (T(1) + T(3) * T(0.044715) * v * v);
+}
+inline float bf16_value(BFloat16 b) { return static_cast<float>(b); }
+constexpr int64_t kBf16Block = 512;  // values per rounded block: 2 KiB of fp32, in L1
+}  // namespace
+
+// bf16 (GPT-2's MLP under --dtype bf16, as autocast runs it): read as fp32, the math in
+// fp32, the result rounded once.
 void gelu_forward(const Tensor& out, const Tensor& x) {
   const int64_t n = x.numel();
+  TALLY_CHECK(out.dtype() == x.dtype(), "gelu: output ", out.str(), " and input ", x.str(), " differ in dtype");
+  if (x.dtype() == DType::BF16) {
+    const BFloat16* px = x.data<BFloat16>();
+    BFloat16* po = out.data<BFloat16>();
+    // Blocks of fp32 results on the stack, each rounded by round_to_bf16.
+#pragma omp parallel for schedule(static) if (n > (1 << 15))
+    for (int64_t start = 0; start < n; start += kBf16Block) {
+      const int64_t len = std::min(kBf16Block, n - start);
+      float y[kBf16Block];
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) y[i] = gelu_value(bf16_value(px[start + i]));
+      round_to_bf16(y, po + start, len);
+    }
+    return;
+  }
   dispatch_floating(x.dtype(), "gelu", [&](auto tag) {
     using T = decltype(tag);
     const T* px = x.data<T>();
     T* po = out.data<T>();
-    const T s = static_cast<T>(0.7978845608028654);
 #pragma omp parallel for simd schedule(static) if (n > (1 << 15))
-    for (int64_t i = 0; i < n; ++i) {
-      T v = px[i];
-      po[i] = T(0.5) * v * (T(1) + vtanh(s * (v + T(0.044715) * v * v * v)));
-    }
+    for (int64_t i = 0; i < n; ++i) po[i] = gelu_value(px[i]);
   });
 }
 
-// dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) s (1 + 3 * 0.044715 x^2), t = tanh(s (x + 0.044715 x^3)).
 void gelu_backward(const Tensor& dx, const Tensor& dout, const Tensor& x) {
   const int64_t n = x.numel();
+  TALLY_CHECK(dx.dtype() == x.dtype() && dout.dtype() == x.dtype(), "gelu backward: gradient ", dout.str(),
+              " and input ", x.str(), " differ in dtype");
+  if (x.dtype() == DType::BF16) {
+    const BFloat16* px = x.data<BFloat16>();
+    const BFloat16* pg = dout.data<BFloat16>();
+    BFloat16* pd = dx.data<BFloat16>();
+#pragma omp parallel for schedule(static) if (n > (1 << 15))
+    for (int64_t start = 0; start < n; start += kBf16Block) {
+      const int64_t len = std::min(kBf16Block, n - start);
+      float d[kBf16Block];
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) d[i] = bf16_value(pg[start + i]) * gelu_slope(bf16_value(px[start + i]));
+      round_to_bf16(d, pd + start, len);
+    }
+    return;
+  }
   dispatch_floating(x.dtype(), "gelu backward", [&](auto tag) {
     using T = decltype(tag);
     const T* px = x.data<T>();
     const T* pg = dout.data<T>();
     T* pd = dx.data<T>();
-    const T s = static_cast<T>(0.7978845608028654);
 #pragma omp parallel for simd schedule(static) if (n > (1 << 15))
-    for (int64_t i = 0; i < n; ++i) {
-      T v = px[i];
-      T t = vtanh(s * (v + T(0.044715) * v * v * v));
-      T local = T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * s * (T(1) + T(3) * T(0.044715) * v * v);
-      pd[i] = pg[i] * local;
-    }
+    for (int64_t i = 0; i < n; ++i) pd[i] = pg[i] * gelu_slope(px[i]);
   });
 }
 
