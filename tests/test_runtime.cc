@@ -10,6 +10,8 @@
 #include <omp.h>
 
 #include <atomic>
+#include <bit>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -263,6 +265,37 @@ TEST(VecMath, RowMaxFindsTheLargestEntryWhereverItSits) {
   }
   const double d[3] = {-2.0, -0.5, -1.0};
   EXPECT_EQ(runtime::cpu::row_max(d, 3, -10.0), -0.5);
+}
+
+TEST(VecMath, RoundToBf16IsNearestEvenAsTheScalarRounding) {
+  // round_to_bf16 (vcvtneps2bf16 where the CPU has AVX512-BF16) against bf16_round_bits on
+  // the cases rounding gets wrong: exact halfway points both ways (ties to even), just
+  // above and below them, the largest finite values (rounding up to infinity), infinities,
+  // NaNs (kept quiet NaNs), signed zeros, and a length that is not a multiple of 16 (the
+  // scalar tail). fp32 denormals are left out: the instruction flushes them to zero.
+  std::vector<float> x;
+  for (uint32_t hi : {0x3f80u, 0x3f81u, 0x4049u, 0xc2f7u, 0x7f7fu, 0xff7fu})
+    for (uint32_t lo : {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) x.push_back(std::bit_cast<float>((hi << 16) | lo));
+  for (float v : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN(), std::bit_cast<float>(0x7f800001u), 0.0f, -0.0f,
+                  1.17549435e-38f, 3.0e38f})
+    x.push_back(v);
+  ASSERT_NE(x.size() % 16, 0u);
+  std::vector<BFloat16> got(x.size());
+  runtime::cpu::round_to_bf16(x.data(), got.data(), static_cast<int64_t>(x.size()));
+  for (size_t i = 0; i < x.size(); ++i) {
+    const uint16_t want = bf16_round_bits(x[i]);
+    if (std::isnan(x[i])) {
+      EXPECT_TRUE(std::isnan(static_cast<float>(got[i]))) << i;
+      EXPECT_NE(got[i].bits & 0x40u, 0u) << "a quiet NaN, " << i;
+    } else {
+      EXPECT_EQ(got[i].bits, want) << std::hex << std::bit_cast<uint32_t>(x[i]);
+    }
+  }
+  // Ties go to even: 1 + 2^-8 (halfway between 1 and 1 + 2^-7) rounds down to 1, and
+  // 1 + 3 * 2^-8 up to 1 + 2^-6.
+  EXPECT_EQ(got[3].bits, 0x3f80u);
+  EXPECT_EQ(got[9].bits, 0x3f82u);
 }
 
 TEST(Profiler, TimesKernelsPerPhaseWithGemmFlops) {

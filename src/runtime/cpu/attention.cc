@@ -103,9 +103,7 @@ TileOperand<In> as_operand(const T* tile, int64_t ld, int64_t rows, int64_t cols
     In* out = scratch.data();
     for (int64_t i = 0; i < rows; ++i) {
       const T* src = tile + i * ld;
-      In* dst = out + i * cols;
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) dst[c].bits = bf16_round_bits(src[c]);
+      round_to_bf16(src, out + i * cols, cols);
     }
     return {out, cols};
   }

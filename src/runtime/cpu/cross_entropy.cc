@@ -30,10 +30,7 @@ inline void widen_block(const BFloat16* x, float* out, int64_t n) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) out[j] = std::bit_cast<float>(static_cast<uint32_t>(x[j].bits) << 16);
 }
-inline void narrow_block(const float* x, BFloat16* out, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) out[j].bits = bf16_round_bits(x[j]);
-}
+inline void narrow_block(const float* x, BFloat16* out, int64_t n) { round_to_bf16(x, out, n); }
 
 // The log-sum-exp of row[0..V) in one pass over blocks (the online softmax): each block's
 // max, then the running sum rescaled when the running max grows, and the block's exps

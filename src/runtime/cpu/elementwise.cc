@@ -5,6 +5,7 @@
 
 #include "runtime/cpu/kernels.h"
 #include "runtime/cpu/strided.h"
+#include "runtime/cpu/vec_math.h"
 
 namespace tally::runtime::cpu {
 
@@ -37,8 +38,9 @@ bool convert_contiguous(const Tensor& dst, const Tensor& src) {
   if (dst.dtype() == DType::BF16 && src.dtype() == DType::F32) {
     BFloat16* d = dst.data<BFloat16>();
     const float* s = src.data<float>();
-#pragma omp parallel for simd schedule(static) if (n > (1 << 16))
-    for (int64_t i = 0; i < n; ++i) d[i].bits = bf16_round_bits(s[i]);
+    constexpr int64_t kBlock = 4096;  // a thread's piece: whole 16-value vectors
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+    for (int64_t start = 0; start < n; start += kBlock) round_to_bf16(s + start, d + start, std::min(kBlock, n - start));
     return true;
   }
   if (dst.dtype() == DType::F32 && src.dtype() == DType::BF16) {
