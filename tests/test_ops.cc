@@ -732,12 +732,52 @@ TEST(Ops, Bf16LinearTakesABf16InputAsItIsAndGivesItABf16Gradient) {
   expect_close(b.grad(), b2.grad(), 0, 1e-6, "db");
 }
 
+TEST(Ops, GeluIsZeroFarLeftAndTheIdentityFarRightWithFiniteGradients) {
+  // Far left, down to -1e13 (whose cube overflows fp32), the value and slope are 0 to any
+  // tolerance and never NaN (a logistic form with a capped exponent left sigma ~1e-35
+  // there, which the slope's v^3 made 3900); far right the value is v and the slope 1.
+  const std::vector<double> v = {-1e13, -1e4, -50, -9.5, 9.5, 50, 1e4, 1e13};
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    Tensor x = Tensor::from_vector(v, {8}).to(dtype);
+    x.set_requires_grad(true);
+    Tensor y = ops::gelu(x);
+    y.backward(Tensor::ones({8}, dtype));
+    const std::vector<float> got = y.to(DType::F32).to_vector<float>(), slope = x.grad().to(DType::F32).to_vector<float>();
+    const std::vector<float> xs = x.detach().to(DType::F32).to_vector<float>();
+    for (size_t i = 0; i < v.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i]) && std::isfinite(slope[i])) << v[i] << " " << dtype_name(dtype);
+      if (v[i] < 0) {
+        EXPECT_LT(std::abs(got[i]), 1e-30) << v[i];  // -9.5 sigma(2u) ~ 1e-32, and 0 beyond
+        EXPECT_LT(std::abs(slope[i]), 1e-28) << v[i];
+      } else {
+        EXPECT_NEAR(got[i], xs[i], std::abs(xs[i]) * 1e-6) << v[i];
+        EXPECT_NEAR(slope[i], 1.0, 1e-2) << v[i];
+      }
+    }
+  }
+}
+
+TEST(Ops, Bf16BiasGradientOverManyRowsSumsInFp32) {
+  // A bf16 output's bias gradient at a training size (96 x 1024 values: sum_into's threaded
+  // row-block path) is the fp32 sum of the bf16 gradient's values: against fp64, fp32's
+  // rounding of a 96-term sum of values below 4 (~1e-5).
+  Tensor x = test::random_tensor({96, 32}, 84).to(DType::F32), w = test::random_tensor({1024, 32}, 85).to(DType::F32);
+  Tensor b = Tensor::zeros({1024});
+  b.set_requires_grad(true);
+  Tensor y = ops::linear_bf16(x, w, w.to(DType::BF16), b, DType::BF16);
+  Tensor g = ops::scale(test::random_tensor({96, 1024}, 86), 4.0).to(DType::BF16);
+  y.backward(g);
+  ASSERT_EQ(b.grad().dtype(), DType::F32);
+  expect_close(b.grad().to(DType::F64), ops::sum(g.to(DType::F64), {0}), 0, 1e-5, "db");
+}
+
 TEST(Ops, GeluOfBf16IsTheFp32MathRoundedOnce) {
   // Under --dtype bf16 GPT-2's MLP runs GELU on its bf16 projection, as autocast does: each
   // value is read as fp32, the tanh form computed in fp32 and rounded once to bf16, and so
   // is the gradient (dout * gelu'(x)). Against fp64 on the same bf16 values: half a bf16 ulp
   // (at most 2^-8 relative) plus fp32's own error in the tanh form (~1e-6).
-  Tensor x = ops::scale(test::random_tensor({3, 1000}, 88), 4.0).to(DType::BF16);  // through GELU's bend
+  // 3 x 20000 values: the threaded path and many 512-value blocks, one of them partial.
+  Tensor x = ops::scale(test::random_tensor({3, 20000}, 88), 4.0).to(DType::BF16);  // through GELU's bend
   x.set_requires_grad(true);
   Tensor y = ops::gelu(x);
   ASSERT_EQ(y.dtype(), DType::BF16);
@@ -747,7 +787,7 @@ TEST(Ops, GeluOfBf16IsTheFp32MathRoundedOnce) {
   const std::vector<float> got = y.to(DType::F32).to_vector<float>();
   const std::vector<double> want = y64.detach().to_vector<double>();
   for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], std::abs(want[i]) / 256 + 2e-6) << i;
-  Tensor g = test::random_tensor({3, 1000}, 87).to(DType::BF16);
+  Tensor g = test::random_tensor({3, 20000}, 87).to(DType::BF16);
   y.backward(g);
   y64.backward(g.to(DType::F64));
   ASSERT_EQ(x.grad().dtype(), DType::BF16);

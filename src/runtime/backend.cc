@@ -77,6 +77,10 @@ double Backend::sum_squares(const Tensor&) { no_kernel("sum of squares"); }
 void Backend::gemm(const Tensor&, bool, const Tensor&, bool, const Tensor&, float, float) { no_kernel("matmul"); }
 void Backend::gemm_bias(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c,
                         const Tensor& bias) {
+  // The bias written first and the product accumulated onto it: a bf16 C would round
+  // twice (the bias, then the sum), so a backend must add a bias to bf16 inside its GEMM.
+  TALLY_CHECK(c.dtype() != DType::BF16, "gemm: ", device().str(), " adds no bias inside its GEMM, and writing it into ",
+              "the bfloat16 output ", c.str(), " first would round twice");
   copy(c, bias);
   gemm(a, transpose_a, b, transpose_b, c, 1.f, 1.f);
 }

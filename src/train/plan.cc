@@ -123,7 +123,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
   const bool selective = in.recompute == nn::Recompute::Selective, full = in.recompute == nn::Recompute::Full;
   // What one layer saves for backward, by kind: elements per token and bytes per element
   // (4, or 2 for what mixed precision keeps in bf16). A projection's saved input, and
-  // attention's q, k, v: fp32, or bf16 copies under mixed precision.
+  // attention's q, k, v: fp32, or bf16 copies under mixed precision (GPT-2's MLP hidden
+  // layer is bf16 itself there, saved as it is).
   // Under tensor parallelism a column-parallel projection's outputs (q, k, v, the MLP's
   // hidden) and what follows from them (the attention output, its log-sum-exp) are this
   // rank's heads' or columns' share, 1/tp; its input (a norm's output) is whole, and under

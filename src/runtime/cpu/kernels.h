@@ -29,7 +29,7 @@ double sum_squares(const Tensor& x);
 void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c, float alpha = 1.f,
           float beta = 0.f, const Tensor& bias = Tensor());
 // Whether gemm() adds this bias inside the GEMM: oneDNN's matmul primitive runs it and the
-// bias is a contiguous vector in C's dtype. Elsewhere (sgemm, the fp64 loop, a bias to
+// bias is a contiguous vector in C's dtype (or fp32, for bf16 operands). Elsewhere (sgemm, the fp64 loop, a bias to
 // convert) the caller writes the bias into C first and accumulates onto it.
 bool gemm_adds_bias(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c,
                     const Tensor& bias);
