@@ -194,6 +194,19 @@ template <class T> inline T gelu_slope(T v) {
 }
 inline float bf16_value(BFloat16 b) { return static_cast<float>(b); }
 constexpr int64_t kBf16Block = 512;  // values per rounded block: 2 KiB of fp32, in L1
+
+// out[i] = value(i) rounded to bf16 for i < n, on every thread: blocks of fp32 values on
+// the stack, each rounded by round_to_bf16 (one instruction per 16 values).
+template <class F> void write_bf16(BFloat16* out, int64_t n, F value) {
+#pragma omp parallel for schedule(static) if (n > (1 << 15))
+  for (int64_t start = 0; start < n; start += kBf16Block) {
+    const int64_t len = std::min(kBf16Block, n - start);
+    float block[kBf16Block];
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) block[i] = value(start + i);
+    round_to_bf16(block, out + start, len);
+  }
+}
 }  // namespace
 
 // bf16 (GPT-2's MLP under --dtype bf16, as autocast runs it): read as fp32, the math in
@@ -203,16 +216,7 @@ void gelu_forward(const Tensor& out, const Tensor& x) {
   TALLY_CHECK(out.dtype() == x.dtype(), "gelu: output ", out.str(), " and input ", x.str(), " differ in dtype");
   if (x.dtype() == DType::BF16) {
     const BFloat16* px = x.data<BFloat16>();
-    BFloat16* po = out.data<BFloat16>();
-    // Blocks of fp32 results on the stack, each rounded by round_to_bf16.
-#pragma omp parallel for schedule(static) if (n > (1 << 15))
-    for (int64_t start = 0; start < n; start += kBf16Block) {
-      const int64_t len = std::min(kBf16Block, n - start);
-      float y[kBf16Block];
-#pragma omp simd
-      for (int64_t i = 0; i < len; ++i) y[i] = gelu_value(bf16_value(px[start + i]));
-      round_to_bf16(y, po + start, len);
-    }
+    write_bf16(out.data<BFloat16>(), n, [px](int64_t i) { return gelu_value(bf16_value(px[i])); });
     return;
   }
   dispatch_floating(x.dtype(), "gelu", [&](auto tag) {
@@ -231,15 +235,8 @@ void gelu_backward(const Tensor& dx, const Tensor& dout, const Tensor& x) {
   if (x.dtype() == DType::BF16) {
     const BFloat16* px = x.data<BFloat16>();
     const BFloat16* pg = dout.data<BFloat16>();
-    BFloat16* pd = dx.data<BFloat16>();
-#pragma omp parallel for schedule(static) if (n > (1 << 15))
-    for (int64_t start = 0; start < n; start += kBf16Block) {
-      const int64_t len = std::min(kBf16Block, n - start);
-      float d[kBf16Block];
-#pragma omp simd
-      for (int64_t i = 0; i < len; ++i) d[i] = bf16_value(pg[start + i]) * gelu_slope(bf16_value(px[start + i]));
-      round_to_bf16(d, pd + start, len);
-    }
+    write_bf16(dx.data<BFloat16>(), n,
+               [px, pg](int64_t i) { return bf16_value(pg[i]) * gelu_slope(bf16_value(px[i])); });
     return;
   }
   dispatch_floating(x.dtype(), "gelu backward", [&](auto tag) {
