@@ -194,13 +194,17 @@ TEST(Launch, Bf16AndProfileOpsFromTheCommandLine) {
   EXPECT_EQ(o.exit_code, 0) << o.output;
   EXPECT_NE(o.output.find("measured bf16 GEMM peak"), std::string::npos) << o.output;
   EXPECT_NE(o.output.find("  backward "), std::string::npos) << o.output;
-  EXPECT_NE(o.output.find("parameters_to_bf16"), std::string::npos) << o.output;
   std::ifstream in(log);
   std::string row;
   std::getline(in, row);
   const nlohmann::json j = nlohmann::json::parse(row);
   ASSERT_TRUE(j.contains("ops")) << row;
   EXPECT_GT(j["ops"]["forward"]["kernels"]["gemm"]["gflop"].get<double>(), 0) << row;
+  // The first forward rounds the parameters into their bf16 copy (AdamW refreshes it after
+  // that). Its kernel is in the row, which lists every kernel; the step line shows the six
+  // slowest, where so small a copy may or may not rank (it did not under ASan once it
+  // became one instruction per 16 values).
+  EXPECT_TRUE(j["ops"]["forward"]["kernels"].contains("parameters_to_bf16")) << row;
   EXPECT_GE(j["ops"]["backward"]["ms"].get<double>(), j["ops"]["backward"]["kernel_ms"].get<double>()) << row;
 
   o = run(train_command("", data, "--dtype fp16", 1));
