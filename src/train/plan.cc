@@ -136,6 +136,9 @@ MemoryPlan plan_memory(const PlanInput& in) {
   };
   std::vector<Kind> layer;
   const int64_t proj_bytes = bf16 ? 2 : kFloat;
+  // Bytes per value of the MLP's hidden activations and their gradients: GPT-2's are bf16
+  // under bf16 (the projection writes them rounded), LLaMA's gate and up stay fp32.
+  const int64_t hidden_bytes = bf16 && !c.is_llama() ? 2 : kFloat;
   const char* proj = bf16 ? " (bf16 copies the projections keep)" : "";
   const std::string gathered = in.sequence_parallel ? " (all-gathered over the sequence)" : "";
   layer.push_back({"residual stream (x, x + attention)", sp_rows, 2 * C, kFloat});
@@ -166,8 +169,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
     attention_outputs();
     // Under bf16 the hidden layer is bf16 end to end (the projection writes it rounded),
     // so GELU saves a bf16 input and the output projection its bf16 input as it is.
-    layer.push_back({std::string("MLP pre-GELU") + (bf16 ? " (bf16)" : ""), BT, 4 * C / TP, proj_bytes});
-    layer.push_back({std::string("MLP post-GELU") + (bf16 ? " (bf16)" : ""), BT, 4 * C / TP, proj_bytes});
+    layer.push_back({std::string("MLP pre-GELU") + (bf16 ? " (bf16)" : ""), BT, 4 * C / TP, hidden_bytes});
+    layer.push_back({std::string("MLP post-GELU") + (bf16 ? " (bf16)" : ""), BT, 4 * C / TP, hidden_bytes});
   }
   int64_t layer_bytes = 0;  // one layer's saved activations of one microbatch
   for (const Kind& k : layer)
@@ -235,9 +238,6 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // there the sum stays live (C floats more; not under full recomputation, whose
   // recomputed graph makes its own).
   const int64_t tp_bias_gradient = TP > 1 && !c.is_llama() && !full ? C * kFloat : 0;
-  // Bytes per value of the MLP's hidden activations and their gradients: GPT-2's are bf16
-  // under bf16 (the projection writes them rounded), LLaMA's gate and up stay fp32.
-  const int64_t hidden_bytes = bf16 && !c.is_llama() ? 2 : kFloat;
   const int64_t activation_backward = sum({bytes_of(BT, mlp_width, hidden_bytes - proj_bytes),
                                            bytes_of(BT, (c.is_llama() ? 2 : 1) * mlp_width, hidden_bytes)});
   const int64_t projection_backward =

@@ -30,7 +30,6 @@ inline void widen_block(const BFloat16* x, float* out, int64_t n) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) out[j] = std::bit_cast<float>(static_cast<uint32_t>(x[j].bits) << 16);
 }
-inline void narrow_block(const float* x, BFloat16* out, int64_t n) { round_to_bf16(x, out, n); }
 
 // The log-sum-exp of row[0..V) in one pass over blocks (the online softmax): each block's
 // max, then the running sum rescaled when the running max grows, and the block's exps
@@ -70,7 +69,7 @@ void scaled_softmax(const BFloat16* row, BFloat16* d, int64_t n, float l, float 
     widen_block(row + j0, block, k);
 #pragma omp simd
     for (int64_t j = 0; j < k; ++j) block[j] = sc * vexp(block[j] - l);
-    narrow_block(block, d + j0, k);
+    round_to_bf16(block, d + j0, k);
   }
 }
 

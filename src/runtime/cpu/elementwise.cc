@@ -40,7 +40,8 @@ bool convert_contiguous(const Tensor& dst, const Tensor& src) {
     const float* s = src.data<float>();
     constexpr int64_t kBlock = 4096;  // a thread's piece: whole 16-value vectors
 #pragma omp parallel for schedule(static) if (n > (1 << 16))
-    for (int64_t start = 0; start < n; start += kBlock) round_to_bf16(s + start, d + start, std::min(kBlock, n - start));
+    for (int64_t start = 0; start < n; start += kBlock)
+      round_to_bf16(s + start, d + start, std::min(kBlock, n - start));
     return true;
   }
   if (dst.dtype() == DType::F32 && src.dtype() == DType::BF16) {

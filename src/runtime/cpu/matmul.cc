@@ -200,7 +200,8 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
   TALLY_CHECK(!bias.defined() || (bias.dim() == 1 && bias.shape()[0] == N && alpha == 1.f && beta == 0.f &&
                                   gemm_adds_bias(a, transpose_a, b, transpose_b, c, bias)),
               "gemm: the bias ", bias.str(), " must be a contiguous vector of the output's ", N, " columns in its dtype (",
-              dtype_name(c.dtype()), ", or fp32 for bf16 operands), with alpha 1 and nothing accumulated, on a GEMM the matmul primitive runs",
+              dtype_name(c.dtype()), ", or fp32 for bf16 operands), with alpha 1 and nothing accumulated, on a GEMM",
+              " the matmul primitive runs",
               " (elsewhere Backend::gemm_bias writes it first)");
   if (M == 0 || N == 0) return;
   if (K == 0) {  // an empty sum: C = beta C (+ bias)

@@ -192,7 +192,6 @@ template <class T> inline T gelu_slope(T v) {
   const T t = gelu_tanh(v);
   return T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * s * (T(1) + T(3) * T(0.044715) * v * v);
 }
-inline float bf16_value(BFloat16 b) { return static_cast<float>(b); }
 constexpr int64_t kBf16Block = 512;  // values per rounded block: 2 KiB of fp32, in L1
 
 // out[i] = value(i) rounded to bf16 for i < n, on every thread: blocks of fp32 values on
@@ -216,7 +215,7 @@ void gelu_forward(const Tensor& out, const Tensor& x) {
   TALLY_CHECK(out.dtype() == x.dtype(), "gelu: output ", out.str(), " and input ", x.str(), " differ in dtype");
   if (x.dtype() == DType::BF16) {
     const BFloat16* px = x.data<BFloat16>();
-    write_bf16(out.data<BFloat16>(), n, [px](int64_t i) { return gelu_value(bf16_value(px[i])); });
+    write_bf16(out.data<BFloat16>(), n, [px](int64_t i) { return gelu_value(static_cast<float>(px[i])); });
     return;
   }
   dispatch_floating(x.dtype(), "gelu", [&](auto tag) {
@@ -235,8 +234,9 @@ void gelu_backward(const Tensor& dx, const Tensor& dout, const Tensor& x) {
   if (x.dtype() == DType::BF16) {
     const BFloat16* px = x.data<BFloat16>();
     const BFloat16* pg = dout.data<BFloat16>();
-    write_bf16(dx.data<BFloat16>(), n,
-               [px, pg](int64_t i) { return bf16_value(pg[i]) * gelu_slope(bf16_value(px[i])); });
+    write_bf16(dx.data<BFloat16>(), n, [px, pg](int64_t i) {
+      return static_cast<float>(pg[i]) * gelu_slope(static_cast<float>(px[i]));
+    });
     return;
   }
   dispatch_floating(x.dtype(), "gelu backward", [&](auto tag) {
