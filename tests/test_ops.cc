@@ -474,12 +474,13 @@ TEST(Ops, BlockedAttentionMatchesTheDefinitionAcrossManyTiles) {
 
 TEST(Ops, Bf16AttentionIsTheDefinitionOverBf16RoundedOperands) {
   // Mixed precision's attention: q, k, v rounded to bf16, tile products with bf16 operands
-  // and fp32 accumulation, P and dS rounded to bf16 for the products they feed, dO once
-  // per query tile. Against the fp64 definition over the bf16-rounded q, k, v (and dO),
-  // what remains is the rounding of P, dS and dO, 2^-9 relative per entry, summed over
-  // keys or queries: each result's largest error stays within 1e-2 of its largest value
-  // (2.5 bf16 ulps; measured at most 3.5e-3, dK's, with q scaled by 3 so the softmax is
-  // far from uniform). A masking or rescaling error is of the order of the values; and the
+  // and fp32 accumulation, P and dS rounded to bf16 for the products they feed, the output
+  // rounded to bf16 once (so its gradient dO is bf16 too), D = dO . o from that output.
+  // Against the fp64 definition over the bf16-rounded q, k, v (and dO), what remains is
+  // the rounding of P, dS and the output, 2^-9 relative per entry, summed over keys or
+  // queries: each result's largest error stays within 1e-2 of its largest value (2.5 bf16
+  // ulps; measured at most 3.5e-3, dK's, with q scaled by 3 so the softmax is far from
+  // uniform). A masking or rescaling error is of the order of the values; and the
   // fp32 kernel on the unrounded inputs differs from this reference by more than 1e-3 of
   // its largest output (measured 2.9e-3 to 3.4e-3), so the rounding of q, k, v is real;
   // each result also differs from the reference by more than 1e-5 of its largest value
@@ -498,8 +499,8 @@ TEST(Ops, Bf16AttentionIsTheDefinitionOverBf16RoundedOperands) {
     ASSERT_FALSE(k.is_contiguous());
     for (Tensor* t : {&q, &k, &v}) t->set_requires_grad(true);
     Tensor out = ops::causal_attention_bf16(q, k, v);
-    ASSERT_EQ(out.dtype(), DType::F32);
-    autograd::backward({out}, {dout});
+    ASSERT_EQ(out.dtype(), DType::BF16);
+    autograd::backward({out}, {dout.to(DType::BF16)});
     auto rounded = [](const Tensor& t) { return t.detach().to(DType::BF16).to(DType::F64); };
     const AttentionReference r = attention_by_definition(rounded(q), rounded(k), rounded(v), rounded(dout));
     const std::string tag = "Tq " + std::to_string(c.Tq) + " Tk " + std::to_string(c.Tk);
@@ -532,7 +533,7 @@ TEST(Ops, Bf16AttentionIsTheDefinitionOverBf16RoundedOperands) {
     Tensor v = test::random_tensor({B, T, H, D}, 79).to(DType::F32);
     for (Tensor* t : {&q, &k, &v}) t->set_requires_grad(true);
     Tensor out = ops::causal_attention_bf16(q, k, v);
-    autograd::backward({out}, {test::random_tensor({B, T, H, D}, 80).to(DType::F32)});
+    autograd::backward({out}, {test::random_tensor({B, T, H, D}, 80).to(DType::BF16)});
     auto largest_at = [&](const Tensor& g, bool first_position_only) {
       std::vector<float> all = g.to_vector<float>();
       float m = 0;

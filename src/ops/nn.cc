@@ -108,10 +108,11 @@ struct SoftmaxFn {
 struct AttentionOutputs {
   Tensor out, lse;
 };
-AttentionOutputs run_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, DType dtype) {
+AttentionOutputs run_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, DType out_dtype,
+                                       DType stats_dtype) {
   const int64_t B = q.shape()[0], T = q.shape()[1], H = q.shape()[2], D = q.shape()[3];
-  AttentionOutputs r{new_output({B, T, H, D}, dtype, q.device(), "attention"),
-                     new_output({B, H, T}, dtype, q.device(), "attention_lse")};
+  AttentionOutputs r{new_output({B, T, H, D}, out_dtype, q.device(), "attention"),
+                     new_output({B, H, T}, stats_dtype, q.device(), "attention_lse")};
   on(r.out).attention_forward(r.out, r.lse, q, k, v);
   return r;
 }
@@ -120,17 +121,18 @@ struct AttentionFn {
   static constexpr const char* kName = "causal_attention";
   // saved: q, k, v (fp32, or bf16 copies), then out and lse unless they are recomputed
   struct Context : autograd::Context {
-    DType out_dtype;  // the output's and the gradients' dtype (q, k, v may be bf16)
+    DType out_dtype;    // the output's and its gradient's (bf16 under mixed precision)
+    DType stats_dtype;  // lse's, and the gradients' of q, k, v (the inputs' dtype)
     bool recompute;
   };
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor q = ctx.saved(0), k = ctx.saved(1), v = ctx.saved(2);
     // Selective recomputation: the forward again, from the saved q, k, v.
-    const AttentionOutputs f =
-        ctx.recompute ? run_attention_forward(q, k, v, ctx.out_dtype) : AttentionOutputs{ctx.saved(3), ctx.saved(4)};
-    Tensor dq = Tensor::zeros(q.shape(), ctx.out_dtype, q.device());
-    Tensor dk = Tensor::zeros(k.shape(), ctx.out_dtype, k.device());
-    Tensor dv = Tensor::zeros(v.shape(), ctx.out_dtype, v.device());
+    const AttentionOutputs f = ctx.recompute ? run_attention_forward(q, k, v, ctx.out_dtype, ctx.stats_dtype)
+                                             : AttentionOutputs{ctx.saved(3), ctx.saved(4)};
+    Tensor dq = Tensor::zeros(q.shape(), ctx.stats_dtype, q.device());
+    Tensor dk = Tensor::zeros(k.shape(), ctx.stats_dtype, k.device());
+    Tensor dv = Tensor::zeros(v.shape(), ctx.stats_dtype, v.device());
     on(dq).attention_backward(dq, dk, dv, materialize(grads[0]), q, k, v, f.out, f.lse);
     return {dq, dk, dv};
   }
@@ -383,10 +385,14 @@ Tensor attention(const char* op, const Tensor& q_in, const Tensor& k_in, const T
     k = head_major_bf16(k_in, "attention_k_bf16");
     v = head_major_bf16(v_in, "attention_v_bf16");
   }
-  const AttentionOutputs f = run_attention_forward(q, k, v, q_in.dtype());
+  // Mixed precision writes a bf16 output, as autocast's attention does (the output
+  // projection's operand as it is, saved once for both); lse stays in the inputs' dtype.
+  const DType stats = q_in.dtype(), out_dtype = operand == DType::BF16 ? DType::BF16 : stats;
+  const AttentionOutputs f = run_attention_forward(q, k, v, out_dtype, stats);
   if (autograd::needs_graph({q_in, k_in, v_in})) {
     auto ctx = std::make_unique<AttentionFn::Context>();
-    ctx->out_dtype = f.out.dtype();
+    ctx->out_dtype = out_dtype;
+    ctx->stats_dtype = stats;
     ctx->recompute = recompute;
     if (recompute) ctx->save_for_backward({q, k, v});
     else ctx->save_for_backward({q, k, v, f.out, f.lse});

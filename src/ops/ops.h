@@ -75,8 +75,10 @@ Tensor softmax(const Tensor& x);  // over the last dimension
 Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool recompute = false);
 // Mixed precision: causal_attention of fp32 q, k, v with its tile products in bf16 (fp32
 // accumulation), as PyTorch's autocast runs attention's matmuls. q, k and v are rounded
-// to bf16 and saved so (half of fp32's bytes); P, dS and dO are rounded per tile for the
-// products they feed. The softmax statistics, the output and the gradients stay fp32.
+// to bf16 and saved so (half of fp32's bytes); P and dS are rounded per tile for the
+// products they feed. The output is bf16, rounded once from fp32 accumulation (as
+// autocast's P V product writes it), and so is its gradient; the softmax statistics and
+// the gradients of q, k, v stay fp32.
 Tensor causal_attention_bf16(const Tensor& q, const Tensor& k, const Tensor& v, bool recompute = false);
 // Mean cross-entropy of logits (N, Vp) against targets (N) over the first `valid_vocab`
 // columns (the rest are padding and get zero gradient). Targets < 0 are ignored.

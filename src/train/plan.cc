@@ -142,11 +142,11 @@ MemoryPlan plan_memory(const PlanInput& in) {
   const char* proj = bf16 ? " (bf16 copies the projections keep)" : "";
   const std::string gathered = in.sequence_parallel ? " (all-gathered over the sequence)" : "";
   layer.push_back({"residual stream (x, x + attention)", sp_rows, 2 * C, kFloat});
-  // The attention's own saved output (the output projection saves it too in fp32, so only
-  // bf16's copy is extra) and log-sum-exp, neither kept under selective recomputation.
+  // The attention's output (bf16 under mixed precision), which the attention and the
+  // output projection both save (so selective recomputation keeps it too), and its
+  // log-sum-exp, which selective recomputation makes again in backward.
   auto attention_outputs = [&] {
-    if (!(bf16 && selective)) layer.push_back({"attention output", BT, C / TP, kFloat});
-    if (bf16) layer.push_back({"attention output (the output projection's bf16 copy)", BT, C / TP, 2});
+    layer.push_back({bf16 ? "attention output (bf16)" : "attention output", BT, C / TP, proj_bytes});
     if (!selective) layer.push_back({"attention log-sum-exp", BT, H / TP, kFloat});
   };
   if (c.is_llama()) {

@@ -13,13 +13,15 @@
 // Queries may be fewer than keys (decoding with a KV cache): q holds the last Tq of Tk
 // positions, so query row t sits at position t + Tk - Tq and sees keys j <= that.
 //
-// Mixed precision: q, k and v may be bf16 (the output, lse and every gradient stay fp32).
-// The tile GEMMs then take bf16 operands with fp32 accumulation, as the projections'
+// Mixed precision: q, k and v may be bf16, and then the output (and so its gradient dO)
+// may be bf16 too, as autocast's attention writes it; lse and the gradients of q, k, v stay
+// fp32. The tile GEMMs take bf16 operands with fp32 accumulation, as the projections'
 // GEMMs do: P and dS are rounded to bf16 for the products they feed, dO once per query
-// tile; the softmax statistics, D and every sum stay fp32. Every bf16 tile product reads
-// and writes dense tiles (the op rounds q, k, v into head-major storage; score tiles are
-// as wide as their rows; gradient terms go through a dense tile): oneDNN's AMX and
-// AVX512-BF16 kernels take nothing else.
+// tile (a bf16 dO is copied into a dense tile); the softmax statistics, D and every sum
+// stay fp32, and the output is rounded once, from its fp32 accumulator. Every bf16 tile
+// product reads and writes dense tiles (the op copies q, k, v into head-major storage;
+// score tiles are as wide as their rows; gradient terms go through a dense tile):
+// oneDNN's AMX and AVX512-BF16 kernels take nothing else.
 //
 // Forward runs (batch, head, query tile) items in parallel. Backward runs (batch, kv head)
 // items: the query heads that share a kv head (GQA) and every tile of them run in the same
@@ -29,6 +31,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <type_traits>
@@ -89,24 +92,38 @@ void tile_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, c
   tile_gemm_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
-// A (rows x cols, row stride ld) tile of T as a GEMM operand of type In, with its row
-// stride: the tile itself when In is T, else rounded into `scratch` with rows of `cols`.
+// A (rows x cols, row stride ld) tile of Src as a GEMM operand of type In, with its row
+// stride: fp32 and fp64 tiles as they are (sgemm takes any stride); for bf16 operands a
+// dense bf16 tile as it is, else the tile copied (bf16) or rounded (fp32) into `scratch`
+// with rows of `cols`.
 template <class In> struct TileOperand {
   const In* data;
   int64_t ld;
 };
-template <class In, class T>
-TileOperand<In> as_operand(const T* tile, int64_t ld, int64_t rows, int64_t cols, std::vector<In>& scratch) {
-  if constexpr (std::is_same_v<In, T>) {
+template <class In, class Src>
+TileOperand<In> as_operand(const Src* tile, int64_t ld, int64_t rows, int64_t cols, std::vector<In>& scratch) {
+  if constexpr (!std::is_same_v<In, BFloat16>) {
+    static_assert(std::is_same_v<In, Src>, "fp32 and fp64 tiles are their own operands");
     return {tile, ld};
+  } else if constexpr (std::is_same_v<Src, BFloat16>) {
+    if (ld == cols) return {tile, ld};
+    for (int64_t i = 0; i < rows; ++i) std::memcpy(scratch.data() + i * cols, tile + i * ld, sizeof(BFloat16) * cols);
+    return {scratch.data(), cols};
   } else {
-    In* out = scratch.data();
-    for (int64_t i = 0; i < rows; ++i) {
-      const T* src = tile + i * ld;
-      round_to_bf16(src, out + i * cols, cols);
-    }
-    return {out, cols};
+    for (int64_t i = 0; i < rows; ++i) round_to_bf16(tile + i * ld, scratch.data() + i * cols, cols);
+    return {scratch.data(), cols};
   }
+}
+
+// Runs body(Out{}) with Out the storage type of the output (and of its gradient): T, or
+// bf16 beside bf16 operands (mixed precision's attention, whose math stays T = fp32).
+template <class In, class T, class F> void dispatch_output(const Tensor& out, const char* what, F&& body) {
+  if constexpr (std::is_same_v<In, BFloat16>) {
+    if (out.dtype() == DType::BF16) return body(BFloat16{});
+  }
+  TALLY_CHECK(out.dtype() == DTypeOf<T>::value, what, ": output ", out.str(), " must be ", dtype_name(DTypeOf<T>::value),
+              std::is_same_v<In, BFloat16> ? " or bfloat16" : "");
+  body(T{});
 }
 
 // Scratch of Elem that only mixed precision (In != T) uses: the rounded operands of
@@ -135,10 +152,10 @@ class RegionErrors {
   std::exception_ptr first_;
 };
 
-template <class In, class T> inline T dot(const In* a, const T* b, int64_t n) {
+template <class T, class A, class B> inline T dot(const A* a, const B* b, int64_t n) {
   T s = 0;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += static_cast<T>(a[i]) * b[i];
+  for (int64_t i = 0; i < n; ++i) s += static_cast<T>(a[i]) * static_cast<T>(b[i]);
   return s;
 }
 
@@ -169,183 +186,208 @@ void tile_accumulate(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha,
 
 // The key tiles query tile [t0, t0 + rows) sees: keys [0, t0 + rows + offset).
 inline int64_t keys_seen(int64_t t0, int64_t rows, int64_t offset) { return t0 + rows + offset; }
-}  // namespace
 
-void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v) {
+template <class In, class T, class Out>
+void forward_tiles(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v) {
   const Geometry g = geometry(q, k, v);
   const int64_t group = g.H / g.KV;
   const int64_t q_tiles = (g.Tq + kBlockQ - 1) / kBlockQ;
-  dispatch_mixed(q, out, "attention", [&](auto in_tag, auto tag) {
+  const In* pq = q.data<In>();
+  const In* pk = k.data<In>();
+  const In* pv = v.data<In>();
+  Out* po = out.data<Out>();  // contiguous (B, Tq, H, D)
+  T* pl = lse.data<T>();      // (B, H, Tq)
+  const T scale = T(1) / std::sqrt(static_cast<T>(g.D));
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  const int64_t offset = g.Tk - g.Tq;
+  const int64_t items = g.B * g.H * q_tiles;
+  const bool parallel = g.B * g.H * g.Tq * g.Tk * g.D > (1 << 16);
+  RegionErrors errors;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<T> s(static_cast<size_t>(kBlockQ * kForwardBlockK)), acc(static_cast<size_t>(kBlockQ * g.D));
+    std::vector<T> m(kBlockQ), l(kBlockQ);
+    std::vector<In> p_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kForwardBlockK);
+    // Later query tiles see more keys: hand items out dynamically, longest first.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      if (errors.failed()) continue;
+      try {
+        const int64_t tile = q_tiles - 1 - item % q_tiles, bh = item / q_tiles, b = bh / g.H, h = bh % g.H;
+        const int64_t kvh = h / group;
+        const int64_t t0 = tile * kBlockQ, rows = std::min(kBlockQ, g.Tq - t0);
+        const In* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
+        std::fill(m.begin(), m.end(), neg_inf);
+        std::fill(l.begin(), l.end(), T(0));
+        std::fill(acc.begin(), acc.end(), T(0));
+        const int64_t seen = keys_seen(t0, rows, offset);
+        for (int64_t j0 = 0; j0 < seen; j0 += kForwardBlockK) {
+          const int64_t cols = std::min(kForwardBlockK, seen - j0);
+          const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
+          tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), s.data(), cols);
+          for (int64_t i = 0; i < rows; ++i) {
+            T* srow = s.data() + i * cols;
+            // Row i sees columns c <= last (its position minus j0); the rest get p = 0.
+            const int64_t last = std::min(cols - 1, t0 + i + offset - j0);
+            if (last < 0) {
+              std::fill(srow, srow + cols, T(0));
+              continue;
+            }
+            const T mx = row_max(srow, last + 1, m[i]);
+            const T rescale = vexp(m[i] - mx);  // 0 on the first tile (m = -inf)
+            T sum = 0;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t c = 0; c <= last; ++c) sum += (srow[c] = vexp(srow[c] - mx));
+            for (int64_t c = last + 1; c < cols; ++c) srow[c] = 0;
+            l[i] = l[i] * rescale + sum;
+            m[i] = mx;
+            T* arow = acc.data() + i * g.D;
+            if (rescale != T(1))
+              for (int64_t d = 0; d < g.D; ++d) arow[d] *= rescale;
+          }
+          const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
+          const TileOperand<In> p = as_operand(s.data(), cols, rows, cols, p_rounded);
+          tile_gemm(false, false, rows, g.D, cols, T(1), p.data, p.ld, vtile, g.vt, T(1), acc.data(), g.D);
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+          const T inv = T(1) / l[i];
+          Out* orow = po + ((b * g.Tq + t0 + i) * g.H + h) * g.D;
+          T* arow = acc.data() + i * g.D;
+          if constexpr (std::is_same_v<Out, T>) {
+            for (int64_t d = 0; d < g.D; ++d) orow[d] = arow[d] * inv;
+          } else {
+            for (int64_t d = 0; d < g.D; ++d) arow[d] *= inv;
+            round_to_bf16(arow, orow, g.D);
+          }
+          pl[(b * g.H + h) * g.Tq + t0 + i] = m[i] + std::log(l[i]);
+        }
+      } catch (...) {
+        errors.keep(std::current_exception());
+      }
+    }
+  }
+  errors.rethrow();
+}
+}  // namespace
+
+void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v) {
+  dispatch_mixed(q, lse, "attention", [&](auto in_tag, auto tag) {
     using In = decltype(in_tag);
     using T = decltype(tag);
-    const In* pq = q.data<In>();
-    const In* pk = k.data<In>();
-    const In* pv = v.data<In>();
-    T* po = out.data<T>();  // contiguous (B, Tq, H, D)
-    T* pl = lse.data<T>();  // (B, H, Tq)
-    const T scale = T(1) / std::sqrt(static_cast<T>(g.D));
-    const T neg_inf = -std::numeric_limits<T>::infinity();
-    const int64_t offset = g.Tk - g.Tq;
-    const int64_t items = g.B * g.H * q_tiles;
-    const bool parallel = g.B * g.H * g.Tq * g.Tk * g.D > (1 << 16);
-    RegionErrors errors;
+    dispatch_output<In, T>(out, "attention", [&](auto out_tag) {
+      forward_tiles<In, T, decltype(out_tag)>(out, lse, q, k, v);
+    });
+  });
+}
+
+namespace {
+template <class In, class T, class Out>
+void backward_tiles(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
+                    const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse) {
+  const Geometry g = geometry(q, k, v);
+  const int64_t group = g.H / g.KV;
+  const In* pq = q.data<In>();
+  const In* pk = k.data<In>();
+  const In* pv = v.data<In>();
+  const Out* po = out.data<Out>();
+  const Out* pdo = dout.data<Out>();
+  const T* pl = lse.data<T>();
+  T* pdq = dq.data<T>();  // contiguous (B,Tq,H,D), zero-initialized
+  T* pdk = dk.data<T>();  // contiguous (B,Tk,KV,D), zero-initialized
+  T* pdv = dv.data<T>();
+  const T scale = T(1) / std::sqrt(static_cast<T>(g.D));
+  const int64_t offset = g.Tk - g.Tq;
+  const int64_t ld_q = g.H * g.D, ld_kv = g.KV * g.D;  // row strides of dq/dout/out and of dk/dv
+  const bool parallel = g.B * g.H * g.Tq * g.Tk * g.D > (1 << 16);
+  RegionErrors errors;
 #pragma omp parallel if (parallel)
-    {
-      std::vector<T> s(static_cast<size_t>(kBlockQ * kForwardBlockK)), acc(static_cast<size_t>(kBlockQ * g.D));
-      std::vector<T> m(kBlockQ), l(kBlockQ);
-      std::vector<In> p_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kForwardBlockK);
-      // Later query tiles see more keys: hand items out dynamically, longest first.
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t item = 0; item < items; ++item) {
+  {
+    std::vector<T> p(static_cast<size_t>(kBlockQ * kBackwardBlockK)), dp(static_cast<size_t>(kBlockQ * kBackwardBlockK));
+    std::vector<T> delta(static_cast<size_t>(kBlockQ));  // D for the query tile's rows
+    // bf16: dq accumulates over a query tile's key tiles in a dense tile, added once the
+    // tile is complete; dk and dv terms go through `term` (tile_accumulate).
+    constexpr bool kDenseResults = !std::is_same_v<In, T>;
+    std::vector<T> term = mixed_precision_scratch<T, In, T>(kBackwardBlockK * g.D);
+    std::vector<T> dq_acc = mixed_precision_scratch<T, In, T>(kBlockQ * g.D);
+    std::vector<In> p_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kBackwardBlockK);
+    std::vector<In> ds_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kBackwardBlockK);
+    std::vector<In> do_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * g.D);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < g.B; ++b)
+      for (int64_t kvh = 0; kvh < g.KV; ++kvh) {
         if (errors.failed()) continue;
         try {
-          const int64_t tile = q_tiles - 1 - item % q_tiles, bh = item / q_tiles, b = bh / g.H, h = bh % g.H;
-          const int64_t kvh = h / group;
-          const int64_t t0 = tile * kBlockQ, rows = std::min(kBlockQ, g.Tq - t0);
-          const In* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
-          std::fill(m.begin(), m.end(), neg_inf);
-          std::fill(l.begin(), l.end(), T(0));
-          std::fill(acc.begin(), acc.end(), T(0));
-          const int64_t seen = keys_seen(t0, rows, offset);
-          for (int64_t j0 = 0; j0 < seen; j0 += kForwardBlockK) {
-            const int64_t cols = std::min(kForwardBlockK, seen - j0);
-            const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
-            tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), s.data(), cols);
-            for (int64_t i = 0; i < rows; ++i) {
-              T* srow = s.data() + i * cols;
-              // Row i sees columns c <= last (its position minus j0); the rest get p = 0.
-              const int64_t last = std::min(cols - 1, t0 + i + offset - j0);
-              if (last < 0) {
-                std::fill(srow, srow + cols, T(0));
-                continue;
+          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+            const T* lrow = pl + (b * g.H + h) * g.Tq;
+            for (int64_t t0 = 0; t0 < g.Tq; t0 += kBlockQ) {
+              const int64_t rows = std::min(kBlockQ, g.Tq - t0);
+              const In* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
+              const TileOperand<In> dotile =
+                  as_operand(pdo + ((b * g.Tq + t0) * g.H + h) * g.D, ld_q, rows, g.D, do_rounded);
+              // D = dO . o from the dO that dP = dO V^T takes (under bf16, rounded): the
+              // rows of dS = P (dP - D) then sum to zero as softmax's shift invariance says
+              // (up to o's own rounding when the output is bf16, as FlashAttention's is).
+              for (int64_t i = 0; i < rows; ++i)
+                delta[i] = dot<T>(dotile.data + i * dotile.ld, po + ((b * g.Tq + t0 + i) * g.H + h) * g.D, g.D);
+              T* dqtile = pdq + ((b * g.Tq + t0) * g.H + h) * g.D;
+              T* dq_into = kDenseResults ? dq_acc.data() : dqtile;
+              const int64_t ld_dq_into = kDenseResults ? g.D : ld_q;
+              std::fill(dq_acc.begin(), dq_acc.end(), T(0));
+              const int64_t seen = keys_seen(t0, rows, offset);
+              for (int64_t j0 = 0; j0 < seen; j0 += kBackwardBlockK) {
+                const int64_t cols = std::min(kBackwardBlockK, seen - j0);
+                const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
+                const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
+                T* dktile = pdk + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
+                T* dvtile = pdv + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
+                // P = exp(scale Q K^T - lse), masked; the score tiles are dense (rows of cols)
+                tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), p.data(), cols);
+                for (int64_t i = 0; i < rows; ++i) {
+                  T* prow = p.data() + i * cols;
+                  const int64_t last = std::min(cols - 1, t0 + i + offset - j0);
+                  const T li = lrow[t0 + i];
+#pragma omp simd
+                  for (int64_t c = 0; c < cols; ++c) prow[c] = c <= last ? vexp(prow[c] - li) : T(0);
+                }
+                // dV += P^T dO;  dP = dO V^T
+                const TileOperand<In> pt = as_operand(p.data(), cols, rows, cols, p_rounded);
+                tile_accumulate<In>(true, false, cols, g.D, rows, T(1), pt.data, pt.ld, dotile.data, dotile.ld, dvtile, ld_kv, term);
+                tile_gemm(false, true, rows, cols, g.D, T(1), dotile.data, dotile.ld, vtile, g.vt, T(0), dp.data(), cols);
+                // dS = P o (dP - D), in place of dP (masked entries have P = 0)
+                for (int64_t i = 0; i < rows; ++i) {
+                  const T* prow = p.data() + i * cols;
+                  T* dsrow = dp.data() + i * cols;
+                  const T di = delta[i];
+#pragma omp simd
+                  for (int64_t c = 0; c < cols; ++c) dsrow[c] = prow[c] * (dsrow[c] - di);
+                }
+                // dQ += scale dS K;  dK += scale dS^T Q
+                const TileOperand<In> ds = as_operand(dp.data(), cols, rows, cols, ds_rounded);
+                tile_gemm(false, false, rows, g.D, cols, scale, ds.data, ds.ld, ktile, g.kt, T(1), dq_into, ld_dq_into);
+                tile_accumulate<In>(true, false, cols, g.D, rows, scale, ds.data, ds.ld, qtile, g.qt, dktile, ld_kv, term);
               }
-              const T mx = row_max(srow, last + 1, m[i]);
-              const T rescale = vexp(m[i] - mx);  // 0 on the first tile (m = -inf)
-              T sum = 0;
-#pragma omp simd reduction(+ : sum)
-              for (int64_t c = 0; c <= last; ++c) sum += (srow[c] = vexp(srow[c] - mx));
-              for (int64_t c = last + 1; c < cols; ++c) srow[c] = 0;
-              l[i] = l[i] * rescale + sum;
-              m[i] = mx;
-              T* arow = acc.data() + i * g.D;
-              if (rescale != T(1))
-                for (int64_t d = 0; d < g.D; ++d) arow[d] *= rescale;
+              if constexpr (kDenseResults) add_rows(dqtile, ld_q, dq_acc.data(), rows, g.D);
             }
-            const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
-            const TileOperand<In> p = as_operand(s.data(), cols, rows, cols, p_rounded);
-            tile_gemm(false, false, rows, g.D, cols, T(1), p.data, p.ld, vtile, g.vt, T(1), acc.data(), g.D);
-          }
-          for (int64_t i = 0; i < rows; ++i) {
-            const T inv = T(1) / l[i];
-            T* orow = po + ((b * g.Tq + t0 + i) * g.H + h) * g.D;
-            const T* arow = acc.data() + i * g.D;
-            for (int64_t d = 0; d < g.D; ++d) orow[d] = arow[d] * inv;
-            pl[(b * g.H + h) * g.Tq + t0 + i] = m[i] + std::log(l[i]);
           }
         } catch (...) {
           errors.keep(std::current_exception());
         }
       }
-    }
-    errors.rethrow();
-  });
+  }
+  errors.rethrow();
 }
+}  // namespace
 
 void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse) {
-  const Geometry g = geometry(q, k, v);
-  const int64_t group = g.H / g.KV;
+  TALLY_CHECK(dout.dtype() == out.dtype(), "attention backward: gradient ", dout.str(), " and output ", out.str(),
+              " differ in dtype");
   dispatch_mixed(q, dq, "attention backward", [&](auto in_tag, auto tag) {
     using In = decltype(in_tag);
     using T = decltype(tag);
-    const In* pq = q.data<In>();
-    const In* pk = k.data<In>();
-    const In* pv = v.data<In>();
-    const T* po = out.data<T>();
-    const T* pdo = dout.data<T>();
-    const T* pl = lse.data<T>();
-    T* pdq = dq.data<T>();  // contiguous (B,Tq,H,D), zero-initialized
-    T* pdk = dk.data<T>();  // contiguous (B,Tk,KV,D), zero-initialized
-    T* pdv = dv.data<T>();
-    const T scale = T(1) / std::sqrt(static_cast<T>(g.D));
-    const int64_t offset = g.Tk - g.Tq;
-    const int64_t ld_q = g.H * g.D, ld_kv = g.KV * g.D;  // row strides of dq/dout/out and of dk/dv
-    const bool parallel = g.B * g.H * g.Tq * g.Tk * g.D > (1 << 16);
-    RegionErrors errors;
-#pragma omp parallel if (parallel)
-    {
-      std::vector<T> p(static_cast<size_t>(kBlockQ * kBackwardBlockK)), dp(static_cast<size_t>(kBlockQ * kBackwardBlockK));
-      std::vector<T> delta(static_cast<size_t>(kBlockQ));  // D for the query tile's rows
-      // bf16: dq accumulates over a query tile's key tiles in a dense tile, added once the
-      // tile is complete; dk and dv terms go through `term` (tile_accumulate).
-      constexpr bool kDenseResults = !std::is_same_v<In, T>;
-      std::vector<T> term = mixed_precision_scratch<T, In, T>(kBackwardBlockK * g.D);
-      std::vector<T> dq_acc = mixed_precision_scratch<T, In, T>(kBlockQ * g.D);
-      std::vector<In> p_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kBackwardBlockK);
-      std::vector<In> ds_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kBackwardBlockK);
-      std::vector<In> do_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * g.D);
-#pragma omp for collapse(2) schedule(static)
-      for (int64_t b = 0; b < g.B; ++b)
-        for (int64_t kvh = 0; kvh < g.KV; ++kvh) {
-          if (errors.failed()) continue;
-          try {
-            for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-              const T* lrow = pl + (b * g.H + h) * g.Tq;
-              for (int64_t t0 = 0; t0 < g.Tq; t0 += kBlockQ) {
-                const int64_t rows = std::min(kBlockQ, g.Tq - t0);
-                const In* qtile = pq + b * g.qb + t0 * g.qt + h * g.qh;
-                const TileOperand<In> dotile =
-                    as_operand(pdo + ((b * g.Tq + t0) * g.H + h) * g.D, ld_q, rows, g.D, do_rounded);
-                // D = dO . o from the dO that dP = dO V^T takes (under bf16, rounded): the
-                // rows of dS = P (dP - D) then sum to zero as softmax's shift invariance says.
-                for (int64_t i = 0; i < rows; ++i)
-                  delta[i] = dot(dotile.data + i * dotile.ld, po + ((b * g.Tq + t0 + i) * g.H + h) * g.D, g.D);
-                T* dqtile = pdq + ((b * g.Tq + t0) * g.H + h) * g.D;
-                T* dq_into = kDenseResults ? dq_acc.data() : dqtile;
-                const int64_t ld_dq_into = kDenseResults ? g.D : ld_q;
-                std::fill(dq_acc.begin(), dq_acc.end(), T(0));
-                const int64_t seen = keys_seen(t0, rows, offset);
-                for (int64_t j0 = 0; j0 < seen; j0 += kBackwardBlockK) {
-                  const int64_t cols = std::min(kBackwardBlockK, seen - j0);
-                  const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
-                  const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
-                  T* dktile = pdk + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
-                  T* dvtile = pdv + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
-                  // P = exp(scale Q K^T - lse), masked; the score tiles are dense (rows of cols)
-                  tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), p.data(), cols);
-                  for (int64_t i = 0; i < rows; ++i) {
-                    T* prow = p.data() + i * cols;
-                    const int64_t last = std::min(cols - 1, t0 + i + offset - j0);
-                    const T li = lrow[t0 + i];
-#pragma omp simd
-                    for (int64_t c = 0; c < cols; ++c) prow[c] = c <= last ? vexp(prow[c] - li) : T(0);
-                  }
-                  // dV += P^T dO;  dP = dO V^T
-                  const TileOperand<In> pt = as_operand(p.data(), cols, rows, cols, p_rounded);
-                  tile_accumulate<In>(true, false, cols, g.D, rows, T(1), pt.data, pt.ld, dotile.data, dotile.ld, dvtile, ld_kv, term);
-                  tile_gemm(false, true, rows, cols, g.D, T(1), dotile.data, dotile.ld, vtile, g.vt, T(0), dp.data(), cols);
-                  // dS = P o (dP - D), in place of dP (masked entries have P = 0)
-                  for (int64_t i = 0; i < rows; ++i) {
-                    const T* prow = p.data() + i * cols;
-                    T* dsrow = dp.data() + i * cols;
-                    const T di = delta[i];
-#pragma omp simd
-                    for (int64_t c = 0; c < cols; ++c) dsrow[c] = prow[c] * (dsrow[c] - di);
-                  }
-                  // dQ += scale dS K;  dK += scale dS^T Q
-                  const TileOperand<In> ds = as_operand(dp.data(), cols, rows, cols, ds_rounded);
-                  tile_gemm(false, false, rows, g.D, cols, scale, ds.data, ds.ld, ktile, g.kt, T(1), dq_into, ld_dq_into);
-                  tile_accumulate<In>(true, false, cols, g.D, rows, scale, ds.data, ds.ld, qtile, g.qt, dktile, ld_kv, term);
-                }
-                if constexpr (kDenseResults) add_rows(dqtile, ld_q, dq_acc.data(), rows, g.D);
-              }
-            }
-          } catch (...) {
-            errors.keep(std::current_exception());
-          }
-        }
-    }
-    errors.rethrow();
+    dispatch_output<In, T>(out, "attention backward", [&](auto out_tag) {
+      backward_tiles<In, T, decltype(out_tag)>(dq, dk, dv, dout, q, k, v, out, lse);
+    });
   });
 }
 
