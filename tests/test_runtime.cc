@@ -267,6 +267,20 @@ TEST(VecMath, RowMaxFindsTheLargestEntryWhereverItSits) {
   EXPECT_EQ(runtime::cpu::row_max(d, 3, -10.0), -0.5);
 }
 
+TEST(VecMath, ExpIsFiniteWhereverTheTrueValueIs) {
+  // exp(88.5) = 2.7e38 is below fp32's largest value (3.4e38), but the clamp at 88.7 let
+  // x / ln2 round to 128, whose 2^128 is infinity. vexp now stops at 127.5 ln2 = 88.376
+  // (2.4e38): finite everywhere, within 1e-6 relative of exp below that, its largest
+  // value above it (no caller needs more: softmax and the loss take x <= 0, tanh and
+  // SwiGLU's sigmoid are 1 and 0 long before).
+  for (float x : {80.0f, 88.0f, 88.3f, 88.5f, 88.7f, 88.72f, 1000.0f}) {
+    const float got = runtime::cpu::vexp(x);
+    EXPECT_TRUE(std::isfinite(got)) << x;
+    const double want = std::exp(static_cast<double>(std::min(x, 88.37626f)));  // 127.5 ln2, rounded to fp32
+    EXPECT_NEAR(got, want, 1e-6 * want) << x;
+  }
+}
+
 TEST(VecMath, RoundToBf16IsNearestEvenAsTheScalarRounding) {
   // round_to_bf16 (vcvtneps2bf16 where the CPU has AVX512-BF16) against bf16_round_bits on
   // the cases rounding gets wrong: exact halfway points both ways (ties to even), just

@@ -189,8 +189,8 @@ Tensor linear(const Tensor& x_in, const Tensor& w, const Tensor& b) {
   TALLY_CHECK(w.dim() == 2, "linear: weight ", w.str(), " must be 2-D (out_features, in_features)");
   TALLY_CHECK(x_in.dim() >= 1 && x_in.size(-1) == w.shape()[1], "linear: input ", x_in.str(), " has ",
               x_in.dim() ? x_in.size(-1) : 0, " features but weight ", w.str(), " expects ", w.shape()[1]);
-  TALLY_CHECK(!b.defined() || (b.dim() == 1 && b.shape()[0] == w.shape()[0]), "linear: bias ", b.str(),
-              " must be (", w.shape()[0], ")");
+  TALLY_CHECK(!b.defined() || (b.dim() == 1 && b.shape()[0] == w.shape()[0] && b.dtype() == w.dtype()),
+              "linear: bias ", b.str(), " must be (", w.shape()[0], ") of the weight's dtype, ", dtype_name(w.dtype()));
   Tensor x = materialize(x_in);
   const int64_t out_f = w.shape()[0], in_f = w.shape()[1], rows = leading_rows(x);
   Shape shape = x.shape();

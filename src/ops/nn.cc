@@ -38,7 +38,7 @@ struct LayerNormFn {
     Tensor dx = ctx.needs_input_grad(0) ? Tensor::empty(x.shape(), x.dtype(), x.device(), current_owner("layernorm_dx")) : Tensor();
     Tensor dw = Tensor::empty(w.shape(), w.dtype(), w.device(), current_owner("layernorm_dw"));
     Tensor db = ctx.needs_input_grad(2) ? Tensor::empty(w.shape(), w.dtype(), w.device(), current_owner("layernorm_db")) : Tensor();
-    on(dx).layernorm_backward(dx, dw, db, g, x, w, m, r);
+    on(g).layernorm_backward(dx, dw, db, g, x, w, m, r);  // (dx is undefined when x needs no gradient)
     return {dx, ctx.needs_input_grad(1) ? dw : Tensor(), db};
   }
 };
@@ -250,7 +250,8 @@ Tensor embedding(const Tensor& weight, const Tensor& indices_in) {
 
 Tensor layernorm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, double eps) {
   detail::require_same_device("layernorm", {&x_in, &weight, &bias});
-  const int64_t C = x_in.size(-1);
+  const int64_t C = x_in.dim() ? x_in.size(-1) : 0;
+  TALLY_CHECK(C > 0, "layernorm: input ", x_in.str(), " has no features to normalize");
   TALLY_CHECK(weight.defined(), "layernorm: a weight of shape (", C, ") is required");
   TALLY_CHECK(weight.dim() == 1 && weight.shape()[0] == C, "layernorm: weight ", weight.str(), " must be (", C, ") for input ", x_in.str());
   TALLY_CHECK(!bias.defined() || (bias.dim() == 1 && bias.shape()[0] == C), "layernorm: bias ", bias.str(), " must be (", C, ")");
@@ -270,7 +271,8 @@ Tensor layernorm(const Tensor& x_in, const Tensor& weight, const Tensor& bias, d
 
 Tensor rmsnorm(const Tensor& x_in, const Tensor& weight, double eps) {
   detail::require_same_device("rmsnorm", {&x_in, &weight});
-  const int64_t C = x_in.size(-1);
+  const int64_t C = x_in.dim() ? x_in.size(-1) : 0;
+  TALLY_CHECK(C > 0, "rmsnorm: input ", x_in.str(), " has no features to normalize");
   TALLY_CHECK(weight.defined() && weight.dim() == 1 && weight.shape()[0] == C, "rmsnorm: weight ", weight.str(),
               " must be (", C, ") for input ", x_in.str());
   Tensor x = materialize(x_in);

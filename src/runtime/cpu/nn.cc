@@ -190,7 +190,11 @@ template <class T> inline T gelu_value(T v) { return T(0.5) * v * (T(1) + gelu_t
 template <class T> inline T gelu_slope(T v) {
   const T s = static_cast<T>(0.7978845608028654);
   const T t = gelu_tanh(v);
-  return T(0.5) * (T(1) + t) + T(0.5) * v * (T(1) - t * t) * s * (T(1) + T(3) * T(0.044715) * v * v);
+  const T sech2 = T(1) - t * t;
+  // Far out (|v| > ~10) sech2 is 0, and beyond |v| ~ 5e19 the v^2 factor overflows to inf:
+  // the term is 0 there, not 0 * inf = NaN.
+  const T tail = sech2 == T(0) ? T(0) : T(0.5) * v * sech2 * s * (T(1) + T(3) * T(0.044715) * v * v);
+  return T(0.5) * (T(1) + t) + tail;
 }
 constexpr int64_t kBf16Block = 512;  // values per rounded block: 2 KiB of fp32, in L1
 

@@ -35,7 +35,10 @@ inline void round_to_bf16(const float* src, BFloat16* dst, int64_t n) {
 // exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n ln2 in [-ln2/2, ln2/2];
 // exp(r) by a degree-6 minimax polynomial; 2^n assembled in the exponent bits.
 inline float vexp(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);  // (std::fmin/fmax are libm calls: no SIMD)
+  // Clamped where 2^n stays a normal float: n = round(x / ln2) in [-126, 127], so the top
+  // is 127.5 ln2 (exp = 2.4e38; at 88.7, n = 128 made infinity). (std::fmin/fmax are libm
+  // calls: no SIMD.)
+  x = std::min(std::max(x, -87.3f), 88.37626f);
   // Round to nearest by truncating x/ln2 +- 0.5 (std::floor blocks GCC's vectorizer).
   const float t = x * 1.44269504088896341f;
   const int32_t ni = static_cast<int32_t>(t + std::copysign(0.5f, t));
