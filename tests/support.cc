@@ -141,6 +141,12 @@ void write_all(const std::string& path, const std::string& data) {
   ASSERT_TRUE(out.good()) << "cannot write " << path;
 }
 
+double relative_l2(const Tensor& actual, const Tensor& expected) {
+  Tensor d = ops::sub(actual.to(DType::F64), expected.to(DType::F64));
+  Tensor e = expected.to(DType::F64);
+  return std::sqrt(ops::sum(ops::mul(d, d)).item()) / std::max(std::sqrt(ops::sum(ops::mul(e, e)).item()), 1e-30);
+}
+
 Diff compare(const Tensor& actual, const Tensor& expected) {
   EXPECT_EQ(actual.shape(), expected.shape()) << actual.str() << " vs " << expected.str();
   Diff d;

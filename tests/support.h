@@ -69,6 +69,10 @@ struct Diff {
 };
 Diff compare(const Tensor& actual, const Tensor& expected);
 
+// ||actual - expected|| / ||expected|| (L2 over all elements, in fp64): how mixed
+// precision's gradients are compared with fp32's and autocast's.
+double relative_l2(const Tensor& actual, const Tensor& expected);
+
 // Expects allclose(actual, expected): |a - e| <= atol + rtol * |e| elementwise.
 void expect_close(const Tensor& actual, const Tensor& expected, double rtol, double atol, const std::string& what);
 

@@ -126,13 +126,6 @@ TEST(Gpt2Parity, DecayOn2dWeightsAndClippingMatchPyTorch) {
 //    from fp32;
 //  - and each must differ from fp32 by more than 1e-4, or the GEMMs did not run in bf16;
 //  - 10 AdamW steps: each loss within 2e-4 of autocast's (measured at most 4e-5).
-namespace {
-double relative_l2(const Tensor& a, const Tensor& b) {
-  Tensor d = ops::sub(a.to(DType::F64), b.to(DType::F64));
-  return std::sqrt(ops::sum(ops::mul(d, d)).item()) /
-         std::max(std::sqrt(ops::sum(ops::mul(b.to(DType::F64), b.to(DType::F64))).item()), 1e-30);
-}
-}  // namespace
 
 TEST(Gpt2MixedPrecision, Bf16MatchesFp32AndPyTorchAutocastWithinBf16Rounding) {
   static io::SafetensorsFile autocast = io::read_safetensors(test::fixture_path("gpt2_tiny_bf16_ref.safetensors"));
@@ -149,8 +142,8 @@ TEST(Gpt2MixedPrecision, Bf16MatchesFp32AndPyTorchAutocastWithinBf16Rounding) {
   for (auto& [name, shape] : nn::llmc_tensor_layout(m->config())) {
     Tensor grad = test::stacked_llmc_grad(*m, name);
     EXPECT_EQ(grad.dtype(), DType::F32) << name;
-    const double vs_fp32 = relative_l2(grad, ref().at("grad." + name));
-    const double vs_autocast = relative_l2(grad, autocast.at("grad." + name));
+    const double vs_fp32 = test::relative_l2(grad, ref().at("grad." + name));
+    const double vs_autocast = test::relative_l2(grad, autocast.at("grad." + name));
     worst_vs_fp32 = std::max(worst_vs_fp32, vs_fp32);
     best_vs_fp32 = std::min(best_vs_fp32, vs_fp32);
     worst_vs_autocast = std::max(worst_vs_autocast, vs_autocast);

@@ -116,6 +116,44 @@ TEST(LlamaParity, DecayOn2dWeightsAndClippingMatchPyTorch) {
   for (int i = 0; i < 10; ++i) EXPECT_NEAR(losses[i], expected[i], 1e-5) << "step " << i;
 }
 
+// --dtype bf16 on LLaMA, against the fp32 fixture and PyTorch's CPU autocast on the same
+// model and batch (scripts/gen_llama3_bf16_reference.py); the tolerances and their
+// reasons are GPT-2's (test_gpt2.cc, Gpt2MixedPrecision): the loss within 1e-4 relative of
+// both, every gradient within 1e-2 relative L2 of both and more than 1e-4 from fp32's (or
+// the GEMMs did not run in bf16), 10 AdamW steps within 2e-4 of autocast's losses.
+// Autocast itself lands 2.8e-3..7.3e-3 from fp32 on these gradients.
+TEST(LlamaMixedPrecision, Bf16MatchesFp32AndPyTorchAutocastWithinBf16Rounding) {
+  static io::SafetensorsFile autocast = io::read_safetensors(test::fixture_path("llama3_tiny_bf16_ref.safetensors"));
+  auto m = tiny_llama();
+  m->set_matmul_dtype(DType::BF16);
+  Tensor loss = m->forward(ref().at("x"), ref().at("y")).loss;
+  const double fp32_loss = ref().at("loss").item();
+  EXPECT_NEAR(loss.item(), fp32_loss, 1e-4 * fp32_loss);
+  EXPECT_NEAR(loss.item(), autocast.at("loss").item(), 1e-4 * fp32_loss);
+  loss.backward();
+  double worst_vs_fp32 = 0, worst_vs_autocast = 0, best_vs_fp32 = 1;
+  for (auto& [name, shape] : nn::llmc_tensor_layout(m->config())) {
+    Tensor grad = test::stacked_llmc_grad(*m, name);
+    EXPECT_EQ(grad.dtype(), DType::F32) << name;
+    const double vs_fp32 = test::relative_l2(grad, ref().at("grad." + name));
+    const double vs_autocast = test::relative_l2(grad, autocast.at("grad." + name));
+    worst_vs_fp32 = std::max(worst_vs_fp32, vs_fp32);
+    best_vs_fp32 = std::min(best_vs_fp32, vs_fp32);
+    worst_vs_autocast = std::max(worst_vs_autocast, vs_autocast);
+    EXPECT_LT(vs_fp32, 1e-2) << "gradient of " << name << " against fp32";
+    EXPECT_GT(vs_fp32, 1e-4) << "gradient of " << name << " equals fp32's: the GEMMs did not run in bf16";
+    EXPECT_LT(vs_autocast, 1e-2) << "gradient of " << name << " against PyTorch autocast";
+  }
+  std::printf("bf16 loss %.7f: %.2g from fp32, %.2g from autocast; gradients, relative L2: against fp32 %.2g-%.2g, "
+              "against autocast at most %.2g\n", loss.item(), std::abs(loss.item() - fp32_loss),
+              std::abs(loss.item() - autocast.at("loss").item()), best_vs_fp32, worst_vs_fp32, worst_vs_autocast);
+  m->params().zero_grad();
+  auto losses = train_steps(*m, {0.9, 0.999, 1e-8, 0.01, /*decay_all=*/true}, 1e-4, 0);
+  auto expected = autocast.at("losses").to_vector<double>();
+  for (int i = 0; i < 10; ++i) EXPECT_NEAR(losses[i], expected[i], 2e-4) << "step " << i;
+  EXPECT_LT(losses[9], losses[0] - 0.04) << "the loss must fall (by 0.063 in fp32)";
+}
+
 TEST(LlamaFiles, HuggingFaceShardedImportEqualsTheLlmcFile) {
   const std::string dir = test::fixture_path("llama3_tiny_hf");
   nn::TransformerConfig c = io::read_hf_config(dir);
