@@ -844,6 +844,37 @@ TEST(Ops, GeluOfBf16IsTheFp32MathRoundedOnce) {
   EXPECT_GT(test::compare(y.to(DType::F32), y32).max_abs, 1e-4);
 }
 
+TEST(Ops, SwiGluOfBf16IsTheFp32MathRoundedOnce) {
+  // Under --dtype bf16 LLaMA's MLP runs SwiGLU on its bf16 gate and up projections, as
+  // autocast does: read as fp32, silu(g) u computed in fp32 and rounded once to bf16, and
+  // so are both gradients (dout u s (1 + g (1 - s)) and dout g s). Against fp64 on the same
+  // bf16 values: half a bf16 ulp (2^-8 relative at most) plus fp32's own error (~1e-6).
+  // 3 x 20000 values: the threaded path and many 512-value blocks, one of them partial.
+  Tensor gate = ops::scale(test::random_tensor({3, 20000}, 100), 6.0).to(DType::BF16);  // through silu's bend
+  Tensor up = ops::scale(test::random_tensor({3, 20000}, 101), 2.0).to(DType::BF16);
+  for (Tensor* t : {&gate, &up}) t->set_requires_grad(true);
+  Tensor y = ops::swiglu(gate, up);
+  ASSERT_EQ(y.dtype(), DType::BF16);
+  Tensor gate64 = gate.detach().to(DType::F64), up64 = up.detach().to(DType::F64);
+  for (Tensor* t : {&gate64, &up64}) t->set_requires_grad(true);
+  Tensor y64 = ops::swiglu(gate64, up64);
+  auto expect_rounded_once = [](const Tensor& got_bf16, const Tensor& want64, const char* what) {
+    ASSERT_EQ(got_bf16.dtype(), DType::BF16) << what;
+    const std::vector<float> got = got_bf16.to(DType::F32).to_vector<float>();
+    const std::vector<double> want = want64.detach().to_vector<double>();
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], std::abs(want[i]) / 256 + 2e-6) << what << " " << i;
+  };
+  expect_rounded_once(y, y64, "out");
+  Tensor g = test::random_tensor({3, 20000}, 102).to(DType::BF16);
+  y.backward(g);
+  y64.backward(g.to(DType::F64));
+  expect_rounded_once(gate.grad(), gate64.grad(), "dgate");
+  expect_rounded_once(up.grad(), up64.grad(), "dup");
+  // And the rounding is real: some outputs are not their fp32 values.
+  Tensor y32 = ops::swiglu(gate.detach().to(DType::F32), up.detach().to(DType::F32));
+  EXPECT_GT(test::compare(y.to(DType::F32), y32).max_abs, 1e-4);
+}
+
 TEST(Ops, EmptyRowsAndFeaturesGiveZeroGradientsNotGarbageOrACrash) {
   // No rows (an empty batch): the fused head's weight gradient was an uninitialized buffer
   // that no chunk wrote (its loop never ran). No input features: the rows were counted as

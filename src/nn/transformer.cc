@@ -614,15 +614,15 @@ Tensor Transformer::layer_body(int64_t l, const Tensor& input, int64_t start, Kv
     Tensor h = norm(x, p.ln2w, p.ln2b);
     if (tp_ops_) h = tp_ops_->into_column_parallel(h);
     Tensor f;
+    // Under bf16 the hidden layer stays bf16 end to end, as autocast runs it: the
+    // projections write it rounded, SwiGLU or GELU reads and writes bf16, the output
+    // projection takes it as its operand, and their gradients are bf16 too. (The widest
+    // activations: half the bytes saved, and no fp32 copy or rounding pass either way.)
     if (c.is_llama()) {
-      Tensor gate = linear(h, p.fc2w, kAbsent);
-      Tensor up = linear(h, p.fcw, kAbsent);
+      Tensor gate = linear(h, p.fc2w, kAbsent, matmul_dtype_);
+      Tensor up = linear(h, p.fcw, kAbsent, matmul_dtype_);
       f = ops::swiglu(gate, up);
     } else {
-      // Under bf16 the hidden layer stays bf16 end to end, as autocast runs it: the
-      // projection writes it rounded, GELU reads and writes bf16, the output projection
-      // takes it as its operand, and their gradients are bf16 too. (The widest activation:
-      // half the bytes saved, and no fp32 copy or rounding pass in either direction.)
       f = ops::gelu(linear(h, p.fcw, p.fcb, matmul_dtype_));
     }
     x = ops::add(x, row_linear(f, p.fcprojw, p.fcprojb));

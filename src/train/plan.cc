@@ -123,8 +123,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
   const bool selective = in.recompute == nn::Recompute::Selective, full = in.recompute == nn::Recompute::Full;
   // What one layer saves for backward, by kind: elements per token and bytes per element
   // (4, or 2 for what mixed precision keeps in bf16). A projection's saved input, and
-  // attention's q, k, v: fp32, or bf16 copies under mixed precision (GPT-2's MLP hidden
-  // layer is bf16 itself there, saved as it is).
+  // attention's q, k, v: fp32, or bf16 copies under mixed precision (the MLP's hidden
+  // layer and the attention output are bf16 themselves there, saved as they are).
   // Under tensor parallelism a column-parallel projection's outputs (q, k, v, the MLP's
   // hidden) and what follows from them (the attention output, its log-sum-exp) are this
   // rank's heads' or columns' share, 1/tp; its input (a norm's output) is whole, and under
@@ -136,9 +136,10 @@ MemoryPlan plan_memory(const PlanInput& in) {
   };
   std::vector<Kind> layer;
   const int64_t proj_bytes = bf16 ? 2 : kFloat;
-  // Bytes per value of the MLP's hidden activations and their gradients: GPT-2's are bf16
-  // under bf16 (the projection writes them rounded), LLaMA's gate and up stay fp32.
-  const int64_t hidden_bytes = bf16 && !c.is_llama() ? 2 : kFloat;
+  // Bytes per value of the MLP's hidden activations (GPT-2's pre- and post-GELU, LLaMA's
+  // gate, up and SwiGLU output) and their gradients: bf16 under bf16 (the projections
+  // write them rounded).
+  const int64_t hidden_bytes = bf16 ? 2 : kFloat;
   const char* proj = bf16 ? " (bf16 copies the projections keep)" : "";
   const std::string gathered = in.sequence_parallel ? " (all-gathered over the sequence)" : "";
   layer.push_back({"residual stream (x, x + attention)", sp_rows, 2 * C, kFloat});
@@ -160,8 +161,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
     layer.push_back({std::string("q and k after rotary, v") + (bf16 ? " (attention's bf16 copies)" : ""), BT,
                      (C + 2 * KVD) / TP, proj_bytes});
     attention_outputs();
-    layer.push_back({"MLP gate and up", BT, 2 * F / TP, kFloat});
-    layer.push_back({std::string("MLP SwiGLU output") + proj, BT, F / TP, proj_bytes});
+    layer.push_back({std::string("MLP gate and up") + (bf16 ? " (bf16)" : ""), BT, 2 * F / TP, hidden_bytes});
+    layer.push_back({std::string("MLP SwiGLU output") + (bf16 ? " (bf16)" : ""), BT, F / TP, hidden_bytes});
   } else {
     layer.push_back({std::string("layernorm outputs") + proj + gathered, BT, 2 * C, proj_bytes});
     layer.push_back({"layernorm mean and rstd", sp_rows, 4, kFloat});
@@ -208,8 +209,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
   //  - the activation's backward: the MLP output's input (post-GELU or SwiGLU output, W
   //    wide: 4C or F, 1/tp under tensor parallelism) is freed, its gradient (W values)
   //    allocated, and the gradients of the activation's inputs: GPT-2's d(pre-GELU) (W),
-  //    LLaMA's dgate and dup (2W); under bf16 the freed input was bf16 (LLaMA's a bf16
-  //    copy), and GPT-2's hidden layer and its gradients are bf16 (2 bytes, not 4);
+  //    LLaMA's dgate and dup (2W); under bf16 the hidden layer and its gradients are bf16
+  //    (2 bytes, not 4);
   //  - or the moment before, the output projection's backward: its input still saved
   //    beside its new gradient (W values), with under --sp the residual's gradient
   //    all-gathered (B*T x C floats), and then either (bf16) the residual's gradient
@@ -250,13 +251,12 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // (2C). Tensor parallel: the partial product and its all-reduce (2C), and GPT-2's bias
   // added to it (C more); under --sp the partial product, the reduce-scatter's buffer (2C)
   // and its output (C, B*T/tp rows). Under bf16 also the fp32 norm output (C, all-gathered
-  // under --sp), which the projection keeps only as a bf16 copy, and LLaMA's SwiGLU output
-  // (W, likewise; GPT-2's GELU output is bf16 and saved as it is).
+  // under --sp), which the projections keep only as bf16 copies (the MLP's hidden layer is
+  // bf16 and saved as it is).
   const int64_t row_parallel = in.sequence_parallel      ? sum({bytes_of(BT, 2 * C, kFloat), bytes_of(sp_rows, C, kFloat)})
                                : TP > 1 && !c.is_llama() ? bytes_of(BT, 3 * C, kFloat)
                                                          : bytes_of(BT, 2 * C, kFloat);
-  const int64_t mlp_forward =
-      sum({row_parallel, bf16 ? bytes_of(BT, C + (c.is_llama() ? mlp_width : 0), kFloat) : 0});
+  const int64_t mlp_forward = sum({row_parallel, bf16 ? bytes_of(BT, C, kFloat) : 0});
   // Tensor parallel, after the loss's backward: its saved logits and log-sum-exp are freed
   // and the head's projection writes its input's gradient (B*T x C floats) beside the
   // logits' gradient (bf16 under bf16, as the logits); then its saved input is
@@ -282,9 +282,16 @@ MemoryPlan plan_memory(const PlanInput& in) {
   // output (the head still holds it; its projection keeps a bf16 copy), and then either
   // the mean (the loss, one float) beside the logits, or the chunked loss's last chunk of
   // logits. Under bf16, whose logits take half of fp32's bytes, it is the peak
-  // (docs/memory-plan.md). The vocabulary-parallel loss's backward is larger.
+  // (docs/memory-plan.md).
   const int64_t loss_forward = sum({bf16 ? bytes_of(BT, C, kFloat) : 0, chunk > 0 ? bytes_of(chunk, Vp, logit) : 0,
                                     bytes_of(BT, 1, kFloat), chunk > 0 ? 0 : kFloat});
+  // The vocabulary-parallel loss's forward: beside every activation (its log-sum-exp among
+  // them), its row statistics (the maximum and two sums a row, fp64), under bf16 the final
+  // norm's fp32 output (all-gathered under --sp), which the head holds while its
+  // projection keeps a bf16 copy, and then the loss. Its backward, the logits' gradient
+  // beside the logits, is larger unless the vocabulary block is narrow (bf16: Vp/tp < 2C +
+  // 12, as in the test models).
+  const int64_t vocab_loss_forward = sum({bf16 ? bytes_of(BT, C, kFloat) : 0, bytes_of(BT, 3, 8), kFloat});
   const int64_t transient = TP > 1      ? sum({bytes_of(BT, Vp / TP, logit), kFloat, 8})
                             : chunk > 0 ? sum({bytes_of(BT, C, kFloat), bytes_of(chunk, Vp, logit), kFloat})
                                         : bytes_of(BT, C, kFloat) - BT * kFloat;
@@ -380,10 +387,10 @@ MemoryPlan plan_memory(const PlanInput& in) {
             consider(buffers, 0, sum({checked_mul(n, layer_bytes, "plan"), 2 * tokens, mlp_forward}),
                      "a forward: the last layer's MLP output projection");
           // The head's chunk: the loss's forward (above), beside the chunk's layers.
-          if (ch.head && TP == 1)
+          if (ch.head)
             consider(buffers, 0,
                      sum({full ? bytes_of(sp_rows, n * C, kFloat) : checked_mul(n, layer_bytes, "plan"), head_activations,
-                          2 * tokens, loss_forward}),
+                          2 * tokens, TP > 1 ? vocab_loss_forward : loss_forward}),
                      "a forward: the loss");
           const int64_t saved = chunk_bytes(ch);
           bool older = false;
@@ -517,6 +524,10 @@ MemoryPlan plan_memory(const PlanInput& in) {
                          activations - logits_bytes - loss_lse_bytes - final_norm_output,
                          "transient at the peak (the head input's gradient, summed over the tensor-parallel ranks)",
                          head_input_sum});
+      moments.push_back({"activations (one microbatch, all of them)", activations,
+                         "transient at the peak (the vocabulary-parallel loss's forward: its row statistics" +
+                             std::string(bf16 ? ", the final norm's fp32 output" : "") + " and the loss)",
+                         vocab_loss_forward, true});
     }
     if (TP == 1)
       moments.push_back({"activations (one microbatch, all of them)", activations,

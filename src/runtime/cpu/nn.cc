@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <vector>
 
 #include "runtime/cpu/kernels.h"
@@ -210,6 +211,19 @@ template <class F> void write_bf16(BFloat16* out, int64_t n, F value) {
     round_to_bf16(block, out + start, len);
   }
 }
+
+// write_bf16 with two results a value: values(i, a, b) sets both (SwiGLU's two gradients).
+template <class F> void write_bf16_pair(BFloat16* out_a, BFloat16* out_b, int64_t n, F values) {
+#pragma omp parallel for schedule(static) if (n > (1 << 15))
+  for (int64_t start = 0; start < n; start += kBf16Block) {
+    const int64_t len = std::min(kBf16Block, n - start);
+    float a[kBf16Block], b[kBf16Block];
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) values(start + i, a[i], b[i]);
+    round_to_bf16(a, out_a + start, len);
+    round_to_bf16(b, out_b + start, len);
+  }
+}
 }  // namespace
 
 // bf16 (GPT-2's MLP under --dtype bf16, as autocast runs it): read as fp32, the math in
@@ -365,23 +379,55 @@ void rotary(const Tensor& out, const Tensor& x, const Tensor& inv_freq, int64_t 
 
 // SwiGLU (LLaMA's MLP): out = silu(g) * u with silu(g) = g s, s = sigmoid(g).
 //   d out / d g = u s (1 + g (1 - s)),   d out / d u = g s.
+// bf16 (LLaMA's MLP under --dtype bf16, as autocast runs it): read as fp32, the math in
+// fp32, each result rounded once.
+namespace {
+template <class T> inline T swiglu_value(T g, T u) { return g / (T(1) + vexp(-g)) * u; }
+template <class T> inline void swiglu_slopes(T g, T u, T d, T& dg, T& du) {
+  const T s = T(1) / (T(1) + vexp(-g));
+  dg = d * u * s * (T(1) + g * (T(1) - s));
+  du = d * g * s;
+}
+void check_swiglu_dtypes(const char* what, std::initializer_list<const Tensor*> tensors) {
+  for (const Tensor* t : tensors)
+    TALLY_CHECK(t->dtype() == (*tensors.begin())->dtype(), what, ": ", t->str(), " and ", (*tensors.begin())->str(),
+                " differ in dtype");
+}
+}  // namespace
+
 void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
   const int64_t n = gate.numel();
+  check_swiglu_dtypes("swiglu", {&gate, &up, &out});
+  if (gate.dtype() == DType::BF16) {
+    const BFloat16* pg = gate.data<BFloat16>();
+    const BFloat16* pu = up.data<BFloat16>();
+    write_bf16(out.data<BFloat16>(), n, [pg, pu](int64_t i) {
+      return swiglu_value(static_cast<float>(pg[i]), static_cast<float>(pu[i]));
+    });
+    return;
+  }
   dispatch_floating(gate.dtype(), "swiglu", [&](auto tag) {
     using T = decltype(tag);
     const T* pg = gate.data<T>();
     const T* pu = up.data<T>();
     T* po = out.data<T>();
 #pragma omp parallel for simd schedule(static) if (n > (1 << 15))
-    for (int64_t i = 0; i < n; ++i) {
-      const T g = pg[i];
-      po[i] = g / (T(1) + vexp(-g)) * pu[i];
-    }
+    for (int64_t i = 0; i < n; ++i) po[i] = swiglu_value(pg[i], pu[i]);
   });
 }
 
 void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up) {
   const int64_t n = gate.numel();
+  check_swiglu_dtypes("swiglu backward", {&gate, &up, &dout, &dgate, &dup});
+  if (gate.dtype() == DType::BF16) {
+    const BFloat16* pg = gate.data<BFloat16>();
+    const BFloat16* pu = up.data<BFloat16>();
+    const BFloat16* pd = dout.data<BFloat16>();
+    write_bf16_pair(dgate.data<BFloat16>(), dup.data<BFloat16>(), n, [pg, pu, pd](int64_t i, float& dg, float& du) {
+      swiglu_slopes(static_cast<float>(pg[i]), static_cast<float>(pu[i]), static_cast<float>(pd[i]), dg, du);
+    });
+    return;
+  }
   dispatch_floating(gate.dtype(), "swiglu backward", [&](auto tag) {
     using T = decltype(tag);
     const T* pg = gate.data<T>();
@@ -390,12 +436,7 @@ void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dout,
     T* pdg = dgate.data<T>();
     T* pdu = dup.data<T>();
 #pragma omp parallel for simd schedule(static) if (n > (1 << 15))
-    for (int64_t i = 0; i < n; ++i) {
-      const T g = pg[i];
-      const T s = T(1) / (T(1) + vexp(-g));
-      pdg[i] = pd[i] * pu[i] * s * (T(1) + g * (T(1) - s));
-      pdu[i] = pd[i] * g * s;
-    }
+    for (int64_t i = 0; i < n; ++i) swiglu_slopes(pg[i], pu[i], pd[i], pdg[i], pdu[i]);
   });
 }
 
