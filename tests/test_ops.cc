@@ -354,6 +354,25 @@ TEST(Ops, Bf16MatmulThroughOneDnnMatchesFp32WithinBf16Rounding) {
   EXPECT_LT(d.max_abs, d.ref_scale / 128) << d.max_abs << " vs scale " << d.ref_scale;
 }
 
+TEST(Ops, Bf16MatmulOfStridedAndBroadcastOperandsIsTheDenseMatmul) {
+  // oneDNN's matmul primitive (every bf16 GEMM) took any view's strides as they were: a
+  // column-strided slice, a broadcast row (stride 0), a view whose rows overlap. Each is
+  // copied dense first, as fp32's sgemm path does, and gives the dense operand's product.
+  Tensor wide = test::random_tensor({24, 64}, 42).to(DType::BF16);
+  Tensor row = test::random_tensor({1, 32}, 43).to(DType::BF16);
+  Tensor b = test::random_tensor({32, 16}, 44).to(DType::BF16);
+  const std::vector<std::pair<std::string, Tensor>> views = {
+      {"every other column", wide.slice(1, 0, 64, 2)},
+      {"a broadcast row", row.expand({24, 32})},
+      {"overlapping rows", make_view(wide, {24, 32}, {1, 1}, 0)}};
+  for (const auto& [what, a] : views) {
+    Tensor got = ops::matmul(a, b);
+    Tensor want = ops::matmul(a.contiguous(), b);
+    ASSERT_EQ(got.dtype(), DType::BF16) << what;
+    EXPECT_EQ(test::compare(got.to(DType::F32), want.to(DType::F32)).max_abs, 0.0) << what;
+  }
+}
+
 TEST(Ops, LinearBf16IsAnFp32LinearOfBf16RoundedOperands) {
   // The exact math: y = bf16(x) bf16(W)^T + b, dx = bf16(dy) bf16(W), dW = bf16(dy)^T bf16(x),
   // db = sum dy, with fp32 accumulation. The reference computes it in fp64 from the same

@@ -212,7 +212,11 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
     return;
   }
   if (gemm_on_matmul_primitive(a, transpose_a, b, transpose_b, c)) {
-    primitive_gemm(a, transpose_a, b, transpose_b, c, alpha, beta, bias);
+    // The primitive reads row- or column-major operands with any leading dimension; another
+    // view (a strided slice, a broadcast, overlapping rows: only bf16 gets here with one)
+    // is copied dense first, as the sgemm path does.
+    auto dense = [](const Tensor& t) { return layout_of(t) == Layout::Strided ? describe(t, false).storage_view : t; };
+    primitive_gemm(dense(a), transpose_a, dense(b), transpose_b, c, alpha, beta, bias);
     c.storage().bump_version();
     return;
   }

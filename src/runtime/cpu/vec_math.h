@@ -18,18 +18,26 @@
 namespace tally::runtime::cpu {
 
 // src[0..n) rounded to bf16 into dst, nearest even. With AVX512-BF16 (both machine kinds
-// tally targets) one vcvtneps2bf16 per 16 values, as oneDNN rounds its bf16 outputs;
-// elsewhere bf16_round_bits, which GCC vectorizes in ~6 integer operations a value. (The
-// instruction also flushes fp32 denormals, below 1.2e-38, to zero.)
+// tally targets) one vcvtneps2bf16 per 16 values, as oneDNN rounds its bf16 outputs, the
+// last partial 16 through the same instruction under a mask; elsewhere bf16_round_bits,
+// which GCC vectorizes in ~6 integer operations a value. (The instruction also flushes
+// fp32 denormals, below 1.2e-38, to zero: wherever a value sits in the row, since the
+// tail takes the instruction too.)
 inline void round_to_bf16(const float* src, BFloat16* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   for (; i + 16 <= n; i += 16) {
     const __m256bh packed = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
     std::memcpy(static_cast<void*>(dst + i), &packed, sizeof(packed));  // one 32-byte store
   }
-#endif
+  if (i < n) {
+    const auto mask = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m256bh packed = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + i));
+    _mm256_mask_storeu_epi16(static_cast<void*>(dst + i), mask, std::bit_cast<__m256i>(packed));
+  }
+#else
   for (; i < n; ++i) dst[i].bits = bf16_round_bits(src[i]);
+#endif
 }
 
 // exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n ln2 in [-ln2/2, ln2/2];
