@@ -30,26 +30,26 @@ import safetensors_io  # noqa: E402
 OUT_PATH = os.path.join(g.FIX, "gpt2_tiny_bf16_ref.safetensors")
 
 
-def main():
-    ref, _ = safetensors_io.load(g.REF_PATH)
-    x = torch.from_numpy(ref["x"].astype(np.int64))
-    y = torch.from_numpy(ref["y"].astype(np.int64))
-    model = g.read_llmc_checkpoint(g.BIN_PATH)
-    init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
+def write_autocast_reference(make_model, init_state, x, y, run, steps, llmc_tensors, ref, out_path, generator,
+                             optimizer_note):
+    """The step-0 loss and gradients and `steps` AdamW steps (`run`'s settings) of the model
+    make_model() builds, loaded with init_state, under CPU autocast; written to out_path
+    beside the fp32 reference `ref` they are printed against. gen_llama3_bf16_reference.py
+    calls it too."""
+    model = make_model()
+    model.load_state_dict(init_state)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, loss = model(x, y)
     assert logits.dtype == torch.bfloat16, logits.dtype  # autocast did run the head in bf16
     loss.backward()
-    grads = g.llmc_tensors(model, use_grad=True)
+    grads = llmc_tensors(model, use_grad=True)
 
-    model = g.read_llmc_checkpoint(g.BIN_PATH)
+    model = make_model()
     model.load_state_dict(init_state)
-    cfg = g.RUN1
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=cfg["betas"], eps=cfg["eps"],
-                            weight_decay=cfg["weight_decay"])
+    opt = torch.optim.AdamW(model.parameters(), lr=run["lr"], betas=run["betas"], eps=run["eps"],
+                            weight_decay=run["weight_decay"])
     losses = []
-    for _ in range(g.STEPS):
+    for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, step_loss = model(x, y)
@@ -61,19 +61,29 @@ def main():
     for name, gr in grads:
         tensors["grad." + name] = gr
     metadata = {
-        "generator": "scripts/gen_bf16_reference.py", "torch_version": torch.__version__,
+        "generator": generator, "torch_version": torch.__version__,
         "autocast": "torch.autocast('cpu', dtype=torch.bfloat16) around the forward",
-        "losses.optimizer": "torch.optim.AdamW, run 1 of gen_gpt2_reference.py (fp32 master weights)",
+        "losses.optimizer": optimizer_note,
     }
-    safetensors_io.save(OUT_PATH, tensors, metadata)
-    safetensors_io.roundtrip_check(OUT_PATH, tensors, metadata)
-    print(f"{OUT_PATH}: {os.path.getsize(OUT_PATH)} bytes")
+    safetensors_io.save(out_path, tensors, metadata)
+    safetensors_io.roundtrip_check(out_path, tensors, metadata)
+    print(f"{out_path}: {os.path.getsize(out_path)} bytes")
     print("loss: autocast", loss.item(), "fp32", float(ref["loss"]))
     print("losses autocast:", np.array(losses))
     print("losses fp32    :", ref["losses"])
     for name, gr in grads:
         r = ref["grad." + name]
         print(f"  grad.{name:9s} rel L2 vs fp32 {np.linalg.norm(gr - r) / max(np.linalg.norm(r), 1e-30):.2e}")
+
+
+def main():
+    ref, _ = safetensors_io.load(g.REF_PATH)
+    x = torch.from_numpy(ref["x"].astype(np.int64))
+    y = torch.from_numpy(ref["y"].astype(np.int64))
+    init_state = {k: v.detach().clone() for k, v in g.read_llmc_checkpoint(g.BIN_PATH).state_dict().items()}
+    write_autocast_reference(lambda: g.read_llmc_checkpoint(g.BIN_PATH), init_state, x, y, g.RUN1, g.STEPS,
+                             g.llmc_tensors, ref, OUT_PATH, "scripts/gen_bf16_reference.py",
+                             "torch.optim.AdamW, run 1 of gen_gpt2_reference.py (fp32 master weights)")
 
 
 if __name__ == "__main__":

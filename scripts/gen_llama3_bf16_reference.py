@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gen_bf16_reference as bf16_ref  # noqa: E402
 import gen_llama3_reference as g  # noqa: E402
 import safetensors_io  # noqa: E402
 
@@ -56,44 +57,9 @@ def main():
         _, fp32_loss = model(x, y)
     assert abs(fp32_loss.item() - float(ref["loss"])) < 1e-6, (fp32_loss.item(), float(ref["loss"]))
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits, loss = model(x, y)
-    assert logits.dtype == torch.bfloat16, logits.dtype  # autocast did run the head in bf16
-    loss.backward()
-    grads = g.llmc_tensors(model, use_grad=True)
-
-    model = g.Llama()
-    model.load_state_dict(init_state)
-    cfg = g.RUN1
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=cfg["betas"], eps=cfg["eps"],
-                            weight_decay=cfg["weight_decay"])
-    losses = []
-    for _ in range(g.STEPS):
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, step_loss = model(x, y)
-        step_loss.backward()
-        losses.append(step_loss.item())
-        opt.step()
-
-    tensors = {"loss": np.array(loss.item(), dtype=np.float32), "losses": np.array(losses, dtype=np.float32)}
-    for name, gr in grads:
-        tensors["grad." + name] = gr
-    metadata = {
-        "generator": "scripts/gen_llama3_bf16_reference.py", "torch_version": torch.__version__,
-        "autocast": "torch.autocast('cpu', dtype=torch.bfloat16) around the forward",
-        "losses.optimizer": "torch.optim.AdamW, run 1 of gen_llama3_reference.py (fp32 master weights)",
-    }
-    safetensors_io.save(OUT_PATH, tensors, metadata)
-    safetensors_io.roundtrip_check(OUT_PATH, tensors, metadata)
-    print(f"{OUT_PATH}: {os.path.getsize(OUT_PATH)} bytes")
-    print("loss: autocast", loss.item(), "fp32", float(ref["loss"]))
-    print("losses autocast:", np.array(losses))
-    print("losses fp32    :", ref["losses"])
-    for name, gr in grads:
-        r = ref["grad." + name]
-        print(f"  grad.{name:9s} rel L2 vs fp32 {np.linalg.norm(gr - r) / max(np.linalg.norm(r), 1e-30):.2e}")
+    bf16_ref.write_autocast_reference(g.Llama, init_state, x, y, g.RUN1, g.STEPS, g.llmc_tensors, ref, OUT_PATH,
+                                      "scripts/gen_llama3_bf16_reference.py",
+                                      "torch.optim.AdamW, run 1 of gen_llama3_reference.py (fp32 master weights)")
 
 
 if __name__ == "__main__":

@@ -147,6 +147,24 @@ double relative_l2(const Tensor& actual, const Tensor& expected) {
   return std::sqrt(ops::sum(ops::mul(d, d)).item()) / std::max(std::sqrt(ops::sum(ops::mul(e, e)).item()), 1e-30);
 }
 
+Bf16GradientDiffs expect_bf16_gradients(const nn::Transformer& model, const io::SafetensorsFile& fp32,
+                                        const io::SafetensorsFile& autocast) {
+  Bf16GradientDiffs d;
+  for (auto& [name, shape] : nn::llmc_tensor_layout(model.config())) {
+    Tensor grad = stacked_llmc_grad(model, name);
+    EXPECT_EQ(grad.dtype(), DType::F32) << name;
+    const double vs_fp32 = relative_l2(grad, fp32.at("grad." + name));
+    const double vs_autocast = relative_l2(grad, autocast.at("grad." + name));
+    d.worst_vs_fp32 = std::max(d.worst_vs_fp32, vs_fp32);
+    d.best_vs_fp32 = std::min(d.best_vs_fp32, vs_fp32);
+    d.worst_vs_autocast = std::max(d.worst_vs_autocast, vs_autocast);
+    EXPECT_LT(vs_fp32, 1e-2) << "gradient of " << name << " against fp32";
+    EXPECT_GT(vs_fp32, 1e-4) << "gradient of " << name << " equals fp32's: the GEMMs did not run in bf16";
+    EXPECT_LT(vs_autocast, 1e-2) << "gradient of " << name << " against PyTorch autocast";
+  }
+  return d;
+}
+
 Diff compare(const Tensor& actual, const Tensor& expected) {
   EXPECT_EQ(actual.shape(), expected.shape()) << actual.str() << " vs " << expected.str();
   Diff d;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "io/safetensors.h"
 #include "nn/transformer.h"
 #include "train/trainer.h"
 
@@ -72,6 +73,16 @@ Diff compare(const Tensor& actual, const Tensor& expected);
 // ||actual - expected|| / ||expected|| (L2 over all elements, in fp64): how mixed
 // precision's gradients are compared with fp32's and autocast's.
 double relative_l2(const Tensor& actual, const Tensor& expected);
+
+// Mixed precision's gradients (every llm.c tensor of `model`, after a backward) against
+// the fp32 reference's and PyTorch autocast's (`grad.<name>` in each file): each fp32,
+// within 1e-2 relative L2 of both, and more than 1e-4 from fp32's (or the GEMMs did not
+// run in bf16). Returns the ranges, for the test to print.
+struct Bf16GradientDiffs {
+  double best_vs_fp32 = 1, worst_vs_fp32 = 0, worst_vs_autocast = 0;
+};
+Bf16GradientDiffs expect_bf16_gradients(const nn::Transformer& model, const io::SafetensorsFile& fp32,
+                                        const io::SafetensorsFile& autocast);
 
 // Expects allclose(actual, expected): |a - e| <= atol + rtol * |e| elementwise.
 void expect_close(const Tensor& actual, const Tensor& expected, double rtol, double atol, const std::string& what);

@@ -131,22 +131,10 @@ TEST(LlamaMixedPrecision, Bf16MatchesFp32AndPyTorchAutocastWithinBf16Rounding) {
   EXPECT_NEAR(loss.item(), fp32_loss, 1e-4 * fp32_loss);
   EXPECT_NEAR(loss.item(), autocast.at("loss").item(), 1e-4 * fp32_loss);
   loss.backward();
-  double worst_vs_fp32 = 0, worst_vs_autocast = 0, best_vs_fp32 = 1;
-  for (auto& [name, shape] : nn::llmc_tensor_layout(m->config())) {
-    Tensor grad = test::stacked_llmc_grad(*m, name);
-    EXPECT_EQ(grad.dtype(), DType::F32) << name;
-    const double vs_fp32 = test::relative_l2(grad, ref().at("grad." + name));
-    const double vs_autocast = test::relative_l2(grad, autocast.at("grad." + name));
-    worst_vs_fp32 = std::max(worst_vs_fp32, vs_fp32);
-    best_vs_fp32 = std::min(best_vs_fp32, vs_fp32);
-    worst_vs_autocast = std::max(worst_vs_autocast, vs_autocast);
-    EXPECT_LT(vs_fp32, 1e-2) << "gradient of " << name << " against fp32";
-    EXPECT_GT(vs_fp32, 1e-4) << "gradient of " << name << " equals fp32's: the GEMMs did not run in bf16";
-    EXPECT_LT(vs_autocast, 1e-2) << "gradient of " << name << " against PyTorch autocast";
-  }
+  const test::Bf16GradientDiffs d = test::expect_bf16_gradients(*m, ref(), autocast);
   std::printf("bf16 loss %.7f: %.2g from fp32, %.2g from autocast; gradients, relative L2: against fp32 %.2g-%.2g, "
               "against autocast at most %.2g\n", loss.item(), std::abs(loss.item() - fp32_loss),
-              std::abs(loss.item() - autocast.at("loss").item()), best_vs_fp32, worst_vs_fp32, worst_vs_autocast);
+              std::abs(loss.item() - autocast.at("loss").item()), d.best_vs_fp32, d.worst_vs_fp32, d.worst_vs_autocast);
   m->params().zero_grad();
   auto losses = train_steps(*m, {0.9, 0.999, 1e-8, 0.01, /*decay_all=*/true}, 1e-4, 0);
   auto expected = autocast.at("losses").to_vector<double>();
