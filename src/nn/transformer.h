@@ -166,10 +166,11 @@ class Transformer {
   // Mixed precision: with BF16 every projection (qkv, attention output, MLP, head) runs
   // its GEMMs in bf16 over a bf16 copy of the parameters that the store keeps current
   // (ParameterStore::enable_compute_copy, 2 bytes per parameter), and attention's tile
-  // products take bf16 q, k, v (ops::causal_attention_bf16); the head's logits and GPT-2's
-  // MLP hidden layer (and their gradients) are bf16; norms, attention's softmax, the loss,
-  // the residual stream, the parameters' gradients and the optimizer stay fp32. F32 (the default): off.
-  // Needs the parameter block resident (not with ZeRO-3).
+  // products take bf16 q, k, v (ops::causal_attention_bf16); the head's logits, the
+  // attention output and the MLP's hidden layer (and their gradients) are bf16; norms,
+  // attention's softmax, the loss, the residual stream, the parameters' gradients and the
+  // optimizer stay fp32. F32 (the default): off. Needs the parameter block resident (not
+  // with ZeRO-3).
   void set_matmul_dtype(DType dtype);
   DType matmul_dtype() const { return matmul_dtype_; }
   // The head and the loss fused in chunks of `rows` rows (ops::linear_cross_entropy): the

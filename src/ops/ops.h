@@ -37,14 +37,14 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool transpose_a = false, bool t
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
 // Mixed precision (bf16 autocast): y = x W^T + b with the GEMM's operands in bf16 and its
 // products accumulated, and y returned, in fp32. An fp32 x is rounded to bf16, and saved so
-// for backward (half of fp32's bytes); a bf16 x (GPT-2's GELU output) is the operand as it
-// is, and its gradient is bf16. `weight_bf16` is the caller's bf16 copy of `weight`
-// (ParameterStore::compute_copy keeps it current). Backward rounds an fp32 dy to bf16 for
-// the two GEMMs (dx = dy W, dW += dy^T x, fp32 accumulation) and sums db in fp32. Gradients
-// flow to `weight`, the fp32 master weights, never to its copy. `out` bf16 returns y (the
-// bias added first) rounded to bf16, as autocast's linear does: the head's logits and
-// GPT-2's MLP projection, where half the bytes is worth it; backward then takes dy in bf16
-// as it comes.
+// for backward (half of fp32's bytes); a bf16 x (the MLP's GELU or SwiGLU output, the
+// attention output) is the operand as it is, and its gradient is bf16. `weight_bf16` is
+// the caller's bf16 copy of `weight` (ParameterStore::compute_copy keeps it current).
+// Backward rounds an fp32 dy to bf16 for the two GEMMs (dx = dy W, dW += dy^T x, fp32
+// accumulation) and sums db in fp32. Gradients flow to `weight`, the fp32 master weights,
+// never to its copy. `out` bf16 returns y (the bias added first) rounded to bf16, as
+// autocast's linear does: the head's logits and the MLP's first projections, where half
+// the bytes is worth it; backward then takes dy in bf16 as it comes.
 Tensor linear_bf16(const Tensor& x, const Tensor& weight, const Tensor& weight_bf16, const Tensor& bias = Tensor(),
                    DType out = DType::F32);
 

@@ -32,10 +32,11 @@
 //
 // Mixed precision (--dtype bf16) adds the parameters' bf16 copy (2P) and changes what the
 // projections save: each keeps its input rounded to bf16 (2 bytes) instead of the fp32
-// tensor. Where nothing else saves that input (the norm outputs, LLaMA's SwiGLU output)
-// the fp32 one is freed; GPT-2's MLP hidden layer is bf16 itself (the projection writes it
-// rounded, GELU reads and writes bf16), so pre-GELU and post-GELU count 2 bytes each; the
-// attention output is also saved by the attention itself, so its bf16 copy comes on top; LLaMA's second RMSNorm output feeds two
+// tensor. Where nothing else saves that input (the norm outputs) the fp32 one is freed;
+// the MLP's hidden layer is bf16 itself (the projections write it rounded, GELU or SwiGLU
+// reads and writes bf16), so GPT-2's pre-GELU and post-GELU and LLaMA's gate, up and
+// SwiGLU output count 2 bytes each; the attention writes a bf16 output, which it and the
+// output projection both save (one tensor); LLaMA's second RMSNorm output feeds two
 // projections (gate, up), which keep a bf16 copy each. Attention saves q, k and v rounded
 // to bf16 (its tile products are bf16), and the fp32 ones are freed. The head writes bf16
 // logits, and the loss turns them in place into their bf16 gradient, which the head's
