@@ -777,6 +777,38 @@ TEST(Ops, GeluIsZeroFarLeftAndTheIdentityFarRightWithFiniteGradients) {
   }
 }
 
+TEST(Ops, SwiGluIsZeroFarLeftAndTheGateFarRightWithFiniteGradients) {
+  // silu(g) = g sigmoid(g): far left the value and both slopes are 0, far right the value
+  // is g u. vexp stops at 88.38 (2.4e38, finite), so g / (1 + vexp(-g)) was g / 2.4e38
+  // there: silu(-1e38) read -0.42 and silu(-3e38) -1.25, growing with |g|, and so did the
+  // slopes. 20 copies of each value: the vector loop and its tail alike.
+  const std::vector<double> values = {-3e38, -1e38, -1e30, -1e4, -100, -89, 89, 1e4, 1e30};
+  std::vector<double> gate;
+  for (double v : values) gate.insert(gate.end(), 20, v);
+  const int64_t n = static_cast<int64_t>(gate.size());
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    Tensor g = Tensor::from_vector(gate, {n}).to(dtype), u = Tensor::full({n}, 0.5).to(dtype);
+    for (Tensor* t : {&g, &u}) t->set_requires_grad(true);
+    Tensor y = ops::swiglu(g, u);
+    y.backward(Tensor::ones({n}, dtype));
+    const std::vector<float> got = y.to(DType::F32).to_vector<float>(), dg = g.grad().to(DType::F32).to_vector<float>(),
+                             du = u.grad().to(DType::F32).to_vector<float>();
+    const std::vector<float> gs = g.detach().to(DType::F32).to_vector<float>();
+    for (size_t i = 0; i < gate.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i]) && std::isfinite(dg[i]) && std::isfinite(du[i])) << gate[i] << " " << dtype_name(dtype);
+      if (gate[i] < 0) {  // |g| e^g: 89 e^-89 = 2e-37 at most, 0 in fp32 beyond
+        EXPECT_LT(std::abs(got[i]), 1e-30) << gate[i] << " " << dtype_name(dtype);
+        EXPECT_LT(std::abs(dg[i]), 1e-30) << gate[i] << " " << dtype_name(dtype);
+        EXPECT_LT(std::abs(du[i]), 1e-30) << gate[i] << " " << dtype_name(dtype);
+      } else {
+        EXPECT_NEAR(got[i], 0.5 * gs[i], 0.5 * gs[i] * 1e-2) << gate[i];  // bf16 rounds the product
+        EXPECT_NEAR(dg[i], 0.5, 1e-2) << gate[i];
+        EXPECT_NEAR(du[i], gs[i], gs[i] * 1e-2) << gate[i];
+      }
+    }
+  }
+}
+
 TEST(Ops, NormsOfAnInputWithoutGradientStillGiveTheirParametersGradients) {
   // A norm over an input that needs no gradient (a frozen embedding's output, or data):
   // only the weight and bias get gradients. layernorm's backward dispatched on dx, which

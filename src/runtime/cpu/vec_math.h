@@ -74,6 +74,12 @@ inline float vtanh(float x) {
 }
 inline double vtanh(double x) { return std::tanh(x); }
 
+// sigmoid(x) = 1 / (1 + exp(-x)), and 0 where -x passes vexp's clamp (x < -88.38): there
+// 1 / (1 + 2.4e38) would leave 4e-39, and x sigmoid(x) = x / 2.4e38 would grow with |x|
+// (silu(-1e38) = -0.42) where the true value is 0 (|x| e^x < 2e-37 already at x = -89).
+inline float vsigmoid(float x) { return x < -88.37626f ? 0.0f : 1.0f / (1.0f + vexp(-x)); }
+inline double vsigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }  // exp(-x) = inf gives 0
+
 // max(init, x[0], ..., x[n-1]), vectorized. A running `m = std::max(m, x[j])` stays scalar
 // without -ffast-math (GCC may not reassociate a max that has to honour NaN and signed
 // zeros), and it is a chain of dependent 3-4 cycle max instructions: over a 50k-entry
