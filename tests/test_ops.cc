@@ -371,6 +371,20 @@ TEST(Ops, Bf16MatmulOfStridedAndBroadcastOperandsIsTheDenseMatmul) {
     ASSERT_EQ(got.dtype(), DType::BF16) << what;
     EXPECT_EQ(test::compare(got.to(DType::F32), want.to(DType::F32)).max_abs, 0.0) << what;
   }
+  // A single row or column whose other stride is anything (0, or larger than the matrix):
+  // dense in the sense that matters, but its strides are not a row-major matrix's.
+  Tensor col = test::random_tensor({32, 1}, 45).to(DType::BF16);
+  const std::vector<std::tuple<std::string, Tensor, Tensor>> degenerate = {
+      {"one row, row stride 0", make_view(row, {1, 32}, {0, 1}, 0), b},
+      {"one row, row stride 1000", make_view(wide, {1, 32}, {1000, 1}, 0), b},
+      {"one column of a wide matrix", wide.slice(1, 0, 1), make_view(row, {1, 32}, {0, 1}, 0)},
+      {"B one column, column stride 0", test::random_tensor({8, 32}, 46).to(DType::BF16), make_view(col, {32, 1}, {1, 0}, 0)},
+      {"B one column, column stride 7", test::random_tensor({8, 32}, 47).to(DType::BF16), make_view(col, {32, 1}, {1, 7}, 0)}};
+  for (const auto& [what, a, bb] : degenerate) {
+    Tensor got = ops::matmul(a, bb);
+    Tensor want = ops::matmul(a.contiguous(), bb.contiguous());
+    EXPECT_EQ(test::compare(got.to(DType::F32), want.to(DType::F32)).max_abs, 0.0) << what;
+  }
 }
 
 TEST(Ops, LinearBf16IsAnFp32LinearOfBf16RoundedOperands) {
