@@ -272,7 +272,7 @@ TEST(VecMath, ExpIsFiniteWhereverTheTrueValueIs) {
   // x / ln2 round to 128, whose 2^128 is infinity. vexp now stops at 127.5 ln2 = 88.376
   // (2.4e38): finite everywhere, within 1e-6 relative of exp below that, its largest
   // value above it (no caller needs more: softmax and the loss take x <= 0, tanh is 1
-  // long before, and vsigmoid is 0 past the clamp).
+  // long before, and SwiGLU holds its x at the clamp: silu_arg).
   for (float x : {80.0f, 88.0f, 88.3f, 88.5f, 88.7f, 88.72f, 1000.0f}) {
     const float got = runtime::cpu::vexp(x);
     EXPECT_TRUE(std::isfinite(got)) << x;

@@ -382,11 +382,11 @@ void rotary(const Tensor& out, const Tensor& x, const Tensor& inv_freq, int64_t 
 // bf16 (LLaMA's MLP under --dtype bf16, as autocast runs it): read as fp32, the math in
 // fp32, each result rounded once.
 namespace {
-template <class T> inline T swiglu_value(T g, T u) { return g * vsigmoid(g) * u; }
+template <class T> inline T swiglu_value(T g, T u) { return silu_arg(g) / (T(1) + vexp(-g)) * u; }
 template <class T> inline void swiglu_slopes(T g, T u, T d, T& dg, T& du) {
-  const T s = vsigmoid(g);
-  dg = d * u * s * (T(1) + g * (T(1) - s));
-  du = d * g * s;
+  const T s = T(1) / (T(1) + vexp(-g)), gs = silu_arg(g);
+  dg = d * u * s * (T(1) + gs * (T(1) - s));
+  du = d * gs * s;
 }
 void check_swiglu_dtypes(const char* what, std::initializer_list<const Tensor*> tensors) {
   for (const Tensor* t : tensors)
