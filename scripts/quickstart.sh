@@ -50,5 +50,5 @@ build/tally train \
 
 # The sample, from the checkpoint just written (the same command works on any checkpoint).
 echo
-echo "sample: build/tally sample --model-file $OUT --tokenizer $corpus --count 4 --temperature 0.8"
+echo "sample: build/tally sample --model-file $OUT --tokenizer $corpus --count 4 --temperature 0.8 --tokens 96"
 build/tally sample --model-file "$OUT" --tokenizer "$corpus" --count 4 --temperature 0.8 --tokens 96

@@ -49,8 +49,8 @@
 // log-sum-exp is still saved.
 //
 // Recomputation (--recompute). Selective: the attention keeps only q, k and v, so its
-// log-sum-exp (H per token per layer) is not saved, nor under bf16 its fp32 output (C; the
-// output projection keeps its bf16 copy). Full: each layer keeps only its input (C per
+// log-sum-exp (H per token per layer) is not saved; its output (fp32, or bf16 under bf16)
+// the output projection saves anyway. Full: each layer keeps only its input (C per
 // token per layer, fp32), beside the head's activations. Backward then recomputes the last
 // layer after the head's activations are freed: the candidate moments there hold the
 // layers' inputs and the last layer's saved set again (its recomputed output standing in
