@@ -1,0 +1,206 @@
+// GEMM layout questions behind choices in runtime/cpu/matmul.cc and attention.cc, measured
+// on oneDNN directly (no tally code in the loop), each pair alternating in one process:
+//
+//   1. A weight gradient dW (M x N) = dy^T x over K tokens, dy stored (K, M): oneDNN's
+//      matmul primitive with dy^T as a transposed view, against a dense dy^T (plus the cost
+//      of a blocked transpose making it). bf16, as --dtype bf16 runs them.
+//   2. The same GEMM accumulating into dW (a sum post-op, how gradients are accumulated)
+//      against writing it (beta 0, as a first microbatch could), bf16 and fp32.
+//   3. Attention's fp32 tile products at W3 (T = 1024, 12 heads of 64 in the (T, 3C) qkv
+//      projection), on one thread as the attention runs them: sgemm against the primitive.
+//
+//   bench_gemm_layouts [reps_scale=1]    (OMP_NUM_THREADS=2 for 1 and 2; 3 uses one thread)
+#include <oneapi/dnnl/dnnl.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+using dnnl::memory;
+using DataType = memory::data_type;
+
+double seconds_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double median_ms(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2] * 1e3;
+}
+
+// A row-major (rows, cols) descriptor, or its transpose read through swapped strides.
+memory::desc matrix(int64_t rows, int64_t cols, DataType type, bool transposed, int64_t ld) {
+  return memory::desc({rows, cols}, type, transposed ? memory::dims{1, ld} : memory::dims{ld, 1});
+}
+
+struct Gemm {
+  dnnl::matmul primitive;
+  memory::desc a, b, c;
+};
+
+Gemm make_gemm(const dnnl::engine& engine, const memory::desc& a, const memory::desc& b, const memory::desc& c,
+               float beta) {
+  dnnl::primitive_attr attr;
+  if (beta != 0.f) {
+    dnnl::post_ops post;
+    post.append_sum(beta);
+    attr.set_post_ops(post);
+  }
+  return {dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, engine)), a, b, c};
+}
+
+void run(const Gemm& g, const dnnl::engine& engine, dnnl::stream& stream, void* a, void* b, void* c) {
+  g.primitive.execute(stream, {{DNNL_ARG_SRC, memory(g.a, engine, a)},
+                               {DNNL_ARG_WEIGHTS, memory(g.b, engine, b)},
+                               {DNNL_ARG_DST, memory(g.c, engine, c)}});
+  stream.wait();
+}
+
+struct WeightGradient {
+  const char* name;
+  int64_t M, N, K;  // dW (M, N), K tokens
+};
+
+// GPT-2 124M's projections: W1 (B x T = 256 tokens) and two at W3 (1024).
+const std::vector<WeightGradient> kWeightGradients = {
+    {"qkv", 2304, 768, 256},           {"attention out", 768, 768, 256}, {"MLP up", 3072, 768, 256},
+    {"MLP down", 768, 3072, 256},      {"head", 50304, 768, 256},        {"MLP up (W3)", 3072, 768, 1024},
+    {"qkv (W3)", 2304, 768, 1024}};
+
+void transposed_against_dense(const dnnl::engine& engine, dnnl::stream& stream, int scale) {
+  std::printf("1. bf16 dW = dy^T x: dy^T as a transposed view | dense dy^T + the transpose making it (ms, median)\n");
+  for (const WeightGradient& s : kWeightGradients) {
+    std::vector<uint16_t> dy(s.K * s.M, 0x3f80), dy_t(s.M * s.K), x(s.K * s.N, 0x3f80);  // bf16 1.0
+    std::vector<float> dw(s.M * s.N, 0.f);
+    const memory::desc x_desc = matrix(s.K, s.N, DataType::bf16, false, s.N);
+    const memory::desc dw_desc = matrix(s.M, s.N, DataType::f32, false, s.N);
+    const Gemm view = make_gemm(engine, matrix(s.M, s.K, DataType::bf16, true, s.M), x_desc, dw_desc, 1.f);
+    const Gemm dense = make_gemm(engine, matrix(s.M, s.K, DataType::bf16, false, s.K), x_desc, dw_desc, 1.f);
+    auto transpose = [&] {
+#pragma omp parallel for collapse(2)
+      for (int64_t i0 = 0; i0 < s.M; i0 += 32)
+        for (int64_t k0 = 0; k0 < s.K; k0 += 32)
+          for (int64_t i = i0; i < std::min(s.M, i0 + 32); ++i)
+            for (int64_t k = k0; k < std::min(s.K, k0 + 32); ++k) dy_t[i * s.K + k] = dy[k * s.M + i];
+    };
+    run(view, engine, stream, dy.data(), x.data(), dw.data());
+    run(dense, engine, stream, dy_t.data(), x.data(), dw.data());
+    std::vector<double> t_view, t_dense, t_transpose;
+    const int reps = (s.M > 10000 ? 6 : 30) * scale;
+    for (int r = 0; r < reps; ++r) {
+      const double t0 = seconds_now();
+      run(view, engine, stream, dy.data(), x.data(), dw.data());
+      const double t1 = seconds_now();
+      transpose();
+      const double t2 = seconds_now();
+      run(dense, engine, stream, dy_t.data(), x.data(), dw.data());
+      const double t3 = seconds_now();
+      t_view.push_back(t1 - t0), t_transpose.push_back(t2 - t1), t_dense.push_back(t3 - t2);
+    }
+    std::printf("   %-14s M %5lld N %4lld K %4lld: view %7.3f | dense %7.3f + transpose %6.3f\n", s.name,
+                static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K),
+                median_ms(t_view), median_ms(t_dense), median_ms(t_transpose));
+  }
+}
+
+void accumulate_against_write(const dnnl::engine& engine, dnnl::stream& stream, int scale) {
+  std::printf("2. dW = dy^T x accumulated (sum post-op) | written (beta 0) (ms, median)\n");
+  for (DataType type : {DataType::bf16, DataType::f32}) {
+    for (const WeightGradient& s : kWeightGradients) {
+      if (type == DataType::f32 && s.K != 256) continue;
+      std::vector<float> dy(s.K * s.M, 1.f), x(s.K * s.N, 1.f), dw(s.M * s.N, 0.f);  // big enough for bf16 too
+      const memory::desc a = matrix(s.M, s.K, type, true, s.M), b = matrix(s.K, s.N, type, false, s.N);
+      const memory::desc c = matrix(s.M, s.N, DataType::f32, false, s.N);
+      const Gemm accumulate = make_gemm(engine, a, b, c, 1.f), write = make_gemm(engine, a, b, c, 0.f);
+      run(accumulate, engine, stream, dy.data(), x.data(), dw.data());
+      run(write, engine, stream, dy.data(), x.data(), dw.data());
+      std::vector<double> t_acc, t_write;
+      const int reps = (s.M > 10000 ? 6 : 30) * scale;
+      for (int r = 0; r < reps; ++r) {
+        const double t0 = seconds_now();
+        run(accumulate, engine, stream, dy.data(), x.data(), dw.data());
+        const double t1 = seconds_now();
+        run(write, engine, stream, dy.data(), x.data(), dw.data());
+        t_acc.push_back(t1 - t0), t_write.push_back(seconds_now() - t1);
+      }
+      std::printf("   %-4s %-14s K %4lld: accumulate %7.3f | write %7.3f (%+.0f%%)\n",
+                  type == DataType::bf16 ? "bf16" : "fp32", s.name, static_cast<long long>(s.K), median_ms(t_acc),
+                  median_ms(t_write), 100.0 * (median_ms(t_acc) / median_ms(t_write) - 1.0));
+    }
+  }
+}
+
+void attention_tiles(const dnnl::engine& engine, int scale) {
+  std::printf("3. attention's fp32 tiles at W3, one thread: sgemm | matmul primitive (us, best of 5 means; GFLOP/s)\n");
+  struct Tile {
+    const char* name;
+    bool ta, tb;
+    int64_t m, n, k, lda, ldb, ldc;
+    float beta;
+  };
+  const std::vector<Tile> tiles = {
+      {"forward S = Q K^T", false, true, 128, 512, 64, 2304, 2304, 512, 0.f},
+      {"forward O += P V", false, false, 128, 64, 512, 512, 2304, 64, 1.f},
+      {"backward P = Q K^T", false, true, 128, 256, 64, 2304, 2304, 256, 0.f},
+      {"backward dV += P^T dO", true, false, 256, 64, 128, 256, 768, 768, 1.f},
+      {"backward dP = dO V^T", false, true, 128, 256, 64, 768, 2304, 256, 0.f},
+      {"backward dQ += dS K", false, false, 128, 64, 256, 256, 2304, 768, 1.f},
+      {"backward dK += dS^T Q", true, false, 256, 64, 128, 256, 2304, 768, 1.f}};
+  const int saved_threads = omp_get_max_threads();
+  omp_set_num_threads(1);  // the attention runs each tile on its own thread
+  dnnl::stream stream(engine);
+  std::vector<float> a(1 << 22, 0.01f), b(1 << 22, 0.02f), c(1 << 22, 0.f);
+  for (const Tile& t : tiles) {
+    const Gemm primitive = make_gemm(engine, matrix(t.m, t.k, DataType::f32, t.ta, t.lda),
+                                     matrix(t.k, t.n, DataType::f32, t.tb, t.ldb),
+                                     matrix(t.m, t.n, DataType::f32, false, t.ldc), t.beta);
+    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(primitive.a, engine, a.data())},
+                                            {DNNL_ARG_WEIGHTS, memory(primitive.b, engine, b.data())},
+                                            {DNNL_ARG_DST, memory(primitive.c, engine, c.data())}};
+    auto sgemm = [&] {
+      dnnl_sgemm(t.ta ? 'T' : 'N', t.tb ? 'T' : 'N', t.m, t.n, t.k, 1.f, a.data(), t.lda, b.data(), t.ldb, t.beta,
+                 c.data(), t.ldc);
+    };
+    auto matmul = [&] {
+      primitive.primitive.execute(stream, args);
+      stream.wait();
+    };
+    sgemm(), matmul();
+    double best_sgemm = 1e30, best_primitive = 1e30;
+    const int calls = 400 * scale;
+    for (int round = 0; round < 5; ++round) {
+      const double t0 = seconds_now();
+      for (int i = 0; i < calls; ++i) sgemm();
+      const double t1 = seconds_now();
+      for (int i = 0; i < calls; ++i) matmul();
+      best_sgemm = std::min(best_sgemm, (t1 - t0) / calls);
+      best_primitive = std::min(best_primitive, (seconds_now() - t1) / calls);
+    }
+    const double flops = 2.0 * t.m * t.n * t.k;
+    std::printf("   %-22s %4lld x %4lld x %4lld: sgemm %6.1f (%3.0f) | primitive %6.1f (%3.0f)\n", t.name,
+                static_cast<long long>(t.m), static_cast<long long>(t.n), static_cast<long long>(t.k),
+                best_sgemm * 1e6, flops / best_sgemm / 1e9, best_primitive * 1e6, flops / best_primitive / 1e9);
+  }
+  omp_set_num_threads(saved_threads);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int scale = argc > 1 ? std::max(1, std::atoi(argv[1])) : 1;
+  const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  dnnl::stream stream(engine);
+  std::printf("oneDNN %d.%d, %d threads\n", dnnl_version()->major, dnnl_version()->minor, omp_get_max_threads());
+  transposed_against_dense(engine, stream, scale);
+  accumulate_against_write(engine, stream, scale);
+  attention_tiles(engine, scale);
+  return 0;
+}
