@@ -881,6 +881,18 @@ TEST(Ops, Bf16BiasGradientOverManyRowsSumsInFp32) {
   expect_close(b.grad().to(DType::F64), ops::sum(g.to(DType::F64), {0}), 0, 1e-5, "db");
 }
 
+namespace {
+// A bf16 result of fp32 math rounded once, against fp64 on the same bf16 inputs: half a
+// bf16 ulp (at most 2^-8 relative) plus fp32's own error (~1e-6), value by value.
+void expect_bf16_rounded_once(const Tensor& got_bf16, const Tensor& want64, const char* what) {
+  ASSERT_EQ(got_bf16.dtype(), DType::BF16) << what;
+  const std::vector<float> got = got_bf16.to(DType::F32).to_vector<float>();
+  const std::vector<double> want = want64.detach().to_vector<double>();
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], std::abs(want[i]) / 256 + 2e-6) << what << " " << i;
+}
+}  // namespace
+
 TEST(Ops, GeluOfBf16IsTheFp32MathRoundedOnce) {
   // Under --dtype bf16 GPT-2's MLP runs GELU on its bf16 projection, as autocast does: each
   // value is read as fp32, the tanh form computed in fp32 and rounded once to bf16, and so
@@ -894,16 +906,11 @@ TEST(Ops, GeluOfBf16IsTheFp32MathRoundedOnce) {
   Tensor x64 = x.detach().to(DType::F64);
   x64.set_requires_grad(true);
   Tensor y64 = ops::gelu(x64);
-  const std::vector<float> got = y.to(DType::F32).to_vector<float>();
-  const std::vector<double> want = y64.detach().to_vector<double>();
-  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], std::abs(want[i]) / 256 + 2e-6) << i;
+  expect_bf16_rounded_once(y, y64, "out");
   Tensor g = test::random_tensor({3, 20000}, 87).to(DType::BF16);
   y.backward(g);
   y64.backward(g.to(DType::F64));
-  ASSERT_EQ(x.grad().dtype(), DType::BF16);
-  const std::vector<float> dgot = x.grad().to(DType::F32).to_vector<float>();
-  const std::vector<double> dwant = x64.grad().to_vector<double>();
-  for (size_t i = 0; i < dgot.size(); ++i) EXPECT_NEAR(dgot[i], dwant[i], std::abs(dwant[i]) / 256 + 2e-6) << i;
+  expect_bf16_rounded_once(x.grad(), x64.grad(), "dx");
   // And the rounding is real: some outputs are not their fp32 values.
   Tensor y32 = ops::gelu(x.detach().to(DType::F32));
   EXPECT_GT(test::compare(y.to(DType::F32), y32).max_abs, 1e-4);
@@ -923,18 +930,12 @@ TEST(Ops, SwiGluOfBf16IsTheFp32MathRoundedOnce) {
   Tensor gate64 = gate.detach().to(DType::F64), up64 = up.detach().to(DType::F64);
   for (Tensor* t : {&gate64, &up64}) t->set_requires_grad(true);
   Tensor y64 = ops::swiglu(gate64, up64);
-  auto expect_rounded_once = [](const Tensor& got_bf16, const Tensor& want64, const char* what) {
-    ASSERT_EQ(got_bf16.dtype(), DType::BF16) << what;
-    const std::vector<float> got = got_bf16.to(DType::F32).to_vector<float>();
-    const std::vector<double> want = want64.detach().to_vector<double>();
-    for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], std::abs(want[i]) / 256 + 2e-6) << what << " " << i;
-  };
-  expect_rounded_once(y, y64, "out");
+  expect_bf16_rounded_once(y, y64, "out");
   Tensor g = test::random_tensor({3, 20000}, 102).to(DType::BF16);
   y.backward(g);
   y64.backward(g.to(DType::F64));
-  expect_rounded_once(gate.grad(), gate64.grad(), "dgate");
-  expect_rounded_once(up.grad(), up64.grad(), "dup");
+  expect_bf16_rounded_once(gate.grad(), gate64.grad(), "dgate");
+  expect_bf16_rounded_once(up.grad(), up64.grad(), "dup");
   // And the rounding is real: some outputs are not their fp32 values.
   Tensor y32 = ops::swiglu(gate.detach().to(DType::F32), up.detach().to(DType::F32));
   EXPECT_GT(test::compare(y.to(DType::F32), y32).max_abs, 1e-4);
