@@ -530,3 +530,89 @@ TEST(AutogradContract, AutogradStateHasNoPublicMutableAccessor) {
   EXPECT_FALSE(state_member_reachable<TensorImpl>) << "the state itself must be private";
   EXPECT_TRUE(state_readable<TensorImpl>);
 }
+
+// ---- discarded gradients: zero without a pass, overwritten by the next gradient
+namespace {
+// A graph that reaches leaves every way a gradient arrives: a GEMM into the linear
+// weight's buffer, a row sum into its bias's, the layernorm's gradients through
+// AccumulateGrad, a hooked leaf (hooks must see the gradient: no sink), a position table
+// whose scatter is its only gradient (rows no position hits must read zero), and a table
+// tied between the embedding and the chunked cross-entropy head (the head's GEMMs write
+// it, then the embedding's scatter adds to it). Under bf16 the GEMMs take bf16 copies.
+struct EveryGradientPath {
+  static constexpr int64_t V = 11, C = 6, N = 10;
+  Tensor table = test::random_tensor({V, C}, 1, DType::F32), w = test::random_tensor({C, C}, 2, DType::F32),
+         b = test::random_tensor({C}, 3, DType::F32), ln_w = test::random_tensor({C}, 4, DType::F32),
+         ln_b = test::random_tensor({C}, 5, DType::F32), gain = test::random_tensor({C}, 6, DType::F32),
+         unused = test::random_tensor({3}, 7, DType::F32), positions = test::random_tensor({N + 2, C}, 8, DType::F32);
+  std::vector<Tensor> leaves{table, w, b, ln_w, ln_b, gain, unused, positions};
+  Tensor idx = Tensor::from_vector(std::vector<int32_t>{0, 3, 3, 7, 1, 10, 3, 2, 0, 5}, {N});
+  Tensor targets = Tensor::from_vector(std::vector<int32_t>{4, 4, 9, 0, 2, 6, 1, 1, 8, 3}, {N});
+  Tensor pos = Tensor::from_vector(std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, {N});
+  bool bf16 = false;
+  HookHandle hook;
+
+  Tensor block;  // the gradients, views of one block as a ParameterStore lays them out
+
+  EveryGradientPath() {
+    int64_t total = 0;
+    for (const Tensor& t : leaves) total += t.numel();
+    block = Tensor::zeros({total}, DType::F32);
+    int64_t offset = 0;
+    for (const Tensor& t : leaves) {
+      t.set_parameter();
+      // Allocated: the sinks write into them (at their offsets, not the block's start).
+      t.set_grad(make_view(block, t.shape(), contiguous_strides(t.shape()), offset));
+      offset += t.numel();
+    }
+    hook = gain.register_hook([](const Tensor&) { return Tensor(); });
+  }
+  void backward() const {
+    Tensor h = ops::embedding(table, idx) + ops::embedding(positions, pos);
+    h = bf16 ? ops::linear_bf16(h, w, w.detach().to(DType::BF16), b) : ops::linear(h, w, b);
+    h = ops::layernorm(h, ln_w, ln_b) * gain;
+    ops::linear_cross_entropy(h, table, targets, V, /*chunk_rows=*/4, bf16 ? table.detach().to(DType::BF16) : Tensor())
+        .backward();
+  }
+  std::vector<std::vector<float>> grads() const {
+    std::vector<std::vector<float>> out;
+    for (const Tensor& t : leaves) out.push_back(t.grad().to_vector<float>());
+    return out;
+  }
+};
+}  // namespace
+
+TEST(DiscardedGradient, ReadsZeroAndIsOverwrittenByEveryKindOfBackwardThenAccumulates) {
+  for (bool bf16 : {false, true}) {
+    EveryGradientPath g;
+    g.bf16 = bf16;
+    const std::string tag = bf16 ? "bf16" : "fp32";
+    g.backward();
+    const auto once = g.grads();
+    g.backward();
+    const auto twice = g.grads();
+    EXPECT_NE(once[0], twice[0]) << tag;
+    EXPECT_EQ(once[6], std::vector<float>(3, 0.f)) << tag << ": the unused leaf got no gradient";
+
+    // Discarded, the buffers keep their bytes: poison them through handles taken before.
+    std::vector<Tensor> buffers;
+    for (const Tensor& t : g.leaves) buffers.push_back(t.grad());
+    for (const Tensor& t : g.leaves) t.discard_grad();
+    for (const Tensor& buf : buffers) buf.fill_(std::nan(""));
+    g.backward();
+    // A NaN anywhere means a backward read the stale bytes (added instead of writing) or
+    // left some unwritten; the values are the first backward's, bit for bit.
+    EXPECT_EQ(g.grads(), once) << tag;
+    g.backward();
+    EXPECT_EQ(g.grads(), twice) << tag << ": the second microbatch adds, as before";
+
+    // Read before any gradient arrives, a discarded gradient is zero.
+    for (const Tensor& t : g.leaves) t.discard_grad();
+    for (const Tensor& buf : buffers) buf.fill_(std::nan(""));
+    EXPECT_EQ(g.w.grad().to_vector<float>(), std::vector<float>(36, 0.f)) << tag;
+    EXPECT_EQ(g.unused.grad().to_vector<float>(), std::vector<float>(3, 0.f)) << tag;
+    // ... and the w that grad() zeroed now accumulates (no longer discarded).
+    g.backward();
+    EXPECT_EQ(g.grads(), once) << tag;
+  }
+}

@@ -60,7 +60,7 @@ std::vector<double> train_on_fixture_batch(nn::Transformer& m, optim::AdamWConfi
     double norm = ops::global_norm({m.params().flat_grads()});
     if (norms) norms->push_back(norm);
     opt.step(lr, optim::clip_scale(norm, clip));
-    m.params().zero_grad();
+    m.params().discard_grads();  // as the trainer does: the next backward writes them afresh
   }
   return losses;
 }
@@ -234,6 +234,54 @@ TEST(Gpt2Backward, EveryParameterIsAnnouncedFinalOnceInBackwardOrder) {
     EXPECT_EQ(rec.order.back(), "wte") << "the tied embedding is final only after the embedding's backward, "
                                           "not when the head (its first use in backward) is done";
   }
+}
+
+// The trainer discards the gradients after AdamW instead of zeroing them (a pass writing
+// 4 bytes per parameter), and the next backward writes them afresh: each weight
+// gradient's first GEMM runs with beta 0, the embeddings' scatters start from zeros, the
+// norms' gradients are copied. One backward after a discard gives the gradients of one
+// after zero_grad bit for bit, and a second microbatch adds to them as before, in fp32
+// and bf16; the buffers are poisoned with NaN, so reading their stale bytes shows.
+TEST(Gpt2Backward, DiscardedGradientsAreWrittenAfreshBitForBit) {
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    auto m = tiny_model();
+    m->set_matmul_dtype(dtype);
+    auto backward = [&] {
+      m->forward(ref().at("x"), ref().at("y")).loss.backward();
+      return m->params().flat_grads().to_vector<float>();
+    };
+    m->params().zero_grad();
+    const std::vector<float> one = backward(), two = backward();
+    const Tensor block = m->params().flat_grads();  // a handle: sees the bytes, discarded or not
+    m->params().discard_grads();
+    block.fill_(std::nan(""));
+    EXPECT_EQ(backward(), one) << dtype_name(dtype);
+    EXPECT_EQ(backward(), two) << dtype_name(dtype);
+  }
+}
+
+TEST(ParameterStore, DiscardedGradientsReadZeroAndARangeSettlesOnlyItsOwn) {
+  nn::ParameterStore s;
+  s.declare("a", {2}, true);
+  s.declare("b", {3}, true);
+  s.declare("c", {1}, false);
+  s.allocate();
+  const Tensor block = s.flat_grads();
+  block.fill_(1.0);
+  s.discard_grads();
+  block.fill_(std::nan(""));
+  // Data parallel reduces b and c while backward may still write a.
+  EXPECT_EQ(s.grads_of(1, 3).to_vector<float>(), std::vector<float>(4, 0.f));
+  const std::vector<float> bytes = block.to_vector<float>();
+  EXPECT_TRUE(std::isnan(bytes[0]) && std::isnan(bytes[1])) << "a's gradient must be left for backward to write";
+  EXPECT_EQ(s.grads_of(0, 0).numel(), 0);
+  EXPECT_EQ(s.flat_grads().to_vector<float>(), std::vector<float>(6, 0.f));
+  // Written since, a gradient is no longer discarded: reading the block leaves it alone.
+  s.discard_grads();
+  s[1].grad().fill_(2.0);
+  block.fill_(3.0);
+  EXPECT_EQ(s.flat_grads().to_vector<float>(), (std::vector<float>{0, 0, 3, 3, 3, 0}));
+  EXPECT_THROW(s.grads_of(2, 4), Error);
 }
 
 TEST(Gpt2Files, LlmcRoundTripIsExactInFp32AndRoundedInBf16) {

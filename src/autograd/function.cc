@@ -71,21 +71,25 @@ Tensor Context::saved(size_t i) const {
   return saved_[i].unpack(op_name_);
 }
 
-Tensor Context::grad_sink(size_t i) const {
-  if (!edges_ || i >= edges_->size()) return Tensor();
+GradSink Context::grad_sink(size_t i, DType dtype) const {
+  if (!edges_ || i >= edges_->size() || !needs_input_grad(i)) return {};
   const Edge& edge = (*edges_)[i];
   auto* acc = dynamic_cast<AccumulateGrad*>(edge.node.get());
-  if (!acc) return Tensor();
+  if (!acc) return {};
   std::shared_ptr<TensorImpl> leaf = acc->leaf();
-  if (!leaf) return Tensor();
-  const auto* state = std::get_if<LeafState>(&leaf->autograd());
-  if (!state || !state->grad.defined()) return Tensor();
+  if (!leaf) return {};
+  auto* state = std::get_if<LeafState>(&detail::StateAccess::state(*leaf));
+  if (!state || !state->grad.defined()) return {};
   for (const auto& h : state->hooks)
-    if (h->hook) return Tensor();  // hooks must see the gradient: no bypass
+    if (h->hook) return {};  // hooks must see the gradient: no bypass
   const Tensor& g = state->grad;
-  if (g.shape() != edge.meta.shape || g.dtype() != edge.meta.dtype || g.device() != edge.meta.device)
-    return Tensor();
-  return g;
+  if (g.shape() != edge.meta.shape || g.dtype() != edge.meta.dtype || g.device() != edge.meta.device ||
+      g.dtype() != dtype || !g.is_contiguous())
+    return {};
+  // From here on the buffer holds this backward's gradient (the caller's promise).
+  GradSink sink{g, state->grad_discarded};
+  state->grad_discarded = false;
+  return sink;
 }
 
 int64_t Context::saved_bytes() const {

@@ -64,6 +64,15 @@ class SavedTensor {
   Tensor with_graph_;  // only set by testing::save_keeping_graph (reintroduces seed 000)
 };
 
+// A leaf's gradient buffer that backward writes in place: see Context::grad_sink.
+struct GradSink {
+  Tensor buffer;           // undefined: no sink
+  bool overwrite = false;  // the buffer holds no gradient yet (discarded): write, don't add
+  explicit operator bool() const { return buffer.defined(); }
+  // The GEMM beta that writes or accumulates a product into the buffer.
+  float beta() const { return overwrite ? 0.f : 1.f; }
+};
+
 class Context {
  public:
   Context();
@@ -93,11 +102,17 @@ class Context {
   bool will_release() const { return will_release_; }
 
   // The gradient buffer of forward input i when that input is a leaf whose .grad is
-  // already allocated, has the input's shape, dtype and device, and has no hooks:
-  // backward may accumulate into it directly (GEMM with beta=1, scatter-add) and return
-  // an undefined tensor for that input, saving a temporary and a pass, as llm.c does.
-  // The engine still reports that leaf's gradient as final. Undefined otherwise.
-  Tensor grad_sink(size_t i) const;
+  // already allocated, contiguous, of `dtype` and of the input's shape and device, and
+  // has no hooks: backward writes its gradient there directly (a GEMM's C, a scatter's
+  // target) and returns an undefined tensor for that input, saving a temporary and a
+  // pass, as llm.c does. The engine still reports that leaf's gradient as final. An empty
+  // sink otherwise, and then backward returns the gradient as usual.
+  //
+  // A defined sink is a promise: backward must then write the whole gradient into it,
+  // overwriting the buffer when `overwrite` is set (the leaf's gradient was discarded,
+  // so its bytes are stale: GEMM beta 0, or zeros before a scatter) and adding to it
+  // otherwise. Ask for it only once the op knows it will write it.
+  GradSink grad_sink(size_t i, DType dtype) const;
 
   // Called by record(): names the op and notes which inputs need gradients.
   void bind(const char* op_name, const std::vector<Tensor>& inputs);

@@ -112,6 +112,9 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads, bool) {
                              make_owner(Category::Gradient, name, /*persistent=*/state->parameter));
     g.copy_(grad);
     state->grad = g;
+  } else if (state->grad_discarded) {
+    state->grad.copy_(grad);  // the first gradient since discard_grad(): its buffer's old bytes are not a sum
+    state->grad_discarded = false;
   } else {
     runtime::backend(grad.device()).add_inplace(state->grad, grad);
   }

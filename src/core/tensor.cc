@@ -231,8 +231,13 @@ bool Tensor::is_parameter() const {
 bool Tensor::is_leaf() const { return !std::holds_alternative<autograd::InteriorState>(impl_->autograd_); }
 
 Tensor Tensor::grad() const {
-  if (auto* leaf = std::get_if<autograd::LeafState>(&impl_->autograd_)) return leaf->grad;
-  return Tensor();
+  auto* leaf = std::get_if<autograd::LeafState>(&impl_->autograd_);
+  if (!leaf) return Tensor();
+  if (leaf->grad_discarded) {
+    leaf->grad.fill_(0.0);
+    leaf->grad_discarded = false;
+  }
+  return leaf->grad;
 }
 
 void Tensor::set_grad(const Tensor& g) const {
@@ -242,11 +247,21 @@ void Tensor::set_grad(const Tensor& g) const {
               "set_grad: gradient ", g.str(), " on ", g.defined() ? g.device().str() : "", " for ", str(), " on ",
               device().str());
   leaf->grad = g;
+  leaf->grad_discarded = false;
 }
 
 void Tensor::zero_grad() const {
-  if (auto* leaf = std::get_if<autograd::LeafState>(&impl_->autograd_))
-    if (leaf->grad.defined()) leaf->grad.fill_(0.0);
+  auto* leaf = std::get_if<autograd::LeafState>(&impl_->autograd_);
+  if (!leaf || !leaf->grad.defined()) return;
+  leaf->grad.fill_(0.0);
+  leaf->grad_discarded = false;
+}
+
+void Tensor::discard_grad() const {
+  auto* leaf = std::get_if<autograd::LeafState>(&impl_->autograd_);
+  if (!leaf || !leaf->grad.defined()) return;
+  leaf->grad_discarded = true;
+  leaf->grad.storage().bump_version();  // its value changed (to zero) without a write
 }
 
 std::shared_ptr<autograd::Node> Tensor::grad_fn() const {

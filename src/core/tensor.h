@@ -112,9 +112,17 @@ class Tensor {
   const Tensor& set_parameter() const;
   bool is_parameter() const;
   bool is_leaf() const;
+  // The leaf's gradient. After discard_grad() and before any gradient arrived, it is
+  // filled with zeros here first: a discarded gradient always reads as zero.
   Tensor grad() const;
   void set_grad(const Tensor& grad) const;
   void zero_grad() const;  // fills .grad with zeros, keeping its allocation
+  // Makes .grad zero without writing it (PyTorch's zero_grad(set_to_none=True), keeping
+  // the allocation): the next gradient to arrive overwrites the buffer instead of adding
+  // to it, saving the zeroing pass and the read of the old values (a weight gradient's
+  // GEMM then runs with beta 0). A handle to the buffer taken before the discard sees its
+  // old bytes until then; grad() never does.
+  void discard_grad() const;
   std::shared_ptr<autograd::Node> grad_fn() const;
   uint32_t output_nr() const;
   void backward(const Tensor& gradient = Tensor(), bool retain_graph = false) const;
@@ -151,6 +159,9 @@ struct LeafState {
   std::weak_ptr<AccumulateGrad> accumulator;       // non-owning: the graph owns it (R2)
   std::vector<std::shared_ptr<HookEntry>> hooks;   // owned: live as long as the leaf
   bool parameter = false;                          // a registered model parameter
+  // discard_grad() was called and no gradient has arrived since: the gradient is zero,
+  // and `grad`'s bytes are stale (overwritten by the next gradient, zeroed if read first).
+  bool grad_discarded = false;
 };
 struct InteriorState {
   std::shared_ptr<Node> grad_fn;  // owning: a tensor keeps the node that made it alive

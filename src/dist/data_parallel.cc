@@ -69,9 +69,7 @@ void GradientAllReduce::gradient_ready(const Tensor& leaf) {
 
 void GradientAllReduce::start(size_t b) {
   const Bucket& bucket = buckets_[b];
-  const Tensor& grads = params_.flat_grads();
-  Tensor range = make_view(grads, {bucket.end - bucket.begin}, {1}, grads.offset() + bucket.begin);
-  works_[b] = group_.all_reduce_async(range, ReduceOp::Sum);
+  works_[b] = group_.all_reduce_async(params_.grads_of(bucket.first, bucket.last), ReduceOp::Sum);
 }
 
 void GradientAllReduce::finish() {

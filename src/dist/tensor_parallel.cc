@@ -79,8 +79,10 @@ struct VocabEmbedding {
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor tokens = ctx.saved(0);
     Tensor g = grads[0].is_contiguous() ? grads[0] : ops::contiguous(grads[0]);
-    Tensor sink = ctx.grad_sink(0);
-    Tensor dw = sink.defined() ? sink : Tensor::zeros({ctx.rows, ctx.width}, g.dtype(), Device::cpu(), current_owner("vocab_embedding_grad"));
+    TALLY_CHECK(g.dtype() == DType::F32 && g.device().is_cpu(), "vocabulary-parallel embedding: backward takes an fp32 CPU gradient, got ", g.str());
+    const autograd::GradSink sink = ctx.grad_sink(0, DType::F32);
+    Tensor dw = sink ? sink.buffer : Tensor::zeros({ctx.rows, ctx.width}, g.dtype(), Device::cpu(), current_owner("vocab_embedding_grad"));
+    if (sink.overwrite) dw.fill_(0.0);  // the loop adds: rows no token of this block hit must read zero
     const int32_t* ids = tokens.data<int32_t>();
     const float* gp = g.data<float>();
     float* dp = dw.data<float>();
@@ -92,7 +94,7 @@ struct VocabEmbedding {
       const float* s = gp + i * C;
       for (int64_t j = 0; j < C; ++j) d[j] += s[j];
     }
-    if (sink.defined()) {
+    if (sink) {
       dw.storage().bump_version();
       return {Tensor(), Tensor()};
     }

@@ -248,7 +248,7 @@ void ZeroOptimizer::step(double lr, double grad_scale) {
   }
   m_.storage().bump_version();
   v_.storage().bump_version();
-  if (stage_ == 1) params_.flat_grads().zero_();
+  if (stage_ == 1) params_.discard_grads();  // the next backward writes them afresh
   if (stage_ >= 2) grad_shard_.storage().bump_version();
   if (stage_ == 3) param_shard_.storage().bump_version();
   if (stage_ < 3) {

@@ -24,7 +24,9 @@ size_t ParameterStore::declare(std::string name, Shape shape, bool decay) {
 void ParameterStore::allocate(DType dtype, Device device) {
   flat_params_ = Tensor::empty({total_}, dtype, device, make_owner(Category::Parameter, "parameters"));
   // The gradients of registered parameters are persistent model state (sanitizer S1).
-  flat_grads_ = Tensor::zeros({total_}, dtype, device, make_owner(Category::Gradient, "gradients", /*persistent=*/true));
+  // They start discarded (zero, unwritten: see discard_grads), so the first step's
+  // backward writes them as every later step's does, and nothing zeroes them first.
+  flat_grads_ = Tensor::empty({total_}, dtype, device, make_owner(Category::Gradient, "gradients", /*persistent=*/true));
   flat_params_.set_name("parameters");
   params_.clear();
   for (size_t i = 0; i < specs_.size(); ++i) {
@@ -35,6 +37,7 @@ void ParameterStore::allocate(DType dtype, Device device) {
     Tensor g = make_view(flat_grads_, shape, contiguous_strides(shape), offsets_[i]);
     g.set_name(specs_[i].name + ".grad");
     p.set_grad(g);
+    p.discard_grad();
     params_.push_back(p);
   }
 }
@@ -72,6 +75,28 @@ void ParameterStore::rebind(size_t i, const Tensor& param) {
   param.set_name(specs_[i].name);
   param.set_parameter();
   params_[i] = param;
+}
+
+const Tensor& ParameterStore::flat_grads() const {
+  for (const Tensor& p : params_) p.grad();  // fills a gradient discarded and not written since
+  return flat_grads_;
+}
+
+Tensor ParameterStore::grads_of(size_t first, size_t last) const {
+  TALLY_CHECK(first <= last && last <= params_.size() && flat_grads_.defined(), "gradients of parameters [", first, ", ",
+              last, ") of ", params_.size(), flat_grads_.defined() ? "" : ": no gradient block");
+  if (first == last) return make_view(flat_grads_, {0}, {1}, flat_grads_.offset());
+  for (size_t i = first; i < last; ++i) params_[i].grad();
+  const int64_t begin = offsets_[first], end = offsets_[last - 1] + params_[last - 1].numel();
+  return make_view(flat_grads_, {end - begin}, {1}, flat_grads_.offset() + begin);
+}
+
+void ParameterStore::zero_grad() const {
+  for (const Tensor& p : params_) p.zero_grad();
+}
+
+void ParameterStore::discard_grads() const {
+  for (const Tensor& p : params_) p.discard_grad();
 }
 
 void ParameterStore::release_grads() {

@@ -57,8 +57,18 @@ class ParameterStore {
   const ParameterUnit& unit(size_t u) const { return units_[u]; }
 
   const Tensor& flat_params() const { return flat_params_; }  // (numel), Category::Parameter
-  const Tensor& flat_grads() const { return flat_grads_; }    // (numel), Category::Gradient
-  void zero_grad() const { flat_grads_.zero_(); }
+  // (numel), Category::Gradient. Gradients discarded and not written since are filled
+  // with zeros first, so the block always reads as the gradients' values.
+  const Tensor& flat_grads() const;
+  // Parameters [first, last)'s range of the gradient block, settled the same way: what
+  // data parallel reduces while backward still runs, without touching the gradients
+  // backward has yet to write.
+  Tensor grads_of(size_t first, size_t last) const;
+  void zero_grad() const;
+  // Makes every gradient zero without a pass over the block (Tensor::discard_grad): the
+  // next backward overwrites each gradient instead of adding to it. What a training step
+  // does after the optimizer has read them.
+  void discard_grads() const;
 
   // Mixed precision (--dtype bf16): a copy of the parameter block in `dtype`, the operand
   // the GEMMs read, 2 bytes per parameter (Category::Parameter, owner "parameters.bf16").

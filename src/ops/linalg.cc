@@ -138,17 +138,18 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
 }
 
 namespace {
-// db = the sum over rows of g2 (rows, out), added in place to the bias's gradient buffer
-// when backward may (then undefined is returned), as linear and linear_bf16 both do.
+// db = the sum over rows of g2 (rows, out), written or added in place to the bias's
+// gradient buffer when backward may (then undefined is returned), as linear and
+// linear_bf16 both do.
 Tensor bias_gradient(const autograd::Context& ctx, const Tensor& g2) {
   const int64_t out_f = g2.shape()[1];
   // A bf16 gradient (a bf16 output's) sums into fp32, the bias's dtype.
   const DType dtype = g2.dtype() == DType::BF16 ? DType::F32 : g2.dtype();
-  Tensor db = Tensor::empty({out_f}, dtype, g2.device(), current_owner("linear_db"));
-  on(db).sum_into(make_view(db, {1, out_f}, {out_f, 1}, 0), g2);
-  Tensor sink = ctx.grad_sink(2);
-  if (!sink.defined() || sink.dtype() != db.dtype()) return db;
-  on(sink).add_inplace(sink, db);
+  const autograd::GradSink sink = ctx.grad_sink(2, dtype);
+  Tensor db = sink && sink.overwrite ? sink.buffer : Tensor::empty({out_f}, dtype, g2.device(), current_owner("linear_db"));
+  on(db).sum_into(make_view(db, {1, out_f}, {out_f, 1}, db.offset()), g2);
+  if (!sink) return db;
+  if (!sink.overwrite) on(db).add_inplace(sink.buffer, db);
   return Tensor();
 }
 
@@ -169,9 +170,8 @@ struct LinearFn {
     }
     if (ctx.needs_input_grad(1)) {
       Tensor x2 = make_view(x, {rows, in_f}, {in_f, 1}, x.offset());
-      Tensor sink = ctx.grad_sink(1);
-      if (sink.defined() && sink.is_contiguous() && sink.dtype() == w.dtype()) {
-        on(g2).gemm(g2, true, x2, false, sink, 1.f, 1.f);  // dW accumulated in place
+      if (const autograd::GradSink sink = ctx.grad_sink(1, w.dtype())) {
+        on(g2).gemm(g2, true, x2, false, sink.buffer, 1.f, sink.beta());  // dW written or accumulated in place
       } else {
         dw = Tensor::empty(w.shape(), w.dtype(), w.device(), current_owner("linear_dw"));
         on(g2).gemm(g2, true, x2, false, dw);
@@ -232,9 +232,8 @@ struct LinearBf16Fn {
     }
     if (ctx.needs_input_grad(1)) {
       Tensor x2 = make_view(x_bf16, {rows, in_f}, {in_f, 1}, x_bf16.offset());
-      Tensor sink = ctx.grad_sink(1);
-      if (sink.defined() && sink.is_contiguous() && sink.dtype() == DType::F32) {
-        on(g2).gemm(g_bf16, true, x2, false, sink, 1.f, 1.f);  // dW accumulated in place, in fp32
+      if (const autograd::GradSink sink = ctx.grad_sink(1, DType::F32)) {
+        on(g2).gemm(g_bf16, true, x2, false, sink.buffer, 1.f, sink.beta());  // dW written or accumulated in place, in fp32
       } else {
         dw = Tensor::empty({out_f, in_f}, DType::F32, g.device(), current_owner("linear_dw"));
         on(g2).gemm(g_bf16, true, x2, false, dw);

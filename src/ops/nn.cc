@@ -18,9 +18,9 @@ struct EmbeddingFn {
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor indices = ctx.saved(0);
     Tensor g = materialize(grads[0]);
-    Tensor sink = ctx.grad_sink(0);
-    if (sink.defined() && sink.is_contiguous() && sink.dtype() == g.dtype()) {
-      on(sink).embedding_backward(sink, g, indices);  // scatter-add straight into the leaf's grad
+    if (const autograd::GradSink sink = ctx.grad_sink(0, g.dtype())) {
+      if (sink.overwrite) sink.buffer.fill_(0.0);  // the scatter adds: rows no token hit must read zero
+      on(sink.buffer).embedding_backward(sink.buffer, g, indices);  // scatter-add straight into the leaf's grad
       return {Tensor(), Tensor()};
     }
     Tensor dw = Tensor::zeros(ctx.weight_shape, g.dtype(), g.device());
@@ -205,11 +205,17 @@ struct LinearCrossEntropyFn {
     const int64_t N = x.shape()[0], C = x.shape()[1], Vp = w.shape()[0], chunk = ctx.chunk_rows;
     Tensor dx, dw;
     if (ctx.needs_input_grad(0)) dx = Tensor::empty({N, C}, DType::F32, x.device(), current_owner("linear_cross_entropy_dx"));
-    Tensor sink = ctx.grad_sink(1);
-    const bool into_sink = ctx.needs_input_grad(1) && sink.defined() && sink.is_contiguous() && sink.dtype() == DType::F32;
-    if (ctx.needs_input_grad(1) && !into_sink)
+    // dW is written into the weight's gradient buffer (or a new one) by the first chunk
+    // when that buffer holds no gradient yet, and accumulated by the others.
+    const autograd::GradSink sink = ctx.grad_sink(1, DType::F32);
+    bool overwrite = true;
+    if (sink) {
+      dw = sink.buffer;
+      overwrite = sink.overwrite;
+    } else if (ctx.needs_input_grad(1)) {
       dw = Tensor::empty({Vp, C}, DType::F32, x.device(), current_owner("linear_cross_entropy_dw"));
-    if (dw.defined() && N == 0) dw.fill_(0.0);  // no chunk writes it: the sum over no rows
+    }
+    if (dw.defined() && overwrite && N == 0) dw.fill_(0.0);  // no chunk writes it: the sum over no rows
     // Under bf16 the chunk's logits are bf16, as the forward's were, and so is their gradient,
     // written in place: what the two GEMMs take.
     Tensor logits = Tensor::empty({std::min(chunk, N), Vp}, w.dtype(), x.device(), current_owner("linear_cross_entropy_logits"));
@@ -222,10 +228,9 @@ struct LinearCrossEntropyFn {
                                    ctx.valid_vocab, scale);
       const Tensor& d_c = l_c;  // the chunk now holds its logits' gradient
       if (dx.defined()) on(x).gemm(d_c, false, w, false, make_view(dx, {rows, C}, {C, 1}, r0 * C));
-      if (into_sink) on(x).gemm(d_c, true, x_c, false, sink, 1.f, 1.f);
-      else if (dw.defined()) on(x).gemm(d_c, true, x_c, false, dw, 1.f, r0 == 0 ? 0.f : 1.f);
+      if (dw.defined()) on(x).gemm(d_c, true, x_c, false, dw, 1.f, r0 == 0 && overwrite ? 0.f : 1.f);
     }
-    return {dx, dw, Tensor()};
+    return {dx, sink ? Tensor() : dw, Tensor()};
   }
 };
 

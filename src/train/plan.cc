@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <initializer_list>
 #include <map>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -215,7 +216,10 @@ MemoryPlan plan_memory(const PlanInput& in) {
   //    beside its new gradient (W values), with under --sp the residual's gradient
   //    all-gathered (B*T x C floats), and then either (bf16) the residual's gradient
   //    rounded for the GEMMs (B*T x C bf16) or, after them, in one process GPT-2's bias
-  //    gradient (C floats, not per token) summed before it is added into its buffer.
+  //    gradient (C floats, not per token) summed before it is added into its buffer:
+  //    only when that buffer already holds a gradient (an earlier backward of the step
+  //    wrote it, or ZeRO-2 and -3's staging, zeroed for each microbatch). A step's first
+  //    backward sums it straight into the discarded gradient.
   // It wins when the vocabulary is small and the MLP wide. Under full recomputation the
   // last layer's activations are live again (recomputed), and so is the region's
   // recomputed output (C), which its inner backward starts from; its input is one of the
@@ -241,10 +245,14 @@ MemoryPlan plan_memory(const PlanInput& in) {
   const int64_t tp_bias_gradient = TP > 1 && !c.is_llama() && !full ? C * kFloat : 0;
   const int64_t activation_backward = sum({bytes_of(BT, mlp_width, hidden_bytes - proj_bytes),
                                            bytes_of(BT, (c.is_llama() ? 2 : 1) * mlp_width, hidden_bytes)});
-  const int64_t projection_backward =
-      sum({in.sequence_parallel ? bytes_of(BT, C, kFloat) : 0, bytes_of(BT, mlp_width, hidden_bytes),
-           std::max(bf16 ? bytes_of(BT, C, 2) : 0, TP == 1 && !c.is_llama() ? C * kFloat : 0)});
-  const int64_t mlp_backward = sum({bytes_of(sp_rows, C, kFloat), std::max(activation_backward, projection_backward)});
+  // `gradients_written`: the backward's parameter gradients already hold a sum (see above).
+  auto mlp_backward = [&](bool gradients_written) {
+    const int64_t bias_gradient_sum = TP == 1 && !c.is_llama() && (gradients_written || in.zero >= 2) ? C * kFloat : 0;
+    const int64_t projection_backward = sum({in.sequence_parallel ? bytes_of(BT, C, kFloat) : 0,
+                                             bytes_of(BT, mlp_width, hidden_bytes),
+                                             std::max(bf16 ? bytes_of(BT, C, 2) : 0, bias_gradient_sum)});
+    return sum({bytes_of(sp_rows, C, kFloat), std::max(activation_backward, projection_backward)});
+  };
   const int64_t recomputed_layer = full ? layer_bytes : 0;
   // The last layer's MLP output projection in forward, before the head runs: its output
   // and the sum that makes it. One process: the projection's output and the residual sum
@@ -350,6 +358,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
         bool older_graph = false;
       };
       std::map<std::pair<int64_t, int>, InFlight> in_flight;
+      std::set<int> chunks_backward;  // the chunks whose backward ran: their gradients hold a sum
       int64_t held = 0, gradient_send = 0, best = 0;
       std::vector<std::pair<std::string, int64_t>> best_parts;
       // A moment: what is in flight less what this action has freed by then, the receive
@@ -422,7 +431,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
         const int64_t residual = ch.head ? 0 : x;
         const int64_t head_freed = ch.head ? this_head - kFloat : 0;
         const int64_t waiting = it->second.older_graph ? tp_bias_gradient : 0;
-        consider(buffers, head_freed, sum({mlp_backward, full ? layer_bytes : 0, waiting}) - residual,
+        consider(buffers, head_freed, sum({mlp_backward(chunks_backward.contains(a.chunk)), full ? layer_bytes : 0, waiting}) - residual,
                  "a backward: the last layer's MLP");
         // Full recomputation: the last layer's saved set made again (its input is among
         // the inputs held), the output projection's sum, the residual's gradient.
@@ -431,6 +440,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
                    "a backward: the recomputed last layer's MLP output projection");
         held -= it->second.saved;
         in_flight.erase(it);
+        chunks_backward.insert(a.chunk);
         if (!ch.embed) gradient_send = boundary;
       }
       // The step's end (the pipeline's buffers are gone): the tied embedding's gradient
@@ -500,7 +510,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
                        activations - head_activations + recomputed_layer,
                        std::string("transient at the peak (the last layer's MLP backward") +
                            (full ? ", the layer recomputed" : "") + ": the residual's gradient and the MLP's)",
-                       mlp_backward});
+                       mlp_backward(in.grad_accum > 1)});
     if (!full)
       moments.push_back({"activations (one microbatch, the layers'; the head has not run)",
                          activations - head_activations,

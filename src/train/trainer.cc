@@ -594,7 +594,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       OwnerScope scope("optimizer");
       const double scale = optim::clip_scale(norm, c.grad_clip);
       if (zero) zero->step(lr, scale);
-      else adamw->step(lr, scale, /*zero_grad=*/true);
+      else {
+        adamw->step(lr, scale);
+        model->params().discard_grads();  // the next step's backward writes them afresh: no zeroing pass
+      }
     }
     phase.reset();
     sanitizer.end_step();
