@@ -4,7 +4,9 @@
 // --seq give other shapes (W3: --batch 1 --seq 1024). --profile prints where the mean
 // step's time went, per phase and kernel (runtime/profiler.h), to stderr.
 // --dtype bf16 runs the GEMMs in bf16 (mixed precision, as `tally train --dtype bf16`).
-//   bench_w1 [steps=10] [threads=2] [model=gpt2] [--batch B] [--seq T] [--dtype fp32|bf16] [--profile]
+// After AdamW the gradients are discarded, as `tally train` does (the next backward
+// overwrites them); --zero-grads zeroes them in AdamW's pass instead, for comparison.
+//   bench_w1 [steps=10] [threads=2] [model=gpt2] [--batch B] [--seq T] [--dtype fp32|bf16] [--profile] [--zero-grads]
 #include <omp.h>
 
 #include <algorithm>
@@ -38,7 +40,7 @@ int64_t peak_rss_bytes() {
 int main(int argc, char** argv) {
   std::vector<std::string> positional;
   int64_t B = 4, T = 64;
-  bool profile = false;
+  bool profile = false, zero_grads = false;
   std::string dtype = "fp32";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -49,6 +51,7 @@ int main(int argc, char** argv) {
     if (a == "--batch") B = value();
     else if (a == "--seq") T = value();
     else if (a == "--profile") profile = true;
+    else if (a == "--zero-grads") zero_grads = true;
     else if (a == "--dtype") {
       if (i + 1 >= argc) std::fprintf(stderr, "bench_w1: --dtype needs fp32 or bf16\n"), std::exit(2);
       dtype = argv[++i];
@@ -96,7 +99,8 @@ int main(int argc, char** argv) {
     double t_bwd = since(t0);
     phase.emplace("optimizer");
     double norm = ops::global_norm({model.params().flat_grads()});
-    opt.step(1e-4, optim::clip_scale(norm, 1.0), /*zero_grad=*/true);
+    opt.step(1e-4, optim::clip_scale(norm, 1.0), zero_grads);
+    if (!zero_grads) model.params().discard_grads();
     phase.reset();
     double t_opt = since(t0);
     double dt = since(t0);
@@ -118,19 +122,19 @@ int main(int argc, char** argv) {
     std::sort(totals.begin(), totals.end());
     std::fprintf(stderr, "median step by kernel (ms):\n%s", profiler::format(reports[totals[totals.size() / 2].second], 8).c_str());
   }
-  std::fprintf(stderr, "phases (mean ms): forward %.0f, backward %.0f, grad norm + AdamW (zeroing grads) %.0f, other %.0f\n",
-               phase_ms[0], phase_ms[1], phase_ms[2], phase_ms[3]);
+  std::fprintf(stderr, "phases (mean ms): forward %.0f, backward %.0f, grad norm + AdamW%s %.0f, other %.0f\n",
+               phase_ms[0], phase_ms[1], zero_grads ? " (zeroing grads)" : "", phase_ms[2], phase_ms[3]);
   std::sort(ms.begin(), ms.end());
   const double median = ms[ms.size() / 2];
   const double flops = model.flops_per_token(T) * B * T;
   std::printf(
       "{\"system\": \"tally\", \"model\": \"%s\", \"ms_per_step\": %.1f, \"min_ms\": %.1f, \"tokens_per_s\": %.0f, \"gemm_peak_gflops\": %.0f, "
       "\"pct_gemm_peak\": %.1f, \"peak_rss_bytes\": %lld, \"peak_allocated_bytes\": %lld, \"reserved_bytes\": %lld, "
-      "\"live_after_forward_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d, \"batch\": %lld, \"seq\": %lld, \"dtype\": \"%s\"}\n",
+      "\"live_after_forward_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d, \"batch\": %lld, \"seq\": %lld, \"dtype\": \"%s\", \"grads\": \"%s\"}\n",
       preset.c_str(), median, ms.front(), B * T / (median / 1e3), gemm_peak / 1e9, 100.0 * flops / (median / 1e3) / gemm_peak,
       static_cast<long long>(peak_rss_bytes()), static_cast<long long>(ledger.stats().peak_allocated),
       static_cast<long long>(ledger.stats().reserved), static_cast<long long>(live_after_forward),
       static_cast<long long>(model.num_parameters()), loss_value, threads, static_cast<long long>(B),
-      static_cast<long long>(T), dtype.c_str());
+      static_cast<long long>(T), dtype.c_str(), zero_grads ? "zeroed" : "discarded");
   return 0;
 }
