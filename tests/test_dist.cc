@@ -19,10 +19,12 @@
 #include <filesystem>
 #include <fstream>
 
+#include "dist/data_parallel.h"
 #include "dist/world.h"
 #include "dist/zero.h"
 #include "io/model_files.h"
 #include "nn/transformer.h"
+#include "ops/ops.h"
 #include "runtime/backend.h"
 #include "sanitizer/sanitizer.h"
 #include "support.h"
@@ -134,6 +136,38 @@ TEST(Communicator, CollectivesMoveWhatTheyShould) {
   g.recv(from_prev, (r + n - 1) % n, 5);
   sent->wait();
   EXPECT_EQ(from_prev.to_vector<float>()[0], static_cast<float>((r + n - 1) % n));
+}
+
+// Data parallel reduces gradient buckets while backward runs, from buffers the optimizer
+// discarded (not zeroed) after the last step. A bucket carries the ranks' sum of what
+// each wrote, a gradient some rank's backward did not reach counting as zeros there,
+// never as its stale bytes (poisoned with NaN here): one parameter only rank 0 uses
+// shares a bucket with one every rank uses, and one no rank uses has a bucket of its own
+// (declared first, so reduced last: every rank starts the buckets in the same order).
+TEST(DataParallel, BucketsReduceWrittenGradientsAndDiscardedOnesAsZeros) {
+  dist::Communicator& g = world().dp_group();
+  const int n = g.size(), r = g.rank();
+  nn::ParameterStore s;
+  s.declare("unused", {3}, true);
+  s.declare("used", {4}, true);
+  s.declare("rank0_only", {2}, true);
+  s.allocate();
+  s.flat_params().fill_(1.0);
+  dist::GradientAllReduce all_reduce(s, g, /*bucket_bytes=*/(4 + 2) * 4);
+  ASSERT_EQ(all_reduce.buckets().size(), 2u);
+  const Tensor block = s.flat_grads();
+  for (int step = 0; step < 2; ++step) {
+    s.discard_grads();
+    block.fill_(std::nan(""));
+    all_reduce.arm();
+    Tensor loss = ops::sum(ops::scale(s[1], r + 1.0));  // d/d(used) = r + 1 on rank r
+    if (r == 0) loss = ops::add(loss, ops::sum(s[2]));
+    loss.backward();
+    all_reduce.finish();
+    EXPECT_EQ(s[0].grad().to_vector<float>(), std::vector<float>(3, 0.f)) << "step " << step;
+    EXPECT_EQ(s[1].grad().to_vector<float>(), std::vector<float>(4, n * (n + 1) / 2.0f)) << "step " << step;
+    EXPECT_EQ(s[2].grad().to_vector<float>(), std::vector<float>(2, 1.f)) << "step " << step;
+  }
 }
 
 TEST(Communicator, BuffersOfAnOperationInFlightAreHeldByItsHandle) {
