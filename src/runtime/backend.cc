@@ -84,7 +84,7 @@ void Backend::gemm_bias(const Tensor& a, bool transpose_a, const Tensor& b, bool
   copy(c, bias);
   gemm(a, transpose_a, b, transpose_b, c, 1.f, 1.f);
 }
-double Backend::measured_gemm_peak_flops(DType) { no_kernel("GEMM peak measurement"); }
+double Backend::measured_gemm_peak_flops(DType, bool) { no_kernel("GEMM peak measurement"); }
 void Backend::embedding_forward(const Tensor&, const Tensor&, const Tensor&) { no_kernel("embedding"); }
 void Backend::embedding_backward(const Tensor&, const Tensor&, const Tensor&) { no_kernel("embedding backward"); }
 void Backend::layernorm_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,

@@ -52,8 +52,11 @@ class Backend : public DeviceHooks {
   virtual void gemm_bias(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c,
                          const Tensor& bias);
   // Measured GEMM throughput of this device in FLOP/s with operands of `dtype` (fp32, or
-  // bf16 with fp32 accumulation), cached per dtype after the first call.
-  virtual double measured_gemm_peak_flops(DType dtype = DType::F32);
+  // bf16 with fp32 accumulation), cached per dtype after the first call. `probe_again`
+  // measures once more and keeps the larger: on a shared machine a neighbour can slow a
+  // whole probe (two cores read as one), which would flatter every "% of peak" after it,
+  // so a benchmark probes again after its timed steps.
+  virtual double measured_gemm_peak_flops(DType dtype = DType::F32, bool probe_again = false);
 
   // ---- neural-network kernels
   virtual void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices);

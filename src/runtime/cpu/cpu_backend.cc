@@ -107,7 +107,9 @@ class CpuBackend final : public Backend {
     profiler::KernelScope scope("gemm", gemm_flops(a, ta, c));
     cpu::gemm(a, ta, b, tb, c, 1.f, 0.f, bias);
   }
-  double measured_gemm_peak_flops(DType dtype) override { return cpu::measured_gemm_peak_flops(dtype); }
+  double measured_gemm_peak_flops(DType dtype, bool probe_again) override {
+    return cpu::measured_gemm_peak_flops(dtype, probe_again);
+  }
   void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices) override {
     profiler::KernelScope scope("embedding_forward");
     cpu::embedding_forward(out, weight, indices);

@@ -41,7 +41,7 @@ bool gemm_adds_bias(const Tensor& a, bool transpose_a, const Tensor& b, bool tra
 void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
                     const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc);
 // Measured fp32 GEMM throughput of this machine in FLOP/s (cached after the first call).
-double measured_gemm_peak_flops(DType dtype);
+double measured_gemm_peak_flops(DType dtype, bool probe_again);
 
 // ---- neural-network kernels (nn.cc)
 void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices);
