@@ -186,9 +186,18 @@ TEST(Runtime, EachBackendOwnsItsLedger) {
   EXPECT_EQ(&cpu.allocator(), static_cast<Allocator*>(&cpu.caching_allocator()));
 }
 
-// ---- AddressSanitizer sees tensor memory (TALLY_SANITIZE builds)
-// --profile-ops: every kernel entry is timed under the phase that encloses it, GEMMs carry
-// their FLOPs, nested phases count exclusive time, and nothing is recorded while off.
+// The GEMM peak is measured once and cached; probing again keeps the larger of the two
+// (a probe a neighbour slowed must not stand), and the cache then returns that.
+TEST(Runtime, GemmPeakIsCachedAndAProbeAgainKeepsTheLarger) {
+  runtime::Backend& cpu = runtime::backend(Device::cpu());
+  const double first = cpu.measured_gemm_peak_flops(DType::F32);
+  EXPECT_GT(first, 1e9) << "any CPU this runs on does more than a GFLOP/s";
+  EXPECT_EQ(cpu.measured_gemm_peak_flops(DType::F32), first) << "cached";
+  const double again = cpu.measured_gemm_peak_flops(DType::F32, /*probe_again=*/true);
+  EXPECT_GE(again, first);
+  EXPECT_EQ(cpu.measured_gemm_peak_flops(DType::F32), again);
+}
+
 TEST(Runtime, EmptyInnerDimensionGemmScalesCAndReductionsCheckShapes) {
   // C = alpha A B + beta C with K = 0 is beta C: it was left as C for any beta but 0.
   runtime::Backend& cpu = runtime::backend(Device::cpu());
@@ -324,6 +333,8 @@ TEST(VecMath, RoundToBf16IsNearestEvenAsTheScalarRounding) {
   EXPECT_EQ(got[9].bits, 0x3f82u);
 }
 
+// --profile-ops: every kernel entry is timed under the phase that encloses it, GEMMs carry
+// their FLOPs, nested phases count exclusive time, and nothing is recorded while off.
 TEST(Profiler, TimesKernelsPerPhaseWithGemmFlops) {
   namespace profiler = runtime::profiler;
   Tensor a = Tensor::full({8, 16}, 0.5f), b = Tensor::full({16, 4}, 0.25f);
@@ -363,6 +374,7 @@ TEST(Profiler, TimesKernelsPerPhaseWithGemmFlops) {
   EXPECT_TRUE(profiler::take().kernels.empty()) << "take() must clear the table";
 }
 
+// ---- AddressSanitizer sees tensor memory (TALLY_SANITIZE builds)
 #if defined(__SANITIZE_ADDRESS__)
 TEST(AsanPoisoning, ReadingACachedBlockThroughAStalePointerFails) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
