@@ -35,7 +35,7 @@ std::vector<Bucket> make_buckets(const nn::ParameterStore& params, int64_t bucke
 
 GradientAllReduce::GradientAllReduce(nn::ParameterStore& params, Communicator& group, int64_t bucket_bytes)
     : params_(params), group_(group), buckets_(make_buckets(params, bucket_bytes)) {
-  TALLY_CHECK(params_.flat_grads().defined(), "data parallel all-reduce needs the gradient block");
+  TALLY_CHECK(params_.has_grad_block(), "data parallel all-reduce needs the gradient block");
   for (size_t b = 0; b < buckets_.size(); ++b)
     for (size_t i = buckets_[b].first; i < buckets_[b].last; ++i) bucket_of_[params_[i].impl()] = b;
   pending_.assign(buckets_.size(), 0);
@@ -79,17 +79,18 @@ void GradientAllReduce::finish() {
   // the same collectives.
   for (size_t b = 0; b < buckets_.size(); ++b)
     if (!works_[b]) start(b);
+  const Tensor& grads = params_.flat_grads();  // settles nothing: each bucket's start did
   ReductionStats s;
   s.buckets = static_cast<int>(buckets_.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
     works_[b]->wait();
     const double start = works_[b]->started(), end = works_[b]->finished();
-    s.payload_bytes += (buckets_[b].end - buckets_[b].begin) * static_cast<int64_t>(dtype_size(params_.flat_grads().dtype()));
+    s.payload_bytes += (buckets_[b].end - buckets_[b].begin) * static_cast<int64_t>(dtype_size(grads.dtype()));
     s.comm_seconds += end - start;
     s.hidden_seconds += std::max(0.0, std::min(end, backward_end_) - std::max(start, backward_start_));
     works_[b] = nullptr;
   }
-  params_.flat_grads().storage().bump_version();
+  grads.storage().bump_version();
   last_ = s;
 }
 

@@ -18,7 +18,7 @@ Tensor range(const Tensor& t, int64_t start, int64_t count) { return make_view(t
 ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig config, Communicator& group, int stage)
     : params_(params), config_(config), group_(group), stage_(stage) {
   TALLY_CHECK(stage >= 1 && stage <= 3, "--zero must be 0, 1, 2 or 3, got ", stage);
-  TALLY_CHECK(params_.flat_params().defined() && params_.flat_grads().defined(),
+  TALLY_CHECK(params_.flat_params().defined() && params_.has_grad_block(),
               "ZeRO shards a model whose parameter and gradient blocks exist (shard it once, after loading)");
   const int64_t D = group_.size(), r = group_.rank();
   for (size_t u = 0; u < params_.num_units(); ++u) {

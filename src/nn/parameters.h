@@ -60,6 +60,9 @@ class ParameterStore {
   // (numel), Category::Gradient. Gradients discarded and not written since are filled
   // with zeros first, so the block always reads as the gradients' values.
   const Tensor& flat_grads() const;
+  // Whether the gradient block exists (not after release_grads): a check that, unlike
+  // flat_grads(), never writes the discarded gradients.
+  bool has_grad_block() const { return flat_grads_.defined(); }
   // Parameters [first, last)'s range of the gradient block, settled the same way: what
   // data parallel reduces while backward still runs, without touching the gradients
   // backward has yet to write.

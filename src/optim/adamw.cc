@@ -67,7 +67,8 @@ void AdamW::step(double lr, double grad_scale, bool zero_grad) {
   ++t_;
   const AdamWCoefficients k = adamw_coefficients(config_, t_, lr, grad_scale);
   float* p = params_.flat_params().data<float>();
-  float* g = params_.flat_grads().data<float>();
+  const Tensor& grads = params_.flat_grads();
+  float* g = grads.data<float>();
   float* m = m_.data<float>();
   float* v = v_.data<float>();
   // Mixed precision: the bf16 copy is written in the same pass.
@@ -87,7 +88,7 @@ void AdamW::step(double lr, double grad_scale, bool zero_grad) {
   }
   params_.flat_params().storage().bump_version();
   if (p_bf16) params_.compute_copy_refreshed();
-  if (zero_grad) params_.flat_grads().storage().bump_version();
+  if (zero_grad) grads.storage().bump_version();
 }
 
 Tensor AdamW::moment_unit(int which, size_t unit) {
