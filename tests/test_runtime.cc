@@ -272,6 +272,7 @@ TEST(VecMath, RowMaxFindsTheLargestEntryWhereverItSits) {
       EXPECT_EQ(runtime::cpu::row_max(x.data(), n, 7.0f), 7.0f);
     }
   }
+  EXPECT_EQ(runtime::cpu::row_max(static_cast<const float*>(nullptr), 0, -2.0f), -2.0f);  // nothing read
   const double d[3] = {-2.0, -0.5, -1.0};
   EXPECT_EQ(runtime::cpu::row_max(d, 3, -10.0), -0.5);
 }
