@@ -14,6 +14,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <cstdio>
+#include <fstream>
+#include <string>
 #include <limits>
 #include <vector>
 
@@ -196,6 +199,43 @@ TEST(Runtime, GemmPeakIsCachedAndAProbeAgainKeepsTheLarger) {
   const double again = cpu.measured_gemm_peak_flops(DType::F32, /*probe_again=*/true);
   EXPECT_GE(again, first);
   EXPECT_EQ(cpu.measured_gemm_peak_flops(DType::F32), again);
+}
+
+namespace {
+// The VmFlags line of the mapping that holds `address` in /proc/self/smaps ("" if none).
+std::string mapping_flags(const void* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  std::string line;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    unsigned long long start = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%llx-%llx ", &start, &end) == 2 && line.find(':') > line.find(' ')) {
+      inside = at >= start && at < end;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line;
+    }
+  }
+  return "";
+}
+}  // namespace
+
+TEST(Runtime, BlocksOfWholeHugePagesAreAdvisedHugeAndOthersAreNot) {
+  // The CPU backend asks for transparent huge pages (madvise: the mapping's VmFlags show
+  // "hg") on blocks of whole 2 MiB pages, and on nothing else: a block rounded up to them
+  // would put bytes in RSS that the ledger does not count.
+  if (!std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled")) GTEST_SKIP() << "no transparent huge pages here";
+  const char* off = std::getenv("TALLY_HUGE_PAGES");
+  if (off && std::string(off) == "0") GTEST_SKIP() << "TALLY_HUGE_PAGES=0";
+  Tensor whole = Tensor::empty({int64_t{16} << 18}, DType::F32);  // 16 MiB: a size class of 8 huge pages
+  Tensor partial = Tensor::empty({int64_t{5} << 18}, DType::F32);  // 5 MiB: a class of 2.5 of them
+  ASSERT_EQ(memory::size_class(whole.nbytes()), int64_t{16} << 20);
+  ASSERT_EQ(memory::size_class(partial.nbytes()), int64_t{5} << 20);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(whole.raw_data()) % (uintptr_t{2} << 20), 0u) << "aligned to a huge page";
+  const std::string whole_flags = mapping_flags(whole.raw_data()), partial_flags = mapping_flags(partial.raw_data());
+  ASSERT_FALSE(whole_flags.empty()) << "no mapping holds the 16 MiB block";
+  EXPECT_NE(whole_flags.find(" hg"), std::string::npos) << whole_flags;
+  EXPECT_EQ(partial_flags.find(" hg"), std::string::npos) << partial_flags;
 }
 
 TEST(Runtime, EmptyInnerDimensionGemmScalesCAndReductionsCheckShapes) {
