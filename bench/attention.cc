@@ -17,6 +17,7 @@
 #include "core/random.h"
 #include "ops/ops.h"
 #include "runtime/backend.h"
+#include "runtime/cpu/kernels.h"
 
 using namespace tally;
 
@@ -32,13 +33,13 @@ Tensor random_normal(const Shape& shape, uint64_t seed, double scale) {
   return Tensor::from_vector(values, shape);
 }
 
-// Query tile rows and key tile widths of runtime/cpu/attention.cc: the blocked kernel
-// multiplies, per query tile of `rows` starting at t0, all t0 + rows keys it sees.
-constexpr int64_t kBlockQ = 128;
+// The blocked kernel multiplies, per query tile of `rows` starting at t0, all t0 + rows
+// keys it sees.
 double tile_products_per_head(int64_t T, int64_t D, int products) {
+  constexpr int64_t kTile = runtime::cpu::kAttentionQueryTile;
   double macs = 0;
-  for (int64_t t0 = 0; t0 < T; t0 += kBlockQ) {
-    const int64_t rows = std::min(kBlockQ, T - t0);
+  for (int64_t t0 = 0; t0 < T; t0 += kTile) {
+    const int64_t rows = std::min(kTile, T - t0);
     macs += static_cast<double>(rows) * static_cast<double>(t0 + rows) * static_cast<double>(D);
   }
   return 2.0 * products * macs;

@@ -12,12 +12,12 @@
 #include <atomic>
 #include <bit>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cstdio>
 #include <fstream>
-#include <string>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "autograd/engine.h"

@@ -53,7 +53,7 @@ namespace {
 // bf16 132-135 -> 131-133 ms (512 and 1024 were no better there, 1024 worse in bf16).
 // The diagonal tile's masked part is the only waste: a tile is as wide as the keys its
 // queries see.
-constexpr int64_t kBlockQ = 128, kForwardBlockK = 512, kBackwardBlockK = 256;
+constexpr int64_t kBlockQ = kAttentionQueryTile, kForwardBlockK = 512, kBackwardBlockK = 256;
 
 struct Geometry {
   int64_t B, Tq, Tk, H, KV, D;

@@ -62,6 +62,10 @@ void softmax_forward(const Tensor& out, const Tensor& x);
 void softmax_backward(const Tensor& dx, const Tensor& dout, const Tensor& y);
 
 // ---- attention (attention.cc)
+// Query rows per tile: each tile of queries multiplies every key it sees, so the masked
+// part of the diagonal tiles is work too (bench_attention counts it). attention.cc
+// explains the tile sizes.
+inline constexpr int64_t kAttentionQueryTile = 128;
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v);
 void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse);
