@@ -9,7 +9,14 @@
 //   3. Attention's fp32 tile products at W3 (T = 1024, 12 heads of 64 in the (T, 3C) qkv
 //      projection), on one thread as the attention runs them: sgemm against the primitive.
 //
-//   bench_gemm_layouts [reps_scale=1]    (OMP_NUM_THREADS=2 for 1 and 2; 3 uses one thread)
+//   4. The same weight gradient written (beta 0) by the matmul primitive (dy^T a transposed
+//      view) against oneDNN's inner-product backward-weights primitive, which may also write
+//      the bias gradient (the sum of dy over tokens) in the same pass. bf16, plain layouts.
+//
+//   5. Every bf16 GEMM of a W1 step (256 tokens): the matmul primitive's first choice (brgemm)
+//      against its next implementation (gemm:jit in oneDNN 2.6), fp32 results both.
+//
+//   bench_gemm_layouts [reps_scale=1] [sections, e.g. 14]    (OMP_NUM_THREADS=2 for 1 and 2; 3 uses one thread)
 #include <oneapi/dnnl/dnnl.h>
 #include <omp.h>
 
@@ -19,6 +26,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <functional>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -138,6 +147,125 @@ void accumulate_against_write(const dnnl::engine& engine, dnnl::stream& stream, 
   }
 }
 
+void inner_product_against_matmul(const dnnl::engine& engine, dnnl::stream& stream, int scale) {
+  std::printf("4. bf16 dW = dy^T x written: matmul (transposed view) | inner product bwd-weights | with bias (ms, median)\n");
+  for (const WeightGradient& s : kWeightGradients) {
+    std::vector<uint16_t> dy(s.K * s.M, 0x3f80), x(s.K * s.N, 0x3f80);
+    std::vector<float> dw(s.M * s.N, 0.f), db(s.M, 0.f);
+    const Gemm view = make_gemm(engine, matrix(s.M, s.K, DataType::bf16, true, s.M),
+                                matrix(s.K, s.N, DataType::bf16, false, s.N), matrix(s.M, s.N, DataType::f32, false, s.N),
+                                0.f);
+    // Inner product: src (tokens, in) = x, diff_dst (tokens, out) = dy, diff_weights (out, in).
+    using tag = memory::format_tag;
+    const memory::desc src({s.K, s.N}, DataType::bf16, tag::ab), diff_dst({s.K, s.M}, DataType::bf16, tag::ab);
+    const memory::desc diff_w({s.M, s.N}, DataType::f32, tag::ab), diff_b({s.M}, DataType::f32, tag::a);
+    const memory::desc w_bf16({s.M, s.N}, DataType::bf16, tag::ab);
+    const auto forward_hint = dnnl::inner_product_forward::primitive_desc(
+        dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_training, src, w_bf16, diff_dst), engine);
+    const auto ip_pd = dnnl::inner_product_backward_weights::primitive_desc(
+        dnnl::inner_product_backward_weights::desc(src, diff_w, diff_dst), engine, forward_hint);
+    const auto ip_bias_pd = dnnl::inner_product_backward_weights::primitive_desc(
+        dnnl::inner_product_backward_weights::desc(src, diff_w, diff_b, diff_dst), engine, forward_hint);
+    const dnnl::inner_product_backward_weights ip(ip_pd), ip_bias(ip_bias_pd);
+    const memory m_src(src, engine, x.data()), m_dy(diff_dst, engine, dy.data()), m_dw(diff_w, engine, dw.data()),
+        m_db(diff_b, engine, db.data());
+    auto run_ip = [&](bool bias) {
+      if (bias)
+        ip_bias.execute(stream, {{DNNL_ARG_SRC, m_src}, {DNNL_ARG_DIFF_DST, m_dy}, {DNNL_ARG_DIFF_WEIGHTS, m_dw},
+                                 {DNNL_ARG_DIFF_BIAS, m_db}});
+      else
+        ip.execute(stream, {{DNNL_ARG_SRC, m_src}, {DNNL_ARG_DIFF_DST, m_dy}, {DNNL_ARG_DIFF_WEIGHTS, m_dw}});
+      stream.wait();
+    };
+    run(view, engine, stream, dy.data(), x.data(), dw.data());
+    run_ip(false), run_ip(true);
+    std::vector<double> t_view, t_ip, t_ip_bias;
+    const int reps = (s.M > 10000 ? 6 : 30) * scale;
+    for (int r = 0; r < reps; ++r) {
+      const double t0 = seconds_now();
+      run(view, engine, stream, dy.data(), x.data(), dw.data());
+      const double t1 = seconds_now();
+      run_ip(false);
+      const double t2 = seconds_now();
+      run_ip(true);
+      t_view.push_back(t1 - t0), t_ip.push_back(t2 - t1), t_ip_bias.push_back(seconds_now() - t2);
+    }
+    std::printf("   %-14s M %5lld N %4lld K %4lld: matmul %7.3f | inner product %7.3f (%s) | with bias %7.3f\n",
+                s.name, static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K),
+                median_ms(t_view), median_ms(t_ip), ip_pd.impl_info_str(), median_ms(t_ip_bias));
+  }
+}
+
+// One step of a linear layer, y (tokens, out) = x (tokens, in) W^T with W (out, in), as the
+// matmul primitive runs it (brgemm in oneDNN 2.6) and as the inner-product primitives do
+// (with plain layouts, 2.6 picks its gemm:jit implementation for them).
+void matmul_against_inner_product(const dnnl::engine& engine, dnnl::stream& stream, int scale) {
+  std::printf("5. bf16 linear layers at W1 (256 tokens), fp32 results: matmul | inner product (ms, median; GFLOP/s)\n");
+  struct Layer {
+    const char* name;
+    int64_t out, in, tokens;
+  };
+  const std::vector<Layer> layers = {{"qkv", 2304, 768, 256},     {"attention out", 768, 768, 256},
+                                     {"MLP up", 3072, 768, 256},  {"MLP down", 768, 3072, 256},
+                                     {"head", 50304, 768, 256},   {"MLP up (W3)", 3072, 768, 1024}};
+  using tag = memory::format_tag;
+  for (const Layer& l : layers) {
+    std::vector<uint16_t> x(l.tokens * l.in, 0x3f80), w(l.out * l.in, 0x3f80), dy(l.tokens * l.out, 0x3f80);
+    std::vector<float> y(l.tokens * l.out), dx(l.tokens * l.in), dw(l.out * l.in);
+    const memory::desc x_bf16({l.tokens, l.in}, DataType::bf16, tag::ab), w_bf16({l.out, l.in}, DataType::bf16, tag::ab);
+    const memory::desc dy_bf16({l.tokens, l.out}, DataType::bf16, tag::ab), y_f32({l.tokens, l.out}, DataType::f32, tag::ab);
+    const memory::desc dx_f32({l.tokens, l.in}, DataType::f32, tag::ab), dw_f32({l.out, l.in}, DataType::f32, tag::ab);
+    // matmul forms: y = x W^T (W^T a transposed view), dx = dy W, dW = dy^T x (dy^T a view).
+    const Gemm forward = make_gemm(engine, x_bf16, matrix(l.in, l.out, DataType::bf16, true, l.in), y_f32, 0.f);
+    const Gemm backward_data = make_gemm(engine, dy_bf16, w_bf16, dx_f32, 0.f);
+    const Gemm backward_weights =
+        make_gemm(engine, matrix(l.out, l.tokens, DataType::bf16, true, l.out), x_bf16, dw_f32, 0.f);
+    const auto hint = dnnl::inner_product_forward::primitive_desc(
+        dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_training, x_bf16, w_bf16, y_f32), engine);
+    const dnnl::inner_product_forward ip_forward(hint);
+    const dnnl::inner_product_backward_data ip_data(dnnl::inner_product_backward_data::primitive_desc(
+        dnnl::inner_product_backward_data::desc(dx_f32, w_bf16, dy_bf16), engine, hint));
+    const dnnl::inner_product_backward_weights ip_weights(dnnl::inner_product_backward_weights::primitive_desc(
+        dnnl::inner_product_backward_weights::desc(x_bf16, dw_f32, dy_bf16), engine, hint));
+    const memory mx(x_bf16, engine, x.data()), mw(w_bf16, engine, w.data()), mdy(dy_bf16, engine, dy.data()),
+        my(y_f32, engine, y.data()), mdx(dx_f32, engine, dx.data()), mdw(dw_f32, engine, dw.data());
+    std::vector<std::function<void()>> matmuls = {
+        [&] { run(forward, engine, stream, x.data(), w.data(), y.data()); },
+        [&] { run(backward_data, engine, stream, dy.data(), w.data(), dx.data()); },
+        [&] { run(backward_weights, engine, stream, dy.data(), x.data(), dw.data()); }};
+    std::vector<std::function<void()>> inner_products = {
+        [&] {
+          ip_forward.execute(stream, {{DNNL_ARG_SRC, mx}, {DNNL_ARG_WEIGHTS, mw}, {DNNL_ARG_DST, my}});
+          stream.wait();
+        },
+        [&] {
+          ip_data.execute(stream, {{DNNL_ARG_DIFF_DST, mdy}, {DNNL_ARG_WEIGHTS, mw}, {DNNL_ARG_DIFF_SRC, mdx}});
+          stream.wait();
+        },
+        [&] {
+          ip_weights.execute(stream, {{DNNL_ARG_SRC, mx}, {DNNL_ARG_DIFF_DST, mdy}, {DNNL_ARG_DIFF_WEIGHTS, mdw}});
+          stream.wait();
+        }};
+    const double gflop = 2.0 * l.out * l.in * l.tokens / 1e9;
+    const char* passes[] = {"forward", "dx", "dW"};
+    for (int pass = 0; pass < 3; ++pass) {
+      matmuls[pass](), inner_products[pass]();
+      std::vector<double> t_matmul, t_ip;
+      const int reps = (l.out > 10000 ? 6 : 30) * scale;
+      for (int r = 0; r < reps; ++r) {
+        const double t0 = seconds_now();
+        matmuls[pass]();
+        const double t1 = seconds_now();
+        inner_products[pass]();
+        t_matmul.push_back(t1 - t0), t_ip.push_back(seconds_now() - t1);
+      }
+      std::printf("   %-14s %-8s: matmul %7.3f (%3.0f) | inner product %7.3f (%3.0f)\n", l.name, passes[pass],
+                  median_ms(t_matmul), gflop / median_ms(t_matmul) * 1e3, median_ms(t_ip),
+                  gflop / median_ms(t_ip) * 1e3);
+    }
+  }
+}
+
 void attention_tiles(const dnnl::engine& engine, int scale) {
   std::printf("3. attention's fp32 tiles at W3, one thread: sgemm | matmul primitive (us, best of 5 means; GFLOP/s)\n");
   struct Tile {
@@ -199,8 +327,12 @@ int main(int argc, char** argv) {
   const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   dnnl::stream stream(engine);
   std::printf("oneDNN %d.%d, %d threads\n", dnnl_version()->major, dnnl_version()->minor, omp_get_max_threads());
-  transposed_against_dense(engine, stream, scale);
-  accumulate_against_write(engine, stream, scale);
-  attention_tiles(engine, scale);
+  const std::string sections = argc > 2 ? argv[2] : "12345";
+  auto wanted = [&](char section) { return sections.find(section) != std::string::npos; };
+  if (wanted('1')) transposed_against_dense(engine, stream, scale);
+  if (wanted('2')) accumulate_against_write(engine, stream, scale);
+  if (wanted('3')) attention_tiles(engine, scale);
+  if (wanted('4')) inner_product_against_matmul(engine, stream, scale);
+  if (wanted('5')) matmul_against_inner_product(engine, stream, scale);
   return 0;
 }

@@ -1,6 +1,7 @@
 // GEMM on CPU through oneDNN (JIT kernels, AVX-512 / AMX where present, OpenMP threads):
 // fp32 through sgemm, or through the matmul primitive for x @ W^T; bf16 through the
-// matmul primitive. fp64 (gradient checks only) through a plain loop.
+// matmul primitive, or (without AMX) the inner-product primitives for a written dW = dy^T x
+// or dx = dy W. fp64 (gradient checks only) through a plain loop.
 #include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <omp.h>
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 
 #include "runtime/cpu/kernels.h"
@@ -39,6 +41,13 @@ Layout layout_of(const Tensor& t) {
   return Layout::Strided;
 }
 
+// A dense row-major copy of a view, owned as the GEMM's.
+Tensor dense_copy(const Tensor& t) {
+  Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device(), current_owner("gemm_copy"));
+  copy(c, t);
+  return c;
+}
+
 // `t` is (R, C); the logical operand is t (transpose=false) or t^T (transpose=true).
 Operand describe(const Tensor& t, bool transpose) {
   const int64_t R = t.shape()[0], C = t.shape()[1];
@@ -47,9 +56,7 @@ Operand describe(const Tensor& t, bool transpose) {
     case Layout::ColumnMajor: return {t, !transpose, std::max<int64_t>(C == 1 ? R : t.strides()[1], 1)};
     case Layout::Strided: break;
   }
-  Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device(), current_owner("gemm_copy"));
-  copy(c, t);
-  return {c, transpose, std::max<int64_t>(C, 1)};
+  return {dense_copy(t), transpose, std::max<int64_t>(C, 1)};
 }
 
 template <class T>
@@ -152,10 +159,115 @@ void primitive_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Te
   stream.wait();
 }
 
+// The bf16 backward GEMMs of a linear layer y = x W^T, W stored (out, in), through oneDNN's
+// inner-product primitives: the weight gradient dW = dy^T x (the "TN" case) and the input
+// gradient dx = dy W ("NN"). With plain layouts oneDNN 2.6 runs them on its jit bf16 GEMM
+// (gemm:jit), which on Zen 4 (AVX-512 BF16, no AMX) beats the matmul primitive's brgemm:
+// W1's weight gradients (K = 256 tokens) 343-359 -> 387-413 GFLOP/s, the head's 342 -> 413,
+// its input gradients 0-6% (bench/gemm_layouts.cc, section 5). Where the CPU has AMX the
+// matmul primitive's AMX kernels run 2-3x faster than that GEMM, so this path is off there.
+// Only what the primitives can do: dense operands, alpha 1, beta 0 (a written gradient; an
+// accumulated one takes the matmul primitive's sum post-op), no bias.
+enum class InnerProductPass { BackwardData, BackwardWeights };
+
+bool cpu_has_amx() {
+  static const bool amx = dnnl::get_effective_cpu_isa() == dnnl::cpu_isa::avx512_core_amx;
+  return amx;
+}
+
+// Whether a 2-D view is a dense row-major matrix or the transpose of one; a single row or
+// column is dense whatever its other stride.
+struct DenseMatrix {
+  bool dense = false;
+  bool transposed = false;  // the logical operand is the stored matrix's transpose
+};
+DenseMatrix dense_matrix(const Tensor& t, bool transpose) {
+  const int64_t R = t.shape()[0], C = t.shape()[1];
+  const int64_t sr = t.strides()[0], sc = t.strides()[1];
+  if ((sc == 1 || C == 1) && (sr == C || R == 1)) return {true, transpose};
+  if ((sr == 1 || R == 1) && (sc == R || C == 1)) return {true, !transpose};
+  return {};
+}
+
+// Runs C = op(A) B on an inner-product primitive and returns true, or returns false where
+// that pass does not apply (C not a dense fp32 or bf16 matrix, B transposed, the CPU has
+// AMX, oneDNN would not pick its GEMM). Any other view of A or B is copied dense first, so
+// a product's bits do not depend on its operands' strides.
+bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
+  if (cpu_has_amx() || a.dtype() != DType::BF16 || c.strides()[0] != c.shape()[1]) return false;
+  // Whether the logical operand is a stored dense matrix's transpose (a view that is not
+  // dense is copied as it is viewed, which is not transposed).
+  auto stored_transposed = [](const Tensor& t, bool transpose) {
+    const DenseMatrix d = dense_matrix(t, transpose);
+    return d.dense ? d.transposed : transpose;
+  };
+  if (stored_transposed(b, tb)) return false;  // x W^T, a forward: the matmul primitive's
+  const InnerProductPass pass =
+      stored_transposed(a, ta) ? InnerProductPass::BackwardWeights : InnerProductPass::BackwardData;
+  if (pass == InnerProductPass::BackwardWeights && c.dtype() != DType::F32) return false;
+  for (Tensor* t : {&a, &b})
+    if (!dense_matrix(*t, false).dense) *t = dense_copy(*t);
+  // C (M, N) = op(A) (M, K) B (K, N).
+  const int64_t M = c.shape()[0], N = c.shape()[1], K = tb ? b.shape()[1] : b.shape()[0];
+  using dnnl::memory;
+  using tag = memory::format_tag;
+  const dnnl::engine& engine = cpu_engine();
+  static dnnl::stream stream(engine);
+  struct Cached {
+    dnnl::primitive primitive;  // null where oneDNN would not run it on its GEMM
+    memory::desc a, b, c;
+  };
+  using Key = std::array<int64_t, 5>;
+  static std::mutex mutex;
+  static std::map<Key, Cached> cache;
+  const Key key = {static_cast<int64_t>(pass), M, N, K, static_cast<int64_t>(c.dtype())};
+  std::unique_lock lock(mutex);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    const auto bf16 = memory::data_type::bf16;
+    const auto c_type = c.dtype() == DType::F32 ? memory::data_type::f32 : bf16;
+    Cached made;
+    // In the inner product's terms: tokens, out (OC) and in (IC) features.
+    const int64_t tokens = pass == InnerProductPass::BackwardWeights ? K : M;
+    const int64_t out = pass == InnerProductPass::BackwardWeights ? M : K;
+    const int64_t in = N;
+    const memory::desc x({tokens, in}, bf16, tag::ab), w({out, in}, bf16, tag::ab), dy({tokens, out}, bf16, tag::ab);
+    const auto hint = dnnl::inner_product_forward::primitive_desc(
+        dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_training, x, w, dy), engine);
+    if (pass == InnerProductPass::BackwardWeights) {
+      // dW (out, in) = dy^T x: A is dy stored (tokens, out), B is x.
+      const memory::desc dw({out, in}, c_type, tag::ab);
+      const auto pd = dnnl::inner_product_backward_weights::primitive_desc(
+          dnnl::inner_product_backward_weights::desc(x, dw, dy), engine, hint);
+      if (std::string(pd.impl_info_str()).find("gemm") != std::string::npos)
+        made = {dnnl::inner_product_backward_weights(pd), dy, x, dw};
+    } else {
+      // dx (tokens, in) = dy W: A is dy, B is W stored (out, in).
+      const memory::desc dx({tokens, in}, c_type, tag::ab);
+      const auto pd = dnnl::inner_product_backward_data::primitive_desc(
+          dnnl::inner_product_backward_data::desc(dx, w, dy), engine, hint);
+      if (std::string(pd.impl_info_str()).find("gemm") != std::string::npos)
+        made = {dnnl::inner_product_backward_data(pd), dy, w, dx};
+    }
+    if (cache.size() >= 512) cache.clear();
+    it = cache.emplace(key, made).first;
+  }
+  const Cached k = it->second;
+  lock.unlock();
+  if (!k.primitive) return false;
+  memory am(k.a, engine, a.raw_data()), bm(k.b, engine, b.raw_data()), cm(k.c, engine, c.raw_data());
+  if (pass == InnerProductPass::BackwardWeights)
+    k.primitive.execute(stream, {{DNNL_ARG_DIFF_DST, am}, {DNNL_ARG_SRC, bm}, {DNNL_ARG_DIFF_WEIGHTS, cm}});
+  else
+    k.primitive.execute(stream, {{DNNL_ARG_DIFF_DST, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DIFF_SRC, cm}});
+  stream.wait();
+  return true;
+}
+
 }  // namespace
 
-// Which engine runs a GEMM. bf16 operands: oneDNN's matmul primitive, the only bf16 GEMM
-// oneDNN has. fp32 x @ W^T (a linear layer's forward, W stored (out, in)) also takes the
+// Which engine runs a GEMM. bf16 operands: oneDNN's matmul primitive (oneDNN 2.6 has no
+// BLAS-like bf16 GEMM), unless inner_product_gemm takes it. fp32 x @ W^T (a linear layer's forward, W stored (out, in)) also takes the
 // primitive: oneDNN's sgemm runs this NT case 10-35% below its NN and TN cases on these
 // shapes (measured on Zen 4 at M = 256 and 1024: the MLP's down projection, K = 3072, at
 // 130-167 GFLOP/s against 200-212 for the same shape through the primitive), while the
@@ -216,7 +328,8 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
     // view (a strided slice, a broadcast, overlapping rows: only bf16 gets here with one)
     // is copied dense first, as the sgemm path does.
     auto dense = [](const Tensor& t) { return layout_of(t) == Layout::Strided ? describe(t, false).storage_view : t; };
-    primitive_gemm(dense(a), transpose_a, dense(b), transpose_b, c, alpha, beta, bias);
+    if (!(alpha == 1.f && beta == 0.f && !bias.defined() && inner_product_gemm(a, transpose_a, b, transpose_b, c)))
+      primitive_gemm(dense(a), transpose_a, dense(b), transpose_b, c, alpha, beta, bias);
     c.storage().bump_version();
     return;
   }
@@ -241,8 +354,8 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
   c.storage().bump_version();
 }
 
-// A bf16 tile GEMM for kernels that run their own OpenMP threads (attention): oneDNN's
-// bf16 GEMM is reachable only through the matmul primitive. Each primitive is made for one
+// A bf16 tile GEMM for kernels that run their own OpenMP threads (attention), on the
+// matmul primitive (tiles are strided views, which the inner product does not take). Each primitive is made for one
 // thread (oneDNN sizes its blocking and scratchpad by the thread count it sees when the
 // primitive is made), so inside a parallel region it runs on the calling thread; outside
 // one it runs on one thread too. Each thread keeps its own primitives, stream and one
