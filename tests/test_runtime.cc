@@ -258,7 +258,7 @@ TEST(Runtime, EmptyInnerDimensionGemmScalesCAndReductionsCheckShapes) {
 
 TEST(Runtime, Bf16GemmMatchesFp64InEveryLayoutWrittenOrAccumulated) {
   // bf16 GEMMs take three routes (runtime/cpu/matmul.cc): x W^T on the matmul primitive, a
-  // written dW = dy^T x and dx = dy W on the inner-product primitives (without AMX), an
+  // written fp32 dW = dy^T x and dx = dy W on the inner-product primitives (without AMX), an
   // accumulated one on the matmul primitive's sum post-op. Every layout (contiguous, and a
   // column slice of a wider tensor), fp32 and bf16 outputs, beta 0 and 1, against the fp64
   // product of the same bf16 values. bf16 products are exact in fp32, so an fp32 C differs

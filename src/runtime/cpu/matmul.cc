@@ -162,9 +162,10 @@ void primitive_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Te
 // The bf16 backward GEMMs of a linear layer y = x W^T, W stored (out, in), through oneDNN's
 // inner-product primitives: the weight gradient dW = dy^T x (the "TN" case) and the input
 // gradient dx = dy W ("NN"). With plain layouts oneDNN 2.6 runs them on its jit bf16 GEMM
-// (gemm:jit), which on Zen 4 (AVX-512 BF16, no AMX) beats the matmul primitive's brgemm:
-// W1's weight gradients (K = 256 tokens) 343-359 -> 387-413 GFLOP/s, the head's 342 -> 413,
-// its input gradients 0-6% (bench/gemm_layouts.cc, section 5). Where the CPU has AMX the
+// (gemm:jit), which on Zen 4 (AVX-512 BF16, no AMX) beats the matmul primitive's brgemm
+// into an fp32 C: W1's weight gradients (K = 256 tokens) 343-359 -> 387-413 GFLOP/s, the
+// head's 342 -> 413, its input gradients 0-6% (bench/gemm_layouts.cc, section 5). Into a
+// bf16 C it does not (the MLP's dx, 3.28 against 3.37 ms), so that stays on brgemm. Where the CPU has AMX the
 // matmul primitive's AMX kernels run 2-3x faster than that GEMM, so this path is off there.
 // Only what the primitives can do: dense operands, alpha 1, beta 0 (a written gradient; an
 // accumulated one takes the matmul primitive's sum post-op), no bias.
@@ -190,11 +191,12 @@ DenseMatrix dense_matrix(const Tensor& t, bool transpose) {
 }
 
 // Runs C = op(A) B on an inner-product primitive and returns true, or returns false where
-// that pass does not apply (C not a dense fp32 or bf16 matrix, B transposed, the CPU has
+// that pass does not apply (C not a dense fp32 matrix, B transposed, the CPU has
 // AMX, oneDNN would not pick its GEMM). Any other view of A or B is copied dense first, so
 // a product's bits do not depend on its operands' strides.
 bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
-  if (cpu_has_amx() || a.dtype() != DType::BF16 || c.strides()[0] != c.shape()[1]) return false;
+  if (cpu_has_amx() || a.dtype() != DType::BF16 || c.dtype() != DType::F32 || c.strides()[0] != c.shape()[1])
+    return false;
   // Whether the logical operand is a stored dense matrix's transpose (a view that is not
   // dense is copied as it is viewed, which is not transposed).
   auto stored_transposed = [](const Tensor& t, bool transpose) {
@@ -204,7 +206,6 @@ bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
   if (stored_transposed(b, tb)) return false;  // x W^T, a forward: the matmul primitive's
   const InnerProductPass pass =
       stored_transposed(a, ta) ? InnerProductPass::BackwardWeights : InnerProductPass::BackwardData;
-  if (pass == InnerProductPass::BackwardWeights && c.dtype() != DType::F32) return false;
   for (Tensor* t : {&a, &b})
     if (!dense_matrix(*t, false).dense) *t = dense_copy(*t);
   // C (M, N) = op(A) (M, K) B (K, N).
@@ -217,15 +218,15 @@ bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
     dnnl::primitive primitive;  // null where oneDNN would not run it on its GEMM
     memory::desc a, b, c;
   };
-  using Key = std::array<int64_t, 5>;
+  using Key = std::array<int64_t, 4>;
   static std::mutex mutex;
   static std::map<Key, Cached> cache;
-  const Key key = {static_cast<int64_t>(pass), M, N, K, static_cast<int64_t>(c.dtype())};
+  const Key key = {static_cast<int64_t>(pass), M, N, K};
   std::unique_lock lock(mutex);
   auto it = cache.find(key);
   if (it == cache.end()) {
     const auto bf16 = memory::data_type::bf16;
-    const auto c_type = c.dtype() == DType::F32 ? memory::data_type::f32 : bf16;
+    const auto f32 = memory::data_type::f32;
     Cached made;
     // In the inner product's terms: tokens, out (OC) and in (IC) features.
     const int64_t tokens = pass == InnerProductPass::BackwardWeights ? K : M;
@@ -236,14 +237,14 @@ bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
         dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_training, x, w, dy), engine);
     if (pass == InnerProductPass::BackwardWeights) {
       // dW (out, in) = dy^T x: A is dy stored (tokens, out), B is x.
-      const memory::desc dw({out, in}, c_type, tag::ab);
+      const memory::desc dw({out, in}, f32, tag::ab);
       const auto pd = dnnl::inner_product_backward_weights::primitive_desc(
           dnnl::inner_product_backward_weights::desc(x, dw, dy), engine, hint);
       if (std::string(pd.impl_info_str()).find("gemm") != std::string::npos)
         made = {dnnl::inner_product_backward_weights(pd), dy, x, dw};
     } else {
       // dx (tokens, in) = dy W: A is dy, B is W stored (out, in).
-      const memory::desc dx({tokens, in}, c_type, tag::ab);
+      const memory::desc dx({tokens, in}, f32, tag::ab);
       const auto pd = dnnl::inner_product_backward_data::primitive_desc(
           dnnl::inner_product_backward_data::desc(dx, w, dy), engine, hint);
       if (std::string(pd.impl_info_str()).find("gemm") != std::string::npos)
