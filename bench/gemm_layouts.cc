@@ -13,8 +13,9 @@
 //      view) against oneDNN's inner-product backward-weights primitive, which may also write
 //      the bias gradient (the sum of dy over tokens) in the same pass. bf16, plain layouts.
 //
-//   5. Every bf16 GEMM of a W1 step (256 tokens): the matmul primitive's first choice (brgemm)
-//      against its next implementation (gemm:jit in oneDNN 2.6), fp32 results both.
+//   5. A bf16 linear layer's three GEMMs (forward, dx, dW) at W1's and W3's token counts,
+//      with the bias and output dtypes of a --dtype bf16 step: the matmul primitive (brgemm)
+//      against the inner-product primitives (their gemm:jit in oneDNN 2.6).
 //
 //   bench_gemm_layouts [reps_scale=1] [sections, e.g. 14]    (OMP_NUM_THREADS=2 for 1 and 2; 3 uses one thread)
 #include <oneapi/dnnl/dnnl.h>
@@ -196,46 +197,66 @@ void inner_product_against_matmul(const dnnl::engine& engine, dnnl::stream& stre
   }
 }
 
-// One step of a linear layer, y (tokens, out) = x (tokens, in) W^T with W (out, in), as the
-// matmul primitive runs it (brgemm in oneDNN 2.6) and as the inner-product primitives do
-// (with plain layouts, 2.6 picks its gemm:jit implementation for them).
+// One step of a linear layer, y (tokens, out) = x (tokens, in) W^T + b with W (out, in), as
+// the matmul primitive runs it (brgemm in oneDNN 2.6) and as the inner-product primitives
+// do (with plain layouts, 2.6 picks its gemm:jit implementation for them). Each GEMM with
+// the bias and output dtypes GPT-2's step under --dtype bf16 gives it: the MLP's hidden
+// layer and the head's logits are written in bf16, and so is the MLP down projection's dx
+// (GELU's backward takes it); every dW is fp32.
 void matmul_against_inner_product(const dnnl::engine& engine, dnnl::stream& stream, int scale) {
-  std::printf("5. bf16 linear layers at W1 (256 tokens), fp32 results: matmul | inner product (ms, median; GFLOP/s)\n");
+  std::printf("5. bf16 linear layers: matmul | inner product (ms, median; GFLOP/s)\n");
   struct Layer {
     const char* name;
     int64_t out, in, tokens;
+    bool bias;
+    DataType y_type, dx_type;
   };
-  const std::vector<Layer> layers = {{"qkv", 2304, 768, 256},     {"attention out", 768, 768, 256},
-                                     {"MLP up", 3072, 768, 256},  {"MLP down", 768, 3072, 256},
-                                     {"head", 50304, 768, 256},   {"MLP up (W3)", 3072, 768, 1024}};
+  const DataType f32 = DataType::f32, bf16 = DataType::bf16;
+  const std::vector<Layer> layers = {
+      {"qkv", 2304, 768, 256, true, f32, f32},          {"attention out", 768, 768, 256, true, f32, f32},
+      {"MLP up", 3072, 768, 256, true, bf16, f32},      {"MLP down", 768, 3072, 256, true, f32, bf16},
+      {"head", 50304, 768, 256, false, bf16, f32},      {"qkv (W3)", 2304, 768, 1024, true, f32, f32},
+      {"MLP up (W3)", 3072, 768, 1024, true, bf16, f32}, {"MLP down (W3)", 768, 3072, 1024, true, f32, bf16}};
   using tag = memory::format_tag;
   for (const Layer& l : layers) {
     std::vector<uint16_t> x(l.tokens * l.in, 0x3f80), w(l.out * l.in, 0x3f80), dy(l.tokens * l.out, 0x3f80);
-    std::vector<float> y(l.tokens * l.out), dx(l.tokens * l.in), dw(l.out * l.in);
-    const memory::desc x_bf16({l.tokens, l.in}, DataType::bf16, tag::ab), w_bf16({l.out, l.in}, DataType::bf16, tag::ab);
-    const memory::desc dy_bf16({l.tokens, l.out}, DataType::bf16, tag::ab), y_f32({l.tokens, l.out}, DataType::f32, tag::ab);
-    const memory::desc dx_f32({l.tokens, l.in}, DataType::f32, tag::ab), dw_f32({l.out, l.in}, DataType::f32, tag::ab);
-    // matmul forms: y = x W^T (W^T a transposed view), dx = dy W, dW = dy^T x (dy^T a view).
-    const Gemm forward = make_gemm(engine, x_bf16, matrix(l.in, l.out, DataType::bf16, true, l.in), y_f32, 0.f);
-    const Gemm backward_data = make_gemm(engine, dy_bf16, w_bf16, dx_f32, 0.f);
-    const Gemm backward_weights =
-        make_gemm(engine, matrix(l.out, l.tokens, DataType::bf16, true, l.out), x_bf16, dw_f32, 0.f);
-    const auto hint = dnnl::inner_product_forward::primitive_desc(
-        dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_training, x_bf16, w_bf16, y_f32), engine);
-    const dnnl::inner_product_forward ip_forward(hint);
+    std::vector<float> y(l.tokens * l.out), dx(l.tokens * l.in), dw(l.out * l.in), bias(l.out, 0.5f);
+    const memory::desc x_desc({l.tokens, l.in}, bf16, tag::ab), w_desc({l.out, l.in}, bf16, tag::ab);
+    const memory::desc dy_desc({l.tokens, l.out}, bf16, tag::ab), y_desc({l.tokens, l.out}, l.y_type, tag::ab);
+    const memory::desc dx_desc({l.tokens, l.in}, l.dx_type, tag::ab), dw_desc({l.out, l.in}, f32, tag::ab);
+    const memory::desc bias_desc({l.out}, f32, tag::a), bias_row({1, l.out}, f32, tag::ab);
+    // matmul forms: y = x W^T (W^T a transposed view) + b, dx = dy W, dW = dy^T x (dy^T a view).
+    const memory::desc w_t = matrix(l.in, l.out, bf16, true, l.in);
+    const dnnl::matmul forward(l.bias ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(x_desc, w_t, bias_row, y_desc), engine)
+                                      : dnnl::matmul::primitive_desc(dnnl::matmul::desc(x_desc, w_t, y_desc), engine));
+    const Gemm backward_data = make_gemm(engine, dy_desc, w_desc, dx_desc, 0.f);
+    const Gemm backward_weights = make_gemm(engine, matrix(l.out, l.tokens, bf16, true, l.out), x_desc, dw_desc, 0.f);
+    using Forward = dnnl::inner_product_forward;
+    const auto hint = l.bias ? Forward::primitive_desc(
+                                   Forward::desc(dnnl::prop_kind::forward_training, x_desc, w_desc, bias_desc, y_desc), engine)
+                             : Forward::primitive_desc(
+                                   Forward::desc(dnnl::prop_kind::forward_training, x_desc, w_desc, y_desc), engine);
+    const Forward ip_forward(hint);
     const dnnl::inner_product_backward_data ip_data(dnnl::inner_product_backward_data::primitive_desc(
-        dnnl::inner_product_backward_data::desc(dx_f32, w_bf16, dy_bf16), engine, hint));
+        dnnl::inner_product_backward_data::desc(dx_desc, w_desc, dy_desc), engine, hint));
     const dnnl::inner_product_backward_weights ip_weights(dnnl::inner_product_backward_weights::primitive_desc(
-        dnnl::inner_product_backward_weights::desc(x_bf16, dw_f32, dy_bf16), engine, hint));
-    const memory mx(x_bf16, engine, x.data()), mw(w_bf16, engine, w.data()), mdy(dy_bf16, engine, dy.data()),
-        my(y_f32, engine, y.data()), mdx(dx_f32, engine, dx.data()), mdw(dw_f32, engine, dw.data());
+        dnnl::inner_product_backward_weights::desc(x_desc, dw_desc, dy_desc), engine, hint));
+    const memory mx(x_desc, engine, x.data()), mw(w_desc, engine, w.data()), mw_t(w_t, engine, w.data()),
+        mdy(dy_desc, engine, dy.data()), my(y_desc, engine, y.data()), mdx(dx_desc, engine, dx.data()),
+        mdw(dw_desc, engine, dw.data()), mb(bias_desc, engine, bias.data()), mb_row(bias_row, engine, bias.data());
+    std::unordered_map<int, memory> matmul_forward_args = {{DNNL_ARG_SRC, mx}, {DNNL_ARG_WEIGHTS, mw_t}, {DNNL_ARG_DST, my}},
+                                    ip_forward_args = {{DNNL_ARG_SRC, mx}, {DNNL_ARG_WEIGHTS, mw}, {DNNL_ARG_DST, my}};
+    if (l.bias) matmul_forward_args.emplace(DNNL_ARG_BIAS, mb_row), ip_forward_args.emplace(DNNL_ARG_BIAS, mb);
     std::vector<std::function<void()>> matmuls = {
-        [&] { run(forward, engine, stream, x.data(), w.data(), y.data()); },
+        [&] {
+          forward.execute(stream, matmul_forward_args);
+          stream.wait();
+        },
         [&] { run(backward_data, engine, stream, dy.data(), w.data(), dx.data()); },
         [&] { run(backward_weights, engine, stream, dy.data(), x.data(), dw.data()); }};
     std::vector<std::function<void()>> inner_products = {
         [&] {
-          ip_forward.execute(stream, {{DNNL_ARG_SRC, mx}, {DNNL_ARG_WEIGHTS, mw}, {DNNL_ARG_DST, my}});
+          ip_forward.execute(stream, ip_forward_args);
           stream.wait();
         },
         [&] {
@@ -247,7 +268,8 @@ void matmul_against_inner_product(const dnnl::engine& engine, dnnl::stream& stre
           stream.wait();
         }};
     const double gflop = 2.0 * l.out * l.in * l.tokens / 1e9;
-    const char* passes[] = {"forward", "dx", "dW"};
+    const std::string passes[] = {std::string("forward, ") + (l.y_type == bf16 ? "bf16" : "fp32") + " y",
+                                  std::string("dx, ") + (l.dx_type == bf16 ? "bf16" : "fp32"), "dW, fp32"};
     for (int pass = 0; pass < 3; ++pass) {
       matmuls[pass](), inner_products[pass]();
       std::vector<double> t_matmul, t_ip;
@@ -259,9 +281,9 @@ void matmul_against_inner_product(const dnnl::engine& engine, dnnl::stream& stre
         inner_products[pass]();
         t_matmul.push_back(t1 - t0), t_ip.push_back(seconds_now() - t1);
       }
-      std::printf("   %-14s %-8s: matmul %7.3f (%3.0f) | inner product %7.3f (%3.0f)\n", l.name, passes[pass],
-                  median_ms(t_matmul), gflop / median_ms(t_matmul) * 1e3, median_ms(t_ip),
-                  gflop / median_ms(t_ip) * 1e3);
+      std::printf("   %-14s %4lld tokens %-16s: matmul %7.3f (%3.0f) | inner product %7.3f (%3.0f)\n", l.name,
+                  static_cast<long long>(l.tokens), passes[pass].c_str(), median_ms(t_matmul),
+                  gflop / median_ms(t_matmul) * 1e3, median_ms(t_ip), gflop / median_ms(t_ip) * 1e3);
     }
   }
 }
