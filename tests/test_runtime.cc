@@ -259,35 +259,44 @@ TEST(Runtime, EmptyInnerDimensionGemmScalesCAndReductionsCheckShapes) {
 TEST(Runtime, Bf16GemmMatchesFp64InEveryLayoutWrittenOrAccumulated) {
   // bf16 GEMMs take three routes (runtime/cpu/matmul.cc): x W^T on the matmul primitive, a
   // written fp32 dW = dy^T x and dx = dy W on the inner-product primitives (without AMX), an
-  // accumulated one on the matmul primitive's sum post-op. Every layout (contiguous, and a
-  // column slice of a wider tensor), fp32 and bf16 outputs, beta 0 and 1, against the fp64
-  // product of the same bf16 values. bf16 products are exact in fp32, so an fp32 C differs
-  // by accumulation order only (|err| <= K 2^-24 sum|a b| <= 4 K 2^-24 scale here); a bf16 C
-  // adds its one rounding (2^-8 relative to the largest value, at most).
+  // accumulated one on the matmul primitive's sum post-op. Every layout (contiguous, a column
+  // slice of a wider tensor, column-major), shapes with M, N or K of 1, fp32 and bf16
+  // outputs, beta 0 and 1, against the fp64 product of the same bf16 values. bf16 products
+  // are exact in fp32, so an fp32 C differs by accumulation order only (|err| <= K 2^-24
+  // sum|a b| <= 4 K 2^-24 scale here); a bf16 C adds its one rounding (2^-8 relative to the
+  // largest value, at most).
   runtime::Backend& cpu = runtime::backend(Device::cpu());
-  const int64_t M = 80, K = 256, N = 72;
-  for (bool ta : {false, true})
-    for (bool tb : {false, true})
-      for (bool sliced : {false, true})
-        for (DType out : {DType::F32, DType::BF16})
-          for (float beta : {0.f, 1.f}) {
-            auto operand = [&](int64_t rows, int64_t cols, uint64_t seed) {
-              Tensor wide = test::random_tensor({rows, cols + (sliced ? 6 : 0)}, seed).to(DType::BF16);
-              return sliced ? wide.slice(1, 3, 3 + cols) : wide;
-            };
-            Tensor a = ta ? operand(K, M, 70) : operand(M, K, 70);
-            Tensor b = tb ? operand(N, K, 71) : operand(K, N, 71);
-            Tensor c0 = test::random_tensor({M, N}, 72).to(out);  // beta 1 adds the product onto it
-            Tensor c = c0.to(out).contiguous();
-            cpu.gemm(a, ta, b, tb, c, 1.f, beta);
-            Tensor want = ops::matmul(a.to(DType::F64), b.to(DType::F64), ta, tb);
-            if (beta != 0.f) want = ops::add(want, c0.to(DType::F64));
-            test::Diff d = test::compare(c.to(DType::F64), want);
-            const double bound = out == DType::F32 ? 4.0 * K * std::ldexp(1.0, -24) * d.ref_scale
-                                                   : std::ldexp(1.0, -8) * d.ref_scale + 4.0 * K * std::ldexp(1.0, -24);
-            EXPECT_LE(d.max_abs, bound) << (ta ? "T" : "N") << (tb ? "T" : "N") << (sliced ? " sliced" : "") << " "
-                                        << dtype_name(out) << " beta " << beta << ": scale " << d.ref_scale;
-          }
+  enum class Layout { Contiguous, Sliced, ColumnMajor };
+  const std::vector<std::array<int64_t, 3>> shapes = {{80, 256, 72}, {1, 256, 72}, {80, 256, 1}, {80, 1, 72}};
+  for (const auto& [M, K, N] : shapes)
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (Layout layout : {Layout::Contiguous, Layout::Sliced, Layout::ColumnMajor})
+          for (DType out : {DType::F32, DType::BF16})
+            for (float beta : {0.f, 1.f}) {
+              // A (rows, cols) bf16 operand: contiguous, a column slice of a wider tensor, or
+              // the transpose of a contiguous (cols, rows) tensor (strides (1, rows)).
+              auto operand = [&](int64_t rows, int64_t cols, uint64_t seed) {
+                if (layout == Layout::ColumnMajor)
+                  return test::random_tensor({cols, rows}, seed).to(DType::BF16).transpose(0, 1);
+                Tensor wide = test::random_tensor({rows, cols + (layout == Layout::Sliced ? 6 : 0)}, seed).to(DType::BF16);
+                return layout == Layout::Sliced ? wide.slice(1, 3, 3 + cols) : wide;
+              };
+              Tensor a = ta ? operand(K, M, 70) : operand(M, K, 70);
+              Tensor b = tb ? operand(N, K, 71) : operand(K, N, 71);
+              Tensor c0 = test::random_tensor({M, N}, 72).to(out);  // beta 1 adds the product onto it
+              Tensor c = c0.to(DType::F64).to(out);  // c0's values (exact in fp64), in a buffer of its own
+              cpu.gemm(a, ta, b, tb, c, 1.f, beta);
+              Tensor want = ops::matmul(a.to(DType::F64), b.to(DType::F64), ta, tb);
+              if (beta != 0.f) want = ops::add(want, c0.to(DType::F64));
+              test::Diff d = test::compare(c.to(DType::F64), want);
+              const double bound = out == DType::F32
+                                       ? 4.0 * K * std::ldexp(1.0, -24) * d.ref_scale
+                                       : std::ldexp(1.0, -8) * d.ref_scale + 4.0 * K * std::ldexp(1.0, -24);
+              EXPECT_LE(d.max_abs, bound) << M << "x" << K << "x" << N << " " << (ta ? "T" : "N") << (tb ? "T" : "N")
+                                          << " layout " << static_cast<int>(layout) << " " << dtype_name(out)
+                                          << " beta " << beta << ": scale " << d.ref_scale;
+            }
 }
 
 TEST(StridedLoops, AContiguousTensorIsCutIntoPiecesThatEveryThreadRuns) {

@@ -163,17 +163,35 @@ void primitive_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Te
 // inner-product primitives: the weight gradient dW = dy^T x (the "TN" case) and the input
 // gradient dx = dy W ("NN"). With plain layouts oneDNN 2.6 runs them on its jit bf16 GEMM
 // (gemm:jit), which on Zen 4 (AVX-512 BF16, no AMX) beats the matmul primitive's brgemm
-// into an fp32 C: W1's weight gradients (K = 256 tokens) 343-359 -> 387-413 GFLOP/s, the
-// head's 342 -> 413, its input gradients 0-6% (bench/gemm_layouts.cc, section 5). Into a
-// bf16 C it does not (the MLP's dx, 3.28 against 3.37 ms), so that stays on brgemm. Where the CPU has AMX the
-// matmul primitive's AMX kernels run 2-3x faster than that GEMM, so this path is off there.
+// into an fp32 C: weight gradients 4-13% faster (the head's at 256 tokens 53.6 -> 46.7 ms),
+// input gradients -1% to +11% (bench/gemm_layouts.cc, section 5). Into a bf16 C it does
+// not (the MLP's dx, 2.97 against 3.04 ms), nor for the forward, so those stay on brgemm.
+// Where the matmul primitive runs bf16 on AMX (1000-1340 GFLOP/s on the Intel VMs, against
+// ~420 for AVX-512 BF16 here) this path is off: oneDNN 2.6's AMX kernels are brgemm's.
 // Only what the primitives can do: dense operands, alpha 1, beta 0 (a written gradient; an
 // accumulated one takes the matmul primitive's sum post-op), no bias.
 enum class InnerProductPass { BackwardData, BackwardWeights };
 
-bool cpu_has_amx() {
-  static const bool amx = dnnl::get_effective_cpu_isa() == dnnl::cpu_isa::avx512_core_amx;
+// Whether the matmul primitive runs bf16 on AMX here: asked of oneDNN's own choice for a
+// small bf16 GEMM (its implementation's name), so a newer ISA oneDNN knows counts too.
+bool matmul_runs_bf16_on_amx() {
+  static const bool amx = [] {
+    using dnnl::memory;
+    const memory::desc m({64, 64}, memory::data_type::bf16, memory::format_tag::ab);
+    const memory::desc out({64, 64}, memory::data_type::f32, memory::format_tag::ab);
+    try {
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(m, m, out), cpu_engine());
+      return std::string(pd.impl_info_str()).find("amx") != std::string::npos;
+    } catch (const dnnl::error&) {
+      return false;  // no bf16 matmul at all: no AMX either
+    }
+  }();
   return amx;
+}
+
+// Whether oneDNN chose its jit GEMM ("x64:gemm:jit") for an inner product.
+bool on_jit_gemm(const dnnl::primitive_desc_base& pd) {
+  return std::string(pd.impl_info_str()).find("gemm:jit") != std::string::npos;
 }
 
 // Whether a 2-D view is a dense row-major matrix or the transpose of one; a single row or
@@ -193,10 +211,11 @@ DenseMatrix dense_matrix(const Tensor& t, bool transpose) {
 // Runs C = op(A) B on an inner-product primitive and returns true, or returns false where
 // that pass does not apply (C not a dense fp32 matrix, B transposed, the CPU has
 // AMX, oneDNN would not pick its GEMM). Any other view of A or B is copied dense first, so
-// a product's bits do not depend on its operands' strides.
+// a matrix product's bits do not depend on its operands' strides.
 bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
-  if (cpu_has_amx() || a.dtype() != DType::BF16 || c.dtype() != DType::F32 || c.strides()[0] != c.shape()[1])
+  if (a.dtype() != DType::BF16 || c.dtype() != DType::F32 || c.strides()[0] != c.shape()[1])
     return false;
+  if (matmul_runs_bf16_on_amx()) return false;
   // Whether the logical operand is a stored dense matrix's transpose (a view that is not
   // dense is copied as it is viewed, which is not transposed).
   auto stored_transposed = [](const Tensor& t, bool transpose) {
@@ -206,8 +225,6 @@ bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
   if (stored_transposed(b, tb)) return false;  // x W^T, a forward: the matmul primitive's
   const InnerProductPass pass =
       stored_transposed(a, ta) ? InnerProductPass::BackwardWeights : InnerProductPass::BackwardData;
-  for (Tensor* t : {&a, &b})
-    if (!dense_matrix(*t, false).dense) *t = dense_copy(*t);
   // C (M, N) = op(A) (M, K) B (K, N).
   const int64_t M = c.shape()[0], N = c.shape()[1], K = tb ? b.shape()[1] : b.shape()[0];
   using dnnl::memory;
@@ -233,22 +250,24 @@ bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
     const int64_t out = pass == InnerProductPass::BackwardWeights ? M : K;
     const int64_t in = N;
     const memory::desc x({tokens, in}, bf16, tag::ab), w({out, in}, bf16, tag::ab), dy({tokens, out}, bf16, tag::ab);
-    const auto hint = dnnl::inner_product_forward::primitive_desc(
-        dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_training, x, w, dy), engine);
-    if (pass == InnerProductPass::BackwardWeights) {
-      // dW (out, in) = dy^T x: A is dy stored (tokens, out), B is x.
-      const memory::desc dw({out, in}, f32, tag::ab);
-      const auto pd = dnnl::inner_product_backward_weights::primitive_desc(
-          dnnl::inner_product_backward_weights::desc(x, dw, dy), engine, hint);
-      if (std::string(pd.impl_info_str()).find("gemm") != std::string::npos)
-        made = {dnnl::inner_product_backward_weights(pd), dy, x, dw};
-    } else {
-      // dx (tokens, in) = dy W: A is dy, B is W stored (out, in).
-      const memory::desc dx({tokens, in}, f32, tag::ab);
-      const auto pd = dnnl::inner_product_backward_data::primitive_desc(
-          dnnl::inner_product_backward_data::desc(dx, w, dy), engine, hint);
-      if (std::string(pd.impl_info_str()).find("gemm") != std::string::npos)
-        made = {dnnl::inner_product_backward_data(pd), dy, w, dx};
+    try {
+      const auto hint = dnnl::inner_product_forward::primitive_desc(
+          dnnl::inner_product_forward::desc(dnnl::prop_kind::forward_training, x, w, dy), engine);
+      if (pass == InnerProductPass::BackwardWeights) {
+        // dW (out, in) = dy^T x: A is dy stored (tokens, out), B is x.
+        const memory::desc dw({out, in}, f32, tag::ab);
+        const auto pd = dnnl::inner_product_backward_weights::primitive_desc(
+            dnnl::inner_product_backward_weights::desc(x, dw, dy), engine, hint);
+        if (on_jit_gemm(pd)) made = {dnnl::inner_product_backward_weights(pd), dy, x, dw};
+      } else {
+        // dx (tokens, in) = dy W: A is dy, B is W stored (out, in).
+        const memory::desc dx({tokens, in}, f32, tag::ab);
+        const auto pd = dnnl::inner_product_backward_data::primitive_desc(
+            dnnl::inner_product_backward_data::desc(dx, w, dy), engine, hint);
+        if (on_jit_gemm(pd)) made = {dnnl::inner_product_backward_data(pd), dy, w, dx};
+      }
+    } catch (const dnnl::error&) {
+      made = Cached{};  // a shape oneDNN's inner product refuses: the matmul primitive runs it
     }
     if (cache.size() >= 512) cache.clear();
     it = cache.emplace(key, made).first;
@@ -256,6 +275,8 @@ bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
   const Cached k = it->second;
   lock.unlock();
   if (!k.primitive) return false;
+  for (Tensor* t : {&a, &b})
+    if (!dense_matrix(*t, false).dense) *t = dense_copy(*t);
   memory am(k.a, engine, a.raw_data()), bm(k.b, engine, b.raw_data()), cm(k.c, engine, c.raw_data());
   if (pass == InnerProductPass::BackwardWeights)
     k.primitive.execute(stream, {{DNNL_ARG_DIFF_DST, am}, {DNNL_ARG_SRC, bm}, {DNNL_ARG_DIFF_WEIGHTS, cm}});
