@@ -194,17 +194,20 @@ bool on_jit_gemm(const dnnl::primitive_desc_base& pd) {
   return std::string(pd.impl_info_str()).find("gemm:jit") != std::string::npos;
 }
 
-// Whether a 2-D view is a dense row-major matrix or the transpose of one; a single row or
-// column is dense whatever its other stride.
+// Whether a 2-D view is a dense row-major matrix or the transpose of one: layout_of's row-
+// or column-major with a leading dimension of exactly the width (a single row or column is
+// dense whatever its other stride).
 struct DenseMatrix {
   bool dense = false;
   bool transposed = false;  // the logical operand is the stored matrix's transpose
 };
 DenseMatrix dense_matrix(const Tensor& t, bool transpose) {
   const int64_t R = t.shape()[0], C = t.shape()[1];
-  const int64_t sr = t.strides()[0], sc = t.strides()[1];
-  if ((sc == 1 || C == 1) && (sr == C || R == 1)) return {true, transpose};
-  if ((sr == 1 || R == 1) && (sc == R || C == 1)) return {true, !transpose};
+  switch (layout_of(t)) {
+    case Layout::RowMajor: return {R == 1 || t.strides()[0] == C, transpose};
+    case Layout::ColumnMajor: return {C == 1 || t.strides()[1] == R, !transpose};
+    case Layout::Strided: break;
+  }
   return {};
 }
 
@@ -289,12 +292,13 @@ bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
 }  // namespace
 
 // Which engine runs a GEMM. bf16 operands: oneDNN's matmul primitive (oneDNN 2.6 has no
-// BLAS-like bf16 GEMM), unless inner_product_gemm takes it. fp32 x @ W^T (a linear layer's forward, W stored (out, in)) also takes the
-// primitive: oneDNN's sgemm runs this NT case 10-35% below its NN and TN cases on these
-// shapes (measured on Zen 4 at M = 256 and 1024: the MLP's down projection, K = 3072, at
-// 130-167 GFLOP/s against 200-212 for the same shape through the primitive), while the
-// primitive is slower than sgemm for the backward's NN and TN. Small M (decoding) stays
-// on sgemm: a primitive per shape costs more than such a GEMM.
+// BLAS-like bf16 GEMM), unless inner_product_gemm takes it. fp32 x @ W^T (a linear layer's
+// forward, W stored (out, in)) also takes the primitive: oneDNN's sgemm runs this NT case
+// 10-35% below its NN and TN cases on these shapes (measured on Zen 4 at M = 256 and 1024:
+// the MLP's down projection, K = 3072, at 130-167 GFLOP/s against 200-212 for the same
+// shape through the primitive), while the primitive is slower than sgemm for the
+// backward's NN and TN. Small M (decoding) stays on sgemm: a primitive per shape costs
+// more than such a GEMM.
 namespace {
 bool gemm_on_matmul_primitive(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c) {
   if (a.dtype() == DType::BF16) return true;
@@ -377,12 +381,13 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
 }
 
 // A bf16 tile GEMM for kernels that run their own OpenMP threads (attention), on the
-// matmul primitive (tiles are strided views, which the inner product does not take). Each primitive is made for one
-// thread (oneDNN sizes its blocking and scratchpad by the thread count it sees when the
-// primitive is made), so inside a parallel region it runs on the calling thread; outside
-// one it runs on one thread too. Each thread keeps its own primitives, stream and one
-// scratchpad (user-managed, so no two threads share oneDNN's), keyed by the tile's shape,
-// layout, alpha and beta: an attention call uses at most a few dozen.
+// matmul primitive (tiles are strided views, which the inner product does not take). Each
+// primitive is made for one thread (oneDNN sizes its blocking and scratchpad by the thread
+// count it sees when the primitive is made), so inside a parallel region it runs on the
+// calling thread; outside one it runs on one thread too. Each thread keeps its own
+// primitives, stream and one scratchpad (user-managed, so no two threads share oneDNN's),
+// keyed by the tile's shape, layout, alpha and beta: an attention call uses at most a few
+// dozen.
 void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
                     const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   using dnnl::memory;
