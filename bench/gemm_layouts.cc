@@ -46,6 +46,25 @@ double median_ms(std::vector<double> v) {
   return v[v.size() / 2] * 1e3;
 }
 
+// Rounds for a GEMM with `rows` output rows: fewer for the head's 50k-row ones.
+int rounds_for(int64_t rows, int scale) { return (rows > 10000 ? 6 : 30) * scale; }
+
+// Each of `runs` once to warm up (JIT, first touch), then once per round in order for
+// `rounds` rounds, so a neighbour's burst slows them alike; each one's median in ms.
+std::vector<double> alternating_medians(int rounds, const std::vector<std::function<void()>>& runs) {
+  for (const auto& f : runs) f();
+  std::vector<std::vector<double>> seconds(runs.size());
+  for (int r = 0; r < rounds; ++r)
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const double t0 = seconds_now();
+      runs[i]();
+      seconds[i].push_back(seconds_now() - t0);
+    }
+  std::vector<double> medians;
+  for (const auto& t : seconds) medians.push_back(median_ms(t));
+  return medians;
+}
+
 // A row-major (rows, cols) descriptor, or its transpose read through swapped strides.
 memory::desc matrix(int64_t rows, int64_t cols, DataType type, bool transposed, int64_t ld) {
   return memory::desc({rows, cols}, type, transposed ? memory::dims{1, ld} : memory::dims{ld, 1});
@@ -101,23 +120,13 @@ void transposed_against_dense(const dnnl::engine& engine, dnnl::stream& stream, 
           for (int64_t i = i0; i < std::min(s.M, i0 + 32); ++i)
             for (int64_t k = k0; k < std::min(s.K, k0 + 32); ++k) dy_t[i * s.K + k] = dy[k * s.M + i];
     };
-    run(view, engine, stream, dy.data(), x.data(), dw.data());
-    run(dense, engine, stream, dy_t.data(), x.data(), dw.data());
-    std::vector<double> t_view, t_dense, t_transpose;
-    const int reps = (s.M > 10000 ? 6 : 30) * scale;
-    for (int r = 0; r < reps; ++r) {
-      const double t0 = seconds_now();
-      run(view, engine, stream, dy.data(), x.data(), dw.data());
-      const double t1 = seconds_now();
-      transpose();
-      const double t2 = seconds_now();
-      run(dense, engine, stream, dy_t.data(), x.data(), dw.data());
-      const double t3 = seconds_now();
-      t_view.push_back(t1 - t0), t_transpose.push_back(t2 - t1), t_dense.push_back(t3 - t2);
-    }
+    const std::vector<double> ms =
+        alternating_medians(rounds_for(s.M, scale), {[&] { run(view, engine, stream, dy.data(), x.data(), dw.data()); },
+                                                     transpose,
+                                                     [&] { run(dense, engine, stream, dy_t.data(), x.data(), dw.data()); }});
     std::printf("   %-14s M %5lld N %4lld K %4lld: view %7.3f | dense %7.3f + transpose %6.3f\n", s.name,
-                static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K),
-                median_ms(t_view), median_ms(t_dense), median_ms(t_transpose));
+                static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K), ms[0], ms[2],
+                ms[1]);
   }
 }
 
@@ -130,20 +139,12 @@ void accumulate_against_write(const dnnl::engine& engine, dnnl::stream& stream, 
       const memory::desc a = matrix(s.M, s.K, type, true, s.M), b = matrix(s.K, s.N, type, false, s.N);
       const memory::desc c = matrix(s.M, s.N, DataType::f32, false, s.N);
       const Gemm accumulate = make_gemm(engine, a, b, c, 1.f), write = make_gemm(engine, a, b, c, 0.f);
-      run(accumulate, engine, stream, dy.data(), x.data(), dw.data());
-      run(write, engine, stream, dy.data(), x.data(), dw.data());
-      std::vector<double> t_acc, t_write;
-      const int reps = (s.M > 10000 ? 6 : 30) * scale;
-      for (int r = 0; r < reps; ++r) {
-        const double t0 = seconds_now();
-        run(accumulate, engine, stream, dy.data(), x.data(), dw.data());
-        const double t1 = seconds_now();
-        run(write, engine, stream, dy.data(), x.data(), dw.data());
-        t_acc.push_back(t1 - t0), t_write.push_back(seconds_now() - t1);
-      }
+      const std::vector<double> ms =
+          alternating_medians(rounds_for(s.M, scale), {[&] { run(accumulate, engine, stream, dy.data(), x.data(), dw.data()); },
+                                                       [&] { run(write, engine, stream, dy.data(), x.data(), dw.data()); }});
       std::printf("   %-4s %-14s K %4lld: accumulate %7.3f | write %7.3f (%+.0f%%)\n",
-                  type == DataType::bf16 ? "bf16" : "fp32", s.name, static_cast<long long>(s.K), median_ms(t_acc),
-                  median_ms(t_write), 100.0 * (median_ms(t_acc) / median_ms(t_write) - 1.0));
+                  type == DataType::bf16 ? "bf16" : "fp32", s.name, static_cast<long long>(s.K), ms[0], ms[1],
+                  100.0 * (ms[0] / ms[1] - 1.0));
     }
   }
 }
@@ -178,22 +179,12 @@ void inner_product_against_matmul(const dnnl::engine& engine, dnnl::stream& stre
         ip.execute(stream, {{DNNL_ARG_SRC, m_src}, {DNNL_ARG_DIFF_DST, m_dy}, {DNNL_ARG_DIFF_WEIGHTS, m_dw}});
       stream.wait();
     };
-    run(view, engine, stream, dy.data(), x.data(), dw.data());
-    run_ip(false), run_ip(true);
-    std::vector<double> t_view, t_ip, t_ip_bias;
-    const int reps = (s.M > 10000 ? 6 : 30) * scale;
-    for (int r = 0; r < reps; ++r) {
-      const double t0 = seconds_now();
-      run(view, engine, stream, dy.data(), x.data(), dw.data());
-      const double t1 = seconds_now();
-      run_ip(false);
-      const double t2 = seconds_now();
-      run_ip(true);
-      t_view.push_back(t1 - t0), t_ip.push_back(t2 - t1), t_ip_bias.push_back(seconds_now() - t2);
-    }
+    const std::vector<double> ms =
+        alternating_medians(rounds_for(s.M, scale), {[&] { run(view, engine, stream, dy.data(), x.data(), dw.data()); },
+                                                     [&] { run_ip(false); }, [&] { run_ip(true); }});
     std::printf("   %-14s M %5lld N %4lld K %4lld: matmul %7.3f | inner product %7.3f (%s) | with bias %7.3f\n",
-                s.name, static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K),
-                median_ms(t_view), median_ms(t_ip), ip_pd.impl_info_str(), median_ms(t_ip_bias));
+                s.name, static_cast<long long>(s.M), static_cast<long long>(s.N), static_cast<long long>(s.K), ms[0],
+                ms[1], ip_pd.impl_info_str(), ms[2]);
   }
 }
 
@@ -271,19 +262,10 @@ void matmul_against_inner_product(const dnnl::engine& engine, dnnl::stream& stre
     const std::string passes[] = {std::string("forward, ") + (l.y_type == bf16 ? "bf16" : "fp32") + " y",
                                   std::string("dx, ") + (l.dx_type == bf16 ? "bf16" : "fp32"), "dW, fp32"};
     for (int pass = 0; pass < 3; ++pass) {
-      matmuls[pass](), inner_products[pass]();
-      std::vector<double> t_matmul, t_ip;
-      const int reps = (l.out > 10000 ? 6 : 30) * scale;
-      for (int r = 0; r < reps; ++r) {
-        const double t0 = seconds_now();
-        matmuls[pass]();
-        const double t1 = seconds_now();
-        inner_products[pass]();
-        t_matmul.push_back(t1 - t0), t_ip.push_back(seconds_now() - t1);
-      }
+      const std::vector<double> ms = alternating_medians(rounds_for(l.out, scale), {matmuls[pass], inner_products[pass]});
       std::printf("   %-14s %4lld tokens %-16s: matmul %7.3f (%3.0f) | inner product %7.3f (%3.0f)\n", l.name,
-                  static_cast<long long>(l.tokens), passes[pass].c_str(), median_ms(t_matmul),
-                  gflop / median_ms(t_matmul) * 1e3, median_ms(t_ip), gflop / median_ms(t_ip) * 1e3);
+                  static_cast<long long>(l.tokens), passes[pass].c_str(), ms[0], gflop / ms[0] * 1e3, ms[1],
+                  gflop / ms[1] * 1e3);
     }
   }
 }
