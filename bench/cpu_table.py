@@ -50,6 +50,20 @@ def mib(b):
     return f"{b / 2**20:.0f}"
 
 
+def write_block(results_path, block, heading):
+    """Puts the lines `block` (its first and last lines the begin and end markers) in place of
+    the text between those markers in results_path, or at its end under `heading` the first
+    time; prints the block."""
+    begin, end = block[0], block[-1]
+    text = open(results_path).read()
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + "\n".join(block) + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + f"\n\n## {heading}\n\n" + "\n".join(block) + "\n"
+    open(results_path, "w").write(text)
+    print("\n".join(block))
+
+
 def main():
     if sys.argv[1:] == ["--kind"]:
         print(kind())
@@ -96,13 +110,7 @@ def main():
              "% of GEMM peak: the model's training FLOPs (6N + 6LCT per token) per second over the peak of the "
              "run's precision.",
              end]
-    text = open(sys.argv[2]).read()
-    if begin in text and end in text:
-        text = text[:text.index(begin)] + "\n".join(block) + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + f"\n\n## CPU training against PyTorch on the {this_kind} kind of machine (issue 12, bench/run_cpu.sh)\n\n" + "\n".join(block) + "\n"
-    open(sys.argv[2], "w").write(text)
-    print("\n".join(block))
+    write_block(sys.argv[2], block, f"CPU training against PyTorch on the {this_kind} kind of machine (issue 12, bench/run_cpu.sh)")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,8 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 steps="${1:-10}"
 threads="${2:-2}"
 rounds="${3:-4}"
-[ -x "$root/build/bench/bench_w1" ] || bash "$root/scripts/build.sh"
-/usr/bin/python3 -c "import torch" 2>/dev/null || bash "$root/scripts/setup.sh" --torch
-export OPENBLAS_CORETYPE="${OPENBLAS_CORETYPE:-SkylakeX}"  # see run_w1.sh
+source "$root/bench/common.sh"
+prepare_peers bench/bench_w1
 for round in $(seq "$rounds"); do
   OMP_NUM_THREADS="$threads" "$root/build/bench/bench_w1" "$steps" "$threads" llama3-d6
   OMP_NUM_THREADS="$threads" /usr/bin/python3 "$root/bench/llama_torch.py" "$steps" "$threads"

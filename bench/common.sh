@@ -1,0 +1,28 @@
+# Sourced by the bench/run_*.sh scripts that time tally against PyTorch; $root is the
+# repository.
+
+# prepare_peers BINARY: builds tally if BINARY (under build/) is missing and installs
+# Debian's PyTorch if /usr/bin/python3 has none. Debian's OpenBLAS does not recognize every
+# CPU (on a Sapphire Rapids VM it picks its generic "Prescott" kernels, ~25 GFLOP/s), so
+# PyTorch gets its AVX-512 kernels by name unless the caller set a core type.
+prepare_peers() {
+  [ -x "$root/build/$1" ] || bash "$root/scripts/build.sh"
+  /usr/bin/python3 -c "import torch" 2>/dev/null || bash "$root/scripts/setup.sh" --torch
+  export OPENBLAS_CORETYPE="${OPENBLAS_CORETYPE:-SkylakeX}"
+}
+
+# record OUT TAGS COMMAND...: runs COMMAND, adds the fields of the JSON object TAGS to the
+# last line it prints (a JSON object), appends that to OUT and echoes it. A command that
+# ends without printing one stops the script, naming the command.
+record() {
+  local out="$1" tags="$2"; shift 2
+  local line
+  line="$("$@" 2>/dev/null | tail -1)" || true
+  if ! TAGS="$tags" /usr/bin/python3 -c \
+      "import json, os, sys; r = json.loads(sys.stdin.read()); r.update(json.loads(os.environ['TAGS'])); print(json.dumps(r))" \
+      <<< "$line" >> "$out" 2>/dev/null; then
+    echo "$(basename "$0"): no JSON line from: $*" >&2
+    exit 1
+  fi
+  tail -1 "$out"
+}
