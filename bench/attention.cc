@@ -4,17 +4,22 @@
 // model's layers. Prints the tile products' FLOPs (what the blocked kernel multiplies,
 // masked diagonal parts included, backward's recomputed scores included), the causal
 // FLOPs (only j <= t), and their rate against the GEMM peak measured in the same run:
-// what attention costs beyond its arithmetic.
+// what attention costs beyond its arithmetic; then one JSON line with the same times and
+// the memory attention takes above its inputs in the warm-up round: the ledger's peak
+// (exact bytes) and the growth of the process's peak RSS, measured as the peer
+// (bench/attention_torch.py) measures its own. bench/run_attention_scan.sh runs both over T.
 //   bench_attention [rounds=5] [--batch B] [--seq T] [--heads H] [--head-dim D] [--layers L] [--dtype fp32|bf16]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "autograd/engine.h"
 #include "core/random.h"
+#include "memory/ledger.h"
 #include "ops/ops.h"
 #include "runtime/backend.h"
 #include "runtime/cpu/kernels.h"
@@ -43,6 +48,22 @@ double tile_products_per_head(int64_t T, int64_t D, int products) {
     macs += static_cast<double>(rows) * static_cast<double>(t0 + rows) * static_cast<double>(D);
   }
   return 2.0 * products * macs;
+}
+
+// VmHWM: the process's peak RSS since the last reset, in bytes.
+int64_t peak_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  std::fprintf(stderr, "bench_attention: no VmHWM in /proc/self/status\n");
+  std::exit(1);
+}
+
+// Resets VmHWM to the current RSS (Linux 4.0 on), so the next reading is this phase's peak.
+void reset_peak_rss() {
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
 }
 
 struct Stats {
@@ -97,15 +118,29 @@ int main(int argc, char** argv) {
 
   const double peak = runtime::backend(Device::cpu()).measured_gemm_peak_flops(bf16 ? DType::BF16 : DType::F32);
   std::vector<double> forward_ms, backward_ms;
+  memory::Ledger& ledger = runtime::ledger();
+  int64_t ledger_growth = 0, rss_growth = 0;
   for (int r = 0; r < rounds + 1; ++r) {  // the first round warms caches and primitives
+    int64_t allocated_before = 0, rss_before = 0;
+    if (r == 0) {  // and its peak above the inputs is the memory figure
+      allocated_before = ledger.stats().allocated;
+      ledger.reset_peaks();
+      reset_peak_rss();
+      rss_before = peak_rss_bytes();  // the RSS the peak was reset to
+    }
     std::vector<Tensor> outs;
     const double t0 = now_s();
     for (int64_t l = 0; l < L; ++l) outs.push_back(run_layer(l));
     const double t1 = now_s();
     for (int64_t l = L - 1; l >= 0; --l) autograd::backward({outs[l]}, {dout[l]});
     const double t2 = now_s();
+    outs.clear();
     for (Tensor& x : qkv) x.discard_grad();
-    if (r == 0) continue;
+    if (r == 0) {
+      ledger_growth = ledger.stats().peak_allocated - allocated_before;
+      rss_growth = peak_rss_bytes() - rss_before;
+      continue;
+    }
     forward_ms.push_back((t1 - t0) * 1e3);
     backward_ms.push_back((t2 - t1) * 1e3);
   }
@@ -130,5 +165,14 @@ int main(int argc, char** argv) {
         row.pass, row.s.min_ms, row.s.median_ms, tiles / 1e9, causal / 1e9, tiles / (row.s.min_ms * 1e-3) / 1e9,
         100.0 * floor_ms / row.s.min_ms, floor_ms);
   }
+  const Stats f = stats(forward_ms), b = stats(backward_ms);
+  std::printf(
+      "{\"system\": \"tally\", \"forward_min_ms\": %.2f, \"forward_median_ms\": %.2f, \"backward_min_ms\": %.2f, "
+      "\"backward_median_ms\": %.2f, \"ledger_peak_growth_bytes\": %lld, \"peak_growth_bytes\": %lld, "
+      "\"gemm_peak_gflops\": %.0f, \"batch\": %lld, \"seq\": %lld, \"heads\": %lld, \"head_dim\": %lld, "
+      "\"layers\": %lld, \"dtype\": \"%s\"}\n",
+      f.min_ms, f.median_ms, b.min_ms, b.median_ms, static_cast<long long>(ledger_growth),
+      static_cast<long long>(rss_growth), peak / 1e9, static_cast<long long>(B), static_cast<long long>(T),
+      static_cast<long long>(H), static_cast<long long>(D), static_cast<long long>(L), dtype.c_str());
   return 0;
 }

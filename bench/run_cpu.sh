@@ -10,15 +10,16 @@
 # The raw JSON lines go to bench/cpu_runs_KIND.jsonl (one per run; KIND is amd or intel, the
 # two kinds of machine issue 12 names); RESULTS.md gets the table between that kind's
 # "cpu-bench" markers, so each kind keeps its latest table. BENCH_WORKS="W1 W3" runs a subset.
+# Then the long-sequence scan of attention alone (bench/run_attention_scan.sh, two rounds,
+# about 11 minutes more; its own table in RESULTS.md); BENCH_SCAN=0 leaves it out.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 rounds="${1:-3}"
 steps="${2:-3}"
 threads="${3:-2}"
 works="${BENCH_WORKS:-W1 W1-bf16 W3 W3-bf16}"
-[ -x "$root/build/bench/bench_w1" ] || bash "$root/scripts/build.sh"
-/usr/bin/python3 -c "import torch" 2>/dev/null || bash "$root/scripts/setup.sh" --torch
-export OPENBLAS_CORETYPE="${OPENBLAS_CORETYPE:-SkylakeX}"  # see run_w1.sh
+source "$root/bench/common.sh"
+prepare_peers bench/bench_w1
 export OMP_NUM_THREADS="$threads"
 out="$root/bench/cpu_runs_$(python3 "$root/bench/cpu_table.py" --kind).jsonl"
 : > "$out"
@@ -31,20 +32,16 @@ shape() {  # the flags of a work's shape and precision
     *) echo "bench/run_cpu.sh: unknown work '$1' (W1, W1-bf16, W3, W3-bf16)" >&2; exit 2 ;;
   esac
 }
-record() {  # runs a command, tags its JSON line with the work and round, appends it
-  local work="$1" round="$2"; shift 2
-  local line
-  line="$("$@" 2>/dev/null | tail -1)"
-  echo "$line" | /usr/bin/python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['work']='$work'; r['round']=$round; print(json.dumps(r))" >> "$out"
-  tail -1 "$out"
-}
 for round in $(seq "$rounds"); do
   for work in $works; do
     flags="$(shape "$work")"
     # shellcheck disable=SC2086
-    record "$work" "$round" "$root/build/bench/bench_w1" "$steps" "$threads" gpt2 $flags
+    record "$out" "{\"work\": \"$work\", \"round\": $round}" "$root/build/bench/bench_w1" "$steps" "$threads" gpt2 $flags
     # shellcheck disable=SC2086
-    record "$work" "$round" /usr/bin/python3 "$root/bench/w1_torch.py" "$steps" "$threads" $flags
+    record "$out" "{\"work\": \"$work\", \"round\": $round}" /usr/bin/python3 "$root/bench/w1_torch.py" "$steps" "$threads" $flags
   done
 done
 python3 "$root/bench/cpu_table.py" "$out" "$root/bench/RESULTS.md"
+if [ "${BENCH_SCAN:-1}" != 0 ]; then
+  bash "$root/bench/run_attention_scan.sh" 2 "$threads"
+fi
