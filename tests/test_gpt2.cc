@@ -93,6 +93,15 @@ TEST(Gpt2Parity, ChunkedLossMatchesPyTorchLossAndEveryGradient) {
   }
 }
 
+// --chunked-loss's chunk: 32 MiB of fp32 logits, but never under 128 rows, where the head's
+// GEMMs slow down (transformer.h has the measurements).
+TEST(ChunkedLoss, ThirtyTwoMiBOfLogitsButNeverFewerThan128Rows) {
+  EXPECT_EQ(nn::Transformer::default_loss_chunk_rows(50304), 166);   // GPT-2: 32 MiB / (4 x 50,304)
+  EXPECT_EQ(nn::Transformer::default_loss_chunk_rows(128256), 128);  // LLaMA-3: 65 rows of 32 MiB
+  EXPECT_EQ(nn::Transformer::default_loss_chunk_rows(65536), 128);   // exactly 128 rows of 32 MiB
+  EXPECT_EQ(nn::Transformer::default_loss_chunk_rows(256), 32768);   // a test model's vocabulary
+}
+
 TEST(Gpt2Parity, TenAdamWStepsMatchPyTorchLosses) {
   auto m = tiny_model();
   optim::AdamWConfig ac{0.9, 0.999, 1e-8, 0.01, /*decay_all=*/true};

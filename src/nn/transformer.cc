@@ -517,7 +517,7 @@ void Transformer::set_loss_chunk_rows(int64_t rows) {
 }
 
 int64_t Transformer::default_loss_chunk_rows(int64_t padded_vocab) {
-  return std::max<int64_t>(1, (int64_t{32} << 20) / (4 * std::max<int64_t>(padded_vocab, 1)));
+  return std::max<int64_t>(128, (int64_t{32} << 20) / (4 * std::max<int64_t>(padded_vocab, 1)));
 }
 
 void Transformer::set_matmul_dtype(DType dtype) {
