@@ -1,7 +1,8 @@
 // Causal attention on CPU, blocked as FlashAttention-2 is: tiles of Bq queries x Bk keys,
 // each product a small GEMM, with an online softmax, so the (T,T) score matrix is never
-// stored. Memory beyond the inputs and outputs: lse[b,h,t] (kept for backward) and a few
-// (Bq x Bk) tiles per thread.
+// stored. Memory beyond the inputs and outputs: lse[b,h,t] (kept for backward), a few
+// (Bq x Bk) tiles per thread, and under bf16 one kv head's dk and dv accumulators per
+// thread in backward (2 Tk D floats: linear in T).
 //
 //   s_tj = scale * q_t . k_j  (j <= t),  p_tj = softmax_j(s_tj),  o_t = sum_j p_tj v_j
 // Forward, per query tile, over the key tiles it sees: S = scale Q K^T, then per row the
@@ -20,8 +21,9 @@
 // tile (a bf16 dO is copied into a dense tile); the softmax statistics, D and every sum
 // stay fp32, and the output is rounded once, from its fp32 accumulator. Every bf16 tile
 // product reads and writes dense tiles (the op copies q, k, v into head-major storage;
-// score tiles are as wide as their rows; gradient terms go through a dense tile):
-// oneDNN's AMX and AVX512-BF16 kernels take nothing else.
+// score tiles are as wide as their rows; dq accumulates per query tile, dk and dv per kv
+// head, in dense fp32 buffers added into the gradients' rows once): oneDNN's AMX and
+// AVX512-BF16 kernels take nothing else.
 //
 // Forward runs (batch, head, query tile) items in parallel. Backward runs (batch, kv head)
 // items: the query heads that share a kv head (GQA) and every tile of them run in the same
@@ -127,7 +129,7 @@ template <class In, class T, class F> void dispatch_output(const Tensor& out, co
 }
 
 // Scratch of Elem that only mixed precision (In != T) uses: the rounded operands of
-// as_operand (Elem = In) and the dense result tiles of tile_accumulate and dq (Elem = T).
+// as_operand (Elem = In) and the dense accumulators of dq, dk and dv (Elem = T).
 // Empty when In is T: nothing is rounded, and the tile GEMMs accumulate in place.
 template <class Elem, class In, class T> std::vector<Elem> mixed_precision_scratch(int64_t elements) {
   return std::vector<Elem>(std::is_same_v<In, T> ? 0 : static_cast<size_t>(elements));
@@ -166,21 +168,6 @@ template <class T> void add_rows(T* dst, int64_t ld, const T* src, int64_t rows,
     const T* s = src + i * cols;
 #pragma omp simd
     for (int64_t c = 0; c < cols; ++c) d[c] += s[c];
-  }
-}
-
-// C (m x n, row stride ldc: a gradient's rows) += alpha op(A) op(B). fp32 and fp64 tile
-// GEMMs take any stride and accumulate in place. bf16's must write a dense result (see
-// tile_gemm_bf16): it goes to `term` (m x n) and is added into C row by row, a pass over
-// one tile in cache, so the scratch stays one tile per thread whatever the length.
-template <class In, class T>
-void tile_accumulate(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const In* a, int64_t lda,
-                     const In* b, int64_t ldb, T* c, int64_t ldc, std::vector<T>& term) {
-  if constexpr (std::is_same_v<In, T>) {
-    tile_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, T(1), c, ldc);
-  } else {
-    tile_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, T(0), term.data(), n);
-    add_rows(c, ldc, term.data(), m, n);
   }
 }
 
@@ -304,11 +291,17 @@ void backward_tiles(const Tensor& dq, const Tensor& dk, const Tensor& dv, const 
   {
     std::vector<T> p(static_cast<size_t>(kBlockQ * kBackwardBlockK)), dp(static_cast<size_t>(kBlockQ * kBackwardBlockK));
     std::vector<T> delta(static_cast<size_t>(kBlockQ));  // D for the query tile's rows
-    // bf16: dq accumulates over a query tile's key tiles in a dense tile, added once the
-    // tile is complete; dk and dv terms go through `term` (tile_accumulate).
+    // bf16 tile products write dense results only. dq accumulates over a query tile's key
+    // tiles in a dense tile, added into its rows once the tile is complete; dk and dv over
+    // every query tile of the kv head's query heads in dense (Tk, D) buffers, added into
+    // their rows once the item is done. (A dense term per tile added into the strided rows
+    // at once cost bf16's backward 7-10% at T = 8192.) fp32 and fp64 tile GEMMs take any
+    // stride and accumulate into the gradients' rows in place.
     constexpr bool kDenseResults = !std::is_same_v<In, T>;
-    std::vector<T> term = mixed_precision_scratch<T, In, T>(kBackwardBlockK * g.D);
     std::vector<T> dq_acc = mixed_precision_scratch<T, In, T>(kBlockQ * g.D);
+    std::vector<T> dk_acc = mixed_precision_scratch<T, In, T>(g.Tk * g.D);
+    std::vector<T> dv_acc = mixed_precision_scratch<T, In, T>(g.Tk * g.D);
+    const int64_t ld_dkv_into = kDenseResults ? g.D : ld_kv;
     std::vector<In> p_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kBackwardBlockK);
     std::vector<In> ds_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * kBackwardBlockK);
     std::vector<In> do_rounded = mixed_precision_scratch<In, In, T>(kBlockQ * g.D);
@@ -317,6 +310,10 @@ void backward_tiles(const Tensor& dq, const Tensor& dk, const Tensor& dv, const 
       for (int64_t kvh = 0; kvh < g.KV; ++kvh) {
         if (errors.failed()) continue;
         try {
+          T* dk_item = pdk + b * g.Tk * ld_kv + kvh * g.D;  // this kv head's rows of dk and dv
+          T* dv_item = pdv + b * g.Tk * ld_kv + kvh * g.D;
+          std::fill(dk_acc.begin(), dk_acc.end(), T(0));
+          std::fill(dv_acc.begin(), dv_acc.end(), T(0));
           for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
             const T* lrow = pl + (b * g.H + h) * g.Tq;
             for (int64_t t0 = 0; t0 < g.Tq; t0 += kBlockQ) {
@@ -338,8 +335,8 @@ void backward_tiles(const Tensor& dq, const Tensor& dk, const Tensor& dv, const 
                 const int64_t cols = std::min(kBackwardBlockK, seen - j0);
                 const In* ktile = pk + b * g.kb + j0 * g.kt + kvh * g.kh;
                 const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
-                T* dktile = pdk + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
-                T* dvtile = pdv + ((b * g.Tk + j0) * g.KV + kvh) * g.D;
+                T* dk_into = kDenseResults ? dk_acc.data() + j0 * g.D : dk_item + j0 * ld_kv;
+                T* dv_into = kDenseResults ? dv_acc.data() + j0 * g.D : dv_item + j0 * ld_kv;
                 // P = exp(scale Q K^T - lse), masked; the score tiles are dense (rows of cols)
                 tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), p.data(), cols);
                 for (int64_t i = 0; i < rows; ++i) {
@@ -351,7 +348,7 @@ void backward_tiles(const Tensor& dq, const Tensor& dk, const Tensor& dv, const 
                 }
                 // dV += P^T dO;  dP = dO V^T
                 const TileOperand<In> pt = as_operand(p.data(), cols, rows, cols, p_rounded);
-                tile_accumulate<In>(true, false, cols, g.D, rows, T(1), pt.data, pt.ld, dotile.data, dotile.ld, dvtile, ld_kv, term);
+                tile_gemm(true, false, cols, g.D, rows, T(1), pt.data, pt.ld, dotile.data, dotile.ld, T(1), dv_into, ld_dkv_into);
                 tile_gemm(false, true, rows, cols, g.D, T(1), dotile.data, dotile.ld, vtile, g.vt, T(0), dp.data(), cols);
                 // dS = P o (dP - D), in place of dP (masked entries have P = 0)
                 for (int64_t i = 0; i < rows; ++i) {
@@ -364,10 +361,14 @@ void backward_tiles(const Tensor& dq, const Tensor& dk, const Tensor& dv, const 
                 // dQ += scale dS K;  dK += scale dS^T Q
                 const TileOperand<In> ds = as_operand(dp.data(), cols, rows, cols, ds_rounded);
                 tile_gemm(false, false, rows, g.D, cols, scale, ds.data, ds.ld, ktile, g.kt, T(1), dq_into, ld_dq_into);
-                tile_accumulate<In>(true, false, cols, g.D, rows, scale, ds.data, ds.ld, qtile, g.qt, dktile, ld_kv, term);
+                tile_gemm(true, false, cols, g.D, rows, scale, ds.data, ds.ld, qtile, g.qt, T(1), dk_into, ld_dkv_into);
               }
               if constexpr (kDenseResults) add_rows(dqtile, ld_q, dq_acc.data(), rows, g.D);
             }
+          }
+          if constexpr (kDenseResults) {
+            add_rows(dk_item, ld_kv, dk_acc.data(), g.Tk, g.D);
+            add_rows(dv_item, ld_kv, dv_acc.data(), g.Tk, g.D);
           }
         } catch (...) {
           errors.keep(std::current_exception());
