@@ -13,13 +13,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include "autograd/engine.h"
 #include "core/random.h"
 #include "memory/ledger.h"
+#include "memory/process.h"
 #include "ops/ops.h"
 #include "runtime/backend.h"
 #include "runtime/cpu/kernels.h"
@@ -48,22 +48,6 @@ double tile_products_per_head(int64_t T, int64_t D, int products) {
     macs += static_cast<double>(rows) * static_cast<double>(t0 + rows) * static_cast<double>(D);
   }
   return 2.0 * products * macs;
-}
-
-// VmHWM: the process's peak RSS since the last reset, in bytes.
-int64_t peak_rss_bytes() {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  std::fprintf(stderr, "bench_attention: no VmHWM in /proc/self/status\n");
-  std::exit(1);
-}
-
-// Resets VmHWM to the current RSS (Linux 4.0 on), so the next reading is this phase's peak.
-void reset_peak_rss() {
-  std::ofstream out("/proc/self/clear_refs");
-  out << "5";
 }
 
 struct Stats {
@@ -126,8 +110,9 @@ int main(int argc, char** argv) {
     if (r == 0) {  // and its peak above the inputs is the memory figure
       allocated_before = ledger.stats().allocated;
       ledger.reset_peaks();
-      reset_peak_rss();
-      rss_before = peak_rss_bytes();  // the RSS the peak was reset to
+      memory::reset_peak_rss();
+      rss_before = memory::peak_rss_bytes();  // the RSS the peak was reset to
+      if (rss_before == 0) std::fprintf(stderr, "bench_attention: no VmHWM in /proc/self/status\n"), std::exit(1);
     }
     std::vector<Tensor> outs;
     const double t0 = now_s();
@@ -139,7 +124,7 @@ int main(int argc, char** argv) {
     for (Tensor& x : qkv) x.discard_grad();
     if (r == 0) {
       ledger_growth = ledger.stats().peak_allocated - allocated_before;
-      rss_growth = peak_rss_bytes() - rss_before;
+      rss_growth = memory::peak_rss_bytes() - rss_before;
       continue;
     }
     forward_ms.push_back((t1 - t0) * 1e3);

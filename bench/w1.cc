@@ -12,12 +12,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core/random.h"
+#include "memory/process.h"
 #include "memory/report.h"
 #include "nn/transformer.h"
 #include "runtime/backend.h"
@@ -27,15 +27,6 @@
 
 using namespace tally;
 
-namespace {
-int64_t peak_rss_bytes() {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  return -1;
-}
-}  // namespace
 
 int main(int argc, char** argv) {
   std::vector<std::string> positional;
@@ -136,7 +127,7 @@ int main(int argc, char** argv) {
       "\"pct_gemm_peak\": %.1f, \"peak_rss_bytes\": %lld, \"peak_allocated_bytes\": %lld, \"reserved_bytes\": %lld, "
       "\"live_after_forward_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d, \"batch\": %lld, \"seq\": %lld, \"dtype\": \"%s\", \"grads\": \"%s\"}\n",
       preset.c_str(), median, ms.front(), B * T / (median / 1e3), gemm_peak / 1e9, 100.0 * flops / (median / 1e3) / gemm_peak,
-      static_cast<long long>(peak_rss_bytes()), static_cast<long long>(ledger.stats().peak_allocated),
+      static_cast<long long>(memory::peak_rss_bytes()), static_cast<long long>(ledger.stats().peak_allocated),
       static_cast<long long>(ledger.stats().reserved), static_cast<long long>(live_after_forward),
       static_cast<long long>(model.num_parameters()), loss_value, threads, static_cast<long long>(B),
       static_cast<long long>(T), dtype.c_str(), zero_grads ? "zeroed" : "discarded");

@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <optional>
 #include <memory>
@@ -28,6 +27,7 @@
 #include "io/checkpoint.h"
 #include "io/hf_files.h"
 #include "io/model_files.h"
+#include "memory/process.h"
 #include "memory/report.h"
 #include "nn/transformer.h"
 #include "ops/ops.h"
@@ -192,15 +192,6 @@ std::string duration_str(double seconds) {
   else if (s >= 60) std::snprintf(buf, sizeof buf, "%lldm%02llds", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
   else std::snprintf(buf, sizeof buf, "%llds", static_cast<long long>(s));
   return buf;
-}
-
-// The process's resident-set high-water mark (VmHWM), or 0 where /proc does not say.
-int64_t peak_rss_bytes() {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
-  return 0;
 }
 
 // The full parameter block in its order, on every rank (ZeRO-3 gathers each unit).
@@ -630,7 +621,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     m.live_after_forward_bytes = live_after_forward;
     m.rank_predicted_peak_bytes = rank_planned_peaks;
     for (int64_t p : rank_planned_peaks) m.predicted_peak_bytes = std::max(m.predicted_peak_bytes, p);
-    m.peak_rss_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(peak_rss_bytes()), dist::ReduceOp::Max));
+    m.peak_rss_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(memory::peak_rss_bytes()), dist::ReduceOp::Max));
     m.tp_payload_bytes = world.tp_group().stats().payload_bytes - tp_bytes_before;
     if (c.profile_ops) m.ops = profiler::take();
     if (pipeline) {
