@@ -16,6 +16,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_table import kind, machine, mib, write_block  # noqa: E402
 
 
+def step(runs):
+    """Forward + backward (ms): the best over the runs, and the median of the runs' medians."""
+    return (min(r["forward_min_ms"] + r["backward_min_ms"] for r in runs),
+            statistics.median(r["forward_median_ms"] + r["backward_median_ms"] for r in runs))
+
+
 def main():
     this_kind = kind()
     begin, end = f"<!-- attention-scan:{this_kind}:begin -->", f"<!-- attention-scan:{this_kind}:end -->"
@@ -28,10 +34,6 @@ def main():
             if not mine:
                 continue
             peaks[dtype] += [r["gemm_peak_gflops"] for r in mine]
-
-            def step(rs):  # forward + backward: min over runs, median of the runs' medians
-                return (min(r["forward_min_ms"] + r["backward_min_ms"] for r in rs),
-                        statistics.median(r["forward_median_ms"] + r["backward_median_ms"] for r in rs))
             t_min, t_med = step(mine)
             t_mem = f"{mib(max(r['ledger_peak_growth_bytes'] for r in mine))} / {mib(max(r['peak_growth_bytes'] for r in mine))}"
             timed = [r for r in peer if "skipped" not in r]
