@@ -6,7 +6,10 @@
 // --dtype bf16 runs the GEMMs in bf16 (mixed precision, as `tally train --dtype bf16`).
 // After AdamW the gradients are discarded, as `tally train` does (the next backward
 // overwrites them); --zero-grads zeroes them in AdamW's pass instead, for comparison.
-//   bench_w1 [steps=10] [threads=2] [model=gpt2] [--batch B] [--seq T] [--dtype fp32|bf16] [--profile] [--zero-grads]
+// The gradient norm is summed during backward, as `tally train` does on one process
+// (optim/grad_norm.h); --norm-after-backward sums it in a pass of its own, for comparison.
+//   bench_w1 [steps=10] [threads=2] [model=gpt2] [--batch B] [--seq T] [--dtype fp32|bf16] [--profile]
+//            [--zero-grads] [--norm-after-backward]
 #include <omp.h>
 
 #include <algorithm>
@@ -22,8 +25,8 @@
 #include "nn/transformer.h"
 #include "runtime/backend.h"
 #include "runtime/profiler.h"
-#include "ops/ops.h"
 #include "optim/adamw.h"
+#include "optim/grad_norm.h"
 
 using namespace tally;
 
@@ -31,7 +34,7 @@ using namespace tally;
 int main(int argc, char** argv) {
   std::vector<std::string> positional;
   int64_t B = 4, T = 64;
-  bool profile = false, zero_grads = false;
+  bool profile = false, zero_grads = false, norm_after_backward = false;
   std::string dtype = "fp32";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -43,6 +46,7 @@ int main(int argc, char** argv) {
     else if (a == "--seq") T = value();
     else if (a == "--profile") profile = true;
     else if (a == "--zero-grads") zero_grads = true;
+    else if (a == "--norm-after-backward") norm_after_backward = true;
     else if (a == "--dtype") {
       if (i + 1 >= argc) std::fprintf(stderr, "bench_w1: --dtype needs fp32 or bf16\n"), std::exit(2);
       dtype = argv[++i];
@@ -60,6 +64,7 @@ int main(int argc, char** argv) {
   model.init_weights(1);
   if (dtype == "bf16") model.set_matmul_dtype(DType::BF16);
   optim::AdamW opt(model.params(), optim::AdamWConfig{0.9, 0.999, 1e-8, 0.0, false});
+  optim::BackwardGradientNorm backward_norm(model.params());
   Rng rng(2);
   std::vector<int32_t> toks(B * T + 1);
   for (auto& t : toks) t = static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(model.config().vocab_size));
@@ -87,11 +92,12 @@ int main(int argc, char** argv) {
     double t_fwd = since(t0);
     if (s == 0) live_after_forward = ledger.stats().allocated;
     phase.emplace("backward");
+    if (!norm_after_backward) backward_norm.arm();
     loss.backward();
     loss_value = loss.item();
     double t_bwd = since(t0);
     phase.emplace("optimizer");
-    double norm = ops::global_norm({model.params().flat_grads()});
+    const double norm = norm_after_backward ? optim::gradient_norm(model.params()) : backward_norm.finish();
     opt.step(1e-4, optim::clip_scale(norm, 1.0), zero_grads);
     if (!zero_grads) model.params().discard_grads();
     phase.reset();

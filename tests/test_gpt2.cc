@@ -23,6 +23,7 @@
 #include "nn/transformer.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
+#include "optim/grad_norm.h"
 #include "runtime/backend.h"
 #include "support.h"
 #include "train/trainer.h"
@@ -243,6 +244,47 @@ TEST(Gpt2Backward, EveryParameterIsAnnouncedFinalOnceInBackwardOrder) {
     EXPECT_EQ(rec.order.back(), "wte") << "the tied embedding is final only after the embedding's backward, "
                                           "not when the head (its first use in backward) is done";
   }
+}
+
+// The trainer sums the gradient norm during a step's last backward, each parameter's
+// gradient as the engine announces it final (optim/grad_norm.h), instead of in a pass of its
+// own after backward. The sum must be the norm of the gradients AdamW then reads, bit for
+// bit the per-parameter sum taken after backward, however a step reaches a gradient: a
+// GEMM writing it in place, the tied embedding's two uses, a recomputed layer's own
+// backward, an earlier microbatch's gradient the last one adds to, and a parameter the last
+// backward does not reach at all (summed by finish()). Against the flat block's sum, whose
+// fp32 blocks of 4096 straddle parameters, it agrees within the rounding of those partial
+// sums (~1e-7 relative): 1e-6.
+TEST(Gpt2Backward, TheNormSummedDuringBackwardIsTheNormOfTheFinalGradients) {
+  for (DType dtype : {DType::F32, DType::BF16})
+    for (nn::Recompute recompute : {nn::Recompute::None, nn::Recompute::Full}) {
+      auto m = tiny_model();
+      m->set_matmul_dtype(dtype);
+      m->set_recompute(recompute);
+      const nn::ParameterStore& params = m->params();
+      optim::BackwardGradientNorm during(params);
+      auto microbatch = [&] { m->forward(ref().at("x"), ref().at("y")).loss.backward(); };
+      for (int microbatches : {1, 2, 1}) {
+        const std::string tag = std::string(dtype_name(dtype)) + (recompute == nn::Recompute::Full ? ", full recompute" : "") +
+                                ", " + std::to_string(microbatches) + " microbatch(es)";
+        params.discard_grads();
+        for (int mb = 0; mb < microbatches; ++mb) {
+          if (mb + 1 == microbatches) during.arm();
+          microbatch();
+        }
+        const double norm = during.finish();
+        EXPECT_EQ(norm, optim::gradient_norm(params)) << tag;
+        EXPECT_NEAR(norm, ops::global_norm({params.flat_grads()}), 1e-6 * norm) << tag;
+        EXPECT_GT(norm, 0.0) << tag;
+      }
+      // The last backward reaches wpe only; every other gradient is the first microbatch's.
+      params.discard_grads();
+      microbatch();
+      during.arm();
+      const Tensor& wpe = params.get("wpe");
+      ops::sum(ops::mul(wpe, wpe)).backward();
+      EXPECT_EQ(during.finish(), optim::gradient_norm(params)) << dtype_name(dtype) << ", a last backward reaching wpe only";
+    }
 }
 
 // The trainer discards the gradients after AdamW instead of zeroing them (a pass writing

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "optim/grad_norm.h"
 #include "runtime/backend.h"
 
 namespace tally::dist {
@@ -208,7 +209,9 @@ void ZeroOptimizer::finish_microbatch() {
 
 double ZeroOptimizer::gradient_norm() {
   runtime::Backend& backend = runtime::backend(m_.device());
-  if (stage_ == 1) return std::sqrt(backend.sum_squares(params_.flat_grads()));
+  // Stage 1 holds the full all-reduced gradients, as plain data parallel does: the same
+  // per-parameter sum, so the two modes clip by the same bits.
+  if (stage_ == 1) return optim::gradient_norm(params_);
   return std::sqrt(group_.all_reduce_scalar(backend.sum_squares(grad_shard_), ReduceOp::Sum));
 }
 

@@ -32,6 +32,7 @@
 #include "nn/transformer.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
+#include "optim/grad_norm.h"
 #include "runtime/backend.h"
 #include "sanitizer/sanitizer.h"
 #include "train/plan.h"
@@ -355,6 +356,13 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     all_reduce = std::make_unique<dist::GradientAllReduce>(model->params(), dp_group,
                                                            static_cast<int64_t>(c.bucket_mb * (1 << 20)));
 
+  // One process's gradients are final once backward has written them, so their norm (what
+  // clipping needs before AdamW) is summed during the step's last backward, each gradient
+  // while it is still in cache, instead of in a pass of its own after it (optim/grad_norm.h).
+  // Data parallel's gradients change once more, in the all-reduce, and are summed after it.
+  std::optional<optim::BackwardGradientNorm> backward_norm;
+  if (!model_parallel && !zero && D == 1) backward_norm.emplace(model->params());
+
   data::TokenLoader train_loader(c.train_data, c.batch_size, c.seq_len, mc.vocab_size, "--train-data");
   std::unique_ptr<data::TokenLoader> val_loader;
   if (!c.val_data.empty()) val_loader = std::make_unique<data::TokenLoader>(c.val_data, c.batch_size, c.seq_len, mc.vocab_size, "--val-data");
@@ -558,6 +566,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
         }
         loss_sum += loss.item();  // R4: only the number escapes the microbatch
         phase.emplace("backward");
+        if (backward_norm && last) backward_norm->arm();
         (N * D == 1 ? loss : ops::scale(loss, 1.0 / static_cast<double>(N * D))).backward();
       }
       if (zero) zero->finish_microbatch();
@@ -574,7 +583,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     std::optional<profiler::PhaseScope> phase(std::in_place, "grad_norm");
     const double norm = model_parallel ? dist::model_parallel_gradient_norm(*model, world)
                         : zero         ? zero->gradient_norm()
-                                       : ops::global_norm({model->params().flat_grads()});
+                        : backward_norm ? backward_norm->finish()
+                                        : optim::gradient_norm(model->params());
     loss_sum = dp_group.all_reduce_scalar(loss_sum, dist::ReduceOp::Sum);
     const double lr = learning_rate(c, step);
     // A non-finite loss or gradient would silently turn every parameter into NaN.

@@ -319,16 +319,24 @@ double sum_squares(const Tensor& x) {
     using T = decltype(tag);
     const T* p = xc.data<T>();
     const int64_t n = xc.numel();
-    // Blocks of 4096 are summed in T with vector lanes (fast, and short enough that fp32
-    // rounding stays ~1e-7 relative); block sums accumulate in double.
-    constexpr int64_t kBlock = 4096;
+    // Blocks of 4096 are summed in T (short enough that fp32 rounding stays ~1e-7
+    // relative); block sums accumulate in double. Within a block, kLanes partial sums (four
+    // 512-bit vectors of fp32): one chain of dependent adds would wait on each add's
+    // latency, which a gradient still in cache after backward wrote it makes the limit
+    // (121 -> 181 GB/s on a 9 MB gradient in a Zen 4's L3; from DRAM both read at its ~31).
+    constexpr int64_t kBlock = 4096, kLanes = 64;
     const int64_t blocks = (n + kBlock - 1) / kBlock;
 #pragma omp parallel for reduction(+ : total) schedule(static) if (n > (1 << 16))
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t end = std::min(n, (b + 1) * kBlock);
+      const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
+      T lanes[kLanes] = {};
+      int64_t i = begin;
+      for (; i + kLanes <= end; i += kLanes)
+#pragma omp simd
+        for (int64_t l = 0; l < kLanes; ++l) lanes[l] += p[i + l] * p[i + l];
       T s = 0;
-#pragma omp simd reduction(+ : s)
-      for (int64_t i = b * kBlock; i < end; ++i) s += p[i] * p[i];
+      for (; i < end; ++i) s += p[i] * p[i];
+      for (int64_t l = 0; l < kLanes; ++l) s += lanes[l];
       total += static_cast<double>(s);
     }
   });

@@ -1,0 +1,51 @@
+#include "optim/grad_norm.h"
+
+#include <cmath>
+
+#include "runtime/backend.h"
+
+namespace tally::optim {
+
+namespace {
+// sum(g^2) of parameter i's gradient as it reads now (zeros if discarded and not written).
+double squares_of(const Tensor& param) {
+  const Tensor g = param.grad();
+  return g.defined() ? runtime::backend(g.device()).sum_squares(g) : 0.0;
+}
+}  // namespace
+
+double gradient_norm(const nn::ParameterStore& params) {
+  double total = 0;
+  for (size_t i = 0; i < params.size(); ++i) total += squares_of(params[i]);
+  return std::sqrt(total);
+}
+
+BackwardGradientNorm::BackwardGradientNorm(const nn::ParameterStore& params)
+    : params_(params), squares_(params.size(), 0.0), summed_(params.size(), 0) {
+  for (size_t i = 0; i < params.size(); ++i) index_of_[params[i].impl()] = i;
+  registration_.emplace(static_cast<autograd::EngineObserver&>(*this));
+}
+
+void BackwardGradientNorm::arm() {
+  armed_ = true;
+  std::fill(summed_.begin(), summed_.end(), 0);
+}
+
+void BackwardGradientNorm::gradient_ready(const Tensor& leaf) {
+  if (!armed_) return;
+  auto it = index_of_.find(leaf.impl());
+  if (it == index_of_.end()) return;  // a leaf that is not one of the parameters
+  // A second notice for the same parameter (one it reached through a recomputed region's
+  // own backward and again through the outer one) means it changed since: sum it again.
+  squares_[it->second] = squares_of(params_[it->second]);
+  summed_[it->second] = 1;
+}
+
+double BackwardGradientNorm::finish() {
+  armed_ = false;
+  double total = 0;
+  for (size_t i = 0; i < params_.size(); ++i) total += summed_[i] ? squares_[i] : squares_of(params_[i]);
+  return std::sqrt(total);
+}
+
+}  // namespace tally::optim
