@@ -9,18 +9,22 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 steps="${1:-300}"
 threads="${2:-2}"
+seeds=("${@:3}")
+[ ${#seeds[@]} -gt 0 ] || seeds=(1337)
 corpus="$root/data/corpus"
 [ -x "$root/build/tally" ] || bash "$root/scripts/build.sh"
 [ -f "$corpus/fortunes_train.bin" ] || { echo "run scripts/quickstart.sh first (it builds the corpus)" >&2; exit 2; }
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
-for dtype in fp32 bf16; do
-  "$root/build/tally" train --model d4 --train-data "$corpus/fortunes_train.bin" --val-data "$corpus/fortunes_val.bin" \
-    --batch-size 16 --seq-len 64 --steps "$steps" --lr 3e-3 --warmup-steps 30 --lr-schedule cosine --min-lr-frac 0.1 \
-    --val-every 100 --val-batches 16 --sample-every -1 --save-every 0 --threads "$threads" --dtype "$dtype" \
-    --out-dir "$out/$dtype" --log-json "$out/$dtype.jsonl" --quiet
-done
-python3 - "$out/fp32.jsonl" "$out/bf16.jsonl" <<'PY'
+for seed in "${seeds[@]}"; do
+  echo "seed $seed:"
+  for dtype in fp32 bf16; do
+    "$root/build/tally" train --model d4 --train-data "$corpus/fortunes_train.bin" --val-data "$corpus/fortunes_val.bin" \
+      --batch-size 16 --seq-len 64 --steps "$steps" --lr 3e-3 --warmup-steps 30 --lr-schedule cosine --min-lr-frac 0.1 \
+      --val-every 100 --val-batches 16 --sample-every -1 --save-every 0 --threads "$threads" --dtype "$dtype" --seed "$seed" \
+      --out-dir "$out/$seed.$dtype" --log-json "$out/$seed.$dtype.jsonl" --quiet
+  done
+  python3 - "$out/$seed.fp32.jsonl" "$out/$seed.bf16.jsonl" <<'PY'
 import json, sys
 def rows(p): return [json.loads(l) for l in open(p) if l.strip()]
 a, b = rows(sys.argv[1]), rows(sys.argv[2])
@@ -45,3 +49,4 @@ print("validation loss (step: fp32, bf16, difference): " +
       "; ".join(f"{s}: {x:.4f}, {y:.4f}, {100 * (y - x) / x:+.3f}%" for (s, x), (_, y) in zip(va, vb)))
 print(f"median step: fp32 {ms_a:.0f} ms, bf16 {ms_b:.0f} ms")
 PY
+done
