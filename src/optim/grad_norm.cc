@@ -1,5 +1,6 @@
 #include "optim/grad_norm.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "runtime/backend.h"
@@ -7,7 +8,7 @@
 namespace tally::optim {
 
 namespace {
-// sum(g^2) of parameter i's gradient as it reads now (zeros if discarded and not written).
+// sum(g^2) of a parameter's gradient as it reads now (zeros if discarded and not written).
 double squares_of(const Tensor& param) {
   const Tensor g = param.grad();
   return g.defined() ? runtime::backend(g.device()).sum_squares(g) : 0.0;
@@ -34,7 +35,8 @@ void BackwardGradientNorm::arm() {
 void BackwardGradientNorm::gradient_ready(const Tensor& leaf) {
   if (!armed_) return;
   auto it = index_of_.find(leaf.impl());
-  if (it == index_of_.end()) return;  // a leaf that is not one of the parameters
+  // A leaf that is not one of the parameters (or one rebound since: finish() sums it).
+  if (it == index_of_.end()) return;
   // A second notice for the same parameter (one it reached through a recomputed region's
   // own backward and again through the outer one) means it changed since: sum it again.
   squares_[it->second] = squares_of(params_[it->second]);
