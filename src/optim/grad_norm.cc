@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "ops/ops.h"
 #include "runtime/backend.h"
 
 namespace tally::optim {
@@ -16,9 +17,10 @@ double squares_of(const Tensor& param) {
 }  // namespace
 
 double gradient_norm(const nn::ParameterStore& params) {
-  double total = 0;
-  for (size_t i = 0; i < params.size(); ++i) total += squares_of(params[i]);
-  return std::sqrt(total);
+  std::vector<Tensor> grads;
+  grads.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) grads.push_back(params[i].grad());
+  return ops::global_norm(grads);  // each tensor's sum_squares, added in order in fp64
 }
 
 BackwardGradientNorm::BackwardGradientNorm(const nn::ParameterStore& params)

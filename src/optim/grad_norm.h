@@ -24,8 +24,9 @@
 
 namespace tally::optim {
 
-// sqrt(sum over parameters of sum(g_i^2)), each parameter's sum in its own call, added in
-// parameter order in fp64. Parameters without a gradient count as zero.
+// sqrt(sum over parameters of sum(g_i^2)): ops::global_norm of the parameters' gradients,
+// each one's sum in its own call, added in parameter order in fp64 (which finish() below
+// repeats exactly). Parameters without a gradient count as zero.
 double gradient_norm(const nn::ParameterStore& params);
 
 class BackwardGradientNorm final : public autograd::EngineObserver {
