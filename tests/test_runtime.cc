@@ -374,6 +374,55 @@ TEST(VecMath, ExpIsFiniteWhereverTheTrueValueIs) {
   }
 }
 
+TEST(VecMath, ExpShiftedIsVexpInOnePassWithItsSumAndRounding) {
+  // exp_shifted (softmax's numerators, vexp16 where the CPU has AVX-512) against vexp one
+  // value at a time, over every length around the 16-lane blocking: the values within
+  // 2 ulp of vexp's (equal but where x log2 e is a half-integer, rounded to even there and
+  // away from zero in vexp), the sum within fp32's error of a 100-term sum, the bf16 copy
+  // the same bits as round_to_bf16 of the fp32 values, the scale applied, nothing written
+  // beyond n, and in place (out == x) the same as out of place.
+  for (int64_t n : {0, 1, 7, 15, 16, 17, 31, 32, 33, 100}) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (int64_t j = 0; j < n; ++j) x[j] = 1.5f - 0.37f * static_cast<float>((j * 11) % 29) + 1e-3f * static_cast<float>(j);
+    const float shift = 0.75f, scale = 0.125f;
+    std::vector<float> out(static_cast<size_t>(n) + 3, -7.0f), in_place = x;
+    std::vector<BFloat16> rounded(static_cast<size_t>(n) + 3, BFloat16(-7.0f)), want_rounded(static_cast<size_t>(n));
+    const float sum = runtime::cpu::exp_shifted(x.data(), shift, n, out.data(), rounded.data(), scale);
+    const float sum_in_place = runtime::cpu::exp_shifted(in_place.data(), shift, n, in_place.data(), nullptr, scale);
+    EXPECT_EQ(sum, sum_in_place) << n;
+    double want_sum = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const float want = scale * runtime::cpu::vexp(x[j] - shift);
+      EXPECT_NEAR(out[j], want, 2.4e-7 * want) << n << " at " << j;
+      EXPECT_EQ(in_place[j], out[j]) << n << " at " << j;
+      want_sum += static_cast<double>(out[j]);
+    }
+    EXPECT_NEAR(sum, want_sum, 1e-6 * want_sum + 1e-30) << n;
+    runtime::cpu::round_to_bf16(out.data(), want_rounded.data(), n);
+    for (int64_t j = 0; j < n; ++j) EXPECT_EQ(rounded[j].bits, want_rounded[j].bits) << n << " at " << j;
+    for (size_t j = static_cast<size_t>(n); j < out.size(); ++j) {
+      EXPECT_EQ(out[j], -7.0f) << n << ": wrote past the end";
+      EXPECT_EQ(rounded[j].bits, BFloat16(-7.0f).bits) << n << ": wrote past the end";
+    }
+    // The sum alone (no outputs, unscaled) is the sum that comes with them.
+    EXPECT_EQ(runtime::cpu::exp_shifted(x.data(), shift, n, nullptr, nullptr),
+              runtime::cpu::exp_shifted(x.data(), shift, n, out.data(), nullptr)) << n;
+  }
+  // vexp's range: clamped to a normal float at the bottom (no denormal reaches a GEMM) and
+  // a finite value at the top, -inf to that same smallest value, and NaN kept.
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> edge = {-1000.0f, -inf, -87.0f, 0.0f, 88.3f, 1000.0f, inf, nan};
+  std::vector<float> got(edge.size());
+  runtime::cpu::exp_shifted(edge.data(), 0.0f, static_cast<int64_t>(edge.size()), got.data(), nullptr);
+  for (size_t j = 0; j + 1 < edge.size(); ++j) {
+    const float want = runtime::cpu::vexp(edge[j]);
+    EXPECT_NEAR(got[j], want, 2.4e-7 * want) << edge[j];
+    EXPECT_GE(got[j], std::numeric_limits<float>::min()) << edge[j];
+    EXPECT_TRUE(std::isfinite(got[j])) << edge[j];
+  }
+  EXPECT_TRUE(std::isnan(got.back()));
+}
+
 TEST(VecMath, RoundToBf16GivesAValueTheSameBitsWhereverItSits) {
   // A row of 16 + 5 copies of each value: the vector's 16 and the tail must agree, so a
   // tensor's rounding never depends on where a row ends. (With AVX512-BF16 a denormal

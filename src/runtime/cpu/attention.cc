@@ -23,7 +23,9 @@
 // product reads and writes dense tiles (the op copies q, k, v into head-major storage;
 // score tiles are as wide as their rows; dq accumulates per query tile, dk and dv per kv
 // head, in dense fp32 buffers added into the gradients' rows once): oneDNN's AMX and
-// AVX512-BF16 kernels take nothing else.
+// AVX512-BF16 kernels take nothing else. P and dS are rounded as they are made, in the
+// pass that computes them (exp_shifted, softmax_gradient_row_bf16): under bf16 the forward's
+// P and backward's dS exist in fp32 only in registers.
 //
 // Forward runs (batch, head, query tile) items in parallel. Backward runs (batch, kv head)
 // items: the query heads that share a kv head (GQA) and every tile of them run in the same
@@ -32,6 +34,7 @@
 #include <omp.h>
 
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -117,6 +120,28 @@ TileOperand<In> as_operand(const Src* tile, int64_t ld, int64_t rows, int64_t co
   }
 }
 
+// A dense tile (rows of its width) as a GEMM operand of type In: the tile itself when In
+// is its type T, else its bf16 copy (mixed precision).
+template <class In, class T> const In* dense_operand(const T* tile, const In* rounded) {
+  if constexpr (std::is_same_v<In, T>) return tile;
+  else return rounded;
+}
+
+// One row of softmax's gradient under mixed precision, rounded for the GEMMs it feeds:
+// out = bf16(p o (dp - d)) over n values (the fp32 products only in registers).
+inline void softmax_gradient_row_bf16(const float* p, const float* dp, float d, int64_t n, BFloat16* out) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m512 dv = _mm512_set1_ps(d);
+  for (int64_t c = 0; c < n; c += 16) {
+    const auto mask = static_cast<__mmask16>(n - c >= 16 ? 0xFFFFu : (1u << (n - c)) - 1u);
+    const __m512 ds = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, p + c), _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, dp + c), dv));
+    _mm256_mask_storeu_epi16(static_cast<void*>(out + c), mask, std::bit_cast<__m256i>(_mm512_cvtneps_pbh(ds)));
+  }
+#else
+  for (int64_t c = 0; c < n; ++c) out[c].bits = bf16_round_bits(p[c] * (dp[c] - d));
+#endif
+}
+
 // Runs body(Out{}) with Out the storage type of the output (and of its gradient): T, or
 // bf16 beside bf16 operands (mixed precision's attention, whose math stays T = fp32).
 template <class In, class T, class F> void dispatch_output(const Tensor& out, const char* what, F&& body) {
@@ -188,6 +213,8 @@ void forward_tiles(const Tensor& out, const Tensor& lse, const Tensor& q, const 
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const int64_t offset = g.Tk - g.Tq;
   const int64_t items = g.B * g.H * q_tiles;
+  // Mixed precision: P = exp(S - m) goes straight into the bf16 operand of P V.
+  constexpr bool kRoundedP = !std::is_same_v<In, T>;
   const bool parallel = g.B * g.H * g.Tq * g.Tk * g.D > (1 << 16);
   RegionErrors errors;
 #pragma omp parallel if (parallel)
@@ -217,15 +244,26 @@ void forward_tiles(const Tensor& out, const Tensor& lse, const Tensor& q, const 
             // Row i sees columns c <= last (its position minus j0); the rest get p = 0.
             const int64_t last = std::min(cols - 1, t0 + i + offset - j0);
             if (last < 0) {
-              std::fill(srow, srow + cols, T(0));
+              if constexpr (kRoundedP) std::fill(p_rounded.data() + i * cols, p_rounded.data() + (i + 1) * cols, BFloat16{});
+              else std::fill(srow, srow + cols, T(0));
               continue;
             }
             const T mx = row_max(srow, last + 1, m[i]);
             const T rescale = vexp(m[i] - mx);  // 0 on the first tile (m = -inf)
             T sum = 0;
+            if constexpr (kRoundedP) {
+              // P straight into its bf16 operand tile, the fp32 values only in registers
+              BFloat16* prow = p_rounded.data() + i * cols;
+              sum = exp_shifted(srow, mx, last + 1, nullptr, prow);
+              std::fill(prow + last + 1, prow + cols, BFloat16{});
+            } else if constexpr (std::is_same_v<T, float>) {
+              sum = exp_shifted(srow, mx, last + 1, srow, nullptr);
+              std::fill(srow + last + 1, srow + cols, T(0));
+            } else {
 #pragma omp simd reduction(+ : sum)
-            for (int64_t c = 0; c <= last; ++c) sum += (srow[c] = vexp(srow[c] - mx));
-            for (int64_t c = last + 1; c < cols; ++c) srow[c] = 0;
+              for (int64_t c = 0; c <= last; ++c) sum += (srow[c] = vexp(srow[c] - mx));
+              std::fill(srow + last + 1, srow + cols, T(0));
+            }
             l[i] = l[i] * rescale + sum;
             m[i] = mx;
             T* arow = acc.data() + i * g.D;
@@ -233,8 +271,10 @@ void forward_tiles(const Tensor& out, const Tensor& lse, const Tensor& q, const 
               for (int64_t d = 0; d < g.D; ++d) arow[d] *= rescale;
           }
           const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
-          const TileOperand<In> p = as_operand(s.data(), cols, rows, cols, p_rounded);
-          tile_gemm(false, false, rows, g.D, cols, T(1), p.data, p.ld, vtile, g.vt, T(1), acc.data(), g.D);
+          const In* p;
+          if constexpr (kRoundedP) p = p_rounded.data();
+          else p = s.data();
+          tile_gemm(false, false, rows, g.D, cols, T(1), p, cols, vtile, g.vt, T(1), acc.data(), g.D);
         }
         for (int64_t i = 0; i < rows; ++i) {
           const T inv = T(1) / l[i];
@@ -339,29 +379,45 @@ void backward_tiles(const Tensor& dq, const Tensor& dk, const Tensor& dv, const 
                 T* dv_into = kDenseResults ? dv_acc.data() + j0 * g.D : dv_item + j0 * ld_kv;
                 // P = exp(scale Q K^T - lse), masked; the score tiles are dense (rows of cols)
                 tile_gemm(false, true, rows, cols, g.D, scale, qtile, g.qt, ktile, g.kt, T(0), p.data(), cols);
+                // (Mixed precision rounds P and dS into their bf16 operand tiles as they are
+                // made; dS's fp32 values live only in registers.)
                 for (int64_t i = 0; i < rows; ++i) {
                   T* prow = p.data() + i * cols;
-                  const int64_t last = std::min(cols - 1, t0 + i + offset - j0);
+                  const int64_t seen_in_tile = std::max<int64_t>(0, std::min(cols - 1, t0 + i + offset - j0) + 1);
                   const T li = lrow[t0 + i];
+                  if constexpr (std::is_same_v<T, float>) {
+                    BFloat16* rounded = nullptr;
+                    if constexpr (kDenseResults) {
+                      rounded = p_rounded.data() + i * cols;
+                      std::fill(rounded + seen_in_tile, rounded + cols, BFloat16{});
+                    }
+                    exp_shifted(prow, li, seen_in_tile, prow, rounded);
+                    std::fill(prow + seen_in_tile, prow + cols, T(0));
+                  } else {
 #pragma omp simd
-                  for (int64_t c = 0; c < cols; ++c) prow[c] = c <= last ? vexp(prow[c] - li) : T(0);
+                    for (int64_t c = 0; c < cols; ++c) prow[c] = c < seen_in_tile ? vexp(prow[c] - li) : T(0);
+                  }
                 }
+                const In* pt = dense_operand<In>(p.data(), p_rounded.data());
                 // dV += P^T dO;  dP = dO V^T
-                const TileOperand<In> pt = as_operand(p.data(), cols, rows, cols, p_rounded);
-                tile_gemm(true, false, cols, g.D, rows, T(1), pt.data, pt.ld, dotile.data, dotile.ld, T(1), dv_into, ld_dkv_into);
+                tile_gemm(true, false, cols, g.D, rows, T(1), pt, cols, dotile.data, dotile.ld, T(1), dv_into, ld_dkv_into);
                 tile_gemm(false, true, rows, cols, g.D, T(1), dotile.data, dotile.ld, vtile, g.vt, T(0), dp.data(), cols);
                 // dS = P o (dP - D), in place of dP (masked entries have P = 0)
                 for (int64_t i = 0; i < rows; ++i) {
                   const T* prow = p.data() + i * cols;
                   T* dsrow = dp.data() + i * cols;
-                  const T di = delta[i];
+                  if constexpr (kDenseResults) {
+                    softmax_gradient_row_bf16(prow, dsrow, delta[i], cols, ds_rounded.data() + i * cols);
+                  } else {
+                    const T di = delta[i];
 #pragma omp simd
-                  for (int64_t c = 0; c < cols; ++c) dsrow[c] = prow[c] * (dsrow[c] - di);
+                    for (int64_t c = 0; c < cols; ++c) dsrow[c] = prow[c] * (dsrow[c] - di);
+                  }
                 }
+                const In* ds = dense_operand<In>(dp.data(), ds_rounded.data());
                 // dQ += scale dS K;  dK += scale dS^T Q
-                const TileOperand<In> ds = as_operand(dp.data(), cols, rows, cols, ds_rounded);
-                tile_gemm(false, false, rows, g.D, cols, scale, ds.data, ds.ld, ktile, g.kt, T(1), dq_into, ld_dq_into);
-                tile_gemm(true, false, cols, g.D, rows, scale, ds.data, ds.ld, qtile, g.qt, T(1), dk_into, ld_dkv_into);
+                tile_gemm(false, false, rows, g.D, cols, scale, ds, cols, ktile, g.kt, T(1), dq_into, ld_dq_into);
+                tile_gemm(true, false, cols, g.D, rows, scale, ds, cols, qtile, g.qt, T(1), dk_into, ld_dkv_into);
               }
               if constexpr (kDenseResults) add_rows(dqtile, ld_q, dq_acc.data(), rows, g.D);
             }

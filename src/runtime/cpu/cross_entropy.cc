@@ -50,8 +50,12 @@ template <class In, class T> T row_logsumexp(const In* row, int64_t V) {
     if (bm == -std::numeric_limits<T>::infinity()) continue;  // nothing but -inf so far (masked): adds 0
     if (bm > m) s *= vexp(m - bm), m = bm;                    // s is 0 while m is -inf
     T bs = 0;
+    if constexpr (std::is_same_v<T, float>) {
+      bs = exp_shifted(block, m, n, nullptr, nullptr);
+    } else {
 #pragma omp simd reduction(+ : bs)
-    for (int64_t j = 0; j < n; ++j) bs += vexp(block[j] - m);
+      for (int64_t j = 0; j < n; ++j) bs += vexp(block[j] - m);
+    }
     s += bs;
   }
   return m + std::log(s);
@@ -62,14 +66,13 @@ template <class T> void scaled_softmax(const T* row, T* d, int64_t n, T l, T sc)
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) d[j] = sc * vexp(row[j] - l);
 }
+void scaled_softmax(const float* row, float* d, int64_t n, float l, float sc) { exp_shifted(row, l, n, d, nullptr, sc); }
 void scaled_softmax(const BFloat16* row, BFloat16* d, int64_t n, float l, float sc) {
   float block[kWidenBlock];
   for (int64_t j0 = 0; j0 < n; j0 += kWidenBlock) {
     const int64_t k = std::min(kWidenBlock, n - j0);
     widen_block(row + j0, block, k);
-#pragma omp simd
-    for (int64_t j = 0; j < k; ++j) block[j] = sc * vexp(block[j] - l);
-    round_to_bf16(block, d + j0, k);
+    exp_shifted(block, l, k, nullptr, d + j0, sc);
   }
 }
 

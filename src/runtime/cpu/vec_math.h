@@ -66,6 +66,75 @@ inline float vexp(float x) {
 }
 inline double vexp(double x) { return std::exp(x); }
 
+#if defined(__AVX512F__)
+// vexp of 16 floats in explicit AVX-512: the same clamp, reduction and polynomial, with
+// n = round(x log2 e) by one vrndscaleps and 2^n p by one vscalefps instead of the integer
+// assembly of 2^n (copysign, add, two conversions, shift, multiply). 15 vector
+// instructions against ~21; the clamp still keeps 2^n p a normal float, as vexp's does (a
+// denormal P would send the GEMMs it feeds into microcode assists). Values equal vexp's
+// but where x log2 e sits at a half-integer (round-half-even here, half-away there), and
+// there both are within vexp's error. A NaN stays NaN: vmaxps/vminps return their second
+// operand, x, when either is NaN.
+inline __m512 vexp16(__m512 x) {
+  // (The masked forms of max, min, roundscale and scalef: GCC 12 warns inside the
+  // unmasked ones, which pass an undefined vector through.)
+  x = _mm512_mask_max_ps(x, 0xFFFF, _mm512_set1_ps(-87.3f), x);
+  x = _mm512_mask_min_ps(x, 0xFFFF, _mm512_set1_ps(88.37626f), x);
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_mask_roundscale_ps(t, 0xFFFF, t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_mask_scalef_ps(p, 0xFFFF, p, n);
+}
+#endif
+
+// Softmax's numerators: e_c = scale exp(x[c] - shift) for c < n, written to `out` (may be
+// x itself) and/or, rounded to bf16, to `rounded` (either may be null); returns the sum of
+// the e_c in fp32, before any rounding. One pass: the exponential, the sum and the
+// rounding of each 16 values in registers (attention's score tiles went through three:
+// exp and sum, then a rounding pass reading them back). A scale of 1 multiplies exactly.
+inline float exp_shifted(const float* x, float shift, int64_t n, float* out, BFloat16* rounded, float scale = 1.0f) {
+  int64_t c = 0;
+  float sum = 0;
+#if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(shift), k = _mm512_set1_ps(scale);
+  __m512 acc = _mm512_setzero_ps();
+  for (; c < n; c += 16) {
+    const auto mask = static_cast<__mmask16>(n - c >= 16 ? 0xFFFFu : (1u << (n - c)) - 1u);
+    const __m512 e = _mm512_maskz_mul_ps(mask, k, vexp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + c), s)));
+    acc = _mm512_add_ps(acc, e);
+    if (out) _mm512_mask_storeu_ps(out + c, mask, e);
+    if (rounded) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      _mm256_mask_storeu_epi16(static_cast<void*>(rounded + c), mask, std::bit_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+#else
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, e);
+      for (int64_t k = 0; k < std::min<int64_t>(16, n - c); ++k) rounded[c + k].bits = bf16_round_bits(lanes[k]);
+#endif
+    }
+  }
+  alignas(64) float lanes[16];  // (not _mm512_reduce_add_ps: GCC 12 warns inside it)
+  _mm512_store_ps(lanes, acc);
+  for (float lane : lanes) sum += lane;
+#else
+  for (; c < n; ++c) {
+    const float e = scale * vexp(x[c] - shift);
+    sum += e;
+    if (out) out[c] = e;
+    if (rounded) rounded[c].bits = bf16_round_bits(e);
+  }
+#endif
+  return sum;
+}
+
 // tanh(x) = sign(x) (1 - 2 / (exp(2|x|) + 1)): absolute error ~1e-7, which is what GELU
 // needs (it uses tanh inside 0.5 x (1 + tanh(.))).
 inline float vtanh(float x) {
