@@ -9,10 +9,15 @@
 #     (bench/curve_torch.py, from tally's initial weights, same batches and recipe): the
 #     peer's own bf16-against-fp32 difference beside tally's, and tally's fp32 curve
 #     against PyTorch's (about 20 minutes more a seed on 2 cores)
+#   CURVE_LOGS=dir bench/run_bf16_curve.sh ...   keep the runs' --log-json files in dir
+#     (SEED.fp32.jsonl, SEED.bf16.jsonl, SEED.torch_fp32.jsonl, SEED.torch_bf16.jsonl);
+#     PyTorch logs already there are compared too, so tally's side can be re-run alone
 # bf16 rounds every weight to 8 mantissa bits for the GEMMs each step, which makes its
 # trajectory sensitive to the last bits of anything upstream: a change in the gradient
 # norm's summation order moved seed 1337's largest window 0.66% -> 1.24%, where fp32's
-# validation loss moved 0.04%. One seed is not enough to read the 1% goal; give several.
+# validation loss moved 0.04%. One seed is not enough to read the 1% goal; give several,
+# and WITH_PEER=1 for the noise the recipe leaves between two correct runs (PyTorch's fp32
+# and tally's fp32 ended up to 2.4% apart, PyTorch's autocast and its fp32 up to 1.2%).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 steps="${1:-300}"
@@ -23,14 +28,20 @@ with_peer="${WITH_PEER:-0}"
 corpus="$root/data/corpus"
 [ -x "$root/build/tally" ] || bash "$root/scripts/build.sh"
 [ -f "$corpus/fortunes_train.bin" ] || { echo "run scripts/quickstart.sh first (it builds the corpus)" >&2; exit 2; }
-out="$(mktemp -d)"
-trap 'rm -rf "$out"' EXIT
+if [ -n "${CURVE_LOGS:-}" ]; then
+  out="$CURVE_LOGS"
+  mkdir -p "$out"
+else
+  out="$(mktemp -d)"
+  trap 'rm -rf "$out"' EXIT
+fi
 recipe=(--model d4 --train-data "$corpus/fortunes_train.bin" --val-data "$corpus/fortunes_val.bin"
         --batch-size 16 --seq-len 64 --warmup-steps 30 --lr-schedule cosine --min-lr-frac 0.1
         --val-every 100 --val-batches 16 --sample-every -1 --threads "$threads" --quiet)
 for seed in "${seeds[@]}"; do
   echo "seed $seed:"
   for dtype in fp32 bf16; do
+    rm -f "$out/$seed.$dtype.jsonl"  # (--log-json appends)
     "$root/build/tally" train "${recipe[@]}" --steps "$steps" --lr 3e-3 --save-every 0 --dtype "$dtype" --seed "$seed" \
       --out-dir "$out/$seed.$dtype" --log-json "$out/$seed.$dtype.jsonl"
   done
@@ -38,7 +49,7 @@ for seed in "${seeds[@]}"; do
     # The seed's initial weights as an llm.c model file: one step at a learning rate of
     # 1e-30 moves no weight by a representable amount (GPT-2's are ~0.02, their ulp ~2e-9),
     # only the zero biases, by 1e-30, which no activation can see.
-    "$root/build/tally" train "${recipe[@]}" --steps 1 --lr 1e-30 --save-every 1 --seed "$seed" --out-dir "$out/$seed.init"
+    "$root/build/tally" train "${recipe[@]}" --steps 1 --lr 1e-30 --save-every 1 --seed "$seed" --out-dir "$out/$seed.init" --overwrite
     for dtype in fp32 bf16; do
       /usr/bin/python3 "$root/bench/curve_torch.py" "$out/$seed.init/step_00000001/model.bin" "$corpus/fortunes_train.bin" \
         "$corpus/fortunes_val.bin" "$out/$seed.torch_$dtype.jsonl" --dtype "$dtype" --steps "$steps" --threads "$threads"
