@@ -954,6 +954,40 @@ TEST(Ops, GeluOfBf16IsTheFp32MathRoundedOnce) {
   EXPECT_GT(test::compare(y.to(DType::F32), y32).max_abs, 1e-4);
 }
 
+TEST(Ops, GeluOfFp32IsWithinTheTanhFormsFp32ErrorOfFp64) {
+  // fp32 GELU against fp64 on the same values. tanh as 1 - 2 / (exp(2|u|) + 1) carries an
+  // absolute error of a few 1e-8 (fp32's ulp of 1, exp's 2 ulp), so the value 0.5 v (1 + t)
+  // is off by ~|v| 3e-8 plus its own rounding, and the slope's 0.5 v (1 - t^2) s (1 + 0.134
+  // v^2) by ~|v| (1 + 0.134 v^2) 6e-8: bounded here by 2e-7 (1 + |v|) and 4e-7 (1 + |v|^3),
+  // 4 to 8 times the worst seen (an eighth of both bounds fails on thousands of values).
+  // Every length from 1 to 40 (a vector loop's partial tails) and 60017 values (the
+  // threaded path).
+  std::vector<int64_t> lengths;
+  for (int64_t n = 1; n <= 40; ++n) lengths.push_back(n);
+  lengths.push_back(60017);
+  for (int64_t n : lengths) {
+    Tensor x = ops::scale(test::random_tensor({n}, 90 + n), 4.0);  // through GELU's bend
+    x.set_requires_grad(true);
+    Tensor y = ops::gelu(x);
+    Tensor x64 = x.detach().to(DType::F64);
+    x64.set_requires_grad(true);
+    Tensor y64 = ops::gelu(x64);
+    Tensor g = test::random_tensor({n}, 89);
+    y.backward(g);
+    y64.backward(g.to(DType::F64));
+    const std::vector<float> xs = x.detach().to_vector<float>(), got = y.to_vector<float>();
+    const std::vector<float> gs = g.to_vector<float>(), dx = x.grad().to_vector<float>();
+    const std::vector<double> want = y64.detach().to_vector<double>(), want_dx = x64.grad().to_vector<double>();
+    for (int64_t i = 0; i < n; ++i) {
+      const double v = std::abs(xs[i]);
+      ASSERT_NEAR(got[i], want[i], 2e-7 * (1 + v)) << "n " << n << " x " << xs[i];
+      // dx = g gelu'(x): gelu's slope error scaled by |g|, and dx's own rounding.
+      ASSERT_NEAR(dx[i], want_dx[i], 4e-7 * (1 + v * v * v) * std::abs(gs[i]) + 6e-8 * std::abs(want_dx[i]))
+          << "n " << n << " x " << xs[i];
+    }
+  }
+}
+
 TEST(Ops, SwiGluOfBf16IsTheFp32MathRoundedOnce) {
   // Under --dtype bf16 LLaMA's MLP runs SwiGLU on its bf16 gate and up projections, as
   // autocast does: read as fp32, silu(g) u computed in fp32 and rounded once to bf16, and
