@@ -9,6 +9,9 @@
 #     (bench/curve_torch.py, from tally's initial weights, same batches and recipe): the
 #     peer's own bf16-against-fp32 difference beside tally's, and tally's fp32 curve
 #     against PyTorch's (about 20 minutes more a seed on 2 cores)
+#   CURVE_LR=3e-4 bench/run_bf16_curve.sh ...   another peak learning rate (3e-3 by default, the
+#     quickstart's): at 3e-4 the runs stay out of the recipe's chaos, so what differs
+#     between two of them is their arithmetic, not its amplification
 #   CURVE_LOGS=dir bench/run_bf16_curve.sh ...   keep the runs' --log-json files in dir
 #     (SEED.fp32.jsonl, SEED.bf16.jsonl, SEED.torch_fp32.jsonl, SEED.torch_bf16.jsonl);
 #     PyTorch logs already there are compared too, so tally's side can be re-run alone
@@ -25,6 +28,7 @@ threads="${2:-2}"
 seeds=("${@:3}")
 [ ${#seeds[@]} -gt 0 ] || seeds=(1337)
 with_peer="${WITH_PEER:-0}"
+lr="${CURVE_LR:-3e-3}"
 corpus="$root/data/corpus"
 [ -x "$root/build/tally" ] || bash "$root/scripts/build.sh"
 [ -f "$corpus/fortunes_train.bin" ] || { echo "run scripts/quickstart.sh first (it builds the corpus)" >&2; exit 2; }
@@ -42,7 +46,7 @@ for seed in "${seeds[@]}"; do
   echo "seed $seed:"
   for dtype in fp32 bf16; do
     rm -f "$out/$seed.$dtype.jsonl"  # (--log-json appends)
-    "$root/build/tally" train "${recipe[@]}" --steps "$steps" --lr 3e-3 --save-every 0 --dtype "$dtype" --seed "$seed" \
+    "$root/build/tally" train "${recipe[@]}" --steps "$steps" --lr "$lr" --save-every 0 --dtype "$dtype" --seed "$seed" \
       --out-dir "$out/$seed.$dtype" --log-json "$out/$seed.$dtype.jsonl"
   done
   if [ "$with_peer" = 1 ]; then
@@ -52,7 +56,7 @@ for seed in "${seeds[@]}"; do
     "$root/build/tally" train "${recipe[@]}" --steps 1 --lr 1e-30 --save-every 1 --seed "$seed" --out-dir "$out/$seed.init" --overwrite
     for dtype in fp32 bf16; do
       /usr/bin/python3 "$root/bench/curve_torch.py" "$out/$seed.init/step_00000001/model.bin" "$corpus/fortunes_train.bin" \
-        "$corpus/fortunes_val.bin" "$out/$seed.torch_$dtype.jsonl" --dtype "$dtype" --steps "$steps" --threads "$threads"
+        "$corpus/fortunes_val.bin" "$out/$seed.torch_$dtype.jsonl" --dtype "$dtype" --steps "$steps" --lr "$lr" --threads "$threads"
     done
   fi
   python3 - "$out/$seed" <<'PY'
