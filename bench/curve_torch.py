@@ -5,6 +5,8 @@ same recipe, in fp32 or under torch.autocast("cpu", dtype=torch.bfloat16) (PyTor
 mixed precision: bf16 GEMMs, fp32 master weights and AdamW), and writes one JSON line per
 step as tally's --log-json does (step, loss, lr, grad_norm, ms; val_loss where tally
 validates). So the size of bf16's departure from fp32 can be read beside the peer's own.
+--dtype fp64 trains the model in double precision, a reference for both fp32 runs (its
+first steps show which of two fp32 runs strays, and by how much).
 
 What it mirrors, from src/train/trainer.cc and src/data/loader.cc:
   - weights: an llm.c model file (tally writes one with every checkpoint); the tied head,
@@ -15,7 +17,7 @@ What it mirrors, from src/train/trainer.cc and src/data/loader.cc:
     norm clipped to max/(norm+1e-6), linear warm-up lr*(k+1)/warmup then cosine to
     lr*min_lr_frac over the remaining steps.
 
-usage: curve_torch.py MODEL_BIN TRAIN_BIN VAL_BIN OUT_JSONL [--dtype fp32|bf16] [--steps 300]
+usage: curve_torch.py MODEL_BIN TRAIN_BIN VAL_BIN OUT_JSONL [--dtype fp32|bf16|fp64] [--steps 300]
        [--batch 16] [--seq 64] [--lr 3e-3] [--warmup 30] [--min-lr-frac 0.1] [--weight-decay 0.1]
        [--grad-clip 1] [--val-every 100] [--val-batches 16] [--threads 2]"""
 import argparse, contextlib, json, math, time
@@ -80,8 +82,10 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
         for block in self.h:
             x = block(x)
-        logits = self.ln_f(x) @ self.wte.weight.t()
-        return F.cross_entropy(logits[..., :self.v].reshape(-1, self.v).float(), targets.reshape(-1))
+        logits = (self.ln_f(x) @ self.wte.weight.t())[..., :self.v].reshape(-1, self.v)
+        if logits.dtype != torch.float64:
+            logits = logits.float()  # (autocast's bf16 logits: the loss in fp32, as tally's)
+        return F.cross_entropy(logits, targets.reshape(-1))
 
     def load_llmc(self, flat):
         """llm.c's order: wte, wpe, then each per-layer tensor stacked over the layers."""
@@ -121,7 +125,7 @@ def main():
     ap = argparse.ArgumentParser()
     for name in ("model", "train", "val", "out"):
         ap.add_argument(name)
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp64"], default="fp32")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=64)
@@ -138,6 +142,8 @@ def main():
     dims, flat = read_llmc(a.model)
     model = GPT(dims)
     model.load_llmc(flat)
+    if a.dtype == "fp64":
+        model.double()
     train, val = read_shard(a.train), read_shard(a.val)
     params = list(model.parameters())  # wte once: the head is tied to it
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": a.weight_decay},
