@@ -34,7 +34,6 @@
 #include <omp.h>
 
 #include <atomic>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -133,9 +132,9 @@ inline void softmax_gradient_row_bf16(const float* p, const float* dp, float d, 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   const __m512 dv = _mm512_set1_ps(d);
   for (int64_t c = 0; c < n; c += 16) {
-    const auto mask = static_cast<__mmask16>(n - c >= 16 ? 0xFFFFu : (1u << (n - c)) - 1u);
+    const __mmask16 mask = lanes_mask(n - c);
     const __m512 ds = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, p + c), _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, dp + c), dv));
-    _mm256_mask_storeu_epi16(static_cast<void*>(out + c), mask, std::bit_cast<__m256i>(_mm512_cvtneps_pbh(ds)));
+    store_bf16x16(out + c, mask, ds);
   }
 #else
   for (int64_t c = 0; c < n; ++c) out[c].bits = bf16_round_bits(p[c] * (dp[c] - d));
@@ -271,9 +270,7 @@ void forward_tiles(const Tensor& out, const Tensor& lse, const Tensor& q, const 
               for (int64_t d = 0; d < g.D; ++d) arow[d] *= rescale;
           }
           const In* vtile = pv + b * g.vb + j0 * g.vt + kvh * g.vh;
-          const In* p;
-          if constexpr (kRoundedP) p = p_rounded.data();
-          else p = s.data();
+          const In* p = dense_operand<In>(s.data(), p_rounded.data());
           tile_gemm(false, false, rows, g.D, cols, T(1), p, cols, vtile, g.vt, T(1), acc.data(), g.D);
         }
         for (int64_t i = 0; i < rows; ++i) {

@@ -18,6 +18,20 @@
 
 namespace tally::runtime::cpu {
 
+#if defined(__AVX512F__)
+// The lanes of a loop's 16 values that lie before its end: all 16 while `remaining` (the
+// values left from this vector on) is 16 or more, the first `remaining` in the last vector.
+inline __mmask16 lanes_mask(int64_t remaining) {
+  return static_cast<__mmask16>(remaining >= 16 ? 0xFFFFu : (1u << remaining) - 1u);
+}
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The lanes of `mask` of 16 floats, rounded to bf16 nearest even (one vcvtneps2bf16), to p.
+inline void store_bf16x16(BFloat16* p, __mmask16 mask, __m512 v) {
+  _mm256_mask_storeu_epi16(static_cast<void*>(p), mask, std::bit_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+#endif
+
 // src[0..n) rounded to bf16 into dst, nearest even. With AVX512-BF16 (both machine kinds
 // tally targets) one vcvtneps2bf16 per 16 values, as oneDNN rounds its bf16 outputs, the
 // last partial 16 through the same instruction under a mask; elsewhere bf16_round_bits,
@@ -32,9 +46,8 @@ inline void round_to_bf16(const float* src, BFloat16* dst, int64_t n) {
     std::memcpy(static_cast<void*>(dst + i), &packed, sizeof(packed));  // one 32-byte store
   }
   if (i < n) {
-    const auto mask = static_cast<__mmask16>((1u << (n - i)) - 1u);
-    const __m256bh packed = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + i));
-    _mm256_mask_storeu_epi16(static_cast<void*>(dst + i), mask, std::bit_cast<__m256i>(packed));
+    const __mmask16 mask = lanes_mask(n - i);
+    store_bf16x16(dst + i, mask, _mm512_maskz_loadu_ps(mask, src + i));
   }
 #else
   for (; i < n; ++i) dst[i].bits = bf16_round_bits(src[i]);
@@ -107,13 +120,13 @@ inline float exp_shifted(const float* x, float shift, int64_t n, float* out, BFl
   const __m512 s = _mm512_set1_ps(shift), k = _mm512_set1_ps(scale);
   __m512 acc = _mm512_setzero_ps();
   for (; c < n; c += 16) {
-    const auto mask = static_cast<__mmask16>(n - c >= 16 ? 0xFFFFu : (1u << (n - c)) - 1u);
+    const __mmask16 mask = lanes_mask(n - c);
     const __m512 e = _mm512_maskz_mul_ps(mask, k, vexp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + c), s)));
     acc = _mm512_add_ps(acc, e);
     if (out) _mm512_mask_storeu_ps(out + c, mask, e);
     if (rounded) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-      _mm256_mask_storeu_epi16(static_cast<void*>(rounded + c), mask, std::bit_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+      store_bf16x16(rounded + c, mask, e);
 #else
       alignas(64) float lanes[16];
       _mm512_store_ps(lanes, e);
@@ -172,7 +185,7 @@ template <class T> inline T row_max(const T* x, int64_t n, T init) {
     // form passes an undefined vector through.)
     for (; j + 16 <= n; j += 16) m16 = _mm512_mask_max_ps(m16, 0xFFFF, _mm512_loadu_ps(x + j), m16);
     if (j < n) {
-      const auto mask = static_cast<__mmask16>((1u << (n - j)) - 1u);
+      const __mmask16 mask = lanes_mask(n - j);
       m16 = _mm512_mask_max_ps(m16, mask, _mm512_maskz_loadu_ps(mask, x + j), m16);
     }
     alignas(64) float lanes[16];  // (not _mm512_reduce_max_ps, for the same warning)
