@@ -48,5 +48,307 @@ TEST(CudaAllocator, CpuKernelsRefuseGpuTensors) {
   require_gpu();
   if (::testing::Test::IsSkipped()) return;
   Tensor t = Tensor::empty({4}, DType::F32, Device::cuda(0));
-  EXPECT_THROW(t.fill_(1.0), Error);
+  EXPECT_THROW(runtime::backend(Device::cpu()).fill(t, 1.0), Error);
+  EXPECT_THROW(runtime::backend(Device::cpu()).copy(t, Tensor::zeros({4})), Error);
+}
+
+// ---------------------------------------------------------------- kernels against the CPU
+//
+// Every op runs on the CPU and on the GPU from the same random fp32 inputs, forward and
+// backward (the gradient of sum(f(x) * w), w a fixed random weighting), and the two are
+// compared by ||gpu - cpu|| / ||cpu||. Tolerances: fp32 kernels differ only in the order of
+// their sums (a few ulps per element, ~1e-7 relative): 1e-5. Where the op rounds to bf16
+// (mixed precision) one rounding may land on the other side of a tie: a relative error up to
+// 2^-8 in a few elements, far less in L2: 1e-2.
+
+#include <functional>
+
+#include "ops/ops.h"
+#include "support.h"
+#include "train/trainer.h"
+
+using namespace tally::test;
+
+namespace {
+
+struct DeviceDiff {
+  double out = 0;   // the outputs' relative L2 difference
+  double grad = 0;  // the largest over the inputs' gradients
+};
+
+Tensor on(const Tensor& host, Device device, bool grad) {
+  Tensor t = Tensor::empty(host.shape(), host.dtype(), device);
+  t.copy_(host);
+  if (grad) t.set_requires_grad(true);
+  return t;
+}
+
+DeviceDiff cpu_vs_cuda(const std::function<Tensor(const std::vector<Tensor>&)>& f, const std::vector<Tensor>& inputs,
+                       const std::vector<bool>& differentiable) {
+  std::vector<Tensor> cpu_in, gpu_in;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    cpu_in.push_back(on(inputs[i], Device::cpu(), differentiable[i]));
+    gpu_in.push_back(on(inputs[i], Device::cuda(0), differentiable[i]));
+  }
+  Tensor cpu_out = f(cpu_in), gpu_out = f(gpu_in);
+  EXPECT_EQ(gpu_out.device(), Device::cuda(0));
+  EXPECT_EQ(gpu_out.dtype(), cpu_out.dtype());
+  const Tensor weights = random_tensor(cpu_out.shape(), 99, DType::F32);
+  DeviceDiff d;
+  d.out = relative_l2(gpu_out.to(Device::cpu()), cpu_out);
+  bool any_grad = false;
+  for (bool g : differentiable) any_grad = any_grad || g;
+  if (!any_grad) return d;
+  ops::sum(ops::mul(cpu_out.to(DType::F32), weights)).backward();
+  ops::sum(ops::mul(gpu_out.to(DType::F32), weights.to(Device::cuda(0)))).backward();
+  // Each gradient's error relative to its own size, or to a tenth of the largest
+  // gradient's when it is smaller: a gradient that is zero in exact arithmetic (dq and dk of
+  // attention over one key) is rounding noise on both sides, and only its size can be checked.
+  double largest = 0;
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (differentiable[i]) largest = std::max(largest, ops::global_norm({cpu_in[i].grad()}));
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!differentiable[i]) continue;
+    EXPECT_TRUE(gpu_in[i].grad().defined()) << "input " << i;
+    const Tensor gpu_grad = gpu_in[i].grad().to(Device::cpu()), cpu_grad = cpu_in[i].grad();
+    const double norm = ops::global_norm({cpu_grad});
+    const double diff = ops::global_norm({ops::sub(gpu_grad.to(DType::F64), cpu_grad.to(DType::F64))});
+    const double err = diff / std::max({norm, 0.1 * largest, 1e-30});
+    d.grad = std::max(d.grad, err);
+  }
+  return d;
+}
+
+Tensor tokens(const Shape& shape, int64_t vocab, uint64_t seed) {
+  std::vector<int32_t> v(static_cast<size_t>(shape_numel(shape)));
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 7;
+  for (int32_t& x : v) {
+    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+    x = static_cast<int32_t>(s % static_cast<uint64_t>(vocab));
+  }
+  return Tensor::from_vector(v, shape);
+}
+
+Tensor rnd(const Shape& shape, uint64_t seed) { return random_tensor(shape, seed, DType::F32); }
+
+#define REQUIRE_GPU()                              \
+  require_gpu();                                   \
+  if (::testing::Test::IsSkipped()) return
+
+}  // namespace
+
+TEST(CudaKernels, CopiesConvertBroadcastAndStrideBetweenHostAndDevice) {
+  REQUIRE_GPU();
+  const Tensor x = rnd({5, 7}, 1);
+  // Host -> device of a transposed view, converted to bf16 on the way; back as fp64.
+  Tensor dev = Tensor::empty({7, 5}, DType::BF16, Device::cuda(0));
+  dev.copy_(x.transpose(0, 1));
+  Tensor back = Tensor::empty({7, 5}, DType::F64, Device::cpu());
+  back.copy_(dev);
+  EXPECT_LT(relative_l2(back, x.transpose(0, 1).contiguous()), 4e-3);  // bf16: 2^-9 per element
+  // Broadcast on the device: a row copied into every row, then a strided slice read back.
+  Tensor rows = Tensor::empty({4, 7}, DType::F32, Device::cuda(0));
+  rows.copy_(on(x.slice(0, 2, 3), Device::cuda(0), false));
+  const std::vector<float> host = rows.slice(1, 1, 7, 2).contiguous().to_vector<float>();
+  const std::vector<float> expected = x.slice(0, 2, 3).slice(1, 1, 7, 2).contiguous().to_vector<float>();
+  ASSERT_EQ(host.size(), 12u);
+  for (size_t i = 0; i < host.size(); ++i) EXPECT_EQ(host[i], expected[i % 3]) << i;
+  // fill_ on a strided view writes only the view.
+  Tensor z = Tensor::zeros({3, 4}, DType::F32, Device::cuda(0));
+  z.slice(1, 0, 4, 2).fill_(2.5);
+  EXPECT_EQ(z.to_vector<float>(), (std::vector<float>{2.5f, 0, 2.5f, 0, 2.5f, 0, 2.5f, 0, 2.5f, 0, 2.5f, 0}));
+}
+
+TEST(CudaKernels, ElementwiseAndReductionsMatchTheCpu) {
+  REQUIRE_GPU();
+  auto f = [](const std::vector<Tensor>& in) {
+    Tensor y = ops::add(ops::mul(in[0], in[1]), ops::scale(in[2], 0.5));  // (4,5,6) * (5,6) + 0.5 (6)
+    y = ops::div(y, ops::add_scalar(ops::mul(in[1], in[1]), 2.0));
+    return ops::sum(y, {0, 2}, true);
+  };
+  const DeviceDiff d = cpu_vs_cuda(f, {rnd({4, 5, 6}, 2), rnd({5, 6}, 3), rnd({6}, 4)}, {true, true, true});
+  EXPECT_LT(d.out, 1e-5);
+  EXPECT_LT(d.grad, 1e-5);
+  // The sum of squares (gradient clipping's norm) over 3 million values.
+  const Tensor big = rnd({3 << 20}, 5);
+  const double cpu = ops::global_norm({big}), gpu = ops::global_norm({on(big, Device::cuda(0), false)});
+  EXPECT_NEAR(gpu, cpu, 1e-9 * cpu);
+}
+
+TEST(CudaKernels, MatmulsInEveryLayoutMatchTheCpu) {
+  REQUIRE_GPU();
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      auto f = [&](const std::vector<Tensor>& in) { return ops::matmul(in[0], in[1], ta, tb); };
+      const Tensor a = ta ? rnd({70, 33}, 6) : rnd({33, 70}, 6), b = tb ? rnd({45, 70}, 7) : rnd({70, 45}, 7);
+      const DeviceDiff d = cpu_vs_cuda(f, {a, b}, {true, true});
+      EXPECT_LT(d.out, 1e-5) << ta << tb;
+      EXPECT_LT(d.grad, 1e-5) << ta << tb;
+    }
+  // A linear layer with its bias (cuBLASLt's epilogue), fp32 and mixed precision.
+  auto linear = [](const std::vector<Tensor>& in) { return ops::linear(in[0], in[1], in[2]); };
+  const DeviceDiff d32 = cpu_vs_cuda(linear, {rnd({3, 17, 48}, 8), rnd({80, 48}, 9), rnd({80}, 10)}, {true, true, true});
+  EXPECT_LT(d32.out, 1e-5);
+  EXPECT_LT(d32.grad, 1e-5);
+  for (DType out : {DType::F32, DType::BF16}) {
+    auto linear_bf16 = [out](const std::vector<Tensor>& in) {
+      Tensor w16 = Tensor::empty(in[1].shape(), DType::BF16, in[1].device());
+      w16.copy_(in[1].detach());
+      return ops::linear_bf16(in[0], in[1], w16, in[2], out);
+    };
+    const DeviceDiff d16 = cpu_vs_cuda(linear_bf16, {rnd({3, 17, 48}, 8), rnd({80, 48}, 9), rnd({80}, 10)}, {true, true, true});
+    EXPECT_LT(d16.out, out == DType::BF16 ? 1e-2 : 1e-5) << dtype_name(out);
+    EXPECT_LT(d16.grad, 1e-2) << dtype_name(out);
+  }
+}
+
+TEST(CudaKernels, NormsActivationsAndEmbeddingMatchTheCpu) {
+  REQUIRE_GPU();
+  const Tensor x = rnd({6, 9, 96}, 11), w = rnd({96}, 12), b = rnd({96}, 13);
+  auto ln = [](const std::vector<Tensor>& in) { return ops::layernorm(in[0], in[1], in[2]); };
+  DeviceDiff d = cpu_vs_cuda(ln, {x, w, b}, {true, true, true});
+  EXPECT_LT(d.out, 1e-5);
+  EXPECT_LT(d.grad, 1e-5);
+  auto rms = [](const std::vector<Tensor>& in) { return ops::rmsnorm(in[0], in[1]); };
+  d = cpu_vs_cuda(rms, {x, w}, {true, true});
+  EXPECT_LT(d.out, 1e-5);
+  EXPECT_LT(d.grad, 1e-5);
+  auto gelu = [](const std::vector<Tensor>& in) { return ops::gelu(ops::scale(in[0], 4.0)); };
+  d = cpu_vs_cuda(gelu, {x}, {true});
+  EXPECT_LT(d.out, 1e-5);
+  EXPECT_LT(d.grad, 1e-5);
+  auto gelu_bf16 = [](const std::vector<Tensor>& in) { return ops::gelu(ops::to_dtype(ops::scale(in[0], 4.0), DType::BF16)); };
+  d = cpu_vs_cuda(gelu_bf16, {x}, {true});
+  EXPECT_LT(d.out, 1e-2);
+  EXPECT_LT(d.grad, 1e-2);
+  auto swiglu = [](const std::vector<Tensor>& in) { return ops::swiglu(ops::scale(in[0], 3.0), in[1]); };
+  d = cpu_vs_cuda(swiglu, {x, rnd({6, 9, 96}, 14)}, {true, true});
+  EXPECT_LT(d.out, 1e-5);
+  EXPECT_LT(d.grad, 1e-5);
+  const Tensor inv_freq = rnd({16}, 15);
+  auto rotary = [&](const std::vector<Tensor>& in) { return ops::rotary(in[0], in[1], 5); };
+  d = cpu_vs_cuda(rotary, {rnd({2, 7, 3, 32}, 16), inv_freq}, {true, false});
+  EXPECT_LT(d.out, 1e-5);
+  EXPECT_LT(d.grad, 1e-5);
+  const Tensor idx = tokens({4, 33}, 50, 17);
+  auto emb = [&](const std::vector<Tensor>& in) { return ops::embedding(in[0], in[1]); };
+  d = cpu_vs_cuda(emb, {rnd({50, 40}, 18), idx}, {true, false});
+  EXPECT_EQ(d.out, 0.0);     // a gather: bit-exact
+  EXPECT_LT(d.grad, 1e-6);   // repeated tokens add in another order
+  // An index outside the table is an error naming it, not a read of other memory.
+  Tensor bad = Tensor::from_vector(std::vector<int32_t>{3, 50}, {2});
+  const std::string msg = message_of<Error>([&] { ops::embedding(on(rnd({50, 4}, 19), Device::cuda(0), false), bad.to(Device::cuda(0))); });
+  EXPECT_NE(msg.find("index 50 at position 1 is out of range"), std::string::npos) << msg;
+}
+
+TEST(CudaKernels, CrossEntropyMatchesTheCpu) {
+  REQUIRE_GPU();
+  const int64_t V = 1000, Vp = 1024;
+  Tensor targets = tokens({37}, V, 20);
+  std::vector<int32_t> t = targets.to_vector<int32_t>();
+  t[5] = -1;  // an ignored row
+  targets = Tensor::from_vector(t, {37});
+  auto ce = [&](const std::vector<Tensor>& in) {
+    return ops::cross_entropy(ops::scale(in[0], 6.0), in[1], V);
+  };
+  DeviceDiff d = cpu_vs_cuda(ce, {rnd({37, Vp}, 21), targets}, {true, false});
+  EXPECT_LT(d.out, 1e-6);
+  EXPECT_LT(d.grad, 1e-5);
+  auto ce_bf16 = [&](const std::vector<Tensor>& in) {
+    return ops::cross_entropy(ops::to_dtype(ops::scale(in[0], 6.0), DType::BF16), in[1], V);
+  };
+  d = cpu_vs_cuda(ce_bf16, {rnd({37, Vp}, 21), targets}, {true, false});
+  EXPECT_LT(d.out, 1e-5);  // both read the same bf16 logits; the loss is fp32
+  EXPECT_LT(d.grad, 1e-2);
+}
+
+TEST(CudaKernels, CausalAttentionMatchesTheCpuInEveryShape) {
+  REQUIRE_GPU();
+  struct Case {
+    int64_t B, Tq, Tk, H, KV, D;
+  };
+  // Tiny and ragged lengths, grouped-query heads, queries fewer than keys (a KV cache), and
+  // head sizes from GPT-2's 64 down to the test models' 8.
+  for (const Case& c : {Case{2, 1, 1, 2, 2, 64}, Case{1, 7, 7, 3, 1, 16}, Case{2, 130, 130, 4, 2, 64},
+                        Case{1, 5, 70, 2, 2, 32}, Case{1, 200, 200, 2, 2, 128}, Case{2, 33, 33, 4, 4, 8}}) {
+    const Tensor q = rnd({c.B, c.Tq, c.H, c.D}, 30), k = rnd({c.B, c.Tk, c.KV, c.D}, 31), v = rnd({c.B, c.Tk, c.KV, c.D}, 32);
+    for (bool bf16 : {false, true}) {
+      auto attention = [&](const std::vector<Tensor>& in) {
+        // q, k, v scaled so the softmax is far from uniform: a wrong mask or scale shows.
+        Tensor qs = ops::scale(in[0], 3.0);
+        return bf16 ? ops::causal_attention_bf16(qs, in[1], in[2]) : ops::causal_attention(qs, in[1], in[2]);
+      };
+      const DeviceDiff d = cpu_vs_cuda(attention, {q, k, v}, {true, true, true});
+      const std::string what = "B" + std::to_string(c.B) + " Tq" + std::to_string(c.Tq) + " Tk" + std::to_string(c.Tk) +
+                               " H" + std::to_string(c.H) + " KV" + std::to_string(c.KV) + " D" + std::to_string(c.D) +
+                               (bf16 ? " bf16" : " fp32");
+      EXPECT_LT(d.out, bf16 ? 1e-2 : 1e-5) << what;
+      EXPECT_LT(d.grad, bf16 ? 2e-2 : 1e-5) << what;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- training on the GPU
+
+namespace {
+train::TrainConfig gpu_run(const std::string& shard, const std::string& device, const std::string& dtype) {
+  train::TrainConfig c;
+  c.model = "d2";
+  c.train_data = shard;
+  c.batch_size = 2;
+  c.seq_len = 64;
+  c.steps = 6;
+  c.lr = 1e-3;
+  c.threads = 2;
+  c.quiet = true;
+  c.sample_every = -1;
+  c.sample_tokens = 0;
+  c.device = device;
+  c.dtype = dtype;
+  c.out_dir = temp_path("cuda_run_" + device + dtype);
+  c.overwrite = true;
+  return c;
+}
+}  // namespace
+
+TEST(CudaTraining, Gpt2StepsMatchTheCpuRunInFp32AndBf16) {
+  REQUIRE_GPU();
+  const std::string shard = write_random_shard("cuda_train.bin", 20000, 50257, 3);
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    const train::TrainResult cpu = train::run_training(gpu_run(shard, "cpu", dtype));
+    const train::TrainResult gpu = train::run_training(gpu_run(shard, "cuda", dtype));
+    ASSERT_EQ(cpu.history.size(), gpu.history.size());
+    for (size_t i = 0; i < cpu.history.size(); ++i) {
+      // fp32: the two differ in the order of their sums only; six steps of AdamW at lr 1e-3
+      // keep that under 1e-4 of the loss. bf16: each side rounds its own sums to bf16.
+      const double tol = dtype == "fp32" ? 1e-4 : 1e-2;
+      EXPECT_NEAR(gpu.history[i].loss, cpu.history[i].loss, tol * cpu.history[i].loss) << dtype << " step " << i + 1;
+      EXPECT_NEAR(gpu.history[i].grad_norm, cpu.history[i].grad_norm, 10 * tol * cpu.history[i].grad_norm)
+          << dtype << " step " << i + 1;
+    }
+  }
+}
+
+TEST(CudaTraining, LiveDeviceMemoryIsFlatAcrossStepsAndMicrobatches) {
+  REQUIRE_GPU();
+  const std::string shard = write_random_shard("cuda_flat.bin", 20000, 50257, 4);
+  train::TrainConfig c = gpu_run(shard, "cuda", "bf16");
+  c.steps = 12;
+  c.grad_accum = 8;
+  const train::TrainResult r = train::run_training(c);
+  ASSERT_EQ(r.history.size(), 12u);
+  for (const auto& m : r.history) {
+    EXPECT_EQ(m.live_bytes, r.history[1].live_bytes) << "step " << m.step;  // after step 1's lazy allocations
+    EXPECT_EQ(m.peak_bytes, r.history[1].peak_bytes) << "step " << m.step;
+  }
+}
+
+TEST(CudaTraining, DeviceFlagErrorsNameTheFlag) {
+  const std::string shard = write_random_shard("cuda_flag.bin", 2000, 50257, 5);
+  train::TrainConfig c = gpu_run(shard, "gpu0", "fp32");
+  std::string msg = message_of<Error>([&] { train::run_training(c); });
+  EXPECT_NE(msg.find("--device: expected cpu, cuda or cuda:N, got 'gpu0'"), std::string::npos) << msg;
+  c.device = "cuda:7";
+  msg = message_of<Error>([&] { train::run_training(c); });
+  EXPECT_NE(msg.find("--device cuda:7"), std::string::npos) << msg;
 }

@@ -115,6 +115,8 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
                 "GEMM precision: fp32, or bf16 (mixed precision: bf16 operands for the projections' and "
                 "attention's products; fp32 master weights, gradients, optimizer state, norms, softmax and loss)")
       ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  t->add_option("--device", c.device, "Where to train: cpu, cuda or cuda:N (one process per GPU run)")
+      ->capture_default_str();
   t->add_flag("--chunked-loss", c.chunked_loss,
               "Fuse the LM head with the loss in chunks of rows, so the (batch x seq, vocab) logits are never all "
               "in memory (one more head GEMM per microbatch)");

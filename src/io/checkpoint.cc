@@ -243,6 +243,12 @@ std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& m
     for (int which = 0; which < 2; ++which) {
       for (size_t u = 0; u < units; ++u) {
         Tensor values = opt.moment_unit(which, u).contiguous();
+        if (out && !values.device().is_cpu()) {  // a device's moments are written from a host copy
+          Tensor host = Tensor::empty(values.shape(), values.dtype(), Device::cpu(),
+                                      make_owner(Category::Other, "checkpoint.write"));
+          host.copy_(values);
+          values = host;
+        }
         if (out) {
           out->write(values.raw_data(), static_cast<size_t>(values.nbytes()));
           crc.update(values.raw_data(), static_cast<size_t>(values.nbytes()));

@@ -268,6 +268,11 @@ void save_llmc(const std::string& path, const nn::Transformer& model, bool bf16)
     for (size_t i : t.params) {
       Tensor p = model.params()[i];
       if (t.vocab_rows) p = p.slice(0, 0, c.vocab_size);  // contiguous: the leading rows
+      if (!p.device().is_cpu()) {  // a device's parameters are written from a host copy
+        Tensor host = Tensor::empty(p.shape(), p.dtype(), Device::cpu(), make_owner(Category::Other, "model_file.write"));
+        host.copy_(p);
+        p = host;
+      }
       if (!bf16) {
         out.write(p.raw_data(), static_cast<size_t>(p.numel()) * 4);
         crc.update(p.raw_data(), static_cast<size_t>(p.numel()) * 4);

@@ -42,6 +42,15 @@ void ParameterStore::allocate(DType dtype, Device device) {
   }
 }
 
+void ParameterStore::move_to(Device device) {
+  TALLY_CHECK(flat_params_.defined(), "move_to(", device.str(), "): no parameter block (allocate first; not with ZeRO-3)");
+  TALLY_CHECK(!compute_block_.defined(), "move_to(", device.str(), "): after enable_compute_copy; move the model first");
+  if (flat_params_.device() == device) return;
+  const Tensor host = flat_params_;
+  allocate(host.dtype(), device);  // the views now point at the new blocks; `host` holds the old values
+  flat_params_.copy_(host);
+}
+
 void ParameterStore::enable_compute_copy(DType dtype) {
   TALLY_CHECK(flat_params_.defined(), "mixed precision needs the parameter block (allocate first; not with ZeRO-3)");
   TALLY_CHECK(dtype == DType::BF16, "mixed precision: compute dtype ", dtype_name(dtype), " is not supported (bfloat16)");

@@ -44,6 +44,11 @@ class ParameterStore {
   size_t declare(std::string name, Shape shape, bool decay);
   // Allocates the parameter and gradient blocks and creates the views.
   void allocate(DType dtype = DType::F32, Device device = Device::cpu());
+  // Moves the parameter block to `device` (new blocks there, the values copied, the
+  // gradients discarded; the old blocks are freed). Before an optimizer or a compute copy
+  // refers to the blocks: the model is built and loaded on the host, then moved.
+  void move_to(Device device);
+  Device device() const { return flat_params_.device(); }
 
   size_t size() const { return specs_.size(); }
   const ParameterSpec& spec(size_t i) const { return specs_[i]; }

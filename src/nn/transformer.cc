@@ -183,6 +183,15 @@ Transformer::Transformer(const TransformerConfig& config, ModelShard shard)
   }
 }
 
+void Transformer::move_to(Device device) {
+  params_.move_to(device);
+  if (inv_freq_.defined() && inv_freq_.device() != device) {
+    Tensor moved = Tensor::empty(inv_freq_.shape(), inv_freq_.dtype(), device, inv_freq_.storage().owner());
+    moved.copy_(inv_freq_);
+    inv_freq_ = moved;
+  }
+}
+
 Transformer Transformer::layout_only(const TransformerConfig& config, ModelShard shard) {
   return Transformer(config, std::move(shard), LayoutOnly{});
 }

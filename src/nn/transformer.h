@@ -202,6 +202,10 @@ class Transformer {
   KvCache make_kv_cache(int64_t batch, int64_t capacity) const;
   // The rotary inverse frequencies (D/2), a model constant (LLaMA; undefined for GPT-2).
   const Tensor& inv_freq() const { return inv_freq_; }
+  // Moves the parameters (and the model's constants) to `device`: the model is built and
+  // loaded on the host, then moved, before the optimizer is made.
+  void move_to(Device device);
+  Device device() const { return params_.device(); }
 
   // Where the parameters live while the model runs (ZeRO-3 sets one; null: always
   // resident). Not owned.

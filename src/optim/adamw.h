@@ -55,6 +55,7 @@ class AdamW final : public Optimizer {
   const AdamWConfig& config() const { return config_; }
 
  private:
+  void step_on_device(const AdamWCoefficients& k, bool zero_grad);
   nn::ParameterStore& params_;
   AdamWConfig config_;
   Tensor m_, v_;  // Category::OptimizerState, same layout as the parameter block

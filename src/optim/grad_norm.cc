@@ -23,6 +23,11 @@ double gradient_norm(const nn::ParameterStore& params) {
   return ops::global_norm(grads);  // each tensor's sum_squares, added in order in fp64
 }
 
+double block_gradient_norm(const nn::ParameterStore& params) {
+  const Tensor& grads = params.flat_grads();  // settles discarded gradients as zeros
+  return std::sqrt(runtime::backend(grads.device()).sum_squares(grads));
+}
+
 BackwardGradientNorm::BackwardGradientNorm(const nn::ParameterStore& params)
     : params_(params), squares_(params.size(), 0.0), summed_(params.size(), 0) {
   for (size_t i = 0; i < params.size(); ++i) index_of_[params[i].impl()] = i;

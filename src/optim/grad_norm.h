@@ -28,6 +28,10 @@ namespace tally::optim {
 // each one's sum in its own call, added in parameter order in fp64 (which finish() below
 // repeats exactly). Parameters without a gradient count as zero.
 double gradient_norm(const nn::ParameterStore& params);
+// The same norm as one sum over the whole gradient block (discarded gradients read as
+// zeros): on a GPU, one wait for the device instead of one per parameter. Its fp64 sum is
+// added in another order than gradient_norm's, so the two may differ in the last bits.
+double block_gradient_norm(const nn::ParameterStore& params);
 
 class BackwardGradientNorm final : public autograd::EngineObserver {
  public:

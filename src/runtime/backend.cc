@@ -126,5 +126,9 @@ void Backend::cross_entropy_backward(const Tensor&, const Tensor&, const Tensor&
 }
 void Backend::gather(const Tensor&, const Tensor&, int64_t, const Tensor&) { no_kernel("gather"); }
 void Backend::scatter_add(const Tensor&, int64_t, const Tensor&, const Tensor&) { no_kernel("scatter_add"); }
+void Backend::adamw_update(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                           const AdamWScalars&, bool) {
+  no_kernel("adamw_update");
+}
 
 }  // namespace tally::runtime

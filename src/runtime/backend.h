@@ -20,6 +20,12 @@ namespace tally::runtime {
 
 enum class BinaryOp { Add, Sub, Mul, Div };
 
+// The per-step constants of one AdamW update (optim/adamw.h derives them; `keep` is
+// 1 - lr * weight_decay for a decayed parameter, else 1).
+struct AdamWScalars {
+  float beta1, beta2, step_size, inv_bc2_sqrt, eps, grad_scale, keep;
+};
+
 class Backend : public DeviceHooks {
  public:
   // ---- memory
@@ -93,6 +99,13 @@ class Backend : public DeviceHooks {
   // dlogits[n, j] = scale * (softmax_j - [j == target]) for j < V, 0 for padding columns.
   virtual void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse,
                                       const Tensor& targets, int64_t valid_vocab, double scale);
+
+  // ---- the optimizer: AdamW's update of contiguous fp32 parameters p with gradients g and
+  // moments m, v (optim/adamw.cc has the formula), the bf16 compute copy written in the same
+  // pass when defined, the gradients zeroed when asked. The CPU's loop lives in optim (it
+  // threads over the whole block at once); a device backend implements this entry.
+  virtual void adamw_update(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
+                            const Tensor& p_compute, const AdamWScalars& k, bool zero_grad);
 
   // ---- indexing
   virtual void gather(const Tensor& out, const Tensor& x, int64_t dim, const Tensor& index);

@@ -57,9 +57,13 @@ std::vector<int32_t> sample(const nn::Transformer& model, std::vector<int32_t> t
   nn::KvCache cache = model.make_kv_cache(1, capacity);
   // Runs `ids` through the model after what the cache holds; returns the last logits row.
   auto feed = [&](const std::vector<int32_t>& ids) {
-    Tensor input = Tensor::from_vector(ids, {1, static_cast<int64_t>(ids.size())});
+    Tensor input = Tensor::from_vector(ids, {1, static_cast<int64_t>(ids.size())}).to(model.device());
     Tensor logits = model.forward(input, Tensor(), true, &cache).logits;  // (1, T, Vp)
-    return logits.slice(1, logits.shape()[1] - 1, logits.shape()[1]).contiguous();
+    // The next token is drawn on the host: the last row comes back as fp32.
+    Tensor last_row = logits.slice(1, logits.shape()[1] - 1, logits.shape()[1]);
+    Tensor host = Tensor::empty(last_row.shape(), DType::F32, Device::cpu(), current_owner("sample_logits"));
+    host.copy_(last_row);
+    return host;
   };
   const int64_t window = std::min<int64_t>(static_cast<int64_t>(tokens.size()), capacity);
   Tensor last = feed(std::vector<int32_t>(tokens.end() - window, tokens.end()));

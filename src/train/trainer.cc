@@ -137,6 +137,31 @@ std::string recipe_changes(const std::vector<std::pair<std::string, std::string>
   return out;
 }
 
+}  // namespace
+
+Device parse_device(const std::string& text) {
+  Device d;
+  if (text == "cpu") return Device::cpu();
+  if (text == "cuda") d = Device::cuda(0);
+  else if (text.rfind("cuda:", 0) == 0 && text.size() > 5 &&
+           text.find_first_not_of("0123456789", 5) == std::string::npos && text.size() < 10)
+    d = Device::cuda(std::stoi(text.substr(5)));
+  else TALLY_FAIL("--device: expected cpu, cuda or cuda:N, got '", text, "'");
+  const int visible = runtime::device_count(DeviceType::CUDA);
+  TALLY_CHECK(d.index < visible, "--device ", text, ": ",
+              visible == 0 ? std::string("no CUDA device is visible to this process") +
+#ifdef TALLY_CUDA
+                                 " (tally is built with CUDA; is a GPU present and its driver loaded?)"
+#else
+                                 " (this tally is built without CUDA: /usr/local/cuda/bin/nvcc was not found at build time)"
+#endif
+                           : std::to_string(visible) + " CUDA device(s) are visible (cuda:0 .. cuda:" +
+                                 std::to_string(visible - 1) + ")");
+  return d;
+}
+
+namespace {
+
 std::unique_ptr<nn::Transformer> build_model(const TrainConfig& c) {
   auto model = std::make_unique<nn::Transformer>(model_config(c.model, c.model_file, c.init_from));
   if (!c.model_file.empty()) io::load_llmc(c.model_file, *model);
@@ -170,7 +195,13 @@ double evaluate(const nn::Transformer& model, dist::PipelineStage* pipeline, dat
   double total = 0;
   for (int64_t i = 0; i < batches; ++i) {
     const data::Batch& b = loader.batch_from(i * loader.tokens_per_batch());
-    total += pipeline ? pipeline->evaluate(b.inputs, b.targets) : model.forward(b.inputs, b.targets).loss.item();
+    if (pipeline) {
+      total += pipeline->evaluate(b.inputs, b.targets);
+    } else if (model.device().is_cpu()) {
+      total += model.forward(b.inputs, b.targets).loss.item();
+    } else {
+      total += model.forward(b.inputs.to(model.device()), b.targets.to(model.device())).loss.item();
+    }
   }
   return total / static_cast<double>(std::max<int64_t>(batches, 1));
 }
@@ -256,6 +287,19 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   };
   dist::Communicator& dp_group = world.dp_group();
   const int64_t D = world.dp(), dp_rank = world.dp_rank();
+  // Where the model trains. A GPU run is one process for now: the communicator that
+  // would reduce between GPUs (NCCL) is not built yet, and MPI's moves host memory.
+  const Device device = parse_device(c.device);
+  TALLY_CHECK(device.is_cpu() || world.size() == 1, "--device ", c.device, " with ", world.size(),
+              " processes: multi-GPU training needs the NCCL communicator, which tally does not have yet; "
+              "run one process per GPU run, or train on --device cpu under mpirun");
+  // A batch's tokens on the training device (the loader fills host buffers).
+  auto on_device = [&](const Tensor& t) {
+    if (t.device() == device) return t;
+    Tensor moved = Tensor::empty(t.shape(), t.dtype(), device, current_owner("microbatch_tokens"));
+    moved.copy_(t);
+    return moved;
+  };
 
   // Paths are checked before anything runs, so a bad one fails now, not after every step.
   TALLY_CHECK(!fs::exists(c.out_dir) || fs::is_directory(c.out_dir), "--out-dir '", c.out_dir,
@@ -288,7 +332,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
               "another --out-dir");
 
   sanitizer::SanitizeMode mode = sanitizer::parse_sanitize_mode(c.sanitize);
-  auto& ledger = runtime::ledger();
+  auto& ledger = runtime::ledger(device);  // the training device's: where the model's bytes live
   if (!c.mem_trace.empty()) ledger.enable_history(true, false);
 
   // Every rank builds the same model (same seed, or the same file).
@@ -326,6 +370,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     model->set_tensor_parallel(tensor_parallel.get());
   }
   model->set_recompute(nn::parse_recompute(c.recompute));
+  model->move_to(device);  // built and loaded on the host; trained where --device says
   TALLY_CHECK(c.dtype == "fp32" || c.dtype == "bf16", "--dtype must be fp32 or bf16, got '", c.dtype, "'");
   const DType matmul_dtype = c.dtype == "bf16" ? DType::BF16 : DType::F32;
   TALLY_CHECK(matmul_dtype == DType::F32 || c.zero <= 2, "--dtype bf16 with --zero 3: the GEMMs read a bf16 copy of "
@@ -361,7 +406,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // while it is still in cache, instead of in a pass of its own after it (optim/grad_norm.h).
   // Data parallel's gradients change once more, in the all-reduce, and are summed after it.
   std::optional<optim::BackwardGradientNorm> backward_norm;
-  if (!model_parallel && !zero && D == 1) backward_norm.emplace(model->params());
+  // On a GPU each gradient's sum would be a wait for the device in the middle of backward,
+  // so the norm is one sum over the gradient block after it (one wait).
+  if (!model_parallel && !zero && D == 1 && device.is_cpu()) backward_norm.emplace(model->params());
 
   data::TokenLoader train_loader(c.train_data, c.batch_size, c.seq_len, mc.vocab_size, "--train-data");
   std::unique_ptr<data::TokenLoader> val_loader;
@@ -415,7 +462,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // Each rank does its share of the model's work: 1/(tp x pp) of it under model parallelism.
   const double rank_step_flops =
       model->flops_per_token(T) * static_cast<double>(N * B * T) / static_cast<double>(world.tp() * world.pp());
-  double gemm_peak = runtime::backend(Device::cpu()).measured_gemm_peak_flops(matmul_dtype);
+  double gemm_peak = runtime::backend(device).measured_gemm_peak_flops(matmul_dtype);
   bool gemm_peak_probed_again = false;
   const int64_t P = model->num_parameters();
   log("model: %s, %lld parameters\n", mc.describe().c_str(), static_cast<long long>(P));
@@ -528,8 +575,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       // (the embedding and the loss save them for backward, which runs later).
       auto batch_of = [&](int64_t mb) {
         const data::Batch& b = train_loader.batch_at(step, mb * D + dp_rank, N * D);
-        auto own = [](const Tensor& t) {
-          Tensor copy = Tensor::empty(t.shape(), t.dtype(), t.device(), current_owner("microbatch_tokens"));
+        auto own = [&](const Tensor& t) {
+          Tensor copy = Tensor::empty(t.shape(), t.dtype(), device, current_owner("microbatch_tokens"));
           copy.copy_(t);
           return copy;
         };
@@ -558,7 +605,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
         // This rank's share of the global batch: microbatch mb*D + r of D*N.
         const data::Batch& batch = train_loader.batch_at(step, mb * D + dp_rank, N * D);
         std::optional<profiler::PhaseScope> phase(std::in_place, "forward");
-        Tensor loss = model->forward(batch.inputs, batch.targets).loss;
+        Tensor loss = model->forward(on_device(batch.inputs), on_device(batch.targets)).loss;
         if (live_after_forward == 0) {
           // At the end of the first forward the live set is exactly model states + loader
           // buffers + saved activations (measured; the plan predicts it).
@@ -584,6 +631,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     const double norm = model_parallel ? dist::model_parallel_gradient_norm(*model, world)
                         : zero         ? zero->gradient_norm()
                         : backward_norm ? backward_norm->finish()
+                        : !device.is_cpu() ? optim::block_gradient_norm(model->params())
                                         : optim::gradient_norm(model->params());
     loss_sum = dp_group.all_reduce_scalar(loss_sum, dist::ReduceOp::Sum);
     const double lr = learning_rate(c, step);
@@ -603,6 +651,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     }
     phase.reset();
     sanitizer.end_step();
+    // A device runs the step's last kernels after the host has queued them: the step ends
+    // when they have run.
+    if (!device.is_cpu()) runtime::backend(device).default_stream().synchronize();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
     memory::Stats s = ledger.stats();
@@ -617,7 +668,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     if (m.gemm_peak_frac > 1.0 && !gemm_peak_probed_again) {
       // A step faster than the probe's GEMMs: a neighbour slowed the probe. Probe once more
       // (after the step's time was taken) and keep the larger.
-      gemm_peak = runtime::backend(Device::cpu()).measured_gemm_peak_flops(matmul_dtype, /*probe_again=*/true);
+      gemm_peak = runtime::backend(device).measured_gemm_peak_flops(matmul_dtype, /*probe_again=*/true);
       gemm_peak_probed_again = true;
       m.gemm_peak_frac = rank_step_flops / seconds / gemm_peak;
     }

@@ -78,8 +78,13 @@ struct TrainConfig {
   bool return_parameters = false;   // fill TrainResult::parameters (tests)
   bool profile_ops = false;         // time every kernel; the step line and the JSONL row get the table
   std::string dtype = "fp32";       // fp32 | bf16: mixed precision, the projections' GEMMs in bf16
+  std::string device = "cpu";       // cpu | cuda | cuda:N: where the model, its gradients and optimizer live
   bool chunked_loss = false;        // the head and the loss fused in chunks: the logits never all live
 };
+
+// The device named by --device ("cpu", "cuda", "cuda:N"); throws naming the flag when the
+// text is not one or no such device is visible to this process.
+Device parse_device(const std::string& text);
 
 struct StepMetrics {
   int64_t step = 0;
