@@ -192,8 +192,14 @@ class CudaBackend final : public Backend {
       TALLY_CHECK(bias.dim() == 1 && bias.is_contiguous() && bias.numel() == c.shape()[1], "gemm: bias ", bias.str(),
                   " for output ", c.str());
       if (matmul().run(s(), a, ta, b, tb, c, 1.f, 0.f, bias)) return;
+      // A bf16 output whose fp32 bias cuBLASLt does not take: the bias in bf16, as
+      // PyTorch's autocast casts it (one rounding of the bias, then of the sum).
+      if (c.dtype() == DType::BF16 && bias.dtype() == DType::F32 &&
+          matmul().run(s(), a, ta, b, tb, c, 1.f, 0.f, dense_as(bias, DType::BF16)))
+        return;
     }
-    // No epilogue for this bias type: the product in fp32, the bias added, then rounded once.
+    // No epilogue for this bias: the product in fp32, the bias added, then rounded once.
+    Scope scope("gemm_bias_unfused", stream_);
     Tensor product = c.dtype() == DType::F32 ? c : Tensor::empty(c.shape(), DType::F32, device(), current_owner("gemm_bias_fp32"));
     gemm(a, ta, b, tb, product, 1.f, 0.f);
     Tensor bias32 = bias.dtype() == DType::F32 ? bias : dense_as(bias, DType::F32);

@@ -163,3 +163,52 @@ template <class T> __device__ __forceinline__ T block_max(T v, T* scratch) {
 }
 
 }  // namespace tally::runtime::cuda
+
+namespace tally::runtime::cuda {
+
+// ---- packs: 8 consecutive elements moved as one (16 bytes of bf16, 32 of fp32), so a
+// warp's loads and stores are whole 128-bit transactions. Memory-bound kernels over
+// contiguous tensors use them when every pointer is aligned to a pack.
+constexpr int kPack = 8;
+template <class T> struct alignas(sizeof(T) * kPack) Pack {
+  T v[kPack];
+};
+template <class T> inline bool pack_aligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * kPack) == 0;
+}
+inline unsigned pack_grid(int64_t packs, int threads = 256) { return grid_for(packs, threads); }
+
+}  // namespace tally::runtime::cuda
+
+namespace tally::runtime::cuda {
+
+// out[c] = sum over k of partial[k][c] (slices x cols): the second pass of the deterministic
+// column sums (sum_into, the norms' weight gradients). A block takes 32 columns; its 16
+// rows of threads each add every 16th slice, then one thread adds the 16 sums in order, so
+// the result does not depend on timing. (A thread per column adding all slices in turn
+// left the GPU with a few hundred threads each waiting on hundreds of dependent loads.)
+constexpr int kSliceLanes = 16;
+template <class Acc, class Out>
+__global__ void sum_slices_kernel(Out* out, const Acc* partial, int64_t slices, int64_t cols) {
+  __shared__ Acc lanes[kSliceLanes][33];
+  const int64_t c = blockIdx.x * int64_t(32) + threadIdx.x;
+  Acc s = 0;
+  if (c < cols)
+    for (int64_t k = threadIdx.y; k < slices; k += kSliceLanes) s += partial[k * cols + c];
+  lanes[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    Acc total = 0;
+#pragma unroll
+    for (int l = 0; l < kSliceLanes; ++l) total += lanes[l][threadIdx.x];
+    out[c] = convert<Out>(total);
+  }
+}
+template <class Acc, class Out>
+void launch_sum_slices(cudaStream_t stream, Out* out, const Acc* partial, int64_t slices, int64_t cols) {
+  sum_slices_kernel<Acc, Out><<<static_cast<unsigned>((cols + 31) / 32), dim3(32, kSliceLanes), 0, stream>>>(
+      out, partial, slices, cols);
+  TALLY_CUDA_LAUNCHED(sum_slices_kernel);
+}
+
+}  // namespace tally::runtime::cuda

@@ -27,6 +27,34 @@ __global__ void copy_kernel(D* dst, const S* src, int64_t n, StridedWalk<2> walk
   }
 }
 
+// A contiguous copy with conversion, a pack per thread (n a multiple of kPack).
+template <class D, class S> __global__ void copy_packed_kernel(D* dst, const S* src, int64_t packs) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < packs; i += int64_t(gridDim.x) * blockDim.x) {
+    const Pack<S> in = reinterpret_cast<const Pack<S>*>(src)[i];
+    Pack<D> out;
+#pragma unroll
+    for (int j = 0; j < kPack; ++j) out.v[j] = convert<D>(in.v[j]);
+    reinterpret_cast<Pack<D>*>(dst)[i] = out;
+  }
+}
+
+// A strided copy whose last dimension is contiguous on both sides (a head-major
+// rearrangement, a slice of a fused projection): a pack of the last dimension per thread,
+// the other dimensions' offsets found once per pack. `rows` walks the leading dimensions.
+template <class D, class S>
+__global__ void copy_rows_kernel(D* dst, const S* src, int64_t packs, int64_t packs_per_row, StridedWalk<2> rows) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < packs; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / packs_per_row, col = (i - row * packs_per_row) * kPack;
+    int64_t off[2];
+    rows.offsets(row, off);
+    const Pack<S> in = *reinterpret_cast<const Pack<S>*>(src + off[1] + col);
+    Pack<D> out;
+#pragma unroll
+    for (int j = 0; j < kPack; ++j) out.v[j] = convert<D>(in.v[j]);
+    *reinterpret_cast<Pack<D>*>(dst + off[0] + col) = out;
+  }
+}
+
 template <class T> __global__ void fill_kernel(T* dst, T value, int64_t n, StridedWalk<1> walk, bool linear) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     if (linear) {
@@ -64,6 +92,21 @@ __global__ void binary_kernel(BinaryOp op, T* out, const T* a, const T* b, int64
       default: r = x / y; break;
     }
     out[off[0]] = convert<T>(r);
+  }
+}
+
+template <class T>
+__global__ void binary_packed_kernel(BinaryOp op, T* out, const T* a, const T* b, int64_t packs) {
+  using A = typename Arith<T>::type;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < packs; i += int64_t(gridDim.x) * blockDim.x) {
+    const Pack<T> x = reinterpret_cast<const Pack<T>*>(a)[i], y = reinterpret_cast<const Pack<T>*>(b)[i];
+    Pack<T> r;
+#pragma unroll
+    for (int j = 0; j < kPack; ++j) {
+      const A u = convert<A>(x.v[j]), w = convert<A>(y.v[j]);
+      r.v[j] = convert<T>(op == BinaryOp::Add ? u + w : op == BinaryOp::Sub ? u - w : op == BinaryOp::Mul ? u * w : u / w);
+    }
+    reinterpret_cast<Pack<T>*>(out)[i] = r;
   }
 }
 
@@ -117,14 +160,18 @@ __global__ void sum_partial_kernel(Acc* partial, const In* x, int64_t n_out, int
   partial[chunk * n_out + o] = s;
 }
 
-template <class Acc, class Out>
-__global__ void sum_finish_kernel(Out* out, const Acc* partial, int64_t n_out, int64_t chunks) {
-  const int64_t o = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (o >= n_out) return;
+// The common case of sum_into: x contiguous, seen as (rows, cols), summed over rows (a
+// bias's gradient). Thread per column and slice of rows: plain indexing, coalesced rows.
+template <class In, class Acc>
+__global__ void sum_rows_partial_kernel(Acc* partial, const In* x, int64_t rows, int64_t cols, int64_t per_chunk) {
+  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (c >= cols) return;
+  const int64_t chunk = blockIdx.y, end = min(rows, (chunk + 1) * per_chunk);
   Acc s = 0;
-  for (int64_t c = 0; c < chunks; ++c) s += partial[c * n_out + o];
-  out[o] = convert<Out>(s);
+  for (int64_t r = chunk * per_chunk; r < end; ++r) s += static_cast<Acc>(to_float(x[r * cols + c]));
+  partial[chunk * cols + c] = s;
 }
+
 
 // Per block a partial sum of squares in fp64 (each thread's own sum too): exact enough
 // that the order of the blocks' sums does not show, and the host adds them in order.
@@ -196,13 +243,38 @@ void copy(cudaStream_t stream, const Tensor& dst, const Tensor& src) {
                                      cudaMemcpyDeviceToDevice, stream));
     return;
   }
-  const StridedWalk<2> walk = make_walk<2>(dst.shape(), strides);
+  const Shape& shape = dst.shape();
+  const int64_t inner = shape.empty() ? 1 : shape.back();
   dispatch_all(dst.dtype(), [&](auto dtag) {
     using D = decltype(dtag);
     dispatch_all(src.dtype(), [&](auto stag) {
       using S = decltype(stag);
-      copy_kernel<D, S><<<grid_for(n), 256, 0, stream>>>(static_cast<D*>(dst.raw_data()),
-                                                          static_cast<const S*>(src.raw_data()), n, walk, linear);
+      D* d = static_cast<D*>(dst.raw_data());
+      const S* s = static_cast<const S*>(src.raw_data());
+      const bool aligned = pack_aligned<D>(d) && pack_aligned<S>(s);
+      if (linear && aligned && n % kPack == 0) {
+        copy_packed_kernel<D, S><<<pack_grid(n / kPack), 256, 0, stream>>>(d, s, n / kPack);
+        TALLY_CUDA_LAUNCHED(copy_packed_kernel);
+        return;
+      }
+      // Rows of whole packs: the last dimension contiguous on both sides, and every row
+      // starting on a pack.
+      bool rows_ok = aligned && shape.size() >= 2 && inner % kPack == 0 && strides[0].back() == 1 &&
+                     strides[1].back() == 1;
+      for (size_t k = 0; rows_ok && k < 2; ++k)
+        for (size_t dim = 0; dim + 1 < shape.size(); ++dim) rows_ok = rows_ok && strides[k][dim] % kPack == 0;
+      if (rows_ok) {
+        const Shape outer(shape.begin(), shape.end() - 1);
+        const std::array<Shape, 2> outer_strides{Shape(strides[0].begin(), strides[0].end() - 1),
+                                                 Shape(strides[1].begin(), strides[1].end() - 1)};
+        const int64_t packs = n / kPack;
+        copy_rows_kernel<D, S><<<pack_grid(packs), 256, 0, stream>>>(d, s, packs, inner / kPack,
+                                                                       make_walk<2>(outer, outer_strides));
+        TALLY_CUDA_LAUNCHED(copy_rows_kernel);
+        return;
+      }
+      const StridedWalk<2> walk = make_walk<2>(shape, strides);
+      copy_kernel<D, S><<<grid_for(n), 256, 0, stream>>>(d, s, n, walk, linear);
       TALLY_CUDA_LAUNCHED(copy_kernel);
     });
   });
@@ -237,6 +309,14 @@ void binary(cudaStream_t stream, BinaryOp op, const Tensor& out, const Tensor& a
     if constexpr (std::is_integral_v<T>) {
       TALLY_FAIL("elementwise op on CUDA: ", out.str(), " is not floating point");
     } else {
+      if (linear && n % kPack == 0 && pack_aligned<T>(out.raw_data()) && pack_aligned<T>(a.raw_data()) &&
+          pack_aligned<T>(b.raw_data())) {
+        binary_packed_kernel<T><<<pack_grid(n / kPack), 256, 0, stream>>>(
+            op, static_cast<T*>(out.raw_data()), static_cast<const T*>(a.raw_data()),
+            static_cast<const T*>(b.raw_data()), n / kPack);
+        TALLY_CUDA_LAUNCHED(binary_packed_kernel);
+        return;
+      }
       binary_kernel<T><<<grid_for(n), 256, 0, stream>>>(op, static_cast<T*>(out.raw_data()),
                                                          static_cast<const T*>(a.raw_data()),
                                                          static_cast<const T*>(b.raw_data()), n, walk, linear);
@@ -302,6 +382,13 @@ void sum_into(cudaStream_t stream, const Tensor& out, const Tensor& x) {
   if (kept_shape.empty()) kept_shape.push_back(1), kept_strides.push_back(0);
   if (red_shape.empty()) red_shape.push_back(1), red_strides.push_back(0);
   const int64_t n_reduced = shape_numel(red_shape);
+  // Reduced dimensions all before the kept ones, in a contiguous x: rows of a matrix.
+  bool leading_rows = x.is_contiguous();
+  for (int64_t d = 0, seen_kept = 0; d < x.dim(); ++d) {
+    const bool kept_dim = out.shape()[d] == x.shape()[d] && x.shape()[d] != 1;
+    if (kept_dim) seen_kept = 1;
+    else if (seen_kept && x.shape()[d] != 1) leading_rows = false;
+  }
   const StridedWalk<1> kept = make_walk<1>(kept_shape, {kept_strides});
   const StridedWalk<1> reduced = make_walk<1>(red_shape, {red_strides});
   // Enough slices to fill the GPU when outputs are few, each at least 64 inputs long.
@@ -319,18 +406,24 @@ void sum_into(cudaStream_t stream, const Tensor& out, const Tensor& x) {
     } else {
       using Acc = std::conditional_t<std::is_same_v<In, double>, double, float>;
       const dim3 grid(static_cast<unsigned>(out_blocks), static_cast<unsigned>(chunks));
-      sum_partial_kernel<In, Acc><<<grid, 256, 0, stream>>>(static_cast<Acc*>(partial.raw_data()),
-                                                             static_cast<const In*>(x.raw_data()), n_out, n_reduced,
-                                                             per_chunk, kept, reduced);
-      TALLY_CUDA_LAUNCHED(sum_partial_kernel);
+      if (leading_rows) {
+        sum_rows_partial_kernel<In, Acc><<<grid, 256, 0, stream>>>(static_cast<Acc*>(partial.raw_data()),
+                                                                    static_cast<const In*>(x.raw_data()), n_reduced,
+                                                                    n_out, per_chunk);
+        TALLY_CUDA_LAUNCHED(sum_rows_partial_kernel);
+      } else {
+        sum_partial_kernel<In, Acc><<<grid, 256, 0, stream>>>(static_cast<Acc*>(partial.raw_data()),
+                                                               static_cast<const In*>(x.raw_data()), n_out, n_reduced,
+                                                               per_chunk, kept, reduced);
+        TALLY_CUDA_LAUNCHED(sum_partial_kernel);
+      }
       dispatch_all(out.dtype(), [&](auto out_tag) {
         using Out = decltype(out_tag);
         if constexpr (std::is_integral_v<Out>) {
           TALLY_FAIL("sum on CUDA: ", out.str(), " is not floating point");
         } else {
-          sum_finish_kernel<Acc, Out><<<static_cast<unsigned>(out_blocks), 256, 0, stream>>>(
-              static_cast<Out*>(out.raw_data()), static_cast<const Acc*>(partial.raw_data()), n_out, chunks);
-          TALLY_CUDA_LAUNCHED(sum_finish_kernel);
+          launch_sum_slices<Acc, Out>(stream, static_cast<Out*>(out.raw_data()),
+                                      static_cast<const Acc*>(partial.raw_data()), chunks, n_out);
         }
       });
     }

@@ -127,13 +127,6 @@ __global__ void norm_weight_grad_partial_kernel(float* partial_w, float* partial
   if (partial_b) partial_b[slice * C + c] = sb;
 }
 
-__global__ void sum_slices_kernel(float* out, const float* partial, int64_t slices, int64_t C) {
-  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (c >= C) return;
-  float s = 0;
-  for (int64_t k = 0; k < slices; ++k) s += partial[k * C + c];
-  out[c] = s;
-}
 
 void norm_weight_grads(cudaStream_t stream, const Tensor& dw, const Tensor& db, const Tensor& dout, const Tensor& x,
                        const float* mean, const float* rstd, int64_t N, int64_t C) {
@@ -149,12 +142,10 @@ void norm_weight_grads(cudaStream_t stream, const Tensor& dw, const Tensor& db, 
                                               rstd, N, C, per);
   TALLY_CUDA_LAUNCHED(norm_weight_grad_partial_kernel);
   if (dw.defined()) {
-    sum_slices_kernel<<<static_cast<unsigned>(col_blocks), 256, 0, stream>>>(ptr<float>(dw), ptr<float>(pw), slices, C);
-    TALLY_CUDA_LAUNCHED(sum_slices_kernel);
+    launch_sum_slices<float, float>(stream, ptr<float>(dw), ptr<float>(pw), slices, C);
   }
   if (db.defined()) {
-    sum_slices_kernel<<<static_cast<unsigned>(col_blocks), 256, 0, stream>>>(ptr<float>(db), ptr<float>(pb), slices, C);
-    TALLY_CUDA_LAUNCHED(sum_slices_kernel);
+    launch_sum_slices<float, float>(stream, ptr<float>(db), ptr<float>(pb), slices, C);
   }
 }
 
@@ -188,13 +179,40 @@ __device__ __forceinline__ float gelu_slope(float v) {
   return 0.5f * (1.f + t) + tail;
 }
 
-template <class T> __global__ void gelu_forward_kernel(T* out, const T* x, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = from_float<T>(gelu_value(to_float(x[i])));
+// A pack of 8 per thread (the caller has checked n and the alignment), else one element.
+template <class T, bool kPacked> __global__ void gelu_forward_kernel(T* out, const T* x, int64_t n) {
+  if constexpr (kPacked) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n / kPack; i += int64_t(gridDim.x) * blockDim.x) {
+      const Pack<T> in = reinterpret_cast<const Pack<T>*>(x)[i];
+      Pack<T> r;
+#pragma unroll
+      for (int j = 0; j < kPack; ++j) r.v[j] = from_float<T>(gelu_value(to_float(in.v[j])));
+      reinterpret_cast<Pack<T>*>(out)[i] = r;
+    }
+  } else {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+      out[i] = from_float<T>(gelu_value(to_float(x[i])));
+  }
 }
-template <class T> __global__ void gelu_backward_kernel(T* dx, const T* dout, const T* x, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    dx[i] = from_float<T>(to_float(dout[i]) * gelu_slope(to_float(x[i])));
+template <class T, bool kPacked> __global__ void gelu_backward_kernel(T* dx, const T* dout, const T* x, int64_t n) {
+  if constexpr (kPacked) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n / kPack; i += int64_t(gridDim.x) * blockDim.x) {
+      const Pack<T> xv = reinterpret_cast<const Pack<T>*>(x)[i], gv = reinterpret_cast<const Pack<T>*>(dout)[i];
+      Pack<T> r;
+#pragma unroll
+      for (int j = 0; j < kPack; ++j) r.v[j] = from_float<T>(to_float(gv.v[j]) * gelu_slope(to_float(xv.v[j])));
+      reinterpret_cast<Pack<T>*>(dx)[i] = r;
+    }
+  } else {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+      dx[i] = from_float<T>(to_float(dout[i]) * gelu_slope(to_float(x[i])));
+  }
+}
+template <class T> bool packable(int64_t n, std::initializer_list<const Tensor*> ts) {
+  if (n % kPack != 0) return false;
+  for (const Tensor* t : ts)
+    if (!pack_aligned<T>(t->raw_data())) return false;
+  return true;
 }
 
 // SwiGLU: out = g s u, s = sigmoid(g); d/dg = u s (1 + g (1 - s)), d/du = g s.
@@ -238,17 +256,34 @@ constexpr int kLossThreads = 512;
 
 // One block per row: the row's max, then the sum of exp(x - max) (an online pair per thread,
 // merged across the block), lse = max + log(sum). loss = lse - x[target] (0 for target < 0).
-template <class In, class I>
+// With kPacked (rows of whole, aligned packs) a thread reads 8 logits at a time.
+template <class In, class I, bool kPacked>
 __global__ void cross_entropy_forward_kernel(float* losses, float* lse, const In* logits, const I* targets, int64_t Vp,
                                              int64_t V) {
   __shared__ float scratch[32];
   const int64_t n = blockIdx.x;
   const In* row = logits + n * Vp;
   float m = -INFINITY, s = 0.f;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-    const float v = to_float(row[j]);
+  auto add = [&](float v) {
     if (v > m) s = s * expf(m - v) + 1.f, m = v;  // s is 0 while m is -inf
     else s += expf(v - m);
+  };
+  if constexpr (kPacked) {
+    const int64_t full = V / kPack;  // packs wholly inside the vocabulary; the tail one by one
+    for (int64_t p = threadIdx.x; p < full; p += blockDim.x) {
+      const Pack<In> x = reinterpret_cast<const Pack<In>*>(row)[p];
+      float pm = to_float(x.v[0]);
+#pragma unroll
+      for (int j = 1; j < kPack; ++j) pm = fmaxf(pm, to_float(x.v[j]));
+      if (pm > m) s *= expf(m - pm), m = pm;
+      float ps = 0.f;
+#pragma unroll
+      for (int j = 0; j < kPack; ++j) ps += expf(to_float(x.v[j]) - m);
+      s += ps;
+    }
+    for (int64_t j = full * kPack + threadIdx.x; j < V; j += blockDim.x) add(to_float(row[j]));
+  } else {
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) add(to_float(row[j]));
   }
   const float row_max = block_max(m, scratch);
   s = m == -INFINITY ? 0.f : s * expf(m - row_max);
@@ -264,7 +299,7 @@ __global__ void cross_entropy_forward_kernel(float* losses, float* lse, const In
 // dlogits[n, j] = scale (exp(x_j - lse) - [j == target]) for j < V, 0 for padding columns
 // (and for a row without target). dlogits may be the logits: each element is read by the
 // thread that writes it, the target's value read before any write (a barrier between).
-template <class In, class I>
+template <class In, class I, bool kPacked>
 __global__ void cross_entropy_backward_kernel(In* dlogits, const In* logits, const float* lse, const I* targets,
                                               int64_t Vp, int64_t V, float scale) {
   const int64_t n = blockIdx.x;
@@ -274,27 +309,58 @@ __global__ void cross_entropy_backward_kernel(In* dlogits, const In* logits, con
   const float l = lse[n];
   const float target_value = t >= 0 ? to_float(row[t]) : 0.f;
   __syncthreads();
-  for (int64_t j = threadIdx.x; j < Vp; j += blockDim.x) {
-    float g = 0.f;
-    if (t >= 0 && j < V) g = j == t ? scale * expf(target_value - l) - scale : scale * expf(to_float(row[j]) - l);
-    d[j] = from_float<In>(g);
+  auto grad = [&](int64_t j, float x) {
+    if (t < 0 || j >= V) return 0.f;
+    return j == t ? scale * expf(target_value - l) - scale : scale * expf(x - l);
+  };
+  if constexpr (kPacked) {
+    for (int64_t p = threadIdx.x; p < Vp / kPack; p += blockDim.x) {
+      const Pack<In> x = reinterpret_cast<const Pack<In>*>(row)[p];
+      Pack<In> g;
+#pragma unroll
+      for (int j = 0; j < kPack; ++j) g.v[j] = from_float<In>(grad(p * kPack + j, to_float(x.v[j])));
+      reinterpret_cast<Pack<In>*>(d)[p] = g;
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < Vp; j += blockDim.x) d[j] = from_float<In>(grad(j, to_float(row[j])));
   }
 }
 
 // ---------------------------------------------------------------- AdamW
 
+__device__ __forceinline__ float adamw_element(float& p, float g, float& m, float& v, const AdamWScalars& k) {
+  const float gj = g * k.grad_scale;
+  m = k.beta1 * m + (1.f - k.beta1) * gj;
+  v = k.beta2 * v + (1.f - k.beta2) * gj * gj;
+  p = p * k.keep - k.step_size * m / (sqrtf(v) * k.inv_bc2_sqrt + k.eps);
+  return p;
+}
+
+// The update is memory-bound (28-30 bytes a parameter): packs of 8 when every block is
+// aligned to one and n is a multiple of 8, else one element a thread.
+template <bool kPacked>
 __global__ void adamw_kernel(float* p, float* g, float* m, float* v, int64_t n, AdamWScalars k, bool zero_grad,
                              bf16* p_bf16) {
-  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < n; j += int64_t(gridDim.x) * blockDim.x) {
-    const float gj = g[j] * k.grad_scale;
-    const float mj = k.beta1 * m[j] + (1.f - k.beta1) * gj;
-    const float vj = k.beta2 * v[j] + (1.f - k.beta2) * gj * gj;
-    m[j] = mj;
-    v[j] = vj;
-    const float pj = p[j] * k.keep - k.step_size * mj / (sqrtf(vj) * k.inv_bc2_sqrt + k.eps);
-    p[j] = pj;
-    if (p_bf16) p_bf16[j] = __float2bfloat16_rn(pj);
-    if (zero_grad) g[j] = 0.f;
+  if constexpr (kPacked) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n / kPack; i += int64_t(gridDim.x) * blockDim.x) {
+      Pack<float> pp = reinterpret_cast<Pack<float>*>(p)[i], mm = reinterpret_cast<Pack<float>*>(m)[i],
+                  vv = reinterpret_cast<Pack<float>*>(v)[i];
+      const Pack<float> gg = reinterpret_cast<const Pack<float>*>(g)[i];
+      Pack<bf16> pb;
+#pragma unroll
+      for (int j = 0; j < kPack; ++j) pb.v[j] = __float2bfloat16_rn(adamw_element(pp.v[j], gg.v[j], mm.v[j], vv.v[j], k));
+      reinterpret_cast<Pack<float>*>(p)[i] = pp;
+      reinterpret_cast<Pack<float>*>(m)[i] = mm;
+      reinterpret_cast<Pack<float>*>(v)[i] = vv;
+      if (p_bf16) reinterpret_cast<Pack<bf16>*>(p_bf16)[i] = pb;
+      if (zero_grad) reinterpret_cast<Pack<float>*>(g)[i] = Pack<float>{};
+    }
+  } else {
+    for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < n; j += int64_t(gridDim.x) * blockDim.x) {
+      const float pj = adamw_element(p[j], g[j], m[j], v[j], k);
+      if (p_bf16) p_bf16[j] = __float2bfloat16_rn(pj);
+      if (zero_grad) g[j] = 0.f;
+    }
   }
 }
 
@@ -390,7 +456,8 @@ void gelu_forward(cudaStream_t stream, const Tensor& out, const Tensor& x) {
   if (n == 0) return;
   dispatch_training_float(x.dtype(), "gelu", [&](auto tag) {
     using T = decltype(tag);
-    gelu_forward_kernel<T><<<grid_for(n), 256, 0, stream>>>(ptr<T>(out), ptr<T>(x), n);
+    if (packable<T>(n, {&out, &x})) gelu_forward_kernel<T, true><<<pack_grid(n / kPack), 256, 0, stream>>>(ptr<T>(out), ptr<T>(x), n);
+    else gelu_forward_kernel<T, false><<<grid_for(n), 256, 0, stream>>>(ptr<T>(out), ptr<T>(x), n);
     TALLY_CUDA_LAUNCHED(gelu_forward_kernel);
   });
 }
@@ -403,7 +470,9 @@ void gelu_backward(cudaStream_t stream, const Tensor& dx, const Tensor& dout, co
   if (n == 0) return;
   dispatch_training_float(x.dtype(), "gelu backward", [&](auto tag) {
     using T = decltype(tag);
-    gelu_backward_kernel<T><<<grid_for(n), 256, 0, stream>>>(ptr<T>(dx), ptr<T>(dout), ptr<T>(x), n);
+    if (packable<T>(n, {&dx, &dout, &x}))
+      gelu_backward_kernel<T, true><<<pack_grid(n / kPack), 256, 0, stream>>>(ptr<T>(dx), ptr<T>(dout), ptr<T>(x), n);
+    else gelu_backward_kernel<T, false><<<grid_for(n), 256, 0, stream>>>(ptr<T>(dx), ptr<T>(dout), ptr<T>(x), n);
     TALLY_CUDA_LAUNCHED(gelu_backward_kernel);
   });
 }
@@ -461,8 +530,12 @@ void cross_entropy_forward(cudaStream_t stream, const Tensor& losses, const Tens
     using In = decltype(tag);
     dispatch_index(targets, "cross_entropy", [&](auto tp) {
       using I = std::remove_cv_t<std::remove_pointer_t<decltype(tp)>>;
-      cross_entropy_forward_kernel<In, I><<<static_cast<unsigned>(N), kLossThreads, 0, stream>>>(
-          ptr<float>(losses), ptr<float>(lse), ptr<In>(logits), tp, Vp, V);
+      if (Vp % kPack == 0 && pack_aligned<In>(logits.raw_data()))
+        cross_entropy_forward_kernel<In, I, true><<<static_cast<unsigned>(N), kLossThreads, 0, stream>>>(
+            ptr<float>(losses), ptr<float>(lse), ptr<In>(logits), tp, Vp, V);
+      else
+        cross_entropy_forward_kernel<In, I, false><<<static_cast<unsigned>(N), kLossThreads, 0, stream>>>(
+            ptr<float>(losses), ptr<float>(lse), ptr<In>(logits), tp, Vp, V);
       TALLY_CUDA_LAUNCHED(cross_entropy_forward_kernel);
     });
   });
@@ -479,8 +552,12 @@ void cross_entropy_backward(cudaStream_t stream, const Tensor& dlogits, const Te
     using In = decltype(tag);
     dispatch_index(targets, "cross_entropy backward", [&](auto tp) {
       using I = std::remove_cv_t<std::remove_pointer_t<decltype(tp)>>;
-      cross_entropy_backward_kernel<In, I><<<static_cast<unsigned>(N), kLossThreads, 0, stream>>>(
-          ptr<In>(dlogits), ptr<In>(logits), ptr<float>(lse), tp, Vp, V, static_cast<float>(scale));
+      if (Vp % kPack == 0 && pack_aligned<In>(logits.raw_data()) && pack_aligned<In>(dlogits.raw_data()))
+        cross_entropy_backward_kernel<In, I, true><<<static_cast<unsigned>(N), kLossThreads, 0, stream>>>(
+            ptr<In>(dlogits), ptr<In>(logits), ptr<float>(lse), tp, Vp, V, static_cast<float>(scale));
+      else
+        cross_entropy_backward_kernel<In, I, false><<<static_cast<unsigned>(N), kLossThreads, 0, stream>>>(
+            ptr<In>(dlogits), ptr<In>(logits), ptr<float>(lse), tp, Vp, V, static_cast<float>(scale));
       TALLY_CUDA_LAUNCHED(cross_entropy_backward_kernel);
     });
   });
@@ -496,8 +573,12 @@ void adamw(cudaStream_t stream, const Tensor& p, const Tensor& g, const Tensor& 
               "adamw on CUDA: the compute copy ", p_compute.str(), " must be bfloat16 of ", p.numel(), " values");
   const int64_t n = p.numel();
   if (n == 0) return;
-  adamw_kernel<<<grid_for(n, 512), 512, 0, stream>>>(ptr<float>(p), ptr<float>(g), ptr<float>(m), ptr<float>(v), n, k,
-                                                     zero_grad, ptr<bf16>(p_compute));
+  if (packable<float>(n, {&p, &g, &m, &v}) && (!p_compute.defined() || pack_aligned<bf16>(p_compute.raw_data())))
+    adamw_kernel<true><<<pack_grid(n / kPack), 256, 0, stream>>>(ptr<float>(p), ptr<float>(g), ptr<float>(m),
+                                                                 ptr<float>(v), n, k, zero_grad, ptr<bf16>(p_compute));
+  else
+    adamw_kernel<false><<<grid_for(n), 256, 0, stream>>>(ptr<float>(p), ptr<float>(g), ptr<float>(m), ptr<float>(v), n,
+                                                         k, zero_grad, ptr<bf16>(p_compute));
   TALLY_CUDA_LAUNCHED(adamw_kernel);
 }
 
