@@ -385,3 +385,18 @@ TEST(CudaTraining, DeviceFlagErrorsNameTheFlag) {
   msg = message_of<Error>([&] { train::run_training(c); });
   EXPECT_NE(msg.find("--device cuda:7"), std::string::npos) << msg;
 }
+
+// Out of device memory: the cache is emptied and the allocation tried again, then the
+// error names the device, the request and who holds the memory.
+TEST(CudaAllocator, OutOfMemoryNamesTheLargestHolders) {
+  REQUIRE_GPU();
+  Tensor held = Tensor::empty({256 << 20}, DType::F32, Device::cuda(0), make_owner(Category::Activation, "oom.holder"));
+  const std::string msg = message_of<Error>(
+      [] { Tensor::empty({int64_t{1} << 40}, DType::F32, Device::cuda(0), make_owner(Category::Activation, "oom.request")); });
+  EXPECT_NE(msg.find("out of memory on cuda:0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'oom.request'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'oom.holder' 1.00 GiB"), std::string::npos) << msg;
+  // The device still works after the failure.
+  Tensor after = Tensor::zeros({4}, DType::F32, Device::cuda(0));
+  EXPECT_EQ(after.to_vector<float>(), (std::vector<float>{0, 0, 0, 0}));
+}

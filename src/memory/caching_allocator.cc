@@ -1,6 +1,10 @@
 #include "memory/caching_allocator.h"
 
+#include <algorithm>
+#include <map>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "memory/report.h"
@@ -49,6 +53,22 @@ CachingAllocator::CachingAllocator(std::unique_ptr<SystemMemory> system)
 
 CachingAllocator::~CachingAllocator() { empty_cache(); }
 
+namespace {
+// Who holds the memory, for an out-of-memory error: the live bytes of each owner name,
+// the five largest.
+std::string largest_holders(const Ledger& ledger) {
+  std::map<std::string, int64_t> by_owner;
+  for (const LiveAllocation& a : ledger.live()) by_owner[a.owner.name_str()] += a.bytes;
+  std::vector<std::pair<int64_t, std::string>> order;
+  for (auto& [name, bytes] : by_owner) order.emplace_back(bytes, name);
+  std::sort(order.rbegin(), order.rend());
+  std::string out = "largest holders:";
+  for (size_t i = 0; i < order.size() && i < 5; ++i)
+    out += (i ? ", '" : " '") + order[i].second + "' " + format_bytes(order[i].first);
+  return order.empty() ? "nothing is allocated" : out;
+}
+}  // namespace
+
 void CachingAllocator::poison(void* ptr, int64_t bytes) const {
 #ifdef TALLY_ASAN
   if (ptr && system_->host_accessible()) ASAN_POISON_MEMORY_REGION(ptr, static_cast<size_t>(bytes));
@@ -94,7 +114,8 @@ Allocation CachingAllocator::allocate(int64_t bytes, const OwnerTag& owner, std:
     }
     TALLY_CHECK(a.ptr, "out of memory on ", device().str(), ": could not allocate ", format_bytes(a.capacity),
                 " for '", owner.name_str(), "' (", category_name(owner.category), "); currently allocated ",
-                format_bytes(ledger_.stats().allocated));
+                format_bytes(ledger_.stats().allocated), ", the cache emptied and the allocation tried again; ",
+                largest_holders(ledger_));
     std::lock_guard<std::mutex> lock(ledger_.mutex_);
     ledger_.record_reserve(block_bytes(a.capacity));
     a.slot = ledger_.record_alloc(bytes, owner, std::move(storage), &a.id);

@@ -63,6 +63,9 @@ class Backend : public DeviceHooks {
   // whole probe (two cores read as one), which would flatter every "% of peak" after it,
   // so a benchmark probes again after its timed steps.
   virtual double measured_gemm_peak_flops(DType dtype = DType::F32, bool probe_again = false);
+  // Bytes the GEMM library keeps for itself once the first GEMM runs (a persistent
+  // allocation the ledger shows; the memory plan counts it). The CPU's oneDNN: none.
+  virtual int64_t library_workspace_bytes() const { return 0; }
 
   // ---- neural-network kernels
   virtual void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices);

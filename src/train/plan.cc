@@ -483,6 +483,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
                 // The loss (and, when scaled by 1/(N*D), its scaled copy): scalars.
                 {"loss", in.grad_accum * D > 1 ? 2 * kFloat : kFloat}};
     if (bf16) rp.parts.emplace_back(kBf16CopyPart, 2 * P);
+    if (in.library_workspace > 0) rp.parts.emplace_back("GEMM library workspace (cuBLASLt)", in.library_workspace);
     // LLaMA's rotary frequencies, a model constant (D/2 floats).
     if (c.is_llama()) rp.parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
     // ZeRO-2/3 at the start of backward: the head's units (the final norm, and the tied

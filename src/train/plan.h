@@ -103,6 +103,7 @@ struct PlanInput {
   bool val_loader = false;
   bool bf16 = false;  // --dtype bf16: mixed precision (see below)
   int64_t loss_chunk_rows = 0;  // --chunked-loss: rows per chunk of the fused head and loss (0: off)
+  int64_t library_workspace = 0;  // the device's GEMM library workspace (cuBLASLt's on a GPU), bytes
   nn::Recompute recompute = nn::Recompute::None;  // --recompute (see below)
   // The pipeline (--pp, --pp-schedule, --virtual-stages, --pp-last-stage-layers); world =
   // dp x tp x pp.

@@ -293,6 +293,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   TALLY_CHECK(device.is_cpu() || world.size() == 1, "--device ", c.device, " with ", world.size(),
               " processes: multi-GPU training needs the NCCL communicator, which tally does not have yet; "
               "run one process per GPU run, or train on --device cpu under mpirun");
+  TALLY_CHECK(device.is_cpu() || c.zero == 0, "--device ", c.device, " with --zero ", c.zero,
+              ": ZeRO shards over data-parallel GPUs, which need the NCCL communicator tally does not have yet");
   // A batch's tokens on the training device (the loader fills host buffers).
   auto on_device = [&](const Tensor& t) {
     if (t.device() == device) return t;
@@ -539,6 +541,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     pi.zero = c.zero;
     pi.val_loader = val_loader != nullptr;
     pi.bf16 = matmul_dtype == DType::BF16;
+    pi.library_workspace = runtime::backend(device).library_workspace_bytes();
     pi.loss_chunk_rows = loss_chunk_rows;
     pi.recompute = model->recompute();
     const MemoryPlan plan = plan_memory(pi);

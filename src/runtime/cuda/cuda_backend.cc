@@ -116,10 +116,16 @@ class CudaBackend final : public Backend {
   cudaStream_t s() const { return stream_.get(); }
   // Kernels are asynchronous: the profiler's host timer would time the launch, so a
   // profiled kernel waits for the stream (only under --profile-ops).
+  // Every entry also makes the stream's device the current one (the device guard): a
+  // process that touches two GPUs launches each kernel on its own tensors' device.
   struct Scope {
     profiler::KernelScope scope;
     const CudaStream& stream;
-    Scope(const char* name, const CudaStream& st, double flops = 0) : scope(name, flops), stream(st) {}
+    Scope(const char* name, const CudaStream& st, double flops = 0) : scope(name, flops), stream(st) {
+      int current = -1;
+      cudaGetDevice(&current);
+      if (current != st.device().index) TALLY_CUDA_CHECK(cudaSetDevice(st.device().index));
+    }
     ~Scope() {
       if (profiler::enabled()) cudaStreamSynchronize(stream.get());
     }
@@ -207,6 +213,7 @@ class CudaBackend final : public Backend {
     if (product.raw_data() != c.raw_data()) copy(c, product);
   }
   double measured_gemm_peak_flops(DType dtype, bool probe_again) override;
+  int64_t library_workspace_bytes() const override { return cuda::kMatmulWorkspaceBytes; }
 
   void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices) override {
     Scope scope("embedding_forward", stream_);

@@ -8,7 +8,7 @@ namespace tally::runtime::cuda {
 
 namespace {
 
-constexpr int64_t kWorkspaceBytes = int64_t{32} << 20;  // cuBLASLt's recommendation for Hopper
+constexpr int64_t kWorkspaceBytes = kMatmulWorkspaceBytes;
 
 cudaDataType_t cuda_type(const Tensor& t, const char* what) {
   switch (t.dtype()) {
@@ -55,7 +55,7 @@ Matmul::Matmul(Device device) : device_(device) {
   TALLY_CUBLAS_CHECK(cublasLtCreate(&handle_));
   OwnerTag tag = make_owner(Category::Other, "cublaslt.workspace");
   tag.persistent = true;
-  workspace_ = Tensor::empty({kWorkspaceBytes}, DType::U16, device, tag);  // bytes counted, not values
+  workspace_ = Tensor::empty({kWorkspaceBytes / 2}, DType::U16, device, tag);  // raw bytes, held as 2-byte values
 }
 
 Matmul::~Matmul() {

@@ -14,6 +14,9 @@
 
 namespace tally::runtime::cuda {
 
+// cuBLASLt's workspace: 32 MiB, its recommendation for Hopper.
+inline constexpr int64_t kMatmulWorkspaceBytes = int64_t{32} << 20;
+
 class Matmul {
  public:
   explicit Matmul(Device device);
