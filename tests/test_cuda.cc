@@ -1,5 +1,8 @@
-// CUDA backend: the GPU allocator carries the same owner tags, statistics and explicit
-// release as the CPU one. Skipped (and reported as skipped) without CUDA or a GPU.
+// The CUDA backend: its allocator (the CPU's owner tags, statistics, explicit release and
+// out-of-memory report), every kernel against the CPU backend, and training on the GPU
+// against training on the CPU, with flat device memory. Skipped (and reported as skipped)
+// without CUDA or a GPU, except the --device flag's errors. bench/run_cuda.sh runs them on
+// a GPU machine.
 #include <gtest/gtest.h>
 
 #include "core/tensor.h"
