@@ -2,7 +2,7 @@
 # The CUDA issue's checks in one call on a GPU machine. Builds nothing: build here with
 # nvcc (bash scripts/build.sh) and carry build/ over. Writes its logs under $OUT (the device
 # tool's folder) or bench/cuda_out, and prints the W2 table last.
-#   1. the CUDA tests (build/test_cuda): every kernel against the CPU backend, training
+#   1. the CUDA tests (build/test_cuda): the kernels of a training step against the CPU backend, training
 #      against the CPU run, device memory flat across steps and microbatches
 #   2. W2 = GPT-2 124M, T=1024, bf16, one step per microbatch: tally at each batch size in
 #      W2_BATCHES (default "8 16 32"), then PyTorch eager and torch.compile (bench/w2_torch.py)

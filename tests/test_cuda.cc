@@ -1,6 +1,6 @@
 // The CUDA backend: its allocator (the CPU's owner tags, statistics, explicit release and
-// out-of-memory report), every kernel against the CPU backend, and training on the GPU
-// against training on the CPU, with flat device memory. Skipped (and reported as skipped)
+// out-of-memory report), the kernels of a training step against the CPU backend, and
+// training on the GPU against training on the CPU, with flat device memory. Skipped (and reported as skipped)
 // without CUDA or a GPU, except the --device flag's errors. bench/run_cuda.sh runs them on
 // a GPU machine.
 #include <gtest/gtest.h>
