@@ -1,8 +1,8 @@
 // The CUDA backend: its allocator (the CPU's owner tags, statistics, explicit release and
 // out-of-memory report), the kernels of a training step against the CPU backend, and
-// training on the GPU against training on the CPU, with flat device memory. Skipped (and reported as skipped)
-// without CUDA or a GPU, except the --device flag's errors. bench/run_cuda.sh runs them on
-// a GPU machine.
+// training on the GPU against training on the CPU, with flat device memory. Skipped (and
+// reported as skipped) without CUDA or a GPU, except the --device flag's errors.
+// bench/run_cuda.sh runs them on a GPU machine.
 #include <gtest/gtest.h>
 
 #include "core/tensor.h"
@@ -66,6 +66,7 @@ TEST(CudaAllocator, CpuKernelsRefuseGpuTensors) {
 
 #include <functional>
 
+#include "core/random.h"
 #include "ops/ops.h"
 #include "support.h"
 #include "train/trainer.h"
@@ -124,11 +125,8 @@ DeviceDiff cpu_vs_cuda(const std::function<Tensor(const std::vector<Tensor>&)>& 
 
 Tensor tokens(const Shape& shape, int64_t vocab, uint64_t seed) {
   std::vector<int32_t> v(static_cast<size_t>(shape_numel(shape)));
-  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 7;
-  for (int32_t& x : v) {
-    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-    x = static_cast<int32_t>(s % static_cast<uint64_t>(vocab));
-  }
+  Rng rng(seed);
+  for (int32_t& x : v) x = static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(vocab));
   return Tensor::from_vector(v, shape);
 }
 

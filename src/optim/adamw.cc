@@ -98,17 +98,18 @@ void AdamW::step(double lr, double grad_scale, bool zero_grad) {
 void AdamW::step_on_device(const AdamWCoefficients& k, bool zero_grad) {
   runtime::Backend& backend = runtime::backend(params_.flat_params().device());
   const bool compute_copy = params_.has_compute_copy();
+  const Tensor& grads = params_.flat_grads();  // settles discarded gradients once, not per parameter
   for (size_t i = 0; i < params_.size(); ++i) {
     const int64_t begin = params_.offset(i), n = params_[i].numel();
     const bool decay = config_.decay_all || params_.spec(i).decay;
     const runtime::AdamWScalars scalars{k.beta1, k.beta2, k.step_size, k.inv_bc2_sqrt, k.eps, k.grad_scale, k.keep(decay)};
     auto range = [&](const Tensor& block) { return make_view(block, {n}, {1}, begin); };
-    backend.adamw_update(range(params_.flat_params()), range(params_.flat_grads()), range(m_), range(v_),
+    backend.adamw_update(range(params_.flat_params()), range(grads), range(m_), range(v_),
                          compute_copy ? range(params_.compute_block()) : Tensor(), scalars, zero_grad);
   }
   params_.flat_params().storage().bump_version();
   if (compute_copy) params_.compute_copy_refreshed();
-  if (zero_grad) params_.flat_grads().storage().bump_version();
+  if (zero_grad) grads.storage().bump_version();
 }
 
 Tensor AdamW::moment_unit(int which, size_t unit) {

@@ -116,6 +116,11 @@ class Backend : public DeviceHooks {
 
  protected:
   [[noreturn]] void no_kernel(const char* kernel) const;
+  // 2 M N K: a GEMM's multiply-adds, for the profiler's GFLOP/s (C = op(A) op(B), A's inner
+  // dimension K).
+  static double gemm_flops(const Tensor& a, bool transpose_a, const Tensor& c) {
+    return 2.0 * static_cast<double>(c.numel()) * static_cast<double>(a.shape()[transpose_a ? 0 : 1]);
+  }
 };
 
 // The backend of `device` (throws naming the device when there is none).

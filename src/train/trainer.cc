@@ -195,13 +195,9 @@ double evaluate(const nn::Transformer& model, dist::PipelineStage* pipeline, dat
   double total = 0;
   for (int64_t i = 0; i < batches; ++i) {
     const data::Batch& b = loader.batch_from(i * loader.tokens_per_batch());
-    if (pipeline) {
-      total += pipeline->evaluate(b.inputs, b.targets);
-    } else if (model.device().is_cpu()) {
-      total += model.forward(b.inputs, b.targets).loss.item();
-    } else {
-      total += model.forward(b.inputs.to(model.device()), b.targets.to(model.device())).loss.item();
-    }
+    // to() is the tensor itself on the model's own device (the CPU's loader buffers on the CPU).
+    total += pipeline ? pipeline->evaluate(b.inputs, b.targets)
+                      : model.forward(b.inputs.to(model.device()), b.targets.to(model.device())).loss.item();
   }
   return total / static_cast<double>(std::max<int64_t>(batches, 1));
 }

@@ -67,11 +67,6 @@ class CpuStream final : public Stream {
 };
 
 class CpuBackend final : public Backend {
-  // 2 M N K: a GEMM's multiply-adds, for the profiler's GFLOP/s.
-  static double gemm_flops(const Tensor& a, bool ta, const Tensor& c) {
-    return 2.0 * static_cast<double>(c.numel()) * static_cast<double>(a.shape()[ta ? 0 : 1]);
-  }
-
  public:
   CpuBackend() : allocator_(std::make_unique<CpuMemory>()) {}
 

@@ -110,9 +110,6 @@ cuda::AttentionGeometry attention_geometry(const Tensor& q, const Tensor& k, con
 }
 
 class CudaBackend final : public Backend {
-  static double gemm_flops(const Tensor& a, bool ta, const Tensor& c) {
-    return 2.0 * static_cast<double>(c.numel()) * static_cast<double>(a.shape()[ta ? 0 : 1]);
-  }
   cudaStream_t s() const { return stream_.get(); }
   // Kernels are asynchronous: the profiler's host timer would time the launch, so a
   // profiled kernel waits for the stream (only under --profile-ops).

@@ -13,8 +13,14 @@
                 " (", __FILE__, ":", __LINE__, ")");                                                      \
   } while (0)
 
-// After a kernel launch: a bad configuration shows up here, not at the next call.
-#define TALLY_CUDA_LAUNCHED(kernel) TALLY_CUDA_CHECK(cudaGetLastError())
+// After a kernel launch: a bad configuration shows up here, naming the kernel, not at the
+// next call.
+#define TALLY_CUDA_LAUNCHED(kernel)                                                                       \
+  do {                                                                                                    \
+    const cudaError_t tally_launch_status = cudaGetLastError();                                           \
+    TALLY_CHECK(tally_launch_status == cudaSuccess, "CUDA: launching ", #kernel, " failed: ",             \
+                cudaGetErrorString(tally_launch_status), " (", __FILE__, ":", __LINE__, ")");             \
+  } while (0)
 
 #define TALLY_CUBLAS_CHECK(call)                                                                        \
   do {                                                                                                  \

@@ -40,6 +40,15 @@ template <class F> void dispatch_all(DType dtype, F&& f) {
   }
   TALLY_FAIL("CUDA: unknown dtype");
 }
+// fp32, bf16 and fp64: the elementwise kernels and sums (integers refused, naming the op).
+template <class F> void dispatch_floating(const Tensor& t, const char* op, F&& f) {
+  switch (t.dtype()) {
+    case DType::F32: return f(float{});
+    case DType::BF16: return f(bf16{});
+    case DType::F64: return f(double{});
+    default: TALLY_FAIL(op, " on CUDA: ", t.str(), " is not floating point");
+  }
+}
 // fp32 and bf16: what the training kernels take (fp64 is the CPU's gradient-check type).
 template <class F> void dispatch_training_float(DType dtype, const char* op, F&& f) {
   switch (dtype) {

@@ -304,24 +304,20 @@ void binary(cudaStream_t stream, BinaryOp op, const Tensor& out, const Tensor& a
   std::array<Shape, 3> strides{out.strides(), broadcast_strides_to(a, out.shape()), broadcast_strides_to(b, out.shape())};
   const bool linear = all_contiguous<3>(out.shape(), strides);
   const StridedWalk<3> walk = make_walk<3>(out.shape(), strides);
-  dispatch_all(out.dtype(), [&](auto tag) {
+  dispatch_floating(out, "elementwise op", [&](auto tag) {
     using T = decltype(tag);
-    if constexpr (std::is_integral_v<T>) {
-      TALLY_FAIL("elementwise op on CUDA: ", out.str(), " is not floating point");
-    } else {
-      if (linear && n % kPack == 0 && pack_aligned<T>(out.raw_data()) && pack_aligned<T>(a.raw_data()) &&
-          pack_aligned<T>(b.raw_data())) {
-        binary_packed_kernel<T><<<pack_grid(n / kPack), 256, 0, stream>>>(
-            op, static_cast<T*>(out.raw_data()), static_cast<const T*>(a.raw_data()),
-            static_cast<const T*>(b.raw_data()), n / kPack);
-        TALLY_CUDA_LAUNCHED(binary_packed_kernel);
-        return;
-      }
-      binary_kernel<T><<<grid_for(n), 256, 0, stream>>>(op, static_cast<T*>(out.raw_data()),
-                                                         static_cast<const T*>(a.raw_data()),
-                                                         static_cast<const T*>(b.raw_data()), n, walk, linear);
-      TALLY_CUDA_LAUNCHED(binary_kernel);
+    if (linear && n % kPack == 0 && pack_aligned<T>(out.raw_data()) && pack_aligned<T>(a.raw_data()) &&
+        pack_aligned<T>(b.raw_data())) {
+      binary_packed_kernel<T><<<pack_grid(n / kPack), 256, 0, stream>>>(
+          op, static_cast<T*>(out.raw_data()), static_cast<const T*>(a.raw_data()), static_cast<const T*>(b.raw_data()),
+          n / kPack);
+      TALLY_CUDA_LAUNCHED(binary_packed_kernel);
+      return;
     }
+    binary_kernel<T><<<grid_for(n), 256, 0, stream>>>(op, static_cast<T*>(out.raw_data()),
+                                                       static_cast<const T*>(a.raw_data()),
+                                                       static_cast<const T*>(b.raw_data()), n, walk, linear);
+    TALLY_CUDA_LAUNCHED(binary_kernel);
   });
 }
 
@@ -332,16 +328,11 @@ void affine(cudaStream_t stream, const Tensor& out, const Tensor& x, double alph
   std::array<Shape, 2> strides{out.strides(), broadcast_strides_to(x, out.shape())};
   const bool linear = all_contiguous<2>(out.shape(), strides);
   const StridedWalk<2> walk = make_walk<2>(out.shape(), strides);
-  dispatch_all(out.dtype(), [&](auto tag) {
+  dispatch_floating(out, "affine", [&](auto tag) {
     using T = decltype(tag);
-    if constexpr (std::is_integral_v<T>) {
-      TALLY_FAIL("affine on CUDA: ", out.str(), " is not floating point");
-    } else {
-      affine_kernel<T><<<grid_for(n), 256, 0, stream>>>(static_cast<T*>(out.raw_data()),
-                                                         static_cast<const T*>(x.raw_data()), alpha, beta, n, walk,
-                                                         linear);
-      TALLY_CUDA_LAUNCHED(affine_kernel);
-    }
+    affine_kernel<T><<<grid_for(n), 256, 0, stream>>>(static_cast<T*>(out.raw_data()),
+                                                       static_cast<const T*>(x.raw_data()), alpha, beta, n, walk, linear);
+    TALLY_CUDA_LAUNCHED(affine_kernel);
   });
 }
 
@@ -352,16 +343,11 @@ void add_inplace(cudaStream_t stream, const Tensor& dst, const Tensor& src, doub
   std::array<Shape, 2> strides{dst.strides(), broadcast_strides_to(src, dst.shape())};
   const bool linear = all_contiguous<2>(dst.shape(), strides);
   const StridedWalk<2> walk = make_walk<2>(dst.shape(), strides);
-  dispatch_all(dst.dtype(), [&](auto tag) {
+  dispatch_floating(dst, "add_", [&](auto tag) {
     using T = decltype(tag);
-    if constexpr (std::is_integral_v<T>) {
-      TALLY_FAIL("add_ on CUDA: ", dst.str(), " is not floating point");
-    } else {
-      add_inplace_kernel<T><<<grid_for(n), 256, 0, stream>>>(static_cast<T*>(dst.raw_data()),
-                                                              static_cast<const T*>(src.raw_data()), alpha, n, walk,
-                                                              linear);
-      TALLY_CUDA_LAUNCHED(add_inplace_kernel);
-    }
+    add_inplace_kernel<T><<<grid_for(n), 256, 0, stream>>>(static_cast<T*>(dst.raw_data()),
+                                                            static_cast<const T*>(src.raw_data()), alpha, n, walk, linear);
+    TALLY_CUDA_LAUNCHED(add_inplace_kernel);
   });
 }
 
@@ -399,34 +385,26 @@ void sum_into(cudaStream_t stream, const Tensor& out, const Tensor& x) {
   chunks = (n_reduced + per_chunk - 1) / per_chunk;
   const bool fp64 = x.dtype() == DType::F64;
   Tensor partial = scratch_tensor(chunks * n_out, fp64 ? DType::F64 : DType::F32, x.device(), "sum_into_partial");
-  dispatch_all(x.dtype(), [&](auto in_tag) {
+  dispatch_floating(x, "sum", [&](auto in_tag) {
     using In = decltype(in_tag);
-    if constexpr (std::is_integral_v<In>) {
-      TALLY_FAIL("sum on CUDA: ", x.str(), " is not floating point");
+    using Acc = std::conditional_t<std::is_same_v<In, double>, double, float>;
+    const dim3 grid(static_cast<unsigned>(out_blocks), static_cast<unsigned>(chunks));
+    if (leading_rows) {
+      sum_rows_partial_kernel<In, Acc><<<grid, 256, 0, stream>>>(static_cast<Acc*>(partial.raw_data()),
+                                                                  static_cast<const In*>(x.raw_data()), n_reduced,
+                                                                  n_out, per_chunk);
+      TALLY_CUDA_LAUNCHED(sum_rows_partial_kernel);
     } else {
-      using Acc = std::conditional_t<std::is_same_v<In, double>, double, float>;
-      const dim3 grid(static_cast<unsigned>(out_blocks), static_cast<unsigned>(chunks));
-      if (leading_rows) {
-        sum_rows_partial_kernel<In, Acc><<<grid, 256, 0, stream>>>(static_cast<Acc*>(partial.raw_data()),
-                                                                    static_cast<const In*>(x.raw_data()), n_reduced,
-                                                                    n_out, per_chunk);
-        TALLY_CUDA_LAUNCHED(sum_rows_partial_kernel);
-      } else {
-        sum_partial_kernel<In, Acc><<<grid, 256, 0, stream>>>(static_cast<Acc*>(partial.raw_data()),
-                                                               static_cast<const In*>(x.raw_data()), n_out, n_reduced,
-                                                               per_chunk, kept, reduced);
-        TALLY_CUDA_LAUNCHED(sum_partial_kernel);
-      }
-      dispatch_all(out.dtype(), [&](auto out_tag) {
-        using Out = decltype(out_tag);
-        if constexpr (std::is_integral_v<Out>) {
-          TALLY_FAIL("sum on CUDA: ", out.str(), " is not floating point");
-        } else {
-          launch_sum_slices<Acc, Out>(stream, static_cast<Out*>(out.raw_data()),
-                                      static_cast<const Acc*>(partial.raw_data()), chunks, n_out);
-        }
-      });
+      sum_partial_kernel<In, Acc><<<grid, 256, 0, stream>>>(static_cast<Acc*>(partial.raw_data()),
+                                                             static_cast<const In*>(x.raw_data()), n_out, n_reduced,
+                                                             per_chunk, kept, reduced);
+      TALLY_CUDA_LAUNCHED(sum_partial_kernel);
     }
+    dispatch_floating(out, "sum", [&](auto out_tag) {
+      using Out = decltype(out_tag);
+      launch_sum_slices<Acc, Out>(stream, static_cast<Out*>(out.raw_data()), static_cast<const Acc*>(partial.raw_data()),
+                                  chunks, n_out);
+    });
   });
 }
 
@@ -440,15 +418,11 @@ double sum_squares(cudaStream_t stream, const Tensor& x) {
   }();
   const unsigned blocks = std::min<unsigned>(grid_for(n, 512), 1024);
   Tensor partial = scratch_tensor(blocks, DType::F64, x.device(), "sum_squares_partial");
-  dispatch_all(x.dtype(), [&](auto tag) {
+  dispatch_floating(x, "sum of squares", [&](auto tag) {
     using T = decltype(tag);
-    if constexpr (std::is_integral_v<T>) {
-      TALLY_FAIL("sum of squares on CUDA: ", x.str(), " is not floating point");
-    } else {
-      sum_squares_kernel<T><<<blocks, 512, 0, stream>>>(static_cast<double*>(partial.raw_data()),
-                                                         static_cast<const T*>(dense_x.raw_data()), n);
-      TALLY_CUDA_LAUNCHED(sum_squares_kernel);
-    }
+    sum_squares_kernel<T><<<blocks, 512, 0, stream>>>(static_cast<double*>(partial.raw_data()),
+                                                       static_cast<const T*>(dense_x.raw_data()), n);
+    TALLY_CUDA_LAUNCHED(sum_squares_kernel);
   });
   std::vector<double> host(blocks);
   TALLY_CUDA_CHECK(cudaMemcpyAsync(host.data(), partial.raw_data(), blocks * sizeof(double), cudaMemcpyDeviceToHost, stream));

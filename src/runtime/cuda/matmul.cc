@@ -8,7 +8,6 @@ namespace tally::runtime::cuda {
 
 namespace {
 
-constexpr int64_t kWorkspaceBytes = kMatmulWorkspaceBytes;
 
 cudaDataType_t cuda_type(const Tensor& t, const char* what) {
   switch (t.dtype()) {
@@ -55,7 +54,7 @@ Matmul::Matmul(Device device) : device_(device) {
   TALLY_CUBLAS_CHECK(cublasLtCreate(&handle_));
   OwnerTag tag = make_owner(Category::Other, "cublaslt.workspace");
   tag.persistent = true;
-  workspace_ = Tensor::empty({kWorkspaceBytes / 2}, DType::U16, device, tag);  // raw bytes, held as 2-byte values
+  workspace_ = Tensor::empty({kMatmulWorkspaceBytes / 2}, DType::U16, device, tag);  // raw bytes, held as 2-byte values
 }
 
 Matmul::~Matmul() {
@@ -112,7 +111,7 @@ bool Matmul::run(cudaStream_t stream, const Tensor& a_in, bool ta, const Tensor&
     TALLY_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, ct, n, m, ldc));
     cublasLtMatmulPreference_t pref;
     TALLY_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t ws = kWorkspaceBytes;
+    const uint64_t ws = kMatmulWorkspaceBytes;
     TALLY_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
@@ -133,7 +132,7 @@ bool Matmul::run(cudaStream_t stream, const Tensor& a_in, bool ta, const Tensor&
   }
   TALLY_CUBLAS_CHECK(cublasLtMatmul(handle_, plan->op, &alpha, B.data, plan->a, A.data, plan->b, &beta, c_in.raw_data(),
                                     plan->c, c_in.raw_data(), plan->c, &plan->algo, workspace_.raw_data(),
-                                    kWorkspaceBytes, stream));
+                                    kMatmulWorkspaceBytes, stream));
   return true;
 }
 

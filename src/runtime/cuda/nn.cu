@@ -30,16 +30,8 @@ unsigned row_blocks(int64_t rows) { return static_cast<unsigned>((rows + kRowWar
 // Indices read back to the host and checked: an index outside the table would read or
 // write another tensor's memory. They are few (one per token) and the check costs one
 // small copy at the start of the forward, where the queue is short.
-void check_indices_on_host(cudaStream_t stream, const Tensor& indices, int64_t limit, const char* what,
-                           bool allow_negative) {
-  std::vector<int64_t> host(static_cast<size_t>(indices.numel()));
-  Tensor tmp = Tensor::empty(indices.shape(), DType::I64, Device::cpu(), current_owner("index_check"));
-  Tensor dev = Tensor::empty(indices.shape(), DType::I64, indices.device(), current_owner("index_check"));
-  copy(stream, dev, indices);
-  TALLY_CUDA_CHECK(cudaMemcpyAsync(tmp.raw_data(), dev.raw_data(), indices.numel() * sizeof(int64_t),
-                                   cudaMemcpyDeviceToHost, stream));
-  TALLY_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const int64_t* p = static_cast<const int64_t*>(tmp.raw_data());
+void check_indices_on_host(const Tensor& indices, int64_t limit, const char* what, bool allow_negative) {
+  const std::vector<int64_t> p = indices.to_vector<int64_t>();  // the backend's copy: converted, then waited for
   for (int64_t n = 0; n < indices.numel(); ++n)
     TALLY_CHECK((allow_negative || p[n] >= 0) && p[n] < limit, what, p[n], " at position ", n,
                 " is out of range [0, ", limit, ")");
@@ -374,7 +366,7 @@ void embedding_forward(cudaStream_t stream, const Tensor& out, const Tensor& wei
               weight.str(), " -> ", out.str());
   const int64_t N = indices.numel(), V = weight.shape()[0], C = weight.shape()[1];
   if (N == 0) return;
-  check_indices_on_host(stream, indices, V, "embedding: index ", false);
+  check_indices_on_host(indices, V, "embedding: index ", false);
   dispatch_index(indices, "embedding", [&](auto idx) {
     using I = std::remove_cv_t<std::remove_pointer_t<decltype(idx)>>;
     embedding_forward_kernel<float, I><<<grid_for(N * C), 256, 0, stream>>>(ptr<float>(out), ptr<float>(weight), idx,
@@ -525,7 +517,7 @@ void cross_entropy_forward(cudaStream_t stream, const Tensor& losses, const Tens
               "must be float32, got ", losses.str(), " and ", lse.str());
   const int64_t N = logits.shape()[0], Vp = logits.shape()[1];
   if (N == 0) return;
-  check_indices_on_host(stream, targets, V, "cross_entropy: target ", true);
+  check_indices_on_host(targets, V, "cross_entropy: target ", true);
   dispatch_training_float(logits.dtype(), "cross_entropy", [&](auto tag) {
     using In = decltype(tag);
     dispatch_index(targets, "cross_entropy", [&](auto tp) {
