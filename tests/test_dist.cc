@@ -214,6 +214,59 @@ TEST(DataParallel, LlamaMatchesOneProcessForEveryZeroStage) {
   expect_every_zero_stage_matches_one_process(c, false);
 }
 
+// ZeRO-1 and -2 gather a unit of D equal pieces in place and any other unit through a
+// padded buffer. The fixture's units all divide by 2 and 4; a width of 33 (3 heads of 11)
+// gives odd layer units (33 x (12 x 33 + 13)) and a final norm of 66, so both kinds of
+// unit are in the run, whatever the rank count: every stage must still train as one
+// process does, and the plan must still know the step's peak to the byte.
+namespace {
+std::string odd_width_model_file() {
+  nn::TransformerConfig cfg = io::read_llmc_config(test::fixture_path("gpt2_tiny.bin"));
+  cfg.n_embd = 33;
+  cfg.n_head = cfg.n_kv_head = 3;
+  const std::string path = shared_path("odd_width.bin");
+  if (world().world().rank() == 0) {
+    nn::Transformer model(cfg);
+    model.init_weights(7);
+    io::save_llmc(path, model);
+  }
+  world().world().barrier();
+  return path;
+}
+}  // namespace
+
+TEST(DataParallel, UnitsThatTheRanksDoNotDivideTrainAsOneProcessInEveryZeroStage) {
+  train::TrainConfig c = tiny_config();
+  c.model_file = odd_width_model_file();
+  const nn::TransformerConfig cfg = io::read_llmc_config(c.model_file);
+  bool divisible = false, not_divisible = false;
+  {
+    nn::Transformer probe(cfg);  // gone before the runs: its bytes would count in their peaks
+    for (size_t u = 0; u < probe.params().num_units(); ++u)
+      (probe.params().unit(u).numel() % world().dp() == 0 ? divisible : not_divisible) = true;
+  }
+  ASSERT_TRUE(divisible && not_divisible) << "the model must have units of both kinds at dp " << world().dp();
+  expect_every_zero_stage_matches_one_process(c, true);
+
+  // A small microbatch: the optimizer step's padded all-gather is ZeRO-1's peak.
+  c.batch_size = 1;
+  c.seq_len = 4;
+  c.steps = 2;
+  c.zero = 1;
+  const train::TrainResult r = train::run_training(c, world());
+  train::PlanInput in;
+  in.model = cfg;
+  in.batch_size = c.batch_size;
+  in.seq_len = c.seq_len;
+  in.world = world().dp();
+  in.zero = 1;
+  const train::MemoryPlan plan = train::plan_memory(in);
+  ASSERT_EQ(r.history.back().rank_peak_bytes.size(), plan.ranks.size());
+  EXPECT_NE(plan.ranks[0].parts.back().first.find("all-gather"), std::string::npos) << plan.ranks[0].parts.back().first;
+  for (size_t rank = 0; rank < plan.ranks.size(); ++rank)
+    EXPECT_EQ(r.history.back().rank_peak_bytes[rank], plan.ranks[rank].predicted_peak_bytes) << "rank " << rank;
+}
+
 // ------------------------------------------------------------------ flat memory on every rank
 namespace {
 void expect_flat_in_every_zero_stage(const std::string& model_file, int64_t steps, int64_t microbatches) {

@@ -286,11 +286,18 @@ TEST(Plan, SaysWhenItsPeakMomentMayNotHold) {
   in.seq_len = 16;
   in.zero = 3;
   EXPECT_EQ(train::plan_memory(in).notes.size(), 1u);
-  // Under ZeRO-1 the same case is planned: the optimizer step's all-gather is the peak.
+  // Under ZeRO-1 the same case is planned. Over 3 ranks, which divide none of d1's units,
+  // the optimizer step's padded all-gather is the peak; over 2, which divide them all, the
+  // units are gathered in place and the step holds no buffer for it.
   in.zero = 1;
+  in.world = 3;
   const train::MemoryPlan small = train::plan_memory(in);
   EXPECT_TRUE(small.notes.empty());
   EXPECT_NE(small.ranks[0].parts.back().first.find("all-gather"), std::string::npos);
+  in.world = 2;
+  const train::MemoryPlan even = train::plan_memory(in);
+  for (const auto& [name, bytes] : even.ranks[0].parts)
+    EXPECT_EQ(name.find("all-gather"), std::string::npos) << name;
   in.zero = 4;
   EXPECT_NE(test::message_of<Error>([&] { train::plan_memory(in); }).find("--zero must be 0, 1, 2 or 3"), std::string::npos);
 }

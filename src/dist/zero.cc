@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "optim/grad_norm.h"
 #include "runtime/backend.h"
+#include "runtime/profiler.h"
 
 namespace tally::dist {
 
@@ -224,16 +225,20 @@ void ZeroOptimizer::step(double lr, double grad_scale) {
   float* p_shard = stage_ == 3 ? param_shard_.data<float>() : nullptr;
   float* g_full = stage_ == 1 ? params_.flat_grads().data<float>() : nullptr;
   float* g_shard = stage_ >= 2 ? grad_shard_.data<float>() : nullptr;
-  // The (parameter, owned range) pairs of this rank, each split into chunks for the threads.
+  // Unit by unit: this rank's pieces of the unit's parameters updated, then (stages 1 and
+  // 2) the unit's all-gather started, so the wire carries unit u while AdamW updates unit
+  // u + 1.
   struct Span {
     int64_t begin, n, local;  // block offset, length, offset in the shard buffers
     bool decay;
   };
   std::vector<Span> spans;
+  std::vector<std::shared_ptr<Work>> gathers;
   constexpr int64_t kChunk = 1 << 14;
   for (size_t u = 0; u < pieces_.size(); ++u) {
     const Piece& piece = pieces_[u];
     const nn::ParameterUnit& unit = params_.unit(u);
+    spans.clear();
     for (size_t i = unit.first; i < unit.last; ++i) {
       const int64_t a = std::max(params_.offset(i), piece.own_begin);
       const int64_t b = std::min(params_.offset(i) + params_[i].numel(), piece.own_begin + piece.own);
@@ -241,38 +246,48 @@ void ZeroOptimizer::step(double lr, double grad_scale) {
       for (int64_t c = a; c < b; c += kChunk)
         spans.push_back({c, std::min(kChunk, b - c), piece.local + (c - piece.own_begin), decay});
     }
-  }
+    {
+      runtime::profiler::KernelScope scope("adamw");
 #pragma omp parallel for schedule(static)
-  for (size_t s = 0; s < spans.size(); ++s) {
-    const Span& sp = spans[s];
-    float* p = p_shard ? p_shard + sp.local : p_full + sp.begin;
-    float* g = g_shard ? g_shard + sp.local : g_full + sp.begin;
-    optim::adamw_update(p, g, m + sp.local, v + sp.local, sp.n, k, sp.decay, /*zero_grad=*/g_shard != nullptr);
+      for (size_t s = 0; s < spans.size(); ++s) {
+        const Span& sp = spans[s];
+        float* p = p_shard ? p_shard + sp.local : p_full + sp.begin;
+        float* g = g_shard ? g_shard + sp.local : g_full + sp.begin;
+        optim::adamw_update(p, g, m + sp.local, v + sp.local, sp.n, k, sp.decay, /*zero_grad=*/g_shard != nullptr);
+      }
+    }
+    if (stage_ < 3) gathers.push_back(gather_parameters(u));
   }
+  for (const auto& work : gathers)
+    if (work) work->wait();
   m_.storage().bump_version();
   v_.storage().bump_version();
   if (stage_ == 1) params_.discard_grads();  // the next backward writes them afresh
   if (stage_ >= 2) grad_shard_.storage().bump_version();
   if (stage_ == 3) param_shard_.storage().bump_version();
-  if (stage_ < 3) {
-    all_gather_parameters();
-    params_.flat_params().storage().bump_version();  // new values: a bf16 copy of them is stale
-  }
+  if (stage_ < 3) params_.flat_params().storage().bump_version();  // new values: a bf16 copy of them is stale
 }
 
-void ZeroOptimizer::all_gather_parameters() {
+std::shared_ptr<Work> ZeroOptimizer::gather_parameters(size_t u) {
   const Tensor& flat = params_.flat_params();
-  for (size_t u = 0; u < pieces_.size(); ++u) {
-    const Piece& p = pieces_[u];
-    const std::string& name = params_.unit(u).name;
-    Tensor send = Tensor::zeros({p.size}, flat.dtype(), flat.device(),
-                                make_owner(Category::Communication, "comm:zero.all_gather(" + name + ").send"));
-    if (p.own > 0) send.slice(0, 0, p.own).copy_(range(flat, p.own_begin, p.own));
-    Tensor recv = Tensor::empty({group_.size() * p.size}, flat.dtype(), flat.device(),
-                                make_owner(Category::Communication, "comm:zero.all_gather(" + name + ")"));
-    group_.all_gather(recv, send);
-    range(flat, p.unit_begin, p.unit_numel).copy_(recv.slice(0, 0, p.unit_numel));
-  }
+  const Piece& p = pieces_[u];
+  // A unit of D equal pieces is gathered in place: each rank's piece already sits where
+  // the gathered unit puts it, so no buffer and no copy (NCCL's in-place all-gather has
+  // the same layout). It runs while AdamW updates the next unit.
+  if (group_.size() * p.size == p.unit_numel)
+    return group_.all_gather_async(range(flat, p.unit_begin, p.unit_numel), range(flat, p.own_begin, p.size));
+  // Otherwise the last pieces are padded: through a send piece and a receive buffer of
+  // D equal pieces, and the unit's elements copied back.
+  const std::string& name = params_.unit(u).name;
+  Tensor send = Tensor::empty({p.size}, flat.dtype(), flat.device(),
+                              make_owner(Category::Communication, "comm:zero.all_gather(" + name + ").send"));
+  if (p.own > 0) send.slice(0, 0, p.own).copy_(range(flat, p.own_begin, p.own));
+  if (p.own < p.size) send.slice(0, p.own, p.size).zero_();
+  Tensor recv = Tensor::empty({group_.size() * p.size}, flat.dtype(), flat.device(),
+                              make_owner(Category::Communication, "comm:zero.all_gather(" + name + ")"));
+  group_.all_gather(recv, send);
+  range(flat, p.unit_begin, p.unit_numel).copy_(recv.slice(0, 0, p.unit_numel));
+  return nullptr;
 }
 
 // ---------------------------------------------------------------- checkpoints

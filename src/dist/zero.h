@@ -7,7 +7,9 @@
 //
 //   stage 1  AdamW's moments are sharded. Gradients are all-reduced as in plain data
 //            parallel; each rank updates its pieces of the parameters, then the pieces are
-//            all-gathered back into every rank's full parameter block.
+//            all-gathered back into every rank's full parameter block, unit by unit, each
+//            unit's gather running while AdamW updates the next (in place where D divides
+//            the unit, so no buffer and no copy; through a padded buffer elsewhere).
 //   stage 2  Gradients are sharded too. On every microbatch each unit's gradients go into
 //            a staging buffer of that unit (the parameters' .grad are views of it), and
 //            the moment the unit's last gradient is final the buffer is reduce-scattered
@@ -102,7 +104,9 @@ class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResiden
   void absorb(size_t unit);
   void gather(size_t unit, bool async);
   void wait_gather(size_t unit);
-  void all_gather_parameters();
+  // Stages 1 and 2, after the unit's update: every rank's pieces of unit `u` into every
+  // rank's parameter block. Returns the gather in flight, or null when it is done.
+  std::shared_ptr<Work> gather_parameters(size_t u);
   Tensor piece_of(const Tensor& shard, size_t unit) const;
 
   nn::ParameterStore& params_;

@@ -62,16 +62,18 @@ std::vector<int64_t> shard_unit_numels(const nn::TransformerConfig& c, const nn:
 }
 
 // Parameters of a set of units, and as ZeRO shards them over D ranks: each unit padded to D
-// equal pieces; this rank's pieces together, and the largest one piece.
+// equal pieces; this rank's pieces together, and the largest piece of a unit that D does
+// not divide (ZeRO-1/2 gather such a unit through a send piece and a receive buffer; the
+// others in place).
 struct UnitSizes {
-  int64_t params = 0, pieces = 0, largest_piece = 0;
+  int64_t params = 0, pieces = 0, largest_padded_piece = 0;
 };
 UnitSizes unit_sizes(const std::vector<int64_t>& units, int64_t D) {
   UnitSizes s;
   for (int64_t n : units) {
     s.params = checked_add(s.params, n, "plan: parameters");
     s.pieces += (n + D - 1) / D;
-    s.largest_piece = std::max(s.largest_piece, (n + D - 1) / D);
+    if (n % D != 0) s.largest_padded_piece = std::max(s.largest_padded_piece, (n + D - 1) / D);
   }
   return s;
 }
@@ -450,9 +452,9 @@ MemoryPlan plan_memory(const PlanInput& in) {
         consider({}, 0, std::min<int64_t>(wte, int64_t{1} << 20) * kFloat, "the tied embedding's gradient exchange",
                  true);
       }
-      if (in.zero == 1)
-        consider({}, 0, bytes_of(1 + D, stage_sizes.largest_piece, kFloat),
-                 "the optimizer step's all-gather of the largest unit",
+      if (in.zero == 1 && stage_sizes.largest_padded_piece > 0)
+        consider({}, 0, bytes_of(1 + D, stage_sizes.largest_padded_piece, kFloat),
+                 "the optimizer step's all-gather of the largest unit D does not divide",
                  true);
       RankPlan rp;
       rp.stage = stage;
@@ -570,16 +572,18 @@ MemoryPlan plan_memory(const PlanInput& in) {
       if (peak->in_forward) rp.parts.erase(rp.parts.begin() + 6);
       rp.predicted_peak_bytes = at_peak;
     }
-    // ZeRO-1/2's other candidate: the optimizer step all-gathers each unit's parameters
-    // through a send piece (c) and a receive buffer (D*c) while only the model states and
-    // the loader live. With few activations (a small microbatch) that moment is the peak.
-    if (in.zero == 1 || in.zero == 2) {
+    // ZeRO-1/2's other candidate: the optimizer step all-gathers a unit that D does not
+    // divide through a send piece (c) and a receive buffer (D*c) while only the model
+    // states and the loader live. With few activations (a small microbatch) that moment
+    // can be the peak. (Units of D equal pieces are gathered in place.)
+    if ((in.zero == 1 || in.zero == 2) && sizes.largest_padded_piece > 0) {
       std::vector<std::pair<std::string, int64_t>> step_parts(rp.parts.begin(), rp.parts.begin() + 3);
       step_parts.emplace_back("loader buffers", loader);
       if (bf16) step_parts.emplace_back(kBf16CopyPart, 2 * P);
       if (c.is_llama()) step_parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
-      step_parts.emplace_back("all-gather of the largest unit in the optimizer step (send piece, receive buffer)",
-                              bytes_of(1 + D, sizes.largest_piece, kFloat));
+      step_parts.emplace_back("all-gather of the largest unit D does not divide, in the optimizer step (send "
+                              "piece, receive buffer)",
+                              bytes_of(1 + D, sizes.largest_padded_piece, kFloat));
       int64_t at_step = 0;
       for (const auto& [name, bytes] : step_parts) at_step += bytes;
       if (at_step > rp.predicted_peak_bytes) {
