@@ -337,6 +337,27 @@ TEST(Zero, ModelStatesFollowTheirFormulaOnEveryRank) {
   }
 }
 
+// ZeRO-2's staging starts each microbatch discarded (no zeroing pass): a gradient that
+// backward never reaches must still be reduced as zeros, not as whatever the reused
+// staging block held. Microbatch 1 writes ones everywhere; microbatch 2 reaches nothing.
+TEST(Zero, AGradientNoBackwardReachedIsReducedAsZerosNotAsTheStagingsOldBytes) {
+  auto m = std::make_unique<nn::Transformer>(io::read_llmc_config(test::fixture_path("gpt2_tiny.bin")));
+  nn::ParameterStore& params = m->params();
+  const int64_t P = params.numel(), D = world().dp();
+  dist::ZeroOptimizer z(params, optim::AdamWConfig{}, world().dp_group(), 2);
+  for (size_t u = 0; u < params.num_units(); ++u) {
+    z.acquire(u, /*backward=*/true);
+    const nn::ParameterUnit& unit = params.unit(u);
+    for (size_t i = unit.first; i < unit.last; ++i) params[i].grad().fill_(1.0);
+  }
+  z.finish_microbatch();
+  const double once = z.gradient_norm();
+  EXPECT_NEAR(once, static_cast<double>(D) * std::sqrt(static_cast<double>(P)), 1e-9 * once) << "every element is D x 1";
+  for (size_t u = 0; u < params.num_units(); ++u) z.acquire(u, /*backward=*/true);
+  z.finish_microbatch();
+  EXPECT_EQ(z.gradient_norm(), once) << "the second microbatch added nothing";
+}
+
 // The DeepSpeed #8032 leak, in real ZeRO-3: a gathered layer is released at the storage
 // level while views of it (the layer's parameters) exist; its bytes go back at once, and
 // a stale view fails naming the release instead of reading freed memory (R6).

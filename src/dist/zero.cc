@@ -139,11 +139,17 @@ void ZeroOptimizer::stage_gradients(size_t u) {
   Staging& st = staging_[u];
   if (st.active || st.reduced) return;
   const nn::ParameterUnit& unit = params_.unit(u);
-  st.buffer = Tensor::zeros({group_.size() * pieces_[u].size}, m_.dtype(), m_.device(),
+  // No zeroing pass: each parameter's gradient starts discarded, so the first gradient
+  // backward brings is written, not added (a weight gradient's GEMM runs with beta 0), and
+  // start_reduce fills any that none reached. Only the padding past the unit is zeroed.
+  const int64_t padded = group_.size() * pieces_[u].size;
+  st.buffer = Tensor::empty({padded}, m_.dtype(), m_.device(),
                             make_owner(Category::Gradient, "zero.gradients(" + unit.name + ")"));
+  if (padded > unit.numel()) st.buffer.slice(0, unit.numel(), padded).zero_();
   for (size_t i = unit.first; i < unit.last; ++i) {
     const Shape& shape = params_.spec(i).shape;
     params_[i].set_grad(make_view(st.buffer, shape, contiguous_strides(shape), params_.offset(i) - unit.begin));
+    params_[i].discard_grad();
   }
   st.pending = static_cast<int>(unit.last - unit.first);
   st.active = true;
@@ -173,7 +179,10 @@ void ZeroOptimizer::start_reduce(size_t u) {
   Staging& st = staging_[u];
   if (!st.active) stage_gradients(u);  // nothing reached it: reduce zeros, as every rank does
   const nn::ParameterUnit& unit = params_.unit(u);
-  for (size_t i = unit.first; i < unit.last; ++i) params_[i].set_grad(Tensor());
+  for (size_t i = unit.first; i < unit.last; ++i) {
+    params_[i].grad();  // a gradient no backward reached reads (and is reduced) as zeros
+    params_[i].set_grad(Tensor());
+  }
   st.piece = Tensor::empty({pieces_[u].size}, m_.dtype(), m_.device(),
                            make_owner(Category::Communication, "comm:zero.reduce_scatter(" + unit.name + ")"));
   st.work = group_.reduce_scatter_async(st.piece, st.buffer, ReduceOp::Sum);

@@ -220,8 +220,9 @@ MemoryPlan plan_memory(const PlanInput& in) {
   //    rounded for the GEMMs (B*T x C bf16) or, after them, in one process GPT-2's bias
   //    gradient (C floats, not per token) summed before it is added into its buffer:
   //    only when that buffer already holds a gradient (an earlier backward of the step
-  //    wrote it, or ZeRO-2 and -3's staging, zeroed for each microbatch). A step's first
-  //    backward sums it straight into the discarded gradient.
+  //    wrote it). A step's first backward sums it straight into the discarded gradient,
+  //    as every backward does under ZeRO-2 and -3, whose staging starts each microbatch
+  //    discarded.
   // It wins when the vocabulary is small and the MLP wide. Under full recomputation the
   // last layer's activations are live again (recomputed), and so is the region's
   // recomputed output (C), which its inner backward starts from; its input is one of the
@@ -249,7 +250,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
                                            bytes_of(BT, (c.is_llama() ? 2 : 1) * mlp_width, hidden_bytes)});
   // `gradients_written`: the backward's parameter gradients already hold a sum (see above).
   auto mlp_backward = [&](bool gradients_written) {
-    const int64_t bias_gradient_sum = TP == 1 && !c.is_llama() && (gradients_written || in.zero >= 2) ? C * kFloat : 0;
+    const int64_t bias_gradient_sum = TP == 1 && !c.is_llama() && gradients_written && in.zero < 2 ? C * kFloat : 0;
     const int64_t projection_backward = sum({in.sequence_parallel ? bytes_of(BT, C, kFloat) : 0,
                                              bytes_of(BT, mlp_width, hidden_bytes),
                                              std::max(bf16 ? bytes_of(BT, C, 2) : 0, bias_gradient_sum)});
