@@ -77,8 +77,9 @@
 // backward, the gradient staging of the head's units (final norm and the tied embedding,
 // whole units padded to D pieces); stage 3 also holds those two units gathered again and the
 // last layer prefetched. ZeRO-1/2 have a second candidate, the optimizer step's all-gather
-// of the largest unit (send piece c, receive buffer D*c, over the model states and the
-// loader): the plan takes the larger. Not modeled, and flagged in the notes: ZeRO-2/3's
+// of the largest unit D does not divide (send piece c, receive buffer D*c, over the model
+// states and the loader; a unit of D equal pieces is gathered in place): the plan takes
+// the larger. Not modeled, and flagged in the notes: ZeRO-2/3's
 // two layer units in flight later in backward, which can exceed the start of backward when
 // the logits are small (B*T < 282 for GPT-2 124M, < 1223 for 1.5B), and ZeRO-3's gather of
 // the embeddings in forward when they outweigh the activations.
