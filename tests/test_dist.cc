@@ -229,6 +229,23 @@ TEST(DataParallel, MatchesOneProcessWithTheSameGlobalBatchForEveryZeroStage) {
   expect_every_zero_stage_matches_one_process(tiny_config(), true);
 }
 
+// --shuffle: the ranks read their microbatches of one global order (data/loader.h), so a
+// shuffled data-parallel run is the shuffled one-process run with the same global batch.
+// The unshuffled run reads other batches: its losses must differ, or the flag did nothing.
+TEST(DataParallel, ShuffledDataTrainsAsOneProcessWithTheSameGlobalBatch) {
+  train::TrainConfig c = tiny_config();
+  c.steps = 4;
+  c.shuffle = true;
+  const train::TrainResult want = single_process(c, 2);
+  train::TrainConfig p = c;
+  p.grad_accum = 2;
+  expect_same_run(train::run_training(p, world()), want, 1e-5, "shuffled dp" + std::to_string(world().dp()));
+  c.shuffle = false;
+  const train::TrainResult in_file_order = single_process(c, 2);
+  EXPECT_GT(std::abs(in_file_order.history[0].loss - want.history[0].loss), 1e-3)
+      << "the shuffled run's first batch is the file-order run's";
+}
+
 // LLaMA (the untied-head fixture) in every data-parallel mode.
 TEST(DataParallel, LlamaMatchesOneProcessForEveryZeroStage) {
   train::TrainConfig c = tiny_config();

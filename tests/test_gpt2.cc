@@ -411,20 +411,36 @@ train::TrainConfig tiny_config() {
 
 TEST(Trainer, ResumeIsBitExact) {
   // An 8-step run that checkpoints at step 4; resuming from that checkpoint must
-  // reproduce steps 5..8 exactly (same losses and gradient norms, bit for bit).
-  train::TrainConfig c = tiny_config();
-  c.steps = 8;
-  c.save_every = 4;
-  c.out_dir = test::temp_path("ckpt");
-  fs::remove_all(c.out_dir);
-  auto full = train::run_training(c);
-  c.save_every = 0;
-  c.resume = c.out_dir + "/step_00000004";
-  auto resumed = train::run_training(c);
-  ASSERT_EQ(resumed.history.size(), 4u);
-  for (int i = 0; i < 4; ++i) {
-    EXPECT_EQ(resumed.history[i].loss, full.history[4 + i].loss) << "step " << 5 + i;  // exact, not near
-    EXPECT_EQ(resumed.history[i].grad_norm, full.history[4 + i].grad_norm) << "step " << 5 + i;
+  // reproduce steps 5..8 exactly (same losses and gradient norms, bit for bit), in file
+  // order and shuffled. The shuffled run's data (300 tokens: 18 sequences of 16, and 4 a
+  // step) is read almost twice, so the resumed steps cross into the second pass.
+  for (const bool shuffle : {false, true}) {
+    SCOPED_TRACE(shuffle ? "--shuffle" : "file order");
+    train::TrainConfig c = tiny_config();
+    if (shuffle) c.train_data = test::write_random_shard("train_300.bin", 300, 97, 3);
+    c.steps = 8;
+    c.save_every = 4;
+    c.shuffle = shuffle;
+    c.out_dir = test::temp_path("ckpt");
+    fs::remove_all(c.out_dir);
+    auto full = train::run_training(c);
+    c.save_every = 0;
+    c.resume = c.out_dir + "/step_00000004";
+    auto resumed = train::run_training(c);
+    ASSERT_EQ(resumed.history.size(), 4u);
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_EQ(resumed.history[i].loss, full.history[4 + i].loss) << "step " << 5 + i;  // exact, not near
+      EXPECT_EQ(resumed.history[i].grad_norm, full.history[4 + i].grad_norm) << "step " << 5 + i;
+    }
+    // The data's order is part of the run's recipe: resuming it the other way is refused,
+    // naming the flag.
+    c.shuffle = !shuffle;
+    try {
+      train::run_training(c);
+      ADD_FAILURE() << "a resume that changes --shuffle was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--shuffle was"), std::string::npos) << e.what();
+    }
   }
 }
 

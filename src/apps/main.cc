@@ -75,6 +75,9 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
   t->add_option("--seed", c.seed, "Seed of the weights' initialization (without --model-file) and of the samples")
       ->check(kNonNegativeInteger)
       ->capture_default_str();
+  t->add_flag("--shuffle", c.shuffle,
+              "Read the training data as sequences of --seq-len + 1 tokens in a new random order on every pass over it "
+              "(seeded by --seed); without it, batches follow the files' order, the same on every pass");
   t->add_option("--val-every", c.val_every, "Validate every N steps (and at the end)")->capture_default_str();
   t->add_option("--val-batches", c.val_batches, "Batches per validation")->capture_default_str();
   t->add_option("--sample-every", c.sample_every, "Print a sample every N steps (and at the end; -1 never)")->capture_default_str();

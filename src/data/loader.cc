@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "data/permutation.h"
+
 namespace tally::data {
 
 TokenLoader::TokenLoader(const std::string& pattern, int64_t batch_size, int64_t seq_len, int64_t vocab_size,
@@ -26,8 +28,30 @@ TokenLoader::TokenLoader(const std::string& pattern, int64_t batch_size, int64_t
   window_.resize(static_cast<size_t>(B_ * T_ + 1));
 }
 
+void TokenLoader::shuffle_sequences(uint64_t seed) {
+  shuffled_ = true;
+  seed_ = seed;
+  sequences_ = (total_ - 1) / T_;  // >= B >= 1: the constructor checked B*T + 1 tokens
+}
+
 const Batch& TokenLoader::batch_at(int64_t step, int64_t microbatch, int64_t microbatches_per_step) {
-  return batch_from((step * microbatches_per_step + microbatch) * B_ * T_);
+  const int64_t index = step * microbatches_per_step + microbatch;
+  if (!shuffled_) return batch_from(index * B_ * T_);
+  int32_t* in = batch_.inputs.data<int32_t>();
+  int32_t* tg = batch_.targets.data<int32_t>();
+  for (int64_t b = 0; b < B_; ++b) {
+    const int64_t n = index * B_ + b;  // the data's sequence number, counted over every pass
+    // Pass e's order; the key mixes the seed with e (a pass's key, not e itself, so two
+    // seeds' orders share no pass).
+    const uint64_t pass = static_cast<uint64_t>(n / sequences_);
+    const Permutation order(sequences_, seed_ ^ (pass * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull));
+    const int64_t pos = order(n % sequences_) * T_;
+    read(pos, T_ + 1, window_.data());
+    check_vocabulary(window_.data(), T_ + 1, pos);
+    std::copy(window_.begin(), window_.begin() + T_, in + b * T_);
+    std::copy(window_.begin() + 1, window_.begin() + T_ + 1, tg + b * T_);
+  }
+  return published();
 }
 
 std::string TokenLoader::first_16_bit_shard() const {
@@ -36,32 +60,40 @@ std::string TokenLoader::first_16_bit_shard() const {
   return "";
 }
 
-const Batch& TokenLoader::batch_from(int64_t first_token) {
-  const int64_t n = B_ * T_ + 1;
-  TALLY_CHECK(first_token >= 0, "data loader: negative token position ", first_token);
-  int64_t pos = first_token % total_;
+void TokenLoader::read(int64_t pos, int64_t n, int32_t* out) {
+  pos %= total_;
   int64_t filled = 0;
   while (filled < n) {
     // Find the shard holding `pos` and copy as much as it has.
     size_t s = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), pos) - starts_.begin() - 1);
     int64_t local = pos - starts_[s];
     int64_t take = std::min(n - filled, shards_[s].size() - local);
-    shards_[s].read(local, take, window_.data() + filled);
+    shards_[s].read(local, take, out + filled);
     filled += take;
     pos = (pos + take) % total_;
   }
-  int32_t* in = batch_.inputs.data<int32_t>();
-  int32_t* tg = batch_.targets.data<int32_t>();
-  for (int64_t i = 0; i < n - 1; ++i) {
-    TALLY_CHECK(window_[i] >= 0 && window_[i] < vocab_, "token ", window_[i], " at data position ",
-                (first_token + i) % total_, " is outside the model's vocabulary of ", vocab_);
-    in[i] = window_[i];
-    tg[i] = window_[i + 1];
-  }
-  TALLY_CHECK(window_[n - 1] >= 0 && window_[n - 1] < vocab_, "token ", window_[n - 1], " is outside the vocabulary of ", vocab_);
+}
+
+void TokenLoader::check_vocabulary(const int32_t* tokens, int64_t n, int64_t pos) const {
+  for (int64_t i = 0; i < n; ++i)
+    TALLY_CHECK(tokens[i] >= 0 && tokens[i] < vocab_, "token ", tokens[i], " at data position ", (pos + i) % total_,
+                " is outside the model's vocabulary of ", vocab_);
+}
+
+const Batch& TokenLoader::published() {
   batch_.inputs.storage().bump_version();
   batch_.targets.storage().bump_version();
   return batch_;
+}
+
+const Batch& TokenLoader::batch_from(int64_t first_token) {
+  const int64_t n = B_ * T_ + 1;
+  TALLY_CHECK(first_token >= 0, "data loader: negative token position ", first_token);
+  read(first_token, n, window_.data());
+  check_vocabulary(window_.data(), n, first_token);
+  std::copy(window_.begin(), window_.begin() + (n - 1), batch_.inputs.data<int32_t>());
+  std::copy(window_.begin() + 1, window_.end(), batch_.targets.data<int32_t>());
+  return published();
 }
 
 }  // namespace tally::data

@@ -1,8 +1,16 @@
-// Reads (B, T) training batches from llm.c token shards, deterministically:
-// microbatch m of step k (N microbatches per step) reads the B*T+1 tokens starting at
-// token (k*N + m)*B*T of the concatenated shards, wrapping at the end; inputs are the
-// first B*T, targets the same shifted by one. The position is a function of (k, m), so
-// resuming needs no loader state.
+// Reads (B, T) training batches from llm.c token shards, deterministically. In file order
+// (the default): microbatch m of step k (N microbatches per step) reads the B*T+1 tokens
+// starting at token (k*N + m)*B*T of the concatenated shards, wrapping at the end; inputs
+// are the first B*T, targets the same shifted by one.
+//
+// Shuffled (shuffle_sequences): the data is S = floor((tokens - 1) / T) sequences of T+1
+// tokens, sequence s starting at token s*T. Row b of that microbatch is the data's
+// sequence number n = (k*N + m)*B + b in the order of pass e = n / S over the data, which
+// is a fresh permutation of the S sequences per pass (data/permutation.h, keyed by the
+// seed and e): every sequence once per pass, in a new order each time.
+//
+// Either way the position is a function of (k, m), so resuming needs no loader state and
+// data-parallel ranks, reading microbatches k*N*D + m*D + r, split one global order.
 #pragma once
 #include <string>
 #include <vector>
@@ -25,12 +33,19 @@ class TokenLoader {
   TokenLoader(const std::string& pattern, int64_t batch_size, int64_t seq_len, int64_t vocab_size,
               const std::string& split = "data");
 
+  // Reads sequences in a fresh order on every pass over the data, keyed by `seed`.
+  void shuffle_sequences(uint64_t seed);
+  bool shuffled() const { return shuffled_; }
+
   // Fills and returns the loader's two persistent buffers (no allocation per batch).
   const Batch& batch_at(int64_t step, int64_t microbatch, int64_t microbatches_per_step);
   // The `index`-th consecutive batch (for validation: 0, 1, 2, ...).
   const Batch& batch_from(int64_t first_token);
 
   int64_t total_tokens() const { return total_; }
+  // Input tokens one pass over the data feeds the model: all of them in file order, S*T
+  // shuffled (the last (tokens - 1) mod T begin no sequence).
+  int64_t tokens_per_pass() const { return shuffled_ ? sequences_ * T_ : total_; }
   int64_t tokens_per_batch() const { return B_ * T_; }
   const std::vector<std::string>& files() const { return files_; }
   // The first shard holding 16-bit tokens (llm.c's version 1, which GPT-2's tokenizer
@@ -38,11 +53,18 @@ class TokenLoader {
   std::string first_16_bit_shard() const;
 
  private:
+  void read(int64_t pos, int64_t n, int32_t* out);  // n tokens from position pos, wrapping
+  void check_vocabulary(const int32_t* tokens, int64_t n, int64_t pos) const;  // tokens read from pos
+  const Batch& published();  // the batch's buffers, their versions bumped
+
   int64_t B_, T_, vocab_;
   std::vector<std::string> files_;
   std::vector<TokenShard> shards_;
   std::vector<int64_t> starts_;  // first global token index of each shard
   int64_t total_ = 0;
+  bool shuffled_ = false;
+  uint64_t seed_ = 0;
+  int64_t sequences_ = 0;  // S, when shuffled
   Batch batch_;
   std::vector<int32_t> window_;
 };

@@ -122,6 +122,7 @@ std::vector<std::pair<std::string, std::string>> run_recipe(const TrainConfig& c
           {"--eps", num(c.eps)},
           {"--grad-clip", num(c.grad_clip)},
           {"--seed", std::to_string(c.seed)},
+          {"--shuffle", c.shuffle ? "on" : "off"},
           {"--dtype", c.dtype}};
 }
 
@@ -209,6 +210,14 @@ namespace {
 std::string fmt_fixed(double v, int digits) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+// How much of the training data a number of tokens reads: "0.05% of one pass", "2.31 passes".
+std::string passes_str(double passes) {
+  char buf[48];
+  if (passes < 1.0) std::snprintf(buf, sizeof buf, "%.2g%% of one pass", 100.0 * passes);
+  else std::snprintf(buf, sizeof buf, "%.2f pass%s", passes, passes == 1.0 ? "" : "es");
   return buf;
 }
 
@@ -409,6 +418,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (!model_parallel && !zero && D == 1 && device.is_cpu()) backward_norm.emplace(model->params());
 
   data::TokenLoader train_loader(c.train_data, c.batch_size, c.seq_len, mc.vocab_size, "--train-data");
+  if (c.shuffle) train_loader.shuffle_sequences(c.seed);
   std::unique_ptr<data::TokenLoader> val_loader;
   if (!c.val_data.empty()) val_loader = std::make_unique<data::TokenLoader>(c.val_data, c.batch_size, c.seq_len, mc.vocab_size, "--val-data");
   // A vocabulary wider than 16 bits (LLaMA-3's 128,256) is not the tokenizer that wrote a
@@ -469,6 +479,19 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       val_loader ? (", " + std::to_string(val_loader->total_tokens()) + " val tokens").c_str() : "",
       static_cast<long long>(D), static_cast<long long>(N), static_cast<long long>(B), static_cast<long long>(T),
       static_cast<long long>(tokens_per_step));
+  {
+    // How many times the run reads its data. In file order every pass is the same
+    // sequence of batches: say so when there is more than one.
+    const double passes = static_cast<double>(c.steps * tokens_per_step) / static_cast<double>(train_loader.tokens_per_pass());
+    if (c.shuffle)
+      log("data order: shuffled (--shuffle, seed %llu): %lld sequences of %lld tokens, in a new order on every pass; "
+          "--steps %lld read %s\n",
+          static_cast<unsigned long long>(c.seed), static_cast<long long>(train_loader.tokens_per_pass() / T),
+          static_cast<long long>(T), static_cast<long long>(c.steps), passes_str(passes).c_str());
+    else if (passes > 1.0)
+      log("data order: file order; --steps %lld read %s, every pass the same batches in the same order "
+          "(--shuffle reads each pass in a new order)\n", static_cast<long long>(c.steps), passes_str(passes).c_str());
+  }
   if (model_parallel)
     log("model parallel: %s%s%s, recompute %s; this rank holds %lld of the %lld parameters\n",
         TP > 1 ? ("tensor parallel " + std::to_string(TP) + (c.sequence_parallel ? " with sequence parallel" : "")).c_str() : "",
@@ -849,7 +872,8 @@ if (pipeline) {
     const int64_t tokens = result.steps_run * tokens_per_step;
     std::string summary = "done: " + std::to_string(result.steps_run) + " steps in " + duration_str(seconds) + ", " +
                           std::to_string(tokens) + " tokens (" + std::to_string(static_cast<int64_t>(tokens / std::max(seconds, 1e-9))) +
-                          " tok/s)";
+                          " tok/s, " + passes_str(static_cast<double>(tokens) / static_cast<double>(train_loader.tokens_per_pass())) +
+                          " over the training data)";
     if (std::isfinite(best_val))
       summary += "; best val loss " + fmt_fixed(best_val, 4) + " at step " + std::to_string(best_val_step);
     if (!result.last_checkpoint.empty()) summary += "; checkpoint " + result.last_checkpoint;

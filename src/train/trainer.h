@@ -48,6 +48,7 @@ struct TrainConfig {
   // run
   int threads = 0;  // 0: OpenMP's default
   uint64_t seed = 1337;
+  bool shuffle = false;  // read the training sequences in a new order every pass (seeded by `seed`)
   int64_t val_every = 0;
   int64_t val_batches = 8;
   int64_t sample_every = 0;
