@@ -1,5 +1,5 @@
 // Documents for tokenizing: separator lines, a portable shuffle, and a validation split
-// that never cuts a document.
+// on a document boundary where one is near the fraction asked for.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -39,10 +39,46 @@ TEST(Documents, ShuffleIsAPermutationFixedByItsSeed) {
   EXPECT_EQ(d, again);
 }
 
-TEST(Documents, ValidationTakesWholeDocumentsFromTheEnd) {
-  EXPECT_EQ(data::validation_documents({10, 10, 10, 10, 10}, 0.1), 1u);   // 10 of 50 >= 5
-  EXPECT_EQ(data::validation_documents({10, 10, 10, 10, 10}, 0.3), 2u);   // 20 of 50 >= 15
-  EXPECT_EQ(data::validation_documents({100, 1, 1, 1}, 0.5), 3u);         // never all: training keeps one
-  EXPECT_EQ(data::validation_documents({10, 10}, 0.0), 0u);
-  EXPECT_EQ(data::validation_documents({10}, 0.5), 0u);
+namespace {
+void expect_split(const std::vector<size_t>& counts, double fraction, size_t whole, size_t cut) {
+  const data::ValidationSplit s = data::validation_split(counts, fraction);
+  EXPECT_EQ(s.whole, whole) << "fraction " << fraction;
+  EXPECT_EQ(s.cut, cut) << "fraction " << fraction;
+}
+}  // namespace
+
+TEST(Documents, ValidationTakesWholeDocumentsFromTheEndWhenTheyComeNearTheFraction) {
+  // Ten documents of 10: 10% is one of them, 30% three; 25% lies between two and three,
+  // each 5 tokens (20%) from the target of 25, inside the quarter (6.25): the larger.
+  const std::vector<size_t> ten(10, 10);
+  expect_split(ten, 0.1, 1, 0);
+  expect_split(ten, 0.3, 3, 0);
+  expect_split(ten, 0.25, 3, 0);
+  // 12% of 100 is 12: one document is 2 off, inside the quarter (3).
+  expect_split(ten, 0.12, 1, 0);
+  expect_split({10, 10}, 0.0, 0, 0);
+  // Many small documents: always whole ones.
+  expect_split(std::vector<size_t>(1000, 7), 0.1, 100, 0);
+}
+
+TEST(Documents, ValidationCutsTheBoundaryDocumentWhenWholeOnesCannotComeNear) {
+  // Two files, one document each, 142 and 14182 tokens (the review's case): whole
+  // documents give 0% or 99% of validation; the large one is cut, its last 1432 tokens
+  // (10% of 14324) validate.
+  expect_split({142, 14182}, 0.1, 0, 1432);
+  // One document (a book): its last tenth.
+  expect_split({1001}, 0.1, 0, 100);
+  // Five of 10 at 10%: 5 tokens are 5 off either way (no document or one, 100% of the
+  // target): the last document's last 5 tokens.
+  expect_split({10, 10, 10, 10, 10}, 0.1, 0, 5);
+  // Whole documents first, then the cut: 50% of {100, 1, 1, 1} is 51.5; the three small
+  // ones (3) are far under, all four would leave training nothing: the big one's last 49
+  // (48.5, rounded).
+  expect_split({100, 1, 1, 1}, 0.5, 3, 49);
+  // Training keeps the head of a cut document, and validation at least one token of it.
+  expect_split({4}, 0.9, 0, 2);
+  expect_split({1000}, 0.0004, 0, 0);  // 0.4 tokens: no split
+  expect_split({1000}, 0.0006, 0, 1);
+  // A document too short to cut (its separator and one token) is taken whole or not at all.
+  expect_split({2}, 0.5, 0, 0);
 }

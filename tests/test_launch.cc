@@ -84,9 +84,10 @@ TEST(Launch, ABadTokenIsReportedBeforeTrainingNamingTheShard) {
 }
 
 TEST(Launch, TokenizeLeavesNoStaleValidationSplitBehind) {
-  // A second tokenize into the same prefix that makes no validation split (one document)
-  // used to leave the first run's <prefix>_val.bin: its documents were now in _train.bin
-  // too, and validation measured text the model trained on.
+  // A second tokenize into the same prefix that makes no validation split (a fraction of
+  // one short document that is under half a token) used to leave the first run's
+  // <prefix>_val.bin: its documents were now in _train.bin too, and validation measured
+  // text the model trained on.
   const std::string dir = test::temp_path("tokenize_stale");
   std::filesystem::create_directories(dir);
   test::write_tiny_gpt2_tokenizer(dir, {{"a", "b"}});
@@ -96,7 +97,7 @@ TEST(Launch, TokenizeLeavesNoStaleValidationSplitBehind) {
   Outcome first = run(tokenize + " --separator % --val-fraction 0.3 --out " + prefix + " " + dir + "/two.txt");
   ASSERT_EQ(first.exit_code, 0) << first.output;
   ASSERT_TRUE(std::filesystem::exists(prefix + "_val.bin")) << first.output;
-  Outcome second = run(tokenize + " --out " + prefix + " " + dir + "/one.txt");
+  Outcome second = run(tokenize + " --val-fraction 0.01 --out " + prefix + " " + dir + "/one.txt");
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_FALSE(std::filesystem::exists(prefix + "_val.bin")) << second.output;
   EXPECT_NE(second.output.find("no validation split"), std::string::npos) << second.output;
@@ -113,6 +114,49 @@ TEST(Launch, TokenizeLeavesNoStaleValidationSplitBehind) {
   ASSERT_EQ(none.exit_code, 0) << none.output;
   EXPECT_EQ(test::read_all(prefix + "_val.bin"), "mine");
   EXPECT_NE(none.output.find("is not from this run"), std::string::npos) << none.output;
+}
+
+// One large document beside a small one (each input file is a document without
+// --separator) sent 99% of the tokens to validation: the split took whole documents from
+// the end until it had the fraction. Now the large document is cut: validation is its
+// last tenth of the tokens, and the two shards, separators aside, are the text's tokens in
+// order, each once.
+TEST(Launch, TokenizeCutsALargeDocumentRatherThanSendMostOfTheDataToValidation) {
+  const std::string dir = test::temp_path("tokenize_cut");
+  std::filesystem::create_directories(dir);
+  test::write_tiny_gpt2_tokenizer(dir, {{"a", "b"}});
+  test::write_all(dir + "/small.txt", "ab ab\n");
+  std::string big;
+  for (int i = 0; i < 300; ++i) big += i % 7 == 0 ? "ba " : "ab ";
+  test::write_all(dir + "/big.txt", big + "\n");
+  const std::string prefix = dir + "/corpus";
+  Outcome o = run(std::string(TALLY_CLI) + " tokenize --tokenizer " + dir + " --out " + prefix + " " + dir + "/small.txt " +
+                  dir + "/big.txt");
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("the document is cut"), std::string::npos) << o.output;
+  auto tokens = [](const std::string& path) {
+    const data::TokenShard shard = data::TokenShard::open(path);
+    std::vector<int32_t> t(static_cast<size_t>(shard.size()));
+    shard.read(0, shard.size(), t.data());
+    return t;
+  };
+  const std::vector<int32_t> train = tokens(prefix + "_train.bin"), val = tokens(prefix + "_val.bin");
+  const double share = static_cast<double>(val.size()) / static_cast<double>(train.size() + val.size());
+  EXPECT_NEAR(share, 0.1, 0.01) << o.output;
+  // Separator, small document, separator, big document's head | separator, its tail.
+  const int32_t sep = train.front();
+  EXPECT_EQ(val.front(), sep);
+  std::vector<int32_t> text;
+  for (const auto* shard : {&train, &val})
+    for (int32_t t : *shard)
+      if (t != sep) text.push_back(t);
+  Outcome whole = run(std::string(TALLY_CLI) + " tokenize --tokenizer " + dir + " --val-fraction 0 --out " + dir +
+                      "/whole " + dir + "/small.txt " + dir + "/big.txt");
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  std::vector<int32_t> want;
+  for (int32_t t : tokens(dir + "/whole_train.bin"))
+    if (t != sep) want.push_back(t);
+  EXPECT_EQ(text, want);
 }
 
 TEST(Launch, NegativeSeedsTwoModelSourcesAndAnEmptyRunAreSaidSo) {

@@ -290,8 +290,8 @@ struct TokenizeArgs {
 // Documents: each input file, or each piece of one between --separator lines. Each is
 // written as the separator token then its tokens (llm.c's convention: GPT-2's
 // <|endoftext|>, LLaMA-3's <|begin_of_text|>). With --shuffle-seed the documents
-// are shuffled first; the last documents holding --val-fraction of the tokens go to
-// <prefix>_val.bin, the rest to <prefix>_train.bin (a split never cuts a document).
+// are shuffled first; the last --val-fraction of the tokens go to <prefix>_val.bin, the
+// rest to <prefix>_train.bin, on a document boundary where one is near (data/documents.h).
 int run_tokenize(const TokenizeArgs& a) {
   data::Tokenizer tok = data::Tokenizer::load_path(a.tokenizer);
   TALLY_CHECK(tok.can_encode(), "tokenize: --tokenizer must hold tokenizer.json or encoder.json + vocab.bpe (an llm.c "
@@ -316,16 +316,25 @@ int run_tokenize(const TokenizeArgs& a) {
     encoded.push_back(tok.encode(d));
     counts.push_back(encoded.back().size() + 1);
   }
-  const size_t n_val = data::validation_documents(counts, a.val_fraction);
+  const data::ValidationSplit split = data::validation_split(counts, a.val_fraction);
+  // Documents [0, first_val) train, the rest validate; with a cut, document first_val - 1
+  // trains its head and validates its last split.cut tokens (each part after a separator).
+  const size_t first_val = encoded.size() - split.whole;
   std::vector<int32_t> train, val;
   for (size_t i = 0; i < encoded.size(); ++i) {
-    std::vector<int32_t>& out = i + n_val < encoded.size() ? train : val;
+    const std::vector<int32_t>& d = encoded[i];
+    const size_t head = split.cut > 0 && i + 1 == first_val ? d.size() - split.cut : d.size();
+    std::vector<int32_t>& out = i < first_val ? train : val;
     out.push_back(tok.document_separator_id());
-    out.insert(out.end(), encoded[i].begin(), encoded[i].end());
+    out.insert(out.end(), d.begin(), d.begin() + static_cast<std::ptrdiff_t>(head));
+    if (head < d.size()) {
+      val.push_back(tok.document_separator_id());
+      val.insert(val.end(), d.begin() + static_cast<std::ptrdiff_t>(head), d.end());
+    }
   }
   // GPT-2's ids fit uint16 (llm.c's version 1 shards); LLaMA-3's 128,256 need uint32 (version 7).
   const data::TokenWidth width = tok.vocab_size() <= 65536 ? data::TokenWidth::U16 : data::TokenWidth::U32;
-  // A split was asked for but none could be made (too few documents): a _val.bin an earlier
+  // A split was asked for but none could be made (under half a token): a _val.bin an earlier
   // run left under this prefix would hold documents that _train.bin now holds too, so it is
   // removed before the new split is written. With --val-fraction 0 it may be a held-out set
   // of the user's own: kept, with a warning.
@@ -335,17 +344,24 @@ int run_tokenize(const TokenizeArgs& a) {
   if (val.empty() && a.val_fraction == 0 && fs::exists(val_path))
     std::fprintf(stderr, "tally: warning: %s is not from this run (--val-fraction 0 makes no split): if it holds "
                  "any of these documents, validation measures text the model trains on\n", val_path.c_str());
+  const size_t whole_train = first_val - (split.cut > 0 ? 1 : 0);
+  const std::string cut_text = split.cut > 0 ? std::to_string(split.cut) + " tokens of document " + std::to_string(first_val) : "";
   data::write_token_shard(a.out_prefix + "_train.bin", train, width);
-  std::printf("wrote %s_train.bin (%zu tokens, %zu documents)\n", a.out_prefix.c_str(), train.size(),
-              encoded.size() - n_val);
+  std::printf("wrote %s_train.bin (%zu tokens: %zu document%s%s)\n", a.out_prefix.c_str(), train.size(), whole_train,
+              whole_train == 1 ? "" : "s", split.cut > 0 ? (" and all but the last " + cut_text).c_str() : "");
   if (!val.empty()) {
     data::write_token_shard(val_path, val, width);
-    std::printf("wrote %s (%zu tokens, %zu documents)\n", val_path.c_str(), val.size(), n_val);
+    std::string parts = split.cut > 0 ? "the last " + cut_text : "";
+    if (split.whole > 0)
+      parts += (parts.empty() ? "" : " and ") + std::to_string(split.whole) + " document" + (split.whole == 1 ? "" : "s");
+    std::printf("wrote %s (%zu tokens, %.1f%%: %s)%s\n", val_path.c_str(), val.size(),
+                100.0 * static_cast<double>(val.size()) / static_cast<double>(train.size() + val.size()), parts.c_str(),
+                split.cut > 0 ? "; the document is cut, as no whole documents come within a quarter of --val-fraction" : "");
   } else {
-    std::printf("no validation split: %zu document%s, --val-fraction %g%s\n", encoded.size(),
-                encoded.size() == 1 ? "" : "s", a.val_fraction,
+    std::printf("no validation split: %zu document%s of %zu tokens, --val-fraction %g%s\n", encoded.size(),
+                encoded.size() == 1 ? "" : "s", train.size(), a.val_fraction,
                 stale_val ? ("; removed the earlier " + val_path + ", whose documents are in the training split now").c_str()
-                          : (a.val_fraction > 0 ? " (a split never cuts a document)" : ""));
+                          : (a.val_fraction > 0 ? " (under half a token)" : ""));
   }
   return 0;
 }
@@ -436,7 +452,7 @@ int main(int argc, char** argv) {
   k->add_option("--tokenizer", ta.tokenizer, "A directory with tokenizer.json (LLaMA-3) or encoder.json + vocab.bpe (GPT-2)")
       ->required();
   k->add_option("--out", ta.out_prefix, "Output prefix: writes <prefix>_train.bin and <prefix>_val.bin")->required();
-  k->add_option("--val-fraction", ta.val_fraction, "Share of tokens for validation (whole documents, taken from the end)")
+  k->add_option("--val-fraction", ta.val_fraction, "Share of tokens for validation, taken from the end: whole documents where they come within a quarter of it, else the boundary document is cut")
       ->capture_default_str();
   k->add_option("--separator", ta.separator, "A line that separates documents inside a file (e.g. % in fortune files)");
   k->add_option("--shuffle-seed", ta.shuffle_seed, "Shuffle the documents with this seed before the split (0: keep their order)")

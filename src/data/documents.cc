@@ -1,5 +1,7 @@
 #include "data/documents.h"
 
+#include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "core/random.h"
@@ -53,16 +55,31 @@ void shuffle_documents(std::vector<std::string>& documents, uint64_t seed) {
   }
 }
 
-size_t validation_documents(const std::vector<size_t>& token_counts, double fraction) {
-  if (fraction <= 0 || token_counts.size() < 2) return 0;
+ValidationSplit validation_split(const std::vector<size_t>& token_counts, double fraction) {
+  const size_t n = token_counts.size();
   size_t total = 0;
   for (size_t c : token_counts) total += c;
-  size_t taken = 0, n = 0;
-  while (n + 1 < token_counts.size() && static_cast<double>(taken) < fraction * static_cast<double>(total)) {
-    taken += token_counts[token_counts.size() - 1 - n];
-    ++n;
+  const double target = fraction * static_cast<double>(total);
+  if (n == 0 || target < 0.5) return {};
+  // The most whole documents from the end that stay within the target (never all of them).
+  size_t whole = 0, taken = 0;
+  while (whole + 1 < n && static_cast<double>(taken + token_counts[n - 1 - whole]) <= target) {
+    taken += token_counts[n - 1 - whole];
+    ++whole;
   }
-  return n;
+  const double under = target - static_cast<double>(taken);  // `whole` documents
+  const bool can_add = whole + 1 < n;                          // one more, and training keeps one
+  const double over = can_add ? static_cast<double>(taken + token_counts[n - 1 - whole]) - target : 1e300;
+  const double tolerance = 0.25 * target;
+  const size_t boundary = token_counts[n - 1 - whole];  // the document a cut would split
+  // Cutting needs a token for each side, the separator aside.
+  const bool can_cut = boundary >= 3;
+  if (std::min(under, over) <= tolerance || !can_cut) {
+    if (over <= under) return {whole + 1, 0};
+    return {whole, 0};
+  }
+  const auto cut = static_cast<size_t>(std::llround(under));
+  return {whole, std::clamp<size_t>(cut, 1, boundary - 2)};
 }
 
 }  // namespace tally::data
