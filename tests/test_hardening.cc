@@ -330,6 +330,39 @@ TEST(Hardening, ChecksumsTurnBitRotIntoAClearError) {
   }
 }
 
+// recipe.json was the only guard on a resume, and deleting it turned the check off: the
+// run resumed with another batch shape and a learning rate 3000 times higher, without a
+// word. state.bin now holds the CRC-32 of recipe.json and history.json: a checkpoint that
+// lost either, or whose either was edited, is refused naming the file.
+TEST(Hardening, ACheckpointMissingOrWithAnEditedRecipeOrHistoryIsRefusedNamingTheFile) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  c.steps = 3;
+  c.save_every = 2;
+  fs::remove_all(c.out_dir);
+  train::run_training(c);
+  const std::string dir = c.out_dir + "/step_00000002";
+  for (const char* file : {"recipe.json", "history.json"}) {
+    const std::string path = dir + "/" + file;
+    const std::string good = test::read_all(path);
+    train::TrainConfig r = c;
+    r.resume = dir;
+    r.save_every = 0;
+    fs::remove(path);
+    std::string msg = message_of<Error>([&] { train::run_training(r); });
+    EXPECT_NE(msg.find("checkpoint file '" + path + "' is missing"), std::string::npos) << msg;
+    std::string edited = good;
+    edited.insert(edited.size() - 2, " ");
+    test::write_all(path, edited);
+    msg = message_of<Error>([&] { train::run_training(r); });
+    EXPECT_NE(msg.find("checkpoint file '" + path + "': checksum mismatch"), std::string::npos) << msg;
+    test::write_all(path, good);
+  }
+  train::TrainConfig r = c;
+  r.resume = dir;
+  r.save_every = 0;
+  EXPECT_EQ(train::run_training(r).steps_run, 1);
+}
+
 // ---------------------------------------------------------------- 3. checked late
 
 TEST(Hardening, AnOutOfVocabularyTokenIsFoundBeforeTheFirstStepNamingShardAndSplit) {
@@ -619,6 +652,34 @@ TEST(Hardening, ResumedLogsHaveEveryStepOnceAndCheckpointedRowsComeFirst) {
   r.save_every = 0;
   train::run_training(r);
   EXPECT_EQ(test::log_steps(c.log_json), (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+}
+
+// A resumed run forgot what came before its checkpoint unless --log-json held it: its
+// loss.svg began at the resume, and "best val loss" was the best since then. The
+// checkpoint now carries the run's record (history.json): resumed without a log, the run
+// ends with the uninterrupted run's record, byte for byte, and its best validation loss.
+TEST(Hardening, AResumedRunKeepsTheRecordAndBestValidationOfTheStepsBeforeIt) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  c.val_data = test::write_random_shard("v.bin", 2000, 97, 2);
+  c.val_every = 1;
+  c.val_batches = 2;
+  c.steps = 6;
+  c.save_every = 3;
+  c.lr = 1.0;  // diverges after the first steps: the best validation comes before the resume
+  c.lr_schedule = "constant";
+  fs::remove_all(c.out_dir);
+  const train::TrainResult full = train::run_training(c);
+  ASSERT_GT(full.best_val_loss, 0);
+  ASSERT_LE(full.best_val_step, 3) << "the test wants the best validation before the checkpoint";
+  const std::string want = test::read_all(c.out_dir + "/step_00000006/history.json");
+  EXPECT_NE(want.find("\"val\""), std::string::npos);
+  train::TrainConfig r = c;
+  r.resume = c.out_dir + "/step_00000003";
+  const train::TrainResult resumed = train::run_training(r);
+  EXPECT_EQ(resumed.steps_run, 3);
+  EXPECT_EQ(resumed.best_val_loss, full.best_val_loss);
+  EXPECT_EQ(resumed.best_val_step, full.best_val_step);
+  EXPECT_EQ(test::read_all(c.out_dir + "/step_00000006/history.json"), want);
 }
 
 TEST(Hardening, AFullDiskIsAnErrorNotATruncatedLog) {

@@ -28,17 +28,42 @@ namespace fs = std::filesystem;
 
 namespace {
 constexpr int32_t kStateMagic = 20261121;
-// 3: a CRC-32 of the header and the moments; 2: moments in the parameter block's order;
-// 1: llm.c's file order. All three are read.
-constexpr int32_t kStateVersion = 3;
+// 4: the CRC-32 of recipe.json and history.json, which must be there; 3: a CRC-32 of the
+// header and the moments; 2: moments in the parameter block's order; 1: llm.c's file
+// order. All four are read.
+constexpr int32_t kStateVersion = 4;
 
 struct StateHeader {
   int32_t magic, version;
   int64_t step, adam_steps, numel;
   uint64_t rng[4];
-  uint32_t crc;  // version 3: CRC-32 of this header (crc = 0) then every byte after it
-  int32_t pad[256 - 2 - 2 * 3 - 2 * 4 - 1];
+  uint32_t crc;          // version 3: CRC-32 of this header (crc = 0) then every byte after it
+  uint32_t recipe_crc;   // version 4: CRC-32 of recipe.json's bytes
+  uint32_t history_crc;  // version 4: CRC-32 of history.json's bytes
+  int32_t pad[256 - 2 - 2 * 3 - 2 * 4 - 3];
 };
+
+uint32_t crc_of(const std::string& text) {
+  Crc32 crc;
+  crc.update(text.data(), text.size());
+  return crc.value();
+}
+
+std::string recipe_text(const std::vector<std::pair<std::string, std::string>>& recipe) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [name, value] : recipe) j[name] = value;
+  return j.dump(1) + "\n";
+}
+
+// A file a version-4 state vouches for: present, and the bytes its CRC was taken of.
+std::string read_vouched_file(const fs::path& path, uint32_t crc, const std::string& state_path) {
+  TALLY_CHECK(fs::exists(path), "checkpoint file '", path.string(), "' is missing (", state_path,
+              " was saved with it): the checkpoint is incomplete");
+  std::string text = read_file(path.string());
+  TALLY_CHECK(crc_of(text) == crc, "checkpoint file '", path.string(), "': checksum mismatch (", state_path, " stored ",
+              crc, ", the file has ", crc_of(text), "): it was changed or is corrupt");
+  return text;
+}
 static_assert(sizeof(StateHeader) == 1024, "state header is 1024 bytes");
 
 std::string step_dir_name(int64_t step) {
@@ -231,6 +256,8 @@ std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& m
     h.adam_steps = opt.steps_taken();
     h.numel = model.params().numel();
     for (int i = 0; i < 4; ++i) h.rng[i] = state.rng_state[i];
+    h.recipe_crc = crc_of(recipe_text(state.recipe));
+    h.history_crc = crc_of(state.history);
     std::unique_ptr<AtomicFile> out;
     Crc32 crc;
     if (writer) {
@@ -262,11 +289,9 @@ std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& m
     if (out) out->commit();
   }
   if (writer) {
-    {
-      nlohmann::json recipe = nlohmann::json::object();
-      for (const auto& [name, value] : state.recipe) recipe[name] = value;
-      const std::string text = recipe.dump(1) + "\n";
-      AtomicFile out((fs::path(tmp_dir) / "recipe.json").string());
+    for (const auto& [name, text] : {std::pair<const char*, std::string>{"recipe.json", recipe_text(state.recipe)},
+                                     std::pair<const char*, std::string>{"history.json", state.history}}) {
+      AtomicFile out((fs::path(tmp_dir) / name).string());
       out.write(text.data(), text.size());
       out.commit();
     }
@@ -474,6 +499,12 @@ TrainingState load_checkpoint_state(const std::string& dir, const nn::Transforme
   TrainingState s;
   s.step = h.step;
   for (int i = 0; i < 4; ++i) s.rng_state[i] = h.rng[i];
+  if (h.version >= 4) {
+    // Deleting or editing the recipe would turn resume's check off unseen; the state says
+    // what it was.
+    read_vouched_file(fs::path(dir) / "recipe.json", h.recipe_crc, path);
+    s.history = read_vouched_file(fs::path(dir) / "history.json", h.history_crc, path);
+  }
   s.recipe = load_checkpoint_recipe(dir);
   return s;
 }

@@ -1,7 +1,11 @@
 // Training checkpoints: a directory holding
 //   model.bin   the weights as an llm.c GPT-2 file (fp32), usable by `tally sample` and llm.c
 //   state.bin   tally's training state: completed steps, AdamW step count and moments,
-//               the sampler's RNG state (256 x int32 header, then fp32 m and v)
+//               the sampler's RNG state (256 x int32 header, then fp32 m and v), and the
+//               CRC-32 of the two files below, so neither can go missing or change unseen
+//   recipe.json the settings a resume must keep (TrainingState::recipe)
+//   history.json the run's record so far: every step's loss, learning rate and tokens,
+//               and the validation losses (what the loss plot and "best val loss" need)
 // Each file is written atomically, then the directory is renamed into place, and
 // <out_dir>/latest is replaced atomically to name it. A crash leaves the previous
 // checkpoint intact.
@@ -34,6 +38,9 @@ struct TrainingState {
   // as name -> exact text, saved as <step dir>/recipe.json. Resuming compares them, so a
   // run that would not continue bit-exact is refused unless the user allows it.
   std::vector<std::pair<std::string, std::string>> recipe;
+  // The trainer's record of the run up to `step` (JSON text; train/plot.h reads and writes
+  // it), saved as <step dir>/history.json. Empty in checkpoints older than it.
+  std::string history;
 };
 
 // What the rank at (pipeline stage, tensor-parallel rank) holds, for tensor- and
@@ -70,7 +77,8 @@ std::vector<std::string> checkpoints_in(const std::string& out_dir);
 void remove_checkpoints(const std::string& out_dir);
 // Loads the weights (configs must match; errors name the file). Before ZeRO shards the model.
 void load_checkpoint_model(const std::string& dir, nn::Transformer& model);
-// The recipe saved with a checkpoint (empty for checkpoints older than recipes).
+// The recipe saved with a checkpoint (empty for checkpoints older than recipes). Only a
+// checkpoint's state.bin knows whether one must be there: load_checkpoint_state checks.
 std::vector<std::pair<std::string, std::string>> load_checkpoint_recipe(const std::string& dir);
 // Loads the optimizer moments and step count and returns the training state. A shard
 // (tensor or pipeline parallel) takes its slices of the whole model's moments.

@@ -56,6 +56,33 @@ RunCurve read_run_log(const std::string& path, const std::string& name) {
   return run;
 }
 
+std::string curve_to_json(const RunCurve& run) {
+  nlohmann::json j = {{"steps", run.steps}, {"loss", run.loss}, {"lr", run.lr}, {"tokens", run.tokens}};
+  nlohmann::json val = nlohmann::json::array();
+  for (const auto& [step, loss] : run.val) val.push_back({step, loss});
+  j["val"] = val;
+  return j.dump() + "\n";
+}
+
+RunCurve curve_from_json(const std::string& text, const std::string& what) {
+  RunCurve run;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    run.steps = j.at("steps").get<std::vector<int64_t>>();
+    run.loss = j.at("loss").get<std::vector<double>>();
+    run.lr = j.at("lr").get<std::vector<double>>();
+    run.tokens = j.at("tokens").get<std::vector<int64_t>>();
+    for (const auto& point : j.at("val")) run.add_val(point.at(0).get<int64_t>(), point.at(1).get<double>());
+  } catch (const nlohmann::json::exception& e) {
+    TALLY_FAIL("run history '", what, "': ", e.what());
+  }
+  TALLY_CHECK(run.loss.size() == run.steps.size() && run.lr.size() == run.steps.size() &&
+                  run.tokens.size() == run.steps.size(),
+              "run history '", what, "': ", run.steps.size(), " steps but ", run.loss.size(), " losses, ", run.lr.size(),
+              " learning rates and ", run.tokens.size(), " token counts");
+  return run;
+}
+
 std::vector<double> smooth(const std::vector<double>& values, double weight) {
   std::vector<double> out;
   out.reserve(values.size());

@@ -28,6 +28,12 @@ struct RunCurve {
 // Reads a trainer log (--log-json: one JSON object per line). Errors name the file and line.
 RunCurve read_run_log(const std::string& path, const std::string& name);
 
+// The curve as one JSON object (a checkpoint's history.json: what a resumed run draws and
+// takes its best validation loss from) and back. Doubles are written to round-trip exactly.
+// Errors name `what` (the file).
+std::string curve_to_json(const RunCurve& run);
+RunCurve curve_from_json(const std::string& text, const std::string& what);
+
 // The training loss smoothed by an exponential moving average (bias-corrected, so the first
 // points are not pulled toward zero), as TensorBoard smooths: `weight` of the past.
 std::vector<double> smooth(const std::vector<double>& values, double weight = 0.9);

@@ -451,6 +451,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
 
   const auto recipe = run_recipe(c, world);
   int64_t start_step = 0;
+  std::string resumed_history;  // the checkpoint's record of the steps before start_step
   if (!resume_dir.empty()) {
     io::TrainingState st = io::load_checkpoint_state(resume_dir, *model, opt);
     TALLY_CHECK(st.step <= c.steps, "--resume '", c.resume, "': the checkpoint is at step ", st.step, ", beyond --steps ",
@@ -461,6 +462,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
                 ". Use the checkpoint's settings, or pass --allow-recipe-change to continue anyway");
     if (!changes.empty()) log("resuming with a changed recipe (--allow-recipe-change): %s\n", changes.c_str());
     start_step = st.step;
+    resumed_history = std::move(st.history);
     sample_rng.set_state(st.rng_state);
     log("resumed from %s at step %lld\n", resume_dir.c_str(), static_cast<long long>(start_step));
   }
@@ -516,17 +518,25 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (!c.log_json.empty() && c.log_json_all_ranks)
     rank_json_log = std::make_unique<StepLog>(c.log_json + ".rank" + std::to_string(world.rank()), start_step);
 
-  // The loss curves drawn into <out-dir>/loss.svg: a resumed run's earlier steps come from
-  // its log.
+  // The run's record, drawn into <out-dir>/loss.svg and saved with every checkpoint: a
+  // resumed run's earlier steps come from its checkpoint (or, from a checkpoint older than
+  // that record, from its log), and so does its best validation loss so far.
   RunCurve curve;
   curve.name = "";
   const std::string plot_path = (fs::path(c.out_dir) / "loss.svg").string();
-  if (root && start_step > 0 && !c.log_json.empty() && fs::exists(c.log_json)) {
-    RunCurve earlier = read_run_log(c.log_json, "");
+  double best_val = std::numeric_limits<double>::infinity();
+  int64_t best_val_step = 0;
+  if (start_step > 0) {
+    RunCurve earlier;
+    if (!resumed_history.empty()) earlier = curve_from_json(resumed_history, resume_dir + "/history.json");
+    else if (root && !c.log_json.empty() && fs::exists(c.log_json)) earlier = read_run_log(c.log_json, "");
     for (size_t i = 0; i < earlier.steps.size() && earlier.steps[i] <= start_step; ++i)
       curve.add_step(earlier.steps[i], earlier.loss[i], earlier.lr[i], earlier.tokens[i]);
     for (auto& [step, v] : earlier.val)
-      if (step <= start_step) curve.add_val(step, v);
+      if (step <= start_step) {
+        curve.add_val(step, v);
+        if (v < best_val) best_val = v, best_val_step = step;
+      }
   }
   auto write_plot = [&] {
     if (!root) return;
@@ -534,8 +544,6 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     write_loss_svg(plot_path, {curve}, "tally: " + mc.describe());
   };
   const auto run_start = std::chrono::steady_clock::now();
-  double best_val = std::numeric_limits<double>::infinity();
-  int64_t best_val_step = 0;
 
   sanitizer::Sanitizer sanitizer(mode);
   TrainResult result;
@@ -853,6 +861,7 @@ if (pipeline) {
       st.step = m.step;
       st.rng_state = sample_rng.state();
       st.recipe = recipe;
+      st.history = curve_to_json(curve);
       result.last_checkpoint = io::save_checkpoint(c.out_dir, *model, opt, st, world, [&](int pp_rank, int tp_rank) {
         return dist::pipeline_shard(mc.n_layer, PP, pp_rank, c.virtual_stages, TP, tp_rank, c.pp_last_stage_layers);
       });
@@ -866,6 +875,7 @@ if (pipeline) {
     if (on_step) on_step(m);
   }
   result.boundaries = sanitizer.boundaries();
+  if (std::isfinite(best_val)) result.best_val_loss = best_val, result.best_val_step = best_val_step;
   if (result.steps_run > 0) {
     write_plot();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();

@@ -115,6 +115,8 @@ struct TrainResult {
   int64_t steps_run = 0;
   double final_loss = 0;
   double final_val_loss = -1;
+  double best_val_loss = -1;  // the lowest validation loss of the whole run (a resumed one's included), -1 if none
+  int64_t best_val_step = 0;
   std::vector<StepMetrics> history;
   std::string last_checkpoint;
   std::vector<sanitizer::Boundary> boundaries;  // the sanitizer's step/microbatch records (this rank)
