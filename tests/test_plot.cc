@@ -105,6 +105,39 @@ TEST(Plot, DrawsEverySeriesOfEveryRunWithALegend) {
   }
 }
 
+// A 4-step run's step ticks read 1, 2, 2, 2, 3, 4, 4 (ticks half a step apart, rounded),
+// and its token ticks put 192 tokens under a "2"; steps 1000 to 1400 printed as "1.1k"
+// three times. Step ticks are now whole, distinct, and printed in full.
+TEST(Plot, StepTicksAreDistinctWholeSteps) {
+  for (const auto& [first, last] : {std::pair<int, int>{1, 4}, {1000, 1400}, {1, 2}}) {
+    train::RunCurve r;
+    r.name = "short";
+    for (int s = first; s <= last; ++s) r.add_step(s, 5.0 - 0.001 * s, 1e-3, int64_t{64} * s);
+    const std::string svg = train::render_loss_svg({r});
+    std::vector<std::string> labels;
+    for (size_t at = svg.find("class='xtick'"); at != std::string::npos; at = svg.find("class='xtick'", at + 1)) {
+      const size_t begin = svg.find('>', at) + 1;
+      labels.push_back(svg.substr(begin, svg.find('<', begin) - begin));
+    }
+    SCOPED_TRACE("steps " + std::to_string(first) + " to " + std::to_string(last));
+    ASSERT_GE(labels.size(), 2u);
+    EXPECT_EQ(std::set<std::string>(labels.begin(), labels.end()).size(), labels.size());
+    std::vector<std::string> token_labels;
+    for (size_t at = svg.find("class='tokentick'"); at != std::string::npos; at = svg.find("class='tokentick'", at + 1)) {
+      const size_t begin = svg.find('>', at) + 1;
+      token_labels.push_back(svg.substr(begin, svg.find('<', begin) - begin));
+    }
+    ASSERT_EQ(token_labels.size(), labels.size());
+    for (size_t i = 0; i < labels.size(); ++i) {
+      EXPECT_EQ(labels[i].find_first_not_of("0123456789"), std::string::npos) << labels[i];
+      // The tokens under a tick are that step's (64 a step; under 1000 printed in full).
+      if (last <= 4) {
+        EXPECT_EQ(token_labels[i], std::to_string(64 * std::stoll(labels[i])));
+      }
+    }
+  }
+}
+
 TEST(Plot, ReadingALogNamesTheFileAndLineOfABadRow) {
   const std::string path = test::temp_path("log.jsonl");
   test::write_all(path, "{\"step\": 1, \"loss\": 10.5, \"lr\": 0.001}\n{\"step\": 2, \"loss\"\n");

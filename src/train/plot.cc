@@ -97,13 +97,15 @@ std::vector<double> smooth(const std::vector<double>& values, double weight) {
 
 namespace {
 
-// About `count` round tick values (1, 2 or 5 times a power of ten) covering [lo, hi].
-std::vector<double> nice_ticks(double lo, double hi, int count) {
+// About `count` round tick values (1, 2 or 5 times a power of ten) covering [lo, hi];
+// whole numbers only for an axis of whole numbers (steps: a 4-step run's ticks were
+// 1, 1.5, 2, ..., printed as 1, 2, 2, 2, ...).
+std::vector<double> nice_ticks(double lo, double hi, int count, bool whole_numbers = false) {
   if (!(hi > lo)) hi = lo + 1;
   const double raw = (hi - lo) / count;
   const double mag = std::pow(10.0, std::floor(std::log10(raw)));
   const double unit = raw / mag < 1.5 ? 1 : raw / mag < 3 ? 2 : raw / mag < 7 ? 5 : 10;
-  const double step = unit * mag;
+  const double step = whole_numbers ? std::max(1.0, unit * mag) : unit * mag;
   std::vector<double> ticks;
   for (double t = std::ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) ticks.push_back(t);
   return ticks;
@@ -192,12 +194,13 @@ std::string render_loss_svg(const std::vector<RunCurve>& runs, const std::string
   for (const RunCurve& r : runs)
     if (!r.tokens.empty() && r.tokens.back() > 0 && (!with_tokens || r.steps.back() > with_tokens->steps.back()))
       with_tokens = &r;
-  for (double t : nice_ticks(s0, s1, 8)) {
+  for (double t : nice_ticks(s0, s1, 8, /*whole_numbers=*/true)) {
     const double x = X(t);
     svg += "<line x1='" + fmt("%.1f", x) + "' x2='" + fmt("%.1f", x) + "' y1='" + fmt("%.1f", top) + "' y2='" +
            fmt("%.1f", bottom) + "' stroke='#f0f0f0'/>\n";
+    // Steps in full below 100k: rounded to "1.1k", ticks 50 apart would print alike.
     svg += "<text class='xtick' x='" + fmt("%.1f", x) + "' y='" + fmt("%.1f", bottom + 18) + "' text-anchor='middle'>" +
-           count_label(t) + "</text>\n";
+           (t < 1e5 ? fmt("%.0f", t) : count_label(t)) + "</text>\n";
     if (with_tokens) {
       const auto& st = with_tokens->steps;
       const size_t i = static_cast<size_t>(std::lower_bound(st.begin(), st.end(), static_cast<int64_t>(std::llround(t))) - st.begin());
