@@ -281,6 +281,20 @@ TEST(Hardening, BadNumbersInFlagsAreRefused) {
   }
 }
 
+// --val-every without --val-data validated nothing, and --log-json-all-ranks without
+// --log-json wrote nothing, both without a word.
+TEST(Hardening, FlagsThatWouldDoNothingAreRefusedNamingWhatTheyNeed) {
+  const std::string data = test::write_random_shard("t.bin", 1000, 97, 1);
+  train::TrainConfig c = tiny_config(data);
+  c.val_every = 1;
+  std::string msg = message_of<Error>([&] { train::run_training(c); });
+  EXPECT_NE(msg.find("--val-every 1 validates on --val-data, which this run does not have"), std::string::npos) << msg;
+  c = tiny_config(data);
+  c.log_json_all_ranks = true;
+  msg = message_of<Error>([&] { train::run_training(c); });
+  EXPECT_NE(msg.find("--log-json-all-ranks writes"), std::string::npos) << msg;
+}
+
 TEST(Hardening, ResumingBeyondStepsOrWithAnotherRecipeIsRefusedSayingWhatDiffers) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
   c.steps = 4;

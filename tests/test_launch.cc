@@ -159,6 +159,32 @@ TEST(Launch, TokenizeCutsALargeDocumentRatherThanSendMostOfTheDataToValidation) 
   EXPECT_EQ(text, want);
 }
 
+// train made the directories of its --log-json and --mem-trace; tokenize --out, export -o
+// (llm.c), plot -o and memory report -o failed naming their temporary file instead.
+TEST(Launch, OutputsGoIntoDirectoriesThatDoNotExistYet) {
+  const std::string dir = test::temp_path("new_dirs");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  test::write_tiny_gpt2_tokenizer(dir, {{"a", "b"}});
+  test::write_all(dir + "/text.txt", "ab ab ab ba\n");
+  const std::string cli = std::string(TALLY_CLI);
+  const std::string model = test::fixture_path("gpt2_tiny.bin");
+  const std::string log = dir + "/log.jsonl", trace = dir + "/trace.json";
+  Outcome trained = run(train_command("", test::write_random_shard("s.bin", 2000, 97, 3),
+                                      "--out-dir " + dir + "/out --log-json " + log + " --mem-trace " + trace, 1));
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  for (const auto& [command, made] : std::vector<std::pair<std::string, std::string>>{
+           {cli + " tokenize --tokenizer " + dir + " --val-fraction 0 --out " + dir + "/a/b/corpus " + dir + "/text.txt",
+            dir + "/a/b/corpus_train.bin"},
+           {cli + " export --model-file " + model + " --format llmc -o " + dir + "/c/d/model.bin", dir + "/c/d/model.bin"},
+           {cli + " plot " + log + " -o " + dir + "/e/loss.svg", dir + "/e/loss.svg"},
+           {cli + " memory report " + trace + " -o " + dir + "/f/report.html", dir + "/f/report.html"}}) {
+    Outcome o = run(command);
+    EXPECT_EQ(o.exit_code, 0) << command << "\n" << o.output;
+    EXPECT_TRUE(std::filesystem::exists(made)) << command << "\n" << o.output;
+  }
+}
+
 TEST(Launch, NegativeSeedsTwoModelSourcesAndAnEmptyRunAreSaidSo) {
   // --seed -1 was taken as 2^64 - 1 (an unsigned option), and --steps 0 exited silently.
   const std::string model = " --model-file " + test::fixture_path("gpt2_tiny.bin");

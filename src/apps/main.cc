@@ -15,6 +15,7 @@
 #include "data/tokenizer.h"
 #include "dist/world.h"
 #include "io/checkpoint.h"
+#include "io/files.h"
 #include "io/hf_files.h"
 #include "io/model_files.h"
 #include "memory/report.h"
@@ -95,7 +96,7 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
   t->add_option("--log-json", c.log_json, "Append one JSON object per step to this file");
   t->add_option("--sanitize", c.sanitize, "Memory sanitizer: off, warn or strict")->check(CLI::IsMember({"off", "warn", "strict"}))->capture_default_str();
   t->add_option("--mem-trace", c.mem_trace, "Write the memory history: a Perfetto/Chrome trace (.json) or an HTML report with a plot (.html)");
-  t->add_flag("--quiet", c.quiet, "Print nothing per step");
+  t->add_flag("--quiet", c.quiet, "Print nothing but warnings and errors (no start-up, step or summary lines)");
   t->add_option("--dp", c.dp, "Data-parallel ranks (0 = world size / (tp x pp)); launch with mpirun -np N")->capture_default_str();
   t->add_option("--tp", c.tp, "Tensor-parallel ranks: heads, MLP width and vocabulary split over them (Megatron)")
       ->capture_default_str();
@@ -229,7 +230,11 @@ struct PlanArgs {
 
 int run_plan(const PlanArgs& a) {
   train::PlanInput in;
-  in.model = train::model_config(a.model, a.model_file, a.init_from);
+  // A checkpoint or out-dir plans for its model, as sample and export read it (train
+  // refuses one, to tell --resume from a new run's --model-file).
+  const bool hf = !a.model_file.empty() && io::is_hf_model_dir(a.model_file);
+  in.model = train::model_config(a.model, a.model_file.empty() || hf ? a.model_file : resolve_model_file(a.model_file),
+                                 a.init_from);
   TALLY_CHECK(a.batch_size > 0 && a.seq_len > 0 && a.grad_accum > 0, "--batch-size, --seq-len and --grad-accum must be positive");
   TALLY_CHECK(a.seq_len <= in.model.max_seq_len, "--seq-len ", a.seq_len, " exceeds the model's maximum sequence length ",
               in.model.max_seq_len);
@@ -268,6 +273,7 @@ struct MemoryArgs {
 
 int run_memory_report(const MemoryArgs& a) {
   const memory::MemoryTrace trace = memory::read_memory_trace(a.trace);
+  io::create_directories_for("-o", a.out, fs::path(a.out).parent_path().string());
   memory::write_html_report(a.out, trace.events, trace.plan);
   std::printf("wrote %s (%zu events)\n", a.out.c_str(), trace.events.size());
   return 0;
@@ -346,6 +352,7 @@ int run_tokenize(const TokenizeArgs& a) {
                  "any of these documents, validation measures text the model trains on\n", val_path.c_str());
   const size_t whole_train = first_val - (split.cut > 0 ? 1 : 0);
   const std::string cut_text = split.cut > 0 ? std::to_string(split.cut) + " tokens of document " + std::to_string(first_val) : "";
+  io::create_directories_for("--out", a.out_prefix, fs::path(a.out_prefix).parent_path().string());
   data::write_token_shard(a.out_prefix + "_train.bin", train, width);
   std::printf("wrote %s_train.bin (%zu tokens: %zu document%s%s)\n", a.out_prefix.c_str(), train.size(), whole_train,
               whole_train == 1 ? "" : "s", split.cut > 0 ? (" and all but the last " + cut_text).c_str() : "");
@@ -377,8 +384,12 @@ int run_export(const ExportArgs& a) {
   std::string model_file;
   const std::unique_ptr<nn::Transformer> loaded = load_model(a.model_file, &model_file);
   const nn::Transformer& model = *loaded;
-  if (a.format == "hf") io::save_hf(a.out, model, a.bf16);
-  else io::save_llmc(a.out, model, a.bf16);
+  if (a.format == "hf") {
+    io::save_hf(a.out, model, a.bf16);
+  } else {
+    io::create_directories_for("-o", a.out, fs::path(a.out).parent_path().string());
+    io::save_llmc(a.out, model, a.bf16);
+  }
   std::printf("wrote %s (%s, %s, %s)\n", a.out.c_str(), a.format == "hf" ? "HuggingFace" : "llm.c",
               model.config().describe().c_str(), a.bf16 ? "bf16" : "fp32");
   return 0;
@@ -402,6 +413,7 @@ std::string run_name(const std::string& path) {
 int run_plot(const PlotArgs& a) {
   std::vector<train::RunCurve> runs;
   for (const std::string& log : a.logs) runs.push_back(train::read_run_log(log, run_name(log)));
+  io::create_directories_for("-o", a.out, fs::path(a.out).parent_path().string());
   train::write_loss_svg(a.out, runs, a.title);
   std::printf("wrote %s (%zu run%s)\n", a.out.c_str(), runs.size(), runs.size() == 1 ? "" : "s");
   return 0;
@@ -485,7 +497,7 @@ int main(int argc, char** argv) {
   PlanArgs pl;
   auto* q = app.add_subcommand("plan", "Predict every rank's memory peak and its parts for a training configuration, without running it");
   auto* plan_preset = q->add_option("--model", pl.model, kModelHelp)->capture_default_str();
-  auto* plan_file = q->add_option("--model-file", pl.model_file, "Plan for an llm.c model file's shape");
+  auto* plan_file = q->add_option("--model-file", pl.model_file, "Plan for the shape of an llm.c model file, a checkpoint or a training --out-dir (its latest checkpoint)");
   auto* plan_hf = q->add_option("--init-from", pl.init_from,
                                 "Plan for a HuggingFace model's shape (a directory, or a GPT-2 model.safetensors)");
   plan_preset->excludes(plan_file)->excludes(plan_hf);

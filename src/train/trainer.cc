@@ -85,6 +85,11 @@ void validate(const TrainConfig& c) {
   TALLY_CHECK(c.weight_decay >= 0, "--weight-decay must be >= 0");
   TALLY_CHECK(c.model_file.empty() || c.init_from.empty(), "--model-file and --init-from are exclusive");
   TALLY_CHECK(c.val_every >= 0, "--val-every must be >= 0 (0: only at the end), got ", c.val_every);
+  // Flags that would do nothing without another: said, not ignored.
+  TALLY_CHECK(c.val_every == 0 || !c.val_data.empty(), "--val-every ", c.val_every,
+              " validates on --val-data, which this run does not have");
+  TALLY_CHECK(!c.log_json_all_ranks || !c.log_json.empty(),
+              "--log-json-all-ranks writes <--log-json>.rank<R> beside --log-json, which this run does not have");
   TALLY_CHECK(c.save_every >= 0, "--save-every must be >= 0 (0: never), got ", c.save_every);
   TALLY_CHECK(c.sample_every >= -1, "--sample-every must be >= -1 (-1: never, 0: only at the end), got ", c.sample_every);
   TALLY_CHECK(c.top_k >= 0, "--top-k must be >= 0 (0: no truncation), got ", c.top_k);
