@@ -176,6 +176,19 @@ TEST(Plot, TheTrainerDrawsLossSvgInItsOutDirAndLogsTokens) {
   ASSERT_EQ(run.steps.size(), 6u);
   EXPECT_EQ(run.tokens.back(), 6 * 2 * 16);
   EXPECT_EQ(run.val.size(), 2u);
+  // A run that saves nothing, in an out-dir holding another run's checkpoints, replaced
+  // that run's plot with its own; it now leaves it, and says so.
+  train::TrainConfig saver = c;
+  saver.save_every = 6;
+  saver.overwrite = true;
+  train::run_training(saver);
+  const std::string saved_plot = slurp(c.out_dir + "/loss.svg");
+  train::TrainConfig other = c;
+  other.log_json.clear();
+  other.steps = 2;
+  other.val_every = 1;
+  train::run_training(other);
+  EXPECT_EQ(slurp(c.out_dir + "/loss.svg"), saved_plot);
 }
 
 // The picture as a browser draws it. The page inlines the SVG and uses the browser's own

@@ -543,8 +543,14 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
         if (v < best_val) best_val = v, best_val_step = step;
       }
   }
+  // A run that does not save, in an --out-dir holding another run's checkpoints, would
+  // replace that run's plot with its own: it draws none, and says so.
+  const bool plot_is_anothers = root && c.save_every == 0 && !continues && !c.overwrite && !io::checkpoints_in(c.out_dir).empty();
+  if (plot_is_anothers)
+    log("loss plot: not drawn: --out-dir '%s' holds another run's checkpoints and its loss.svg (give this run an "
+        "--out-dir of its own to draw one)\n", c.out_dir.c_str());
   auto write_plot = [&] {
-    if (!root) return;
+    if (!root || plot_is_anothers) return;
     fs::create_directories(c.out_dir);
     write_loss_svg(plot_path, {curve}, "tally: " + mc.describe());
   };
@@ -893,7 +899,7 @@ if (pipeline) {
       summary += "; best val loss " + fmt_fixed(best_val, 4) + " at step " + std::to_string(best_val_step);
     if (!result.last_checkpoint.empty()) summary += "; checkpoint " + result.last_checkpoint;
     if (!c.log_json.empty()) summary += "; log " + c.log_json;
-    summary += "; plot " + plot_path;
+    if (!plot_is_anothers) summary += "; plot " + plot_path;
     log("%s\n", summary.c_str());
   }
   if (c.return_parameters && !model_parallel) result.parameters = gather_parameters(*model);
