@@ -320,24 +320,36 @@ TEST(Hardening, ResumingBeyondStepsOrWithAnotherRecipeIsRefusedSayingWhatDiffers
   EXPECT_EQ(train::run_training(r).steps_run, 4);
 }
 
-TEST(Hardening, ChecksumsTurnBitRotIntoAClearError) {
+namespace {
+// A run of `steps` steps that saved at step 2, the step directory, and the configuration
+// that resumes from it (to `steps`, saving nothing).
+struct SavedAtStep2 {
+  std::string dir;
+  train::TrainConfig resume;
+};
+SavedAtStep2 save_at_step_2(int64_t steps) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  c.steps = 2;
+  c.steps = steps;
   c.save_every = 2;
   fs::remove_all(c.out_dir);
   train::run_training(c);
-  const std::string dir = c.out_dir + "/step_00000002";
+  SavedAtStep2 saved{c.out_dir + "/step_00000002", c};
+  saved.resume.resume = saved.dir;
+  saved.resume.save_every = 0;
+  return saved;
+}
+}  // namespace
+
+TEST(Hardening, ChecksumsTurnBitRotIntoAClearError) {
+  SavedAtStep2 saved = save_at_step_2(2);
+  saved.resume.steps = 3;
   for (const char* file : {"state.bin", "model.bin"}) {
-    const std::string path = dir + "/" + file;
+    const std::string path = saved.dir + "/" + file;
     const std::string good = test::read_all(path);
     std::string rotten = good;
     rotten[rotten.size() - 7] ^= 0x10;  // one bit of the last tensor
     test::write_all(path, rotten);
-    train::TrainConfig r = c;
-    r.resume = dir;
-    r.steps = 3;
-    r.save_every = 0;
-    const std::string msg = message_of<Error>([&] { train::run_training(r); });
+    const std::string msg = message_of<Error>([&] { train::run_training(saved.resume); });
     EXPECT_NE(msg.find("checksum mismatch"), std::string::npos) << file << ": " << msg;
     EXPECT_NE(msg.find(path), std::string::npos) << msg;
     test::write_all(path, good);
@@ -349,32 +361,21 @@ TEST(Hardening, ChecksumsTurnBitRotIntoAClearError) {
 // word. state.bin now holds the CRC-32 of recipe.json and history.json: a checkpoint that
 // lost either, or whose either was edited, is refused naming the file.
 TEST(Hardening, ACheckpointMissingOrWithAnEditedRecipeOrHistoryIsRefusedNamingTheFile) {
-  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  c.steps = 3;
-  c.save_every = 2;
-  fs::remove_all(c.out_dir);
-  train::run_training(c);
-  const std::string dir = c.out_dir + "/step_00000002";
+  const SavedAtStep2 saved = save_at_step_2(3);
   for (const char* file : {"recipe.json", "history.json"}) {
-    const std::string path = dir + "/" + file;
+    const std::string path = saved.dir + "/" + file;
     const std::string good = test::read_all(path);
-    train::TrainConfig r = c;
-    r.resume = dir;
-    r.save_every = 0;
     fs::remove(path);
-    std::string msg = message_of<Error>([&] { train::run_training(r); });
+    std::string msg = message_of<Error>([&] { train::run_training(saved.resume); });
     EXPECT_NE(msg.find("checkpoint file '" + path + "' is missing"), std::string::npos) << msg;
     std::string edited = good;
     edited.insert(edited.size() - 2, " ");
     test::write_all(path, edited);
-    msg = message_of<Error>([&] { train::run_training(r); });
+    msg = message_of<Error>([&] { train::run_training(saved.resume); });
     EXPECT_NE(msg.find("checkpoint file '" + path + "': checksum mismatch"), std::string::npos) << msg;
     test::write_all(path, good);
   }
-  train::TrainConfig r = c;
-  r.resume = dir;
-  r.save_every = 0;
-  EXPECT_EQ(train::run_training(r).steps_run, 1);
+  EXPECT_EQ(train::run_training(saved.resume).steps_run, 1);
 }
 
 // ---------------------------------------------------------------- 3. checked late
