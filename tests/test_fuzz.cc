@@ -28,6 +28,7 @@
 #include "io/safetensors.h"
 #include "optim/adamw.h"
 #include "support.h"
+#include "train/plot.h"
 #include "train/trainer.h"
 
 using namespace tally;
@@ -160,9 +161,16 @@ TEST(Fuzz, TrainingStates) {
   nn::Transformer model(io::read_llmc_config(c.model_file));
   optim::AdamW adamw(model.params(), optim::AdamWConfig{});
   fuzz("training state", original, dir + "/state.bin", false, [&] { io::load_checkpoint_state(dir, model, adamw); });
-  const std::string recipe = test::read_all(dir + "/recipe.json");
   test::write_all(dir + "/state.bin", original);
-  fuzz("checkpoint recipe", recipe, dir + "/recipe.json", true, [&] { io::load_checkpoint_state(dir, model, adamw); });
+  // recipe.json and history.json: state.bin's CRC of each refuses any change, so their
+  // parsers (which read checkpoints older than the CRC, and a history that passed it) are
+  // fuzzed directly.
+  const std::string recipe = test::read_all(dir + "/recipe.json"), history = test::read_all(dir + "/history.json");
+  fuzz("checkpoint recipe", recipe, dir + "/recipe.json", true, [&] { io::load_checkpoint_recipe(dir); });
+  fuzz("run history", history, dir + "/history.json", true,
+       [&] { train::curve_from_json(test::read_all(dir + "/history.json"), dir + "/history.json"); });
+  fuzz("checkpoint recipe and its CRC", recipe, dir + "/recipe.json", true,
+       [&] { io::load_checkpoint_state(dir, model, adamw); });
 }
 
 TEST(Fuzz, TokenizerFiles) {

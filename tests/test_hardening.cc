@@ -340,6 +340,19 @@ SavedAtStep2 save_at_step_2(int64_t steps) {
 }
 }  // namespace
 
+// --shuffle joined the recipe after checkpoints had been saved without it: those runs read
+// in file order, so their missing key compares as "off" (it compared equal to anything,
+// and a resume with --shuffle changed the data order unseen). A recipe-less checkpoint
+// (older still) compares equal, as before.
+TEST(Hardening, ARecipeSavedBeforeAKeyExistedComparesAsItsOldBehaviour) {
+  const std::vector<std::pair<std::string, std::string>> old_recipe = {{"--batch-size", "4"}, {"--seed", "1337"}};
+  EXPECT_EQ(train::recipe_changes(old_recipe, {{"--batch-size", "4"}, {"--shuffle", "on"}}), "--shuffle was off, now on");
+  EXPECT_EQ(train::recipe_changes(old_recipe, {{"--batch-size", "4"}, {"--shuffle", "off"}}), "");
+  EXPECT_EQ(train::recipe_changes({}, {{"--batch-size", "8"}, {"--shuffle", "on"}}), "");
+  EXPECT_EQ(train::recipe_changes({{"--shuffle", "on"}, {"--seed", "1"}}, {{"--shuffle", "on"}, {"--seed", "2"}}),
+            "--seed was 1, now 2");
+}
+
 TEST(Hardening, ChecksumsTurnBitRotIntoAClearError) {
   SavedAtStep2 saved = save_at_step_2(2);
   saved.resume.steps = 3;

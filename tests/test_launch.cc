@@ -185,6 +185,26 @@ TEST(Launch, OutputsGoIntoDirectoriesThatDoNotExistYet) {
   }
 }
 
+// The summary says how much of the data the run read: 1024 of 1027 tokens is 99.7% of a
+// pass (printed "1e+02%" through %g at first), and --shuffle's start-up line says the order.
+TEST(Launch, TheRunSaysHowMuchOfItsDataItReadAndInWhatOrder) {
+  const std::string data = test::write_random_shard("s1027.bin", 1027, 97, 3);
+  Outcome o = run(train_command("", data, "--out-dir " + test::temp_path("pass_out"), 32));
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("1024 tokens ("), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("99.7% of one pass over the training data"), std::string::npos) << o.output;
+  Outcome twice = run(train_command("", data, "--out-dir " + test::temp_path("pass_out"), 64));
+  EXPECT_NE(twice.output.find("data order: file order; --steps 64 read 1.99 passes, every pass the same batches"),
+            std::string::npos)
+      << twice.output;
+  Outcome shuffled = run(train_command("", data, "--shuffle --out-dir " + test::temp_path("pass_out"), 64));
+  // 1027 tokens: 64 sequences of 16 (1026 / 16), 2 a step.
+  EXPECT_NE(shuffled.output.find("data order: shuffled (--shuffle, seed 1337): 64 sequences of 16 tokens, in a new order "
+                                 "on every pass; --steps 64 read 2.00 passes"),
+            std::string::npos)
+      << shuffled.output;
+}
+
 TEST(Launch, NegativeSeedsTwoModelSourcesAndAnEmptyRunAreSaidSo) {
   // --seed -1 was taken as 2^64 - 1 (an unsigned option), and --steps 0 exited silently.
   const std::string model = " --model-file " + test::fixture_path("gpt2_tiny.bin");

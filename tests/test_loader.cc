@@ -145,5 +145,29 @@ TEST(TokenLoader, ShuffledReadsEverySequenceOncePerPassInANewOrderEachPass) {
   EXPECT_NE(row_starts(other, 33, B, T), pass1);
 }
 
+TEST(TokenLoader, ShuffledPassesEndMidBatchAndAcrossMicrobatches) {
+  // B = 4 rows, 2 microbatches a step: 99 sequences a pass end inside a batch (row 3 of
+  // microbatch 0 of step 12). Rows in reading order are the global sequence order: each
+  // run of 99 is a pass, every sequence once.
+  const int64_t B = 4, T = 10, M = 2;
+  data::TokenLoader loader(write_counting_shards(), B, T, 1000);
+  loader.shuffle_sequences(5);
+  std::vector<int32_t> rows;
+  for (int64_t k = 0; k < 25; ++k)
+    for (int64_t m = 0; m < M; ++m) {
+      const int32_t* in = loader.batch_at(k, m, M).inputs.data<int32_t>();
+      for (int64_t b = 0; b < B; ++b) rows.push_back(in[b * T]);
+    }
+  ASSERT_GE(rows.size(), 198u);
+  std::vector<int32_t> sequences(99);
+  for (int i = 0; i < 99; ++i) sequences[static_cast<size_t>(i)] = i * T;
+  for (size_t pass = 0; pass < 2; ++pass) {
+    std::vector<int32_t> seen(rows.begin() + static_cast<std::ptrdiff_t>(99 * pass),
+                              rows.begin() + static_cast<std::ptrdiff_t>(99 * (pass + 1)));
+    std::sort(seen.begin(), seen.end());
+    EXPECT_EQ(seen, sequences) << "pass " << pass;
+  }
+}
+
 }  // namespace
 }  // namespace tally

@@ -107,9 +107,10 @@ TEST(Plot, DrawsEverySeriesOfEveryRunWithALegend) {
 
 // A 4-step run's step ticks read 1, 2, 2, 2, 3, 4, 4 (ticks half a step apart, rounded),
 // and its token ticks put 192 tokens under a "2"; steps 1000 to 1400 printed as "1.1k"
-// three times. Step ticks are now whole, distinct, and printed in full.
+// three times, 100000 to 102000 as "100k". Step ticks are now whole, distinct, and
+// printed in full.
 TEST(Plot, StepTicksAreDistinctWholeSteps) {
-  for (const auto& [first, last] : {std::pair<int, int>{1, 4}, {1000, 1400}, {1, 2}}) {
+  for (const auto& [first, last] : {std::pair<int, int>{1, 4}, {1000, 1400}, {1, 2}, {100000, 102000}}) {
     train::RunCurve r;
     r.name = "short";
     for (int s = first; s <= last; ++s) r.add_step(s, 5.0 - 0.001 * s, 1e-3, int64_t{64} * s);
@@ -135,6 +136,28 @@ TEST(Plot, StepTicksAreDistinctWholeSteps) {
         EXPECT_EQ(token_labels[i], std::to_string(64 * std::stoll(labels[i])));
       }
     }
+  }
+}
+
+// A checkpoint's history.json round-trips the curve exactly. A validation loss that was not
+// finite is written as null (JSON has no NaN), and reading it back failed, so the
+// checkpoint could not be resumed: it is skipped, as a log's non-numeric val_loss is.
+TEST(Plot, ARunHistoryRoundTripsAndSkipsAValidationLossThatWasNotFinite) {
+  train::RunCurve r = fake_run("r", 10.8, 5, 30, 10);
+  r.add_val(31, std::nan(""));
+  const train::RunCurve back = train::curve_from_json(train::curve_to_json(r), "history.json");
+  EXPECT_EQ(back.steps, r.steps);
+  EXPECT_EQ(back.loss, r.loss);  // bit for bit
+  EXPECT_EQ(back.lr, r.lr);
+  EXPECT_EQ(back.tokens, r.tokens);
+  ASSERT_EQ(back.val.size(), 3u);
+  EXPECT_EQ(back.val, (std::vector<std::pair<int64_t, double>>(r.val.begin(), r.val.begin() + 3)));
+  try {
+    train::curve_from_json("{\"steps\": [1, 2], \"loss\": [1.0], \"lr\": [0, 0], \"tokens\": [1, 2], \"val\": []}",
+                           "h.json");
+    ADD_FAILURE() << "a history with fewer losses than steps was read";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("run history 'h.json': 2 steps but 1 losses"), std::string::npos) << e.what();
   }
 }
 

@@ -365,10 +365,16 @@ int run_tokenize(const TokenizeArgs& a) {
                 100.0 * static_cast<double>(val.size()) / static_cast<double>(train.size() + val.size()), parts.c_str(),
                 split.cut > 0 ? "; the document is cut, as no whole documents come within a quarter of --val-fraction" : "");
   } else {
-    std::printf("no validation split: %zu document%s of %zu tokens, --val-fraction %g%s\n", encoded.size(),
+    // Why none: the fraction is under half a token, or no whole documents come near it and
+    // the document at the boundary is too short to cut (its separator and one token).
+    const bool under_half = a.val_fraction * static_cast<double>(train.size()) < 0.5;
+    std::printf("no validation split: %zu document%s of %zu tokens, --val-fraction %g%s%s\n", encoded.size(),
                 encoded.size() == 1 ? "" : "s", train.size(), a.val_fraction,
-                stale_val ? ("; removed the earlier " + val_path + ", whose documents are in the training split now").c_str()
-                          : (a.val_fraction > 0 ? " (under half a token)" : ""));
+                a.val_fraction == 0 ? ""
+                : under_half        ? " (under half a token)"
+                                    : " (no whole documents come within a quarter of it, and the document at the boundary "
+                                      "is too short to cut)",
+                stale_val ? ("; removed the earlier " + val_path + ", whose documents are in the training split now").c_str() : "");
   }
   return 0;
 }

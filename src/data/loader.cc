@@ -41,8 +41,8 @@ const Batch& TokenLoader::batch_at(int64_t step, int64_t microbatch, int64_t mic
   int32_t* tg = batch_.targets.data<int32_t>();
   for (int64_t b = 0; b < B_; ++b) {
     const int64_t n = index * B_ + b;  // the data's sequence number, counted over every pass
-    // Pass e's order; the key mixes the seed with e (a pass's key, not e itself, so two
-    // seeds' orders share no pass).
+    // Pass e's order, keyed by the seed and e together (the generator that draws the
+    // network's round keys spreads the key's bits).
     const uint64_t pass = static_cast<uint64_t>(n / sequences_);
     const Permutation order(sequences_, seed_ ^ (pass * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull));
     const int64_t pos = order(n % sequences_) * T_;

@@ -15,7 +15,7 @@ uint64_t mix(uint64_t z) {
 }  // namespace
 
 Permutation::Permutation(int64_t n, uint64_t key) : n_(n) {
-  TALLY_CHECK(n >= 1, "a permutation of ", n, " elements");
+  TALLY_CHECK(n >= 1 && n <= (int64_t{1} << 62), "a permutation of ", n, " elements (1 to 2^62)");
   // The smallest h with 2^(2h) >= n (h >= 1, so n = 1 and n = 2 have a network too).
   while (half_bits_ < 31 && (uint64_t{1} << (2 * half_bits_)) < static_cast<uint64_t>(n)) ++half_bits_;
   half_mask_ = (uint64_t{1} << half_bits_) - 1;

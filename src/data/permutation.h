@@ -12,7 +12,7 @@
 // drawn from the seed. A Feistel network is a bijection of [0, 2^2h) whatever its round
 // function; "cycle walking" (apply it again while the value is >= n) restricts it to a
 // bijection of [0, n), since the walk from i stays on i's cycle and that cycle re-enters
-// [0, n). 2^2h < 4n, so a walk takes fewer than four applications on average.
+// [0, n). 2^2h <= 4n, so a walk takes at most four applications on average. n up to 2^62.
 #pragma once
 #include <array>
 #include <cstdint>

@@ -72,7 +72,10 @@ RunCurve curve_from_json(const std::string& text, const std::string& what) {
     run.loss = j.at("loss").get<std::vector<double>>();
     run.lr = j.at("lr").get<std::vector<double>>();
     run.tokens = j.at("tokens").get<std::vector<int64_t>>();
-    for (const auto& point : j.at("val")) run.add_val(point.at(0).get<int64_t>(), point.at(1).get<double>());
+    // A validation loss that was not finite is written as null (JSON has no NaN): skipped,
+    // as read_run_log skips a row's non-numeric val_loss.
+    for (const auto& point : j.at("val"))
+      if (!point.at(1).is_null()) run.add_val(point.at(0).get<int64_t>(), point.at(1).get<double>());
   } catch (const nlohmann::json::exception& e) {
     TALLY_FAIL("run history '", what, "': ", e.what());
   }
@@ -198,9 +201,9 @@ std::string render_loss_svg(const std::vector<RunCurve>& runs, const std::string
     const double x = X(t);
     svg += "<line x1='" + fmt("%.1f", x) + "' x2='" + fmt("%.1f", x) + "' y1='" + fmt("%.1f", top) + "' y2='" +
            fmt("%.1f", bottom) + "' stroke='#f0f0f0'/>\n";
-    // Steps in full below 100k: rounded to "1.1k", ticks 50 apart would print alike.
+    // Steps in full: rounded ("1.1k", "100k"), ticks 50 or 200 apart would print alike.
     svg += "<text class='xtick' x='" + fmt("%.1f", x) + "' y='" + fmt("%.1f", bottom + 18) + "' text-anchor='middle'>" +
-           (t < 1e5 ? fmt("%.0f", t) : count_label(t)) + "</text>\n";
+           fmt("%.0f", t) + "</text>\n";
     if (with_tokens) {
       const auto& st = with_tokens->steps;
       const size_t i = static_cast<size_t>(std::lower_bound(st.begin(), st.end(), static_cast<int64_t>(std::llround(t))) - st.begin());

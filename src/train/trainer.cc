@@ -131,19 +131,27 @@ std::vector<std::pair<std::string, std::string>> run_recipe(const TrainConfig& c
           {"--dtype", c.dtype}};
 }
 
+}  // namespace
+
 // "--lr 3e-4 -> 6e-4, --steps 100 -> 200", or "" when nothing differs. Checkpoints older
-// than saved recipes have none and compare equal.
+// than saved recipes have none and compare equal. A setting added to the recipe later is
+// missing from the recipes saved before it, which ran with its old behaviour: it compares
+// as that value (--shuffle: off).
 std::string recipe_changes(const std::vector<std::pair<std::string, std::string>>& saved,
                            const std::vector<std::pair<std::string, std::string>>& now) {
+  static const std::vector<std::pair<std::string, std::string>> added_later = {{"--shuffle", "off"}};
   std::string out;
-  for (const auto& [name, value] : now)
+  for (const auto& [name, value] : now) {
+    const std::string* was = nullptr;
     for (const auto& [saved_name, saved_value] : saved)
-      if (saved_name == name && saved_value != value)
-        out += (out.empty() ? "" : ", ") + name + " was " + saved_value + ", now " + value;
+      if (saved_name == name) was = &saved_value;
+    if (!was && !saved.empty())
+      for (const auto& [added, old_behaviour] : added_later)
+        if (added == name) was = &old_behaviour;
+    if (was && *was != value) out += (out.empty() ? "" : ", ") + name + " was " + *was + ", now " + value;
+  }
   return out;
 }
-
-}  // namespace
 
 Device parse_device(const std::string& text) {
   Device d;
@@ -218,11 +226,15 @@ std::string fmt_fixed(double v, int digits) {
   return buf;
 }
 
-// How much of the training data a number of tokens reads: "0.05% of one pass", "2.31 passes".
+// How much of the training data a number of tokens reads: "0.052% of one pass", "87.5% of
+// one pass", "2.31 passes" (never an exponent: %g would print 99.7% as "1e+02%").
 std::string passes_str(double passes) {
   char buf[48];
-  if (passes < 1.0) std::snprintf(buf, sizeof buf, "%.2g%% of one pass", 100.0 * passes);
-  else std::snprintf(buf, sizeof buf, "%.2f pass%s", passes, passes == 1.0 ? "" : "es");
+  const double percent = 100.0 * passes;
+  if (passes >= 1.0) std::snprintf(buf, sizeof buf, "%.2f pass%s", passes, passes == 1.0 ? "" : "es");
+  else if (percent >= 10) std::snprintf(buf, sizeof buf, "%.1f%% of one pass", percent);
+  else if (percent >= 0.001) std::snprintf(buf, sizeof buf, "%.2g%% of one pass", percent);
+  else std::snprintf(buf, sizeof buf, "under 0.001%% of one pass");
   return buf;
 }
 

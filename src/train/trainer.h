@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dist/world.h"
@@ -124,6 +125,11 @@ struct TrainResult {
 };
 
 double learning_rate(const TrainConfig& c, int64_t step);
+
+// What a resume would change in the run a checkpoint saved ("--lr was 0.001, now 0.002,
+// ..."), or "" when nothing: `saved` is the checkpoint's recipe, `now` this run's.
+std::string recipe_changes(const std::vector<std::pair<std::string, std::string>>& saved,
+                           const std::vector<std::pair<std::string, std::string>>& now);
 
 // The model's shape, from --model-file (an llm.c header), --init-from (a HuggingFace
 // safetensors header) or else the --model preset; reads headers only (train and plan).
