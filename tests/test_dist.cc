@@ -441,6 +441,33 @@ TEST(Plan, PredictsEveryRanksPeakToTheByteForLlamaInEveryZeroStage) {
   }
 }
 
+// Validation and the samples a run prints read the model's device and dtype, which came
+// from its parameter block, and ZeRO-3 frees that block: every --zero 3 run with
+// --val-data crashed at its first validation, and every one without --sample-every -1 at
+// its end-of-run sample, before its last checkpoint was written. Every stage now
+// validates as one process does, samples, and saves its last step.
+TEST(Zero, EveryStageValidatesSamplesAndSavesItsLastStep) {
+  train::TrainConfig c = tiny_config();
+  c.steps = 2;
+  c.val_data = c.train_data;
+  c.val_every = 1;
+  c.val_batches = 2;
+  const train::TrainResult want = single_process(c, 2);
+  for (int zero = 0; zero <= 3; ++zero) {
+    train::TrainConfig p = c;
+    p.grad_accum = 2;
+    p.zero = zero;
+    p.sample_every = 1;
+    p.sample_tokens = 4;
+    p.save_every = 2;
+    p.overwrite = true;
+    p.out_dir = shared_path("zero_val_sample_" + std::to_string(zero));
+    const train::TrainResult got = train::run_training(p, world());
+    EXPECT_NEAR(got.final_val_loss, want.final_val_loss, 1e-5 * want.final_val_loss) << "zero " << zero;
+    EXPECT_EQ(got.last_checkpoint, p.out_dir + "/step_00000002") << "zero " << zero;
+  }
+}
+
 TEST(Zero, Stage3ReleasesAGatheredLayersStorageWhileItsParameterViewsLive) {
   auto m = std::make_unique<nn::Transformer>(io::read_llmc_config(test::fixture_path("gpt2_tiny.bin")));
   io::load_llmc(test::fixture_path("gpt2_tiny.bin"), *m);

@@ -198,7 +198,7 @@ double PipelineStage::run(int64_t N, const BatchFn& batch, double loss_scale, sa
   sanitizer.begin_microbatch(actions[0].microbatch);
   std::pair<Tensor, Tensor> first_batch = batch(actions[0].microbatch);
   const Shape act_shape = activation_shape(first_batch.first.shape()[0], first_batch.first.shape()[1]);
-  const DType dtype = model_.params().flat_params().dtype();
+  const DType dtype = model_.params().dtype();
   // Receives are posted one action ahead, so the next action's activation or gradient
   // arrives while this one computes. A buffer belongs to its own microbatch (the
   // sanitizer's clock is set to it while the buffer is made).
@@ -343,7 +343,7 @@ double PipelineStage::evaluate(const Tensor& tokens, const Tensor& targets) {
     const int g = global_stage(v);
     Tensor input = tokens;
     if (!chunk.embed) {
-      input = Tensor::empty(act_shape, model_.params().flat_params().dtype(), Device::cpu(), make_owner(Category::Communication, "comm:pp_eval"));
+      input = Tensor::empty(act_shape, model_.params().dtype(), Device::cpu(), make_owner(Category::Communication, "comm:pp_eval"));
       group_.recv(input, (g - 1 + S) % S % stages_, activation_tag(g - 1));
     }
     nn::ForwardResult r = model_.forward_chunk(static_cast<size_t>(v), input, chunk.head ? targets : Tensor());

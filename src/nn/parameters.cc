@@ -22,6 +22,8 @@ size_t ParameterStore::declare(std::string name, Shape shape, bool decay) {
 }
 
 void ParameterStore::allocate(DType dtype, Device device) {
+  device_ = device;
+  dtype_ = dtype;
   flat_params_ = Tensor::empty({total_}, dtype, device, make_owner(Category::Parameter, "parameters"));
   // The gradients of registered parameters are persistent model state (sanitizer S1).
   // They start discarded (zero, unwritten: see discard_grads), so the first step's

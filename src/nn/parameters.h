@@ -48,7 +48,10 @@ class ParameterStore {
   // gradients discarded; the old blocks are freed). Before an optimizer or a compute copy
   // refers to the blocks: the model is built and loaded on the host, then moved.
   void move_to(Device device);
-  Device device() const { return flat_params_.device(); }
+  // Where and in what dtype the parameters are, also while ZeRO-3 has released the block
+  // (reading them from the block then dereferenced nothing: validation and samples crashed).
+  Device device() const { return device_; }
+  DType dtype() const { return dtype_; }
 
   size_t size() const { return specs_.size(); }
   const ParameterSpec& spec(size_t i) const { return specs_[i]; }
@@ -110,6 +113,8 @@ class ParameterStore {
   std::vector<Tensor> params_;
   int64_t total_ = 0;
   Tensor flat_params_, flat_grads_;
+  Device device_ = Device::cpu();
+  DType dtype_ = DType::F32;
   Tensor compute_block_;                 // the parameter block in the compute dtype (or undefined)
   std::vector<Tensor> compute_views_;    // parameter i's view of it
   // The fp32 block's version the copy was made from (none: not made yet).

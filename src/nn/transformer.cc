@@ -433,8 +433,8 @@ KvCache Transformer::make_kv_cache(int64_t batch, int64_t capacity) const {
   KvCache cache;
   const Shape shape = {batch, capacity, config_.n_kv_head, config_.head_dim()};
   for (int64_t l = 0; l < config_.n_layer; ++l) {
-    cache.k.push_back(Tensor::zeros(shape, params_.flat_params().dtype(), params_.flat_params().device(), tag));
-    cache.v.push_back(Tensor::zeros(shape, params_.flat_params().dtype(), params_.flat_params().device(), tag));
+    cache.k.push_back(Tensor::zeros(shape, params_.dtype(), params_.device(), tag));
+    cache.v.push_back(Tensor::zeros(shape, params_.dtype(), params_.device(), tag));
   }
   return cache;
 }

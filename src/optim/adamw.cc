@@ -67,7 +67,7 @@ void AdamW::step(double lr, double grad_scale, bool zero_grad) {
   runtime::profiler::KernelScope scope("adamw");
   ++t_;
   const AdamWCoefficients k = adamw_coefficients(config_, t_, lr, grad_scale);
-  if (!params_.flat_params().device().is_cpu()) return step_on_device(k, zero_grad);
+  if (!params_.device().is_cpu()) return step_on_device(k, zero_grad);
   float* p = params_.flat_params().data<float>();
   const Tensor& grads = params_.flat_grads();
   float* g = grads.data<float>();
@@ -96,7 +96,7 @@ void AdamW::step(double lr, double grad_scale, bool zero_grad) {
 // On a device the backend runs the update, one launch per parameter (its decay flag
 // decides `keep`); the same formula as adamw_update.
 void AdamW::step_on_device(const AdamWCoefficients& k, bool zero_grad) {
-  runtime::Backend& backend = runtime::backend(params_.flat_params().device());
+  runtime::Backend& backend = runtime::backend(params_.device());
   const bool compute_copy = params_.has_compute_copy();
   const Tensor& grads = params_.flat_grads();  // settles discarded gradients once, not per parameter
   for (size_t i = 0; i < params_.size(); ++i) {
