@@ -127,9 +127,11 @@ TEST(World, ALayoutThatDoesNotMatchTheWorldIsRefusedNamingTheFlags) {
   std::string m = test::message_of<Error>([] { dist::World::create({3, 1, 1}); });
   EXPECT_NE(m.find("--dp 3"), std::string::npos) << m;
   EXPECT_NE(m.find("mpirun started " + std::to_string(world().size())), std::string::npos) << m;
-  // A tensor-parallel size that does not divide the world.
+  // A tensor-parallel size that does not divide the world, without --dp: named as such
+  // (it said "--dp 0 x --tp 3 x --pp 1 = 0 processes", a flag the user never gave).
   m = test::message_of<Error>([] { dist::World::create({0, 3, 1}); });
-  EXPECT_NE(m.find("--tp 3"), std::string::npos) << m;
+  EXPECT_NE(m.find("not a multiple of --tp 3 x --pp 1 = 3"), std::string::npos) << m;
+  EXPECT_EQ(m.find("--dp 0"), std::string::npos) << m;
 }
 
 TEST(Communicator, CollectivesMoveWhatTheyShould) {

@@ -182,6 +182,10 @@ void expect_matches_one_process(const Layout& l, bool llama, const std::string& 
   for (size_t r = 0; r < last.rank_peak_bytes.size(); ++r)
     EXPECT_EQ(last.rank_peak_bytes[r], last.rank_predicted_peak_bytes[r]) << what << ": rank " << r << "'s measured peak against its plan";
   EXPECT_EQ(last.peak_bytes, last.predicted_peak_bytes) << what << ": the largest of each";
+  // Set-up builds the whole model, then cuts this rank's shard beside it: above many
+  // layouts' step peak, which is all the run used to report. Planned to the byte too.
+  EXPECT_GT(got.predicted_setup_bytes, 0) << what;
+  EXPECT_EQ(got.setup_peak_bytes, got.predicted_setup_bytes) << what << ": set-up's peak against its plan";
 }
 
 const std::vector<Layout>& layouts() {

@@ -33,8 +33,12 @@ std::unique_ptr<World> World::create(const ParallelConfig& c) {
   w->rank_ = mpi::world_rank();
   w->size_ = mpi::world_size();
   const int tp = c.tp, pp = c.pp;
+  // Without --dp the data-parallel ranks are what the world leaves: it must be a multiple
+  // of tp x pp (saying "--dp 0 x ... = 0 processes" named a flag the user never gave).
+  TALLY_CHECK(c.dp > 0 || w->size_ % (tp * pp) == 0, "mpirun started ", w->size_, " processes, not a multiple of --tp ",
+              tp, " x --pp ", pp, " = ", tp * pp, " (each data-parallel rank needs tp x pp processes)");
   const int dp = c.dp > 0 ? c.dp : w->size_ / (tp * pp);
-  TALLY_CHECK(dp >= 1 && dp * tp * pp == w->size_, "--dp ", dp, " x --tp ", tp, " x --pp ", pp, " = ", dp * tp * pp,
+  TALLY_CHECK(dp * tp * pp == w->size_, "--dp ", dp, " x --tp ", tp, " x --pp ", pp, " = ", dp * tp * pp,
               " processes, but mpirun started ", w->size_, " (the product must equal the world size)");
   w->dp_ = dp;
   w->tp_ = tp;

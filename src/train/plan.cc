@@ -80,7 +80,38 @@ UnitSizes unit_sizes(const std::vector<int64_t>& units, int64_t D) {
 
 }  // namespace
 
+namespace {
+MemoryPlan plan_steps(const PlanInput& in);
+}  // namespace
+
+// The steps' plan, and what it does not cover: set-up. Under tensor and pipeline
+// parallelism every rank builds the whole model, its parameters and gradients (8 bytes a
+// parameter), then its shard's beside it, before the whole one is freed: 8 (P + P_rank)
+// bytes at once. Where that is above a rank's step peak, the machine needs that much free
+// at start-up, and the plan says so. (Built shard by shard, it would not be: not yet.)
 MemoryPlan plan_memory(const PlanInput& in) {
+  MemoryPlan plan = plan_steps(in);
+  if (in.tp * in.pp == 1) return plan;
+  const int64_t whole = checked_product({parameter_count(in.model), 2, 4}, "plan: the whole model");
+  int64_t worst = 0, worst_step = 0;
+  for (RankPlan& r : plan.ranks) {
+    int64_t shard = 0;  // this rank's parameters and gradients
+    for (const auto& [name, bytes] : r.parts)  // fp32 blocks (the bf16 copy comes after set-up)
+      if ((name.rfind("parameters", 0) == 0 && name != kBf16CopyPart) || name.rfind("gradients", 0) == 0) shard += bytes;
+    // LLaMA: the rotary frequencies (D/2 floats) of both models are alive with them.
+    r.setup_bytes = checked_add(whole, shard + (in.model.is_llama() ? 2 * (in.model.head_dim() / 2 * 4) : 0), "plan: set-up");
+    if (r.setup_bytes - r.predicted_peak_bytes > worst - worst_step) worst = r.setup_bytes, worst_step = r.predicted_peak_bytes;
+  }
+  if (worst > worst_step)
+    plan.notes.push_back("set-up: every rank builds the whole model, its parameters and gradients (" +
+                         memory::format_bytes(whole) + "), then cuts its tensor/pipeline shard beside it: " +
+                         memory::format_bytes(worst) + " at once on the rank that needs most, above its step peak of " +
+                         memory::format_bytes(worst_step) + "; each rank needs that much free at start-up");
+  return plan;
+}
+
+namespace {
+MemoryPlan plan_steps(const PlanInput& in) {
   const auto& c = in.model;
   c.validate();
   TALLY_CHECK(in.zero >= 0 && in.zero <= 3, "plan: --zero must be 0, 1, 2 or 3, got ", in.zero);
@@ -633,6 +664,8 @@ MemoryPlan plan_memory(const PlanInput& in) {
   return plan;
 }
 
+}  // namespace
+
 std::string plan_text(const MemoryPlan& plan, const PlanInput& in) {
   std::string out = "plan: " + in.model.describe() + ", batch " + std::to_string(in.batch_size) + " x " +
                     std::to_string(in.seq_len) + ", grad-accum " + std::to_string(in.grad_accum) + ", " +
@@ -764,7 +797,8 @@ std::string plan_json(const MemoryPlan& plan) {
     nlohmann::json parts = nlohmann::json::object();
     for (const auto& [name, bytes] : r.parts) parts[name] = bytes;
     ranks.push_back(
-        {{"rank", r.rank}, {"stage", r.stage}, {"predicted_peak_bytes", r.predicted_peak_bytes}, {"parts", parts}});
+        {{"rank", r.rank}, {"stage", r.stage}, {"predicted_peak_bytes", r.predicted_peak_bytes},
+         {"setup_bytes", r.setup_bytes}, {"parts", parts}});
   }
   nlohmann::json activations = nlohmann::json::object();
   for (const auto& [kind, bytes] : plan.activations_by_kind) activations[kind] = bytes;

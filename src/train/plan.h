@@ -119,6 +119,9 @@ struct RankPlan {
   int stage = 0;  // its pipeline stage (0 without --pp)
   std::vector<std::pair<std::string, int64_t>> parts;  // name -> bytes, in the order printed
   int64_t predicted_peak_bytes = 0;
+  // Tensor/pipeline parallel: set-up's peak, the whole model's parameters and gradients and
+  // this rank's shard's beside them (0 otherwise: set-up holds no more than a step).
+  int64_t setup_bytes = 0;
 };
 
 struct MemoryPlan {

@@ -358,6 +358,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   sanitizer::SanitizeMode mode = sanitizer::parse_sanitize_mode(c.sanitize);
   auto& ledger = runtime::ledger(device);  // the training device's: where the model's bytes live
   if (!c.mem_trace.empty()) ledger.enable_history(true, false);
+  ledger.reset_peaks();  // set-up's peak is this run's (a process may have trained before)
 
   // Every rank builds the same model (same seed, or the same file).
   std::unique_ptr<nn::Transformer> model = build_model(c);
@@ -595,7 +596,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     pi.loss_chunk_rows = loss_chunk_rows;
     pi.recompute = model->recompute();
     const MemoryPlan plan = plan_memory(pi);
-    for (const RankPlan& r : plan.ranks) rank_planned_peaks.push_back(r.predicted_peak_bytes);
+    for (const RankPlan& r : plan.ranks) {
+      rank_planned_peaks.push_back(r.predicted_peak_bytes);
+      result.predicted_setup_bytes = std::max(result.predicted_setup_bytes, r.setup_bytes);
+    }
     const RankPlan& rank_plan = plan.ranks[static_cast<size_t>(world.rank())];
     planned_peak = rank_plan.predicted_peak_bytes;
     plan_parts = rank_plan.parts;
@@ -617,6 +621,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (start_step >= c.steps)
     log("nothing to train: the run is at step %lld of --steps %lld\n", static_cast<long long>(start_step),
         static_cast<long long>(c.steps));
+  // Everything before the first step (the model built, sharded, loaded; the optimizer):
+  // its peak, reported beside the steps' where the plan says it may be above them.
+  const int64_t setup_peak = ledger.stats().peak_allocated;
   for (int64_t step = start_step; step < c.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
     sanitizer.begin_step(step);
@@ -774,6 +781,11 @@ if (pipeline) {
         }
       }
       ledger.track_peak_owners(false);
+      result.setup_peak_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(setup_peak), dist::ReduceOp::Max));
+      if (result.predicted_setup_bytes > 0)
+        log("memory: set-up peak %s (largest over ranks: the whole model built, then this rank's shard cut beside it), "
+            "planned %s%s\n", format_bytes(result.setup_peak_bytes).c_str(), format_bytes(result.predicted_setup_bytes).c_str(),
+            result.setup_peak_bytes > m.peak_bytes ? "; above the steps' peak: each rank needs it free at start-up" : "");
       if (D > 1) {
         const auto& st = s.allocated_by_category;
         const int64_t held = st[static_cast<int>(Category::Parameter)] + st[static_cast<int>(Category::Gradient)] +

@@ -116,6 +116,9 @@ struct TrainResult {
   int64_t steps_run = 0;
   double final_loss = 0;
   double final_val_loss = -1;
+  // Set-up's peak (the largest over ranks: measured, and the plan's; 0 when the plan has
+  // none, without tensor/pipeline parallelism).
+  int64_t setup_peak_bytes = 0, predicted_setup_bytes = 0;
   double best_val_loss = -1;  // the lowest validation loss of the whole run (a resumed one's included), -1 if none
   int64_t best_val_step = 0;
   std::vector<StepMetrics> history;
