@@ -293,6 +293,11 @@ TEST(Hardening, FlagsThatWouldDoNothingAreRefusedNamingWhatTheyNeed) {
   c.log_json_all_ranks = true;
   msg = message_of<Error>([&] { train::run_training(c); });
   EXPECT_NE(msg.find("--log-json-all-ranks writes"), std::string::npos) << msg;
+  c = tiny_config(data);
+  c.lr_schedule = "constant";
+  c.min_lr_frac = 0.5;
+  msg = message_of<Error>([&] { train::run_training(c); });
+  EXPECT_NE(msg.find("--min-lr-frac 0.5 is where --lr-schedule cosine ends"), std::string::npos) << msg;
 }
 
 TEST(Hardening, ResumingBeyondStepsOrWithAnotherRecipeIsRefusedSayingWhatDiffers) {
@@ -389,6 +394,23 @@ TEST(Hardening, ACheckpointMissingOrWithAnEditedRecipeOrHistoryIsRefusedNamingTh
     test::write_all(path, good);
   }
   EXPECT_EQ(train::run_training(saved.resume).steps_run, 1);
+}
+
+// A resume that named no model built the --model default (d6) and failed on the
+// checkpoint's other shape, naming a model the user never gave. It now builds the
+// checkpoint's; a model flag that names another shape is said to be the cause.
+TEST(Hardening, AResumeWithoutAModelFlagBuildsTheCheckpointsModel) {
+  const SavedAtStep2 saved = save_at_step_2(3);
+  train::TrainConfig r = saved.resume;
+  r.model_file.clear();
+  r.model = "d6";
+  r.model_given = false;
+  EXPECT_EQ(train::run_training(r).steps_run, 1);
+  r.model = "d1";
+  r.model_given = true;
+  const std::string msg = message_of<Error>([&] { train::run_training(r); });
+  EXPECT_NE(msg.find("--resume '" + saved.dir + "': model file"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("(--model d1 names another model than the checkpoint's"), std::string::npos) << msg;
 }
 
 // ---------------------------------------------------------------- 3. checked late

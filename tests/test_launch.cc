@@ -197,6 +197,12 @@ TEST(Launch, TheRunSaysHowMuchOfItsDataItReadAndInWhatOrder) {
   EXPECT_NE(twice.output.find("data order: file order; --steps 64 read 1.99 passes, every pass the same batches"),
             std::string::npos)
       << twice.output;
+  // A warm-up longer than the run never reaches --lr: said at start-up.
+  Outcome warm = run(train_command("", data, "--warmup-steps 5 --lr 1e-3 --out-dir " + test::temp_path("pass_out"), 2));
+  EXPECT_NE(warm.output.find("warning: --warmup-steps 5 is longer than --steps 2: the learning rate never reaches --lr "
+                             "(at most 0.0004)"),
+            std::string::npos)
+      << warm.output;
   Outcome shuffled = run(train_command("", data, "--shuffle --out-dir " + test::temp_path("pass_out"), 64));
   // 1027 tokens: 64 sequences of 16 (1026 / 16), 2 a step.
   EXPECT_NE(shuffled.output.find("data order: shuffled (--shuffle, seed 1337): 64 sequences of 16 tokens, in a new order "

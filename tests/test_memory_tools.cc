@@ -62,6 +62,11 @@ TEST(MemoryTools, ATraceRoundTripsEveryEventAndThePlan) {
   test::write_all(path, "{\"traceEvents\": []}");
   EXPECT_NE(test::message_of<Error>([&] { memory::read_memory_trace(path); }).find("no tally_memory section"),
             std::string::npos);
+  // A --log-json file (one object per line) given by mistake: said so, not a bare parser error.
+  test::write_all(path, "{\"step\": 1, \"loss\": 5.0}\n{\"step\": 2, \"loss\": 4.9}\n");
+  const std::string msg = test::message_of<Error>([&] { memory::read_memory_trace(path); });
+  EXPECT_NE(msg.find("is not one JSON document"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("not a --log-json file"), std::string::npos) << msg;
 }
 
 TEST(MemoryTools, TheReportRendersInAHeadlessBrowserWithTheOwnersAtThePeak) {

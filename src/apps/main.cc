@@ -87,7 +87,7 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
   t->add_option("--top-k", c.top_k, "The printed samples draw from the K likeliest tokens (0 = all)")->capture_default_str();
   t->add_option("--save-every", c.save_every, "Checkpoint every N steps (and at the end; 0 = never)")->capture_default_str();
   t->add_option("--out-dir", c.out_dir, "Where checkpoints go")->capture_default_str();
-  t->add_option("--resume", c.resume, "Resume from a checkpoint directory (or an --out-dir with 'latest')");
+  t->add_option("--resume", c.resume, "Resume from a checkpoint directory (or an --out-dir with 'latest'); its model, unless --model or --model-file names one");
   t->add_flag("--overwrite", c.overwrite,
               "Start afresh in an --out-dir that holds an earlier run's checkpoints, removing them (without it such a "
               "run is refused when it saves)");
@@ -538,6 +538,7 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   if (app.got_subcommand("train")) {
+    tc.model_given = app.get_subcommand("train")->get_option("--model")->count() > 0;
     // Under mpirun every rank runs this; a rank that fails ends the whole job (never a
     // hang of the others in a collective), naming itself and the error.
     std::unique_ptr<dist::World> world;

@@ -130,6 +130,9 @@ MemoryTrace read_memory_trace(const std::string& path) {
       ev.retag = e[7].get<int>() != 0;
       trace.events.push_back(ev);
     }
+  } catch (const nlohmann::json::parse_error& e) {
+    TALLY_FAIL("memory trace '", path, "' is not one JSON document (", e.what(),
+               "): the memory tools read what `tally train --mem-trace F.json` writes, not a --log-json file");
   } catch (const nlohmann::json::exception& e) {
     TALLY_FAIL("memory trace '", path, "': ", e.what());
   }

@@ -86,6 +86,8 @@ void validate(const TrainConfig& c) {
   TALLY_CHECK(c.model_file.empty() || c.init_from.empty(), "--model-file and --init-from are exclusive");
   TALLY_CHECK(c.val_every >= 0, "--val-every must be >= 0 (0: only at the end), got ", c.val_every);
   // Flags that would do nothing without another: said, not ignored.
+  TALLY_CHECK(c.lr_schedule != "constant" || c.min_lr_frac == 0, "--min-lr-frac ", c.min_lr_frac,
+              " is where --lr-schedule cosine ends; --lr-schedule constant has no end to set");
   TALLY_CHECK(c.val_every == 0 || !c.val_data.empty(), "--val-every ", c.val_every,
               " validates on --val-data, which this run does not have");
   TALLY_CHECK(!c.log_json_all_ranks || !c.log_json.empty(),
@@ -360,15 +362,32 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (!c.mem_trace.empty()) ledger.enable_history(true, false);
   ledger.reset_peaks();  // set-up's peak is this run's (a process may have trained before)
 
-  // Every rank builds the same model (same seed, or the same file).
-  std::unique_ptr<nn::Transformer> model = build_model(c);
+  // Every rank builds the same model (same seed, or the same file). A resume that names no
+  // model builds the checkpoint's (the --model default would be another shape).
+  TrainConfig source = c;
+  if (!c.resume.empty() && !c.model_given && c.model_file.empty() && c.init_from.empty())
+    source.model_file = (fs::path(io::resolve_checkpoint(c.resume)) / "model.bin").string();
+  std::unique_ptr<nn::Transformer> model = build_model(source);
   const nn::TransformerConfig mc = model->config();
   TALLY_CHECK(c.seq_len <= mc.max_seq_len, "--seq-len ", c.seq_len, " exceeds the model's maximum sequence length ",
               mc.max_seq_len);
   std::string resume_dir;
   if (!c.resume.empty()) {
     resume_dir = io::resolve_checkpoint(c.resume);
-    io::load_checkpoint_model(resume_dir, *model);  // the whole model: before ZeRO or tp/pp shard it
+    try {
+      io::load_checkpoint_model(resume_dir, *model);  // the whole model: before ZeRO or tp/pp shard it
+    } catch (const Error& e) {
+      // A shape mismatch here is the run's model flag against the checkpoint's model: say
+      // which flag. Any other failure (a corrupt file) is the file's, as it was.
+      std::string what = e.what();
+      if (what.find("but the model is") == std::string::npos) throw;
+      if (what.rfind("tally: ", 0) == 0) what = what.substr(7);
+      TALLY_FAIL("--resume '", c.resume, "': ", what, " (",
+                 c.model_given ? "--model " + c.model
+                 : !c.model_file.empty() ? "--model-file " + c.model_file
+                                         : "--init-from " + c.init_from,
+                 " names another model than the checkpoint's; without a model flag a resume builds the checkpoint's)");
+    }
   }
   // Tensor and pipeline parallel: this rank keeps its shard of the model (its pipeline
   // chunks, its slices of the heads, MLP and vocabulary), cut from the whole one.
@@ -499,6 +518,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       val_loader ? (", " + std::to_string(val_loader->total_tokens()) + " val tokens").c_str() : "",
       static_cast<long long>(D), static_cast<long long>(N), static_cast<long long>(B), static_cast<long long>(T),
       static_cast<long long>(tokens_per_step));
+  if (c.steps > 0 && c.warmup_steps > c.steps && root)
+    std::fprintf(stderr, "tally: warning: --warmup-steps %lld is longer than --steps %lld: the learning rate never "
+                 "reaches --lr (at most %.3g)\n", static_cast<long long>(c.warmup_steps), static_cast<long long>(c.steps),
+                 learning_rate(c, c.steps - 1));
   {
     // How many times the run reads its data. In file order every pass is the same
     // sequence of batches: say so when there is more than one.

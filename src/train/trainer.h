@@ -25,6 +25,7 @@ namespace tally::train {
 struct TrainConfig {
   // model
   std::string model = "d6";
+  bool model_given = true;  // --model was on the command line; without it (and a file) a resume builds the checkpoint's model
   std::string model_file;  // llm.c .bin to start from
   std::string init_from;   // HuggingFace model.safetensors to start from
   // data
