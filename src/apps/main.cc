@@ -160,7 +160,9 @@ std::string resolve_model_file(const std::string& path) {
 std::unique_ptr<nn::Transformer> load_model(const std::string& path, std::string* file) {
   const bool hf = io::is_hf_model_dir(path);
   *file = hf ? path : resolve_model_file(path);
-  auto model = std::make_unique<nn::Transformer>(hf ? io::read_hf_config(*file) : io::read_llmc_config(*file));
+  // Sampling and export run no backward: no gradient block (half the memory).
+  auto model = std::make_unique<nn::Transformer>(hf ? io::read_hf_config(*file) : io::read_llmc_config(*file),
+                                                 nn::ModelShard{}, /*gradients=*/false);
   hf ? io::load_hf(*file, *model) : io::load_llmc(*file, *model);
   return model;
 }

@@ -21,14 +21,15 @@ size_t ParameterStore::declare(std::string name, Shape shape, bool decay) {
   return specs_.size() - 1;
 }
 
-void ParameterStore::allocate(DType dtype, Device device) {
+void ParameterStore::allocate(DType dtype, Device device, bool with_gradients) {
   device_ = device;
   dtype_ = dtype;
   flat_params_ = Tensor::empty({total_}, dtype, device, make_owner(Category::Parameter, "parameters"));
   // The gradients of registered parameters are persistent model state (sanitizer S1).
   // They start discarded (zero, unwritten: see discard_grads), so the first step's
   // backward writes them as every later step's does, and nothing zeroes them first.
-  flat_grads_ = Tensor::empty({total_}, dtype, device, make_owner(Category::Gradient, "gradients", /*persistent=*/true));
+  flat_grads_ = with_gradients ? Tensor::empty({total_}, dtype, device, make_owner(Category::Gradient, "gradients", /*persistent=*/true))
+                               : Tensor();
   flat_params_.set_name("parameters");
   params_.clear();
   for (size_t i = 0; i < specs_.size(); ++i) {
@@ -36,10 +37,12 @@ void ParameterStore::allocate(DType dtype, Device device) {
     Tensor p = make_view(flat_params_, shape, contiguous_strides(shape), offsets_[i]);
     p.set_name(specs_[i].name);
     p.set_parameter();
-    Tensor g = make_view(flat_grads_, shape, contiguous_strides(shape), offsets_[i]);
-    g.set_name(specs_[i].name + ".grad");
-    p.set_grad(g);
-    p.discard_grad();
+    if (with_gradients) {
+      Tensor g = make_view(flat_grads_, shape, contiguous_strides(shape), offsets_[i]);
+      g.set_name(specs_[i].name + ".grad");
+      p.set_grad(g);
+      p.discard_grad();
+    }
     params_.push_back(p);
   }
 }
@@ -49,7 +52,7 @@ void ParameterStore::move_to(Device device) {
   TALLY_CHECK(!compute_block_.defined(), "move_to(", device.str(), "): after enable_compute_copy; move the model first");
   if (flat_params_.device() == device) return;
   const Tensor host = flat_params_;
-  allocate(host.dtype(), device);  // the views now point at the new blocks; `host` holds the old values
+  allocate(host.dtype(), device, flat_grads_.defined());  // the views now point at the new blocks; `host` holds the old values
   flat_params_.copy_(host);
 }
 

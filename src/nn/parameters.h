@@ -42,8 +42,10 @@ class ParameterStore {
   size_t begin_unit(std::string name);
   // Declares a parameter in the current unit; returns its index. Only before allocate().
   size_t declare(std::string name, Shape shape, bool decay);
-  // Allocates the parameter and gradient blocks and creates the views.
-  void allocate(DType dtype = DType::F32, Device device = Device::cpu());
+  // Allocates the parameter block (and, `with_gradients`, the gradient block: a model that
+  // only runs forward, or is only a source to copy a shard from, needs none) and creates
+  // the views.
+  void allocate(DType dtype = DType::F32, Device device = Device::cpu(), bool with_gradients = true);
   // Moves the parameter block to `device` (new blocks there, the values copied, the
   // gradients discarded; the old blocks are freed). Before an optimizer or a compute copy
   // refers to the blocks: the model is built and loaded on the host, then moved.

@@ -167,9 +167,9 @@ size_t Transformer::declare(const std::string& name, Shape shape, bool decay, Tp
   return i;
 }
 
-Transformer::Transformer(const TransformerConfig& config, ModelShard shard)
+Transformer::Transformer(const TransformerConfig& config, ModelShard shard, bool gradients)
     : Transformer(config, std::move(shard), LayoutOnly{}) {
-  params_.allocate();
+  params_.allocate(DType::F32, Device::cpu(), gradients);
   if (config_.is_llama()) {
     // A model constant beside the parameters: persistent, owned by the model.
     OwnerTag tag;

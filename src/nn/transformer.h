@@ -131,8 +131,9 @@ enum class TpSplit {
 
 class Transformer {
  public:
-  // The whole model, or a shard of it (pipeline chunks, tensor-parallel slices).
-  explicit Transformer(const TransformerConfig& config, ModelShard shard = {});
+  // The whole model, or a shard of it (pipeline chunks, tensor-parallel slices); without
+  // `gradients`, no gradient block (sampling, export, a source to cut a shard from).
+  explicit Transformer(const TransformerConfig& config, ModelShard shard = {}, bool gradients = true);
   // The parameters' names, shapes, units and splits only, nothing allocated: what another
   // rank's shard holds (checkpoints gather and scatter by it).
   static Transformer layout_only(const TransformerConfig& config, ModelShard shard = {});

@@ -85,14 +85,14 @@ MemoryPlan plan_steps(const PlanInput& in);
 }  // namespace
 
 // The steps' plan, and what it does not cover: set-up. Under tensor and pipeline
-// parallelism every rank builds the whole model, its parameters and gradients (8 bytes a
-// parameter), then its shard's beside it, before the whole one is freed: 8 (P + P_rank)
-// bytes at once. Where that is above a rank's step peak, the machine needs that much free
+// parallelism every rank builds the whole model's parameters (4 bytes a parameter; no
+// gradients: it is only a source), then its shard's parameters and gradients beside it,
+// before the whole one is freed: 4 P + 8 P_rank bytes at once. Where that is above a rank's step peak, the machine needs that much free
 // at start-up, and the plan says so. (Built shard by shard, it would not be: not yet.)
 MemoryPlan plan_memory(const PlanInput& in) {
   MemoryPlan plan = plan_steps(in);
   if (in.tp * in.pp == 1) return plan;
-  const int64_t whole = checked_product({parameter_count(in.model), 2, 4}, "plan: the whole model");
+  const int64_t whole = checked_product({parameter_count(in.model), 4}, "plan: the whole model");
   int64_t worst = 0, worst_step = 0;
   for (RankPlan& r : plan.ranks) {
     int64_t shard = 0;  // this rank's parameters and gradients
@@ -103,7 +103,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
     if (r.setup_bytes - r.predicted_peak_bytes > worst - worst_step) worst = r.setup_bytes, worst_step = r.predicted_peak_bytes;
   }
   if (worst > worst_step)
-    plan.notes.push_back("set-up: every rank builds the whole model, its parameters and gradients (" +
+    plan.notes.push_back("set-up: every rank builds the whole model's parameters (" +
                          memory::format_bytes(whole) + "), then cuts its tensor/pipeline shard beside it: " +
                          memory::format_bytes(worst) + " at once on the rank that needs most, above its step peak of " +
                          memory::format_bytes(worst_step) + "; each rank needs that much free at start-up");

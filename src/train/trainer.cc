@@ -178,8 +178,10 @@ Device parse_device(const std::string& text) {
 
 namespace {
 
-std::unique_ptr<nn::Transformer> build_model(const TrainConfig& c) {
-  auto model = std::make_unique<nn::Transformer>(model_config(c.model, c.model_file, c.init_from));
+// `gradients`: false for a whole model that is only the source of this rank's shard.
+std::unique_ptr<nn::Transformer> build_model(const TrainConfig& c, bool gradients) {
+  auto model = std::make_unique<nn::Transformer>(model_config(c.model, c.model_file, c.init_from), nn::ModelShard{},
+                                                 gradients);
   if (!c.model_file.empty()) io::load_llmc(c.model_file, *model);
   else if (!c.init_from.empty()) io::load_hf(c.init_from, *model);
   else model->init_weights(c.seed);
@@ -361,13 +363,16 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   auto& ledger = runtime::ledger(device);  // the training device's: where the model's bytes live
   if (!c.mem_trace.empty()) ledger.enable_history(true, false);
   ledger.reset_peaks();  // set-up's peak is this run's (a process may have trained before)
+  int64_t setup_peak = 0;  // tensor/pipeline parallel: the whole model and this rank's shard at once
 
   // Every rank builds the same model (same seed, or the same file). A resume that names no
   // model builds the checkpoint's (the --model default would be another shape).
   TrainConfig source = c;
   if (!c.resume.empty() && !c.model_given && c.model_file.empty() && c.init_from.empty())
     source.model_file = (fs::path(io::resolve_checkpoint(c.resume)) / "model.bin").string();
-  std::unique_ptr<nn::Transformer> model = build_model(source);
+  // Under tensor/pipeline parallelism it is only the source of this rank's shard: no
+  // gradient block (it would be set-up's largest part).
+  std::unique_ptr<nn::Transformer> model = build_model(source, world.tp() * world.pp() == 1);
   const nn::TransformerConfig mc = model->config();
   TALLY_CHECK(c.seq_len <= mc.max_seq_len, "--seq-len ", c.seq_len, " exceeds the model's maximum sequence length ",
               mc.max_seq_len);
@@ -407,6 +412,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
                                  c.pp_last_stage_layers));
     shard->load_shard_from(*model);
     model = std::move(shard);  // the whole model is freed here
+    // Set-up's peak: the whole model and this shard at once (what the plan's set-up is).
+    setup_peak = ledger.stats().peak_allocated;
   }
   std::unique_ptr<dist::TensorParallel> tensor_parallel;
   if (TP > 1) {
@@ -644,9 +651,6 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (start_step >= c.steps)
     log("nothing to train: the run is at step %lld of --steps %lld\n", static_cast<long long>(start_step),
         static_cast<long long>(c.steps));
-  // Everything before the first step (the model built, sharded, loaded; the optimizer):
-  // its peak, reported beside the steps' where the plan says it may be above them.
-  const int64_t setup_peak = ledger.stats().peak_allocated;
   for (int64_t step = start_step; step < c.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
     sanitizer.begin_step(step);
