@@ -411,22 +411,29 @@ void remove_checkpoints(const std::string& out_dir) {
   sync_directory(out_dir);
 }
 
-std::vector<std::pair<std::string, std::string>> load_checkpoint_recipe(const std::string& dir) {
-  const fs::path path = fs::path(dir) / "recipe.json";
-  std::vector<std::pair<std::string, std::string>> recipe;
-  if (!fs::exists(path)) return recipe;  // checkpoints written before recipes were saved
+namespace {
+// A recipe.json's text (read from `path`) as name -> value pairs.
+std::vector<std::pair<std::string, std::string>> parse_recipe(const std::string& text, const std::string& path) {
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(read_file(path.string()));
+    j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
-    TALLY_FAIL("checkpoint recipe '", path.string(), "' is not valid JSON: ", e.what());
+    TALLY_FAIL("checkpoint recipe '", path, "' is not valid JSON: ", e.what());
   }
-  TALLY_CHECK(j.is_object(), "checkpoint recipe '", path.string(), "': expected a JSON object");
+  TALLY_CHECK(j.is_object(), "checkpoint recipe '", path, "': expected a JSON object");
+  std::vector<std::pair<std::string, std::string>> recipe;
   for (auto it = j.begin(); it != j.end(); ++it) {
-    TALLY_CHECK(it->is_string(), "checkpoint recipe '", path.string(), "': '", it.key(), "' is not a string");
+    TALLY_CHECK(it->is_string(), "checkpoint recipe '", path, "': '", it.key(), "' is not a string");
     recipe.emplace_back(it.key(), it->get<std::string>());
   }
   return recipe;
+}
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> load_checkpoint_recipe(const std::string& dir) {
+  const fs::path path = fs::path(dir) / "recipe.json";
+  if (!fs::exists(path)) return {};  // checkpoints written before recipes were saved
+  return parse_recipe(read_file(path.string()), path.string());
 }
 
 void load_checkpoint_model(const std::string& dir, nn::Transformer& model) {
@@ -501,11 +508,13 @@ TrainingState load_checkpoint_state(const std::string& dir, const nn::Transforme
   for (int i = 0; i < 4; ++i) s.rng_state[i] = h.rng[i];
   if (h.version >= 4) {
     // Deleting or editing the recipe would turn resume's check off unseen; the state says
-    // what it was.
-    read_vouched_file(fs::path(dir) / "recipe.json", h.recipe_crc, path);
+    // what it was. The bytes checked are the bytes parsed.
+    const fs::path recipe_path = fs::path(dir) / "recipe.json";
+    s.recipe = parse_recipe(read_vouched_file(recipe_path, h.recipe_crc, path), recipe_path.string());
     s.history = read_vouched_file(fs::path(dir) / "history.json", h.history_crc, path);
+  } else {
+    s.recipe = load_checkpoint_recipe(dir);
   }
-  s.recipe = load_checkpoint_recipe(dir);
   return s;
 }
 
