@@ -604,47 +604,43 @@ MemoryPlan plan_steps(const PlanInput& in) {
       if (peak->in_forward) rp.parts.erase(rp.parts.begin() + 6);
       rp.predicted_peak_bytes = at_peak;
     }
-    // ZeRO-1/2's other candidate: the optimizer step all-gathers a unit that D does not
-    // divide through a send piece (c) and a receive buffer (D*c) while only the model
-    // states and the loader live. With few activations (a small microbatch) that moment
-    // can be the peak. (Units of D equal pieces are gathered in place.)
-    if ((in.zero == 1 || in.zero == 2) && sizes.largest_padded_piece > 0) {
-      std::vector<std::pair<std::string, int64_t>> step_parts(rp.parts.begin(), rp.parts.begin() + 3);
-      step_parts.emplace_back("loader buffers", loader);
-      if (bf16) step_parts.emplace_back(kBf16CopyPart, 2 * P);
-      if (c.is_llama()) step_parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
-      step_parts.emplace_back("all-gather of the largest unit D does not divide, in the optimizer step (send "
-                              "piece, receive buffer)",
-                              bytes_of(1 + D, sizes.largest_padded_piece, kFloat));
-      int64_t at_step = 0;
-      for (const auto& [name, bytes] : step_parts) at_step += bytes;
-      if (at_step > rp.predicted_peak_bytes) {
-        rp.parts = step_parts;
-        rp.predicted_peak_bytes = at_step;
+    // Moments when no activation is alive: the model states, the loader, the bf16 copy,
+    // the library workspace and the model constants, plus what the moment itself holds.
+    // Each becomes the plan's peak where it is larger.
+    using Parts = std::vector<std::pair<std::string, int64_t>>;
+    auto consider_without_activations = [&](const Parts& held) {
+      Parts parts(rp.parts.begin(), rp.parts.begin() + 3);
+      parts.emplace_back("loader buffers", loader);
+      if (bf16) parts.emplace_back(kBf16CopyPart, 2 * P);
+      if (in.library_workspace > 0) parts.emplace_back("GEMM library workspace (cuBLASLt)", in.library_workspace);
+      if (c.is_llama()) parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
+      parts.insert(parts.end(), held.begin(), held.end());
+      int64_t total = 0;
+      for (const auto& [name, bytes] : parts) total = checked_add(total, bytes, "plan");
+      if (total > rp.predicted_peak_bytes) {
+        rp.parts = parts;
+        rp.predicted_peak_bytes = total;
       }
-    }
+    };
+    // ZeRO-1/2's optimizer step all-gathers a unit that D does not divide through a send
+    // piece (c) and a receive buffer (D*c). With few activations (a small microbatch) that
+    // moment can be the peak. (Units of D equal pieces are gathered in place.)
+    if ((in.zero == 1 || in.zero == 2) && sizes.largest_padded_piece > 0)
+      consider_without_activations({{"all-gather of the largest unit D does not divide, in the optimizer step (send "
+                                     "piece, receive buffer)",
+                                     bytes_of(1 + D, sizes.largest_padded_piece, kFloat)}});
     // ZeRO-2/3's end of backward: the embeddings unit's gradient is final last (the token
     // embedding's scatter is backward's last op), and its staging (D c) and the piece it is
-    // reduce-scattered into (c) live beside the model states and the loader, every
-    // activation freed. With few activations, or on one rank (where c is the whole unit),
-    // that moment is the peak (a one-process --zero 2 run measured 8% over the plan).
+    // reduce-scattered into (c) live beside the loss and what every such moment holds. With
+    // few activations, or on one rank (where c is the whole unit), that moment is the peak
+    // (a one-process --zero 2 run measured 8% over the plan). ZeRO-3 also holds a tied
+    // embedding gathered from the head's backward to the embedding's.
     if (in.zero >= 2) {
-      std::vector<std::pair<std::string, int64_t>> end_parts(rp.parts.begin(), rp.parts.begin() + 3);
-      end_parts.emplace_back("loader buffers", loader);
-      end_parts.emplace_back("loss", in.grad_accum * D > 1 ? 2 * kFloat : kFloat);
-      if (bf16) end_parts.emplace_back(kBf16CopyPart, 2 * P);
-      if (in.library_workspace > 0) end_parts.emplace_back("GEMM library workspace (cuBLASLt)", in.library_workspace);
-      if (c.is_llama()) end_parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
-      end_parts.emplace_back("gradient staging (embeddings, whole unit) and its reduce-scatter piece, at the end of backward",
-                             checked_add(padded(embed), padded(embed) / D, "plan"));
-      // ZeRO-3 holds a tied embedding gathered from the head's backward to the embedding's.
-      if (in.zero == 3 && c.tie_embeddings) end_parts.emplace_back("gathered unit (embeddings)", padded(embed));
-      int64_t at_end = 0;
-      for (const auto& [name, bytes] : end_parts) at_end = checked_add(at_end, bytes, "plan");
-      if (at_end > rp.predicted_peak_bytes) {
-        rp.parts = end_parts;
-        rp.predicted_peak_bytes = at_end;
-      }
+      Parts held = {{"loss", in.grad_accum * D > 1 ? 2 * kFloat : kFloat},
+                    {"gradient staging (embeddings, whole unit) and its reduce-scatter piece, at the end of backward",
+                     checked_add(padded(embed), padded(embed) / D, "plan")}};
+      if (in.zero == 3 && c.tie_embeddings) held.emplace_back("gathered unit (embeddings)", padded(embed));
+      consider_without_activations(held);
     }
     for (int r = 0; r < in.world; ++r) {
       plan.ranks.push_back(rp);
