@@ -35,7 +35,6 @@ class TokenLoader {
 
   // Reads sequences in a fresh order on every pass over the data, keyed by `seed`.
   void shuffle_sequences(uint64_t seed);
-  bool shuffled() const { return shuffled_; }
 
   // Fills and returns the loader's two persistent buffers (no allocation per batch).
   const Batch& batch_at(int64_t step, int64_t microbatch, int64_t microbatches_per_step);

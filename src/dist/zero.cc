@@ -36,8 +36,8 @@ ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig conf
     pieces_.push_back(p);
     for (size_t i = unit.first; i < unit.last; ++i) param_index_[params_[i].impl()] = i;
   }
-  const DType dt = params_.flat_params().dtype();
-  const Device dev = params_.flat_params().device();
+  const DType dt = params_.dtype();
+  const Device dev = params_.device();
   // The order keeps the set-up peak low: the full gradient block goes before any shard is
   // allocated, the full parameter block after the parameter shard is filled from it.
   if (stage_ >= 2) params_.release_grads();

@@ -348,7 +348,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // earlier checkpoints are removed just before the first step, once every other check has
   // passed and the model is loaded, which may come from one of them). Rank 0 decides, since
   // out-dirs may be node-local, and every rank learns the answer.
-  const bool continues = !c.resume.empty() && continues_in(io::resolve_checkpoint(c.resume), c.out_dir);
+  const std::string resume_dir = c.resume.empty() ? "" : io::resolve_checkpoint(c.resume);
+  const bool continues = !resume_dir.empty() && continues_in(resume_dir, c.out_dir);
   TALLY_CHECK(!(continues && c.overwrite), "--overwrite with --resume '", c.resume,
               "': it would remove the checkpoints the run continues from");
   std::vector<std::string> earlier;
@@ -368,17 +369,15 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // Every rank builds the same model (same seed, or the same file). A resume that names no
   // model builds the checkpoint's (the --model default would be another shape).
   TrainConfig source = c;
-  if (!c.resume.empty() && !c.model_given && c.model_file.empty() && c.init_from.empty())
-    source.model_file = (fs::path(io::resolve_checkpoint(c.resume)) / "model.bin").string();
+  if (!resume_dir.empty() && !c.model_given && c.model_file.empty() && c.init_from.empty())
+    source.model_file = (fs::path(resume_dir) / "model.bin").string();
   // Under tensor/pipeline parallelism it is only the source of this rank's shard: no
   // gradient block (it would be set-up's largest part).
   std::unique_ptr<nn::Transformer> model = build_model(source, world.tp() * world.pp() == 1);
   const nn::TransformerConfig mc = model->config();
   TALLY_CHECK(c.seq_len <= mc.max_seq_len, "--seq-len ", c.seq_len, " exceeds the model's maximum sequence length ",
               mc.max_seq_len);
-  std::string resume_dir;
-  if (!c.resume.empty()) {
-    resume_dir = io::resolve_checkpoint(c.resume);
+  if (!resume_dir.empty()) {
     try {
       io::load_checkpoint_model(resume_dir, *model);  // the whole model: before ZeRO or tp/pp shard it
     } catch (const Error& e) {
