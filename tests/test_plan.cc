@@ -387,3 +387,54 @@ TEST(Plan, ExplainsAMissedPeakByTheLargestOwnerOfTheKindFurthestOff) {
   EXPECT_EQ(why.rfind("activations are 16.0 KiB over the plan", 0), 0u) << why;
   EXPECT_NE(why.find("the largest at the peak: test.big_saved, 16.0 KiB"), std::string::npos) << why;
 }
+
+// Tensor/pipeline set-up: a rank builds only its shard, reading or drawing the whole
+// model's parameters one at a time (Transformer::fill_whole_parameters). Its values must be
+// exactly the whole model's there (same seed, same file), and set-up must hold no more than
+// the shard's parameters and gradients and one whole parameter: the plan's set-up term.
+TEST(Plan, AShardIsBuiltOneWholeParameterAtATimeWithTheWholeModelsValues) {
+  auto& ledger = runtime::ledger();
+  nn::TransformerConfig llama = nn::TransformerConfig::preset("llama3-d4");  // 4 heads, 2 kv heads, tied
+  llama.vocab_size = 1000;  // a small vocabulary (with padding rows) keeps the test quick
+  llama.padded_vocab_size = 1024;
+  nn::TransformerConfig untied_llama = llama;
+  untied_llama.tie_embeddings = false;
+  for (const nn::TransformerConfig& config : {nn::TransformerConfig::preset("d2"), llama, untied_llama}) {
+    nn::Transformer whole(config);
+    whole.init_weights(7);
+    const std::string fp32_file = test::temp_path("whole.bin"), bf16_file = test::temp_path("whole_bf16.bin");
+    io::save_llmc(fp32_file, whole);
+    io::save_llmc(bf16_file, whole, /*bf16=*/true);
+    nn::Transformer whole_bf16(config, {}, false);
+    io::load_llmc(bf16_file, whole_bf16);
+    // (pp, stage, virtual stages, tp, tp rank): pipeline only, tensor only, both, interleaved.
+    const int layouts[][5] = {{2, 1, 1, 1, 0}, {1, 0, 1, 2, 1}, {2, 0, 1, 2, 1}, {2, 1, 1, 2, 0}};
+    for (const auto& l : layouts) {
+      const nn::ModelShard shard = dist::pipeline_shard(config.n_layer, l[0], l[1], l[2], l[3], l[4], 0);
+      const std::string what = config.describe() + (config.tie_embeddings ? " tied" : "") + ", pp " +
+                               std::to_string(l[0]) + " stage " + std::to_string(l[1]) + ", tp " + std::to_string(l[3]) +
+                               " rank " + std::to_string(l[4]);
+      ledger.reset_peaks();
+      const int64_t before = ledger.stats().allocated;
+      nn::Transformer drawn(config, shard);
+      drawn.init_weights(7);
+      const int64_t rotary = config.is_llama() ? config.head_dim() / 2 * 4 : 0;
+      const int64_t scratch = drawn.whole_parameter_scratch_bytes();
+      EXPECT_EQ(ledger.stats().peak_allocated - before, 8 * drawn.num_parameters() + rotary + scratch) << what;
+      if (l[3] > 1) EXPECT_GT(scratch, 0) << what;
+      else EXPECT_EQ(scratch, 0) << what << ": a pipeline-only shard holds each of its parameters whole";
+      nn::Transformer cut(config, shard), read(config, shard), read_bf16(config, shard), cut_bf16(config, shard);
+      cut.load_shard_from(whole);
+      io::load_llmc(fp32_file, read);
+      io::load_llmc(bf16_file, read_bf16);
+      cut_bf16.load_shard_from(whole_bf16);
+      ASSERT_GT(drawn.params().size(), 0u);
+      for (size_t i = 0; i < drawn.params().size(); ++i) {
+        const std::string name = what + ", " + drawn.params().spec(i).name;
+        EXPECT_EQ(test::compare(drawn.params()[i], cut.params()[i]).max_abs, 0.0) << name << ": drawn";
+        EXPECT_EQ(test::compare(read.params()[i], cut.params()[i]).max_abs, 0.0) << name << ": read (fp32 file)";
+        EXPECT_EQ(test::compare(read_bf16.params()[i], cut_bf16.params()[i]).max_abs, 0.0) << name << ": read (bf16 file)";
+      }
+    }
+  }
+}

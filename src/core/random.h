@@ -45,6 +45,11 @@ class Rng {
     return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
   }
 
+  // Moves past n normal() draws without computing them (each takes two words).
+  void discard_normals(int64_t n) {
+    for (int64_t i = 0; i < 2 * n; ++i) next_u64();
+  }
+
   const std::array<uint64_t, 4>& state() const { return state_; }
   void set_state(const std::array<uint64_t, 4>& s) { state_ = s; }
 

@@ -186,36 +186,47 @@ void load_llmc(const std::string& path, nn::Transformer& model) {
   if (h.ints[0] == kLlamaMagic) llama_config(h, path);  // settles data_offset
   in.seekg(h.data_offset);
   // The file stacks each kind over layers; read each layer's slice straight into its
-  // parameter (the parameters are contiguous views; a vocabulary-row tensor fills the
-  // first vocab_size rows, also contiguous, and leaves the padding rows zero).
+  // parameter (a whole model's parameters are contiguous; a vocabulary-row tensor fills
+  // the first vocab_size rows, also contiguous, and leaves the padding rows zero). A
+  // shard reads the parameters it holds no part of through a small buffer: the checksum
+  // covers every byte.
+  const int64_t width = width_of(h);
+  std::vector<char> passed;
   std::vector<uint16_t> raw;
   Crc32 crc;
-  autograd::NoGradGuard no_grad;
-  for (const nn::LlmcTensor& t : model.llmc_tensors()) {
-    for (size_t i : t.params) {
-      Tensor p = model.params()[i];
-      if (t.vocab_rows && p.shape()[0] != m.vocab_size) {
-        p.zero_();
-        p = p.slice(0, 0, m.vocab_size);
+  model.fill_whole_parameters([&](const nn::LlmcTensor& t, size_t, const nn::ParameterSpec& spec, const Tensor& target) {
+    int64_t n = shape_numel(spec.shape);
+    if (t.vocab_rows && spec.shape[0] != m.vocab_size) n = n / spec.shape[0] * m.vocab_size;
+    if (!target.defined()) {
+      constexpr int64_t kPass = 1 << 20;  // bytes read at a time
+      passed.resize(static_cast<size_t>(std::min(n * width, kPass)));
+      for (int64_t left = n * width; left > 0 && in.good(); left -= kPass) {
+        const int64_t bytes = std::min(left, kPass);
+        in.read(passed.data(), bytes);
+        crc.update(passed.data(), static_cast<size_t>(bytes));
       }
-      const int64_t n = p.numel();
-      if (h.ints[1] == 3) {
-        in.read(static_cast<char*>(p.raw_data()), n * 4);
-        crc.update(p.raw_data(), static_cast<size_t>(n) * 4);
-      } else {
-        raw.resize(static_cast<size_t>(n));
-        in.read(reinterpret_cast<char*>(raw.data()), n * 2);
-        crc.update(raw.data(), static_cast<size_t>(n) * 2);
-        float* d = p.data<float>();
-        for (int64_t j = 0; j < n; ++j) {
-          BFloat16 b;
-          b.bits = raw[j];
-          d[j] = static_cast<float>(b);
-        }
-      }
-      p.storage().bump_version();
+      return;
     }
-  }
+    Tensor p = target;
+    if (p.numel() != n) {
+      p.zero_();
+      p = p.slice(0, 0, m.vocab_size);
+    }
+    if (width == 4) {
+      in.read(static_cast<char*>(p.raw_data()), n * 4);
+      crc.update(p.raw_data(), static_cast<size_t>(n) * 4);
+    } else {
+      raw.resize(static_cast<size_t>(n));
+      in.read(reinterpret_cast<char*>(raw.data()), n * 2);
+      crc.update(raw.data(), static_cast<size_t>(n) * 2);
+      float* d = p.data<float>();
+      for (int64_t j = 0; j < n; ++j) {
+        BFloat16 b;
+        b.bits = raw[j];
+        d[j] = static_cast<float>(b);
+      }
+    }
+  });
   TALLY_CHECK(in.good(), "model file '", path, "': read failed");
   TALLY_CHECK(h.ints[kChecksumMarkSlot] != kChecksumMark || static_cast<uint32_t>(h.ints[kChecksumSlot]) == crc.value(),
               "model file '", path, "': checksum mismatch (stored ", static_cast<uint32_t>(h.ints[kChecksumSlot]),

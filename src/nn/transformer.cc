@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <sstream>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "autograd/checkpoint.h"
 #include "autograd/function.h"
@@ -297,14 +299,69 @@ std::vector<std::pair<Tensor, Tensor>> Transformer::shard_regions(size_t i, cons
   return {};
 }
 
+namespace {
+// Whether this shard's parameter `local` has the whole parameter's shape (replicated, or
+// a split over one tensor-parallel rank): then it is filled in place.
+bool holds_whole(const ParameterSpec& local, const ParameterSpec& whole) { return local.shape == whole.shape; }
+}  // namespace
+
+void Transformer::fill_whole_parameters(const WholeParameterFill& fill) {
+  autograd::NoGradGuard no_grad;
+  std::unordered_set<size_t> visited;  // a tied head's wte comes twice: the second time, passed over
+  if (shard_.whole()) {
+    for (const LlmcTensor& t : llmc_tensors())
+      for (size_t i : t.params) {
+        if (!visited.insert(i).second) {
+          fill(t, i, params_.spec(i), Tensor());
+          continue;
+        }
+        fill(t, i, params_.spec(i), params_[i].detach());
+        params_[i].storage().bump_version();
+      }
+    return;
+  }
+  const Transformer whole = layout_only(config_);
+  std::unordered_map<std::string, size_t> local;  // name -> this shard's parameter
+  for (size_t i = 0; i < params_.size(); ++i) local.emplace(params_.spec(i).name, i);
+  for (const LlmcTensor& t : whole.llmc_tensors()) {
+    for (size_t w : t.params) {
+      const ParameterSpec& spec = whole.params().spec(w);
+      auto it = local.find(spec.name);
+      if (it == local.end() || !visited.insert(w).second) {
+        fill(t, w, spec, Tensor());  // another rank's, or visited already
+        continue;
+      }
+      const size_t i = it->second;
+      const Tensor param = params_[i].detach();
+      if (holds_whole(params_.spec(i), spec)) {
+        fill(t, w, spec, param);
+      } else {
+        const Tensor scratch =
+            Tensor::empty(spec.shape, DType::F32, Device::cpu(), make_owner(Category::Other, "model.whole_parameter"));
+        fill(t, w, spec, scratch);
+        for (auto& [from, to] : shard_regions(i, scratch, param)) to.copy_(from);
+      }
+      params_[i].storage().bump_version();
+    }
+  }
+}
+
+int64_t Transformer::whole_parameter_scratch_bytes() const {
+  if (shard_.whole()) return 0;
+  const Transformer whole = layout_only(config_);
+  int64_t largest = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ParameterSpec& spec = whole.params().spec(whole.params().index_of(params_.spec(i).name));
+    if (!holds_whole(params_.spec(i), spec)) largest = std::max(largest, shape_numel(spec.shape) * 4);
+  }
+  return largest;
+}
+
 void Transformer::load_shard_from(const Transformer& full) {
   TALLY_CHECK(full.shard_.whole(), "internal: load_shard_from needs the whole model");
-  autograd::NoGradGuard no_grad;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Tensor& src = full.params().get(params_.spec(i).name);
-    for (auto& [whole, local] : shard_regions(i, src.detach(), params_[i].detach())) local.copy_(whole);
-    params_[i].storage().bump_version();
-  }
+  fill_whole_parameters([&](const LlmcTensor&, size_t index, const ParameterSpec&, const Tensor& target) {
+    if (target.defined()) target.copy_(full.params()[index].detach());
+  });
 }
 
 std::vector<LlmcTensor> Transformer::llmc_tensors() const {
@@ -342,33 +399,30 @@ void Transformer::init_weights(uint64_t seed) {
   Rng rng(seed);
   const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config_.n_layer));
   // Draws in llm.c's tensor order (each kind over all layers), so a seed gives the same
-  // weights whatever order the parameter block keeps them in.
-  std::vector<bool> drawn(params_.size(), false);  // a tied head lists wte twice: draw it once
-  for (const LlmcTensor& t : llmc_tensors()) {
-    for (size_t i : t.params) {
-      if (drawn[i]) continue;
-      drawn[i] = true;
-      const std::string& name = params_.spec(i).name;
-      const Tensor& p = params_[i];
-      float* d = p.data<float>();
-      const int64_t n = p.numel();
-      bool is_norm_weight = name.find("ln_") != std::string::npos && name.find(".weight") != std::string::npos;
-      bool is_bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
-      if (is_norm_weight) {
-        for (int64_t j = 0; j < n; ++j) d[j] = 1.f;
-      } else if (is_bias) {
-        for (int64_t j = 0; j < n; ++j) d[j] = 0.f;
-      } else {
-        bool residual = name.find("c_proj.weight") != std::string::npos;
-        double std = residual ? residual_std : 0.02;
-        for (int64_t j = 0; j < n; ++j) d[j] = static_cast<float>(rng.normal() * std);
-      }
-      p.storage().bump_version();
+  // weights whatever order the parameter block keeps them in, and a shard the values the
+  // whole model would hold there: it draws every parameter and keeps its own.
+  std::unordered_set<size_t> drawn;  // a tied head lists wte twice: its numbers are drawn once
+  fill_whole_parameters([&](const LlmcTensor&, size_t index, const ParameterSpec& spec, const Tensor& target) {
+    if (!drawn.insert(index).second) return;
+    const std::string& name = spec.name;
+    const int64_t n = shape_numel(spec.shape);
+    const bool is_norm_weight = name.find("ln_") != std::string::npos && name.find(".weight") != std::string::npos;
+    const bool is_bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+    if (is_norm_weight || is_bias) {
+      if (target.defined()) target.fill_(is_norm_weight ? 1.f : 0.f);
+      return;
     }
-  }
-  // Padding rows of the embedding (and head) are never looked up or predicted: keep them zero.
-  for (size_t i : {wte_, lm_head_})
-    if (i != kAbsent) params_[i].slice(0, config_.vocab_size, config_.padded_vocab_size).detach().zero_();
+    if (!target.defined()) {
+      rng.discard_normals(n);
+      return;
+    }
+    const bool residual = name.find("c_proj.weight") != std::string::npos;
+    const double std = residual ? residual_std : 0.02;
+    float* d = target.data<float>();
+    for (int64_t j = 0; j < n; ++j) d[j] = static_cast<float>(rng.normal() * std);
+    // Padding rows of the embedding (and head) are never looked up or predicted: zero.
+    if (name == "wte" || name == "lm_head") target.slice(0, config_.vocab_size, config_.padded_vocab_size).zero_();
+  });
 }
 
 namespace {

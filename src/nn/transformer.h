@@ -11,6 +11,7 @@
 // (parameters.h); llmc_tensors() maps them to llm.c's file layout, which stacks each
 // kind of weight over the layers.
 #pragma once
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -149,6 +150,24 @@ class Transformer {
 
   const ModelShard& shard() const { return shard_; }
   size_t num_chunks() const { return shard_.chunks.size(); }
+  // Fills this model, whole or a shard, from a source of the whole model's parameters
+  // (a file, an initializer, another model). The source is visited in llm.c file order
+  // (each kind over the layers, parameter by parameter; a tied head's wte twice) with
+  // `fill(file_tensor, index, spec, target)`: parameter `index` of the whole model's
+  // layout (`spec` its name and whole shape) is to be written into `target`, a tensor of
+  // that whole shape, or, when `target` is undefined (no part of it is this shard's),
+  // only passed over (a file reads past it, an initializer draws and drops its numbers;
+  // so is a tied head's wte the second time the file lists it).
+  // A whole model's targets are its own parameters, as are a shard's parameters that it
+  // holds whole (replicated, or not split); a split one is filled through a scratch
+  // tensor of its whole shape, then cut: set-up holds one whole parameter beside the
+  // shard, never the whole model.
+  using WholeParameterFill =
+      std::function<void(const LlmcTensor& file_tensor, size_t index, const ParameterSpec& spec, const Tensor& target)>;
+  void fill_whole_parameters(const WholeParameterFill& fill);
+  // The bytes fill_whole_parameters holds beside the model: the largest whole parameter
+  // this shard holds split (0 for a whole model, or a pipeline shard without --tp).
+  int64_t whole_parameter_scratch_bytes() const;
   // Copies this shard's parameters out of the whole model `full` (same config).
   void load_shard_from(const Transformer& full);
   // The pairs (region of the whole parameter, region of this shard's parameter) that

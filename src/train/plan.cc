@@ -84,29 +84,40 @@ namespace {
 MemoryPlan plan_steps(const PlanInput& in);
 }  // namespace
 
-// The steps' plan, and what it does not cover: set-up. Under tensor and pipeline
-// parallelism every rank builds the whole model's parameters (4 bytes a parameter; no
-// gradients: it is only a source), then its shard's parameters and gradients beside it,
-// before the whole one is freed: 4 P + 8 P_rank bytes at once. Where that is above a rank's step peak, the machine needs that much free
-// at start-up, and the plan says so. (Built shard by shard, it would not be: not yet.)
+// The steps' plan, and set-up's under tensor and pipeline parallelism: each rank builds
+// its shard's parameters and gradients (8 P_rank bytes), then reads or draws the whole
+// model's parameters one at a time, holding a whole-shaped scratch tensor for each one it
+// keeps only a slice of (Transformer::fill_whole_parameters): 8 P_rank + the largest such
+// parameter. From HuggingFace files (--init-from), read whole, the shard is cut from a
+// whole model instead (4 P beside it, and the file's tensors while it is read): that
+// set-up is not planned, and the plan says so.
 MemoryPlan plan_memory(const PlanInput& in) {
   MemoryPlan plan = plan_steps(in);
   if (in.tp * in.pp == 1) return plan;
-  const int64_t whole = checked_product({parameter_count(in.model), 4}, "plan: the whole model");
+  if (in.whole_source) {
+    plan.notes.push_back("set-up: --init-from reads the HuggingFace files whole and cuts each rank's shard from the "
+                         "whole model's parameters (" +
+                         memory::format_bytes(checked_product({parameter_count(in.model), 4}, "plan: the whole model")) +
+                         ") and the files' tensors; that set-up is not planned here");
+    return plan;
+  }
   int64_t worst = 0, worst_step = 0;
   for (RankPlan& r : plan.ranks) {
     int64_t shard = 0;  // this rank's parameters and gradients
     for (const auto& [name, bytes] : r.parts)  // fp32 blocks (the bf16 copy comes after set-up)
       if ((name.rfind("parameters", 0) == 0 && name != kBf16CopyPart) || name.rfind("gradients", 0) == 0) shard += bytes;
-    // LLaMA: the rotary frequencies (D/2 floats) of both models are alive with them.
-    r.setup_bytes = checked_add(whole, shard + (in.model.is_llama() ? 2 * (in.model.head_dim() / 2 * 4) : 0), "plan: set-up");
+    const nn::ModelShard layout = dist::pipeline_shard(in.model.n_layer, in.pp, r.stage, in.virtual_stages, in.tp, 0,
+                                                       in.pp_last_stage_layers);
+    const int64_t scratch = nn::Transformer::layout_only(in.model, layout).whole_parameter_scratch_bytes();
+    // LLaMA: the rotary frequencies (D/2 floats) are alive with them.
+    r.setup_bytes = checked_add(shard, scratch + (in.model.is_llama() ? in.model.head_dim() / 2 * 4 : 0), "plan: set-up");
     if (r.setup_bytes - r.predicted_peak_bytes > worst - worst_step) worst = r.setup_bytes, worst_step = r.predicted_peak_bytes;
   }
   if (worst > worst_step)
-    plan.notes.push_back("set-up: every rank builds the whole model's parameters (" +
-                         memory::format_bytes(whole) + "), then cuts its tensor/pipeline shard beside it: " +
-                         memory::format_bytes(worst) + " at once on the rank that needs most, above its step peak of " +
-                         memory::format_bytes(worst_step) + "; each rank needs that much free at start-up");
+    plan.notes.push_back("set-up: building a rank's shard holds its parameters and gradients and one whole parameter "
+                         "it keeps a slice of: " + memory::format_bytes(worst) +
+                         " on the rank that needs most, above its step peak of " + memory::format_bytes(worst_step) +
+                         "; each rank needs that much free at start-up");
   return plan;
 }
 

@@ -178,13 +178,27 @@ Device parse_device(const std::string& text) {
 
 namespace {
 
-// `gradients`: false for a whole model that is only the source of this rank's shard.
-std::unique_ptr<nn::Transformer> build_model(const TrainConfig& c, bool gradients) {
-  auto model = std::make_unique<nn::Transformer>(model_config(c.model, c.model_file, c.init_from), nn::ModelShard{},
-                                                 gradients);
-  if (!c.model_file.empty()) io::load_llmc(c.model_file, *model);
-  else if (!c.init_from.empty()) io::load_hf(c.init_from, *model);
-  else model->init_weights(c.seed);
+// The model (whole, or this rank's tensor/pipeline `shard`) with its weights from the
+// file the config names, or initialized from the seed. A shard reads or draws the whole
+// model's parameters one at a time and keeps its part (Transformer::fill_whole_parameters),
+// except from HuggingFace files, which are read whole: it is cut from a whole model built
+// without gradients (set-up then holds both).
+std::unique_ptr<nn::Transformer> build_model(const TrainConfig& c, const nn::TransformerConfig& mc,
+                                             const nn::ModelShard& shard) {
+  auto model = std::make_unique<nn::Transformer>(mc, shard);
+  if (!c.model_file.empty()) {
+    io::load_llmc(c.model_file, *model);
+  } else if (!c.init_from.empty()) {
+    if (model->shard().whole()) {
+      io::load_hf(c.init_from, *model);
+    } else {
+      nn::Transformer whole(mc, nn::ModelShard{}, /*gradients=*/false);
+      io::load_hf(c.init_from, whole);
+      model->load_shard_from(whole);
+    }
+  } else {
+    model->init_weights(c.seed);
+  }
   return model;
 }
 
@@ -364,22 +378,35 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   auto& ledger = runtime::ledger(device);  // the training device's: where the model's bytes live
   if (!c.mem_trace.empty()) ledger.enable_history(true, false);
   ledger.reset_peaks();  // set-up's peak is this run's (a process may have trained before)
-  int64_t setup_peak = 0;  // tensor/pipeline parallel: the whole model and this rank's shard at once
+  int64_t setup_peak = 0;  // tensor/pipeline parallel: building this rank's shard
 
   // Every rank builds the same model (same seed, or the same file). A resume that names no
   // model builds the checkpoint's (the --model default would be another shape).
   TrainConfig source = c;
   if (!resume_dir.empty() && !c.model_given && c.model_file.empty() && c.init_from.empty())
     source.model_file = (fs::path(resume_dir) / "model.bin").string();
-  // Under tensor/pipeline parallelism it is only the source of this rank's shard: no
-  // gradient block (it would be set-up's largest part).
-  std::unique_ptr<nn::Transformer> model = build_model(source, world.tp() * world.pp() == 1);
-  const nn::TransformerConfig mc = model->config();
+  const nn::TransformerConfig mc = model_config(source.model, source.model_file, source.init_from);
   TALLY_CHECK(c.seq_len <= mc.max_seq_len, "--seq-len ", c.seq_len, " exceeds the model's maximum sequence length ",
               mc.max_seq_len);
+  // Tensor and pipeline parallel: this rank builds only its shard of the model (its
+  // pipeline chunks, its slices of the heads, MLP and vocabulary).
+  const int TP = world.tp(), PP = world.pp();
+  const bool model_parallel = TP * PP > 1;
+  const dist::PipelineSchedule schedule = dist::parse_pipeline_schedule(c.pp_schedule);
+  dist::check_pipeline(schedule, PP, c.virtual_stages, c.grad_accum, mc.n_layer, c.pp_last_stage_layers);
+  TALLY_CHECK(!c.sequence_parallel || TP > 1, "--sp (sequence parallel) shards along the sequence over the tensor-parallel "
+              "group: it needs --tp > 1");
+  TALLY_CHECK(!c.sequence_parallel || c.seq_len % TP == 0, "--sp: --seq-len ", c.seq_len, " must divide into --tp ", TP,
+              " ranks");
+  TALLY_CHECK(!model_parallel || c.zero <= 1, "--zero ", c.zero, " with --tp/--pp: the model is already sharded by "
+              "tensor and pipeline parallelism; use --zero 1 (optimizer state sharded over the data-parallel group)");
+  const nn::ModelShard shard = model_parallel ? dist::pipeline_shard(mc.n_layer, PP, world.pp_rank(), c.virtual_stages,
+                                                                     TP, world.tp_rank(), c.pp_last_stage_layers)
+                                              : nn::ModelShard{};
+  std::unique_ptr<nn::Transformer> model = build_model(source, mc, shard);
   if (!resume_dir.empty()) {
     try {
-      io::load_checkpoint_model(resume_dir, *model);  // the whole model: before ZeRO or tp/pp shard it
+      io::load_checkpoint_model(resume_dir, *model);  // before ZeRO shards it
     } catch (const Error& e) {
       // A shape mismatch here is the run's model flag against the checkpoint's model: say
       // which flag. Any other failure (a corrupt file) is the file's, as it was.
@@ -393,27 +420,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
                  " names another model than the checkpoint's; without a model flag a resume builds the checkpoint's)");
     }
   }
-  // Tensor and pipeline parallel: this rank keeps its shard of the model (its pipeline
-  // chunks, its slices of the heads, MLP and vocabulary), cut from the whole one.
-  const int TP = world.tp(), PP = world.pp();
-  const bool model_parallel = TP * PP > 1;
-  const dist::PipelineSchedule schedule = dist::parse_pipeline_schedule(c.pp_schedule);
-  dist::check_pipeline(schedule, PP, c.virtual_stages, c.grad_accum, mc.n_layer, c.pp_last_stage_layers);
-  TALLY_CHECK(!c.sequence_parallel || TP > 1, "--sp (sequence parallel) shards along the sequence over the tensor-parallel "
-              "group: it needs --tp > 1");
-  TALLY_CHECK(!c.sequence_parallel || c.seq_len % TP == 0, "--sp: --seq-len ", c.seq_len, " must divide into --tp ", TP,
-              " ranks");
-  if (model_parallel) {
-    TALLY_CHECK(c.zero <= 1, "--zero ", c.zero, " with --tp/--pp: the model is already sharded by tensor and pipeline "
-                "parallelism; use --zero 1 (optimizer state sharded over the data-parallel group)");
-    auto shard = std::make_unique<nn::Transformer>(
-        mc, dist::pipeline_shard(mc.n_layer, PP, world.pp_rank(), c.virtual_stages, TP, world.tp_rank(),
-                                 c.pp_last_stage_layers));
-    shard->load_shard_from(*model);
-    model = std::move(shard);  // the whole model is freed here
-    // Set-up's peak: the whole model and this shard at once (what the plan's set-up is).
-    setup_peak = ledger.stats().peak_allocated;
-  }
+  // Set-up's peak: the shard's parameters and gradients, and one whole parameter (or,
+  // from HuggingFace files, the whole model) beside them: what the plan's set-up is.
+  if (model_parallel) setup_peak = ledger.stats().peak_allocated;
   std::unique_ptr<dist::TensorParallel> tensor_parallel;
   if (TP > 1) {
     tensor_parallel = std::make_unique<dist::TensorParallel>(world.tp_group(), c.sequence_parallel);
@@ -517,8 +526,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       model->flops_per_token(T) * static_cast<double>(N * B * T) / static_cast<double>(world.tp() * world.pp());
   double gemm_peak = runtime::backend(device).measured_gemm_peak_flops(matmul_dtype);
   bool gemm_peak_probed_again = false;
-  const int64_t P = model->num_parameters();
-  log("model: %s, %lld parameters\n", mc.describe().c_str(), static_cast<long long>(P));
+  const int64_t P = model->num_parameters();  // this rank's (its shard's under --tp/--pp)
+  log("model: %s, %lld parameters\n", mc.describe().c_str(), static_cast<long long>(parameter_count(mc)));
   log("data: %lld train tokens in %zu shard(s)%s; step = %lld rank(s) x %lld microbatch(es) x %lld x %lld = %lld tokens\n",
       static_cast<long long>(train_loader.total_tokens()), train_loader.files().size(),
       val_loader ? (", " + std::to_string(val_loader->total_tokens()) + " val tokens").c_str() : "",
@@ -624,6 +633,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     pi.library_workspace = runtime::backend(device).library_workspace_bytes();
     pi.loss_chunk_rows = loss_chunk_rows;
     pi.recompute = model->recompute();
+    pi.whole_source = model_parallel && !source.init_from.empty();
     const MemoryPlan plan = plan_memory(pi);
     for (const RankPlan& r : plan.ranks) {
       rank_planned_peaks.push_back(r.predicted_peak_bytes);
@@ -780,16 +790,17 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     }
     if (step == start_step + 1 || (step == start_step && c.steps == start_step + 1)) {
       // From the second step on the peak is the steady one (the first also builds caches).
-if (pipeline) {
+      if (pipeline) {
         log("memory: measured peak %s (largest over ranks; this rank's %s with params+grads+adam %s); a stage held at "
             "most %lld microbatches at once (%s)\n",
             format_bytes(m.peak_bytes).c_str(), format_bytes(s.peak_allocated).c_str(), format_bytes(states_bytes).c_str(),
             static_cast<long long>(m.max_in_flight), c.pp_schedule.c_str());
       } else {
-              log("memory: measured peak %s = live after forward %s (params+grads+adam %s, activations and data of one "
-          "microbatch %s) + transients %s\n",
-          format_bytes(s.peak_allocated).c_str(), format_bytes(live_after_forward).c_str(), format_bytes(states_bytes).c_str(),
-          format_bytes(live_after_forward - states_bytes).c_str(), format_bytes(s.peak_allocated - live_after_forward).c_str());
+        log("memory: measured peak %s = live after forward %s (params+grads+adam %s, activations and data of one "
+            "microbatch %s) + transients %s\n",
+            format_bytes(s.peak_allocated).c_str(), format_bytes(live_after_forward).c_str(),
+            format_bytes(states_bytes).c_str(), format_bytes(live_after_forward - states_bytes).c_str(),
+            format_bytes(s.peak_allocated - live_after_forward).c_str());
       }
       {
         // The largest plan beside the largest peak (rank 0 prints); every rank checks its own.
@@ -808,10 +819,14 @@ if (pipeline) {
       }
       ledger.track_peak_owners(false);
       result.setup_peak_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(setup_peak), dist::ReduceOp::Max));
+      const char* above = result.setup_peak_bytes > m.peak_bytes ? "; above the steps' peak: each rank needs it free at start-up" : "";
       if (result.predicted_setup_bytes > 0)
-        log("memory: set-up peak %s (largest over ranks: the whole model built, then this rank's shard cut beside it), "
+        log("memory: set-up peak %s (largest over ranks: this rank's shard built, one whole parameter read beside it), "
             "planned %s%s\n", format_bytes(result.setup_peak_bytes).c_str(), format_bytes(result.predicted_setup_bytes).c_str(),
-            result.setup_peak_bytes > m.peak_bytes ? "; above the steps' peak: each rank needs it free at start-up" : "");
+            above);
+      else if (model_parallel)
+        log("memory: set-up peak %s (largest over ranks: --init-from's HuggingFace files are read whole and each "
+            "rank's shard is cut from the whole model; not planned)%s\n", format_bytes(result.setup_peak_bytes).c_str(), above);
       if (D > 1) {
         const auto& st = s.allocated_by_category;
         const int64_t held = st[static_cast<int>(Category::Parameter)] + st[static_cast<int>(Category::Gradient)] +
