@@ -29,9 +29,12 @@
 
 #include "dist/pipeline.h"
 #include "dist/world.h"
+#include "io/checkpoint.h"
 #include "io/model_files.h"
 #include "nn/transformer.h"
 #include "ops/ops.h"
+#include "optim/adamw.h"
+#include "runtime/backend.h"
 #include "sanitizer/sanitizer.h"
 #include "support.h"
 #include "train/plan.h"
@@ -426,6 +429,76 @@ TEST(ParallelCheckpoints, ASavedShardedRunResumesExactlyAndInOneProcess) {
         EXPECT_NEAR(alone.history[s].loss, full.history[s + 5].loss, 1e-5 * std::abs(full.history[s + 5].loss))
             << what << ": one process resumed, step " << s + 6;
       world->world().barrier();  // rank 0 reads nothing more before the others are done
+    }
+  }
+}
+
+// Rank 0 writes a sharded run's checkpoint from pieces streamed to it: the files are the
+// whole model's (parameters and both moments, every piece in its place), and while it
+// writes it holds at most one whole parameter and one unit of moments beside its own
+// shard, never the whole model (it held 16 P bytes: the whole model with gradients, and
+// both moments).
+TEST(ParallelCheckpoints, RankZeroWritesTheWholeModelOnePieceAtATime) {
+  const std::vector<Layout> layouts = {{1, 2, 1, "1f1b"}, {1, 1, 2, "1f1b"}, {1, 2, 2, "1f1b"}, {2, 2, 1, "1f1b"}};
+  for (const Layout& l : layouts) {
+    if (l.world() != world_size()) continue;
+    for (bool llama : {false, true}) {
+      const std::string what = (llama ? "llama " : "gpt2 ") + l.name();
+      std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
+      const nn::TransformerConfig config = tiny_model(llama);
+      auto layout = [&](int pp_rank, int tp_rank) {
+        return dist::pipeline_shard(config.n_layer, l.pp, pp_rank, 1, l.tp, tp_rank, 0);
+      };
+      nn::Transformer shard(config, layout(world->pp_rank(), world->tp_rank()));
+      shard.init_weights(7);
+      // Moments the checkpoint can be checked by: m = the parameters, v = twice them.
+      optim::AdamW opt(shard.params(), {});
+      const Tensor& flat = shard.params().flat_params();
+      for (size_t u = 0; u < shard.params().num_units(); ++u) {
+        const nn::ParameterUnit& unit = shard.params().unit(u);
+        Tensor twice = Tensor::empty({unit.numel()}, DType::F32);
+        for (int64_t j = 0; j < unit.numel(); ++j) twice.data<float>()[j] = 2 * flat.data<float>()[unit.begin + j];
+        opt.set_moment_unit(0, u, flat.slice(0, unit.begin, unit.end));
+        opt.set_moment_unit(1, u, twice);
+      }
+      io::TrainingState st;
+      st.step = 3;
+      const std::string out = shared_dir("gather_" + std::string(llama ? "llama_" : "gpt2_") + std::to_string(l.dp) +
+                                         std::to_string(l.tp) + std::to_string(l.pp));
+      auto& ledger = runtime::ledger();
+      ledger.reset_peaks();
+      const int64_t before = ledger.stats().allocated;
+      const std::string dir = io::save_checkpoint(out, shard, opt, st, *world, layout);
+      const int64_t held = ledger.stats().peak_allocated - before;
+      if (world->is_root()) {
+        nn::Transformer whole(config);
+        whole.init_weights(7);
+        int64_t largest_parameter = 0, largest_unit = 0;
+        for (size_t i = 0; i < whole.params().size(); ++i)
+          largest_parameter = std::max(largest_parameter, whole.params()[i].numel());
+        for (size_t u = 0; u < whole.params().num_units(); ++u)
+          largest_unit = std::max(largest_unit, whole.params().unit(u).numel());
+        // The model file: a whole parameter and one received piece (at most as large);
+        // the moments: a whole unit, and one piece.
+        const int64_t bound = 4 * std::max(2 * largest_parameter, largest_unit + largest_parameter);
+        EXPECT_LE(held, bound) << what << ": rank 0 held " << held << " bytes more while writing";
+        EXPECT_LT(bound, 4 * whole.num_parameters()) << what << ": the bound must be below one whole model";
+        nn::Transformer read(config);
+        optim::AdamW read_opt(read.params(), {});
+        io::load_checkpoint_model(dir, read);
+        io::load_checkpoint_state(dir, read, read_opt);
+        EXPECT_EQ(test::compare(read.params().flat_params(), whole.params().flat_params()).max_abs, 0.0) << what;
+        for (size_t u = 0; u < read.params().num_units(); ++u) {
+          const nn::ParameterUnit& unit = read.params().unit(u);
+          const Tensor p = whole.params().flat_params().slice(0, unit.begin, unit.end);
+          const Tensor m = read_opt.moment_unit(0, u), v = read_opt.moment_unit(1, u);
+          for (int64_t j = 0; j < unit.numel(); ++j) {
+            ASSERT_EQ(m.data<float>()[j], p.data<float>()[j]) << what << ": m of unit " << unit.name << " element " << j;
+            ASSERT_EQ(v.data<float>()[j], 2 * p.data<float>()[j]) << what << ": v of unit " << unit.name << " element " << j;
+          }
+        }
+      }
+      world->world().barrier();
     }
   }
 }

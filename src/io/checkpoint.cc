@@ -82,31 +82,6 @@ Tensor parameter_in(const nn::ParameterStore& params, size_t i, const Tensor& va
   return values.slice(0, at, at + shape_numel(params.spec(i).shape)).view(params.spec(i).shape);
 }
 
-// The whole model's moments, held by rank 0 while it writes a gathered checkpoint.
-class WholeMoments final : public optim::Optimizer {
- public:
-  WholeMoments(const nn::ParameterStore& whole, int64_t steps) : whole_(whole), steps_(steps) {
-    for (Tensor& m : moments_)
-      m = Tensor::zeros({whole.numel()}, DType::F32, Device::cpu(), make_owner(Category::OptimizerState, "checkpoint.gather"));
-  }
-  int64_t steps_taken() const override { return steps_; }
-  void set_steps_taken(int64_t t) override { steps_ = t; }
-  Tensor moment_unit(int which, size_t unit) override {
-    const nn::ParameterUnit& u = whole_.unit(unit);
-    return moments_[which].slice(0, u.begin, u.end);
-  }
-  void set_moment_unit(int, size_t, const Tensor&) override { TALLY_FAIL("internal: WholeMoments is written only"); }
-  // Moment `which` of whole parameter `i`, in its shape.
-  Tensor of(int which, size_t i) const {
-    return parameter_in(whole_, i, moments_[which], 0);
-  }
-
- private:
-  const nn::ParameterStore& whole_;
-  int64_t steps_;
-  Tensor moments_[2];
-};
-
 // A shard's view of a whole model's moments as load_checkpoint_state streams them: each
 // whole unit's values are cut into this shard's parameters, and a local unit goes to the
 // real optimizer once all its parameters are filled.
@@ -163,74 +138,15 @@ class ShardMoments final : public optim::Optimizer {
   std::vector<int64_t> filled_[2];
 };
 
-constexpr int kGatherTag = 31000;  // above the pipeline's tags
-
-std::string save_gathered_checkpoint(const std::string& out_dir, const nn::Transformer& model, optim::Optimizer& opt,
-                                     const TrainingState& state, const dist::World& world, const ShardLayout& layout) {
-  TALLY_CHECK(layout, "internal: a sharded model's checkpoint needs the shard layout");
-  const nn::ParameterStore& params = model.params();
-  // This rank's moments, unit by unit (ZeRO-1 gathers each over the data-parallel group:
-  // every rank takes part).
-  std::vector<Tensor> local_moments[2];
-  for (int which = 0; which < 2; ++which)
-    for (size_t u = 0; u < params.num_units(); ++u) local_moments[which].push_back(opt.moment_unit(which, u).contiguous());
-  auto moment_of = [&](int which, size_t i) {
-    const size_t u = params.spec(i).unit;
-    return parameter_in(params, i, local_moments[which][u], params.unit(u).begin);
-  };
-  dist::Communicator& comm = world.world();
-  const int D = world.dp(), T = world.tp(), P = world.pp();
-  std::string dir = (fs::path(out_dir) / step_dir_name(state.step)).string();
-  if (world.dp_rank() == 0 && !world.is_root()) {
-    // Parameters, then their two moments, in this shard's order (a tied head's copy is
-    // the embedding's, which the first stage sends).
-    std::vector<std::shared_ptr<dist::Work>> sends;
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (model.is_tied_head_copy(i)) continue;
-      for (const Tensor& t : {params[i].detach().contiguous(), moment_of(0, i).contiguous(), moment_of(1, i).contiguous()})
-        sends.push_back(comm.send_async(t, 0, kGatherTag));
-    }
-    for (auto& w : sends) w->wait();
-  }
-  if (world.is_root()) {
-    nn::Transformer whole(model.config());
-    WholeMoments moments(whole.params(), opt.steps_taken());
-    autograd::NoGradGuard no_grad;
-    for (int pp = 0; pp < P; ++pp) {
-      for (int tp = 0; tp < T; ++tp) {
-        const int source = pp * D * T + tp;  // data-parallel rank 0 of (pp, tp)
-        const nn::Transformer shard = source == 0 ? nn::Transformer::layout_only(model.config(), model.shard())
-                                                  : nn::Transformer::layout_only(model.config(), layout(pp, tp));
-        const nn::ParameterStore& sp = shard.params();
-        for (size_t i = 0; i < sp.size(); ++i) {
-          if (shard.is_tied_head_copy(i)) continue;
-          const size_t j = whole.params().index_of(sp.spec(i).name);
-          const Tensor targets[3] = {whole.params()[j].detach(), moments.of(0, j), moments.of(1, j)};
-          for (int k = 0; k < 3; ++k) {
-            Tensor local;
-            if (source == 0) {
-              local = k == 0 ? params[i].detach() : moment_of(k - 1, i);
-            } else {
-              local = Tensor::empty(sp.spec(i).shape, DType::F32, Device::cpu(), make_owner(Category::Communication, "comm:checkpoint_gather"));
-              comm.recv(local, source, kGatherTag);
-            }
-            for (auto& [w, l] : shard.shard_regions(i, targets[k], local)) w.copy_(l);
-          }
-        }
-      }
-    }
-    std::unique_ptr<dist::World> self = dist::World::self();
-    dir = save_checkpoint(out_dir, whole, moments, state, *self);
-  }
-  comm.barrier();  // everyone returns once `latest` names the new checkpoint
-  return dir;
-}
-
-}  // namespace
-
-std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& model, optim::Optimizer& opt,
-                            const TrainingState& state, const dist::World& world, const ShardLayout& layout) {
-  if (!model.shard().whole()) return save_gathered_checkpoint(out_dir, model, opt, state, world, layout);
+// Writes a checkpoint's files into <out_dir>/step_<step>.tmp and publishes the directory
+// (see save_checkpoint). Called by every rank of `world`; rank 0 writes. `model_file(path)`
+// writes model.bin (path empty on the other ranks); `moment(which, unit)` is called on
+// every rank in the same order, m for every unit and then v (ZeRO gathers inside), and
+// gives the unit's values on rank 0. Both hand over one piece at a time.
+std::string write_checkpoint(const std::string& out_dir, const TrainingState& state, const dist::World& world,
+                             int64_t numel, int64_t adam_steps, size_t units,
+                             const std::function<void(const std::string&)>& model_file,
+                             const std::function<Tensor(int, size_t)>& moment) {
   const bool writer = world.is_root();
   const std::string final_dir = (fs::path(out_dir) / step_dir_name(state.step)).string();
   const std::string tmp_dir = final_dir + ".tmp";
@@ -239,22 +155,15 @@ std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& m
     fs::remove_all(tmp_dir);
     fs::create_directories(tmp_dir);
   }
-  // ZeRO-3 keeps parameters sharded: gather every unit while the model file is written.
-  nn::ParameterResidency* residency = model.residency();
-  const size_t units = model.params().num_units();
-  if (residency)
-    for (size_t u = 0; u < units; ++u) residency->acquire(u, false);
-  if (writer) save_llmc((fs::path(tmp_dir) / "model.bin").string(), model);
-  if (residency)
-    for (size_t u = 0; u < units; ++u) residency->release(u, false);
+  model_file(writer ? (fs::path(tmp_dir) / "model.bin").string() : std::string());
   {
     StateHeader h;
     std::memset(&h, 0, sizeof h);
     h.magic = kStateMagic;
     h.version = kStateVersion;
     h.step = state.step;
-    h.adam_steps = opt.steps_taken();
-    h.numel = model.params().numel();
+    h.adam_steps = adam_steps;
+    h.numel = numel;
     for (int i = 0; i < 4; ++i) h.rng[i] = state.rng_state[i];
     h.recipe_crc = crc_of(recipe_text(state.recipe));
     h.history_crc = crc_of(state.history);
@@ -265,28 +174,27 @@ std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& m
       out->write(&h, sizeof h);  // its checksum is filled in at the end
       crc.update(&h, sizeof h);
     }
-    // m for every unit, then v: the parameter block's order. Every rank takes part in
-    // each gather; only the writer keeps the bytes.
+    // m for every unit, then v: the parameter block's order.
     for (int which = 0; which < 2; ++which) {
       for (size_t u = 0; u < units; ++u) {
-        Tensor values = opt.moment_unit(which, u).contiguous();
-        if (out && !values.device().is_cpu()) {  // a device's moments are written from a host copy
+        Tensor values = moment(which, u);
+        if (!out) continue;
+        values = values.contiguous();
+        if (!values.device().is_cpu()) {  // a device's moments are written from a host copy
           Tensor host = Tensor::empty(values.shape(), values.dtype(), Device::cpu(),
                                       make_owner(Category::Other, "checkpoint.write"));
           host.copy_(values);
           values = host;
         }
-        if (out) {
-          out->write(values.raw_data(), static_cast<size_t>(values.nbytes()));
-          crc.update(values.raw_data(), static_cast<size_t>(values.nbytes()));
-        }
+        out->write(values.raw_data(), static_cast<size_t>(values.nbytes()));
+        crc.update(values.raw_data(), static_cast<size_t>(values.nbytes()));
       }
     }
     if (out) {
       h.crc = crc.value();
       out->rewrite(0, &h, sizeof h);
+      out->commit();
     }
-    if (out) out->commit();
   }
   if (writer) {
     for (const auto& [name, text] : {std::pair<const char*, std::string>{"recipe.json", recipe_text(state.recipe)},
@@ -318,6 +226,139 @@ std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& m
   }
   world.world().barrier();  // nobody moves on (or reads `latest`) before the writer is done
   return final_dir;
+}
+
+constexpr int kGatherTag = 31000;  // above the pipeline's tags
+
+// A tensor/pipeline-parallel checkpoint, streamed to rank 0 one piece at a time. Data-
+// parallel rank 0 of every (stage, tp rank) sends its parameters in the model file's order
+// (llm.c's: each kind over the layers; a tied head's wte twice), then its moments unit by
+// unit, m then v. Rank 0 walks the whole model in the same orders, receives each piece
+// from every rank that holds part of it, puts the whole parameter (or unit of moments)
+// together in one scratch tensor and writes it. Every rank's sends to rank 0 come in the
+// order rank 0 receives them, so nothing waits on anything but its own data; ZeRO-1's
+// moment gathers run unit by unit in the same order on every data-parallel rank.
+std::string save_gathered_checkpoint(const std::string& out_dir, const nn::Transformer& model, optim::Optimizer& opt,
+                                     const TrainingState& state, const dist::World& world, const ShardLayout& layout) {
+  TALLY_CHECK(layout, "internal: a sharded model's checkpoint needs the shard layout");
+  const nn::ParameterStore& params = model.params();
+  dist::Communicator& comm = world.world();
+  const int D = world.dp(), T = world.tp(), P = world.pp();
+  const nn::Transformer whole = nn::Transformer::layout_only(model.config());
+  const nn::ParameterStore& wp = whole.params();
+  auto local_index = [](const nn::Transformer& shard) {
+    std::unordered_map<std::string, size_t> index;  // name -> parameter (a tied head's copy left out)
+    for (size_t i = 0; i < shard.params().size(); ++i)
+      if (!shard.is_tied_head_copy(i)) index.emplace(shard.params().spec(i).name, i);
+    return index;
+  };
+  const auto mine = local_index(model);
+  auto moment_piece = [&](const Tensor& unit_values, size_t i) {
+    return parameter_in(params, i, unit_values, params.unit(params.spec(i).unit).begin);
+  };
+  autograd::NoGradGuard no_grad;
+  if (!world.is_root()) {
+    const bool sender = world.dp_rank() == 0;
+    std::vector<std::shared_ptr<dist::Work>> sends;
+    auto finish = [&] {
+      for (auto& w : sends) w->wait();
+      sends.clear();
+    };
+    if (sender)
+      for (const nn::LlmcTensor& t : whole.llmc_tensors())
+        for (size_t w : t.params)
+          if (auto it = mine.find(wp.spec(w).name); it != mine.end())
+            sends.push_back(comm.send_async(params[it->second].detach().contiguous(), 0, kGatherTag));
+    finish();  // the parameters are the model's own: no copies held
+    for (int which = 0; which < 2; ++which)
+      for (size_t u = 0; u < params.num_units(); ++u) {
+        const Tensor values = opt.moment_unit(which, u).contiguous();  // every data-parallel rank takes part
+        if (!sender) continue;
+        for (size_t i = params.unit(u).first; i < params.unit(u).last; ++i)
+          if (!model.is_tied_head_copy(i)) sends.push_back(comm.send_async(moment_piece(values, i).contiguous(), 0, kGatherTag));
+        finish();  // one unit's moments at a time
+      }
+    comm.barrier();  // everyone returns once `latest` names the new checkpoint
+    return (fs::path(out_dir) / step_dir_name(state.step)).string();
+  }
+  // Rank 0: who holds what. Source (pp, tp) is data-parallel rank 0 of that group.
+  struct Holder {
+    int source;
+    std::shared_ptr<const nn::Transformer> shard;  // its layout
+    size_t index;  // the parameter in it
+  };
+  std::vector<std::shared_ptr<const nn::Transformer>> shards;
+  std::unordered_map<std::string, std::vector<Holder>> holders;  // whole parameter name -> its pieces
+  for (int pp = 0; pp < P; ++pp)
+    for (int tp = 0; tp < T; ++tp) {
+      const int source = pp * D * T + tp;
+      auto shard = std::make_shared<const nn::Transformer>(
+          nn::Transformer::layout_only(model.config(), source == 0 ? model.shard() : layout(pp, tp)));
+      for (const auto& [name, i] : local_index(*shard)) holders[name].push_back({source, shard, i});
+    }
+  for (auto& [name, list] : holders)
+    std::sort(list.begin(), list.end(), [](const Holder& a, const Holder& b) { return a.source < b.source; });
+  // Fills `target` (whole parameter `name`'s shape) from its holders; `own(i)` is rank
+  // 0's own piece of its parameter i.
+  auto gather = [&](const std::string& name, const Tensor& target, const std::function<Tensor(size_t)>& own) {
+    for (const Holder& h : holders.at(name)) {
+      Tensor piece;
+      if (h.source == 0) {
+        piece = own(h.index);
+      } else {
+        piece = Tensor::empty(h.shard->params().spec(h.index).shape, DType::F32, Device::cpu(),
+                              make_owner(Category::Communication, "comm:checkpoint_gather"));
+        comm.recv(piece, h.source, kGatherTag);
+      }
+      for (auto& [w, l] : h.shard->shard_regions(h.index, target, piece)) w.copy_(l);
+    }
+  };
+  auto model_file = [&](const std::string& path) {
+    save_llmc(path, whole, [&](size_t w) {
+      Tensor values = Tensor::empty(wp.spec(w).shape, DType::F32, Device::cpu(), make_owner(Category::Other, "checkpoint.whole_parameter"));
+      gather(wp.spec(w).name, values, [&](size_t i) { return params[i].detach(); });
+      return values;
+    });
+  };
+  // Rank 0's own units by name: it gathers each (ZeRO-1, with its data-parallel group)
+  // when the whole model's unit of that name comes, which is its units' own order.
+  std::unordered_map<std::string, size_t> my_units;
+  for (size_t u = 0; u < params.num_units(); ++u) my_units.emplace(params.unit(u).name, u);
+  auto moment = [&](int which, size_t wu) {
+    const nn::ParameterUnit& unit = wp.unit(wu);
+    Tensor mine_values;
+    if (auto it = my_units.find(unit.name); it != my_units.end()) mine_values = opt.moment_unit(which, it->second).contiguous();
+    // Every element is some holder's: written in full below.
+    Tensor values = Tensor::empty({unit.numel()}, DType::F32, Device::cpu(), make_owner(Category::OptimizerState, "checkpoint.gather"));
+    for (size_t j = unit.first; j < unit.last; ++j)
+      gather(wp.spec(j).name, parameter_in(wp, j, values, unit.begin), [&](size_t i) { return moment_piece(mine_values, i); });
+    return values;
+  };
+  std::unique_ptr<dist::World> self = dist::World::self();
+  const std::string dir =
+      write_checkpoint(out_dir, state, *self, wp.numel(), opt.steps_taken(), wp.num_units(), model_file, moment);
+  comm.barrier();  // everyone returns once `latest` names the new checkpoint
+  return dir;
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& model, optim::Optimizer& opt,
+                            const TrainingState& state, const dist::World& world, const ShardLayout& layout) {
+  if (!model.shard().whole()) return save_gathered_checkpoint(out_dir, model, opt, state, world, layout);
+  // ZeRO-3 keeps parameters sharded: gather every unit while the model file is written.
+  nn::ParameterResidency* residency = model.residency();
+  const size_t units = model.params().num_units();
+  auto model_file = [&](const std::string& path) {
+    if (residency)
+      for (size_t u = 0; u < units; ++u) residency->acquire(u, false);
+    if (!path.empty()) save_llmc(path, model);
+    if (residency)
+      for (size_t u = 0; u < units; ++u) residency->release(u, false);
+  };
+  // Every rank takes part in each gather; only the writer keeps the bytes.
+  auto moment = [&](int which, size_t u) { return opt.moment_unit(which, u); };
+  return write_checkpoint(out_dir, state, world, model.params().numel(), opt.steps_taken(), units, model_file, moment);
 }
 
 namespace {

@@ -52,8 +52,8 @@ using ShardLayout = std::function<nn::ModelShard(int pp_rank, int tp_rank)>;
 // A tensor- or pipeline-parallel model (a shard) is written as the whole model: data-
 // parallel rank 0 of every (stage, tp rank) sends its parameters and moments to rank 0,
 // which puts them together and writes the same files one process would (so any layout,
-// one process included, resumes from them). Rank 0 holds the whole model and its moments
-// (16P bytes) while it writes.
+// one process included, resumes from them). They are streamed: rank 0 holds one whole
+// parameter, or one unit's moments, at a time beside its own shard (see checkpoint.cc).
 std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& model, optim::Optimizer& opt,
                             const TrainingState& state, const dist::World& world, const ShardLayout& layout = {});
 

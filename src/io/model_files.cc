@@ -234,6 +234,11 @@ void load_llmc(const std::string& path, nn::Transformer& model) {
 }
 
 void save_llmc(const std::string& path, const nn::Transformer& model, bool bf16) {
+  save_llmc(path, model, [&](size_t i) { return model.params()[i].detach(); }, bf16);
+}
+
+void save_llmc(const std::string& path, const nn::Transformer& model, const std::function<Tensor(size_t)>& values,
+               bool bf16) {
   const auto& c = model.config();
   Header h;
   std::memset(h.ints, 0, sizeof h.ints);
@@ -277,7 +282,7 @@ void save_llmc(const std::string& path, const nn::Transformer& model, bool bf16)
   Crc32 crc;
   for (const nn::LlmcTensor& t : model.llmc_tensors()) {
     for (size_t i : t.params) {
-      Tensor p = model.params()[i];
+      Tensor p = values(i);
       if (t.vocab_rows) p = p.slice(0, 0, c.vocab_size);  // contiguous: the leading rows
       if (!p.device().is_cpu()) {  // a device's parameters are written from a host copy
         Tensor host = Tensor::empty(p.shape(), p.dtype(), Device::cpu(), make_owner(Category::Other, "model_file.write"));

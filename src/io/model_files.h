@@ -14,6 +14,7 @@
 //     read back exactly (tied head included).
 //   HuggingFace files: io/hf_files.h.
 #pragma once
+#include <functional>
 #include <string>
 
 #include "nn/transformer.h"
@@ -27,5 +28,11 @@ nn::TransformerConfig read_llmc_config(const std::string& path);
 void load_llmc(const std::string& path, nn::Transformer& model);
 // Writes the model atomically; bf16 = version 5 (round to nearest even), else version 3.
 void save_llmc(const std::string& path, const nn::Transformer& model, bool bf16 = false);
+// The same file for `model`'s layout (a model, or Transformer::layout_only), each
+// parameter's values (its whole shape) from `values(index)`, asked in file order (a tied
+// head's wte twice), one at a time: a writer that gathers them from other ranks needs one
+// whole parameter at once, not the whole model.
+void save_llmc(const std::string& path, const nn::Transformer& model, const std::function<Tensor(size_t)>& values,
+               bool bf16 = false);
 
 }  // namespace tally::io

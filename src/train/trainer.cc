@@ -938,10 +938,16 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       st.rng_state = sample_rng.state();
       st.recipe = recipe;
       st.history = curve_to_json(curve);
+      // What writing holds beside the run's live memory (the next step resets the peak).
+      ledger.reset_peaks();
+      const int64_t live_before_save = ledger.stats().allocated;
       result.last_checkpoint = io::save_checkpoint(c.out_dir, *model, opt, st, world, [&](int pp_rank, int tp_rank) {
         return dist::pipeline_shard(mc.n_layer, PP, pp_rank, c.virtual_stages, TP, tp_rank, c.pp_last_stage_layers);
       });
-      log("saved %s\n", result.last_checkpoint.c_str());
+      const double save_held = everyone.all_reduce_scalar(
+          static_cast<double>(ledger.stats().peak_allocated - live_before_save), dist::ReduceOp::Max);
+      log("saved %s (writing held %s beside the live memory%s)\n", result.last_checkpoint.c_str(),
+          format_bytes(static_cast<int64_t>(save_held)).c_str(), world.size() > 1 ? ", largest over ranks" : "");
       crash_point("checkpoint", m.step);
     }
     if (sample_error) std::rethrow_exception(sample_error);
