@@ -248,6 +248,28 @@ TEST(DataParallel, ShuffledDataTrainsAsOneProcessWithTheSameGlobalBatch) {
       << "the shuffled run's first batch is the file-order run's";
 }
 
+// Ranks started with different settings (a wrapper script, a stale copy of the data on one
+// machine) stop before they exchange anything, all with the same error naming the setting:
+// a different --seq-len on one tensor-parallel rank crashed the job in MPI ("double free
+// or corruption"), a different --train-data trained the ranks on different tokens.
+TEST(DataParallel, RanksStartedWithDifferentSettingsStopNamingTheSetting) {
+  const bool last = world().rank() == world().size() - 1;
+  const std::string differs = "on rank(s) " + std::to_string(world().size() - 1) + " differs from rank 0's";
+  train::TrainConfig c = tiny_config();
+  c.steps = 2;
+  train::TrainConfig seq = c;
+  if (last) seq.seq_len = c.seq_len / 2;
+  std::string msg = test::message_of<Error>([&] { train::run_training(seq, world()); });
+  EXPECT_NE(msg.find("different settings: --seq-len " + differs), std::string::npos) << msg;
+  EXPECT_NE(msg.find("every rank must run the same command"), std::string::npos) << msg;
+  train::TrainConfig data = c;
+  if (last) data.train_data = test::write_random_shard("other_train.bin", 30000, 97, 12);
+  msg = test::message_of<Error>([&] { train::run_training(data, world()); });
+  EXPECT_NE(msg.find("--train-data's token count " + differs), std::string::npos) << msg;
+  // The same settings train.
+  EXPECT_NO_THROW(train::run_training(c, world()));
+}
+
 // LLaMA (the untied-head fixture) in every data-parallel mode.
 TEST(DataParallel, LlamaMatchesOneProcessForEveryZeroStage) {
   train::TrainConfig c = tiny_config();

@@ -25,6 +25,7 @@
 #include "dist/zero.h"
 #include "io/files.h"
 #include "io/checkpoint.h"
+#include "io/checksum.h"
 #include "io/hf_files.h"
 #include "io/model_files.h"
 #include "memory/process.h"
@@ -131,6 +132,29 @@ std::vector<std::pair<std::string, std::string>> run_recipe(const TrainConfig& c
           {"--seed", std::to_string(c.seed)},
           {"--shuffle", c.shuffle ? "on" : "off"},
           {"--dtype", c.dtype}};
+}
+
+// Every rank must run the same job. A setting that differs between ranks (a wrapper
+// script, a stale copy of the data on one machine) would make collectives of different
+// sizes, which MPI turns into corrupt memory or a hang, or would silently train the ranks
+// on different data. Each setting's CRC-32 is gathered from every rank; one that differs
+// from rank 0's stops every rank with the same error, which names it (and each rank says
+// what it has).
+void check_ranks_agree(const dist::World& world, const std::vector<std::pair<std::string, std::string>>& settings) {
+  if (world.size() == 1) return;
+  dist::Communicator& comm = world.world();
+  for (const auto& [name, value] : settings) {
+    io::Crc32 crc;
+    crc.update(value.data(), value.size());
+    const std::vector<double> all = comm.all_gather_scalar(static_cast<double>(crc.value()));
+    std::string differ;
+    for (size_t r = 1; r < all.size(); ++r)
+      if (all[r] != all[0]) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+    if (differ.empty()) continue;
+    TALLY_FAIL("the ranks were started with different settings: ", name, " on rank(s) ", differ,
+               " differs from rank 0's (this is rank ", world.rank(), ", with ", value.empty() ? "none" : value,
+               "); every rank must run the same command on the same data");
+  }
 }
 
 }  // namespace
@@ -367,7 +391,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   TALLY_CHECK(!(continues && c.overwrite), "--overwrite with --resume '", c.resume,
               "': it would remove the checkpoints the run continues from");
   std::vector<std::string> earlier;
-  if (root && c.save_every > 0 && !continues) earlier = io::checkpoints_in(c.out_dir);
+  // (A run that saves nothing leaves them, unless --overwrite says to start afresh.)
+  if (root && (c.save_every > 0 || c.overwrite) && !continues) earlier = io::checkpoints_in(c.out_dir);
   const bool has_earlier = world.world().all_reduce_scalar(earlier.empty() ? 0.0 : 1.0, dist::ReduceOp::Max) > 0;
   TALLY_CHECK(!has_earlier || c.overwrite, "--out-dir '", c.out_dir, "' holds an earlier run's checkpoints",
               earlier.empty() ? "" : " (" + earlier.front() + (earlier.size() > 1 ? " ... " + earlier.back() : "") + ")",
@@ -403,6 +428,30 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   const nn::ModelShard shard = model_parallel ? dist::pipeline_shard(mc.n_layer, PP, world.pp_rank(), c.virtual_stages,
                                                                      TP, world.tp_rank(), c.pp_last_stage_layers)
                                               : nn::ModelShard{};
+  {
+    // Before anything whose sizes depend on them is exchanged.
+    auto settings = run_recipe(c, world);
+    const std::pair<std::string, std::string> more[] = {
+        {"the model", mc.describe()},
+        {"--tp x --pp x data-parallel ranks",
+         std::to_string(TP) + " x " + std::to_string(PP) + " x " + std::to_string(world.dp())},
+        {"--grad-accum", std::to_string(c.grad_accum)},
+        {"--zero", std::to_string(c.zero)},
+        {"--sp", c.sequence_parallel ? "on" : "off"},
+        {"--pp-schedule", c.pp_schedule},
+        {"--virtual-stages", std::to_string(c.virtual_stages)},
+        {"--pp-last-stage-layers", std::to_string(c.pp_last_stage_layers)},
+        {"--recompute", c.recompute},
+        {"--chunked-loss", c.chunked_loss ? "on" : "off"},
+        {"--val-every", std::to_string(c.val_every)},
+        {"--val-batches", std::to_string(c.val_batches)},
+        {"--val-data", c.val_data.empty() ? "none" : "given"},
+        {"--save-every", std::to_string(c.save_every)},
+        {"--sample-every", std::to_string(c.sample_every)},
+        {"--resume", resume_dir.empty() ? "none" : "given"}};
+    settings.insert(settings.end(), std::begin(more), std::end(more));
+    check_ranks_agree(world, settings);
+  }
   std::unique_ptr<nn::Transformer> model = build_model(source, mc, shard);
   if (!resume_dir.empty()) {
     try {
@@ -473,6 +522,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (c.shuffle) train_loader.shuffle_sequences(c.seed);
   std::unique_ptr<data::TokenLoader> val_loader;
   if (!c.val_data.empty()) val_loader = std::make_unique<data::TokenLoader>(c.val_data, c.batch_size, c.seq_len, mc.vocab_size, "--val-data");
+  // The data each rank reads (a path may differ between machines; what it holds may not).
+  check_ranks_agree(world, {{"--train-data's token count", std::to_string(train_loader.total_tokens())},
+                            {"--val-data's token count", val_loader ? std::to_string(val_loader->total_tokens()) : "none"}});
   // A vocabulary wider than 16 bits (LLaMA-3's 128,256) is not the tokenizer that wrote a
   // 16-bit shard (GPT-2's writes those): the ids are valid, the text they stand for is not.
   for (const data::TokenLoader* loader : {&train_loader, val_loader.get()}) {
