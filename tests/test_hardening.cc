@@ -553,6 +553,13 @@ TEST(Hardening, AFreshRunDoesNotOverwriteAnEarlierRunsCheckpoints) {
   train::TrainConfig unsaved = c;
   unsaved.save_every = 0;
   EXPECT_NO_THROW(train::run_training(unsaved));
+  EXPECT_EQ(io::checkpoints_in(c.out_dir), (std::vector<std::string>{"step_00000003", "step_00000004", "latest"}))
+      << "a run that saves nothing leaves them";
+  // ... unless it says --overwrite: then it starts afresh there too, and its plot is not
+  // drawn beside another run's checkpoints (it kept them, and replaced their loss.svg).
+  unsaved.overwrite = true;
+  EXPECT_NO_THROW(train::run_training(unsaved));
+  EXPECT_TRUE(io::checkpoints_in(c.out_dir).empty()) << "--overwrite removes the earlier run's checkpoints";
   // A first save that a kill interrupted before `latest` (a step directory, or its .tmp)
   // is no earlier run: starting again is not refused.
   train::TrainConfig interrupted = c;
