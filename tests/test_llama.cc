@@ -173,6 +173,18 @@ TEST(LlamaFiles, HuggingFaceExportIsHfsLayoutAndRoundTripsBitExactly) {
   nn::Transformer back(io::read_hf_config(out));
   io::load_hf(out, back);
   expect_same_weights(back, *m, 0, "fp32 round trip");
+  // llm.c -> HF -> llm.c is the same file, header included: HF's config has no field for
+  // Meta's FFN rounding (multiple_of, ffn_dim_multiplier), so tally's export carries it.
+  nn::Transformer d2(nn::TransformerConfig::preset("llama3-d2"));  // multiple_of 256; 512 also gives its width
+  d2.init_weights(3);
+  const std::string llmc = test::temp_path("d2.bin"), hf = test::temp_path("d2_hf"), again = test::temp_path("d2_again.bin");
+  io::save_llmc(llmc, d2);
+  io::save_hf(hf, d2);
+  nn::Transformer d2_back(io::read_hf_config(hf));
+  io::load_hf(hf, d2_back);
+  io::save_llmc(again, d2_back);
+  EXPECT_EQ(d2_back.config().multiple_of, 256);
+  EXPECT_TRUE(test::read_all(again) == test::read_all(llmc)) << "llm.c -> HF -> llm.c changed the file";
   // bf16: the weights rounded once, and a second round trip changes nothing.
   const std::string out16 = test::temp_path("hf_export_bf16");
   io::save_hf(out16, *m, true);

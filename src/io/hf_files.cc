@@ -173,7 +173,18 @@ nn::TransformerConfig llama_config(const std::string& path) {
     c.rope_high_freq_factor = number(r, "high_freq_factor", path);
     c.rope_original_max_position = integer(r, "original_max_position_embeddings", path);
   }
-  ffn_rounding(c);
+  // tally's exports carry Meta's rounding of the FFN width (which llm.c's header keeps and
+  // HuggingFace's config has no field for); other files get the first usual pair.
+  const bool has_rounding = j.contains("multiple_of") && j["multiple_of"].is_number_integer() &&
+                            j.contains("ffn_dim_multiplier") && j["ffn_dim_multiplier"].is_number();
+  if (has_rounding && j["multiple_of"].get<int64_t>() >= 1 &&
+      nn::llama_ffn_hidden(c.n_embd, j["multiple_of"].get<int64_t>(), j["ffn_dim_multiplier"].get<double>()) ==
+          c.ffn_hidden) {
+    c.multiple_of = j["multiple_of"].get<int64_t>();
+    c.ffn_dim_multiplier = j["ffn_dim_multiplier"].get<double>();
+  } else {
+    ffn_rounding(c);
+  }
   validate_from(c, path);
   return c;
 }
@@ -316,6 +327,11 @@ Tensor hf_rows_from_meta(const Tensor& meta, int64_t heads) {
 void load_llama(const HfSource& src, nn::Transformer& model) {
   const auto& c = model.config();
   const auto targets = llama_targets(model);
+  // The files hold the first vocab_size rows of the embedding and head; the padding rows
+  // are never looked up or predicted: zero (the block is allocated, not cleared).
+  for (size_t i = 0; i < model.params().size(); ++i)
+    if (model.params().spec(i).name == "wte" || model.params().spec(i).name == "lm_head")
+      model.params()[i].slice(0, c.vocab_size, c.padded_vocab_size).detach().zero_();
   std::set<std::string> loaded;
   for (const std::string& shard : src.shards) {
     SafetensorsFile f = read_safetensors(shard, Category::Other);
@@ -432,7 +448,10 @@ void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
               {"tie_word_embeddings", c.tie_embeddings},
               {"attention_bias", false},
               {"mlp_bias", false},
-              {"torch_dtype", bf16 ? "bfloat16" : "float32"}};
+              {"torch_dtype", bf16 ? "bfloat16" : "float32"},
+              // Meta's names (params.json): how intermediate_size was rounded, for llm.c's header.
+              {"multiple_of", c.multiple_of},
+              {"ffn_dim_multiplier", c.ffn_dim_multiplier}};
     if (c.rope_factor > 0)
       config["rope_scaling"] = {{"rope_type", "llama3"},
                                 {"factor", c.rope_factor},
