@@ -45,7 +45,7 @@ recipe=(--model d4 --train-data "$corpus/fortunes_train.bin" --val-data "$corpus
 for seed in "${seeds[@]}"; do
   echo "seed $seed:"
   for dtype in fp32 bf16; do
-    rm -f "$out/$seed.$dtype.jsonl"  # (--log-json appends)
+    rm -f "$out/$seed.$dtype.jsonl"
     "$root/build/tally" train "${recipe[@]}" --steps "$steps" --lr "$lr" --save-every 0 --dtype "$dtype" --seed "$seed" \
       --out-dir "$out/$seed.$dtype" --log-json "$out/$seed.$dtype.jsonl"
   done

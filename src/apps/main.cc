@@ -46,6 +46,16 @@ const CLI::Validator kNonNegativeInteger(
     },
     "");
 
+// A count of at least one (ranks, stages): CLI11's PositiveNumber says "Value 0 not in
+// range 0 to 1.8e308".
+const CLI::Validator kPositiveInteger(
+    [](std::string& value) {
+      const bool digits = !value.empty() && value.find_first_not_of("0123456789") == std::string::npos;
+      return digits && value.find_first_not_of('0') != std::string::npos ? std::string()
+                                                                          : "expected a positive integer, got " + value;
+    },
+    "");
+
 void add_train(CLI::App& app, train::TrainConfig& c) {
   auto* t = app.add_subcommand("train", "Train a GPT-2 or LLaMA-3 model on llm.c token shards");
   auto* preset = t->add_option("--model", c.model, kModelHelp)->capture_default_str();
@@ -93,7 +103,7 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
               "run is refused when it saves)");
   t->add_flag("--allow-recipe-change", c.allow_recipe_change,
               "Resume even if batch shape, schedule or optimizer differ from the checkpoint's run");
-  t->add_option("--log-json", c.log_json, "Append one JSON object per step to this file");
+  t->add_option("--log-json", c.log_json, "Write one JSON object per step to this file: a new run starts it empty, a --resume keeps its rows up to the checkpoint's step and appends");
   t->add_option("--sanitize", c.sanitize, "Memory sanitizer: off, warn or strict")->check(CLI::IsMember({"off", "warn", "strict"}))->capture_default_str();
   t->add_option("--mem-trace", c.mem_trace, "Write the memory history: a Perfetto/Chrome trace (.json) or an HTML report with a plot (.html)");
   t->add_flag("--quiet", c.quiet, "Print nothing but warnings and errors (no start-up, step or summary lines)");
@@ -517,15 +527,15 @@ int main(int argc, char** argv) {
   q->add_option("--world", pl.world, "Ranks the job would run on (mpirun -np; 0 = --dp x --tp x --pp)")->capture_default_str();
   q->add_option("--dp", pl.dp, "Data-parallel ranks (0 = --world / (--tp x --pp))")->capture_default_str();
   q->add_option("--tp", pl.tp, "Tensor-parallel ranks (Megatron's split of heads, MLP width and vocabulary)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(kPositiveInteger)->capture_default_str();
   q->add_flag("--sp", pl.sp, "Sequence parallel over the --tp group");
-  q->add_option("--pp", pl.pp, "Pipeline stages")->check(CLI::PositiveNumber)->capture_default_str();
+  q->add_option("--pp", pl.pp, "Pipeline stages")->check(kPositiveInteger)->capture_default_str();
   q->add_option("--pp-schedule", pl.pp_schedule, "Pipeline schedule: gpipe, 1f1b or interleaved")
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}))->capture_default_str();
   q->add_option("--virtual-stages", pl.virtual_stages, "Model chunks per pipeline rank (interleaved)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(kPositiveInteger)->capture_default_str();
   q->add_option("--pp-last-stage-layers", pl.pp_last_stage_layers, "Layers of the last pipeline stage (0: even split)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(kNonNegativeInteger)->capture_default_str();
   q->add_option("--zero", pl.zero, "ZeRO stage 0-3")->capture_default_str();
   q->add_flag("--val", pl.val, "The run validates (--val-data): count its loader's buffers");
   q->add_option("--dtype", pl.dtype, "GEMM precision of the run: fp32 or bf16 (mixed precision)")
