@@ -274,6 +274,19 @@ TEST(LlamaModel, PresetsHaveMetasParameterCounts) {
   nn::Transformer small(nn::TransformerConfig::preset("llama3-d2"));
   EXPECT_EQ(train::parameter_count(small.config()), small.num_parameters());
   EXPECT_EQ(train::parameter_count(tiny_llama()->config()), tiny_llama()->num_parameters());
+  // Every llama3-dN the help offers is a valid model: N heads sharing N/2 key/value heads
+  // (grouped-query attention) when N is even, else the largest divisor of N up to N/2
+  // (odd N >= 5 had N/2, which does not divide N: "n_head 5 is not a multiple of 2").
+  for (int n = 1; n <= 64; ++n) {
+    const std::string name = "llama3-d" + std::to_string(n);
+    nn::TransformerConfig c;
+    ASSERT_NO_THROW(c = nn::TransformerConfig::preset(name)) << name;
+    EXPECT_EQ(c.n_head, n) << name;
+    EXPECT_EQ(c.n_head % c.n_kv_head, 0) << name;
+    if (n % 2 == 0) EXPECT_EQ(c.n_kv_head, n / 2) << name;
+  }
+  for (auto [n, kv] : {std::pair{1, 1}, {3, 1}, {5, 1}, {9, 3}, {15, 5}, {63, 21}})
+    EXPECT_EQ(nn::TransformerConfig::preset("llama3-d" + std::to_string(n)).n_kv_head, kv) << "llama3-d" << n;
 }
 
 namespace {

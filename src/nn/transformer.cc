@@ -121,8 +121,12 @@ TransformerConfig TransformerConfig::preset(const std::string& name) {
   else if (name == "llama3.2-3b") llama(28, 24, 8, 3072, 256, 1.0, 32, true, 131072);
   else if (name == "llama3.1-8b") llama(32, 32, 8, 4096, 1024, 1.3, 8, false, 131072);
   else if (name.rfind("llama3-d", 0) == 0) {
+    // depth heads sharing half as many key/value heads (grouped-query attention, as
+    // LLaMA-3's own sizes do); for an odd depth the largest divisor up to half of it.
     const int64_t depth = depth_of(name.substr(8));
-    llama(depth, depth, std::max<int64_t>(1, depth / 2), 64 * depth, 256, 0, 8, true, 8192);
+    int64_t kv_heads = std::max<int64_t>(1, depth / 2);
+    while (depth % kv_heads != 0) --kv_heads;
+    llama(depth, depth, kv_heads, 64 * depth, 256, 0, 8, true, 8192);
   } else if (name.size() >= 2 && name[0] == 'd' && name.find_first_not_of("0123456789", 1) == std::string::npos) {
     const int64_t depth = depth_of(name.substr(1));
     set(depth, depth, 64 * depth);
