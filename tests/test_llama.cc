@@ -283,7 +283,9 @@ TEST(LlamaModel, PresetsHaveMetasParameterCounts) {
     ASSERT_NO_THROW(c = nn::TransformerConfig::preset(name)) << name;
     EXPECT_EQ(c.n_head, n) << name;
     EXPECT_EQ(c.n_head % c.n_kv_head, 0) << name;
-    if (n % 2 == 0) EXPECT_EQ(c.n_kv_head, n / 2) << name;
+    if (n % 2 == 0) {
+      EXPECT_EQ(c.n_kv_head, n / 2) << name;
+    }
   }
   for (auto [n, kv] : {std::pair{1, 1}, {3, 1}, {5, 1}, {9, 3}, {15, 5}, {63, 21}})
     EXPECT_EQ(nn::TransformerConfig::preset("llama3-d" + std::to_string(n)).n_kv_head, kv) << "llama3-d" << n;
