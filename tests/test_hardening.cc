@@ -448,6 +448,8 @@ TEST(Hardening, BadOutputPathsFailBeforeTraining) {
   for (const Case& k : {Case{"--out-dir", [&](train::TrainConfig& t) { t.out_dir = file + "/sub"; }},
                         Case{"--log-json", [&](train::TrainConfig& t) { t.log_json = file + "/sub/log.jsonl"; }},
                         Case{"--mem-trace", [&](train::TrainConfig& t) { t.mem_trace = file + "/sub/trace.json"; }},
+                        // Not a file it can write: refused at the start, not after the run.
+                        Case{"--mem-trace", [&](train::TrainConfig& t) { t.mem_trace = "/dev/full"; }},
                         Case{"--train-data", [&](train::TrainConfig& t) { t.train_data = file + "_*.bin"; }},
                         Case{"--val-data", [&](train::TrainConfig& t) { t.val_data = file + "_*.bin"; }}}) {
     train::TrainConfig b = tiny_config(c.train_data);

@@ -1,6 +1,7 @@
 #include "io/hf_files.h"
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <set>
 
@@ -239,6 +240,13 @@ nn::TransformerConfig gpt2_config(const HfSource& src) {
     TALLY_CHECK(c.n_embd % 64 == 0, "HuggingFace GPT-2 file '", f.path, "': width ", c.n_embd,
                 " is not a multiple of GPT-2's 64-wide heads and the file has no n_head metadata");
     c.n_head = c.n_embd / 64;
+    // A guess that changes the model's function if wrong: say so, once per file.
+    static std::set<std::string> warned;
+    if (warned.insert(f.path).second)
+      std::fprintf(stderr, "tally: warning: HuggingFace GPT-2 file '%s' has no config.json beside it and no n_head "
+                   "metadata: assuming GPT-2's 64-wide heads, %lld heads for the width %lld; put a config.json with n_head "
+                   "beside it if the model has others\n", f.path.c_str(), static_cast<long long>(c.n_head),
+                   static_cast<long long>(c.n_embd));
   }
   TALLY_CHECK(c.n_head > 0 && c.n_embd % c.n_head == 0, "HuggingFace GPT-2 file '", f.path, "': ", c.n_head,
               " heads do not divide the width ", c.n_embd);

@@ -370,9 +370,13 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // Paths are checked before anything runs, so a bad one fails now, not after every step.
   TALLY_CHECK(!fs::exists(c.out_dir) || fs::is_directory(c.out_dir), "--out-dir '", c.out_dir,
               "' is a file, expected a directory");
-  if (!c.mem_trace.empty())
+  if (!c.mem_trace.empty()) {
     TALLY_CHECK(!fs::is_directory(c.mem_trace), "--mem-trace '", c.mem_trace,
                 "' is a directory, expected a file path ending in .json or .html");
+    // Written at the end of the run: a path it cannot replace (a device) would fail only then.
+    TALLY_CHECK(!fs::exists(c.mem_trace) || fs::is_regular_file(c.mem_trace), "--mem-trace '", c.mem_trace,
+                "' exists and is not a regular file, expected a file path ending in .json or .html");
+  }
   if (root) {
     io::create_directories_for("--out-dir", c.out_dir, c.out_dir);
     if (!c.mem_trace.empty())
