@@ -234,6 +234,22 @@ TEST(Launch, NegativeSeedsTwoModelSourcesAndAnEmptyRunAreSaidSo) {
   EXPECT_NE(empty.output.find("nothing to train: the run is at step 0 of --steps 0"), std::string::npos) << empty.output;
 }
 
+// A mistyped command was answered "A subcommand is required"; a zero count of ranks or
+// stages "Value 0 not in range 0.000000 to 1.79e308".
+TEST(Launch, AMistypedCommandOrAZeroCountIsNamed) {
+  Outcome o = run(std::string(TALLY_CLI) + " trian --model d2");
+  EXPECT_NE(o.exit_code, 0);
+  EXPECT_NE(o.output.find("tally: unknown command 'trian' (commands: train, sample,"), std::string::npos) << o.output;
+  o = run(std::string(TALLY_CLI) + " memory reprot x.json");
+  EXPECT_NE(o.exit_code, 0);
+  EXPECT_NE(o.output.find("tally memory: unknown command 'reprot' (commands: report, diff;"), std::string::npos) << o.output;
+  for (const char* flag : {"--pp", "--tp", "--virtual-stages"}) {
+    o = run(std::string(TALLY_CLI) + " plan --model d2 " + flag + " 0");
+    EXPECT_NE(o.exit_code, 0) << flag;
+    EXPECT_NE(o.output.find(std::string(flag) + ": expected a positive integer, got 0"), std::string::npos) << o.output;
+  }
+}
+
 TEST(Launch, SamplingWithASmallerTokenizerWarnsAndShowsTheIdsItLacks) {
   // A model with 128,256 tokens sampled through a 257-token tokenizer failed mid-sample
   // with "token id N is out of range", naming neither the model nor the tokenizer.

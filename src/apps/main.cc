@@ -451,6 +451,29 @@ std::string error_message(const std::exception& e) {
   return "tally: " + what;
 }
 
+// CLI11 answers a mistyped command ("tally trian", "tally memory reprot") with "A
+// subcommand is required": name the word and the commands there are instead.
+std::string unknown_command(CLI::App& app, int argc, char** argv) {
+  CLI::App* level = &app;
+  std::string path = "tally";
+  for (int i = 1; i < argc; ++i) {
+    const std::string word = argv[i];
+    const std::vector<CLI::App*> commands = level->get_subcommands([](CLI::App*) { return true; });
+    if (word.empty() || word[0] == '-' || commands.empty()) return "";
+    CLI::App* next = nullptr;
+    for (CLI::App* c : commands)
+      if (c->check_name(word)) next = c;
+    if (!next) {
+      std::string names;
+      for (const CLI::App* c : commands) names += (names.empty() ? "" : ", ") + c->get_name();
+      return path + ": unknown command '" + word + "' (commands: " + names + "; `" + path + " --help` says what each does)";
+    }
+    level = next;
+    path += " " + word;
+  }
+  return "";
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"tally: train GPT-2 and LLaMA-3 with flat memory and every byte accounted for"};
   app.require_subcommand(1);
@@ -549,6 +572,10 @@ int main(int argc, char** argv) {
   p->add_option("-o,--out", pa.out, "The SVG to write")->capture_default_str();
   p->add_option("--title", pa.title, "The plot's title")->capture_default_str();
 
+  if (const std::string unknown = unknown_command(app, argc, argv); !unknown.empty()) {
+    std::fprintf(stderr, "%s\n", unknown.c_str());
+    return 2;
+  }
   CLI11_PARSE(app, argc, argv);
   if (app.got_subcommand("train")) {
     tc.model_given = app.get_subcommand("train")->get_option("--model")->count() > 0;
