@@ -250,6 +250,25 @@ TEST(Launch, AMistypedCommandOrAZeroCountIsNamed) {
   }
 }
 
+// tokenize read any file that is not a directory as an llm.c tokenizer .bin ("bad magic",
+// "cannot open llm.c tokenizer"), which it refuses anyway; plot -o '' failed renaming its
+// temporary file to ''.
+TEST(Launch, ToolsNameTheInputTheyExpected) {
+  const std::string text = test::temp_path("text.txt");
+  test::write_all(text, "hello\n");
+  Outcome o = run(std::string(TALLY_CLI) + " tokenize --tokenizer " + text + " --out " + test::temp_path("tk") + " " + text);
+  EXPECT_NE(o.exit_code, 0);
+  EXPECT_NE(o.output.find("tokenize: --tokenizer '" + text + "' is not one: expected a directory with tokenizer.json"),
+            std::string::npos) << o.output;
+  o = run(std::string(TALLY_CLI) + " tokenize --tokenizer /nonexistent/x --out " + test::temp_path("tk") + " " + text);
+  EXPECT_NE(o.output.find("--tokenizer '/nonexistent/x' does not exist: expected"), std::string::npos) << o.output;
+  const std::string log = test::temp_path("l.jsonl");
+  test::write_all(log, "{\"step\":1,\"loss\":9.0,\"lr\":0.001,\"tokens\":64}\n");
+  o = run(std::string(TALLY_CLI) + " plot " + log + " -o ''");
+  EXPECT_NE(o.exit_code, 0);
+  EXPECT_NE(o.output.find("plot: -o '' must name the SVG file to write"), std::string::npos) << o.output;
+}
+
 TEST(Launch, SamplingWithASmallerTokenizerWarnsAndShowsTheIdsItLacks) {
   // A model with 128,256 tokens sampled through a 257-token tokenizer failed mid-sample
   // with "token id N is out of range", naming neither the model nor the tokenizer.

@@ -66,7 +66,12 @@ TEST(MemoryTools, ATraceRoundTripsEveryEventAndThePlan) {
   test::write_all(path, "{\"step\": 1, \"loss\": 5.0}\n{\"step\": 2, \"loss\": 4.9}\n");
   const std::string msg = test::message_of<Error>([&] { memory::read_memory_trace(path); });
   EXPECT_NE(msg.find("is not one JSON document"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("not a --log-json file"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("this looks like a --log-json file"), std::string::npos) << msg;
+  // The report page given for its trace: it said "not a --log-json file".
+  test::write_all(path, "<!DOCTYPE html>\n<html><body>report</body></html>\n");
+  const std::string page = test::message_of<Error>([&] { memory::read_memory_trace(path); });
+  EXPECT_NE(page.find("this looks like an HTML page (a report; `--mem-trace F.json` writes the trace itself)"),
+            std::string::npos) << page;
 }
 
 TEST(MemoryTools, TheReportRendersInAHeadlessBrowserWithTheOwnersAtThePeak) {

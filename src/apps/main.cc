@@ -312,6 +312,16 @@ struct TokenizeArgs {
 // are shuffled first; the last --val-fraction of the tokens go to <prefix>_val.bin, the
 // rest to <prefix>_train.bin, on a document boundary where one is near (data/documents.h).
 int run_tokenize(const TokenizeArgs& a) {
+  // Only an encoding tokenizer will do: say so of a path that is not one (load_path would
+  // read any other file as an llm.c tokenizer .bin and report its magic).
+  {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    TALLY_CHECK(fs::is_directory(a.tokenizer, ec) || fs::path(a.tokenizer).extension() == ".json",
+                "tokenize: --tokenizer '", a.tokenizer, "' ", fs::exists(a.tokenizer, ec) ? "is not one" : "does not exist",
+                ": expected a directory with tokenizer.json (LLaMA-3) or encoder.json + vocab.bpe (GPT-2), or a "
+                "tokenizer.json");
+  }
   data::Tokenizer tok = data::Tokenizer::load_path(a.tokenizer);
   TALLY_CHECK(tok.can_encode(), "tokenize: --tokenizer must hold tokenizer.json or encoder.json + vocab.bpe (an llm.c "
               "tokenizer .bin only decodes)");
@@ -430,6 +440,7 @@ std::string run_name(const std::string& path) {
 }
 
 int run_plot(const PlotArgs& a) {
+  TALLY_CHECK(!a.out.empty() && !fs::is_directory(a.out), "plot: -o '", a.out, "' must name the SVG file to write");
   std::vector<train::RunCurve> runs;
   for (const std::string& log : a.logs) runs.push_back(train::read_run_log(log, run_name(log)));
   io::create_directories_for("-o", a.out, fs::path(a.out).parent_path().string());

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cctype>
 #include <fstream>
 #include <memory>
 #include <unordered_map>
@@ -131,8 +132,15 @@ MemoryTrace read_memory_trace(const std::string& path) {
       trace.events.push_back(ev);
     }
   } catch (const nlohmann::json::parse_error& e) {
+    // Say what the file is when it is one of tally's own others: a report page, a step log.
+    std::ifstream again(path, std::ios::binary);
+    char first = 0;
+    while (again.get(first) && std::isspace(static_cast<unsigned char>(first))) {
+    }
+    const char* what = first == '<' ? "an HTML page (a report; `--mem-trace F.json` writes the trace itself)"
+                                    : "a --log-json file, or not JSON at all";
     TALLY_FAIL("memory trace '", path, "' is not one JSON document (", e.what(),
-               "): the memory tools read what `tally train --mem-trace F.json` writes, not a --log-json file");
+               "): the memory tools read what `tally train --mem-trace F.json` writes; this looks like ", what);
   } catch (const nlohmann::json::exception& e) {
     TALLY_FAIL("memory trace '", path, "': ", e.what());
   }
