@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dist/pipeline.h"
+#include "io/hf_files.h"
 #include "io/model_files.h"
 #include "support.h"
 #include "train/plan.h"
@@ -407,6 +408,20 @@ TEST(Plan, AShardIsBuiltOneWholeParameterAtATimeWithTheWholeModelsValues) {
     io::save_llmc(bf16_file, whole, /*bf16=*/true);
     nn::Transformer whole_bf16(config, {}, false);
     io::load_llmc(bf16_file, whole_bf16);
+    const std::string hf_dir = test::temp_path("whole_hf");
+    io::save_hf(hf_dir, whole);
+    {
+      // One process: reading HuggingFace files holds a tensor at a time (and LLaMA's q and
+      // k once more, re-ordered), not the file beside the model.
+      nn::Transformer from_hf(config, {}, false);
+      int64_t largest = 0;
+      for (size_t i = 0; i < from_hf.params().size(); ++i) largest = std::max(largest, from_hf.params()[i].numel());
+      ledger.reset_peaks();
+      const int64_t before = ledger.stats().allocated;
+      io::load_hf(hf_dir, from_hf);
+      EXPECT_LE(ledger.stats().peak_allocated - before, 2 * 4 * largest) << config.describe();
+      EXPECT_EQ(test::compare(from_hf.params().flat_params(), whole.params().flat_params()).max_abs, 0.0) << config.describe();
+    }
     // (pp, stage, virtual stages, tp, tp rank): pipeline only, tensor only, both, interleaved.
     const int layouts[][5] = {{2, 1, 1, 1, 0}, {1, 0, 1, 2, 1}, {2, 0, 1, 2, 1}, {2, 1, 1, 2, 0}};
     for (const auto& l : layouts) {
@@ -423,10 +438,12 @@ TEST(Plan, AShardIsBuiltOneWholeParameterAtATimeWithTheWholeModelsValues) {
       EXPECT_EQ(ledger.stats().peak_allocated - before, 8 * drawn.num_parameters() + rotary + scratch) << what;
       if (l[3] > 1) EXPECT_GT(scratch, 0) << what;
       else EXPECT_EQ(scratch, 0) << what << ": a pipeline-only shard holds each of its parameters whole";
-      nn::Transformer cut(config, shard), read(config, shard), read_bf16(config, shard), cut_bf16(config, shard);
+      nn::Transformer cut(config, shard), read(config, shard), read_bf16(config, shard), cut_bf16(config, shard),
+          read_hf(config, shard);
       cut.load_shard_from(whole);
       io::load_llmc(fp32_file, read);
       io::load_llmc(bf16_file, read_bf16);
+      io::load_hf(hf_dir, read_hf);
       cut_bf16.load_shard_from(whole_bf16);
       ASSERT_GT(drawn.params().size(), 0u);
       for (size_t i = 0; i < drawn.params().size(); ++i) {
@@ -434,6 +451,7 @@ TEST(Plan, AShardIsBuiltOneWholeParameterAtATimeWithTheWholeModelsValues) {
         EXPECT_EQ(test::compare(drawn.params()[i], cut.params()[i]).max_abs, 0.0) << name << ": drawn";
         EXPECT_EQ(test::compare(read.params()[i], cut.params()[i]).max_abs, 0.0) << name << ": read (fp32 file)";
         EXPECT_EQ(test::compare(read_bf16.params()[i], cut_bf16.params()[i]).max_abs, 0.0) << name << ": read (bf16 file)";
+        EXPECT_EQ(test::compare(read_hf.params()[i], cut.params()[i]).max_abs, 0.0) << name << ": read (HuggingFace files)";
       }
     }
   }

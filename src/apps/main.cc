@@ -268,7 +268,6 @@ int run_plan(const PlanArgs& a) {
   in.pp = a.pp;
   in.pp_schedule = a.pp_schedule;
   in.virtual_stages = a.virtual_stages;
-  in.whole_source = !a.init_from.empty() && model_parallel > 1;
   in.pp_last_stage_layers = a.pp_last_stage_layers;
   in.zero = a.zero;
   in.val_loader = a.val;

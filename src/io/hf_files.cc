@@ -205,22 +205,22 @@ std::string gpt2_key(const SafetensorsFile& f, const std::string& hf_name) {
 }
 
 nn::TransformerConfig gpt2_config(const HfSource& src) {
-  SafetensorsFile f = read_safetensors(src.shards.at(0), Category::Other);
+  const SafetensorsFile f = index_safetensors(src.shards.at(0));  // the header: shapes, no weights
   auto key = [&](const std::string& name) {
     const std::string k = gpt2_key(f, name);
     TALLY_CHECK(!k.empty(), "HuggingFace GPT-2 file '", f.path, "': missing tensor '", name, "'");
     return k;
   };
-  const Tensor& wte = f.at(key("wte.weight"));
-  const Tensor& wpe = f.at(key("wpe.weight"));
-  TALLY_CHECK(wte.dim() == 2 && wpe.dim() == 2 && wte.shape()[1] == wpe.shape()[1], "HuggingFace GPT-2 file '",
-              f.path, "': wte.weight ", shape_str(wte.shape()), " and wpe.weight ", shape_str(wpe.shape()),
+  const Shape& wte = f.entry(key("wte.weight")).shape;
+  const Shape& wpe = f.entry(key("wpe.weight")).shape;
+  TALLY_CHECK(wte.size() == 2 && wpe.size() == 2 && wte[1] == wpe[1], "HuggingFace GPT-2 file '",
+              f.path, "': wte.weight ", shape_str(wte), " and wpe.weight ", shape_str(wpe),
               " must be 2-D with the same width");
   nn::TransformerConfig c;
-  c.vocab_size = wte.shape()[0];
+  c.vocab_size = wte[0];
   c.padded_vocab_size = (c.vocab_size + 127) / 128 * 128;
-  c.n_embd = wte.shape()[1];
-  c.max_seq_len = wpe.shape()[0];
+  c.n_embd = wte[1];
+  c.max_seq_len = wpe[0];
   int64_t L = 0;
   while (!gpt2_key(f, "h." + std::to_string(L) + ".ln_1.weight").empty()) ++L;
   TALLY_CHECK(L > 0, "HuggingFace GPT-2 file '", f.path, "': no layers (h.0.ln_1.weight) found");
@@ -278,15 +278,13 @@ nn::TransformerConfig gpt2_config(const HfSource& src) {
   return c;
 }
 
-void require_float(const Tensor& src, const std::string& file, const std::string& name) {
-  // Integer tensors would be converted value by value into weights: refuse them.
-  TALLY_CHECK(src.dtype() == DType::F32 || src.dtype() == DType::BF16 || src.dtype() == DType::F64, "'", file, "': ",
-              name, " is ", dtype_name(src.dtype()), ", expected a float weight (F32, BF16 or F64)");
-}
-
-void require_shape(const Tensor& src, const Shape& want, const std::string& file, const std::string& name) {
-  TALLY_CHECK(src.shape() == want, "'", file, "': ", name, " is ", shape_str(src.shape()), ", expected ",
-              shape_str(want));
+// A tensor's header entry, checked before any weight is read: a float dtype (integer
+// tensors would be converted value by value into weights) and the shape the model needs.
+void require_weight(const SafetensorsFile::Entry& src, const Shape& want, const std::string& file,
+                    const std::string& name) {
+  TALLY_CHECK(src.dtype == DType::F32 || src.dtype == DType::BF16 || src.dtype == DType::F64, "'", file, "': ", name,
+              " is ", dtype_name(src.dtype), ", expected a float weight (F32, BF16 or F64)");
+  TALLY_CHECK(src.shape == want, "'", file, "': ", name, " is ", shape_str(src.shape), ", expected ", shape_str(want));
 }
 
 // What one HF LLaMA tensor becomes: rows [row0, row0 + rows) of parameter `param`, with
@@ -332,17 +330,19 @@ Tensor hf_rows_from_meta(const Tensor& meta, int64_t heads) {
   return meta.view({heads, half, 2, cols}).transpose(1, 2).reshape({rows, cols});
 }
 
+// Both loaders check every tensor's header entry first, then fill the model (whole, or a
+// tensor/pipeline shard) one whole parameter at a time, reading only the tensors it keeps
+// a part of (Transformer::fill_whole_parameters): a load holds one tensor beside the
+// model, never the file.
 void load_llama(const HfSource& src, nn::Transformer& model) {
   const auto& c = model.config();
-  const auto targets = llama_targets(model);
-  // The files hold the first vocab_size rows of the embedding and head; the padding rows
-  // are never looked up or predicted: zero (the block is allocated, not cleared).
-  for (size_t i = 0; i < model.params().size(); ++i)
-    if (model.params().spec(i).name == "wte" || model.params().spec(i).name == "lm_head")
-      model.params()[i].slice(0, c.vocab_size, c.padded_vocab_size).detach().zero_();
-  std::set<std::string> loaded;
+  const nn::Transformer whole = nn::Transformer::layout_only(c);
+  const auto targets = llama_targets(whole);
+  std::vector<SafetensorsFile> files;
+  std::map<size_t, std::vector<std::pair<std::string, size_t>>> sources;  // whole parameter -> (tensor, file)
   for (const std::string& shard : src.shards) {
-    SafetensorsFile f = read_safetensors(shard, Category::Other);
+    files.push_back(index_safetensors(shard));
+    const SafetensorsFile& f = files.back();
     for (const std::string& name : f.order) {
       auto it = targets.find(name);
       if (it == targets.end()) {
@@ -353,51 +353,61 @@ void load_llama(const HfSource& src, nn::Transformer& model) {
         TALLY_FAIL("HuggingFace LLaMA file '", shard, "': unexpected tensor '", name, "' for ", c.describe(),
                    " (config.json and the weights disagree)");
       }
-      const Tensor& in = f.at(name);
-      require_float(in, shard, name);
       const LlamaTarget& t = it->second;
-      const Tensor& param = model.params()[t.param];
-      Shape want = param.shape();
+      Shape want = whole.params().spec(t.param).shape;
       want[0] = t.rows;
-      require_shape(in, want, shard, name);
-      Tensor rows = param.slice(0, t.row0, t.row0 + t.rows).detach();
-      rows.copy_(t.heads ? meta_rows_from_hf(in, t.heads) : in);
-      param.storage().bump_version();
-      loaded.insert(name);
+      require_weight(f.entry(name), want, shard, name);
+      sources[t.param].emplace_back(name, files.size() - 1);
     }
   }
-  for (const auto& [name, t] : targets)
-    TALLY_CHECK(loaded.count(name), "HuggingFace LLaMA model (", src.shards.front(), "...): tensor '", name,
-                "' is missing");
+  for (const auto& [name, t] : targets) {
+    bool found = false;
+    for (const auto& [tensor, file] : sources[t.param]) found |= tensor == name;
+    TALLY_CHECK(found, "HuggingFace LLaMA model (", src.shards.front(), "...): tensor '", name, "' is missing");
+  }
+  model.fill_whole_parameters([&](const nn::LlmcTensor&, size_t index, const nn::ParameterSpec& spec, const Tensor& target) {
+    if (!target.defined()) return;
+    // The files hold the first vocab_size rows of the embedding and head; the padding rows
+    // are never looked up or predicted: zero.
+    if (spec.name == "wte" || spec.name == "lm_head") target.slice(0, c.vocab_size, c.padded_vocab_size).zero_();
+    for (const auto& [name, file] : sources[index]) {
+      const LlamaTarget& t = targets.at(name);
+      const Tensor rows = target.slice(0, t.row0, t.row0 + t.rows);
+      if (t.heads) rows.copy_(meta_rows_from_hf(files[file].read(name, Category::Other), t.heads));
+      else files[file].read_into(name, rows);
+    }
+  });
 }
 
 void load_gpt2(const HfSource& src, nn::Transformer& model) {
   TALLY_CHECK(src.shards.size() == 1, "HuggingFace GPT-2: sharded files are not supported (", src.shards.size(),
               " shards)");
   const std::string& path = src.shards[0];
-  SafetensorsFile f = read_safetensors(path, Category::Other);
-  auto& params = model.params();
+  const SafetensorsFile f = index_safetensors(path);
   const auto& c = model.config();
-  for (size_t i = 0; i < params.size(); ++i) {
-    const std::string& name = params.spec(i).name;
-    const Tensor& dst = params[i];
+  const nn::Transformer whole = nn::Transformer::layout_only(c);
+  std::vector<std::string> keys;  // the file's name of each whole parameter
+  for (size_t i = 0; i < whole.params().size(); ++i) {
+    const std::string& name = whole.params().spec(i).name;
+    const Shape& shape = whole.params().spec(i).shape;
     const std::string hf_name = gpt2_hf_name(name);
-    const std::string key = gpt2_key(f, hf_name);
-    TALLY_CHECK(!key.empty(), "HuggingFace GPT-2 file '", path, "': missing tensor '", hf_name, "'");
-    const Tensor& src_t = f.at(key);
-    require_float(src_t, path, hf_name);
-    if (name == "wte") {
-      require_shape(src_t, {c.vocab_size, c.n_embd}, path, "wte.weight");
-      dst.zero_();
-      dst.slice(0, 0, c.vocab_size).detach().copy_(src_t);
-    } else if (gpt2_conv1d(name)) {
-      require_shape(src_t, {dst.shape()[1], dst.shape()[0]}, path, name + " (Conv1D layout: in, out)");
-      dst.copy_(src_t.transpose(0, 1));
-    } else {
-      require_shape(src_t, dst.shape(), path, name);
-      dst.copy_(src_t);
-    }
+    keys.push_back(gpt2_key(f, hf_name));
+    TALLY_CHECK(!keys.back().empty(), "HuggingFace GPT-2 file '", path, "': missing tensor '", hf_name, "'");
+    if (name == "wte") require_weight(f.entry(keys.back()), {c.vocab_size, c.n_embd}, path, "wte.weight");
+    else if (gpt2_conv1d(name)) require_weight(f.entry(keys.back()), {shape[1], shape[0]}, path, name + " (Conv1D layout: in, out)");
+    else require_weight(f.entry(keys.back()), shape, path, name);
   }
+  model.fill_whole_parameters([&](const nn::LlmcTensor&, size_t index, const nn::ParameterSpec& spec, const Tensor& target) {
+    if (!target.defined()) return;
+    if (spec.name == "wte") {
+      target.zero_();
+      f.read_into(keys[index], target.slice(0, 0, c.vocab_size));
+    } else if (gpt2_conv1d(spec.name)) {
+      target.copy_(f.read(keys[index], Category::Other).transpose(0, 1));
+    } else {
+      f.read_into(keys[index], target);
+    }
+  });
 }
 }  // namespace
 

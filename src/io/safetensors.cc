@@ -42,7 +42,48 @@ const Tensor& SafetensorsFile::at(const std::string& name) const {
   return it->second;
 }
 
+const SafetensorsFile::Entry& SafetensorsFile::entry(const std::string& name) const {
+  auto it = entries.find(name);
+  TALLY_CHECK(it != entries.end(), "safetensors '", path, "': no tensor named '", name, "'");
+  return it->second;
+}
+
+Tensor SafetensorsFile::read(const std::string& name, Category category) const {
+  const Entry& e = entry(name);
+  std::ifstream in;
+  int64_t size = 0;
+  open_input(path, "safetensors file", in, &size);
+  Tensor t = Tensor::empty(e.shape, e.dtype, Device::cpu(), make_owner(category, name));
+  in.seekg(data_start + e.begin);
+  in.read(static_cast<char*>(t.raw_data()), e.end - e.begin);
+  TALLY_CHECK(in.good(), "safetensors '", path, "': failed reading tensor '", name, "'");
+  t.set_name(name);
+  return t;
+}
+
+void SafetensorsFile::read_into(const std::string& name, const Tensor& dst) const {
+  const Entry& e = entry(name);
+  TALLY_CHECK(dst.shape() == e.shape, "safetensors '", path, "': tensor '", name, "' is ", shape_str(e.shape),
+              ", read into ", shape_str(dst.shape()));
+  if (dst.dtype() != e.dtype || !dst.is_contiguous() || !dst.device().is_cpu()) {
+    dst.copy_(read(name, Category::Other));
+    return;
+  }
+  std::ifstream in;
+  int64_t size = 0;
+  open_input(path, "safetensors file", in, &size);
+  in.seekg(data_start + e.begin);
+  in.read(static_cast<char*>(dst.raw_data()), e.end - e.begin);
+  TALLY_CHECK(in.good(), "safetensors '", path, "': failed reading tensor '", name, "'");
+}
+
 SafetensorsFile read_safetensors(const std::string& path, Category category) {
+  SafetensorsFile f = index_safetensors(path);
+  for (const std::string& name : f.order) f.tensors.emplace(name, f.read(name, category));
+  return f;
+}
+
+SafetensorsFile index_safetensors(const std::string& path) {
   int64_t file_size = 0;
   std::ifstream in;
   open_input(path, "safetensors file", in, &file_size);
@@ -68,6 +109,7 @@ SafetensorsFile read_safetensors(const std::string& path, Category category) {
   const int64_t data_size = file_size - data_start;
   SafetensorsFile f;
   f.path = path;
+  f.data_start = data_start;
   std::vector<std::pair<int64_t, int64_t>> ranges;
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string& name = it.key();
@@ -101,12 +143,7 @@ SafetensorsFile read_safetensors(const std::string& path, Category category) {
                                          "': tensor '", name, "' ", shape_str(shape), " bytes");
     TALLY_CHECK(offs[1] - offs[0] == expected, "safetensors '", path, "': tensor '", name, "' ", dtype_name(dt),
                 shape_str(shape), " needs ", expected, " bytes but its data range holds ", offs[1] - offs[0]);
-    Tensor t = Tensor::empty(shape, dt, Device::cpu(), make_owner(category, name));
-    in.seekg(data_start + offs[0]);
-    in.read(static_cast<char*>(t.raw_data()), expected);
-    TALLY_CHECK(in.good(), "safetensors '", path, "': failed reading tensor '", name, "'");
-    t.set_name(name);
-    f.tensors.emplace(name, t);
+    f.entries.emplace(name, SafetensorsFile::Entry{dt, shape, offs[0], offs[1]});
     f.order.push_back(name);
     ranges.emplace_back(offs[0], offs[1]);
   }

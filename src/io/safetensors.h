@@ -11,17 +11,36 @@
 namespace tally::io {
 
 struct SafetensorsFile {
-  std::map<std::string, Tensor> tensors;          // CPU tensors, in file dtypes
+  // What the header says of one tensor: its dtype, shape and bytes [begin, end) of the
+  // data section.
+  struct Entry {
+    DType dtype = DType::F32;
+    Shape shape;
+    int64_t begin = 0, end = 0;
+  };
+  std::map<std::string, Entry> entries;           // every tensor the header lists
+  std::map<std::string, Tensor> tensors;          // CPU tensors, in file dtypes (read_safetensors)
   std::map<std::string, std::string> metadata;
   std::vector<std::string> order;                 // names in file order
+  int64_t data_start = 0;                         // the data section's first byte in the file
 
-  const Tensor& at(const std::string& name) const;  // throws naming the file and tensor
-  bool has(const std::string& name) const { return tensors.count(name) > 0; }
+  const Tensor& at(const std::string& name) const;  // a tensor read_safetensors read; throws naming the file and tensor
+  const Entry& entry(const std::string& name) const;  // throws likewise
+  bool has(const std::string& name) const { return entries.count(name) > 0; }
+  // Reads one tensor from the file (CPU, its file dtype), owned by `category`.
+  Tensor read(const std::string& name, Category category = Category::Data) const;
+  // Reads one tensor into `dst` (its shape; any float dtype): straight into it when it is
+  // contiguous and of the file's dtype, else through one tensor of the file's, converted.
+  void read_into(const std::string& name, const Tensor& dst) const;
   std::string path;
 };
 
-// Reads and validates the whole file (header JSON, dtypes, shapes vs byte ranges, ranges
-// inside the file and tiling the data section). Errors name the file and the problem.
+// Reads and validates the header (JSON, dtypes, shapes against byte ranges, ranges inside
+// the file and tiling the data section), not the data: tensors are then read one at a
+// time (SafetensorsFile::read), so a loader holds one beside the model, never the file.
+// Errors name the file and the problem.
+SafetensorsFile index_safetensors(const std::string& path);
+// The header and every tensor.
 SafetensorsFile read_safetensors(const std::string& path, Category category = Category::Data);
 
 // Writes tensors atomically (temporary file, then rename).

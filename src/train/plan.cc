@@ -88,19 +88,11 @@ MemoryPlan plan_steps(const PlanInput& in);
 // its shard's parameters and gradients (8 P_rank bytes), then reads or draws the whole
 // model's parameters one at a time, holding a whole-shaped scratch tensor for each one it
 // keeps only a slice of (Transformer::fill_whole_parameters): 8 P_rank + the largest such
-// parameter. From HuggingFace files (--init-from), read whole, the shard is cut from a
-// whole model instead (4 P beside it, and the file's tensors while it is read): that
-// set-up is not planned, and the plan says so.
+// parameter, whatever the source (the seed, an llm.c file, HuggingFace files: those read
+// one tensor at a time, each a piece of a parameter, into the scratch or the parameter).
 MemoryPlan plan_memory(const PlanInput& in) {
   MemoryPlan plan = plan_steps(in);
   if (in.tp * in.pp == 1) return plan;
-  if (in.whole_source) {
-    plan.notes.push_back("set-up: --init-from reads the HuggingFace files whole and cuts each rank's shard from the "
-                         "whole model's parameters (" +
-                         memory::format_bytes(checked_product({parameter_count(in.model), 4}, "plan: the whole model")) +
-                         ") and the files' tensors; that set-up is not planned here");
-    return plan;
-  }
   int64_t worst = 0, worst_step = 0;
   for (RankPlan& r : plan.ranks) {
     int64_t shard = 0;  // this rank's parameters and gradients

@@ -112,9 +112,6 @@ struct PlanInput {
   std::string pp_schedule = "1f1b";
   int virtual_stages = 1;
   int64_t pp_last_stage_layers = 0;
-  // --init-from under --tp/--pp: HuggingFace files are read whole, and each rank cuts its
-  // shard from a whole model (set-up not planned; see plan_memory).
-  bool whole_source = false;
 };
 
 struct RankPlan {
@@ -123,7 +120,7 @@ struct RankPlan {
   std::vector<std::pair<std::string, int64_t>> parts;  // name -> bytes, in the order printed
   int64_t predicted_peak_bytes = 0;
   // Tensor/pipeline parallel: set-up's peak, this rank's shard's parameters and gradients
-  // and one whole parameter beside them (0 otherwise, or from --init-from: not planned).
+  // and one whole parameter beside them (0 otherwise).
   int64_t setup_bytes = 0;
 };
 

@@ -204,25 +204,13 @@ namespace {
 
 // The model (whole, or this rank's tensor/pipeline `shard`) with its weights from the
 // file the config names, or initialized from the seed. A shard reads or draws the whole
-// model's parameters one at a time and keeps its part (Transformer::fill_whole_parameters),
-// except from HuggingFace files, which are read whole: it is cut from a whole model built
-// without gradients (set-up then holds both).
+// model's parameters one at a time and keeps its part (Transformer::fill_whole_parameters).
 std::unique_ptr<nn::Transformer> build_model(const TrainConfig& c, const nn::TransformerConfig& mc,
                                              const nn::ModelShard& shard) {
   auto model = std::make_unique<nn::Transformer>(mc, shard);
-  if (!c.model_file.empty()) {
-    io::load_llmc(c.model_file, *model);
-  } else if (!c.init_from.empty()) {
-    if (model->shard().whole()) {
-      io::load_hf(c.init_from, *model);
-    } else {
-      nn::Transformer whole(mc, nn::ModelShard{}, /*gradients=*/false);
-      io::load_hf(c.init_from, whole);
-      model->load_shard_from(whole);
-    }
-  } else {
-    model->init_weights(c.seed);
-  }
+  if (!c.model_file.empty()) io::load_llmc(c.model_file, *model);
+  else if (!c.init_from.empty()) io::load_hf(c.init_from, *model);
+  else model->init_weights(c.seed);
   return model;
 }
 
@@ -473,8 +461,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
                  " names another model than the checkpoint's; without a model flag a resume builds the checkpoint's)");
     }
   }
-  // Set-up's peak: the shard's parameters and gradients, and one whole parameter (or,
-  // from HuggingFace files, the whole model) beside them: what the plan's set-up is.
+  // Set-up's peak: the shard's parameters and gradients, and one whole parameter beside
+  // them: what the plan's set-up is.
   if (model_parallel) setup_peak = ledger.stats().peak_allocated;
   std::unique_ptr<dist::TensorParallel> tensor_parallel;
   if (TP > 1) {
@@ -689,7 +677,6 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     pi.library_workspace = runtime::backend(device).library_workspace_bytes();
     pi.loss_chunk_rows = loss_chunk_rows;
     pi.recompute = model->recompute();
-    pi.whole_source = model_parallel && !source.init_from.empty();
     const MemoryPlan plan = plan_memory(pi);
     for (const RankPlan& r : plan.ranks) {
       rank_planned_peaks.push_back(r.predicted_peak_bytes);
@@ -878,11 +865,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       const char* above = result.setup_peak_bytes > m.peak_bytes ? "; above the steps' peak: each rank needs it free at start-up" : "";
       if (result.predicted_setup_bytes > 0)
         log("memory: set-up peak %s (largest over ranks: this rank's shard built, one whole parameter read beside it), "
-            "planned %s%s\n", format_bytes(result.setup_peak_bytes).c_str(), format_bytes(result.predicted_setup_bytes).c_str(),
+            "planned %s%s%s\n", format_bytes(result.setup_peak_bytes).c_str(), format_bytes(result.predicted_setup_bytes).c_str(),
+            source.init_from.empty() ? "" : " for the model; reading HuggingFace files adds one file tensor at a time, "
+                                            "in the file's dtype and layout, which the plan does not know",
             above);
-      else if (model_parallel)
-        log("memory: set-up peak %s (largest over ranks: --init-from's HuggingFace files are read whole and each "
-            "rank's shard is cut from the whole model; not planned)%s\n", format_bytes(result.setup_peak_bytes).c_str(), above);
       if (D > 1) {
         const auto& st = s.allocated_by_category;
         const int64_t held = st[static_cast<int>(Category::Parameter)] + st[static_cast<int>(Category::Gradient)] +
