@@ -267,6 +267,11 @@ TEST(Launch, ToolsNameTheInputTheyExpected) {
   o = run(std::string(TALLY_CLI) + " plot " + log + " -o ''");
   EXPECT_NE(o.exit_code, 0);
   EXPECT_NE(o.output.find("plot: -o '' must name the SVG file to write"), std::string::npos) << o.output;
+  // Both ways of one switch: the last one won without a word.
+  o = run(std::string(TALLY_CLI) + " sample --model-file " + test::fixture_path("gpt2_tiny.bin") +
+          " --stop-at-eot --no-stop-at-eot --tokens 2");
+  EXPECT_NE(o.exit_code, 0);
+  EXPECT_NE(o.output.find("--stop-at-eot excludes --no-stop-at-eot"), std::string::npos) << o.output;
 }
 
 TEST(Launch, SamplingWithASmallerTokenizerWarnsAndShowsTheIdsItLacks) {

@@ -500,10 +500,11 @@ int main(int argc, char** argv) {
   s->add_option("--prompt", sa.prompt, "Text to continue (needs a tokenizer that encodes)");
   s->add_option("--tokens", sa.tokens, "Most tokens to generate per sample")->capture_default_str();
   s->add_option("--count", sa.count, "Samples to draw, each from the prompt")->capture_default_str();
-  s->add_flag("--stop-at-eot", [&sa](int64_t) { sa.stop_at_eot = true; },
-              "End a sample at the end of text or the next document's start (the default)");
+  auto* stop = s->add_flag("--stop-at-eot", [&sa](int64_t) { sa.stop_at_eot = true; },
+                           "End a sample at the end of text or the next document's start (the default)");
   s->add_flag("--no-stop-at-eot", [&sa](int64_t) { sa.stop_at_eot = false; },
-              "Keep generating past the end of text or the next document's start (by default a sample ends there)");
+              "Keep generating past the end of text or the next document's start (by default a sample ends there)")
+      ->excludes(stop);
   s->add_option("--temperature", sa.temperature, "0 = greedy")->capture_default_str();
   s->add_option("--top-k", sa.top_k, "0 = no truncation")->capture_default_str();
   s->add_option("--top-p", sa.top_p, "Nucleus: keep the likeliest tokens up to this probability mass (1 = all)")
