@@ -105,6 +105,13 @@ train::MemoryPlan expect_planned_peaks(const train::TrainResult& r, const train:
   EXPECT_EQ(measured.size(), plan.ranks.size()) << what;
   for (size_t rank = 0; rank < std::min(measured.size(), plan.ranks.size()); ++rank)
     EXPECT_EQ(measured[rank], plan.ranks[rank].predicted_peak_bytes) << what << " rank " << rank;
+  // Set-up: ZeRO-2/3 build the whole parameter block (without gradients) and their shards
+  // beside it; the run measures that moment and the plan predicts it (0 for the others).
+  int64_t planned_setup = 0;
+  for (const train::RankPlan& rp : plan.ranks) planned_setup = std::max(planned_setup, rp.setup_bytes);
+  EXPECT_EQ(r.predicted_setup_bytes, planned_setup) << what;
+  EXPECT_EQ(r.setup_peak_bytes, planned_setup) << what << ": set-up's peak against its plan";
+  EXPECT_EQ(planned_setup > 0, c.zero >= 2) << what;
   return plan;
 }
 

@@ -20,8 +20,11 @@ Tensor range(const Tensor& t, int64_t start, int64_t count) { return make_view(t
 ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig config, Communicator& group, int stage)
     : params_(params), config_(config), group_(group), stage_(stage) {
   TALLY_CHECK(stage >= 1 && stage <= 3, "--zero must be 0, 1, 2 or 3, got ", stage);
-  TALLY_CHECK(params_.flat_params().defined() && params_.has_grad_block(),
-              "ZeRO shards a model whose parameter and gradient blocks exist (shard it once, after loading)");
+  // Stage 1 reduces into the model's gradient block; stages 2 and 3 keep gradient shards of
+  // their own, so a model built for them needs none (set-up then never holds one).
+  TALLY_CHECK(params_.flat_params().defined() && (stage >= 2 || params_.has_grad_block()),
+              "ZeRO shards a model whose parameter block (and, for stage 1, gradient block) exists (shard it once, "
+              "after loading)");
   const int64_t D = group_.size(), r = group_.rank();
   for (size_t u = 0; u < params_.num_units(); ++u) {
     const nn::ParameterUnit& unit = params_.unit(u);

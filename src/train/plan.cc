@@ -92,6 +92,25 @@ MemoryPlan plan_steps(const PlanInput& in);
 // one tensor at a time, each a piece of a parameter, into the scratch or the parameter).
 MemoryPlan plan_memory(const PlanInput& in) {
   MemoryPlan plan = plan_steps(in);
+  const int64_t rotary = in.model.is_llama() ? in.model.head_dim() / 2 * 4 : 0;  // LLaMA's constant, alive throughout
+  if (in.zero >= 2) {
+    // ZeRO-2/3 (data parallel only): the model is built whole without a gradient block
+    // (4P), then the rank's moment and gradient shards, and for stage 3 its parameter
+    // shard, are allocated before stage 3 frees the whole block: 4P + 12 (16) bytes a
+    // padded piece.
+    const UnitSizes sizes = unit_sizes(unit_numels(in.model), in.world);
+    const int64_t setup = checked_add(
+        checked_mul(sizes.params, 4, "plan: set-up"),
+        checked_mul(sizes.pieces, in.zero == 3 ? 16 : 12, "plan: set-up") + rotary, "plan: set-up");
+    for (RankPlan& r : plan.ranks) r.setup_bytes = setup;
+    if (setup > plan.ranks[0].predicted_peak_bytes)
+      plan.notes.push_back("set-up: ZeRO-" + std::to_string(in.zero) + " builds the whole parameter block (" +
+                           memory::format_bytes(4 * sizes.params) + ") and its shards beside it before it shards: " +
+                           memory::format_bytes(setup) + " at once, above the step peak of " +
+                           memory::format_bytes(plan.ranks[0].predicted_peak_bytes) +
+                           "; each rank needs that much free at start-up");
+    return plan;
+  }
   if (in.tp * in.pp == 1) return plan;
   int64_t worst = 0, worst_step = 0;
   for (RankPlan& r : plan.ranks) {
@@ -101,8 +120,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
     const nn::ModelShard layout = dist::pipeline_shard(in.model.n_layer, in.pp, r.stage, in.virtual_stages, in.tp, 0,
                                                        in.pp_last_stage_layers);
     const int64_t scratch = nn::Transformer::layout_only(in.model, layout).whole_parameter_scratch_bytes();
-    // LLaMA: the rotary frequencies (D/2 floats) are alive with them.
-    r.setup_bytes = checked_add(shard, scratch + (in.model.is_llama() ? in.model.head_dim() / 2 * 4 : 0), "plan: set-up");
+    r.setup_bytes = checked_add(shard, scratch + rotary, "plan: set-up");
     if (r.setup_bytes - r.predicted_peak_bytes > worst - worst_step) worst = r.setup_bytes, worst_step = r.predicted_peak_bytes;
   }
   if (worst > worst_step)

@@ -119,8 +119,9 @@ struct RankPlan {
   int stage = 0;  // its pipeline stage (0 without --pp)
   std::vector<std::pair<std::string, int64_t>> parts;  // name -> bytes, in the order printed
   int64_t predicted_peak_bytes = 0;
-  // Tensor/pipeline parallel: set-up's peak, this rank's shard's parameters and gradients
-  // and one whole parameter beside them (0 otherwise).
+  // Set-up's peak (plan_memory): under tensor/pipeline parallelism this rank's shard's
+  // parameters and gradients and one whole parameter beside them; under ZeRO-2/3 the whole
+  // parameter block and the rank's shards; 0 otherwise (set-up holds less than a step).
   int64_t setup_bytes = 0;
 };
 

@@ -205,9 +205,10 @@ namespace {
 // The model (whole, or this rank's tensor/pipeline `shard`) with its weights from the
 // file the config names, or initialized from the seed. A shard reads or draws the whole
 // model's parameters one at a time and keeps its part (Transformer::fill_whole_parameters).
+// ZeRO-2/3 keep gradient shards of their own: the model is built without a gradient block.
 std::unique_ptr<nn::Transformer> build_model(const TrainConfig& c, const nn::TransformerConfig& mc,
                                              const nn::ModelShard& shard) {
-  auto model = std::make_unique<nn::Transformer>(mc, shard);
+  auto model = std::make_unique<nn::Transformer>(mc, shard, /*gradients=*/c.zero < 2);
   if (!c.model_file.empty()) io::load_llmc(c.model_file, *model);
   else if (!c.init_from.empty()) io::load_hf(c.init_from, *model);
   else model->init_weights(c.seed);
@@ -395,7 +396,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   auto& ledger = runtime::ledger(device);  // the training device's: where the model's bytes live
   if (!c.mem_trace.empty()) ledger.enable_history(true, false);
   ledger.reset_peaks();  // set-up's peak is this run's (a process may have trained before)
-  int64_t setup_peak = 0;  // tensor/pipeline parallel: building this rank's shard
+  int64_t setup_peak = 0;  // tensor/pipeline parallel and ZeRO-2/3: building the model and sharding it
 
   // Every rank builds the same model (same seed, or the same file). A resume that names no
   // model builds the checkpoint's (the --model default would be another shape).
@@ -487,6 +488,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   std::unique_ptr<dist::ZeroOptimizer> zero;
   if (c.zero == 0) adamw = std::make_unique<optim::AdamW>(model->params(), ac);
   else zero = std::make_unique<dist::ZeroOptimizer>(model->params(), ac, dp_group, c.zero);
+  // ZeRO-2/3's set-up peak: the whole parameter block and the rank's shards, just made.
+  if (c.zero >= 2) setup_peak = ledger.stats().peak_allocated;
   optim::Optimizer& opt = adamw ? static_cast<optim::Optimizer&>(*adamw) : *zero;
   if (zero && zero->stage() >= 2) model->set_residency(zero.get());
   // After the optimizer: its state is allocated first, as the plan orders the parts.
@@ -864,8 +867,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       result.setup_peak_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(setup_peak), dist::ReduceOp::Max));
       const char* above = result.setup_peak_bytes > m.peak_bytes ? "; above the steps' peak: each rank needs it free at start-up" : "";
       if (result.predicted_setup_bytes > 0)
-        log("memory: set-up peak %s (largest over ranks: this rank's shard built, one whole parameter read beside it), "
-            "planned %s%s%s\n", format_bytes(result.setup_peak_bytes).c_str(), format_bytes(result.predicted_setup_bytes).c_str(),
+        log("memory: set-up peak %s (largest over ranks: %s), planned %s%s%s\n", format_bytes(result.setup_peak_bytes).c_str(),
+            model_parallel ? "this rank's shard built, one whole parameter read beside it"
+                           : "the whole parameter block and this rank's ZeRO shards, before the block is sharded",
+            format_bytes(result.predicted_setup_bytes).c_str(),
             source.init_from.empty() ? "" : " for the model; reading HuggingFace files adds one file tensor at a time, "
                                             "in the file's dtype and layout, which the plan does not know",
             above);
