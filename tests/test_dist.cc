@@ -269,6 +269,11 @@ TEST(DataParallel, RanksStartedWithDifferentSettingsStopNamingTheSetting) {
   std::string msg = test::message_of<Error>([&] { train::run_training(seq, world()); });
   EXPECT_NE(msg.find("different settings: --seq-len " + differs), std::string::npos) << msg;
   EXPECT_NE(msg.find("every rank must run the same command"), std::string::npos) << msg;
+  // A different all-reduce bucket size: all-reduces of other sizes and counts.
+  train::TrainConfig buckets = c;
+  if (last) buckets.bucket_mb = c.bucket_mb / 4;
+  msg = test::message_of<Error>([&] { train::run_training(buckets, world()); });
+  EXPECT_NE(msg.find("different settings: --bucket-mb " + differs), std::string::npos) << msg;
   train::TrainConfig data = c;
   if (last) data.train_data = test::write_random_shard("other_train.bin", 30000, 97, 12);
   msg = test::message_of<Error>([&] { train::run_training(data, world()); });

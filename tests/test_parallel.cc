@@ -185,8 +185,8 @@ void expect_matches_one_process(const Layout& l, bool llama, const std::string& 
   for (size_t r = 0; r < last.rank_peak_bytes.size(); ++r)
     EXPECT_EQ(last.rank_peak_bytes[r], last.rank_predicted_peak_bytes[r]) << what << ": rank " << r << "'s measured peak against its plan";
   EXPECT_EQ(last.peak_bytes, last.predicted_peak_bytes) << what << ": the largest of each";
-  // Set-up builds the whole model, then cuts this rank's shard beside it: above many
-  // layouts' step peak, which is all the run used to report. Planned to the byte too.
+  // Set-up builds this rank's shard, filling it one whole parameter at a time (it built the
+  // whole model beside it, above many layouts' step peak). Planned to the byte too.
   EXPECT_GT(got.predicted_setup_bytes, 0) << what;
   EXPECT_EQ(got.setup_peak_bytes, got.predicted_setup_bytes) << what << ": set-up's peak against its plan";
 }
@@ -439,15 +439,20 @@ TEST(ParallelCheckpoints, ASavedShardedRunResumesExactlyAndInOneProcess) {
 // shard, never the whole model (it held 16 P bytes: the whole model with gradients, and
 // both moments).
 TEST(ParallelCheckpoints, RankZeroWritesTheWholeModelOnePieceAtATime) {
-  const std::vector<Layout> layouts = {{1, 2, 1, "1f1b"}, {1, 1, 2, "1f1b"}, {1, 2, 2, "1f1b"}, {2, 2, 1, "1f1b"}};
+  // Interleaved stages hold chunks that are not next to each other; a tied LLaMA's wte is
+  // in the file twice (and a pipeline's last stage holds a copy rank 0 must not take).
+  const std::vector<Layout> layouts = {{1, 2, 1, "1f1b"}, {1, 1, 2, "1f1b"}, {1, 1, 2, "interleaved", 2},
+                                       {1, 2, 2, "1f1b"}, {2, 2, 1, "1f1b"}, {1, 2, 2, "interleaved", 2}};
   for (const Layout& l : layouts) {
     if (l.world() != world_size()) continue;
-    for (bool llama : {false, true}) {
-      const std::string what = (llama ? "llama " : "gpt2 ") + l.name();
+    for (int family = 0; family < 3; ++family) {
+      const bool llama = family > 0;
+      nn::TransformerConfig config = tiny_model(llama);
+      config.tie_embeddings = family != 1;  // GPT-2 tied, LLaMA untied, LLaMA tied
+      const std::string what = (llama ? "llama " : "gpt2 ") + std::string(config.tie_embeddings ? "tied " : "untied ") + l.name();
       std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
-      const nn::TransformerConfig config = tiny_model(llama);
       auto layout = [&](int pp_rank, int tp_rank) {
-        return dist::pipeline_shard(config.n_layer, l.pp, pp_rank, 1, l.tp, tp_rank, 0);
+        return dist::pipeline_shard(config.n_layer, l.pp, pp_rank, l.virtual_stages, l.tp, tp_rank, 0);
       };
       nn::Transformer shard(config, layout(world->pp_rank(), world->tp_rank()));
       shard.init_weights(7);
@@ -463,8 +468,8 @@ TEST(ParallelCheckpoints, RankZeroWritesTheWholeModelOnePieceAtATime) {
       }
       io::TrainingState st;
       st.step = 3;
-      const std::string out = shared_dir("gather_" + std::string(llama ? "llama_" : "gpt2_") + std::to_string(l.dp) +
-                                         std::to_string(l.tp) + std::to_string(l.pp));
+      const std::string out = shared_dir("gather_" + std::to_string(family) + "_" + std::to_string(l.dp) +
+                                         std::to_string(l.tp) + std::to_string(l.pp) + std::to_string(l.virtual_stages));
       auto& ledger = runtime::ledger();
       ledger.reset_peaks();
       const int64_t before = ledger.stats().allocated;

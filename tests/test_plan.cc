@@ -422,9 +422,12 @@ TEST(Plan, AShardIsBuiltOneWholeParameterAtATimeWithTheWholeModelsValues) {
       EXPECT_LE(ledger.stats().peak_allocated - before, 2 * 4 * largest) << config.describe();
       EXPECT_EQ(test::compare(from_hf.params().flat_params(), whole.params().flat_params()).max_abs, 0.0) << config.describe();
     }
-    // (pp, stage, virtual stages, tp, tp rank): pipeline only, tensor only, both, interleaved.
-    const int layouts[][5] = {{2, 1, 1, 1, 0}, {1, 0, 1, 2, 1}, {2, 0, 1, 2, 1}, {2, 1, 1, 2, 0}};
+    // (pp, stage, virtual stages, tp, tp rank): pipeline only, tensor only, both, and
+    // interleaved (chunks 0 and 2 of 4, or 1 and 3: a model of 4 layers or more).
+    const int layouts[][5] = {{2, 1, 1, 1, 0}, {1, 0, 1, 2, 1}, {2, 0, 1, 2, 1}, {2, 1, 1, 2, 0},
+                              {2, 0, 2, 2, 1}, {2, 1, 2, 1, 0}};
     for (const auto& l : layouts) {
+      if (l[0] * l[2] > config.n_layer) continue;
       const nn::ModelShard shard = dist::pipeline_shard(config.n_layer, l[0], l[1], l[2], l[3], l[4], 0);
       const std::string what = config.describe() + (config.tie_embeddings ? " tied" : "") + ", pp " +
                                std::to_string(l[0]) + " stage " + std::to_string(l[1]) + ", tp " + std::to_string(l[3]) +

@@ -332,8 +332,9 @@ Tensor hf_rows_from_meta(const Tensor& meta, int64_t heads) {
 
 // Both loaders check every tensor's header entry first, then fill the model (whole, or a
 // tensor/pipeline shard) one whole parameter at a time, reading only the tensors it keeps
-// a part of (Transformer::fill_whole_parameters): a load holds one tensor beside the
-// model, never the file.
+// a part of (Transformer::fill_whole_parameters): a load holds at most one file tensor
+// beside the model (and LLaMA's q and k rows re-ordered once more; none where a tensor is
+// read straight into its parameter), never the file.
 void load_llama(const HfSource& src, nn::Transformer& model) {
   const auto& c = model.config();
   const nn::Transformer whole = nn::Transformer::layout_only(c);

@@ -37,7 +37,8 @@ struct SafetensorsFile {
 
 // Reads and validates the header (JSON, dtypes, shapes against byte ranges, ranges inside
 // the file and tiling the data section), not the data: tensors are then read one at a
-// time (SafetensorsFile::read), so a loader holds one beside the model, never the file.
+// time (SafetensorsFile::read, read_into), so a loader holds one (or none, read straight
+// into its parameter) beside the model, never the file.
 // Errors name the file and the problem.
 SafetensorsFile index_safetensors(const std::string& path);
 // The header and every tensor.

@@ -43,8 +43,8 @@ class ParameterStore {
   // Declares a parameter in the current unit; returns its index. Only before allocate().
   size_t declare(std::string name, Shape shape, bool decay);
   // Allocates the parameter block (and, `with_gradients`, the gradient block: a model that
-  // only runs forward, or is only a source to copy a shard from, needs none) and creates
-  // the views.
+  // only runs forward, is only a source to copy a shard from, or is trained by ZeRO-2/3,
+  // which keeps gradient shards of its own, needs none) and creates the views.
   void allocate(DType dtype = DType::F32, Device device = Device::cpu(), bool with_gradients = true);
   // Moves the parameter block to `device` (new blocks there, the values copied, the
   // gradients discarded; the old blocks are freed). Before an optimizer or a compute copy

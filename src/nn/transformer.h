@@ -133,7 +133,8 @@ enum class TpSplit {
 class Transformer {
  public:
   // The whole model, or a shard of it (pipeline chunks, tensor-parallel slices); without
-  // `gradients`, no gradient block (sampling, export, a source to cut a shard from).
+  // `gradients`, no gradient block (sampling, export, a source to cut a shard from, and
+  // ZeRO-2/3 training, which keeps gradient shards of its own).
   explicit Transformer(const TransformerConfig& config, ModelShard shard = {}, bool gradients = true);
   // The parameters' names, shapes, units and splits only, nothing allocated: what another
   // rank's shard holds (checkpoints gather and scatter by it).

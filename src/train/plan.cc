@@ -105,7 +105,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
     for (RankPlan& r : plan.ranks) r.setup_bytes = setup;
     if (setup > plan.ranks[0].predicted_peak_bytes)
       plan.notes.push_back("set-up: ZeRO-" + std::to_string(in.zero) + " builds the whole parameter block (" +
-                           memory::format_bytes(4 * sizes.params) + ") and its shards beside it before it shards: " +
+                           memory::format_bytes(4 * sizes.params) + ") and its shards beside it" + (in.zero == 3 ? std::string(" before it shards the block") : std::string()) + ": " +
                            memory::format_bytes(setup) + " at once, above the step peak of " +
                            memory::format_bytes(plan.ranks[0].predicted_peak_bytes) +
                            "; each rank needs that much free at start-up");

@@ -135,11 +135,12 @@ std::vector<std::pair<std::string, std::string>> run_recipe(const TrainConfig& c
 }
 
 // Every rank must run the same job. A setting that differs between ranks (a wrapper
-// script, a stale copy of the data on one machine) would make collectives of different
-// sizes, which MPI turns into corrupt memory or a hang, or would silently train the ranks
-// on different data. Each setting's CRC-32 is gathered from every rank; one that differs
-// from rank 0's stops every rank with the same error, which names it (and each rank says
-// what it has).
+// script, another copy of the data on one machine) would make collectives of different
+// sizes or counts, which MPI turns into corrupt memory or a hang, or would silently train
+// the ranks on different data. Each setting's CRC-32 is gathered from every rank; one that
+// differs from rank 0's stops every rank with the same error, which names it (and each
+// rank says what it has). What is compared is what the settings say, not every byte: the
+// data by its token count, the model by its shape, a resume by its step.
 void check_ranks_agree(const dist::World& world, const std::vector<std::pair<std::string, std::string>>& settings) {
   if (world.size() == 1) return;
   dist::Communicator& comm = world.world();
@@ -440,8 +441,13 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
         {"--val-batches", std::to_string(c.val_batches)},
         {"--val-data", c.val_data.empty() ? "none" : "given"},
         {"--save-every", std::to_string(c.save_every)},
+        {"--bucket-mb", std::to_string(c.bucket_mb)},  // the data-parallel all-reduces' sizes and count
+        // Every rank samples (ZeRO-3 gathers in each forward): the same tokens, the same draws.
         {"--sample-every", std::to_string(c.sample_every)},
-        {"--resume", resume_dir.empty() ? "none" : "given"}};
+        {"--sample-tokens", std::to_string(c.sample_tokens)},
+        {"--temperature", std::to_string(c.temperature)},
+        {"--top-k", std::to_string(c.top_k)},
+        {"--resume", resume_dir.empty() ? "none" : fs::path(resume_dir).filename().string()}};
     settings.insert(settings.end(), std::begin(more), std::end(more));
     check_ranks_agree(world, settings);
   }
@@ -869,7 +875,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       if (result.predicted_setup_bytes > 0)
         log("memory: set-up peak %s (largest over ranks: %s), planned %s%s%s\n", format_bytes(result.setup_peak_bytes).c_str(),
             model_parallel ? "this rank's shard built, one whole parameter read beside it"
-                           : "the whole parameter block and this rank's ZeRO shards, before the block is sharded",
+                           : c.zero == 3 ? "the whole parameter block and this rank's ZeRO-3 shards, before the block is sharded"
+                                         : "the parameter block and this rank's ZeRO-2 shards: its model states",
             format_bytes(result.predicted_setup_bytes).c_str(),
             source.init_from.empty() ? "" : " for the model; reading HuggingFace files adds one file tensor at a time, "
                                             "in the file's dtype and layout, which the plan does not know",
