@@ -341,6 +341,7 @@ void load_llama(const HfSource& src, nn::Transformer& model) {
   const auto targets = llama_targets(whole);
   std::vector<SafetensorsFile> files;
   std::map<size_t, std::vector<std::pair<std::string, size_t>>> sources;  // whole parameter -> (tensor, file)
+  std::set<std::string> found;
   for (const std::string& shard : src.shards) {
     files.push_back(index_safetensors(shard));
     const SafetensorsFile& f = files.back();
@@ -359,13 +360,12 @@ void load_llama(const HfSource& src, nn::Transformer& model) {
       want[0] = t.rows;
       require_weight(f.entry(name), want, shard, name);
       sources[t.param].emplace_back(name, files.size() - 1);
+      found.insert(name);
     }
   }
-  for (const auto& [name, t] : targets) {
-    bool found = false;
-    for (const auto& [tensor, file] : sources[t.param]) found |= tensor == name;
-    TALLY_CHECK(found, "HuggingFace LLaMA model (", src.shards.front(), "...): tensor '", name, "' is missing");
-  }
+  for (const auto& [name, t] : targets)
+    TALLY_CHECK(found.count(name), "HuggingFace LLaMA model (", src.shards.front(), "...): tensor '", name,
+                "' is missing");
   model.fill_whole_parameters([&](const nn::LlmcTensor&, size_t index, const nn::ParameterSpec& spec, const Tensor& target) {
     if (!target.defined()) return;
     // The files hold the first vocab_size rows of the embedding and head; the padding rows

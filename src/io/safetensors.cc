@@ -48,15 +48,20 @@ const SafetensorsFile::Entry& SafetensorsFile::entry(const std::string& name) co
   return it->second;
 }
 
-Tensor SafetensorsFile::read(const std::string& name, Category category) const {
+void SafetensorsFile::read_bytes(const std::string& name, void* dst) const {
   const Entry& e = entry(name);
   std::ifstream in;
   int64_t size = 0;
   open_input(path, "safetensors file", in, &size);
-  Tensor t = Tensor::empty(e.shape, e.dtype, Device::cpu(), make_owner(category, name));
   in.seekg(data_start + e.begin);
-  in.read(static_cast<char*>(t.raw_data()), e.end - e.begin);
+  in.read(static_cast<char*>(dst), e.end - e.begin);
   TALLY_CHECK(in.good(), "safetensors '", path, "': failed reading tensor '", name, "'");
+}
+
+Tensor SafetensorsFile::read(const std::string& name, Category category) const {
+  const Entry& e = entry(name);
+  Tensor t = Tensor::empty(e.shape, e.dtype, Device::cpu(), make_owner(category, name));
+  read_bytes(name, t.raw_data());
   t.set_name(name);
   return t;
 }
@@ -69,12 +74,7 @@ void SafetensorsFile::read_into(const std::string& name, const Tensor& dst) cons
     dst.copy_(read(name, Category::Other));
     return;
   }
-  std::ifstream in;
-  int64_t size = 0;
-  open_input(path, "safetensors file", in, &size);
-  in.seekg(data_start + e.begin);
-  in.read(static_cast<char*>(dst.raw_data()), e.end - e.begin);
-  TALLY_CHECK(in.good(), "safetensors '", path, "': failed reading tensor '", name, "'");
+  read_bytes(name, dst.raw_data());
 }
 
 SafetensorsFile read_safetensors(const std::string& path, Category category) {

@@ -33,6 +33,9 @@ struct SafetensorsFile {
   // contiguous and of the file's dtype, else through one tensor of the file's, converted.
   void read_into(const std::string& name, const Tensor& dst) const;
   std::string path;
+
+ private:
+  void read_bytes(const std::string& name, void* dst) const;  // the tensor's bytes as the file holds them
 };
 
 // Reads and validates the header (JSON, dtypes, shapes against byte ranges, ranges inside

@@ -312,20 +312,10 @@ bool holds_whole(const ParameterSpec& local, const ParameterSpec& whole) { retur
 void Transformer::fill_whole_parameters(const WholeParameterFill& fill) {
   autograd::NoGradGuard no_grad;
   std::unordered_set<size_t> visited;  // a tied head's wte comes twice: the second time, passed over
-  if (shard_.whole()) {
-    for (const LlmcTensor& t : llmc_tensors())
-      for (size_t i : t.params) {
-        if (!visited.insert(i).second) {
-          fill(t, i, params_.spec(i), Tensor());
-          continue;
-        }
-        fill(t, i, params_.spec(i), params_[i].detach());
-        params_[i].storage().bump_version();
-      }
-    return;
-  }
+  // The whole model's layout (a whole model's own, index for index) and the parameters this
+  // model holds of it, by name: a whole model holds each whole, so it fills them in place.
   const Transformer whole = layout_only(config_);
-  std::unordered_map<std::string, size_t> local;  // name -> this shard's parameter
+  std::unordered_map<std::string, size_t> local;  // name -> this model's parameter
   for (size_t i = 0; i < params_.size(); ++i) local.emplace(params_.spec(i).name, i);
   for (const LlmcTensor& t : whole.llmc_tensors()) {
     for (size_t w : t.params) {
@@ -351,7 +341,6 @@ void Transformer::fill_whole_parameters(const WholeParameterFill& fill) {
 }
 
 int64_t Transformer::whole_parameter_scratch_bytes() const {
-  if (shard_.whole()) return 0;
   const Transformer whole = layout_only(config_);
   int64_t largest = 0;
   for (size_t i = 0; i < params_.size(); ++i) {

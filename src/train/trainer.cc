@@ -422,9 +422,11 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   const nn::ModelShard shard = model_parallel ? dist::pipeline_shard(mc.n_layer, PP, world.pp_rank(), c.virtual_stages,
                                                                      TP, world.tp_rank(), c.pp_last_stage_layers)
                                               : nn::ModelShard{};
+  // What a checkpoint saves and a resume compares; the ranks compare it too, below.
+  const auto recipe = run_recipe(c, world);
   {
     // Before anything whose sizes depend on them is exchanged.
-    auto settings = run_recipe(c, world);
+    auto settings = recipe;
     const std::pair<std::string, std::string> more[] = {
         {"the model", mc.describe()},
         {"--tp x --pp x data-parallel ranks",
@@ -554,7 +556,6 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (detok.tok) check_tokenizer_for_model(*detok.tok, c.tokenizer_dir, mc.vocab_size, "", root);
   Rng sample_rng(c.seed + 1);
 
-  const auto recipe = run_recipe(c, world);
   int64_t start_step = 0;
   std::string resumed_history;  // the checkpoint's record of the steps before start_step
   if (!resume_dir.empty()) {
