@@ -1,12 +1,15 @@
 # Sourced by the bench/run_*.sh scripts that time tally against PyTorch; $root is the
 # repository.
 
-# prepare_peers BINARY: builds tally if BINARY (under build/) is missing and installs
+# prepare_peers BINARY...: builds tally if a BINARY (under build/) is missing and installs
 # Debian's PyTorch if /usr/bin/python3 has none. Debian's OpenBLAS does not recognize every
 # CPU (on a Sapphire Rapids VM it picks its generic "Prescott" kernels, ~25 GFLOP/s), so
 # PyTorch gets its AVX-512 kernels by name unless the caller set a core type.
 prepare_peers() {
-  [ -x "$root/build/$1" ] || bash "$root/scripts/build.sh"
+  local binary
+  for binary in "$@"; do
+    [ -x "$root/build/$binary" ] || { bash "$root/scripts/build.sh"; break; }
+  done
   /usr/bin/python3 -c "import torch" 2>/dev/null || bash "$root/scripts/setup.sh" --torch
   export OPENBLAS_CORETYPE="${OPENBLAS_CORETYPE:-SkylakeX}"
 }

@@ -64,6 +64,26 @@ def write_block(results_path, block, heading):
     print("\n".join(block))
 
 
+def memory_text(runs):
+    """The sentence on the memory probes of the runs (bench_memory, one a round), and a warning
+    when they were erratic: a repetition's median below half the best seen in the session
+    means the memory-bound part of every step (AdamW, the elementwise passes) ran at an
+    unknown fraction of the machine's bandwidth, whatever the GEMM peak says."""
+    probes = sorted((r for r in runs if r.get("system") == "memory"), key=lambda r: r["round"])
+    if not probes:
+        return ""
+    best = max(p["best_gbps"] for p in probes)
+    each = ", ".join(f"{p['best_gbps']:.1f} / {p['median_gbps']:.1f}" for p in probes)
+    text = (f" Memory bandwidth measured in the same session (bench_memory: a STREAM triad over 3 x "
+            f"{probes[0]['mib_per_array']} MiB, {probes[0]['threads']} threads; GB/s, best / median of "
+            f"{probes[0]['repetitions']} repetitions, one probe a round): {each}.")
+    if any(p["median_gbps"] < 0.5 * best for p in probes):
+        text += (f" **The memory was erratic in this session** (a round's median below half the best, "
+                 f"{best:.1f} GB/s): the memory-bound part of each step ran at an unknown share of the machine's "
+                 f"bandwidth, so this table does not stand for the kind.")
+    return text
+
+
 def main():
     if sys.argv[1:] == ["--kind"]:
         print(kind())
@@ -100,7 +120,7 @@ def main():
              f"**{datetime.date.today()}**, {machine()}, {threads} threads, `bench/run_cpu.sh {rounds}`: "
              f"{rounds} alternating rounds, tally then the peer for each work, each run timing its steps after "
              f"two warm-up steps. GEMM peak measured by tally in the same runs (GFLOP/s, min-max over rounds; "
-             f"bf16 = bf16 operands, fp32 accumulation): {peak_text}.",
+             f"bf16 = bf16 operands, fp32 accumulation): {peak_text}." + memory_text(runs),
              "",
              "| work | system | min ms | median ms | tokens/s | peak MiB (ledger / RSS) | % of GEMM peak | peer / tally |",
              "|---|---|---|---|---|---|---|---|"] + rows + [

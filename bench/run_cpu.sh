@@ -5,7 +5,9 @@
 #   W1-bf16  the same in mixed precision                 tally --dtype bf16 vs PyTorch autocast(bfloat16)
 #   W3       GPT-2 124M, batch 1 x 1024 tokens, fp32      tally  vs PyTorch fp32
 #   W3-bf16  the same in mixed precision                 tally --dtype bf16 vs PyTorch autocast(bfloat16)
-# Each run times `steps` training steps (AdamW included) after two warm-up steps.
+# Each run times `steps` training steps (AdamW included) after two warm-up steps. Each round
+# first measures the memory bandwidth (bench_memory: a STREAM triad), which the table gives
+# beside the GEMM peak.
 #   bench/run_cpu.sh [rounds=3] [steps=3] [threads=2]     (about 4 minutes a round on 2 cores)
 # The raw JSON lines go to bench/cpu_runs_KIND.jsonl (one per run; KIND is amd or intel, the
 # two kinds of machine issue 12 names); RESULTS.md gets the table between that kind's
@@ -19,7 +21,7 @@ steps="${2:-3}"
 threads="${3:-2}"
 works="${BENCH_WORKS:-W1 W1-bf16 W3 W3-bf16}"
 source "$root/bench/common.sh"
-prepare_peers bench/bench_w1
+prepare_peers bench/bench_w1 bench/bench_memory
 export OMP_NUM_THREADS="$threads"
 out="$root/bench/cpu_runs_$(python3 "$root/bench/cpu_table.py" --kind).jsonl"
 : > "$out"
@@ -33,6 +35,9 @@ shape() {  # the flags of a work's shape and precision
   esac
 }
 for round in $(seq "$rounds"); do
+  # The memory bandwidth beside the GEMM peak: the table reports it per round and says so
+  # when it was erratic (bench/memory_bandwidth.cc).
+  record "$out" "{\"work\": \"memory\", \"round\": $round}" "$root/build/bench/bench_memory" 20
   for work in $works; do
     flags="$(shape "$work")"
     # shellcheck disable=SC2086

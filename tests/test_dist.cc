@@ -19,12 +19,15 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "dist/data_parallel.h"
 #include "dist/world.h"
 #include "dist/zero.h"
+#include "io/checkpoint.h"
+#include "io/hf_files.h"
 #include "io/model_files.h"
 #include "nn/transformer.h"
 #include "ops/ops.h"
@@ -278,6 +281,52 @@ TEST(DataParallel, RanksStartedWithDifferentSettingsStopNamingTheSetting) {
   if (last) data.train_data = test::write_random_shard("other_train.bin", 30000, 97, 12);
   msg = test::message_of<Error>([&] { train::run_training(data, world()); });
   EXPECT_NE(msg.find("--train-data's token count " + differs), std::string::npos) << msg;
+  // Files of the same name and shape that hold other bytes on one rank (a node with a stale
+  // copy of the out-dir, or of the model): each rank trained its replica from other
+  // weights, silently. A model file: the fixture, and one with other weights.
+  const std::string other_model = shared_path("other_model.bin");
+  if (world().is_root()) {
+    nn::Transformer m(io::read_llmc_config(c.model_file));
+    m.init_weights(5);
+    io::save_llmc(other_model, m);
+  }
+  world().world().barrier();
+  train::TrainConfig model = c;
+  if (last) model.model_file = other_model;
+  msg = test::message_of<Error>([&] { train::run_training(model, world()); });
+  EXPECT_NE(msg.find("--model-file's contents (CRC-32 of its weights) " + differs), std::string::npos) << msg;
+  // The same model from another kind of source on one rank (an HF export of the file): the
+  // weights' comparison above ran only on the ranks given a model file, and its exchange
+  // met the others' next collective; a seed on one rank and HF files on another compared
+  // nothing at all.
+  const std::string exported = shared_path("agree_hf");
+  if (world().is_root()) {
+    nn::Transformer m(io::read_llmc_config(c.model_file));
+    io::load_llmc(c.model_file, m);
+    io::save_hf(exported, m);
+  }
+  world().world().barrier();
+  train::TrainConfig source = c;
+  if (last) source.model_file.clear(), source.init_from = exported;
+  msg = test::message_of<Error>([&] { train::run_training(source, world()); });
+  EXPECT_NE(msg.find("different settings: the weights' source " + differs), std::string::npos) << msg;
+  // A checkpoint: the same run's step 2, and another run's (other data of the same size,
+  // so the same recipe).
+  train::TrainConfig saving = c;
+  saving.steps = 4;  // the resumed run's schedule
+  saving.save_every = 2;
+  saving.out_dir = shared_path("agree_a");
+  train::run_training(saving, world());
+  saving.out_dir = shared_path("agree_b");
+  saving.train_data = test::write_random_shard("agree_b.bin", 40000, 97, 99);
+  train::run_training(saving, world());
+  train::TrainConfig resumed = c;
+  resumed.steps = 4;
+  resumed.resume = (last ? shared_path("agree_b") : shared_path("agree_a")) + "/step_00000002";
+  msg = test::message_of<Error>([&] { train::run_training(resumed, world()); });
+  EXPECT_NE(msg.find("--resume's model.bin (CRC-32 of its weights) " + differs), std::string::npos) << msg;
+  resumed.resume = shared_path("agree_a") + "/step_00000002";
+  EXPECT_NO_THROW(train::run_training(resumed, world()));
   // The same settings train.
   EXPECT_NO_THROW(train::run_training(c, world()));
 }
@@ -522,6 +571,149 @@ TEST(Zero, Stage3ReleasesAGatheredLayersStorageWhileItsParameterViewsLive) {
   z.acquire(unit, false);  // gathered again: the same view reads the same values
   test::expect_close(weight, full_weight, 0, 0, "re-gathered");
   z.release(unit, false);
+}
+
+namespace {
+// A ZeRO-3 model as the trainer builds one: no blocks, the optimizer binding the
+// parameters and holding their values (the model's residency before it is filled).
+struct Zero3Model {
+  std::unique_ptr<nn::Transformer> model;
+  std::unique_ptr<dist::ZeroOptimizer> zero;
+  explicit Zero3Model(const nn::TransformerConfig& config)
+      : model(std::make_unique<nn::Transformer>(config, nn::ModelShard{}, nn::Blocks::None)),
+        zero(std::make_unique<dist::ZeroOptimizer>(model->params(), optim::AdamWConfig{}, world().dp_group(), 3)) {
+    model->set_residency(zero.get());
+  }
+  ~Zero3Model() { model->set_residency(nullptr); }
+};
+
+// The shards' bytes of a ZeRO-3 model (16 a padded piece) and its largest parameter's.
+std::pair<int64_t, int64_t> zero3_shards_and_largest_parameter(const nn::TransformerConfig& config) {
+  const nn::Transformer layout = nn::Transformer::layout_only(config);
+  const int64_t D = world().dp();
+  int64_t pieces = 0, largest = 0;
+  for (size_t u = 0; u < layout.params().num_units(); ++u) pieces += (layout.params().unit(u).numel() + D - 1) / D;
+  for (size_t i = 0; i < layout.params().size(); ++i) largest = std::max(largest, shape_numel(layout.params().spec(i).shape));
+  return {16 * pieces, 4 * largest};
+}
+}  // namespace
+
+// ZeRO-3 never holds the whole model, not even while it is built (it used to build the
+// whole parameter block, 4P, then shard it): the model is made without blocks, the
+// optimizer binds its parameters, and the weights (drawn from the seed, read from an
+// llm.c file in fp32 or bf16, or from HuggingFace files) come one whole parameter at a
+// time, each rank keeping its pieces. Gathered, every unit holds the whole model's values
+// to the bit; set-up holds the shards and the largest parameter, to the byte; and rank 0
+// puts each parameter back together from the ranks' pieces (what a checkpoint writes).
+TEST(Zero, Stage3IsBuiltFromItsSourceOneWholeParameterAtATime) {
+  auto& ledger = runtime::ledger();
+  nn::TransformerConfig gpt2 = io::read_llmc_config(test::fixture_path("gpt2_tiny.bin"));
+  gpt2.n_layer = 3;
+  nn::TransformerConfig llama = nn::TransformerConfig::preset("llama3-d2");  // tied, grouped-query
+  llama.vocab_size = 1000;
+  llama.padded_vocab_size = 1024;
+  for (const nn::TransformerConfig& config : {gpt2, llama}) {
+    nn::Transformer whole(config);
+    whole.init_weights(7);
+    const std::string family = config.is_llama() ? "llama" : "gpt2";
+    const std::string fp32_file = shared_path(family + ".bin"), bf16_file = shared_path(family + "_bf16.bin"),
+                      hf_dir = shared_path(family + "_hf");
+    if (world().is_root()) {
+      io::save_llmc(fp32_file, whole);
+      io::save_llmc(bf16_file, whole, /*bf16=*/true);
+      io::save_hf(hf_dir, whole);
+    }
+    world().world().barrier();
+    nn::Transformer whole_bf16(config, {}, nn::Blocks::Parameters);
+    io::load_llmc(bf16_file, whole_bf16);
+    const auto [shards, largest] = zero3_shards_and_largest_parameter(config);
+    const int64_t rotary = config.is_llama() ? config.head_dim() / 2 * 4 : 0;
+    const std::vector<std::pair<std::string, std::function<void(nn::Transformer&)>>> sources = {
+        {"drawn", [](nn::Transformer& m) { m.init_weights(7); }},
+        {"fp32 llm.c file", [&](nn::Transformer& m) { io::load_llmc(fp32_file, m); }},
+        {"bf16 llm.c file", [&](nn::Transformer& m) { io::load_llmc(bf16_file, m); }},
+        {"HuggingFace files", [&](nn::Transformer& m) { io::load_hf(hf_dir, m); }}};
+    for (const auto& [source, fill] : sources) {
+      const std::string what = family + ", " + source;
+      const nn::Transformer& want = source == "bf16 llm.c file" ? whole_bf16 : whole;
+      ledger.reset_peaks();
+      const int64_t before = ledger.stats().allocated;
+      Zero3Model z(config);
+      fill(*z.model);
+      const int64_t held = ledger.stats().peak_allocated - before;
+      // HuggingFace files are read a tensor at a time in the file's layout (LLaMA's q and
+      // k re-ordered once more): at most one more parameter.
+      if (source == "HuggingFace files") EXPECT_LE(held, shards + 2 * largest + rotary) << what;
+      else EXPECT_EQ(held, shards + largest + rotary) << what;
+      EXPECT_LT(shards + 2 * largest + rotary, 4 * whole.num_parameters() + shards) << what << ": the old set-up";
+      const nn::ParameterStore& params = z.model->params();
+      for (size_t u = 0; u < params.num_units(); ++u) {
+        z.zero->acquire(u, false);
+        for (size_t i = params.unit(u).first; i < params.unit(u).last; ++i)
+          EXPECT_EQ(test::compare(params[i], want.params()[i]).max_abs, 0.0) << what << ", " << params.spec(i).name;
+        z.zero->release(u, false);
+      }
+      for (size_t i = 0; i < params.size(); ++i) {
+        const Tensor value = z.zero->value_at_root(i);
+        if (!world().is_root()) {
+          EXPECT_FALSE(value.defined()) << what;
+          continue;
+        }
+        ASSERT_TRUE(value.defined()) << what;
+        EXPECT_EQ(test::compare(value, want.params()[i]).max_abs, 0.0) << what << ", " << params.spec(i).name << " at rank 0";
+      }
+    }
+  }
+}
+
+// Writing a ZeRO-3 checkpoint gathered every unit on every rank at once, 4P beside the
+// shards, the moment memory mattered most. Now rank 0 is sent one whole parameter at a
+// time and the moments come a unit at a time: no rank holds more than the larger of the
+// two beside its shards. What is written is the whole model and its moments, exactly.
+TEST(Zero, Stage3WritesItsCheckpointWithoutGatheringTheWholeModel) {
+  nn::TransformerConfig config = io::read_llmc_config(test::fixture_path("gpt2_tiny.bin"));
+  config.n_layer = 6;  // units far smaller than the model
+  nn::Transformer whole(config);
+  whole.init_weights(3);
+  Zero3Model z(config);
+  z.model->init_weights(3);
+  const nn::ParameterStore& wp = whole.params();
+  int64_t largest_unit = 0, largest_parameter = 0;
+  const int64_t D = world().dp();
+  for (size_t u = 0; u < wp.num_units(); ++u) {
+    // Moments the file can be checked by: m = the parameters, v = twice them.
+    const Tensor p = wp.flat_params().slice(0, wp.unit(u).begin, wp.unit(u).end);
+    z.zero->set_moment_unit(0, u, p);
+    z.zero->set_moment_unit(1, u, ops::scale(p, 2.0));
+    largest_unit = std::max(largest_unit, D * ((wp.unit(u).numel() + D - 1) / D));
+  }
+  for (size_t i = 0; i < wp.size(); ++i) largest_parameter = std::max(largest_parameter, wp[i].numel());
+  z.zero->set_steps_taken(5);
+  io::TrainingState st;
+  st.step = 5;
+  auto& ledger = runtime::ledger();
+  ledger.reset_peaks();
+  const int64_t before = ledger.stats().allocated;
+  const std::string out = shared_path("zero3_save");
+  const std::string dir = io::save_checkpoint(out, *z.model, *z.zero, st, world());
+  const int64_t held = ledger.stats().peak_allocated - before;
+  const int64_t bound = 4 * std::max(largest_parameter, largest_unit);
+  EXPECT_LE(held, bound) << "rank " << world().rank() << " held " << held << " bytes more while writing";
+  EXPECT_LT(bound, 4 * whole.num_parameters() / 4) << "the bound must be far below the whole model";
+  if (world().is_root()) {
+    nn::Transformer read(config);
+    optim::AdamW read_opt(read.params(), {});
+    io::load_checkpoint_model(dir, read);
+    io::load_checkpoint_state(dir, read, read_opt);
+    EXPECT_EQ(test::compare(read.params().flat_params(), wp.flat_params()).max_abs, 0.0);
+    EXPECT_EQ(read_opt.steps_taken(), 5);
+    for (size_t u = 0; u < wp.num_units(); ++u) {
+      const Tensor p = wp.flat_params().slice(0, wp.unit(u).begin, wp.unit(u).end);
+      EXPECT_EQ(test::compare(read_opt.moment_unit(0, u), p).max_abs, 0.0) << wp.unit(u).name;
+      EXPECT_EQ(test::compare(read_opt.moment_unit(1, u), ops::scale(p, 2.0)).max_abs, 0.0) << wp.unit(u).name;
+    }
+  }
+  world().world().barrier();
 }
 
 TEST(Zero, Stage3PeakIsBelowPlainDataParallelByTheShardedStatesLessWhatIsGathered) {

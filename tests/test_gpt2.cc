@@ -13,6 +13,8 @@
 #include <fstream>
 #include <set>
 
+#include <nlohmann/json.hpp>
+
 #include "autograd/engine.h"
 #include "autograd/observer.h"
 #include "data/token_shard.h"
@@ -394,6 +396,72 @@ TEST(Gpt2Files, HuggingFaceSafetensorsImportTransposesConv1dWeights) {
   nn::Transformer h(c);
   io::load_hf(path, h);
   test::expect_close(h.params().flat_params(), m->params().flat_params(), 0, 0, "HF import");
+
+  // Sharded, as save_pretrained writes a large GPT-2 (gpt2-xl in fp32): two files and an
+  // index. The config was read from the first file only ("missing tensor 'wte.weight'").
+  const std::string dir = test::temp_path("gpt2_sharded");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const size_t half = tensors.size() / 2;
+  const std::vector<std::pair<std::string, Tensor>> first(tensors.begin() + static_cast<std::ptrdiff_t>(half), tensors.end()),
+      second(tensors.begin(), tensors.begin() + static_cast<std::ptrdiff_t>(half));  // wte in the second file
+  io::write_safetensors(dir + "/model-00001-of-00002.safetensors", first, {});
+  io::write_safetensors(dir + "/model-00002-of-00002.safetensors", second, {});
+  nlohmann::json index = {{"weight_map", nlohmann::json::object()}};
+  for (const auto& [name, t] : first) index["weight_map"][name] = "model-00001-of-00002.safetensors";
+  for (const auto& [name, t] : second) index["weight_map"][name] = "model-00002-of-00002.safetensors";
+  test::write_all(dir + "/model.safetensors.index.json", index.dump());
+  test::write_all(dir + "/config.json", R"({"model_type": "gpt2", "n_head": 4})");
+  nn::Transformer sharded(io::read_hf_config(dir));
+  io::load_hf(dir, sharded);
+  test::expect_close(sharded.params().flat_params(), m->params().flat_params(), 0, 0, "sharded HF import");
+
+  // A tensor the model has no place for was read past; a head of its own (untied) was
+  // ignored and the model predicted with wte, unlike HF. Both refused. Old saves' mask
+  // buffers and a tied model's stored head are what GPT-2 files carry: accepted.
+  auto with = [&](const std::string& extra_name, const Tensor& extra) {
+    std::vector<std::pair<std::string, Tensor>> more = tensors;
+    more.emplace_back(extra_name, extra);
+    const std::string file = test::temp_path("extra.safetensors");
+    io::write_safetensors(file, more, {{"n_head", "4"}});
+    return file;
+  };
+  const Tensor stray = Tensor::zeros({32, 96});
+  const std::string msg = test::message_of<Error>([&] {
+    nn::Transformer x(c);
+    io::load_hf(with("transformer.h.5.attn.c_attn.weight", stray), x);
+  });
+  EXPECT_NE(msg.find("unexpected tensor 'transformer.h.5.attn.c_attn.weight'"), std::string::npos) << msg;
+  {
+    nn::Transformer x(c);
+    EXPECT_NO_THROW(io::load_hf(with("transformer.h.0.attn.bias", Tensor::zeros({4})), x));
+  }
+  // The stored head is accepted only as what a tied model stores: wte's own values. One of
+  // another shape, or of wte's shape with other values (an untied head), was taken without
+  // a word when no config.json said tie_word_embeddings: false.
+  Tensor wte;
+  for (const auto& [name, t] : tensors)
+    if (name == "transformer.wte.weight") wte = t;
+  ASSERT_TRUE(wte.defined());
+  {
+    nn::Transformer x(c);
+    EXPECT_NO_THROW(io::load_hf(with("lm_head.weight", wte.contiguous()), x));
+    test::expect_close(x.params().flat_params(), m->params().flat_params(), 0, 0, "HF import with a tied head stored");
+  }
+  Tensor untied = wte.contiguous().clone();
+  untied.data<float>()[untied.numel() - 1] += 1.0f;  // one value of the last row
+  for (const auto& [head, expected] : {std::pair{Tensor::zeros({4}), std::string("is [4], expected wte's")},
+                                       std::pair{untied, std::string("differs from wte")}}) {
+    const std::string refused = test::message_of<Error>([&] {
+      nn::Transformer x(c);
+      io::load_hf(with("lm_head.weight", head), x);
+    });
+    EXPECT_NE(refused.find("lm_head.weight"), std::string::npos) << refused;
+    EXPECT_NE(refused.find(expected), std::string::npos) << refused;
+  }
+  test::write_all(dir + "/config.json", R"({"model_type": "gpt2", "n_head": 4, "tie_word_embeddings": false})");
+  EXPECT_NE(test::message_of<Error>([&] { io::read_hf_config(dir); }).find("tie_word_embeddings is false"),
+            std::string::npos);
 }
 
 // ---------------------------------------------------------------- trainer

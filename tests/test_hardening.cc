@@ -3,6 +3,7 @@
 // written against a defect found by mutating valid files and command lines.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,6 +23,7 @@
 #include "data/token_shard.h"
 #include "data/tokenizer.h"
 #include "io/checkpoint.h"
+#include "io/files.h"
 #include "io/hf_files.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"
@@ -298,6 +300,13 @@ TEST(Hardening, FlagsThatWouldDoNothingAreRefusedNamingWhatTheyNeed) {
   c.min_lr_frac = 0.5;
   msg = message_of<Error>([&] { train::run_training(c); });
   EXPECT_NE(msg.find("--min-lr-frac 0.5 is where --lr-schedule cosine ends"), std::string::npos) << msg;
+  // A pipeline schedule without a pipeline ran as one process, without a word.
+  for (const char* schedule : {"gpipe", "interleaved"}) {
+    c = tiny_config(data);
+    c.pp_schedule = schedule;
+    msg = message_of<Error>([&] { train::run_training(c); });
+    EXPECT_NE(msg.find(std::string("--pp-schedule ") + schedule + " needs --pp > 1"), std::string::npos) << msg;
+  }
 }
 
 TEST(Hardening, ResumingBeyondStepsOrWithAnotherRecipeIsRefusedSayingWhatDiffers) {
@@ -386,8 +395,9 @@ TEST(Hardening, ACheckpointMissingOrWithAnEditedRecipeOrHistoryIsRefusedNamingTh
     fs::remove(path);
     std::string msg = message_of<Error>([&] { train::run_training(saved.resume); });
     EXPECT_NE(msg.find("checkpoint file '" + path + "' is missing"), std::string::npos) << msg;
-    std::string edited = good;
-    edited.insert(edited.size() - 2, " ");
+    // A trailing space: still the same JSON, other bytes. (Not string::insert: GCC 12's
+    // -Wrestrict misfires on it when optimizing, bug 105329, and CI builds with -Werror.)
+    const std::string edited = good + " ";
     test::write_all(path, edited);
     msg = message_of<Error>([&] { train::run_training(saved.resume); });
     EXPECT_NE(msg.find("checkpoint file '" + path + "': checksum mismatch"), std::string::npos) << msg;
@@ -569,6 +579,237 @@ TEST(Hardening, AFreshRunDoesNotOverwriteAnEarlierRunsCheckpoints) {
   fs::create_directories(interrupted.out_dir + "/step_00000002");
   fs::create_directories(interrupted.out_dir + "/step_00000002.tmp");
   EXPECT_NO_THROW(train::run_training(interrupted));
+}
+
+// From a user's review: outputs written over the run's own inputs. `--log-json` naming
+// the training shard truncated it to 0 bytes, and the loader's mapping of it then crashed
+// the run with SIGBUS; `--mem-trace` over a shard, or over --model-file, replaced them
+// after training. A path ending in '/' was made as a directory and then refused as one.
+// Each is refused before anything runs, naming both flags, and the input is intact.
+TEST(Hardening, AnOutputThatIsTheRunsOwnInputIsRefusedBeforeItIsTouched) {
+  const std::string shard = test::write_random_shard("own_input.bin", 5000, 97, 1);
+  const std::string bytes = test::read_all(shard);
+  const std::string model_copy = test::temp_path("own_model.bin");
+  fs::copy_file(test::fixture_path("gpt2_tiny.bin"), model_copy, fs::copy_options::overwrite_existing);
+  struct Case {
+    const char* output;
+    std::function<void(train::TrainConfig&)> set;
+    const char* input;
+  };
+  const std::string val = test::write_random_shard("own_val.bin", 2000, 97, 2);
+  const std::string val_bytes = test::read_all(val);
+  const std::string hf = test::temp_path("own_hf");
+  fs::remove_all(hf);
+  fs::copy(test::fixture_path("llama3_tiny_hf"), hf, fs::copy_options::recursive);
+  const std::string hf_config = test::read_all(hf + "/config.json");
+  for (const Case& k : {Case{"--log-json", [&](train::TrainConfig& t) { t.log_json = shard; }, "--train-data"},
+                        Case{"--log-json", [&](train::TrainConfig& t) { t.val_data = val; t.log_json = val; }, "--val-data"},
+                        Case{"--log-json", [&](train::TrainConfig& t) { t.model_file = model_copy; t.log_json = model_copy; },
+                             "--model-file"},
+                        Case{"--mem-trace", [&](train::TrainConfig& t) {
+                               t.model_file.clear();
+                               t.init_from = hf;
+                               t.mem_trace = hf + "/config.json";
+                             }, "--init-from"}}) {
+    train::TrainConfig c = tiny_config(shard);
+    k.set(c);
+    const std::string msg = message_of<Error>([&] { train::run_training(c); });
+    EXPECT_NE(msg.find(std::string(k.output) + " '"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(std::string("is ") + k.input), std::string::npos) << msg;
+    EXPECT_NE(msg.find("would destroy the input"), std::string::npos) << msg;
+  }
+  // A trace over a shard: refused by its name already (a trace is .json or .html).
+  train::TrainConfig traced = tiny_config(shard);
+  traced.mem_trace = shard;
+  EXPECT_NE(message_of<Error>([&] { train::run_training(traced); }).find("expected a path ending in .json"), std::string::npos);
+  EXPECT_EQ(test::read_all(val), val_bytes) << "the validation shard is untouched";
+  EXPECT_EQ(test::read_all(hf + "/config.json"), hf_config) << "the HuggingFace config is untouched";
+  EXPECT_EQ(test::read_all(shard), bytes) << "the shard is untouched";
+  EXPECT_EQ(test::read_all(model_copy), test::read_all(test::fixture_path("gpt2_tiny.bin"))) << "the model is untouched";
+  // A name that can only be a directory's: refused, and nothing is made.
+  train::TrainConfig slash = tiny_config(shard);
+  slash.mem_trace = test::temp_path("traces_new") + "/";
+  EXPECT_NE(message_of<Error>([&] { train::run_training(slash); }).find("ends in '/'"), std::string::npos);
+  EXPECT_FALSE(fs::exists(test::temp_path("traces_new"))) << "no directory is left behind";
+}
+
+// From the same review: --overwrite removed every directory whose name began with step_,
+// the user's step_notes/ included; a resume onto other training data went on silently
+// (README: "resume is exact or refused"); every checkpoint was kept (17 GB in a minute at
+// --save-every 1 on d1) with no way to keep fewer; per-rank logs of an earlier, wider run
+// were left contradicting the new log.
+TEST(Hardening, OverwriteKeepsTheUsersFilesAndResumeRefusesOtherData) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  fs::remove_all(c.out_dir);
+  c.steps = 4;
+  c.save_every = 2;
+  train::run_training(c);
+  fs::create_directories(c.out_dir + "/step_notes");
+  test::write_all(c.out_dir + "/step_notes/mine.txt", "keep me");
+  fs::create_directories(c.out_dir + "/step_00000099");
+  test::write_all(c.out_dir + "/step_00000099/mine.txt", "and me");
+  // Other data (another token count) is another run.
+  train::TrainConfig other_data = c;
+  other_data.steps = 6;
+  other_data.resume = c.out_dir;
+  other_data.train_data = test::write_random_shard("t_other.bin", 3000, 97, 2);
+  const std::string msg = message_of<Error>([&] { train::run_training(other_data); });
+  EXPECT_NE(msg.find("--train-data's token count was 5000, now 3000"), std::string::npos) << msg;
+  train::TrainConfig again = c;
+  again.overwrite = true;
+  train::run_training(again);
+  EXPECT_EQ(test::read_all(c.out_dir + "/step_notes/mine.txt"), "keep me");
+  EXPECT_EQ(test::read_all(c.out_dir + "/step_00000099/mine.txt"), "and me") << "no state.bin: not a checkpoint";
+  // --keep-last 2: each save leaves the newest two.
+  train::TrainConfig kept = c;
+  kept.out_dir = test::temp_path("keep_last");
+  fs::remove_all(kept.out_dir);
+  kept.steps = 5;
+  kept.save_every = 1;
+  kept.keep_last = 2;
+  train::run_training(kept);
+  EXPECT_EQ(io::checkpoints_in(kept.out_dir), (std::vector<std::string>{"step_00000004", "step_00000005", "latest"}));
+  // Resumed from step 2 of a longer run: the later checkpoints (4, 5) are that run's, left.
+  train::TrainConfig longer = kept;
+  longer.out_dir = test::temp_path("keep_last_resumed");
+  fs::remove_all(longer.out_dir);
+  longer.keep_last = 0;
+  train::run_training(longer);  // steps 1 .. 5
+  train::TrainConfig back = longer;
+  back.keep_last = 1;
+  back.resume = longer.out_dir + "/step_00000002";
+  back.steps = 3;
+  back.allow_recipe_change = true;  // a shorter schedule
+  train::run_training(back);
+  EXPECT_EQ(io::checkpoints_in(longer.out_dir),
+            (std::vector<std::string>{"step_00000003", "step_00000004", "step_00000005", "latest"}));
+  train::TrainConfig no_saves = c;
+  no_saves.save_every = 0;
+  no_saves.keep_last = 1;
+  EXPECT_NE(message_of<Error>([&] { train::run_training(no_saves); }).find("--keep-last 1 keeps"), std::string::npos);
+  // A per-rank log of a rank this run does not have (an earlier run of 4 ranks) is removed.
+  train::TrainConfig logged = c;
+  logged.out_dir = test::temp_path("rank_logs");
+  fs::remove_all(logged.out_dir);
+  logged.save_every = 0;
+  logged.log_json = logged.out_dir + "/log.jsonl";
+  fs::create_directories(logged.out_dir);
+  test::write_all(logged.log_json + ".rank3", "{}\n");
+  test::write_all(logged.log_json + ".ranked_by_me", "mine\n");
+  train::run_training(logged);
+  EXPECT_FALSE(fs::exists(logged.log_json + ".rank3"));
+  EXPECT_TRUE(fs::exists(logged.log_json + ".ranked_by_me"));
+  // Outputs beside the files a run reads are no inputs: a log in the tokenizer's directory
+  // (where `tally tokenize` writes the shards too), run twice.
+  train::TrainConfig beside = c;
+  beside.out_dir = test::temp_path("beside_out");
+  fs::remove_all(beside.out_dir);
+  beside.save_every = 0;
+  {
+    // A model of the tokenizer's 257 tokens.
+    nn::TransformerConfig config = io::read_llmc_config(c.model_file);
+    config.vocab_size = 257;
+    config.padded_vocab_size = 384;
+    nn::Transformer m(config);
+    m.init_weights(1);
+    beside.model_file = test::temp_path("beside_model.bin");
+    io::save_llmc(beside.model_file, m);
+  }
+  beside.tokenizer_dir = test::temp_path("beside_tok");
+  fs::create_directories(beside.tokenizer_dir);
+  test::write_tiny_gpt2_tokenizer(beside.tokenizer_dir, {});
+  beside.log_json = beside.tokenizer_dir + "/log.jsonl";
+  EXPECT_NO_THROW(train::run_training(beside));
+  EXPECT_NO_THROW(train::run_training(beside)) << "the second run's log exists: still no input";
+  // A stream is written as it is.
+  beside.log_json = "/dev/null";
+  EXPECT_NO_THROW(train::run_training(beside));
+  // One name for two outputs: the trace would replace the log.
+  beside.log_json = beside.out_dir + "/both.json";
+  beside.mem_trace = beside.out_dir + "/both.json";
+  EXPECT_NE(message_of<Error>([&] { train::run_training(beside); }).find("the trace would replace the log"),
+            std::string::npos);
+}
+
+// `--init-from DIR/model.safetensors` reads DIR/config.json too, but only the file itself
+// counted as the run's input: `--log-json DIR/config.json` passed the check and the log
+// replaced the config, so the next run read rows of JSON as the model's shape.
+TEST(Hardening, ALogOverTheConfigBesideAnInitFromFileIsRefused) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("init_from_file.bin", 5000, 97, 5));
+  const std::string dir = test::temp_path("init_from_file");
+  fs::remove_all(dir);
+  {
+    nn::Transformer m(io::read_llmc_config(c.model_file));
+    io::load_llmc(c.model_file, m);
+    io::save_hf(dir, m);
+  }
+  const std::string config = test::read_all(dir + "/config.json");
+  c.model_file.clear();
+  c.init_from = dir + "/model.safetensors";
+  c.log_json = dir + "/config.json";
+  const std::string msg = message_of<Error>([&] { train::run_training(c); });
+  EXPECT_NE(msg.find("--log-json '" + c.log_json + "' is --init-from '" + c.log_json + "'"), std::string::npos) << msg;
+  EXPECT_EQ(test::read_all(dir + "/config.json"), config) << "the config is untouched";
+  c.log_json = dir + "/log.jsonl";  // beside it, a log is no input
+  EXPECT_NO_THROW(train::run_training(c));
+}
+
+// A stream as --log-json (/dev/null, a pipe, the process's own stdout through /dev/fd/N or
+// /dev/stdout) passed the output check, and then a run that saved failed at its first
+// checkpoint (fsync of /dev/null: EINVAL), a resume failed reading the log back ("expected a
+// regular file") to drop its later rows, and /dev/stdout redirected to a file was truncated
+// by the log's own open and its rows overwritten by the process's later output. A stream is
+// written front to back through the descriptor it names (sharing its offset), never read
+// back, replaced or fsync'ed; the outputs that are whole files written atomically (plot,
+// export, memory report, trace) refuse a stream before any work.
+TEST(Hardening, AStreamLogTakesEveryRowOfRunsThatSaveAndResume) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("stream_log.bin", 5000, 97, 4));
+  c.out_dir = test::temp_path("stream_log_out");
+  fs::remove_all(c.out_dir);
+  c.steps = 4;
+  c.save_every = 2;
+  c.log_json = "/dev/null";
+  EXPECT_NO_THROW(train::run_training(c)) << "a run that saves, logging to /dev/null";
+  train::TrainConfig resumed = c;
+  resumed.resume = c.out_dir + "/step_00000002";
+  EXPECT_NO_THROW(train::run_training(resumed)) << "a resume logging to /dev/null";
+  // The process's own descriptor, open on a file that already holds a line (as a shell's
+  // `> run.log` holds what the run printed before): the rows follow it, none overwritten.
+  const std::string file = test::temp_path("stream_log_fd.txt");
+  const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::write(fd, "printed before\n", 15), 15);
+  const std::string descriptor = "/dev/fd/" + std::to_string(fd);
+  EXPECT_TRUE(io::is_stream(descriptor));
+  EXPECT_TRUE(io::is_stream("/dev/null"));
+  EXPECT_FALSE(io::is_stream(file));
+  fs::remove_all(c.out_dir);
+  train::TrainConfig to_fd = c;
+  to_fd.log_json = descriptor;
+  train::run_training(to_fd);  // steps 1 .. 4, saved at 2 and 4
+  resumed.log_json = descriptor;
+  train::run_training(resumed);  // steps 3 .. 4 again: a stream keeps what it was given
+  ASSERT_EQ(::write(fd, "printed after\n", 14), 14);
+  ::close(fd);
+  std::istringstream lines(test::read_all(file));
+  std::vector<std::string> got;
+  for (std::string line; std::getline(lines, line);) {
+    const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
+    got.push_back(row.is_object() && row.contains("step") ? "step " + std::to_string(row["step"].get<int64_t>()) : line);
+  }
+  EXPECT_EQ(got, (std::vector<std::string>{"printed before", "step 1", "step 2", "step 3", "step 4", "step 3", "step 4",
+                                           "printed after"}));
+  EXPECT_FALSE(test::has_temporaries(file));
+  // Files written whole and atomically refuse a stream up front, naming the flag.
+  for (const std::string& stream : {std::string("/dev/null"), descriptor}) {
+    const std::string msg = message_of<Error>([&] { io::check_output_file("-o", stream, {}); });
+    EXPECT_NE(msg.find("-o '" + stream + "' is a stream"), std::string::npos) << msg;
+  }
+  EXPECT_NO_THROW(io::check_output_file("--log-json", "/dev/null", {}, io::OutputKind::FileOrStream));
+  // Per-rank logs go beside --log-json, which a stream has no directory for.
+  train::TrainConfig all_ranks = c;
+  all_ranks.log_json_all_ranks = true;
+  EXPECT_NE(message_of<Error>([&] { train::run_training(all_ranks); }).find("--log-json-all-ranks"), std::string::npos);
 }
 
 // Two writers of one file at once (two runs finishing into one --out-dir: ctest -j2 ran two

@@ -59,8 +59,8 @@ std::string train_command(const std::string& launcher, const std::string& data, 
 
 TEST(Launch, AFailingRankEndsTheWholeJobWithItsRankAndMessage) {
   // Only rank 1 fails: its own log (--log-json-all-ranks) is a directory, as on a machine
-  // whose disk is laid out differently. Rank 0 goes on into training and its first
-  // collective, which must not hang.
+  // whose disk is laid out differently. Rank 0 goes on into its first collective, which
+  // must not hang.
   const std::string data = test::write_random_shard("ok_for_all.bin", 20000, 97, 2);
   const std::string log = test::temp_path("log.jsonl");
   std::filesystem::create_directories(log + ".rank1");
@@ -68,7 +68,8 @@ TEST(Launch, AFailingRankEndsTheWholeJobWithItsRankAndMessage) {
                   120);
   EXPECT_NE(o.exit_code, 0) << o.output;
   EXPECT_NE(o.exit_code, 124) << "timed out: the job hung\n" << o.output;
-  EXPECT_NE(o.output.find("tally: rank 1: --log-json '" + log + ".rank1': is a directory"), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("tally: rank 1: --log-json-all-ranks '" + log + ".rank1' is a directory"), std::string::npos)
+      << o.output;
   EXPECT_LT(o.seconds, 60) << "the job must end within seconds of the failure";
 }
 

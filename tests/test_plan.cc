@@ -328,12 +328,18 @@ TEST(Plan, SaysWhenItsPeakMomentMayNotHold) {
   in.seq_len = 64;  // 64 x 50304 logits are far smaller than two 1.5B layers
   in.world = 2;
   in.zero = 3;
-  // That note, and set-up's: the whole block (4P) beside the shards (8P) is above this
-  // small batch's step peak.
-  const std::vector<std::string> notes = train::plan_memory(in).notes;
-  ASSERT_EQ(notes.size(), 2u);
-  EXPECT_EQ(notes[0].rfind("set-up", 0), std::string::npos) << notes[0];
-  EXPECT_EQ(notes[1].rfind("set-up: ZeRO-3 builds the whole parameter block", 0), 0u) << notes[1];
+  // That note only. Set-up holds the rank's shards (16 bytes a padded piece) and one whole
+  // parameter, the largest (wte, 50,304 x 1,600): below the step peak, which holds the
+  // shards and gathered units. (It used to build the whole block, 4P = 5.8 GiB, beside the
+  // shards, far above this small batch's step peak.)
+  const train::MemoryPlan xl = train::plan_memory(in);
+  ASSERT_EQ(xl.notes.size(), 1u);
+  EXPECT_EQ(xl.notes[0].rfind("set-up", 0), std::string::npos) << xl.notes[0];
+  int64_t pieces = 0;
+  const nn::Transformer layout = nn::Transformer::layout_only(in.model);
+  for (size_t u = 0; u < layout.params().num_units(); ++u) pieces += (layout.params().unit(u).numel() + 1) / 2;
+  EXPECT_EQ(xl.ranks[0].setup_bytes, 16 * pieces + 4 * 50304 * 1600);
+  EXPECT_LT(xl.ranks[0].setup_bytes, xl.ranks[0].predicted_peak_bytes);
   in.batch_size = 4;
   in.seq_len = 1024;
   EXPECT_TRUE(train::plan_memory(in).notes.empty());
@@ -411,14 +417,14 @@ TEST(Plan, AShardIsBuiltOneWholeParameterAtATimeWithTheWholeModelsValues) {
     const std::string fp32_file = test::temp_path("whole.bin"), bf16_file = test::temp_path("whole_bf16.bin");
     io::save_llmc(fp32_file, whole);
     io::save_llmc(bf16_file, whole, /*bf16=*/true);
-    nn::Transformer whole_bf16(config, {}, false);
+    nn::Transformer whole_bf16(config, {}, nn::Blocks::Parameters);
     io::load_llmc(bf16_file, whole_bf16);
     const std::string hf_dir = test::temp_path("whole_hf");
     io::save_hf(hf_dir, whole);
     {
       // One process: reading HuggingFace files holds a tensor at a time (and LLaMA's q and
       // k once more, re-ordered), not the file beside the model.
-      nn::Transformer from_hf(config, {}, false);
+      nn::Transformer from_hf(config, {}, nn::Blocks::Parameters);
       int64_t largest = 0;
       for (size_t i = 0; i < from_hf.params().size(); ++i) largest = std::max(largest, from_hf.params()[i].numel());
       ledger.reset_peaks();

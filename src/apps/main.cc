@@ -96,8 +96,10 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
   t->add_option("--temperature", c.temperature, "Temperature of the printed samples (0 = greedy)")->capture_default_str();
   t->add_option("--top-k", c.top_k, "The printed samples draw from the K likeliest tokens (0 = all)")->capture_default_str();
   t->add_option("--save-every", c.save_every, "Checkpoint every N steps (and at the end; 0 = never)")->capture_default_str();
+  t->add_option("--keep-last", c.keep_last, "Keep only the newest N checkpoints: each save removes the older ones "
+                "(0 = keep every one)")->capture_default_str();
   t->add_option("--out-dir", c.out_dir, "Where checkpoints go")->capture_default_str();
-  t->add_option("--resume", c.resume, "Resume from a checkpoint directory (or an --out-dir with 'latest'); its model, unless --model or --model-file names one");
+  t->add_option("--resume", c.resume, "Resume from a checkpoint directory (or an --out-dir with 'latest'), with its weights; a --model, --model-file or --init-from beside it only names the model, which must be the checkpoint's");
   t->add_flag("--overwrite", c.overwrite,
               "Start afresh in an --out-dir that holds an earlier run's checkpoints, removing them (without it such a "
               "run is refused when it saves)");
@@ -172,8 +174,9 @@ std::unique_ptr<nn::Transformer> load_model(const std::string& path, std::string
   *file = hf ? path : resolve_model_file(path);
   // Sampling and export run no backward: no gradient block (half the memory).
   auto model = std::make_unique<nn::Transformer>(hf ? io::read_hf_config(*file) : io::read_llmc_config(*file),
-                                                 nn::ModelShard{}, /*gradients=*/false);
-  hf ? io::load_hf(*file, *model) : io::load_llmc(*file, *model);
+                                                 nn::ModelShard{}, nn::Blocks::Parameters);
+  if (hf) io::load_hf(*file, *model);
+  else io::load_llmc(*file, *model);
   return model;
 }
 
@@ -284,8 +287,8 @@ struct MemoryArgs {
 };
 
 int run_memory_report(const MemoryArgs& a) {
+  io::check_output_file("-o", a.out, {{"the trace", a.trace}});
   const memory::MemoryTrace trace = memory::read_memory_trace(a.trace);
-  io::create_directories_for("-o", a.out, fs::path(a.out).parent_path().string());
   memory::write_html_report(a.out, trace.events, trace.plan);
   std::printf("wrote %s (%zu events)\n", a.out.c_str(), trace.events.size());
   return 0;
@@ -415,7 +418,7 @@ int run_export(const ExportArgs& a) {
   if (a.format == "hf") {
     io::save_hf(a.out, model, a.bf16);
   } else {
-    io::create_directories_for("-o", a.out, fs::path(a.out).parent_path().string());
+    io::check_output_file("-o", a.out, {});  // (the input may be rewritten: it is read whole first)
     io::save_llmc(a.out, model, a.bf16);
   }
   std::printf("wrote %s (%s, %s, %s)\n", a.out.c_str(), a.format == "hf" ? "HuggingFace" : "llm.c",
@@ -440,9 +443,11 @@ std::string run_name(const std::string& path) {
 
 int run_plot(const PlotArgs& a) {
   TALLY_CHECK(!a.out.empty() && !fs::is_directory(a.out), "plot: -o '", a.out, "' must name the SVG file to write");
+  std::vector<std::pair<std::string, std::string>> inputs;
+  for (const std::string& log : a.logs) inputs.emplace_back("the log", log);
+  io::check_output_file("-o", a.out, inputs);
   std::vector<train::RunCurve> runs;
   for (const std::string& log : a.logs) runs.push_back(train::read_run_log(log, run_name(log)));
-  io::create_directories_for("-o", a.out, fs::path(a.out).parent_path().string());
   train::write_loss_svg(a.out, runs, a.title);
   std::printf("wrote %s (%zu run%s)\n", a.out.c_str(), runs.size(), runs.size() == 1 ? "" : "s");
   return 0;
@@ -590,11 +595,18 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (app.got_subcommand("train")) {
     tc.model_given = app.get_subcommand("train")->get_option("--model")->count() > 0;
+    // A sample setting given to a run that draws no samples would do nothing: said.
+    std::string unused_sample_flag;
+    for (const char* flag : {"--sample-tokens", "--temperature", "--top-k"})
+      if (tc.sample_every == -1 && unused_sample_flag.empty() && app.get_subcommand("train")->get_option(flag)->count() > 0)
+        unused_sample_flag = flag;
     // Under mpirun every rank runs this; a rank that fails ends the whole job (never a
     // hang of the others in a collective), naming itself and the error.
     std::unique_ptr<dist::World> world;
     try {
       world = dist::World::create({tc.dp, tc.tp, tc.pp});
+      TALLY_CHECK(unused_sample_flag.empty(), unused_sample_flag, " sets the samples a run prints, and --sample-every -1 "
+                  "draws none");
       train::run_training(tc, *world);
       return 0;
     } catch (const std::exception& e) {

@@ -42,6 +42,9 @@ void check_pipeline(PipelineSchedule schedule, int stages, int virtual_stages, i
               " needs --pp-schedule interleaved (", pipeline_schedule_name(schedule), " runs one chunk per stage)");
   TALLY_CHECK(virtual_stages == 1 || stages > 1, "--virtual-stages ", virtual_stages, " needs --pp > 1 (chunks are "
               "pipeline stages)");
+  // The default schedule (1f1b) is every run's; another one named without stages would do nothing.
+  TALLY_CHECK(stages > 1 || schedule == PipelineSchedule::OneFOneB, "--pp-schedule ", pipeline_schedule_name(schedule),
+              " needs --pp > 1 (a schedule orders pipeline stages' microbatches; this run has one stage)");
   if (stages == 1) return;
   if (schedule == PipelineSchedule::OneFOneB)
     TALLY_CHECK(microbatches >= stages, "--pp-schedule 1f1b with --pp ", stages, " needs at least ", stages,

@@ -22,9 +22,11 @@ ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig conf
   TALLY_CHECK(stage >= 1 && stage <= 3, "--zero must be 0, 1, 2 or 3, got ", stage);
   // Stage 1 reduces into the model's gradient block; stages 2 and 3 keep gradient shards of
   // their own, so a model built for them needs none (set-up then never holds one).
-  TALLY_CHECK(params_.flat_params().defined() && (stage >= 2 || params_.has_grad_block()),
+  // Stage 3 may start from no blocks at all: its values come later, through store().
+  const bool from_block = params_.flat_params().defined();
+  TALLY_CHECK((from_block || stage == 3) && (stage >= 2 || params_.has_grad_block()),
               "ZeRO shards a model whose parameter block (and, for stage 1, gradient block) exists (shard it once, "
-              "after loading)");
+              "after loading; stage 3 also takes a model built without blocks)");
   const int64_t D = group_.size(), r = group_.rank();
   for (size_t u = 0; u < params_.num_units(); ++u) {
     const nn::ParameterUnit& unit = params_.unit(u);
@@ -37,13 +39,14 @@ ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig conf
     p.local = local_numel_;
     local_numel_ += p.size;
     pieces_.push_back(p);
-    for (size_t i = unit.first; i < unit.last; ++i) param_index_[params_[i].impl()] = i;
+    if (from_block)  // (a store without blocks has no parameters yet: stage 3 binds them below)
+      for (size_t i = unit.first; i < unit.last; ++i) param_index_[params_[i].impl()] = i;
   }
   const DType dt = params_.dtype();
   const Device dev = params_.device();
   // The order keeps the set-up peak low: the full gradient block goes before any shard is
   // allocated, the full parameter block after the parameter shard is filled from it.
-  if (stage_ >= 2) params_.release_grads();
+  if (stage_ >= 2 && from_block) params_.release_grads();
   m_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::OptimizerState, "zero.adamw.m"));
   v_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::OptimizerState, "zero.adamw.v"));
   staging_.resize(pieces_.size());
@@ -51,7 +54,7 @@ ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig conf
     grad_shard_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::Gradient, "zero.gradients", true));
   if (stage_ == 3) {
     param_shard_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::Parameter, "zero.parameters"));
-    for (size_t u = 0; u < pieces_.size(); ++u) {
+    for (size_t u = 0; u < pieces_.size() && from_block; ++u) {
       const Piece& p = pieces_[u];
       if (p.own > 0) piece_of(param_shard_, u).slice(0, 0, p.own).copy_(range(params_.flat_params(), p.own_begin, p.own));
     }
@@ -134,6 +137,52 @@ void ZeroOptimizer::release(size_t unit, bool) {
   wait_gather(unit);
   Storage& s = gathered_[unit].storage();
   if (!s.released()) s.release("zero3.release(" + params_.unit(unit).name + ")");
+}
+
+std::pair<int64_t, int64_t> ZeroOptimizer::overlap(size_t param, int64_t r) const {
+  const Piece& p = pieces_[params_.spec(param).unit];
+  const int64_t begin = params_.offset(param), end = begin + params_[param].numel();
+  // Rank r owns the unit's elements [r c, (r + 1) c), cut at the unit's end (padding is no
+  // parameter's).
+  const int64_t own_begin = p.unit_begin + std::min(r * p.size, p.unit_numel);
+  const int64_t own_end = p.unit_begin + std::min((r + 1) * p.size, p.unit_numel);
+  const int64_t lo = std::max(begin, own_begin), hi = std::min(end, own_end);
+  return {lo, std::max(lo, hi)};
+}
+
+void ZeroOptimizer::store(size_t param, const Tensor& value) {
+  TALLY_CHECK(stage_ == 3, "internal: ZeRO-", stage_, " keeps no parameter values of its own");
+  TALLY_CHECK(value.is_contiguous() && value.numel() == params_[param].numel() && value.dtype() == param_shard_.dtype(),
+              "internal: a value for '", params_.spec(param).name, "' must be its whole shape, contiguous");
+  const auto [lo, hi] = overlap(param, group_.rank());
+  if (hi == lo) return;
+  const Piece& p = pieces_[params_.spec(param).unit];
+  range(param_shard_, p.local + (lo - p.own_begin), hi - lo).copy_(make_view(value, {hi - lo}, {1}, value.offset() + lo - params_.offset(param)));
+  param_shard_.storage().bump_version();
+}
+
+Tensor ZeroOptimizer::value_at_root(size_t param) {
+  TALLY_CHECK(stage_ == 3, "internal: ZeRO-", stage_, " keeps no parameter values of its own");
+  constexpr int kTag = 0x2e03;  // this exchange's messages, apart from any other between the same ranks
+  const Piece& p = pieces_[params_.spec(param).unit];
+  const int64_t begin = params_.offset(param);
+  auto mine = [&](int64_t lo, int64_t hi) { return range(param_shard_, p.local + (lo - p.own_begin), hi - lo); };
+  if (group_.rank() != 0) {
+    const auto [lo, hi] = overlap(param, group_.rank());
+    if (hi > lo) group_.send(mine(lo, hi), 0, kTag);
+    return Tensor();
+  }
+  const Shape& shape = params_.spec(param).shape;
+  Tensor whole = Tensor::empty(shape, param_shard_.dtype(), param_shard_.device(),
+                               make_owner(Category::Communication, "zero3.parameter_value"));
+  for (int64_t r = 0; r < group_.size(); ++r) {
+    const auto [lo, hi] = overlap(param, r);
+    if (hi == lo) continue;
+    const Tensor to = make_view(whole, {hi - lo}, {1}, lo - begin);
+    if (r == 0) to.copy_(mine(lo, hi));
+    else group_.recv(to, static_cast<int>(r), kTag);
+  }
+  return whole;
 }
 
 // ---------------------------------------------------------------- gradients (stages 2 and 3)

@@ -30,6 +30,7 @@
 #include <memory>
 #include <optional>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "autograd/observer.h"
@@ -46,6 +47,10 @@ class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResiden
   // Shards the model states of `params` (which must hold the full, identical model on
   // every rank) over `group`. Stage 3 moves the parameters into per-unit storages and
   // frees the full block; stages 2 and 3 free the full gradient block.
+  // Stage 3 also takes a store built without blocks (nn::Blocks::None): its pieces start
+  // as zeros, and the model's values come in through store() once this optimizer is the
+  // model's residency (Transformer::fill_whole_parameters), so no rank ever holds the
+  // whole model, not even while it is built.
   ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig config, Communicator& group, int stage);
   ~ZeroOptimizer() override;
   ZeroOptimizer(const ZeroOptimizer&) = delete;
@@ -73,6 +78,13 @@ class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResiden
   void acquire(size_t unit, bool backward) override;
   void release(size_t unit, bool backward) override;
   void prefetch(size_t unit) override;
+  bool holds_values() const override { return stage_ == 3; }
+  // Stage 3: keeps this rank's part of parameter `param`'s whole value.
+  void store(size_t param, const Tensor& value) override;
+  // Stage 3, collective: every rank sends rank 0 its part of parameter `param` (point to
+  // point, so only rank 0 holds the whole parameter; an all-gather would give every rank
+  // the whole unit).
+  Tensor value_at_root(size_t param) override;
 
   // Bytes this rank holds for model states by construction.
   struct Footprint {
@@ -108,6 +120,9 @@ class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResiden
   // rank's parameter block. Returns the gather in flight, or null when it is done.
   std::shared_ptr<Work> gather_parameters(size_t u);
   Tensor piece_of(const Tensor& shard, size_t unit) const;
+  // The elements [begin, end) of the parameter block that both parameter `param` and
+  // rank `r`'s piece of its unit cover (empty: begin == end).
+  std::pair<int64_t, int64_t> overlap(size_t param, int64_t r) const;
 
   nn::ParameterStore& params_;
   optim::AdamWConfig config_;

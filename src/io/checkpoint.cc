@@ -346,15 +346,18 @@ std::string save_gathered_checkpoint(const std::string& out_dir, const nn::Trans
 std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& model, optim::Optimizer& opt,
                             const TrainingState& state, const dist::World& world, const ShardLayout& layout) {
   if (!model.shard().whole()) return save_gathered_checkpoint(out_dir, model, opt, state, world, layout);
-  // ZeRO-3 keeps parameters sharded: gather every unit while the model file is written.
+  // ZeRO-3 keeps each parameter in pieces over the ranks: the writer is sent each one's
+  // pieces in the file's order and holds one whole parameter at a time (every other rank
+  // only sends).
   nn::ParameterResidency* residency = model.residency();
+  const bool pieces = residency && residency->holds_values();
   const size_t units = model.params().num_units();
   auto model_file = [&](const std::string& path) {
-    if (residency)
-      for (size_t u = 0; u < units; ++u) residency->acquire(u, false);
-    if (!path.empty()) save_llmc(path, model);
-    if (residency)
-      for (size_t u = 0; u < units; ++u) residency->release(u, false);
+    auto value = [&](size_t i) { return pieces ? residency->value_at_root(i) : model.params()[i].detach(); };
+    if (!path.empty()) save_llmc(path, model, value);
+    else if (pieces)
+      for (const nn::LlmcTensor& t : model.llmc_tensors())
+        for (size_t i : t.params) value(i);
   };
   // Every rank takes part in each gather; only the writer keeps the bytes.
   auto moment = [&](int which, size_t u) { return opt.moment_unit(which, u); };
@@ -440,7 +443,11 @@ std::vector<std::string> checkpoints_in(const std::string& out_dir) {
   if (!fs::is_directory(out_dir) || !fs::exists(fs::path(out_dir) / "latest")) return found;
   for (const auto& entry : fs::directory_iterator(out_dir)) {
     const std::string name = entry.path().filename().string();
-    if (name.rfind("step_", 0) == 0 && name.find('.') == std::string::npos && entry.is_directory()) found.push_back(name);
+    // Only what a save makes: step_ and the step's digits, holding a checkpoint's state. A
+    // directory the user named alike (step_notes/) is theirs, and --overwrite removes these.
+    const bool step_name = name.size() > 5 && name.rfind("step_", 0) == 0 &&
+                           name.find_first_not_of("0123456789", 5) == std::string::npos;
+    if (step_name && entry.is_directory() && fs::exists(entry.path() / "state.bin")) found.push_back(name);
   }
   std::sort(found.begin(), found.end());  // step_%08lld: name order is step order
   found.push_back("latest");
@@ -450,6 +457,26 @@ std::vector<std::string> checkpoints_in(const std::string& out_dir) {
 void remove_checkpoints(const std::string& out_dir) {
   for (const std::string& name : checkpoints_in(out_dir)) fs::remove_all(fs::path(out_dir) / name);
   sync_directory(out_dir);
+}
+
+std::vector<std::string> remove_older_checkpoints(const std::string& out_dir, const std::string& newest, int64_t keep) {
+  // Steps by number (names are step_%08lld: past 10^8 steps they grow a digit).
+  auto step_of = [](const std::string& name) { return std::stoll(name.substr(5)); };
+  const int64_t newest_step = step_of(fs::path(newest).filename().string());
+  std::vector<std::pair<int64_t, std::string>> older;
+  for (const std::string& name : checkpoints_in(out_dir))
+    if (name != "latest" && step_of(name) < newest_step) older.emplace_back(step_of(name), name);
+  std::sort(older.begin(), older.end());
+  const size_t keep_older = static_cast<size_t>(std::max<int64_t>(keep - 1, 0));
+  if (older.size() <= keep_older) return {};
+  older.resize(older.size() - keep_older);
+  std::vector<std::string> removed;
+  for (const auto& [step, name] : older) {
+    fs::remove_all(fs::path(out_dir) / name);
+    removed.push_back(name);
+  }
+  sync_directory(out_dir);
+  return removed;
 }
 
 namespace {
@@ -477,8 +504,8 @@ std::vector<std::pair<std::string, std::string>> load_checkpoint_recipe(const st
   return parse_recipe(read_file(path.string()), path.string());
 }
 
-void load_checkpoint_model(const std::string& dir, nn::Transformer& model) {
-  load_llmc((fs::path(dir) / "model.bin").string(), model);
+uint32_t load_checkpoint_model(const std::string& dir, nn::Transformer& model) {
+  return load_llmc((fs::path(dir) / "model.bin").string(), model);
 }
 
 TrainingState load_checkpoint_state(const std::string& dir, const nn::Transformer& model, optim::Optimizer& opt) {
@@ -504,10 +531,9 @@ TrainingState load_checkpoint_state(const std::string& dir, const nn::Transforme
               ", expected 1 to ", kStateVersion);
   Crc32 crc;
   const uint32_t stored_crc = h.crc;
-  if (h.version >= 3) {
-    h.crc = 0;
-    crc.update(&h, sizeof h);
-  }
+  // (Older versions stored no checksum; theirs is computed all the same, for content_crc.)
+  h.crc = 0;
+  crc.update(&h, sizeof h);
   TALLY_CHECK(h.numel == params.numel(), "training state '", path, "' has moments for ", h.numel,
               " parameters but the model has ", params.numel());
   TALLY_CHECK(h.step >= 0 && h.adam_steps >= 0, "training state '", path, "': negative step (", h.step,
@@ -528,6 +554,7 @@ TrainingState load_checkpoint_state(const std::string& dir, const nn::Transforme
       // Version 1 kept the moments in llm.c's file order (each kind over the layers).
       Tensor file_order = Tensor::empty({h.numel}, DType::F32, Device::cpu(), make_owner(Category::Other, "checkpoint.read"));
       in.read(static_cast<char*>(file_order.raw_data()), h.numel * 4);
+      crc.update(file_order.raw_data(), static_cast<size_t>(h.numel) * 4);
       Tensor block = Tensor::empty({h.numel}, DType::F32, Device::cpu(), make_owner(Category::Other, "checkpoint.read"));
       int64_t at = 0;
       for (const nn::LlmcTensor& t : model.llmc_tensors())
@@ -546,6 +573,7 @@ TrainingState load_checkpoint_state(const std::string& dir, const nn::Transforme
   opt.set_steps_taken(h.adam_steps);
   TrainingState s;
   s.step = h.step;
+  s.content_crc = crc.value();
   for (int i = 0; i < 4; ++i) s.rng_state[i] = h.rng[i];
   if (h.version >= 4) {
     // Deleting or editing the recipe would turn resume's check off unseen; the state says

@@ -11,7 +11,8 @@
 // checkpoint intact.
 //
 // With data parallel or ZeRO, saving is collective: every rank takes part in gathering
-// the model and the moments (unit by unit, so no rank holds more than one unit extra),
+// the model (ZeRO-3: to rank 0, parameter by parameter) and the moments (unit by unit, so
+// no rank holds more than one unit extra),
 // and rank 0 writes; the others wait for it, so all agree on what `latest` names. The
 // moments are stored in the parameter block's order whatever the layout, so any --dp and
 // --zero can resume from any other (each rank keeps its own shard of what it reads).
@@ -41,6 +42,9 @@ struct TrainingState {
   // The trainer's record of the run up to `step` (JSON text; train/plot.h reads and writes
   // it), saved as <step dir>/history.json. Empty in checkpoints older than it.
   std::string history;
+  // Loading: the CRC-32 of state.bin's bytes (its header, then the moments), which ranks
+  // resuming one run compare.
+  uint32_t content_crc = 0;
 };
 
 // What the rank at (pipeline stage, tensor-parallel rank) holds, for tensor- and
@@ -48,7 +52,8 @@ struct TrainingState {
 using ShardLayout = std::function<nn::ModelShard(int pp_rank, int tp_rank)>;
 
 // Writes <out_dir>/step_<step>/ and points <out_dir>/latest at it. Returns the directory.
-// Collective over `world`; under ZeRO-3 the model's units are gathered while it writes.
+// Collective over `world`; under ZeRO-3 every rank sends rank 0 its pieces of each
+// parameter in turn, so rank 0 holds one whole parameter at a time, the others nothing more.
 // A tensor- or pipeline-parallel model (a shard) is written as the whole model: data-
 // parallel rank 0 of every (stage, tp rank) sends its parameters and moments to rank 0,
 // which puts them together and writes the same files one process would (so any layout,
@@ -70,13 +75,19 @@ std::string latest_step_dir(const std::string& out_dir, const char* flag);
 // the process that wrote it is gone).
 void recover_out_dir(const std::string& out_dir);
 // The checkpoints an earlier run left in `out_dir`: when it has a `latest`, its step
-// directories (by name, in step order) and "latest"; empty otherwise (a step directory
-// without `latest` is a first save a kill interrupted).
+// directories (step_<digits> holding a state.bin; by name, in step order) and "latest";
+// empty otherwise (a step directory without `latest` is a first save a kill interrupted).
 std::vector<std::string> checkpoints_in(const std::string& out_dir);
 // Removes them (a fresh run's --overwrite).
 void remove_checkpoints(const std::string& out_dir);
-// Loads the weights (configs must match; errors name the file). Before ZeRO shards the model.
-void load_checkpoint_model(const std::string& dir, nn::Transformer& model);
+// After saving `newest` (a step directory of `out_dir`, which `latest` names): removes
+// the checkpoints of earlier steps but the `keep` - 1 newest (--keep-last), never a later
+// step (a run resumed from an earlier checkpoint leaves the abandoned run's alone).
+// Returns the removed directories' names, oldest first.
+std::vector<std::string> remove_older_checkpoints(const std::string& out_dir, const std::string& newest, int64_t keep);
+// Loads the weights (configs must match; errors name the file). Returns the CRC-32 of the
+// weight bytes read (the whole file's, also for a shard).
+uint32_t load_checkpoint_model(const std::string& dir, nn::Transformer& model);
 // The recipe saved with a checkpoint (empty for checkpoints older than recipes). Only a
 // checkpoint's state.bin knows whether one must be there: load_checkpoint_state checks.
 std::vector<std::pair<std::string, std::string>> load_checkpoint_recipe(const std::string& dir);

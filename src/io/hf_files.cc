@@ -196,18 +196,35 @@ std::string gpt2_hf_name(const std::string& name) { return name == "wte" || name
 bool gpt2_conv1d(const std::string& name) {
   return name.rfind("h.", 0) == 0 && name.find(".weight") != std::string::npos && name.find("ln_") == std::string::npos;
 }
-// The key of `hf_name` in a GPT-2 file, which may prefix every name with "transformer.";
-// empty when the file has neither.
-std::string gpt2_key(const SafetensorsFile& f, const std::string& hf_name) {
-  if (f.has(hf_name)) return hf_name;
-  if (f.has("transformer." + hf_name)) return "transformer." + hf_name;
-  return "";
-}
+// A GPT-2 model's safetensors files (one, or the shards an index names) by their headers:
+// which file holds each tensor. Names may carry a "transformer." prefix.
+struct Gpt2Files {
+  std::vector<SafetensorsFile> files;
+  std::map<std::string, size_t> file_of;  // tensor name -> files index
+  std::string path;                       // the first file's, for errors that name the model
+
+  explicit Gpt2Files(const HfSource& src) {
+    for (const std::string& shard : src.shards) {
+      files.push_back(index_safetensors(shard));  // the header: shapes, no weights
+      for (const std::string& name : files.back().order) file_of.emplace(name, files.size() - 1);
+    }
+    path = src.shards.at(0) + (src.shards.size() > 1 ? " (and " + std::to_string(src.shards.size() - 1) + " more shards)" : "");
+  }
+  // The key of `hf_name`, with or without the prefix; empty when no file has it.
+  std::string key(const std::string& hf_name) const {
+    if (file_of.count(hf_name)) return hf_name;
+    if (file_of.count("transformer." + hf_name)) return "transformer." + hf_name;
+    return "";
+  }
+  const SafetensorsFile& file(const std::string& key) const { return files.at(file_of.at(key)); }
+  const SafetensorsFile::Entry& entry(const std::string& key) const { return file(key).entry(key); }
+};
 
 nn::TransformerConfig gpt2_config(const HfSource& src) {
-  const SafetensorsFile f = index_safetensors(src.shards.at(0));  // the header: shapes, no weights
+  const Gpt2Files files(src);
+  const Gpt2Files& f = files;
   auto key = [&](const std::string& name) {
-    const std::string k = gpt2_key(f, name);
+    const std::string k = f.key(name);
     TALLY_CHECK(!k.empty(), "HuggingFace GPT-2 file '", f.path, "': missing tensor '", name, "'");
     return k;
   };
@@ -222,15 +239,16 @@ nn::TransformerConfig gpt2_config(const HfSource& src) {
   c.n_embd = wte[1];
   c.max_seq_len = wpe[0];
   int64_t L = 0;
-  while (!gpt2_key(f, "h." + std::to_string(L) + ".ln_1.weight").empty()) ++L;
+  while (!f.key("h." + std::to_string(L) + ".ln_1.weight").empty()) ++L;
   TALLY_CHECK(L > 0, "HuggingFace GPT-2 file '", f.path, "': no layers (h.0.ln_1.weight) found");
   c.n_layer = L;
   // The head count is not in the weights: config.json's n_head, the file's n_head
   // metadata, or GPT-2's 64-wide heads (true of gpt2, -medium, -large and -xl).
-  auto it = f.metadata.find("n_head");
+  const std::map<std::string, std::string>& metadata = f.files.front().metadata;
+  auto it = metadata.find("n_head");
   if (!src.config_path.empty()) {
     c.n_head = integer(read_config(src.config_path), "n_head", src.config_path);
-  } else if (it != f.metadata.end()) {
+  } else if (it != metadata.end()) {
     try {
       c.n_head = std::stoll(it->second);
     } catch (const std::exception&) {
@@ -266,6 +284,12 @@ nn::TransformerConfig gpt2_config(const HfSource& src) {
     agrees("n_embd", c.n_embd, "channels");
     agrees("vocab_size", c.vocab_size, "tokens");
     agrees("n_positions", c.max_seq_len, "positions");
+    // tally's GPT-2 predicts with its token embedding, as GPT-2 does; a head of its own
+    // would be read past, and the model would predict with another matrix than HF's.
+    TALLY_CHECK(!j.contains("tie_word_embeddings") || !j["tie_word_embeddings"].is_boolean() ||
+                    j["tie_word_embeddings"].get<bool>(),
+                "HuggingFace config '", path, "': tie_word_embeddings is false, but tally's GPT-2 ties its head to the "
+                "token embedding (wte); a GPT-2 with a head of its own is not supported");
     c.norm_eps = positive(j, "layer_norm_epsilon", path, c.norm_eps);
     if (j.contains("activation_function") && !j["activation_function"].is_null()) {
       const json& act = j["activation_function"];
@@ -381,32 +405,54 @@ void load_llama(const HfSource& src, nn::Transformer& model) {
 }
 
 void load_gpt2(const HfSource& src, nn::Transformer& model) {
-  TALLY_CHECK(src.shards.size() == 1, "HuggingFace GPT-2: sharded files are not supported (", src.shards.size(),
-              " shards)");
-  const std::string& path = src.shards[0];
-  const SafetensorsFile f = index_safetensors(path);
+  const Gpt2Files f(src);
+  const std::string& path = f.path;
   const auto& c = model.config();
   const nn::Transformer whole = nn::Transformer::layout_only(c);
   std::vector<std::string> keys;  // the file's name of each whole parameter
+  std::set<std::string> used;
   for (size_t i = 0; i < whole.params().size(); ++i) {
     const std::string& name = whole.params().spec(i).name;
     const Shape& shape = whole.params().spec(i).shape;
     const std::string hf_name = gpt2_hf_name(name);
-    keys.push_back(gpt2_key(f, hf_name));
+    keys.push_back(f.key(hf_name));
     TALLY_CHECK(!keys.back().empty(), "HuggingFace GPT-2 file '", path, "': missing tensor '", hf_name, "'");
+    used.insert(keys.back());
     if (name == "wte") require_weight(f.entry(keys.back()), {c.vocab_size, c.n_embd}, path, "wte.weight");
     else if (gpt2_conv1d(name)) require_weight(f.entry(keys.back()), {shape[1], shape[0]}, path, name + " (Conv1D layout: in, out)");
     else require_weight(f.entry(keys.back()), shape, path, name);
   }
+  // Every other tensor must be one GPT-2 files are known to carry beside the weights: the
+  // tied head (the same matrix as wte; HF predicts with wte too) and old saves' attention
+  // mask buffers. Anything else (a layer beyond the model's) is a file this model is not.
+  for (const auto& [name, file] : f.file_of) {
+    if (used.count(name)) continue;
+    const std::string bare = name.rfind("transformer.", 0) == 0 ? name.substr(12) : name;
+    const bool mask = bare.rfind("h.", 0) == 0 && (bare.ends_with(".attn.bias") || bare.ends_with(".attn.masked_bias"));
+    TALLY_CHECK(mask || bare == "lm_head.weight", "HuggingFace GPT-2 file '", f.files[file].path, "': unexpected tensor '",
+                name, "' for ", c.describe(), " (a file of another model, or config.json and the weights disagree)");
+    if (mask) continue;
+    // A stored head must be what a tied model stores: wte itself. One of its own (a
+    // fine-tune that untied it) would be dropped and the model would predict with wte.
+    const std::string& wte_key = keys[whole.params().index_of("wte")];
+    const SafetensorsFile::Entry& head = f.entry(name);
+    TALLY_CHECK(head.shape == f.entry(wte_key).shape, "HuggingFace GPT-2 file '", f.files[file].path, "': ", name,
+                " is ", shape_str(head.shape), ", expected wte's ", shape_str(f.entry(wte_key).shape),
+                " (tally's GPT-2 ties its head to wte)");
+    TALLY_CHECK(f.files[file].same_tensor(name, f.file(wte_key), wte_key), "HuggingFace GPT-2 file '", f.files[file].path,
+                "': ", name, " differs from wte (", wte_key, "): an untied head, which tally's GPT-2 (tied, as ",
+                "HuggingFace's GPT-2 is) cannot hold");
+  }
   model.fill_whole_parameters([&](const nn::LlmcTensor&, size_t index, const nn::ParameterSpec& spec, const Tensor& target) {
     if (!target.defined()) return;
+    const SafetensorsFile& file = f.file(keys[index]);
     if (spec.name == "wte") {
       target.zero_();
-      f.read_into(keys[index], target.slice(0, 0, c.vocab_size));
+      file.read_into(keys[index], target.slice(0, 0, c.vocab_size));
     } else if (gpt2_conv1d(spec.name)) {
-      target.copy_(f.read(keys[index], Category::Other).transpose(0, 1));
+      target.copy_(file.read(keys[index], Category::Other).transpose(0, 1));
     } else {
-      f.read_into(keys[index], target);
+      file.read_into(keys[index], target);
     }
   });
 }
@@ -418,6 +464,16 @@ bool is_hf_model_dir(const std::string& path) {
   return fs::is_directory(path, ec) &&
          (fs::exists(fs::path(path) / "config.json", ec) || fs::exists(fs::path(path) / "model.safetensors", ec) ||
           fs::exists(fs::path(path) / "model.safetensors.index.json", ec));
+}
+
+std::vector<std::string> hf_files_read(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return {(fs::path(path).parent_path() / "config.json").string(), path};
+  std::vector<std::string> files = {(fs::path(path) / "config.json").string(),
+                                    (fs::path(path) / "model.safetensors.index.json").string()};
+  for (const auto& entry : fs::directory_iterator(path, ec))
+    if (entry.path().extension() == ".safetensors") files.push_back(entry.path().string());
+  return files;
 }
 
 nn::TransformerConfig read_hf_config(const std::string& path) {
@@ -471,6 +527,13 @@ void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
               // Meta's names (params.json): how intermediate_size was rounded, for llm.c's header.
               {"multiple_of", c.multiple_of},
               {"ffn_dim_multiplier", c.ffn_dim_multiplier}};
+    // LLaMA-3's tokenizer (the one tally's LLaMA models read) begins and ends a text with
+    // <|begin_of_text|> and <|end_of_text|>; without these transformers' generate() falls
+    // back to LlamaConfig's defaults, 1 and 2, ordinary tokens of this vocabulary.
+    if (c.vocab_size > 128001) {
+      config["bos_token_id"] = 128000;
+      config["eos_token_id"] = 128001;
+    }
     if (c.rope_factor > 0)
       config["rope_scaling"] = {{"rope_type", "llama3"},
                                 {"factor", c.rope_factor},

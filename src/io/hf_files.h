@@ -11,6 +11,7 @@
 //     a round trip is bit-exact.
 #pragma once
 #include <string>
+#include <vector>
 
 #include "nn/transformer.h"
 
@@ -18,6 +19,11 @@ namespace tally::io {
 
 // Whether `path` is a HuggingFace model directory (it holds config.json).
 bool is_hf_model_dir(const std::string& path);
+// The files a load from `path` may read: its config.json (in the directory, or beside a
+// single file), model.safetensors.index.json and every .safetensors file in a directory
+// (an index names some of them), or a single file and the config.json beside it. It never
+// fails, whether or not the files exist (read_hf_config says what is wrong with a path).
+std::vector<std::string> hf_files_read(const std::string& path);
 // The model's shape from `path`: a model directory or a model.safetensors file.
 nn::TransformerConfig read_hf_config(const std::string& path);
 // Reads the weights into `model`, built from read_hf_config(path).

@@ -145,8 +145,13 @@ nn::TransformerConfig llama_config(Header& h, const std::string& path) {
 nn::TransformerConfig read_llmc_config(const std::string& path) {
   std::ifstream in;
   Header h = read_header(path, in);
-  TALLY_CHECK(h.ints[0] == kGpt2Magic || h.ints[0] == kLlamaMagic, "model file '", path, "': magic ", h.ints[0],
-              ", expected ", kGpt2Magic, " (an llm.c GPT-2 checkpoint) or ", kLlamaMagic, " (LLaMA-3)");
+  // A safetensors file starts with its header's length (8 bytes) and then '{'.
+  const bool safetensors = (h.ints[2] & 0xff) == '{';
+  TALLY_CHECK(h.ints[0] == kGpt2Magic || h.ints[0] == kLlamaMagic, "model file '", path, "': ",
+              safetensors ? "a HuggingFace safetensors file, not an llm.c model: give its directory (`tally train "
+                            "--init-from DIR`; `tally sample` and `export` take the directory as --model-file)"
+                          : "magic " + std::to_string(h.ints[0]) + ", expected " + std::to_string(kGpt2Magic) +
+                                " (an llm.c GPT-2 checkpoint) or " + std::to_string(kLlamaMagic) + " (LLaMA-3)");
   TALLY_CHECK(h.ints[1] == 3 || h.ints[1] == 5, "model file '", path, "': version ", h.ints[1],
               ", expected 3 (fp32) or 5 (bf16)");
   nn::TransformerConfig c;
@@ -174,7 +179,7 @@ nn::TransformerConfig read_llmc_config(const std::string& path) {
   return c;
 }
 
-void load_llmc(const std::string& path, nn::Transformer& model) {
+uint32_t load_llmc(const std::string& path, nn::Transformer& model) {
   nn::TransformerConfig c = read_llmc_config(path);
   const auto& m = model.config();
   TALLY_CHECK(c.family == m.family && c.n_layer == m.n_layer && c.n_embd == m.n_embd && c.n_head == m.n_head &&
@@ -231,6 +236,7 @@ void load_llmc(const std::string& path, nn::Transformer& model) {
   TALLY_CHECK(h.ints[kChecksumMarkSlot] != kChecksumMark || static_cast<uint32_t>(h.ints[kChecksumSlot]) == crc.value(),
               "model file '", path, "': checksum mismatch (stored ", static_cast<uint32_t>(h.ints[kChecksumSlot]),
               ", computed ", crc.value(), "): the file is corrupt");
+  return crc.value();
 }
 
 void save_llmc(const std::string& path, const nn::Transformer& model, bool bf16) {

@@ -24,8 +24,9 @@ namespace tally::io {
 // Reads the header of an llm.c model file (either family) into a config, validating
 // magic, version, sizes and the file length against the header.
 nn::TransformerConfig read_llmc_config(const std::string& path);
-// Reads the weights into `model` (whose config must match the file's).
-void load_llmc(const std::string& path, nn::Transformer& model);
+// Reads the weights into `model` (whose config must match the file's). Returns the CRC-32
+// of the weight bytes, all of them also when `model` is a shard (what ranks compare).
+uint32_t load_llmc(const std::string& path, nn::Transformer& model);
 // Writes the model atomically; bf16 = version 5 (round to nearest even), else version 3.
 void save_llmc(const std::string& path, const nn::Transformer& model, bool bf16 = false);
 // The same file for `model`'s layout (a model, or Transformer::layout_only), each

@@ -77,6 +77,30 @@ void SafetensorsFile::read_into(const std::string& name, const Tensor& dst) cons
   read_bytes(name, dst.raw_data());
 }
 
+bool SafetensorsFile::same_tensor(const std::string& name, const SafetensorsFile& other, const std::string& other_name) const {
+  const Entry& a = entry(name);
+  const Entry& b = other.entry(other_name);
+  if (a.dtype != b.dtype || a.shape != b.shape || a.end - a.begin != b.end - b.begin) return false;
+  std::ifstream in_a, in_b;
+  int64_t size = 0;
+  open_input(path, "safetensors file", in_a, &size);
+  open_input(other.path, "safetensors file", in_b, &size);
+  in_a.seekg(data_start + a.begin);
+  in_b.seekg(other.data_start + b.begin);
+  constexpr int64_t kChunk = 1 << 20;
+  std::vector<char> chunk_a(kChunk), chunk_b(kChunk);
+  for (int64_t done = 0; done < a.end - a.begin;) {
+    const int64_t n = std::min(kChunk, a.end - a.begin - done);
+    in_a.read(chunk_a.data(), n);
+    in_b.read(chunk_b.data(), n);
+    TALLY_CHECK(in_a.good() && in_b.good(), "safetensors '", path, "': failed reading tensor '", name, "' or '",
+                other_name, "' of '", other.path, "'");
+    if (std::memcmp(chunk_a.data(), chunk_b.data(), static_cast<size_t>(n)) != 0) return false;
+    done += n;
+  }
+  return true;
+}
+
 SafetensorsFile read_safetensors(const std::string& path, Category category) {
   SafetensorsFile f = index_safetensors(path);
   for (const std::string& name : f.order) f.tensors.emplace(name, f.read(name, category));

@@ -32,6 +32,9 @@ struct SafetensorsFile {
   // Reads one tensor into `dst` (its shape; any float dtype): straight into it when it is
   // contiguous and of the file's dtype, else through one tensor of the file's, converted.
   void read_into(const std::string& name, const Tensor& dst) const;
+  // Whether tensor `name` holds the same dtype, shape and bytes as tensor `other_name` of
+  // `other` (this file or another), compared 1 MiB at a time: nothing tensor-sized is held.
+  bool same_tensor(const std::string& name, const SafetensorsFile& other, const std::string& other_name) const;
   std::string path;
 
  private:

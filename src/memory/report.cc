@@ -325,11 +325,23 @@ void write_html_report(const std::string& path, const std::vector<MemoryEvent>& 
   std::sort(holders.begin(), holders.end(), [](auto* a, auto* b) { return a->delta != b->delta ? a->delta > b->delta : a->id < b->id; });
   html += "<h2>Who holds the peak</h2><table id='holders'><tr><th>bytes</th><th>category</th><th>owner</th>"
           "<th>born in step</th><th>microbatch</th></tr>";
-  for (size_t i = 0; i < holders.size() && i < 40; ++i)
+  constexpr size_t kRows = 40;  // the largest; the rest are summed in one row
+  int64_t rest = 0;
+  for (size_t i = 0; i < holders.size(); ++i) {
+    if (i >= kRows) {
+      rest += holders[i]->delta;
+      continue;
+    }
     html += "<tr><td>" + format_bytes(holders[i]->delta) + "</td><td>" + category_name(holders[i]->category) +
             "</td><td class='owner'>" + escape_html(name_of(holders[i]->name)) + "</td><td>" +
             std::to_string(holders[i]->step + 1) + "</td><td>" + std::to_string(holders[i]->microbatch) + "</td></tr>";
-  html += "</table><p>" + std::to_string(holders.size()) + " allocations were alive at the peak.</p></body></html>\n";
+  }
+  if (holders.size() > kRows)
+    html += "<tr><td>" + format_bytes(rest) + "</td><td></td><td class='owner'>the other " +
+            std::to_string(holders.size() - kRows) + " allocations</td><td></td><td></td></tr>";
+  html += "</table><p>" + std::to_string(holders.size()) + " allocations were alive at the peak" +
+          (holders.size() > kRows ? " (the " + std::to_string(kRows) + " largest listed)" : std::string()) +
+          ".</p></body></html>\n";
   write_whole_file(path, html, "memory report");
 }
 

@@ -5,13 +5,13 @@
 namespace tally::nn {
 
 size_t ParameterStore::begin_unit(std::string name) {
-  TALLY_CHECK(!flat_params_.defined(), "unit '", name, "' declared after allocation");
+  TALLY_CHECK(!allocated_, "unit '", name, "' declared after allocation");
   units_.push_back({std::move(name), total_, total_, specs_.size(), specs_.size()});
   return units_.size() - 1;
 }
 
 size_t ParameterStore::declare(std::string name, Shape shape, bool decay) {
-  TALLY_CHECK(!flat_params_.defined(), "parameter '", name, "' declared after allocation");
+  TALLY_CHECK(!allocated_, "parameter '", name, "' declared after allocation");
   if (units_.empty()) begin_unit("all");
   offsets_.push_back(total_);
   total_ += shape_numel(shape);
@@ -21,9 +21,17 @@ size_t ParameterStore::declare(std::string name, Shape shape, bool decay) {
   return specs_.size() - 1;
 }
 
-void ParameterStore::allocate(DType dtype, Device device, bool with_gradients) {
+void ParameterStore::allocate(DType dtype, Device device, Blocks blocks) {
+  allocated_ = true;
   device_ = device;
   dtype_ = dtype;
+  params_.clear();
+  if (blocks == Blocks::None) {
+    flat_params_ = flat_grads_ = Tensor();
+    params_.resize(specs_.size());
+    return;
+  }
+  const bool with_gradients = blocks == Blocks::ParametersAndGradients;
   flat_params_ = Tensor::empty({total_}, dtype, device, make_owner(Category::Parameter, "parameters"));
   // The gradients of registered parameters are persistent model state (sanitizer S1).
   // They start discarded (zero, unwritten: see discard_grads), so the first step's
@@ -31,7 +39,6 @@ void ParameterStore::allocate(DType dtype, Device device, bool with_gradients) {
   flat_grads_ = with_gradients ? Tensor::empty({total_}, dtype, device, make_owner(Category::Gradient, "gradients", /*persistent=*/true))
                                : Tensor();
   flat_params_.set_name("parameters");
-  params_.clear();
   for (size_t i = 0; i < specs_.size(); ++i) {
     const Shape& shape = specs_[i].shape;
     Tensor p = make_view(flat_params_, shape, contiguous_strides(shape), offsets_[i]);
@@ -48,11 +55,11 @@ void ParameterStore::allocate(DType dtype, Device device, bool with_gradients) {
 }
 
 void ParameterStore::move_to(Device device) {
+  if (device == device_) return;
   TALLY_CHECK(flat_params_.defined(), "move_to(", device.str(), "): no parameter block (allocate first; not with ZeRO-3)");
   TALLY_CHECK(!compute_block_.defined(), "move_to(", device.str(), "): after enable_compute_copy; move the model first");
-  if (flat_params_.device() == device) return;
   const Tensor host = flat_params_;
-  allocate(host.dtype(), device, flat_grads_.defined());  // the views now point at the new blocks; `host` holds the old values
+  allocate(host.dtype(), device, flat_grads_.defined() ? Blocks::ParametersAndGradients : Blocks::Parameters);  // the views now point at the new blocks; `host` holds the old values
   flat_params_.copy_(host);
 }
 

@@ -22,6 +22,17 @@
 
 namespace tally::nn {
 
+// The blocks ParameterStore::allocate makes.
+enum class Blocks {
+  ParametersAndGradients,  // training with the model's own gradients
+  Parameters,              // no gradient block: forward only (sampling, export), a source to copy a
+                           // shard from, or ZeRO-2, which keeps gradient shards of its own
+  None,                    // neither: ZeRO-3 keeps every unit as pieces over the ranks and binds
+                           // the parameters to storages of its own (rebind), so no rank ever
+                           // holds the whole model; its values come in through the residency
+                           // (nn/residency.h: store)
+};
+
 struct ParameterSpec {
   std::string name;   // e.g. "h.3.attn.c_attn.weight"
   Shape shape;
@@ -42,10 +53,9 @@ class ParameterStore {
   size_t begin_unit(std::string name);
   // Declares a parameter in the current unit; returns its index. Only before allocate().
   size_t declare(std::string name, Shape shape, bool decay);
-  // Allocates the parameter block (and, `with_gradients`, the gradient block: a model that
-  // only runs forward, is only a source to copy a shard from, or is trained by ZeRO-2/3,
-  // which keeps gradient shards of its own, needs none) and creates the views.
-  void allocate(DType dtype = DType::F32, Device device = Device::cpu(), bool with_gradients = true);
+  // Allocates the blocks `blocks` names and makes the parameters (and their gradients)
+  // views of them; with Blocks::None the parameters stay undefined until rebound.
+  void allocate(DType dtype = DType::F32, Device device = Device::cpu(), Blocks blocks = Blocks::ParametersAndGradients);
   // Moves the parameter block to `device` (new blocks there, the values copied, the
   // gradients discarded; the old blocks are freed). Before an optimizer or a compute copy
   // refers to the blocks: the model is built and loaded on the host, then moved.
@@ -114,6 +124,7 @@ class ParameterStore {
   std::vector<int64_t> offsets_;
   std::vector<Tensor> params_;
   int64_t total_ = 0;
+  bool allocated_ = false;  // declarations are closed
   Tensor flat_params_, flat_grads_;
   Device device_ = Device::cpu();
   DType dtype_ = DType::F32;

@@ -11,6 +11,8 @@
 #include <cstddef>
 #include <vector>
 
+#include "core/tensor.h"
+
 namespace tally::nn {
 
 class ParameterResidency {
@@ -22,6 +24,19 @@ class ParameterResidency {
   virtual void release(size_t unit, bool backward) = 0;
   // A hint: unit u is next; a residency may start gathering it now.
   virtual void prefetch(size_t unit) {}
+
+  // Whether the residency keeps the parameters' values itself (ZeRO-3: a piece of every
+  // unit on each rank, and no parameter block). Then a source of the whole model's values
+  // (an initializer, a file) hands each parameter's value to store() instead of writing
+  // the parameter, and a writer asks for it with value_at_root().
+  virtual bool holds_values() const { return false; }
+  // Parameter `param`'s new value (its whole shape, fp32, contiguous, on the CPU): the
+  // residency keeps its part of it. Every rank is given the same values.
+  virtual void store(size_t param, const Tensor& value) { (void)param, (void)value; }
+  // Collective over the ranks that share the values, each calling it for the same
+  // parameters in the same order: parameter `param`'s whole value on the first of them
+  // (undefined elsewhere), put together from every rank's part.
+  virtual Tensor value_at_root(size_t param) { (void)param; return Tensor(); }
 };
 
 }  // namespace tally::nn

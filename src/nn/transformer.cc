@@ -173,9 +173,9 @@ size_t Transformer::declare(const std::string& name, Shape shape, bool decay, Tp
   return i;
 }
 
-Transformer::Transformer(const TransformerConfig& config, ModelShard shard, bool gradients)
+Transformer::Transformer(const TransformerConfig& config, ModelShard shard, Blocks blocks)
     : Transformer(config, std::move(shard), LayoutOnly{}) {
-  params_.allocate(DType::F32, Device::cpu(), gradients);
+  params_.allocate(DType::F32, Device::cpu(), blocks);
   if (config_.is_llama()) {
     // A model constant beside the parameters: persistent, owned by the model.
     OwnerTag tag;
@@ -317,6 +317,11 @@ void Transformer::fill_whole_parameters(const WholeParameterFill& fill) {
   const Transformer whole = layout_only(config_);
   std::unordered_map<std::string, size_t> local;  // name -> this model's parameter
   for (size_t i = 0; i < params_.size(); ++i) local.emplace(params_.spec(i).name, i);
+  // ZeRO-3: no parameter holds its values; each goes through the scratch to the residency.
+  ParameterResidency* keeper = residency_ && residency_->holds_values() ? residency_ : nullptr;
+  auto scratch_of = [](const ParameterSpec& spec) {
+    return Tensor::empty(spec.shape, DType::F32, Device::cpu(), make_owner(Category::Other, "model.whole_parameter"));
+  };
   for (const LlmcTensor& t : whole.llmc_tensors()) {
     for (size_t w : t.params) {
       const ParameterSpec& spec = whole.params().spec(w);
@@ -326,12 +331,17 @@ void Transformer::fill_whole_parameters(const WholeParameterFill& fill) {
         continue;
       }
       const size_t i = it->second;
+      if (keeper) {
+        const Tensor scratch = scratch_of(spec);
+        fill(t, w, spec, scratch);
+        keeper->store(i, scratch);
+        continue;
+      }
       const Tensor param = params_[i].detach();
       if (holds_whole(params_.spec(i), spec)) {
         fill(t, w, spec, param);
       } else {
-        const Tensor scratch =
-            Tensor::empty(spec.shape, DType::F32, Device::cpu(), make_owner(Category::Other, "model.whole_parameter"));
+        const Tensor scratch = scratch_of(spec);
         fill(t, w, spec, scratch);
         for (auto& [from, to] : shard_regions(i, scratch, param)) to.copy_(from);
       }

@@ -132,10 +132,13 @@ enum class TpSplit {
 
 class Transformer {
  public:
-  // The whole model, or a shard of it (pipeline chunks, tensor-parallel slices); without
-  // `gradients`, no gradient block (sampling, export, a source to cut a shard from, and
-  // ZeRO-2/3 training, which keeps gradient shards of its own).
-  explicit Transformer(const TransformerConfig& config, ModelShard shard = {}, bool gradients = true);
+  // The whole model, or a shard of it (pipeline chunks, tensor-parallel slices), with the
+  // blocks `blocks` names (nn/parameters.h): both for training with the model's own
+  // gradients; the parameters only for sampling, export, a source to cut a shard from and
+  // ZeRO-2; none for ZeRO-3, whose optimizer binds the parameters and is the model's
+  // residency before its values are filled (fill_whole_parameters).
+  explicit Transformer(const TransformerConfig& config, ModelShard shard = {},
+                       Blocks blocks = Blocks::ParametersAndGradients);
   // The parameters' names, shapes, units and splits only, nothing allocated: what another
   // rank's shard holds (checkpoints gather and scatter by it).
   static Transformer layout_only(const TransformerConfig& config, ModelShard shard = {});
@@ -162,12 +165,15 @@ class Transformer {
   // A whole model's targets are its own parameters, as are a shard's parameters that it
   // holds whole (replicated, or not split); a split one is filled through a scratch
   // tensor of its whole shape, then cut: set-up holds one whole parameter beside the
-  // shard, never the whole model.
+  // shard, never the whole model. So is every parameter of a model whose residency holds
+  // the values (ZeRO-3), then handed to ParameterResidency::store.
   using WholeParameterFill =
       std::function<void(const LlmcTensor& file_tensor, size_t index, const ParameterSpec& spec, const Tensor& target)>;
   void fill_whole_parameters(const WholeParameterFill& fill);
   // The bytes fill_whole_parameters holds beside the model: the largest whole parameter
-  // this shard holds split (0 for a whole model, or a pipeline shard without --tp).
+  // this shard holds split (0 for a whole model, or a pipeline shard without --tp). (Under
+  // a residency that holds the values, ZeRO-3's, it is the largest parameter: the plan
+  // counts that itself.)
   int64_t whole_parameter_scratch_bytes() const;
   // Copies this shard's parameters out of the whole model `full` (same config).
   void load_shard_from(const Transformer& full);

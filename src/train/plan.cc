@@ -94,19 +94,30 @@ MemoryPlan plan_memory(const PlanInput& in) {
   MemoryPlan plan = plan_steps(in);
   const int64_t rotary = in.model.is_llama() ? in.model.head_dim() / 2 * 4 : 0;  // LLaMA's constant, alive throughout
   if (in.zero >= 2) {
-    // ZeRO-2/3 (data parallel only): the model is built whole without a gradient block
-    // (4P), then the rank's moment and gradient shards, and for stage 3 its parameter
-    // shard, are allocated before stage 3 frees the whole block: 4P + 12 (16) bytes a
-    // padded piece.
+    // ZeRO-2/3 (data parallel only). ZeRO-2 builds the model's parameter block without a
+    // gradient block (4P) and reads the weights into it, then allocates the rank's moment
+    // and gradient shards: 4P + 12 bytes a padded piece. ZeRO-3 allocates its shards of
+    // all four (16 bytes a padded piece) and nothing whole, then reads or draws the weights
+    // one whole parameter at a time into a scratch and keeps its pieces of it: 16 bytes a
+    // padded piece + the largest parameter.
     const UnitSizes sizes = unit_sizes(unit_numels(in.model), in.world);
-    const int64_t setup = checked_add(
-        checked_mul(sizes.params, 4, "plan: set-up"),
-        checked_mul(sizes.pieces, in.zero == 3 ? 16 : 12, "plan: set-up") + rotary, "plan: set-up");
+    int64_t largest_parameter = 0;
+    if (in.zero == 3) {
+      const nn::Transformer layout = nn::Transformer::layout_only(in.model);
+      for (size_t i = 0; i < layout.params().size(); ++i)
+        largest_parameter = std::max(largest_parameter, shape_numel(layout.params().spec(i).shape) * 4);
+    }
+    const int64_t model = in.zero == 3 ? largest_parameter : checked_mul(sizes.params, 4, "plan: set-up");
+    const int64_t setup =
+        checked_add(model, checked_mul(sizes.pieces, in.zero == 3 ? 16 : 12, "plan: set-up") + rotary, "plan: set-up");
     for (RankPlan& r : plan.ranks) r.setup_bytes = setup;
     if (setup > plan.ranks[0].predicted_peak_bytes)
-      plan.notes.push_back("set-up: ZeRO-" + std::to_string(in.zero) + " builds the whole parameter block (" +
-                           memory::format_bytes(4 * sizes.params) + ") and its shards beside it" + (in.zero == 3 ? std::string(" before it shards the block") : std::string()) + ": " +
-                           memory::format_bytes(setup) + " at once, above the step peak of " +
+      plan.notes.push_back("set-up: " +
+                           (in.zero == 3 ? "ZeRO-3 reads the weights into its shards one whole parameter at a time (the "
+                                           "largest: " + memory::format_bytes(largest_parameter) + ")"
+                                         : "ZeRO-2 builds the parameter block (" + memory::format_bytes(4 * sizes.params) +
+                                               ") and its shards beside it") +
+                           ": " + memory::format_bytes(setup) + " at once, above the step peak of " +
                            memory::format_bytes(plan.ranks[0].predicted_peak_bytes) +
                            "; each rank needs that much free at start-up");
     return plan;

@@ -17,7 +17,13 @@ namespace tally::train {
 
 namespace fs = std::filesystem;
 
-StepLog::StepLog(std::string path, int64_t resumed_step) : path_(std::move(path)) {
+StepLog::StepLog(std::string path, int64_t resumed_step) : path_(std::move(path)), stream_(io::is_stream(path_)) {
+  if (stream_) {
+    // Written front to back as it is: a resumed run's rows follow whatever the stream took
+    // before (nothing to read back and trim), and nothing is fsync'ed.
+    file_ = io::open_stream("--log-json", path_);
+    return;
+  }
   io::create_directories_for("--log-json", path_, fs::path(path_).parent_path().string());
   TALLY_CHECK(!fs::is_directory(path_), "--log-json '", path_, "': is a directory, expected a file path");
   if (resumed_step > 0 && fs::exists(path_)) {
@@ -49,8 +55,8 @@ void StepLog::append(const std::string& json_row) {
 }
 
 void StepLog::sync() {
-  TALLY_CHECK(std::fflush(file_) == 0 && ::fsync(fileno(file_)) == 0, "--log-json: syncing '", path_, "' failed: ",
-              std::strerror(errno));
+  TALLY_CHECK(std::fflush(file_) == 0 && (stream_ || ::fsync(fileno(file_)) == 0), "--log-json: syncing '", path_,
+              "' failed: ", std::strerror(errno));
 }
 
 }  // namespace tally::train

@@ -17,7 +17,8 @@ namespace tally::train {
 class StepLog {
  public:
   // Opens `path` (creating its directory). With resumed_step > 0 the rows of steps after it
-  // are dropped first; with 0 the file starts empty.
+  // are dropped first; with 0 the file starts empty. A stream (io::is_stream: /dev/stdout,
+  // a pipe) is written as it is: rows go after what it took before, and sync() only flushes.
   StepLog(std::string path, int64_t resumed_step);
   ~StepLog();
   StepLog(const StepLog&) = delete;
@@ -30,6 +31,7 @@ class StepLog {
 
  private:
   std::string path_;
+  bool stream_ = false;
   std::FILE* file_ = nullptr;
 };
 

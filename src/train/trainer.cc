@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <memory>
@@ -17,6 +18,7 @@
 #include "core/checked.h"
 #include "core/crash_point.h"
 #include "data/loader.h"
+#include "data/token_shard.h"
 #include "data/tokenizer.h"
 #include "dist/data_parallel.h"
 #include "dist/pipeline.h"
@@ -94,6 +96,9 @@ void validate(const TrainConfig& c) {
   TALLY_CHECK(!c.log_json_all_ranks || !c.log_json.empty(),
               "--log-json-all-ranks writes <--log-json>.rank<R> beside --log-json, which this run does not have");
   TALLY_CHECK(c.save_every >= 0, "--save-every must be >= 0 (0: never), got ", c.save_every);
+  TALLY_CHECK(c.keep_last >= 0, "--keep-last must be >= 0 (0: keep every checkpoint), got ", c.keep_last);
+  TALLY_CHECK(c.keep_last == 0 || c.save_every > 0, "--keep-last ", c.keep_last,
+              " keeps the newest checkpoints --save-every writes, and this run saves none");
   TALLY_CHECK(c.sample_every >= -1, "--sample-every must be >= -1 (-1: never, 0: only at the end), got ", c.sample_every);
   TALLY_CHECK(c.top_k >= 0, "--top-k must be >= 0 (0: no truncation), got ", c.top_k);
   TALLY_CHECK(c.threads >= 0 && c.threads <= kMaxThreads, "--threads must be in 0..", kMaxThreads,
@@ -203,17 +208,16 @@ Device parse_device(const std::string& text) {
 
 namespace {
 
-// The model (whole, or this rank's tensor/pipeline `shard`) with its weights from the
-// file the config names, or initialized from the seed. A shard reads or draws the whole
-// model's parameters one at a time and keeps its part (Transformer::fill_whole_parameters).
-// ZeRO-2/3 keep gradient shards of their own: the model is built without a gradient block.
-std::unique_ptr<nn::Transformer> build_model(const TrainConfig& c, const nn::TransformerConfig& mc,
-                                             const nn::ModelShard& shard) {
-  auto model = std::make_unique<nn::Transformer>(mc, shard, /*gradients=*/c.zero < 2);
-  if (!c.model_file.empty()) io::load_llmc(c.model_file, *model);
-  else if (!c.init_from.empty()) io::load_hf(c.init_from, *model);
-  else model->init_weights(c.seed);
-  return model;
+// The model's weights from the file the config names, or initialized from the seed. A
+// shard (tensor/pipeline parallel) reads or draws the whole model's parameters one at a
+// time and keeps its part, as does ZeRO-3's optimizer, the model's residency by then
+// (Transformer::fill_whole_parameters).
+// Returns the CRC-32 of an llm.c file's weight bytes (0 for the other sources).
+uint32_t fill_weights(const TrainConfig& c, nn::Transformer& model) {
+  if (!c.model_file.empty()) return io::load_llmc(c.model_file, model);
+  if (!c.init_from.empty()) io::load_hf(c.init_from, model);
+  else model.init_weights(c.seed);
+  return 0;
 }
 
 // Decodes samples when a tokenizer is available; otherwise prints token ids.
@@ -361,6 +365,11 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   TALLY_CHECK(!fs::exists(c.out_dir) || fs::is_directory(c.out_dir), "--out-dir '", c.out_dir,
               "' is a file, expected a directory");
   if (!c.mem_trace.empty()) {
+    TALLY_CHECK(c.mem_trace.back() != '/', "--mem-trace '", c.mem_trace,
+                "' ends in '/', which names a directory: expected a file path ending in .json or .html");
+    const std::string ext = fs::path(c.mem_trace).extension().string();
+    TALLY_CHECK(ext == ".json" || ext == ".html", "--mem-trace '", c.mem_trace, "': expected a path ending in .json (a "
+                "Perfetto/Chrome trace) or .html (a report), which say what is written");
     TALLY_CHECK(!fs::is_directory(c.mem_trace), "--mem-trace '", c.mem_trace,
                 "' is a directory, expected a file path ending in .json or .html");
     // Written at the end of the run: a path it cannot replace (a device) would fail only then.
@@ -384,6 +393,41 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   const bool continues = !resume_dir.empty() && continues_in(resume_dir, c.out_dir);
   TALLY_CHECK(!(continues && c.overwrite), "--overwrite with --resume '", c.resume,
               "': it would remove the checkpoints the run continues from");
+  // A log on a stream (/dev/stdout, /dev/null, a pipe) is written as it is: never read
+  // back on resume, trimmed or replaced whole (io/files.h).
+  const bool log_is_stream = !c.log_json.empty() && io::is_stream(c.log_json);
+  {
+    // The files the run writes besides its checkpoints, checked now (not when the run has
+    // trained): none may be an input (a log written over the training shard destroyed it,
+    // and the loader's mapping of it crashed the run).
+    std::vector<std::pair<std::string, std::string>> inputs;
+    for (const std::string& shard : data::expand_glob(c.train_data, "--train-data")) inputs.emplace_back("--train-data", shard);
+    if (!c.val_data.empty())
+      for (const std::string& shard : data::expand_glob(c.val_data, "--val-data")) inputs.emplace_back("--val-data", shard);
+    if (!c.model_file.empty()) inputs.emplace_back("--model-file", c.model_file);
+    // The files the run reads out of a directory (a log written beside them is no input).
+    auto files_of = [&](const char* flag, const std::string& dir, std::initializer_list<const char*> names) {
+      if (dir.empty()) return;
+      std::error_code ec;
+      if (!fs::is_directory(dir, ec)) return inputs.emplace_back(flag, dir), void();
+      for (const char* name : names) inputs.emplace_back(flag, (fs::path(dir) / name).string());
+    };
+    if (!c.init_from.empty())
+      for (const std::string& file : io::hf_files_read(c.init_from)) inputs.emplace_back("--init-from", file);
+    files_of("--resume", resume_dir, {"model.bin", "state.bin", "recipe.json", "history.json"});
+    files_of("--tokenizer", c.tokenizer_dir, {"encoder.json", "vocab.bpe", "tokenizer.json"});
+    // Two outputs of one name: the trace, written last, would replace the log.
+    std::error_code ec;
+    TALLY_CHECK(c.log_json.empty() || c.mem_trace.empty() ||
+                    fs::weakly_canonical(c.log_json, ec) != fs::weakly_canonical(c.mem_trace, ec),
+                "--log-json and --mem-trace are both '", c.mem_trace, "': the trace would replace the log");
+    const std::string rank_suffix = ".rank" + std::to_string(world.rank());
+    if (!c.log_json.empty() && root) io::check_output_file("--log-json", c.log_json, inputs, io::OutputKind::FileOrStream);
+    TALLY_CHECK(!c.log_json_all_ranks || !log_is_stream, "--log-json-all-ranks writes <--log-json>.rank<R> "
+                "beside --log-json, and '", c.log_json, "' is a stream: give --log-json a file path");
+    if (!c.log_json.empty() && c.log_json_all_ranks) io::check_output_file("--log-json-all-ranks", c.log_json + rank_suffix, inputs);
+    if (!c.mem_trace.empty()) io::check_output_file("--mem-trace", root ? c.mem_trace : c.mem_trace + rank_suffix, inputs);
+  }
   std::vector<std::string> earlier;
   // (A run that saves nothing leaves them, unless --overwrite says to start afresh.)
   if (root && (c.save_every > 0 || c.overwrite) && !continues) earlier = io::checkpoints_in(c.out_dir);
@@ -395,6 +439,11 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
 
   sanitizer::SanitizeMode mode = sanitizer::parse_sanitize_mode(c.sanitize);
   auto& ledger = runtime::ledger(device);  // the training device's: where the model's bytes live
+  // The GEMM peak every step line compares with, probed (and kept) before anything of the
+  // run is allocated: its 12 MiB of operands are no part of the run's memory, and after the
+  // model states they made a small run's memory report peak at the probe.
+  TALLY_CHECK(c.dtype == "fp32" || c.dtype == "bf16", "--dtype must be fp32 or bf16, got '", c.dtype, "'");
+  runtime::backend(device).measured_gemm_peak_flops(c.dtype == "bf16" ? DType::BF16 : DType::F32);
   if (!c.mem_trace.empty()) ledger.enable_history(true, false);
   ledger.reset_peaks();  // set-up's peak is this run's (a process may have trained before)
   int64_t setup_peak = 0;  // tensor/pipeline parallel and ZeRO-2/3: building the model and sharding it
@@ -423,7 +472,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
                                                                      TP, world.tp_rank(), c.pp_last_stage_layers)
                                               : nn::ModelShard{};
   // What a checkpoint saves and a resume compares; the ranks compare it too, below.
-  const auto recipe = run_recipe(c, world);
+  auto recipe = run_recipe(c, world);
   {
     // Before anything whose sizes depend on them is exchanged.
     auto settings = recipe;
@@ -449,14 +498,41 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
         {"--sample-tokens", std::to_string(c.sample_tokens)},
         {"--temperature", std::to_string(c.temperature)},
         {"--top-k", std::to_string(c.top_k)},
-        {"--resume", resume_dir.empty() ? "none" : fs::path(resume_dir).filename().string()}};
+        {"--resume", resume_dir.empty() ? "none" : fs::path(resume_dir).filename().string()},
+        // Where the weights come from: the comparison of their bytes below runs only where
+        // a file is read, so every rank must take that branch or none.
+        {"the weights' source", !resume_dir.empty()       ? "the checkpoint"
+                                : !c.model_file.empty()   ? "--model-file"
+                                : !c.init_from.empty()    ? "--init-from"
+                                                          : "--model " + c.model + " drawn from --seed"}};
     settings.insert(settings.end(), std::begin(more), std::end(more));
     check_ranks_agree(world, settings);
   }
-  std::unique_ptr<nn::Transformer> model = build_model(source, mc, shard);
-  if (!resume_dir.empty()) {
+  optim::AdamWConfig ac;
+  ac.beta1 = c.beta1;
+  ac.beta2 = c.beta2;
+  ac.eps = c.eps;
+  ac.weight_decay = c.weight_decay;
+  // The model, built without the blocks the run does not keep whole: ZeRO-2 keeps gradient
+  // shards of its own, ZeRO-3 its parameters too. ZeRO-3's optimizer binds the parameters
+  // and takes each rank's part of the weights as they are read or drawn, one whole
+  // parameter at a time: no rank ever holds the whole model.
+  auto model = std::make_unique<nn::Transformer>(mc, shard,
+                                                 c.zero < 2    ? nn::Blocks::ParametersAndGradients
+                                                 : c.zero == 2 ? nn::Blocks::Parameters
+                                                               : nn::Blocks::None);
+  std::unique_ptr<dist::ZeroOptimizer> zero;
+  if (c.zero == 3) {
+    zero = std::make_unique<dist::ZeroOptimizer>(model->params(), ac, dp_group, c.zero);
+    model->set_residency(zero.get());
+  }
+  // A resume's weights are the checkpoint's: a model flag beside it only names the model
+  // (its file was read and then overwritten before).
+  uint32_t weights_crc = 0;
+  if (resume_dir.empty()) weights_crc = fill_weights(source, *model);
+  else {
     try {
-      io::load_checkpoint_model(resume_dir, *model);  // before ZeRO shards it
+      weights_crc = io::load_checkpoint_model(resume_dir, *model);  // before ZeRO-1/2 shard it
     } catch (const Error& e) {
       // A shape mismatch here is the run's model flag against the checkpoint's model: say
       // which flag. Any other failure (a corrupt file) is the file's, as it was.
@@ -473,6 +549,14 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // Set-up's peak: the shard's parameters and gradients, and one whole parameter beside
   // them: what the plan's set-up is.
   if (model_parallel) setup_peak = ledger.stats().peak_allocated;
+  // Every rank read the same bytes: a node holding another copy of the model file, or a
+  // stale copy of the checkpoint, would train its replica from other weights unseen.
+  // (After tensor/pipeline set-up's peak is taken: the exchange's few bytes are no part of
+  // it. ZeRO-2/3 take theirs later, and these bytes are far below their peak moment.)
+  if (!resume_dir.empty() || !source.model_file.empty())
+    check_ranks_agree(world, {{resume_dir.empty() ? "--model-file's contents (CRC-32 of its weights)"
+                                                  : "--resume's model.bin (CRC-32 of its weights)",
+                               std::to_string(weights_crc)}});
   std::unique_ptr<dist::TensorParallel> tensor_parallel;
   if (TP > 1) {
     tensor_parallel = std::make_unique<dist::TensorParallel>(world.tp_group(), c.sequence_parallel);
@@ -486,17 +570,13 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
               "the whole parameter block, which ZeRO-3 does not keep; use --zero 2 or lower");
   std::unique_ptr<dist::PipelineStage> pipeline;
   if (PP > 1) pipeline = std::make_unique<dist::PipelineStage>(*model, world.pp_group(), schedule, c.virtual_stages);
-  optim::AdamWConfig ac;
-  ac.beta1 = c.beta1;
-  ac.beta2 = c.beta2;
-  ac.eps = c.eps;
-  ac.weight_decay = c.weight_decay;
-  // The optimizer: AdamW over the whole block, or ZeRO over the data-parallel group.
+  // The optimizer: AdamW over the whole block, or ZeRO over the data-parallel group
+  // (ZeRO-3's is made with the model, above).
   std::unique_ptr<optim::AdamW> adamw;
-  std::unique_ptr<dist::ZeroOptimizer> zero;
   if (c.zero == 0) adamw = std::make_unique<optim::AdamW>(model->params(), ac);
-  else zero = std::make_unique<dist::ZeroOptimizer>(model->params(), ac, dp_group, c.zero);
-  // ZeRO-2/3's set-up peak: the whole parameter block and the rank's shards, just made.
+  else if (!zero) zero = std::make_unique<dist::ZeroOptimizer>(model->params(), ac, dp_group, c.zero);
+  // ZeRO-2/3's set-up peak: ZeRO-2's parameter block and shards, just made; ZeRO-3's
+  // shards and the one whole parameter it read or drew at a time.
   if (c.zero >= 2) setup_peak = ledger.stats().peak_allocated;
   optim::Optimizer& opt = adamw ? static_cast<optim::Optimizer&>(*adamw) : *zero;
   if (zero && zero->stage() >= 2) model->set_residency(zero.get());
@@ -528,6 +608,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // The data each rank reads (a path may differ between machines; what it holds may not).
   check_ranks_agree(world, {{"--train-data's token count", std::to_string(train_loader.total_tokens())},
                             {"--val-data's token count", val_loader ? std::to_string(val_loader->total_tokens()) : "none"}});
+  // A resume on other training data would not continue the run (the batches differ): the
+  // data joins the recipe, by its token count as the ranks compare it (a checkpoint saved
+  // before it was there compares as equal).
+  recipe.emplace_back("--train-data's token count", std::to_string(train_loader.total_tokens()));
   // A vocabulary wider than 16 bits (LLaMA-3's 128,256) is not the tokenizer that wrote a
   // 16-bit shard (GPT-2's writes those): the ids are valid, the text they stand for is not.
   for (const data::TokenLoader* loader : {&train_loader, val_loader.get()}) {
@@ -560,6 +644,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   std::string resumed_history;  // the checkpoint's record of the steps before start_step
   if (!resume_dir.empty()) {
     io::TrainingState st = io::load_checkpoint_state(resume_dir, *model, opt);
+    check_ranks_agree(world, {{"--resume's state.bin (CRC-32 of its contents)", std::to_string(st.content_crc)}});
     TALLY_CHECK(st.step <= c.steps, "--resume '", c.resume, "': the checkpoint is at step ", st.step, ", beyond --steps ",
                 c.steps, "; raise --steps to train further");
     const std::string changes = recipe_changes(st.recipe, recipe);
@@ -625,6 +710,24 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // Rank 0 writes the job's rows; with --log-json-all-ranks every rank also writes its own.
   std::unique_ptr<StepLog> json_log, rank_json_log;
   if (!c.log_json.empty() && root) json_log = std::make_unique<StepLog>(c.log_json, start_step);
+  if (!c.log_json.empty() && root && start_step == 0 && !log_is_stream) {
+    // A fresh run's log starts empty: per-rank logs an earlier run wrote beside it that
+    // this run will not rewrite (a rank it does not have, or all of them without
+    // --log-json-all-ranks) would contradict it, and are removed. (A resumed run's earlier
+    // rows are the run's own: left.)
+    const fs::path log_path(c.log_json);
+    const std::string prefix = log_path.filename().string() + ".rank";
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(log_path.parent_path().empty() ? fs::path(".") : log_path.parent_path(), ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name.size() <= prefix.size() || name.rfind(prefix, 0) != 0 ||
+          name.find_first_not_of("0123456789", prefix.size()) != std::string::npos)
+        continue;
+      const int64_t r = std::atoll(name.c_str() + prefix.size());
+      if ((!c.log_json_all_ranks || r >= world.size()) && fs::remove(entry.path(), ec))
+        log("log: removed %s, an earlier run's log of rank %lld\n", entry.path().c_str(), static_cast<long long>(r));
+    }
+  }
   if (!c.log_json.empty() && c.log_json_all_ranks)
     rank_json_log = std::make_unique<StepLog>(c.log_json + ".rank" + std::to_string(world.rank()), start_step);
 
@@ -639,7 +742,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (start_step > 0) {
     RunCurve earlier;
     if (!resumed_history.empty()) earlier = curve_from_json(resumed_history, resume_dir + "/history.json");
-    else if (root && !c.log_json.empty() && fs::exists(c.log_json)) earlier = read_run_log(c.log_json, "");
+    else if (root && !c.log_json.empty() && !log_is_stream && fs::exists(c.log_json)) earlier = read_run_log(c.log_json, "");
     for (size_t i = 0; i < earlier.steps.size() && earlier.steps[i] <= start_step; ++i)
       curve.add_step(earlier.steps[i], earlier.loss[i], earlier.lr[i], earlier.tokens[i]);
     for (auto& [step, v] : earlier.val)
@@ -668,6 +771,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   int64_t planned_peak = 0;  // this rank's
   std::vector<int64_t> rank_planned_peaks;  // every rank's
   memory::PlanParts plan_parts;  // this rank's, for --mem-trace
+  std::vector<std::string> plan_notes;  // where the plan said its peak moment may not hold
   {
     PlanInput pi;
     pi.model = mc;
@@ -695,6 +799,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     const RankPlan& rank_plan = plan.ranks[static_cast<size_t>(world.rank())];
     planned_peak = rank_plan.predicted_peak_bytes;
     plan_parts = rank_plan.parts;
+    plan_notes = plan.notes;
   }
   // Who holds the peak, for the check against the plan after the second step.
   ledger.track_peak_owners(true);
@@ -864,10 +969,14 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
             100.0 * off_max);
         const double off = static_cast<double>(s.peak_allocated - planned_peak) / static_cast<double>(planned_peak);
         if (std::abs(off) > 0.05) {
+          // A moment the plan itself said may not hold (tally plan prints its notes) is named.
+          std::string said;
+          for (const std::string& note : plan_notes)
+            if (note.rfind("set-up", 0) != 0) said += (said.empty() ? "; the plan noted: " : "; ") + note;
           std::fprintf(stderr, "tally: warning: rank %lld's measured peak %s is %+.1f%% off the plan %s: %s; "
-                       "--mem-trace F.html shows who holds what\n", static_cast<long long>(world.rank()),
+                       "--mem-trace F.html shows who holds what%s\n", static_cast<long long>(world.rank()),
                        format_bytes(s.peak_allocated).c_str(), 100.0 * off, format_bytes(planned_peak).c_str(),
-                       explain_peak(plan_parts, ledger.peak_owners()).c_str());
+                       explain_peak(plan_parts, ledger.peak_owners()).c_str(), said.c_str());
         }
       }
       ledger.track_peak_owners(false);
@@ -876,7 +985,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       if (result.predicted_setup_bytes > 0)
         log("memory: set-up peak %s (largest over ranks: %s), planned %s%s%s\n", format_bytes(result.setup_peak_bytes).c_str(),
             model_parallel ? "this rank's shard built, one whole parameter read beside it"
-                           : c.zero == 3 ? "the whole parameter block and this rank's ZeRO-3 shards, before the block is sharded"
+                           : c.zero == 3 ? "this rank's ZeRO-3 shards, one whole parameter read beside them"
                                          : "the parameter block and this rank's ZeRO-2 shards: its model states",
             format_bytes(result.predicted_setup_bytes).c_str(),
             source.init_from.empty() ? "" : " for the model; reading HuggingFace files adds one file tensor at a time, "
@@ -915,6 +1024,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       std::string table = profiler::format(m.ops);
       for (size_t at = 0; (at = table.find('\n', at)) != std::string::npos && at + 1 < table.size(); at += 3)
         table.insert(at + 1, "  ");
+      // Rank 0's own: under a pipeline its stage's kernels, and "untimed" holds its waits
+      // for the other stages' activations and gradients too.
+      if (world.size() > 1)
+        log("  (rank 0's kernels%s)\n", PP > 1 ? ": pipeline stage 0; its untimed time includes waiting for the other stages" : "");
       log("  %s", table.c_str());
     }
     curve.add_step(m.step, m.loss, m.lr, m.step * tokens_per_step);
@@ -958,8 +1071,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     const bool sample_now =
         (c.sample_every > 0 && m.step % c.sample_every == 0) || (last && c.sample_tokens > 0 && c.sample_every >= 0);
     if (sample_now && model_parallel && last)
-      log("sample: not drawn: sampling runs on a whole model, and this run's is split by --tp/--pp; "
-          "`tally sample --model-file %s` draws from its checkpoints (--save-every)\n", c.out_dir.c_str());
+      log("sample: not drawn: sampling runs on a whole model, and this run's is split by --tp/--pp; %s\n",
+          c.save_every > 0 ? ("`tally sample --model-file " + c.out_dir + "` draws from its checkpoints").c_str()
+                           : "save checkpoints (--save-every) and `tally sample --model-file <out-dir>` draws from them");
     // A sample that fails is rethrown only after this step's checkpoint is saved: showing
     // text must never cost the training it shows.
     std::exception_ptr sample_error;
@@ -1003,6 +1117,13 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
           static_cast<double>(ledger.stats().peak_allocated - live_before_save), dist::ReduceOp::Max);
       log("saved %s (writing held %s beside the live memory%s)\n", result.last_checkpoint.c_str(),
           format_bytes(static_cast<int64_t>(save_held)).c_str(), world.size() > 1 ? ", largest over ranks" : "");
+      if (c.keep_last > 0 && root) {
+        const std::vector<std::string> removed = io::remove_older_checkpoints(c.out_dir, result.last_checkpoint, c.keep_last);
+        if (!removed.empty())
+          log("removed %zu older checkpoint%s (--keep-last %lld): %s%s\n", removed.size(), removed.size() == 1 ? "" : "s",
+              static_cast<long long>(c.keep_last), removed.front().c_str(),
+              removed.size() > 1 ? (" ... " + removed.back()).c_str() : "");
+      }
       crash_point("checkpoint", m.step);
     }
     if (sample_error) std::rethrow_exception(sample_error);
@@ -1037,7 +1158,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     else memory::write_chrome_trace(path, ledger.history(), 1 << 20, plan_parts);
     ledger.enable_history(false);
     ledger.clear_history();
-    log("memory %s written to %s\n", html ? "report" : "trace (open in ui.perfetto.dev or chrome://tracing)", path.c_str());
+    log("memory %s written to %s%s\n", html ? "report" : "trace (open in ui.perfetto.dev or chrome://tracing)", path.c_str(),
+        world.size() > 1 ? (", and each other rank's to " + c.mem_trace + ".rank<R>").c_str() : "");
   }
   model->set_residency(nullptr);
   return result;

@@ -58,6 +58,7 @@ struct TrainConfig {
   double temperature = 1.0;
   int64_t top_k = 40;
   int64_t save_every = 0;
+  int64_t keep_last = 0;  // after each save, keep only the newest N checkpoints up to it (0 = keep every one)
   std::string out_dir = "out";
   std::string resume;
   bool overwrite = false;  // start afresh in an out_dir that holds an earlier run's checkpoints (removed)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# A ctest (Bench.CpuTableWithMemoryProbe): bench_memory's JSON line at a tiny size, and the
+# table bench/cpu_table.py writes from runs with memory probes: the probes' sentence beside
+# the GEMM peak, and the warning only where a round's median fell below half the best.
+#   cpu_table_smoke.sh BENCH_MEMORY_BINARY
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+dir="$(mktemp -d)"
+trap 'rm -rf "$dir"' EXIT
+line="$("$1" 3 --mib 4 | tail -1)"
+python3 -c "import json, sys; r = json.loads(sys.argv[1]); assert r['system'] == 'memory' and r['mib_per_array'] == 4 \
+  and r['repetitions'] == 3 and 0 < r['worst_gbps'] <= r['median_gbps'] <= r['best_gbps'], r" "$line"
+table() {  # table PROBE_MEDIAN_ROUND_2: a W1 pair of runs and two rounds' probes -> the table's text
+  {
+    echo '{"system": "memory", "kernel": "triad", "mib_per_array": 256, "threads": 2, "repetitions": 20, "best_gbps": 30.0, "median_gbps": 28.0, "worst_gbps": 20.0, "work": "memory", "round": 1}'
+    echo "{\"system\": \"memory\", \"kernel\": \"triad\", \"mib_per_array\": 256, \"threads\": 2, \"repetitions\": 20, \"best_gbps\": 29.0, \"median_gbps\": $1, \"worst_gbps\": 0.1, \"work\": \"memory\", \"round\": 2}"
+    for round in 1 2; do
+      echo "{\"system\": \"tally\", \"ms_per_step\": 800, \"min_ms\": 790, \"tokens_per_s\": 320, \"gemm_peak_gflops\": 330, \"pct_gemm_peak\": 73, \"peak_rss_bytes\": 2000000000, \"peak_allocated_bytes\": 1900000000, \"threads\": 2, \"dtype\": \"fp32\", \"work\": \"W1\", \"round\": $round}"
+      echo "{\"system\": \"pytorch 1.13\", \"ms_per_step\": 2400, \"min_ms\": 2000, \"tokens_per_s\": 107, \"peak_rss_bytes\": 3000000000, \"work\": \"W1\", \"round\": $round}"
+    done
+  } > "$dir/runs.jsonl"
+  printf '# results\n' > "$dir/RESULTS.md"
+  python3 "$here/cpu_table.py" "$dir/runs.jsonl" "$dir/RESULTS.md" > /dev/null
+  cat "$dir/RESULTS.md"
+}
+steady="$(table 27.5)"
+grep -q 'Memory bandwidth measured in the same session (.*): 30.0 / 28.0, 29.0 / 27.5\.' <<< "$steady"
+! grep -q 'erratic' <<< "$steady"
+grep -q '^| W1 | tally | 790 | 800 | 320 | 1812 / 1907 | 73% | \*\*3.00x\*\* (2.53x on min) |$' <<< "$steady"
+erratic="$(table 9.0)"
+grep -q '29.0 / 9.0\. \*\*The memory was erratic in this session\*\*' <<< "$erratic"
