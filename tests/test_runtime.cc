@@ -25,6 +25,7 @@
 #include "memory/caching_allocator.h"
 #include "ops/ops.h"
 #include "runtime/backend.h"
+#include "runtime/cpu/kernels.h"
 #include "runtime/cpu/strided.h"
 #include "runtime/cpu/vec_math.h"
 #include "runtime/profiler.h"
@@ -254,6 +255,43 @@ TEST(Runtime, EmptyInnerDimensionGemmScalesCAndReductionsCheckShapes) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("sum_into"), std::string::npos) << e.what();
   }
+}
+
+TEST(Runtime, Bf16GemmRunsWidenedWhereAskedOrWhereOneDnnHasNoBf16Kernel) {
+  // CTest runs the bf16 tests a second time with TALLY_BF16_GEMM=widened (the path an AVX2
+  // CPU takes): that run must be on it.
+  const char* asked = std::getenv("TALLY_BF16_GEMM");
+  const bool widened = runtime::cpu::bf16_gemm_widened();
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (asked && std::string(asked) == "widened") {
+    EXPECT_TRUE(widened);
+  } else if (!avx512) {
+    EXPECT_TRUE(widened) << "oneDNN 2.6 has no bf16 kernel without AVX-512";
+  } else {
+    EXPECT_FALSE(widened) << "oneDNN runs bf16 on AVX-512";
+  }
+}
+
+TEST(Runtime, Bf16GemmOverSeveralTilesMatchesFp64) {
+  // M, K and N past the widened path's tiles (256, 256, 1024): C accumulates over K tiles,
+  // beta applies once, a bf16 C is rounded once. Bounds as in the test below.
+  runtime::Backend& cpu = runtime::backend(Device::cpu());
+  const int64_t M = 257, K = 513, N = 1025;
+  for (bool transpose : {false, true})
+    for (DType out : {DType::F32, DType::BF16})
+      for (float beta : {0.f, 1.f}) {
+        Tensor a = transpose ? test::random_tensor({K, M}, 80).to(DType::BF16) : test::random_tensor({M, K}, 80).to(DType::BF16);
+        Tensor b = transpose ? test::random_tensor({N, K}, 81).to(DType::BF16) : test::random_tensor({K, N}, 81).to(DType::BF16);
+        Tensor c0 = test::random_tensor({M, N}, 82).to(out);
+        Tensor c = c0.to(DType::F64).to(out);
+        cpu.gemm(a, transpose, b, transpose, c, 1.f, beta);
+        Tensor want = ops::matmul(a.to(DType::F64), b.to(DType::F64), transpose, transpose);
+        if (beta != 0.f) want = ops::add(want, c0.to(DType::F64));
+        test::Diff d = test::compare(c.to(DType::F64), want);
+        const double bound = out == DType::F32 ? 4.0 * K * std::ldexp(1.0, -24) * d.ref_scale
+                                               : std::ldexp(1.0, -8) * d.ref_scale + 4.0 * K * std::ldexp(1.0, -24);
+        EXPECT_LE(d.max_abs, bound) << (transpose ? "TT " : "NN ") << dtype_name(out) << " beta " << beta;
+      }
 }
 
 TEST(Runtime, Bf16GemmMatchesFp64InEveryLayoutWrittenOrAccumulated) {

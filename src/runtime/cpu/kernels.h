@@ -40,6 +40,10 @@ bool gemm_adds_bias(const Tensor& a, bool transpose_a, const Tensor& b, bool tra
 // jit gemm 10-20x slower (bench/RESULTS.md, "Dense bf16 attention tiles").
 void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
                     const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc);
+// Whether bf16 GEMMs run as fp32 GEMMs of their operands widened to fp32: where oneDNN has
+// no bf16 kernel for this CPU (oneDNN 2.6 needs AVX-512), or where the environment says
+// TALLY_BF16_GEMM=widened. The same products and fp32 sums, at fp32 speed.
+bool bf16_gemm_widened();
 // Measured fp32 GEMM throughput of this machine in FLOP/s (cached after the first call).
 double measured_gemm_peak_flops(DType dtype, bool probe_again);
 

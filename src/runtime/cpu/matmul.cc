@@ -6,14 +6,18 @@
 #include <oneapi/dnnl/dnnl.hpp>
 #include <omp.h>
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "runtime/cpu/kernels.h"
 #include "runtime/cpu/strided.h"
@@ -172,21 +176,140 @@ void primitive_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Te
 // accumulated one takes the matmul primitive's sum post-op), no bias.
 enum class InnerProductPass { BackwardData, BackwardWeights };
 
-// Whether the matmul primitive runs bf16 on AMX here: asked of oneDNN's own choice for a
-// small bf16 GEMM (its implementation's name), so a newer ISA oneDNN knows counts too.
-bool matmul_runs_bf16_on_amx() {
-  static const bool amx = [] {
+// The implementation oneDNN's matmul primitive chooses for a small bf16 GEMM (its name:
+// "brg:avx512_core_amx", ...), or "" where this CPU has no bf16 kernel at all: oneDNN 2.6
+// runs bf16 only from AVX-512 up, so an AVX2 CPU has none. Asking oneDNN rather than CPUID
+// lets a newer ISA it knows count too.
+const std::string& bf16_matmul_impl() {
+  static const std::string impl = [] {
     using dnnl::memory;
     const memory::desc m({64, 64}, memory::data_type::bf16, memory::format_tag::ab);
     const memory::desc out({64, 64}, memory::data_type::f32, memory::format_tag::ab);
     try {
       const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(m, m, out), cpu_engine());
-      return std::string(pd.impl_info_str()).find("amx") != std::string::npos;
+      return std::string(pd.impl_info_str());
     } catch (const dnnl::error&) {
-      return false;  // no bf16 matmul at all: no AMX either
+      return std::string();
     }
   }();
-  return amx;
+  return impl;
+}
+
+// Whether the matmul primitive runs bf16 on AMX here.
+bool matmul_runs_bf16_on_amx() { return bf16_matmul_impl().find("amx") != std::string::npos; }
+
+}  // namespace
+
+// Whether bf16 GEMMs are widened to fp32 (widened_bf16_gemm), said once per process: where
+// oneDNN has no bf16 kernel, or where TALLY_BF16_GEMM=widened asks for it (the tests run
+// that path on every machine so).
+bool bf16_gemm_widened() {
+  static const bool widened = [] {
+    const char* env = std::getenv("TALLY_BF16_GEMM");
+    const std::string asked = env ? env : "";
+    TALLY_CHECK(asked.empty() || asked == "widened" || asked == "onednn", "TALLY_BF16_GEMM='", asked,
+                "': expected 'widened' (fp32 GEMMs of the widened operands) or 'onednn' (its bf16 kernels, the default)");
+    const bool none = bf16_matmul_impl().empty();
+    if (none)
+      std::fprintf(stderr, "tally: note: oneDNN has no bf16 GEMM kernel for this CPU (it needs AVX-512); bf16 GEMMs "
+                           "run as fp32 GEMMs of the bf16 operands widened to fp32: the same products and fp32 sums, "
+                           "at fp32 speed\n");
+    return none || asked == "widened";
+  }();
+  return widened;
+}
+
+namespace {
+
+// A bf16 operand as the GEMM reads it: logical element (i, p) at data[i * rows + p * cols]
+// (a transposed or strided view is only other strides).
+struct Bf16Operand {
+  const BFloat16* data;
+  int64_t rows, cols;  // strides, in elements
+  Bf16Operand at(int64_t i, int64_t p) const { return {data + i * rows + p * cols, rows, cols}; }
+};
+
+// C (M x N, fp32, row stride ldc) = alpha op(A) op(B) + beta C for bf16 A and B, on a CPU
+// where oneDNN has no bf16 kernel. A bf16 value widens to fp32 exactly and the product of
+// two is exact in fp32; oneDNN's bf16 kernels also sum those products in fp32. So this
+// computes the same sum as they do (up to the order of the fp32 additions) on the fp32
+// sgemm: tiles of A (mc x kc) and B (kc x nc) are widened into this thread's workspace
+// (2.3 MiB at most, kernel-private like oneDNN's own scratchpad) and multiplied, C
+// accumulating over K. Inside an OpenMP region (attention's tiles) it runs on the calling
+// thread, as sgemm does there.
+void widened_bf16_gemm(int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand a, Bf16Operand b, float beta,
+                       float* c, int64_t ldc) {
+  constexpr int64_t mc = 256, nc = 1024, kc = 256;
+  thread_local std::vector<float> a_tile, b_tile;
+  a_tile.resize(static_cast<size_t>(mc * kc));
+  b_tile.resize(static_cast<size_t>(kc * nc));
+  // Widens rows x cols of `src` into `dst` (row-major, row stride cols).
+  auto widen = [](Bf16Operand src, int64_t rows, int64_t cols, float* dst) {
+#pragma omp parallel for schedule(static) if (!omp_in_parallel() && rows * cols >= (1 << 16))
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t p = 0; p < cols; ++p) dst[i * cols + p] = static_cast<float>(src.data[i * src.rows + p * src.cols]);
+  };
+  for (int64_t n0 = 0; n0 < N; n0 += nc) {
+    const int64_t n = std::min(nc, N - n0);
+    for (int64_t k0 = 0; k0 < K; k0 += kc) {
+      const int64_t k = std::min(kc, K - k0);
+      widen(b.at(k0, n0), k, n, b_tile.data());
+      for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t m = std::min(mc, M - m0);
+        widen(a.at(m0, k0), m, k, a_tile.data());
+        // The first K tile applies beta (beta 0 writes C without reading it); later ones add.
+        const dnnl_status_t st = dnnl_sgemm('N', 'N', m, n, k, alpha, a_tile.data(), k, b_tile.data(), n,
+                                            k0 == 0 ? beta : 1.f, c + m0 * ldc + n0, ldc);
+        TALLY_CHECK(st == dnnl_success, "oneDNN sgemm failed with status ", static_cast<int>(st), " for a widened bf16 ",
+                    m, "x", n, "x", k, " tile");
+      }
+    }
+  }
+}
+
+// gemm() for bf16 operands where oneDNN has no bf16 kernel: widened_bf16_gemm into C (fp32),
+// or, for a bf16 C, into an fp32 tile that is rounded once into C, as oneDNN's kernels
+// round their fp32 accumulator. The bias (fp32, or bf16 for a bf16 C) is added to the fp32
+// sum, as the primitive adds it.
+void widened_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c, float alpha, float beta,
+                  const Tensor& bias) {
+  const int64_t M = c.shape()[0], N = c.shape()[1], K = ta ? a.shape()[0] : a.shape()[1];
+  auto operand = [](const Tensor& t, bool transpose) {
+    const Bf16Operand o{t.data<BFloat16>(), t.strides()[0], t.strides()[1]};
+    return transpose ? Bf16Operand{o.data, o.cols, o.rows} : o;
+  };
+  const Bf16Operand A = operand(a, ta), B = operand(b, tb);
+  std::vector<float> bias_fp32;
+  if (bias.defined()) {
+    bias_fp32.resize(static_cast<size_t>(N));
+    for (int64_t j = 0; j < N; ++j)
+      bias_fp32[j] = bias.dtype() == DType::F32 ? bias.data<float>()[j * bias.strides()[0]]
+                                                : static_cast<float>(bias.data<BFloat16>()[j * bias.strides()[0]]);
+  }
+  const int64_t ldc = c.strides()[0];
+  if (c.dtype() == DType::F32) {
+    float* C = c.data<float>();
+    widened_bf16_gemm(M, N, K, alpha, A, B, beta, C, ldc);
+    if (bias.defined())
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) C[i * ldc + j] += bias_fp32[j];
+    return;
+  }
+  // A bf16 C: row blocks of C accumulate in fp32 and are rounded once.
+  constexpr int64_t rows = 64;
+  std::vector<float> tile(static_cast<size_t>(std::min(rows, M) * N));
+  BFloat16* C = c.data<BFloat16>();
+  for (int64_t m0 = 0; m0 < M; m0 += rows) {
+    const int64_t m = std::min(rows, M - m0);
+    if (beta != 0.f)
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < N; ++j) tile[i * N + j] = beta * static_cast<float>(C[(m0 + i) * ldc + j]);
+    widened_bf16_gemm(m, N, K, alpha, A.at(m0, 0), B, beta != 0.f ? 1.f : 0.f, tile.data(), N);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < N; ++j)
+        C[(m0 + i) * ldc + j] = BFloat16(tile[i * N + j] + (bias.defined() ? bias_fp32[j] : 0.f));
+  }
 }
 
 // Whether oneDNN chose its jit GEMM ("x64:gemm:jit") for an inner product.
@@ -349,6 +472,11 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
     c.storage().bump_version();
     return;
   }
+  if (bf16_operands && bf16_gemm_widened()) {
+    widened_gemm(a, transpose_a, b, transpose_b, c, alpha, beta, bias);
+    c.storage().bump_version();
+    return;
+  }
   if (gemm_on_matmul_primitive(a, transpose_a, b, transpose_b, c)) {
     // The primitive reads row- or column-major operands with any leading dimension; another
     // view (a strided slice, a broadcast, overlapping rows: only bf16 gets here with one)
@@ -390,6 +518,13 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
 // dozen.
 void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
                     const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (bf16_gemm_widened()) {
+    // Row-major tiles; a transposed one is read with its strides swapped.
+    auto operand = [](const BFloat16* t, int64_t ld, bool transposed) {
+      return transposed ? Bf16Operand{t, 1, ld} : Bf16Operand{t, ld, 1};
+    };
+    return widened_bf16_gemm(m, n, k, alpha, operand(a, lda, transpose_a), operand(b, ldb, transpose_b), beta, c, ldc);
+  }
   using dnnl::memory;
   const dnnl::engine& engine = cpu_engine();
   // A tile's primitive with its arguments, made once: each call only points the memory
