@@ -4,14 +4,18 @@
 # prepare_peers BINARY...: builds tally if a BINARY (under build/) is missing and installs
 # Debian's PyTorch if /usr/bin/python3 has none. Debian's OpenBLAS does not recognize every
 # CPU (on a Sapphire Rapids VM it picks its generic "Prescott" kernels, ~25 GFLOP/s), so
-# PyTorch gets its AVX-512 kernels by name unless the caller set a core type.
+# PyTorch gets the kernels of the widest vectors the CPU has by name (AVX-512's, or on a CPU
+# without it AVX2's: AVX-512 kernels there die of an illegal instruction) unless the caller
+# set a core type.
 prepare_peers() {
   local binary
   for binary in "$@"; do
     [ -x "$root/build/$binary" ] || { bash "$root/scripts/build.sh"; break; }
   done
   /usr/bin/python3 -c "import torch" 2>/dev/null || bash "$root/scripts/setup.sh" --torch
-  export OPENBLAS_CORETYPE="${OPENBLAS_CORETYPE:-SkylakeX}"
+  local widest=Haswell
+  grep -qw avx512f /proc/cpuinfo && widest=SkylakeX
+  export OPENBLAS_CORETYPE="${OPENBLAS_CORETYPE:-$widest}"
 }
 
 # record OUT TAGS COMMAND...: runs COMMAND, adds the fields of the JSON object TAGS to the

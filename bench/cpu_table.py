@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Turns bench/run_cpu.sh's runs (JSON lines) into the table of bench/RESULTS.md for this
-machine's kind ("amd" or "intel", the two kinds of machine the issue names), between the
+machine's kind ("amd" or "intel", the two kinds of machine the issue names, or
+"amd-avx2" for one without AVX-512), between the
 lines "<!-- cpu-bench:KIND:begin -->" and "<!-- cpu-bench:KIND:end -->" (added at the end
 the first time): each kind keeps its own latest table. Standard library only.
     usage: cpu_table.py RUNS.jsonl RESULTS.md         prints the kind with --kind"""
@@ -42,8 +43,12 @@ def machine():
 
 
 def kind():
-    vendor = cpuinfo()[1]
-    return {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(vendor, vendor.lower() or "unknown")
+    """"amd" or "intel" for the AVX-512 machines the issue names; a CPU without AVX-512 (an
+    AVX2-only EPYC VM, where oneDNN has no bf16 kernel) is a kind of its own, "amd-avx2", so
+    that its table does not replace the AVX-512 machine's."""
+    _, vendor, flags = cpuinfo()
+    name = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(vendor, vendor.lower() or "unknown")
+    return name if " avx512f" in flags else name + "-avx2"
 
 
 def mib(b):

@@ -12,15 +12,14 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 steps="${1:-6}"
 rounds="${2:-2}"
-[ -x "$root/build/tally" ] || bash "$root/scripts/build.sh"
-/usr/bin/python3 -c "import torch" 2>/dev/null || bash "$root/scripts/setup.sh" --torch
+source "$root/bench/common.sh"
+prepare_peers tally  # and PyTorch's OpenBLAS kernels by name (bench/common.sh)
 data="$root/data/corpus/fortunes_train.bin"
 if [ ! -f "$data" ]; then
   bash "$root/scripts/setup.sh" --corpus
   "$root/build/tally" tokenize --tokenizer "$root/data/corpus" --out "$root/data/corpus/fortunes" "$root/data/corpus/fortunes.txt"
 fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export OPENBLAS_CORETYPE="${OPENBLAS_CORETYPE:-SkylakeX}"  # PyTorch's best OpenBLAS kernels (see RESULTS.md)
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 common=(--model d12 --train-data "$data" --batch-size 4 --seq-len 64 --steps "$steps" --lr 1e-4 --sample-every -1 --sample-tokens 0)
