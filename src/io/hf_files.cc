@@ -221,8 +221,7 @@ struct Gpt2Files {
 };
 
 nn::TransformerConfig gpt2_config(const HfSource& src) {
-  const Gpt2Files files(src);
-  const Gpt2Files& f = files;
+  const Gpt2Files f(src);
   auto key = [&](const std::string& name) {
     const std::string k = f.key(name);
     TALLY_CHECK(!k.empty(), "HuggingFace GPT-2 file '", f.path, "': missing tensor '", name, "'");

@@ -234,7 +234,7 @@ struct Bf16Operand {
 // two is exact in fp32; oneDNN's bf16 kernels also sum those products in fp32. So this
 // computes the same sum as they do (up to the order of the fp32 additions) on the fp32
 // sgemm: tiles of A (mc x kc) and B (kc x nc) are widened into this thread's workspace
-// (2.3 MiB at most, kernel-private like oneDNN's own scratchpad) and multiplied, C
+// (1.25 MiB, kernel-private like oneDNN's own scratchpad) and multiplied, C
 // accumulating over K. Inside an OpenMP region (attention's tiles) it runs on the calling
 // thread, as sgemm does there.
 void widened_bf16_gemm(int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand a, Bf16Operand b, float beta,
