@@ -21,6 +21,7 @@
 
 #include "runtime/cpu/kernels.h"
 #include "runtime/cpu/strided.h"
+#include "runtime/cpu/vec_math.h"
 
 namespace tally::runtime::cpu {
 
@@ -234,32 +235,53 @@ struct Bf16Operand {
 // two is exact in fp32; oneDNN's bf16 kernels also sum those products in fp32. So this
 // computes the same sum as they do (up to the order of the fp32 additions) on the fp32
 // sgemm: tiles of A (mc x kc) and B (kc x nc) are widened into this thread's workspace
-// (1.25 MiB, kernel-private like oneDNN's own scratchpad) and multiplied, C
-// accumulating over K. Inside an OpenMP region (attention's tiles) it runs on the calling
+// (at most 3.75 MiB: a 256 x 768 and a 768 x 1024 tile; kernel-private like oneDNN's own
+// scratchpad) and multiplied, C accumulating over K. A K tile of 768 (a whole GPT-2
+// projection's) rather than 256 took W1's bf16 step on an AVX2 EPYC from 1.83-1.86 s to
+// 1.70-1.82 s: fewer passes of sgemm over C. Inside an OpenMP region (attention's tiles) it runs on the calling
 // thread, as sgemm does there.
 void widened_bf16_gemm(int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand a, Bf16Operand b, float beta,
                        float* c, int64_t ldc) {
-  constexpr int64_t mc = 256, nc = 1024, kc = 256;
+  constexpr int64_t mc = 256, nc = 1024, kc = 768;
   thread_local std::vector<float> a_tile, b_tile;
-  a_tile.resize(static_cast<size_t>(mc * kc));
-  b_tile.resize(static_cast<size_t>(kc * nc));
-  // Widens rows x cols of `src` into `dst` (row-major, row stride cols).
+  // (Sized to this GEMM's tiles: attention's per-thread tile products need far less.)
+  a_tile.resize(std::max(a_tile.size(), static_cast<size_t>(std::min(mc, M) * std::min(kc, K))));
+  b_tile.resize(std::max(b_tile.size(), static_cast<size_t>(std::min(kc, K) * std::min(nc, N))));
+  // Widens rows x cols of `src` into `dst` in the order `src` stores them, so the reads are
+  // contiguous: row-major (row stride cols) when its rows are, else column-major (column
+  // stride rows), which sgemm is told to read transposed. (A transposed weight read row by
+  // row was a strided gather, and the forward's GEMMs ran at two thirds of the backward's.)
+  // Returns whether the tile is column-major.
   auto widen = [](Bf16Operand src, int64_t rows, int64_t cols, float* dst) {
+    const bool column_major = src.cols != 1 && src.rows == 1;
+    const int64_t outer = column_major ? cols : rows, inner = column_major ? rows : cols;
+    const int64_t outer_stride = column_major ? src.cols : src.rows, inner_stride = column_major ? src.rows : src.cols;
 #pragma omp parallel for schedule(static) if (!omp_in_parallel() && rows * cols >= (1 << 16))
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t p = 0; p < cols; ++p) dst[i * cols + p] = static_cast<float>(src.data[i * src.rows + p * src.cols]);
+    for (int64_t o = 0; o < outer; ++o) {
+      const BFloat16* from = src.data + o * outer_stride;
+      float* to = dst + o * inner;
+      if (inner_stride == 1) {
+#pragma omp simd
+        for (int64_t e = 0; e < inner; ++e) to[e] = std::bit_cast<float>(static_cast<uint32_t>(from[e].bits) << 16);
+      } else {
+        for (int64_t e = 0; e < inner; ++e) to[e] = static_cast<float>(from[e * inner_stride]);
+      }
+    }
+    return column_major;
   };
   for (int64_t n0 = 0; n0 < N; n0 += nc) {
     const int64_t n = std::min(nc, N - n0);
     for (int64_t k0 = 0; k0 < K; k0 += kc) {
       const int64_t k = std::min(kc, K - k0);
-      widen(b.at(k0, n0), k, n, b_tile.data());
+      const bool b_transposed = widen(b.at(k0, n0), k, n, b_tile.data());
       for (int64_t m0 = 0; m0 < M; m0 += mc) {
         const int64_t m = std::min(mc, M - m0);
-        widen(a.at(m0, k0), m, k, a_tile.data());
+        const bool a_transposed = widen(a.at(m0, k0), m, k, a_tile.data());
         // The first K tile applies beta (beta 0 writes C without reading it); later ones add.
-        const dnnl_status_t st = dnnl_sgemm('N', 'N', m, n, k, alpha, a_tile.data(), k, b_tile.data(), n,
-                                            k0 == 0 ? beta : 1.f, c + m0 * ldc + n0, ldc);
+        const dnnl_status_t st =
+            dnnl_sgemm(a_transposed ? 'T' : 'N', b_transposed ? 'T' : 'N', m, n, k, alpha, a_tile.data(),
+                       a_transposed ? m : k, b_tile.data(), b_transposed ? k : n, k0 == 0 ? beta : 1.f,
+                       c + m0 * ldc + n0, ldc);
         TALLY_CHECK(st == dnnl_success, "oneDNN sgemm failed with status ", static_cast<int>(st), " for a widened bf16 ",
                     m, "x", n, "x", k, " tile");
       }
@@ -296,19 +318,32 @@ void widened_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tens
         for (int64_t j = 0; j < N; ++j) C[i * ldc + j] += bias_fp32[j];
     return;
   }
-  // A bf16 C: row blocks of C accumulate in fp32 and are rounded once.
-  constexpr int64_t rows = 64;
-  std::vector<float> tile(static_cast<size_t>(std::min(rows, M) * N));
+  // A bf16 C: blocks of up to 1024 x 1024 accumulate in fp32 (this thread's workspace, at
+  // most 4 MiB) and are rounded once. A block as tall as widened_bf16_gemm's row tiles allow
+  // widens each B tile once per block, and keeps its sgemm calls at full height (64-row
+  // blocks of the whole width ran the forward's GEMMs at half the fp32 rate).
+  constexpr int64_t block_rows = 1024, block_cols = 1024;
+  thread_local std::vector<float> tile;
+  tile.resize(static_cast<size_t>(std::min(block_rows, M) * std::min(block_cols, N)));
   BFloat16* C = c.data<BFloat16>();
-  for (int64_t m0 = 0; m0 < M; m0 += rows) {
-    const int64_t m = std::min(rows, M - m0);
-    if (beta != 0.f)
-      for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < N; ++j) tile[i * N + j] = beta * static_cast<float>(C[(m0 + i) * ldc + j]);
-    widened_bf16_gemm(m, N, K, alpha, A.at(m0, 0), B, beta != 0.f ? 1.f : 0.f, tile.data(), N);
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < N; ++j)
-        C[(m0 + i) * ldc + j] = BFloat16(tile[i * N + j] + (bias.defined() ? bias_fp32[j] : 0.f));
+  for (int64_t n0 = 0; n0 < N; n0 += block_cols) {
+    const int64_t n = std::min(block_cols, N - n0);
+    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+      const int64_t m = std::min(block_rows, M - m0);
+      float* acc = tile.data();
+      if (beta != 0.f)
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t j = 0; j < n; ++j) acc[i * n + j] = beta * static_cast<float>(C[(m0 + i) * ldc + n0 + j]);
+      widened_bf16_gemm(m, n, K, alpha, A.at(m0, 0), B.at(0, n0), beta != 0.f ? 1.f : 0.f, acc, n);
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < m; ++i) {
+        float* row = acc + i * n;
+        if (bias.defined())
+          for (int64_t j = 0; j < n; ++j) row[j] += bias_fp32[n0 + j];
+        round_to_bf16(row, C + (m0 + i) * ldc + n0, n);
+      }
+    }
   }
 }
 

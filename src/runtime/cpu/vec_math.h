@@ -138,11 +138,35 @@ inline float exp_shifted(const float* x, float shift, int64_t n, float* out, BFl
   _mm512_store_ps(lanes, acc);
   for (float lane : lanes) sum += lane;
 #else
-  for (; c < n; ++c) {
-    const float e = scale * vexp(x[c] - shift);
-    sum += e;
-    if (out) out[c] = e;
-    if (rounded) rounded[c].bits = bf16_round_bits(e);
+  // One loop per combination of outputs, each a SIMD reduction: with the null checks inside
+  // one loop and a plain `sum +=` (GCC may not reassociate it), the loop stayed scalar, and
+  // on an AVX2 CPU the cross-entropy backward and attention's softmax spent most of their
+  // time here. out[c] may be x[c]: each lane reads its element before writing it.
+  if (out && rounded) {
+#pragma omp simd reduction(+ : sum)
+    for (c = 0; c < n; ++c) {
+      const float e = scale * vexp(x[c] - shift);
+      sum += e;
+      out[c] = e;
+      rounded[c].bits = bf16_round_bits(e);
+    }
+  } else if (out) {
+#pragma omp simd reduction(+ : sum)
+    for (c = 0; c < n; ++c) {
+      const float e = scale * vexp(x[c] - shift);
+      sum += e;
+      out[c] = e;
+    }
+  } else if (rounded) {
+#pragma omp simd reduction(+ : sum)
+    for (c = 0; c < n; ++c) {
+      const float e = scale * vexp(x[c] - shift);
+      sum += e;
+      rounded[c].bits = bf16_round_bits(e);
+    }
+  } else {
+#pragma omp simd reduction(+ : sum)
+    for (c = 0; c < n; ++c) sum += scale * vexp(x[c] - shift);
   }
 #endif
   return sum;
