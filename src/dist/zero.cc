@@ -150,26 +150,28 @@ std::pair<int64_t, int64_t> ZeroOptimizer::overlap(size_t param, int64_t r) cons
   return {lo, std::max(lo, hi)};
 }
 
+Tensor ZeroOptimizer::own_values(size_t param, int64_t lo, int64_t hi) const {
+  const Piece& p = pieces_[params_.spec(param).unit];
+  return range(param_shard_, p.local + (lo - p.own_begin), hi - lo);
+}
+
 void ZeroOptimizer::store(size_t param, const Tensor& value) {
   TALLY_CHECK(stage_ == 3, "internal: ZeRO-", stage_, " keeps no parameter values of its own");
   TALLY_CHECK(value.is_contiguous() && value.numel() == params_[param].numel() && value.dtype() == param_shard_.dtype(),
               "internal: a value for '", params_.spec(param).name, "' must be its whole shape, contiguous");
   const auto [lo, hi] = overlap(param, group_.rank());
   if (hi == lo) return;
-  const Piece& p = pieces_[params_.spec(param).unit];
-  range(param_shard_, p.local + (lo - p.own_begin), hi - lo).copy_(make_view(value, {hi - lo}, {1}, value.offset() + lo - params_.offset(param)));
+  own_values(param, lo, hi).copy_(make_view(value, {hi - lo}, {1}, value.offset() + lo - params_.offset(param)));
   param_shard_.storage().bump_version();
 }
 
 Tensor ZeroOptimizer::value_at_root(size_t param) {
   TALLY_CHECK(stage_ == 3, "internal: ZeRO-", stage_, " keeps no parameter values of its own");
   constexpr int kTag = 0x2e03;  // this exchange's messages, apart from any other between the same ranks
-  const Piece& p = pieces_[params_.spec(param).unit];
   const int64_t begin = params_.offset(param);
-  auto mine = [&](int64_t lo, int64_t hi) { return range(param_shard_, p.local + (lo - p.own_begin), hi - lo); };
   if (group_.rank() != 0) {
     const auto [lo, hi] = overlap(param, group_.rank());
-    if (hi > lo) group_.send(mine(lo, hi), 0, kTag);
+    if (hi > lo) group_.send(own_values(param, lo, hi), 0, kTag);
     return Tensor();
   }
   const Shape& shape = params_.spec(param).shape;
@@ -179,7 +181,7 @@ Tensor ZeroOptimizer::value_at_root(size_t param) {
     const auto [lo, hi] = overlap(param, r);
     if (hi == lo) continue;
     const Tensor to = make_view(whole, {hi - lo}, {1}, lo - begin);
-    if (r == 0) to.copy_(mine(lo, hi));
+    if (r == 0) to.copy_(own_values(param, lo, hi));
     else group_.recv(to, static_cast<int>(r), kTag);
   }
   return whole;

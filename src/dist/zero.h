@@ -123,6 +123,9 @@ class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResiden
   // The elements [begin, end) of the parameter block that both parameter `param` and
   // rank `r`'s piece of its unit cover (empty: begin == end).
   std::pair<int64_t, int64_t> overlap(size_t param, int64_t r) const;
+  // Stage 3: this rank's values of the parameter block's elements [lo, hi), an overlap of
+  // parameter `param` with this rank's piece, as a view of its parameter shard.
+  Tensor own_values(size_t param, int64_t lo, int64_t hi) const;
 
   nn::ParameterStore& params_;
   optim::AdamWConfig config_;

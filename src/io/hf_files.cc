@@ -196,34 +196,36 @@ std::string gpt2_hf_name(const std::string& name) { return name == "wte" || name
 bool gpt2_conv1d(const std::string& name) {
   return name.rfind("h.", 0) == 0 && name.find(".weight") != std::string::npos && name.find("ln_") == std::string::npos;
 }
-// A GPT-2 model's safetensors files (one, or the shards an index names) by their headers:
-// which file holds each tensor. Names may carry a "transformer." prefix.
-struct Gpt2Files {
+// A model's safetensors files (one, or the shards an index names) by their headers: which
+// file holds each tensor. Only the headers are read here; weights are read tensor by tensor.
+struct SafetensorsShards {
   std::vector<SafetensorsFile> files;
   std::map<std::string, size_t> file_of;  // tensor name -> files index
   std::string path;                       // the first file's, for errors that name the model
 
-  explicit Gpt2Files(const HfSource& src) {
+  explicit SafetensorsShards(const HfSource& src) {
     for (const std::string& shard : src.shards) {
       files.push_back(index_safetensors(shard));  // the header: shapes, no weights
       for (const std::string& name : files.back().order) file_of.emplace(name, files.size() - 1);
     }
     path = src.shards.at(0) + (src.shards.size() > 1 ? " (and " + std::to_string(src.shards.size() - 1) + " more shards)" : "");
   }
-  // The key of `hf_name`, with or without the prefix; empty when no file has it.
-  std::string key(const std::string& hf_name) const {
-    if (file_of.count(hf_name)) return hf_name;
-    if (file_of.count("transformer." + hf_name)) return "transformer." + hf_name;
-    return "";
-  }
   const SafetensorsFile& file(const std::string& key) const { return files.at(file_of.at(key)); }
   const SafetensorsFile::Entry& entry(const std::string& key) const { return file(key).entry(key); }
 };
 
+// The key of GPT-2's `hf_name` in its files, which may carry a "transformer." prefix;
+// empty when no file has it.
+std::string gpt2_key(const SafetensorsShards& f, const std::string& hf_name) {
+  if (f.file_of.count(hf_name)) return hf_name;
+  if (f.file_of.count("transformer." + hf_name)) return "transformer." + hf_name;
+  return "";
+}
+
 nn::TransformerConfig gpt2_config(const HfSource& src) {
-  const Gpt2Files f(src);
+  const SafetensorsShards f(src);
   auto key = [&](const std::string& name) {
-    const std::string k = f.key(name);
+    const std::string k = gpt2_key(f, name);
     TALLY_CHECK(!k.empty(), "HuggingFace GPT-2 file '", f.path, "': missing tensor '", name, "'");
     return k;
   };
@@ -238,7 +240,7 @@ nn::TransformerConfig gpt2_config(const HfSource& src) {
   c.n_embd = wte[1];
   c.max_seq_len = wpe[0];
   int64_t L = 0;
-  while (!f.key("h." + std::to_string(L) + ".ln_1.weight").empty()) ++L;
+  while (!gpt2_key(f, "h." + std::to_string(L) + ".ln_1.weight").empty()) ++L;
   TALLY_CHECK(L > 0, "HuggingFace GPT-2 file '", f.path, "': no layers (h.0.ln_1.weight) found");
   c.n_layer = L;
   // The head count is not in the weights: config.json's n_head, the file's n_head
@@ -362,33 +364,31 @@ void load_llama(const HfSource& src, nn::Transformer& model) {
   const auto& c = model.config();
   const nn::Transformer whole = nn::Transformer::layout_only(c);
   const auto targets = llama_targets(whole);
-  std::vector<SafetensorsFile> files;
+  const SafetensorsShards f(src);
   std::map<size_t, std::vector<std::pair<std::string, size_t>>> sources;  // whole parameter -> (tensor, file)
   std::set<std::string> found;
-  for (const std::string& shard : src.shards) {
-    files.push_back(index_safetensors(shard));
-    const SafetensorsFile& f = files.back();
-    for (const std::string& name : f.order) {
+  for (size_t file = 0; file < f.files.size(); ++file) {
+    const SafetensorsFile& shard = f.files[file];
+    for (const std::string& name : shard.order) {
       auto it = targets.find(name);
       if (it == targets.end()) {
         // Old exports carry the rotary frequencies as a buffer; a tied model may still
         // store its head. Anything else is a tensor this config does not explain.
         if (name.find("rotary_emb.inv_freq") != std::string::npos || (name == "lm_head.weight" && c.tie_embeddings))
           continue;
-        TALLY_FAIL("HuggingFace LLaMA file '", shard, "': unexpected tensor '", name, "' for ", c.describe(),
+        TALLY_FAIL("HuggingFace LLaMA file '", shard.path, "': unexpected tensor '", name, "' for ", c.describe(),
                    " (config.json and the weights disagree)");
       }
       const LlamaTarget& t = it->second;
       Shape want = whole.params().spec(t.param).shape;
       want[0] = t.rows;
-      require_weight(f.entry(name), want, shard, name);
-      sources[t.param].emplace_back(name, files.size() - 1);
+      require_weight(shard.entry(name), want, shard.path, name);
+      sources[t.param].emplace_back(name, file);
       found.insert(name);
     }
   }
   for (const auto& [name, t] : targets)
-    TALLY_CHECK(found.count(name), "HuggingFace LLaMA model (", src.shards.front(), "...): tensor '", name,
-                "' is missing");
+    TALLY_CHECK(found.count(name), "HuggingFace LLaMA model '", f.path, "': tensor '", name, "' is missing");
   model.fill_whole_parameters([&](const nn::LlmcTensor&, size_t index, const nn::ParameterSpec& spec, const Tensor& target) {
     if (!target.defined()) return;
     // The files hold the first vocab_size rows of the embedding and head; the padding rows
@@ -397,14 +397,14 @@ void load_llama(const HfSource& src, nn::Transformer& model) {
     for (const auto& [name, file] : sources[index]) {
       const LlamaTarget& t = targets.at(name);
       const Tensor rows = target.slice(0, t.row0, t.row0 + t.rows);
-      if (t.heads) rows.copy_(meta_rows_from_hf(files[file].read(name, Category::Other), t.heads));
-      else files[file].read_into(name, rows);
+      if (t.heads) rows.copy_(meta_rows_from_hf(f.files[file].read(name, Category::Other), t.heads));
+      else f.files[file].read_into(name, rows);
     }
   });
 }
 
 void load_gpt2(const HfSource& src, nn::Transformer& model) {
-  const Gpt2Files f(src);
+  const SafetensorsShards f(src);
   const std::string& path = f.path;
   const auto& c = model.config();
   const nn::Transformer whole = nn::Transformer::layout_only(c);
@@ -414,7 +414,7 @@ void load_gpt2(const HfSource& src, nn::Transformer& model) {
     const std::string& name = whole.params().spec(i).name;
     const Shape& shape = whole.params().spec(i).shape;
     const std::string hf_name = gpt2_hf_name(name);
-    keys.push_back(f.key(hf_name));
+    keys.push_back(gpt2_key(f, hf_name));
     TALLY_CHECK(!keys.back().empty(), "HuggingFace GPT-2 file '", path, "': missing tensor '", hf_name, "'");
     used.insert(keys.back());
     if (name == "wte") require_weight(f.entry(keys.back()), {c.vocab_size, c.n_embd}, path, "wte.weight");

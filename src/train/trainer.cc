@@ -370,16 +370,11 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     const std::string ext = fs::path(c.mem_trace).extension().string();
     TALLY_CHECK(ext == ".json" || ext == ".html", "--mem-trace '", c.mem_trace, "': expected a path ending in .json (a "
                 "Perfetto/Chrome trace) or .html (a report), which say what is written");
-    TALLY_CHECK(!fs::is_directory(c.mem_trace), "--mem-trace '", c.mem_trace,
-                "' is a directory, expected a file path ending in .json or .html");
-    // Written at the end of the run: a path it cannot replace (a device) would fail only then.
-    TALLY_CHECK(!fs::exists(c.mem_trace) || fs::is_regular_file(c.mem_trace), "--mem-trace '", c.mem_trace,
-                "' exists and is not a regular file, expected a file path ending in .json or .html");
+    // (What the path names on disk, a directory or a device, is io::check_output_file's
+    // below, with the other outputs.)
   }
   if (root) {
     io::create_directories_for("--out-dir", c.out_dir, c.out_dir);
-    if (!c.mem_trace.empty())
-      io::create_directories_for("--mem-trace", c.mem_trace, fs::path(c.mem_trace).parent_path().string());
     io::recover_out_dir(c.out_dir);  // what a killed save left behind
   }
   world.world().barrier();

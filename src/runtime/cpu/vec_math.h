@@ -138,36 +138,34 @@ inline float exp_shifted(const float* x, float shift, int64_t n, float* out, BFl
   _mm512_store_ps(lanes, acc);
   for (float lane : lanes) sum += lane;
 #else
-  // One loop per combination of outputs, each a SIMD reduction: with the null checks inside
-  // one loop and a plain `sum +=` (GCC may not reassociate it), the loop stayed scalar, and
-  // on an AVX2 CPU the cross-entropy backward and attention's softmax spent most of their
-  // time here. out[c] may be x[c]: each lane reads its element before writing it.
-  if (out && rounded) {
-#pragma omp simd reduction(+ : sum)
-    for (c = 0; c < n; ++c) {
-      const float e = scale * vexp(x[c] - shift);
-      sum += e;
-      out[c] = e;
-      rounded[c].bits = bf16_round_bits(e);
+  // Sixteen running sums, one per lane, combined in order at the end, as the AVX-512 loop
+  // above keeps them: the sum is the same whichever outputs are written, and the loop is
+  // a SIMD one (with the null checks inside and one scalar `sum +=`, which GCC may not
+  // reassociate, it stayed scalar, and on an AVX2 CPU the bf16 cross-entropy backward and
+  // attention's softmax spent most of their time here). out[c] may be x[c]: each lane
+  // reads its element before writing it.
+  constexpr int64_t kLanes = 16;
+  float lane_sums[kLanes] = {};
+  auto block = [&](auto writes_out, auto writes_rounded, int64_t start, int64_t count) {
+#pragma omp simd
+    for (int64_t k = 0; k < count; ++k) {
+      const float e = scale * vexp(x[start + k] - shift);
+      lane_sums[k] += e;
+      if constexpr (decltype(writes_out)::value) out[start + k] = e;
+      if constexpr (decltype(writes_rounded)::value) rounded[start + k].bits = bf16_round_bits(e);
     }
-  } else if (out) {
-#pragma omp simd reduction(+ : sum)
-    for (c = 0; c < n; ++c) {
-      const float e = scale * vexp(x[c] - shift);
-      sum += e;
-      out[c] = e;
-    }
-  } else if (rounded) {
-#pragma omp simd reduction(+ : sum)
-    for (c = 0; c < n; ++c) {
-      const float e = scale * vexp(x[c] - shift);
-      sum += e;
-      rounded[c].bits = bf16_round_bits(e);
-    }
-  } else {
-#pragma omp simd reduction(+ : sum)
-    for (c = 0; c < n; ++c) sum += scale * vexp(x[c] - shift);
-  }
+  };
+  auto run = [&](auto writes_out, auto writes_rounded) {
+    for (; c + kLanes <= n; c += kLanes) block(writes_out, writes_rounded, c, kLanes);
+    if (c < n) block(writes_out, writes_rounded, c, n - c);
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (out && rounded) run(Yes{}, Yes{});
+  else if (out) run(Yes{}, No{});
+  else if (rounded) run(No{}, Yes{});
+  else run(No{}, No{});
+  for (float lane : lane_sums) sum += lane;
 #endif
   return sum;
 }
