@@ -42,7 +42,7 @@ void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, in
                     const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc);
 // Whether bf16 GEMMs run as fp32 GEMMs of their operands widened to fp32: where oneDNN has
 // no bf16 kernel for this CPU (oneDNN 2.6 needs AVX-512), or where the environment says
-// TALLY_BF16_GEMM=widened. The same products and fp32 sums, at fp32 speed.
+// TALLY_BF16_GEMM=widened. The same products and fp32 sums, on fp32 GEMMs.
 bool bf16_gemm_widened();
 // Measured fp32 GEMM throughput of this machine in FLOP/s (cached after the first call).
 double measured_gemm_peak_flops(DType dtype, bool probe_again);

@@ -214,7 +214,7 @@ bool bf16_gemm_widened() {
     if (none)
       std::fprintf(stderr, "tally: note: oneDNN has no bf16 GEMM kernel for this CPU (it needs AVX-512); bf16 GEMMs "
                            "run as fp32 GEMMs of the bf16 operands widened to fp32: the same products and fp32 sums, "
-                           "at fp32 speed\n");
+                           "with widening and rounding passes on top, so --dtype fp32 trains faster on this CPU\n");
     return none || asked == "widened";
   }();
   return widened;
