@@ -273,25 +273,37 @@ TEST(Runtime, Bf16GemmRunsWidenedWhereAskedOrWhereOneDnnHasNoBf16Kernel) {
 }
 
 TEST(Runtime, Bf16GemmOverSeveralTilesMatchesFp64) {
-  // M, K and N past the widened path's tiles (256, 256, 1024): C accumulates over K tiles,
-  // beta applies once, a bf16 C is rounded once. Bounds as in the test below.
+  // Shapes past the widened path's tiles (M 256, K 768, N 1024) and its bf16 output's fp32
+  // blocks (1024 x 1024): C accumulates over K tiles, beta applies once, a bf16 C is rounded
+  // once per block, the bias lands on its own columns in every column block. (The second
+  // shape crosses the row blocks with a short K, so the fp64 reference stays cheap.)
+  // Bounds as in the test below.
   runtime::Backend& cpu = runtime::backend(Device::cpu());
-  const int64_t M = 257, K = 513, N = 1025;
-  for (bool transpose : {false, true})
-    for (DType out : {DType::F32, DType::BF16})
-      for (float beta : {0.f, 1.f}) {
-        Tensor a = transpose ? test::random_tensor({K, M}, 80).to(DType::BF16) : test::random_tensor({M, K}, 80).to(DType::BF16);
-        Tensor b = transpose ? test::random_tensor({N, K}, 81).to(DType::BF16) : test::random_tensor({K, N}, 81).to(DType::BF16);
-        Tensor c0 = test::random_tensor({M, N}, 82).to(out);
-        Tensor c = c0.to(DType::F64).to(out);
-        cpu.gemm(a, transpose, b, transpose, c, 1.f, beta);
-        Tensor want = ops::matmul(a.to(DType::F64), b.to(DType::F64), transpose, transpose);
-        if (beta != 0.f) want = ops::add(want, c0.to(DType::F64));
-        test::Diff d = test::compare(c.to(DType::F64), want);
-        const double bound = out == DType::F32 ? 4.0 * K * std::ldexp(1.0, -24) * d.ref_scale
-                                               : std::ldexp(1.0, -8) * d.ref_scale + 4.0 * K * std::ldexp(1.0, -24);
-        EXPECT_LE(d.max_abs, bound) << (transpose ? "TT " : "NN ") << dtype_name(out) << " beta " << beta;
-      }
+  for (const auto& [M, K, N] : std::vector<std::array<int64_t, 3>>{{257, 769, 1025}, {1025, 33, 65}})
+    for (bool transpose : {false, true})
+      for (DType out : {DType::F32, DType::BF16})
+        for (int variant = 0; variant < 3; ++variant) {  // beta 0, beta 1, beta 0 with a bias
+          const float beta = variant == 1 ? 1.f : 0.f;
+          const bool with_bias = variant == 2;
+          Tensor a = transpose ? test::random_tensor({K, M}, 80).to(DType::BF16) : test::random_tensor({M, K}, 80).to(DType::BF16);
+          Tensor b = transpose ? test::random_tensor({N, K}, 81).to(DType::BF16) : test::random_tensor({K, N}, 81).to(DType::BF16);
+          Tensor c0 = test::random_tensor({M, N}, 82).to(out);
+          Tensor c = c0.to(DType::F64).to(out);
+          Tensor want = ops::matmul(a.to(DType::F64), b.to(DType::F64), transpose, transpose);
+          if (with_bias) {
+            Tensor bias = test::random_tensor({N}, 83, DType::F32);  // as mixed precision's biases are
+            cpu.gemm_bias(a, transpose, b, transpose, c, bias);
+            want = ops::add(want, bias.to(DType::F64).view({1, N}));
+          } else {
+            cpu.gemm(a, transpose, b, transpose, c, 1.f, beta);
+          }
+          if (beta != 0.f) want = ops::add(want, c0.to(DType::F64));
+          test::Diff d = test::compare(c.to(DType::F64), want);
+          const double bound = out == DType::F32 ? 4.0 * K * std::ldexp(1.0, -24) * d.ref_scale
+                                                 : std::ldexp(1.0, -8) * d.ref_scale + 4.0 * K * std::ldexp(1.0, -24);
+          EXPECT_LE(d.max_abs, bound) << M << "x" << K << "x" << N << (transpose ? " TT " : " NN ") << dtype_name(out)
+                                      << (with_bias ? " with a bias" : beta != 0.f ? " beta 1" : " beta 0");
+        }
 }
 
 TEST(Runtime, Bf16GemmMatchesFp64InEveryLayoutWrittenOrAccumulated) {
