@@ -434,6 +434,41 @@ TEST(Hardening, AnOutOfVocabularyTokenIsFoundBeforeTheFirstStepNamingShardAndSpl
   c.val_data = path;
   const std::string msg = message_of<Error>([&] { train::run_training(c); });
   EXPECT_NE(msg.find("--val-data shard '" + path + "': token 500 at position 4321"), std::string::npos) << msg;
+  // A 32-bit shard's token past INT32_MAX (a corrupt one: no writer makes it) is named by
+  // its value, not by the int32 it reads as (the message said "token -1").
+  const std::string wide = test::temp_path("oov32.bin");
+  data::write_token_shard(wide, tokens, data::TokenWidth::U32);
+  std::string bytes = test::read_all(wide);
+  const size_t at = 256 * sizeof(int32_t) + 4321 * sizeof(uint32_t);  // past the 256-int header
+  bytes.replace(at, 4, std::string(4, '\xff'));
+  test::write_all(wide, bytes);
+  c.val_data = wide;
+  const std::string wide_msg = message_of<Error>([&] { train::run_training(c); });
+  EXPECT_NE(wide_msg.find("--val-data shard '" + wide + "': token 4294967295 at position 4321"), std::string::npos)
+      << wide_msg;
+}
+
+TEST(Hardening, ValidationDataThatIsAlsoTrainingDataIsWarnedAbout) {
+  // A --val-data shard among --train-data's files: the validation loss would measure text
+  // the model trains on, and nothing said so. Named whichever path reaches it.
+  const std::string train_a = test::write_random_shard("overlap_train_a.bin", 5000, 97, 1);
+  const std::string train_b = test::write_random_shard("overlap_train_b.bin", 5000, 97, 2);
+  train::TrainConfig c = tiny_config(test::temp_path("overlap_train_*.bin"));
+  c.steps = 1;
+  c.val_data = fs::path(train_b).parent_path().string() + "/./" + fs::path(train_b).filename().string();
+  ::testing::internal::CaptureStderr();
+  train::run_training(c);
+  std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("warning: --val-data shard '" + c.val_data + "' is also a --train-data shard ('" + train_b + "')"),
+            std::string::npos)
+      << err;
+  // Validation data of its own says nothing.
+  c.val_data = test::write_random_shard("overlap_val.bin", 5000, 97, 3);
+  ::testing::internal::CaptureStderr();
+  train::run_training(c);
+  err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("warning"), std::string::npos) << err;
+  (void)train_a;
 }
 
 TEST(Hardening, BadOutputPathsFailBeforeTraining) {

@@ -14,7 +14,10 @@ TokenLoader::TokenLoader(const std::string& pattern, int64_t batch_size, int64_t
   for (const std::string& f : files_) {
     shards_.push_back(TokenShard::open(f));
     const int64_t bad = shards_.back().find_token_at_or_above(vocab_);
-    TALLY_CHECK(bad < 0, split, " shard '", f, "': token ", bad < 0 ? 0 : shards_.back().at(bad), " at position ", bad,
+    // (Named as the unsigned value the file holds: a 32-bit token past INT32_MAX reads back
+    // as a negative int32.)
+    TALLY_CHECK(bad < 0, split, " shard '", f, "': token ", bad < 0 ? 0u : static_cast<uint32_t>(shards_.back().at(bad)),
+                " at position ", bad,
                 " is outside the model's vocabulary of ", vocab_, " (was it tokenized for another model?)");
     starts_.push_back(total_);
     total_ += shards_.back().size();
@@ -76,7 +79,8 @@ void TokenLoader::read(int64_t pos, int64_t n, int32_t* out) {
 
 void TokenLoader::check_vocabulary(const int32_t* tokens, int64_t n, int64_t pos) const {
   for (int64_t i = 0; i < n; ++i)
-    TALLY_CHECK(tokens[i] >= 0 && tokens[i] < vocab_, "token ", tokens[i], " at data position ", (pos + i) % total_,
+    TALLY_CHECK(tokens[i] >= 0 && tokens[i] < vocab_, "token ", static_cast<uint32_t>(tokens[i]), " at data position ",
+                (pos + i) % total_,
                 " is outside the model's vocabulary of ", vocab_);
 }
 

@@ -38,7 +38,8 @@ class TokenLoader {
 
   // Fills and returns the loader's two persistent buffers (no allocation per batch).
   const Batch& batch_at(int64_t step, int64_t microbatch, int64_t microbatches_per_step);
-  // The `index`-th consecutive batch (for validation: 0, 1, 2, ...).
+  // The batch of B*T + 1 consecutive tokens from data position `first_token` (validation
+  // walks 0, B*T, 2*B*T, ...).
   const Batch& batch_from(int64_t first_token);
 
   int64_t total_tokens() const { return total_; }

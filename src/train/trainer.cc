@@ -2,6 +2,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -615,6 +616,20 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       std::fprintf(stderr, "tally: warning: shard '%s' holds 16-bit tokens (a tokenizer of at most 65,536, such as "
                    "GPT-2's), but the model's vocabulary has %lld: was it tokenized for this model?\n",
                    narrow.c_str(), static_cast<long long>(mc.vocab_size));
+  }
+  // A validation shard that is also a training shard (a glob that takes in the split held
+  // out, the same file under two names): the validation loss would measure text the model
+  // trains on. Said, not refused: a smoke run may validate on its training data on purpose.
+  if (val_loader && root) {
+    for (const std::string& val_file : val_loader->files()) {
+      std::error_code ec;
+      auto same = std::find_if(train_loader.files().begin(), train_loader.files().end(),
+                               [&](const std::string& train_file) { return fs::equivalent(val_file, train_file, ec); });
+      if (same == train_loader.files().end()) continue;
+      std::fprintf(stderr, "tally: warning: --val-data shard '%s' is also a --train-data shard ('%s'): the validation "
+                   "loss measures text the model trains on\n", val_file.c_str(), same->c_str());
+      break;  // once: the first is enough to say the splits overlap
+    }
   }
   // Validation reads consecutive batches; past the end of the data they would wrap around
   // and count tokens twice. At most the batches the data holds (at least one).
