@@ -383,6 +383,60 @@ TEST(Hardening, ChecksumsTurnBitRotIntoAClearError) {
   }
 }
 
+// model.bin's checksum covered its weights, not its header: one flipped bit in the head
+// count (12 -> 8 still divides the width, and the file's size does not depend on it), in a
+// LLaMA double (rope_theta, norm_eps) or in the checksum's own mark (which turned the check
+// off) resumed a different model without a word. The header has a checksum of its own.
+TEST(Hardening, ABitFlippedInAModelFileHeaderIsACorruptFileNotAnotherModel) {
+  auto flipped = [](const std::string& path, size_t byte, unsigned char bit) {
+    std::string bytes = test::read_all(path);
+    bytes[byte] = static_cast<char>(bytes[byte] ^ bit);
+    const std::string rotten = path + ".rotten.bin";
+    test::write_all(rotten, bytes);
+    return rotten;
+  };
+  for (const char* preset : {"d1", "llama3-d1"}) {
+    nn::TransformerConfig config = nn::TransformerConfig::preset(preset);
+    config.n_embd = 96;  // 4 heads of 24: one bit more (0x08) makes 12 heads of 8, as plausible
+    config.n_head = 4;
+    config.n_kv_head = config.is_llama() ? 2 : 4;
+    config.vocab_size = 97;  // small files
+    config.padded_vocab_size = 128;
+    nn::Transformer model(config);
+    model.init_weights(3);
+    const std::string path = test::temp_path(std::string(preset) + ".bin");
+    io::save_llmc(path, model);
+    EXPECT_NO_THROW(io::read_llmc_config(path)) << preset;
+    struct Flip {
+      const char* what;
+      size_t byte;
+      unsigned char bit;
+    };
+    std::vector<Flip> flips = {{"the head count", 5 * 4, 0x08}, {"the checksum mark", 250 * 4, 0x01},
+                               {"the checksum mark's top byte", 250 * 4 + 3, 0x80}};
+    if (config.is_llama()) flips.push_back({"rope_theta", 236 * 4 + 6, 0x01});
+    for (const Flip& f : flips) {
+      const std::string rotten = flipped(path, f.byte, f.bit);
+      const std::string msg = message_of<Error>([&] {
+        nn::Transformer loaded(io::read_llmc_config(rotten));
+        io::load_llmc(rotten, loaded);
+      });
+      EXPECT_NE(msg.find("model file '" + rotten + "'"), std::string::npos) << preset << ", " << f.what << ": " << msg;
+      EXPECT_NE(msg.find("corrupt"), std::string::npos) << preset << ", " << f.what << ": " << msg;
+    }
+    // A file saved before the header had its checksum (the "tlay" mark, slot 252 zero)
+    // still loads, its weights still checked.
+    std::string older = test::read_all(path);
+    const int32_t tlay = 0x79616C74, zero = 0;
+    std::memcpy(older.data() + 250 * 4, &tlay, 4);
+    std::memcpy(older.data() + 252 * 4, &zero, 4);
+    const std::string older_path = path + ".tlay.bin";
+    test::write_all(older_path, older);
+    nn::Transformer loaded(io::read_llmc_config(older_path));
+    EXPECT_NO_THROW(io::load_llmc(older_path, loaded)) << preset;
+  }
+}
+
 // recipe.json was the only guard on a resume, and deleting it turned the check off: the
 // run resumed with another batch shape and a learning rate 3000 times higher, without a
 // word. state.bin now holds the CRC-32 of recipe.json and history.json: a checkpoint that

@@ -1,5 +1,6 @@
 #include "io/model_files.h"
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -15,9 +16,14 @@ namespace tally::io {
 namespace {
 constexpr int32_t kGpt2Magic = 20240326, kLlamaMagic = 20240803;
 // Header slots llm.c leaves unused (it reads ints 0..15): tally marks the files it writes and
-// stores a CRC-32 of the weights' bytes, checked at load. Files from elsewhere lack the mark.
-constexpr int kChecksumMarkSlot = 250, kChecksumSlot = 251;
-constexpr int32_t kChecksumMark = 0x79616C74;  // "tlay"
+// stores a CRC-32 of the weights' bytes, checked at load, and (since the "tly2" mark) one of
+// the header itself, its two checksum slots read as zero: a flipped bit in the head count or
+// a LLaMA double changed the model a file described without changing its size, and the
+// weights' checksum did not see it. Files from elsewhere lack the mark; a mark a bit or two
+// away from either of tally's is a flipped one (the file is corrupt), not a foreign file.
+constexpr int kChecksumMarkSlot = 250, kChecksumSlot = 251, kHeaderChecksumSlot = 252;
+constexpr int32_t kChecksumMark = 0x79616C74;        // "tlay": the weights' checksum
+constexpr int32_t kHeaderChecksumMark = 0x32796C74;  // "tly2": the weights' and the header's
 // LLaMA: the exact values train_llama3.py's int header truncates (see model_files.h).
 constexpr int kExactMarkSlot = 230, kFfnSlot = 231, kTiedSlot = 232, kOriginalContextSlot = 233;
 constexpr int kEpsSlot = 234, kThetaSlot = 236, kFactorSlot = 238, kLowSlot = 240, kHighSlot = 242,
@@ -38,6 +44,16 @@ double get_double(const Header& h, int slot) {
 }
 void put_double(Header& h, int slot, double d) { std::memcpy(&h.ints[slot], &d, sizeof d); }
 
+// The CRC-32 of a header's 256 ints with its two checksum slots read as zero.
+uint32_t header_checksum(const Header& h) {
+  int32_t ints[256];
+  std::memcpy(ints, h.ints, sizeof ints);
+  ints[kChecksumSlot] = ints[kHeaderChecksumSlot] = 0;
+  Crc32 crc;
+  crc.update(ints, sizeof ints);
+  return crc.value();
+}
+
 // Opens an llm.c model file and reads its header (and the 1024 bytes after it, which are
 // the float block of llm.c's C LLaMA writer or the first weights).
 Header read_header(const std::string& path, std::ifstream& in) {
@@ -46,6 +62,16 @@ Header read_header(const std::string& path, std::ifstream& in) {
   TALLY_CHECK(h.file_size >= 1024, "model file '", path, "' is ", h.file_size,
               " bytes; an llm.c model needs a 1024-byte header");
   in.read(reinterpret_cast<char*>(h.ints), 1024);
+  const int32_t mark = h.ints[kChecksumMarkSlot];
+  for (int32_t known : {kChecksumMark, kHeaderChecksumMark})
+    TALLY_CHECK(mark == known || std::popcount(static_cast<uint32_t>(mark ^ known)) > 2, "model file '", path,
+                "': header slot ", kChecksumMarkSlot, " holds ", static_cast<uint32_t>(mark),
+                ", a few bits from tally's checksum mark ", static_cast<uint32_t>(known), ": the header is corrupt");
+  if (mark == kHeaderChecksumMark) {
+    const uint32_t stored = static_cast<uint32_t>(h.ints[kHeaderChecksumSlot]);
+    TALLY_CHECK(stored == header_checksum(h), "model file '", path, "': header checksum mismatch (stored ", stored,
+                ", computed ", header_checksum(h), "): the header (the model's shape and settings) is corrupt");
+  }
   std::memset(h.floats, 0, sizeof h.floats);
   if (h.file_size >= 2048) in.read(reinterpret_cast<char*>(h.floats), 1024);
   return h;
@@ -233,7 +259,8 @@ uint32_t load_llmc(const std::string& path, nn::Transformer& model) {
     }
   });
   TALLY_CHECK(in.good(), "model file '", path, "': read failed");
-  TALLY_CHECK(h.ints[kChecksumMarkSlot] != kChecksumMark || static_cast<uint32_t>(h.ints[kChecksumSlot]) == crc.value(),
+  const bool has_checksum = h.ints[kChecksumMarkSlot] == kChecksumMark || h.ints[kChecksumMarkSlot] == kHeaderChecksumMark;
+  TALLY_CHECK(!has_checksum || static_cast<uint32_t>(h.ints[kChecksumSlot]) == crc.value(),
               "model file '", path, "': checksum mismatch (stored ", static_cast<uint32_t>(h.ints[kChecksumSlot]),
               ", computed ", crc.value(), "): the file is corrupt");
   return crc.value();
@@ -281,7 +308,8 @@ void save_llmc(const std::string& path, const nn::Transformer& model, const std:
     h.ints[6] = static_cast<int32_t>(c.n_embd);
     h.ints[7] = static_cast<int32_t>(c.padded_vocab_size);
   }
-  h.ints[kChecksumMarkSlot] = kChecksumMark;
+  h.ints[kChecksumMarkSlot] = kHeaderChecksumMark;
+  h.ints[kHeaderChecksumSlot] = static_cast<int32_t>(header_checksum(h));
   AtomicFile out(path);
   out.write(h.ints, 1024);  // the checksum is filled in at the end
   std::vector<uint16_t> raw;
