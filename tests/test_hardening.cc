@@ -1014,6 +1014,38 @@ TEST(Hardening, AKillWhileReSavingAStepLeavesALoadableCheckpoint) {
   EXPECT_EQ(io::resolve_checkpoint(c.out_dir), step);
 }
 
+// Two runs in one --out-dir: a run's start-up repair (which removes unfinished saves,
+// step_N.tmp and step_N.old) removed the save another live run had in progress, and in that
+// run's re-save of the step `latest` names could remove both copies of it. A run that saves
+// now holds a lock on its --out-dir: another that would save there is refused naming the
+// holder's pid, and one that saves nothing trains beside it without repairing anything.
+TEST(Hardening, ARunSavingIntoAnOutDirLocksItAgainstAnotherRunsRepairAndSaves) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
+  c.save_every = 2;
+  fs::remove_all(c.out_dir);
+  fs::create_directories(c.out_dir);
+  // The other run, saving step 4 now (this process holds the lock as it would).
+  io::OutDirLock other = io::OutDirLock::try_take(c.out_dir);
+  ASSERT_TRUE(other.held());
+  const std::string in_progress = c.out_dir + "/step_00000004.tmp";
+  fs::create_directories(in_progress);
+  const std::string msg = message_of<Error>([&] { train::run_training(c); });
+  EXPECT_NE(msg.find("--out-dir '" + c.out_dir + "' is in use by another tally run (pid " + std::to_string(::getpid()) +
+                     ")"),
+            std::string::npos)
+      << msg;
+  EXPECT_TRUE(fs::exists(in_progress));
+  train::TrainConfig watcher = c;
+  watcher.save_every = 0;
+  EXPECT_EQ(train::run_training(watcher).steps_run, 2);
+  EXPECT_TRUE(fs::exists(in_progress)) << "a run beside a live saver repaired its directory";
+  // Once the other run is gone its leftovers are repaired, and this run saves.
+  other = io::OutDirLock();
+  EXPECT_EQ(train::run_training(c).steps_run, 2);
+  EXPECT_FALSE(fs::exists(in_progress));
+  EXPECT_TRUE(fs::exists(c.out_dir + "/step_00000002/state.bin"));
+}
+
 TEST(Hardening, ALatestFileWithCrlfResolves) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
   c.save_every = 2;

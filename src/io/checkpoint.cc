@@ -1,7 +1,10 @@
 #include "io/checkpoint.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -412,6 +415,43 @@ bool abandoned_temporary(const std::string& name, const std::string& file) {
   return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
 }
 }  // namespace
+
+OutDirLock OutDirLock::try_take(const std::string& out_dir) {
+  const std::string path = (fs::path(out_dir) / ".tally.lock").string();
+  OutDirLock lock;
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  TALLY_CHECK(fd >= 0, "--out-dir '", out_dir, "': cannot open its lock file '", path, "': ", std::strerror(errno));
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+    const std::string pid = std::to_string(::getpid());
+    // The pid is only what an error names: a failed write leaves the lock as good.
+    if (::ftruncate(fd, 0) == 0 && ::pwrite(fd, pid.data(), pid.size(), 0) < 0) errno = 0;
+    lock.fd_ = fd;
+    return lock;
+  }
+  const int err = errno;
+  char text[32] = {};
+  const ssize_t got = ::pread(fd, text, sizeof text - 1, 0);
+  ::close(fd);
+  TALLY_CHECK(err == EWOULDBLOCK, "--out-dir '", out_dir, "': cannot lock '", path, "': ", std::strerror(err));
+  lock.holder_ = got > 0 ? std::strtol(text, nullptr, 10) : 0;
+  return lock;
+}
+
+OutDirLock::OutDirLock(OutDirLock&& other) noexcept : fd_(other.fd_), holder_(other.holder_) { other.fd_ = -1; }
+
+OutDirLock& OutDirLock::operator=(OutDirLock&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);  // closing the descriptor releases the flock
+    fd_ = other.fd_;
+    holder_ = other.holder_;
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+OutDirLock::~OutDirLock() {
+  if (fd_ >= 0) ::close(fd_);
+}
 
 void recover_out_dir(const std::string& out_dir) {
   if (!fs::is_directory(out_dir)) return;

@@ -69,6 +69,32 @@ std::string resolve_checkpoint(const std::string& path);
 // one in left only that. A `latest` that holds no plain directory name is an error naming
 // `flag` and `out_dir`.
 std::string latest_step_dir(const std::string& out_dir, const char* flag);
+// An exclusive lock on an --out-dir, for the run that saves into it: flock(2) on
+// "<out_dir>/.tally.lock", whose bytes are the holder's pid. It is released when the object
+// is destroyed or reset, or when the process ends, however it ends (a killed run leaves no
+// stale lock). Another run may then neither save there nor repair the directory
+// (recover_out_dir removes the temporaries of unfinished saves, which a live run's are).
+class OutDirLock {
+ public:
+  OutDirLock() = default;
+  // Takes the lock if no other process (or open of the file) holds it; otherwise returns
+  // an unheld lock naming the holder's pid. A lock file it cannot open is an error naming
+  // the directory.
+  static OutDirLock try_take(const std::string& out_dir);
+  OutDirLock(OutDirLock&& other) noexcept;
+  OutDirLock& operator=(OutDirLock&& other) noexcept;
+  OutDirLock(const OutDirLock&) = delete;
+  OutDirLock& operator=(const OutDirLock&) = delete;
+  ~OutDirLock();
+  bool held() const { return fd_ >= 0; }
+  // Who holds it when held() is false: the pid in the lock file (0 if unreadable).
+  long holder() const { return holder_; }
+
+ private:
+  int fd_ = -1;
+  long holder_ = 0;
+};
+
 // Repairs what a killed save can leave in `out_dir` (run by the writer before training):
 // a step directory moved aside as "<step>.old" while its replacement was not yet in place
 // is moved back, and the temporaries of unfinished writes are removed (a file's only when

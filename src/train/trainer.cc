@@ -374,9 +374,20 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     // (What the path names on disk, a directory or a device, is io::check_output_file's
     // below, with the other outputs.)
   }
+  // A run that saves holds its --out-dir's lock until it returns; one that saves nothing
+  // takes it only to repair the directory, and repairs nothing while another run holds it
+  // (its unfinished save is in progress, not left behind).
+  io::OutDirLock out_dir_lock;
   if (root) {
     io::create_directories_for("--out-dir", c.out_dir, c.out_dir);
-    io::recover_out_dir(c.out_dir);  // what a killed save left behind
+    const bool saves = c.save_every > 0 || c.overwrite;
+    out_dir_lock = io::OutDirLock::try_take(c.out_dir);
+    TALLY_CHECK(out_dir_lock.held() || !saves, "--out-dir '", c.out_dir, "' is in use by another tally run (pid ",
+                out_dir_lock.holder(), ") that saves its checkpoints there: this run's ",
+                c.overwrite ? "--overwrite would remove them" : "saves would mix with them",
+                "; choose another --out-dir, or wait for that run to end");
+    if (out_dir_lock.held()) io::recover_out_dir(c.out_dir);
+    if (!saves) out_dir_lock = io::OutDirLock();  // what a killed save left behind
   }
   world.world().barrier();
   // A fresh run that saves into an --out-dir holding an earlier run's checkpoints would
