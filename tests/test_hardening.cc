@@ -320,6 +320,8 @@ TEST(Hardening, ResumingBeyondStepsOrWithAnotherRecipeIsRefusedSayingWhatDiffers
   r.steps = 3;
   std::string msg = message_of<Error>([&] { train::run_training(r); });
   EXPECT_NE(msg.find("the checkpoint is at step 4, beyond --steps 3"), std::string::npos) << msg;
+  // Its advice is what the recipe check then takes (raising --steps alone was refused).
+  EXPECT_NE(msg.find("raise --steps with --allow-recipe-change"), std::string::npos) << msg;
 
   r.steps = 8;  // longer: the cosine schedule changes, so bit-exactness is gone
   r.lr = 2e-3;

@@ -667,7 +667,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     io::TrainingState st = io::load_checkpoint_state(resume_dir, *model, opt);
     check_ranks_agree(world, {{"--resume's state.bin (CRC-32 of its contents)", std::to_string(st.content_crc)}});
     TALLY_CHECK(st.step <= c.steps, "--resume '", c.resume, "': the checkpoint is at step ", st.step, ", beyond --steps ",
-                c.steps, "; raise --steps to train further");
+                c.steps, "; to train further, raise --steps with --allow-recipe-change (--steps is part of the run's "
+                "recipe: its learning-rate schedule ends there)");
     const std::string changes = recipe_changes(st.recipe, recipe);
     TALLY_CHECK(changes.empty() || c.allow_recipe_change, "--resume '", c.resume,
                 "': this run would not continue the checkpoint's run exactly: ", changes,
