@@ -37,7 +37,10 @@ struct TrainingState {
   std::array<uint64_t, 4> rng_state{};
   // The settings that decide the run's trajectory (batch shape, schedule, optimizer, data),
   // as name -> exact text, saved as <step dir>/recipe.json. Resuming compares them, so a
-  // run that would not continue bit-exact is refused unless the user allows it.
+  // run whose data order, schedule or optimizer would differ is refused unless the user
+  // allows it. The parallel layout is not part of it: a checkpoint resumes on another
+  // dp x grad-accum split of the same global batch, another ZeRO stage or tp/pp layout, the
+  // same math to fp32 rounding (reductions in another order), not bit for bit.
   std::vector<std::pair<std::string, std::string>> recipe;
   // The trainer's record of the run up to `step` (JSON text; train/plot.h reads and writes
   // it), saved as <step dir>/history.json. Empty in checkpoints older than it.
