@@ -348,6 +348,28 @@ TEST(Sampler, TiedLogitsGoToTheLowestTokenId) {
   EXPECT_EQ(train::sample(*m, {1, 2, 3}, top1, rng), (std::vector<int32_t>{0, 0, 0}));
 }
 
+TEST(Sampler, WithoutATokenizerASampleStartsAndStopsWhereTheFamilysDocumentsDo) {
+  // `tally sample` without --tokenizer (and the trainer's samples) started every sample
+  // from the vocabulary's last id: GPT-2's <|endoftext|>, but for LLaMA-3's 128,256 a
+  // reserved token its data never holds (tokenize writes <|begin_of_text|>, 128000), and
+  // stopped only there, so --stop-at-eot never ended a LLaMA sample.
+  nn::TransformerConfig llama = nn::TransformerConfig::preset("llama3-d1");
+  ASSERT_EQ(llama.vocab_size, 128256);
+  train::DocumentBounds b = train::document_bounds(llama, nullptr);
+  EXPECT_EQ(b.start, 128000);
+  EXPECT_EQ(b.stops, (std::vector<int32_t>{128001, 128000}));
+  nn::TransformerConfig gpt2 = nn::TransformerConfig::preset("d1");
+  b = train::document_bounds(gpt2, nullptr);
+  EXPECT_EQ(b.start, 50256);
+  EXPECT_EQ(b.stops, (std::vector<int32_t>{50256}));
+  // Another vocabulary has no known separator: its last id, as before.
+  llama.vocab_size = 97;
+  llama.padded_vocab_size = 128;
+  b = train::document_bounds(llama, nullptr);
+  EXPECT_EQ(b.start, 96);
+  EXPECT_EQ(b.stops, (std::vector<int32_t>{96}));
+}
+
 TEST(Sampler, NucleusOfATinyMassIsGreedyAndStopTokensEndASample) {
   auto m = tiny_llama();
   train::SampleOptions greedy;

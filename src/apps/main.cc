@@ -204,7 +204,8 @@ int run_sample(const SampleArgs& a) {
   }
   // A sample starts as a document does (after the separator `tally tokenize` writes) and
   // ends at the end of text or the next document.
-  const int32_t start = tok ? tok->document_separator_id() : static_cast<int32_t>(model.config().vocab_size - 1);
+  const train::DocumentBounds bounds = train::document_bounds(model.config(), tok.get());
+  const int32_t start = bounds.start;
   if (tok && tok->is_llama3()) prompt.insert(prompt.begin(), start);  // LLaMA: <|begin_of_text|> always leads
   if (prompt.empty()) prompt.push_back(start);
   if (static_cast<int64_t>(prompt.size()) > model.config().max_seq_len)
@@ -216,7 +217,7 @@ int run_sample(const SampleArgs& a) {
   so.temperature = a.temperature;
   so.top_k = a.top_k;
   so.top_p = a.top_p;
-  if (a.stop_at_eot) so.stop_tokens = tok ? tok->stop_ids() : std::vector<int32_t>{start};
+  if (a.stop_at_eot) so.stop_tokens = bounds.stops;
   Rng rng(a.seed);
   for (int64_t n = 0; n < a.count; ++n) {
     if (a.count > 1) std::printf("%s--- sample %lld\n", n ? "\n" : "", static_cast<long long>(n + 1));

@@ -23,6 +23,18 @@ struct SampleOptions {
 std::vector<int32_t> sample(const nn::Transformer& model, std::vector<int32_t> prompt, const SampleOptions& options,
                             Rng& rng);
 
+// Where a sample starts and what ends it: the separator `tally tokenize` writes before each
+// document, and the tokens that end one. The tokenizer's when there is one; else the model
+// family's: GPT-2's <|endoftext|> (the last of its 50,257 ids) for both, LLaMA-3's
+// <|begin_of_text|> (128000) to start and <|end_of_text|> (128001) or the next document's
+// start to stop, when the vocabulary is LLaMA-3's 128,256. A vocabulary of another size has
+// no known separator: its last id.
+struct DocumentBounds {
+  int32_t start = 0;
+  std::vector<int32_t> stops;
+};
+DocumentBounds document_bounds(const nn::TransformerConfig& config, const data::Tokenizer* tok);
+
 // Whether `tok` (loaded from `tokenizer`, the --tokenizer flag's value) can turn a model's
 // samples into text. More tokens than the model's vocabulary: another model's tokenizer
 // (samples would start from a separator the embedding lacks), refused naming both. Fewer:

@@ -235,9 +235,7 @@ struct Detokenizer {
     return s;
   }
   // Samples start where a document does: after the separator tally's tokenize writes.
-  int32_t start_token(int64_t vocab) const {
-    return tok ? tok->document_separator_id() : static_cast<int32_t>(vocab - 1);
-  }
+  int32_t start_token(const nn::TransformerConfig& config) const { return document_bounds(config, tok.get()).start; }
 };
 
 double evaluate(const nn::Transformer& model, dist::PipelineStage* pipeline, data::TokenLoader& loader, int64_t batches) {
@@ -1105,7 +1103,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
         so.tokens = c.sample_tokens;
         so.temperature = c.temperature;
         so.top_k = c.top_k;
-        auto ids = sample(*model, {detok.start_token(mc.vocab_size)}, so, sample_rng);  // every rank, same draws
+        auto ids = sample(*model, {detok.start_token(mc)}, so, sample_rng);  // every rank, same draws
         log("sample:\n---\n%s\n---\n", detok.text(ids).c_str());
       } catch (...) {
         sample_error = std::current_exception();
