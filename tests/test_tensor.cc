@@ -143,6 +143,19 @@ TEST(Allocator, SizeClassesWasteAtMostOneEighth) {
   }
 }
 
+TEST(Allocator, ARequestTooLargeForASizeClassIsAnErrorNotANullBlock) {
+  // 2^63 - 4 bytes passes the shape's overflow checks; rounding it up to its size class
+  // overflowed int64, the block "succeeded" with a null pointer and 2^63 - 4 bytes were
+  // counted as allocated (the first write crashed).
+  EXPECT_EQ(memory::size_class(int64_t{1} << 62), int64_t{1} << 62);
+  auto& L = runtime::ledger();
+  const int64_t before = L.stats().allocated;
+  const std::string msg = test::message_of<Error>([] { Tensor::empty({(int64_t{1} << 61) - 1}, DType::F32); });
+  EXPECT_NE(msg.find("9223372036854775804 bytes"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("exceeds"), std::string::npos) << msg;
+  EXPECT_EQ(L.stats().allocated, before) << "nothing counted for a block never made";
+}
+
 TEST(Ledger, TagsAllocationsWithCategoryModuleAndClock) {
   Clock::set(7, 3);
   OwnerScope h("h");

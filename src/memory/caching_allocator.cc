@@ -87,6 +87,11 @@ void CachingAllocator::unpoison(void* ptr, int64_t bytes) const {
 
 Allocation CachingAllocator::allocate(int64_t bytes, const OwnerTag& owner, std::weak_ptr<const Storage> storage) {
   TALLY_CHECK(bytes >= 0, "allocation of negative size ", bytes, " for '", owner.name_str(), "'");
+  // Past this, rounding up to a size class would overflow int64 (and no machine has it).
+  constexpr int64_t kLargestBlock = int64_t{1} << 62;
+  TALLY_CHECK(bytes <= kLargestBlock, "allocation of ", bytes, " bytes for '", owner.name_str(),
+              "' exceeds the largest block this allocator makes (2^62 bytes, 4 EiB): a size from corrupt or misread "
+              "dimensions");
   Allocation a;
   a.bytes = bytes;
   a.capacity = size_class(bytes);

@@ -35,7 +35,8 @@ class SystemMemory {
   virtual bool host_accessible() const = 0;
 };
 
-// Rounds a request up to its size class.
+// Rounds a request up to its size class (for at most 2^62 bytes, which CachingAllocator
+// refuses past: above 2^63 - 2^59 the rounding would overflow).
 int64_t size_class(int64_t bytes);
 
 class CachingAllocator final : public Allocator {
