@@ -109,6 +109,33 @@ TEST(MemoryTools, TheReportRendersInAHeadlessBrowserWithTheOwnersAtThePeak) {
   EXPECT_NE(dom.find("measured peak"), std::string::npos);
 }
 
+TEST(MemoryTools, TheReportNamesAHoldersCategoryAsItIsAtThePeak) {
+  // An activation saved for backward is retagged (two half events). The report's
+  // category totals followed the retag, but its holders table printed the category the
+  // allocation was born with: the same bytes were "saved_for_backward" in one table and
+  // "activation" in the other.
+  const NameId saved = intern_name("h.0.mlp:gelu"), other = intern_name("parameters");
+  auto event = [](double time, int64_t delta, Category category, NameId name, bool retag, uint64_t id) {
+    memory::MemoryEvent e;
+    e.time_us = time, e.delta = delta, e.category = category, e.name = name, e.retag = retag, e.id = id;
+    return e;
+  };
+  const std::vector<memory::MemoryEvent> events = {
+      event(1, 4096, Category::Parameter, other, false, 1),
+      event(2, 1 << 20, Category::Activation, saved, false, 2),
+      event(3, -(1 << 20), Category::Activation, saved, true, 2),
+      event(3, 1 << 20, Category::SavedForBackward, saved, true, 2),
+      event(4, 4096, Category::Activation, intern_name("h.1.attn:qkv"), false, 3)};  // the peak, after the retag
+  const std::string page = test::temp_path("retag.html");
+  memory::write_html_report(page, events);
+  const std::string html = test::read_all(page);
+  const size_t holders = html.find("id='holders'");
+  ASSERT_NE(holders, std::string::npos);
+  const std::string table = html.substr(holders, html.find("</table>", holders) - holders);
+  EXPECT_NE(table.find("<td>saved_for_backward</td><td class='owner'>h.0.mlp:gelu</td>"), std::string::npos) << table;
+  EXPECT_EQ(table.find("<td>activation</td><td class='owner'>h.0.mlp:gelu"), std::string::npos) << table;
+}
+
 TEST(MemoryTools, DiffNamesTheOwnersThatGrewAndTheFirstStep) {
   const std::string a = traced_run("small", 2), b = traced_run("large", 4);
   const memory::MemoryTrace ta = memory::read_memory_trace(a), tb = memory::read_memory_trace(b);

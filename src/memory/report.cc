@@ -247,15 +247,19 @@ void write_html_report(const std::string& path, const std::vector<MemoryEvent>& 
   std::unordered_map<NameId, int64_t> at_peak;
   std::array<int64_t, kNumCategories> category_at_peak{};
   std::unordered_map<uint64_t, const MemoryEvent*> live_at_peak;
+  std::unordered_map<uint64_t, Category> category_now;  // a live allocation's, after its retags
   {
     total = 0;
     for (size_t i = 0; i <= peak_index && i < events.size(); ++i) {
       const MemoryEvent& ev = events[i];
       category_at_peak[static_cast<int>(ev.category)] += ev.delta;
-      if (ev.retag) continue;
+      if (ev.retag) {
+        if (ev.delta > 0) category_now[ev.id] = ev.category;  // the half that enters the new category
+        continue;
+      }
       at_peak[ev.name] += ev.delta;
-      if (ev.delta > 0) live_at_peak[ev.id] = &ev;
-      else live_at_peak.erase(ev.id);
+      if (ev.delta > 0) live_at_peak[ev.id] = &ev, category_now[ev.id] = ev.category;
+      else live_at_peak.erase(ev.id), category_now.erase(ev.id);
     }
   }
   std::vector<std::pair<int64_t, NameId>> ranked;
@@ -332,7 +336,7 @@ void write_html_report(const std::string& path, const std::vector<MemoryEvent>& 
       rest += holders[i]->delta;
       continue;
     }
-    html += "<tr><td>" + format_bytes(holders[i]->delta) + "</td><td>" + category_name(holders[i]->category) +
+    html += "<tr><td>" + format_bytes(holders[i]->delta) + "</td><td>" + category_name(category_now.at(holders[i]->id)) +
             "</td><td class='owner'>" + escape_html(name_of(holders[i]->name)) + "</td><td>" +
             std::to_string(holders[i]->step + 1) + "</td><td>" + std::to_string(holders[i]->microbatch) + "</td></tr>";
   }
