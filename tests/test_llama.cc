@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <limits>
 
 #include "autograd/grad_mode.h"
 #include "io/hf_files.h"
@@ -392,4 +393,8 @@ TEST(Sampler, NucleusOfATinyMassIsGreedyAndStopTokensEndASample) {
   const auto cut = train::sample(*m, {1, 2, 3}, stop, rng);
   EXPECT_EQ(cut.back(), want[4]);
   EXPECT_LE(cut.size(), 5u);
+  // As many tokens as int64 holds: until a stop token (the prompt plus the count
+  // overflowed, and the KV cache was asked for a negative length).
+  stop.tokens = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(train::sample(*m, {1, 2, 3}, stop, rng), cut);
 }

@@ -52,8 +52,10 @@ std::vector<int32_t> sample(const nn::Transformer& model, std::vector<int32_t> t
   const auto& c = model.config();
   TALLY_CHECK(!tokens.empty(), "sample: the prompt must hold at least one token");
   TALLY_CHECK(opt.top_p > 0 && opt.top_p <= 1, "sample: top_p must be in (0, 1], got ", opt.top_p);
-  const int64_t capacity =
-      std::min<int64_t>(c.max_seq_len, static_cast<int64_t>(tokens.size()) + std::max<int64_t>(opt.tokens, 1));
+  // (The sum is bounded first: --tokens may be as large as int64 holds, a sample that runs
+  // until a stop token.)
+  const int64_t capacity = std::min<int64_t>(
+      c.max_seq_len, static_cast<int64_t>(tokens.size()) + std::clamp<int64_t>(opt.tokens, 1, c.max_seq_len));
   nn::KvCache cache = model.make_kv_cache(1, capacity);
   // Runs `ids` through the model after what the cache holds; returns the last logits row.
   auto feed = [&](const std::vector<int32_t>& ids) {
