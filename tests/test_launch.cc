@@ -300,6 +300,30 @@ TEST(Launch, SamplingWithASmallerTokenizerWarnsAndShowsTheIdsItLacks) {
   EXPECT_NE(during.output.find("<|id "), std::string::npos) << during.output;
 }
 
+TEST(Launch, SampleFlagsOfARunThatDrawsNoSampleAreRefused) {
+  // --sample-tokens 0 drew no sample, yet --temperature and --top-k were taken without a
+  // word, and with --sample-every N every Nth step printed an empty sample.
+  const std::string data = test::write_random_shard("nosample.bin", 5000, 97, 3);
+  const std::string base = std::string(TALLY_CLI) + " train --model-file " + test::fixture_path("gpt2_tiny.bin") +
+                           " --train-data " + data + " --batch-size 2 --seq-len 16 --steps 2 --threads 1 --out-dir " +
+                           test::temp_path("nosample_out") + " ";
+  for (const auto& [flags, expected] : std::vector<std::pair<std::string, std::string>>{
+           {"--sample-every -1 --top-k 5", "--top-k sets the samples a run prints, and --sample-every -1 draws none"},
+           {"--sample-tokens 0 --temperature 0.7",
+            "--temperature sets the samples a run prints, and --sample-tokens 0 draws none"},
+           {"--sample-tokens 0 --sample-every 1",
+            "--sample-every 1 prints a sample of --sample-tokens tokens every 1 steps, and --sample-tokens is 0"}}) {
+    Outcome o = run(base + flags);
+    EXPECT_EQ(o.exit_code, 1) << flags << ": " << o.output;
+    EXPECT_NE(o.output.find("tally: " + expected), std::string::npos) << flags << ": " << o.output;
+    EXPECT_EQ(o.output.find("sample:"), std::string::npos) << flags << ": " << o.output;
+  }
+  // --sample-tokens 0 alone is how a run says "no sample at the end": it trains.
+  Outcome quiet = run(base + "--sample-tokens 0");
+  EXPECT_EQ(quiet.exit_code, 0) << quiet.output;
+  EXPECT_EQ(quiet.output.find("sample:"), std::string::npos) << quiet.output;
+}
+
 TEST(Launch, DataParallelWithoutMpirunSaysHowToLaunch) {
   const std::string data = test::write_random_shard("ok.bin", 20000, 97, 3);
   Outcome o = run(train_command("", data, "--dp 2"));

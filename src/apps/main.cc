@@ -597,17 +597,21 @@ int main(int argc, char** argv) {
   if (app.got_subcommand("train")) {
     tc.model_given = app.get_subcommand("train")->get_option("--model")->count() > 0;
     // A sample setting given to a run that draws no samples would do nothing: said.
-    std::string unused_sample_flag;
+    // None is drawn with --sample-every -1, nor with --sample-tokens 0.
+    std::string unused_sample_flag, draws_none;
+    if (tc.sample_every == -1) draws_none = "--sample-every -1";
+    else if (tc.sample_tokens == 0) draws_none = "--sample-tokens 0";
     for (const char* flag : {"--sample-tokens", "--temperature", "--top-k"})
-      if (tc.sample_every == -1 && unused_sample_flag.empty() && app.get_subcommand("train")->get_option(flag)->count() > 0)
+      if (!draws_none.empty() && !draws_none.starts_with(flag) && unused_sample_flag.empty() &&
+          app.get_subcommand("train")->get_option(flag)->count() > 0)
         unused_sample_flag = flag;
     // Under mpirun every rank runs this; a rank that fails ends the whole job (never a
     // hang of the others in a collective), naming itself and the error.
     std::unique_ptr<dist::World> world;
     try {
       world = dist::World::create({tc.dp, tc.tp, tc.pp});
-      TALLY_CHECK(unused_sample_flag.empty(), unused_sample_flag, " sets the samples a run prints, and --sample-every -1 "
-                  "draws none");
+      TALLY_CHECK(unused_sample_flag.empty(), unused_sample_flag, " sets the samples a run prints, and ", draws_none,
+                  " draws none");
       train::run_training(tc, *world);
       return 0;
     } catch (const std::exception& e) {

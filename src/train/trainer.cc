@@ -101,6 +101,9 @@ void validate(const TrainConfig& c) {
   TALLY_CHECK(c.keep_last == 0 || c.save_every > 0, "--keep-last ", c.keep_last,
               " keeps the newest checkpoints --save-every writes, and this run saves none");
   TALLY_CHECK(c.sample_every >= -1, "--sample-every must be >= -1 (-1: never, 0: only at the end), got ", c.sample_every);
+  TALLY_CHECK(c.sample_every <= 0 || c.sample_tokens > 0, "--sample-every ", c.sample_every, " prints a sample of "
+              "--sample-tokens tokens every ", c.sample_every, " steps, and --sample-tokens is 0; give it a length, or "
+              "--sample-every -1 for none");
   TALLY_CHECK(c.top_k >= 0, "--top-k must be >= 0 (0: no truncation), got ", c.top_k);
   TALLY_CHECK(c.threads >= 0 && c.threads <= kMaxThreads, "--threads must be in 0..", kMaxThreads,
               " (0: all cores), got ", c.threads);
