@@ -273,6 +273,8 @@ TEST(Hardening, BadNumbersInFlagsAreRefused) {
       {[](auto& c) { c.val_every = -5; }, "--val-every must be >= 0"},
       {[](auto& c) { c.top_k = -1; }, "--top-k must be >= 0"},
       {[](auto& c) { c.sample_every = -2; }, "--sample-every must be >= -1"},
+      // 1e13 MiB in bytes is past int64: the bucket size's conversion was undefined.
+      {[](auto& c) { c.bucket_mb = 1e13; }, "--bucket-mb must be in (0, 1048576] MiB, got 1e+13"},
       {[](auto& c) { c.model_file.clear(), c.model = "d99999999999999999999"; }, "--model d99999999999999999999: depth"},
   };
   for (const Case& k : cases) {

@@ -338,7 +338,8 @@ nn::TransformerConfig model_config(const std::string& preset, const std::string&
 TrainResult run_training(const TrainConfig& c, const dist::World& world, const std::function<void(const StepMetrics&)>& on_step) {
   validate(c);
   TALLY_CHECK(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, got ", c.zero);
-  TALLY_CHECK(c.bucket_mb > 0, "--bucket-mb must be positive, got ", c.bucket_mb);
+  // (Bounded so its size in bytes is an int64: a TiB per all-reduce is past any use.)
+  TALLY_CHECK(c.bucket_mb > 0 && c.bucket_mb <= 1048576, "--bucket-mb must be in (0, 1048576] MiB, got ", c.bucket_mb);
   TALLY_CHECK(c.dp == 0 || c.dp == world.dp(), "--dp ", c.dp, " but the world is laid out as ", world.describe());
   if (c.threads > 0) omp_set_num_threads(c.threads);
   const bool root = world.is_root();
