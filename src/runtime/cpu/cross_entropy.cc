@@ -2,7 +2,6 @@
 // forward stores only lse[n]; backward recomputes softmax from the logits and lse, so the
 // (N, V) probabilities never exist as a tensor.
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -23,13 +22,9 @@ int64_t target_at(const Tensor& targets, int64_t n) {
   }
 }
 
-// bf16 rows are widened a block at a time into fp32 (a stack buffer), so the max, exp and
-// sum loops run on floats and vectorize as fp32's do; per element the widening is a shift.
+// bf16 rows are widened a block at a time into fp32 (a stack buffer, widen_bf16), so the
+// max, exp and sum loops run on floats and vectorize as fp32's do.
 constexpr int64_t kWidenBlock = 1024;
-inline void widen_block(const BFloat16* x, float* out, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) out[j] = std::bit_cast<float>(static_cast<uint32_t>(x[j].bits) << 16);
-}
 
 // The log-sum-exp of row[0..V) in one pass over blocks (the online softmax): each block's
 // max, then the running sum rescaled when the running max grows, and the block's exps
@@ -43,7 +38,7 @@ template <class In, class T> T row_logsumexp(const In* row, int64_t V) {
     if constexpr (std::is_same_v<In, T>) {
       block = row + j0;
     } else {
-      widen_block(row + j0, widened, n);
+      widen_bf16(row + j0, widened, n);
       block = widened;
     }
     const T bm = row_max(block, n, m);
@@ -71,7 +66,7 @@ void scaled_softmax(const BFloat16* row, BFloat16* d, int64_t n, float l, float 
   float block[kWidenBlock];
   for (int64_t j0 = 0; j0 < n; j0 += kWidenBlock) {
     const int64_t k = std::min(kWidenBlock, n - j0);
-    widen_block(row + j0, block, k);
+    widen_bf16(row + j0, block, k);
     exp_shifted(block, l, k, nullptr, d + j0, sc);
   }
 }

@@ -260,12 +260,9 @@ void widened_bf16_gemm(int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand
     for (int64_t o = 0; o < outer; ++o) {
       const BFloat16* from = src.data + o * outer_stride;
       float* to = dst + o * inner;
-      if (inner_stride == 1) {
-#pragma omp simd
-        for (int64_t e = 0; e < inner; ++e) to[e] = std::bit_cast<float>(static_cast<uint32_t>(from[e].bits) << 16);
-      } else {
+      if (inner_stride == 1) widen_bf16(from, to, inner);
+      else
         for (int64_t e = 0; e < inner; ++e) to[e] = static_cast<float>(from[e * inner_stride]);
-      }
     }
     return column_major;
   };

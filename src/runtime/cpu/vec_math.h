@@ -54,6 +54,13 @@ inline void round_to_bf16(const float* src, BFloat16* dst, int64_t n) {
 #endif
 }
 
+// src[0..n) widened from bf16 to fp32 into dst: exact, a 16-bit shift per value, which GCC
+// vectorizes (the inverse of round_to_bf16's rounding).
+inline void widen_bf16(const BFloat16* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(src[i].bits) << 16);
+}
+
 // exp(x) = 2^n * exp(r), n = round(x / ln2), r = x - n ln2 in [-ln2/2, ln2/2];
 // exp(r) by a degree-6 minimax polynomial; 2^n assembled in the exponent bits.
 inline float vexp(float x) {
