@@ -36,6 +36,11 @@
 
 namespace tally::data {
 
+// LLaMA-3's tokenizer: its vocabulary's size and the ids of the special tokens that begin
+// and end a text (what `tally tokenize` writes, and what a LLaMA export's config names).
+constexpr int64_t kLlama3VocabSize = 128256;
+constexpr int32_t kLlama3BeginOfText = 128000, kLlama3EndOfText = 128001;
+
 class Tokenizer {
  public:
   // Loads OpenAI's GPT-2 files: encoder.json (token string -> id) and vocab.bpe ("#version"

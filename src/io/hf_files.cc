@@ -9,6 +9,7 @@
 
 #include "autograd/grad_mode.h"
 #include "core/atomic_file.h"
+#include "data/tokenizer.h"
 #include "io/files.h"
 #include "io/safetensors.h"
 
@@ -529,9 +530,9 @@ void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
     // LLaMA-3's tokenizer (the one tally's LLaMA models read) begins and ends a text with
     // <|begin_of_text|> and <|end_of_text|>; without these transformers' generate() falls
     // back to LlamaConfig's defaults, 1 and 2, ordinary tokens of this vocabulary.
-    if (c.vocab_size > 128001) {
-      config["bos_token_id"] = 128000;
-      config["eos_token_id"] = 128001;
+    if (c.vocab_size > data::kLlama3EndOfText) {
+      config["bos_token_id"] = data::kLlama3BeginOfText;
+      config["eos_token_id"] = data::kLlama3EndOfText;
     }
     if (c.rope_factor > 0)
       config["rope_scaling"] = {{"rope_type", "llama3"},

@@ -68,9 +68,9 @@ Header read_header(const std::string& path, std::ifstream& in) {
                 "': header slot ", kChecksumMarkSlot, " holds ", static_cast<uint32_t>(mark),
                 ", a few bits from tally's checksum mark ", static_cast<uint32_t>(known), ": the header is corrupt");
   if (mark == kHeaderChecksumMark) {
-    const uint32_t stored = static_cast<uint32_t>(h.ints[kHeaderChecksumSlot]);
-    TALLY_CHECK(stored == header_checksum(h), "model file '", path, "': header checksum mismatch (stored ", stored,
-                ", computed ", header_checksum(h), "): the header (the model's shape and settings) is corrupt");
+    const uint32_t stored = static_cast<uint32_t>(h.ints[kHeaderChecksumSlot]), computed = header_checksum(h);
+    TALLY_CHECK(stored == computed, "model file '", path, "': header checksum mismatch (stored ", stored, ", computed ",
+                computed, "): the header (the model's shape and settings) is corrupt");
   }
   std::memset(h.floats, 0, sizeof h.floats);
   if (h.file_size >= 2048) in.read(reinterpret_cast<char*>(h.floats), 1024);

@@ -115,9 +115,8 @@ std::string decode_known(const data::Tokenizer& tok, const std::vector<int32_t>&
 
 DocumentBounds document_bounds(const nn::TransformerConfig& config, const data::Tokenizer* tok) {
   if (tok) return {tok->document_separator_id(), tok->stop_ids()};
-  constexpr int64_t kLlama3Vocab = 128256;
-  constexpr int32_t kBeginOfText = 128000, kEndOfText = 128001;  // LLaMA-3's special tokens
-  if (config.is_llama() && config.vocab_size == kLlama3Vocab) return {kBeginOfText, {kEndOfText, kBeginOfText}};
+  if (config.is_llama() && config.vocab_size == data::kLlama3VocabSize)
+    return {data::kLlama3BeginOfText, {data::kLlama3EndOfText, data::kLlama3BeginOfText}};
   const auto last = static_cast<int32_t>(config.vocab_size - 1);
   return {last, {last}};
 }

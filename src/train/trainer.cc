@@ -388,8 +388,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
                 out_dir_lock.holder(), ") that saves its checkpoints there: this run's ",
                 c.overwrite ? "--overwrite would remove them" : "saves would mix with them",
                 "; choose another --out-dir, or wait for that run to end");
-    if (out_dir_lock.held()) io::recover_out_dir(c.out_dir);
-    if (!saves) out_dir_lock = io::OutDirLock();  // what a killed save left behind
+    if (out_dir_lock.held()) io::recover_out_dir(c.out_dir);  // what a killed save left behind
+    if (!saves) out_dir_lock = io::OutDirLock();
   }
   world.world().barrier();
   // A fresh run that saves into an --out-dir holding an earlier run's checkpoints would
