@@ -509,7 +509,7 @@ TEST(Hardening, AnOutOfVocabularyTokenIsFoundBeforeTheFirstStepNamingShardAndSpl
 TEST(Hardening, ValidationDataThatIsAlsoTrainingDataIsWarnedAbout) {
   // A --val-data shard among --train-data's files: the validation loss would measure text
   // the model trains on, and nothing said so. Named whichever path reaches it.
-  const std::string train_a = test::write_random_shard("overlap_train_a.bin", 5000, 97, 1);
+  test::write_random_shard("overlap_train_a.bin", 5000, 97, 1);
   const std::string train_b = test::write_random_shard("overlap_train_b.bin", 5000, 97, 2);
   train::TrainConfig c = tiny_config(test::temp_path("overlap_train_*.bin"));
   c.steps = 1;
@@ -526,7 +526,6 @@ TEST(Hardening, ValidationDataThatIsAlsoTrainingDataIsWarnedAbout) {
   train::run_training(c);
   err = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(err.find("warning"), std::string::npos) << err;
-  (void)train_a;
 }
 
 TEST(Hardening, BadOutputPathsFailBeforeTraining) {
