@@ -407,3 +407,49 @@ TEST(Llama3Tokenizer, RefusesAnotherPreTokenizerNamingTheFile) {
   EXPECT_NE(msg.find(dir + "/tokenizer.json"), std::string::npos) << msg;
   EXPECT_NE(msg.find("not LLaMA-3's regex"), std::string::npos) << msg;
 }
+
+// HuggingFace's BPE (and tiktoken, which LLaMA-3's tokenizer came from) merges one pair at a
+// time: the leftmost pair of lowest rank, then looks again. OpenAI's encoder.py merges every
+// occurrence of the lowest-ranked pair before looking again. The two agree when no merge
+// outranks the merges that make its operands; LLaMA-3's file has 49,630 merges that do
+// (rank 1 is "Ġ" + "ĠĠĠ"). A small file with one such merge: rank 0 joins "bc" + "b", rank 1
+// makes "bc". In "bcbc", HuggingFace merges the first "b c", then "bc b" (rank 0) before the
+// second "b c": "bcb" "c". Merging every "b c" first would give "bc" "bc".
+TEST(Llama3Tokenizer, MergesTheLeftmostLowestRankedPairOneAtATimeAsHuggingFaceDoes) {
+  // GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the others are
+  // U+0100 onwards in byte order.
+  auto byte_char = [](int b) {
+    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+    int shifted = 0;
+    for (int c = 0; c < b; ++c)
+      shifted += !((c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || (c >= 0xAE && c <= 0xFF));
+    const uint32_t cp = printable ? static_cast<uint32_t>(b) : 256u + static_cast<uint32_t>(shifted);
+    std::string s;
+    if (cp < 0x80) s += static_cast<char>(cp);
+    else s += static_cast<char>(0xC0 | (cp >> 6)), s += static_cast<char>(0x80 | (cp & 0x3F));
+    return s;
+  };
+  nlohmann::json vocab = nlohmann::json::object();
+  for (int b = 0; b < 256; ++b) vocab[byte_char(b)] = b;  // id = byte value
+  vocab["bc"] = 256;
+  vocab["bcb"] = 257;
+  const std::string regex =
+      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+      "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+  const nlohmann::json file = {
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"bc b", "b c"}}}},
+      {"pre_tokenizer", {{"type", "Sequence"}, {"pretokenizers", {{{"type", "Split"}, {"pattern", {{"Regex", regex}}}}}}}},
+      {"added_tokens", {{{"id", 258}, {"content", "<|begin_of_text|>"}}, {{"id", 259}, {"content", "<|end_of_text|>"}}}}};
+  const std::string dir = scratch_dir();
+  write_all(dir + "/tokenizer.json", file.dump());
+  const Tokenizer tok = Tokenizer::load_path(dir);
+  ASSERT_TRUE(tok.is_llama3());
+  EXPECT_EQ(tok.encode("bcbc"), (std::vector<int32_t>{257, 'c'}));
+  EXPECT_EQ(tok.encode("bcbcbc"), (std::vector<int32_t>{257, 'c', 256}));
+  // Long enough (>= 48 bytes) for the path meant for long pieces: the same rule.
+  std::string long_piece;
+  for (int i = 0; i < 40; ++i) long_piece += "bc";
+  std::vector<int32_t> want;  // each "bcbc" is "bcb" + "c"
+  for (int i = 0; i < 20; ++i) want.insert(want.end(), {257, 'c'});
+  EXPECT_EQ(tok.encode(long_piece), want);
+}

@@ -418,7 +418,8 @@ struct Tokenizer::Impl {
 
   // True when every merge's operands are single bytes or made only by lower-ranked merges (as
   // BPE training guarantees; checked at load). Then no merge can create a pair that outranks
-  // the merge that created it, which makes bpe_heap() give the same result as bpe_simple().
+  // the merge that created it, which makes bpe_heap() give the same result as bpe_simple()
+  // (GPT-2's files are; LLaMA-3's are not, and it uses bpe_heap() always).
   bool ranks_well_ordered = false;
 
   // byte_id from the vocabulary: every byte must be a token of its own.
@@ -459,8 +460,13 @@ struct Tokenizer::Impl {
     }
   }
 
+  // Two rules for the order of merges. LLaMA-3's tokenizer (HuggingFace's BPE, tiktoken's)
+  // merges the leftmost pair of lowest rank, one at a time: bpe_heap, at any length. GPT-2's
+  // encoder.py merges every occurrence of the lowest-ranked pair before looking again:
+  // bpe_simple, or bpe_heap for long pieces when the ranks are well ordered and the rules agree.
+  // (LLaMA-3's ranks are not: its rank 1 joins "Ġ" and "ĠĠĠ", which a later merge makes.)
   void bpe(std::string_view piece, std::vector<int32_t>& out) const {
-    if (piece.size() >= kHeapBpeMinBytes && ranks_well_ordered)
+    if (llama3 || (piece.size() >= kHeapBpeMinBytes && ranks_well_ordered))
       bpe_heap(piece, out);
     else
       bpe_simple(piece, out);
@@ -502,11 +508,12 @@ struct Tokenizer::Impl {
     out.insert(out.end(), word.begin(), word.end());
   }
 
-  // The same merges in O(n log n), for long pieces (a 100 KB run of letters, e.g. base64, takes
-  // seconds with bpe_simple). Symbols form a linked list; a min-heap holds candidate pairs keyed
-  // by (rank, position of the left symbol), so all occurrences of the lowest-ranked pair are
-  // merged left to right before any higher-ranked pair, as in bpe_simple. Entries made stale by
-  // an earlier merge are recognised when popped and skipped.
+  // HuggingFace's rule in O(n log n): the leftmost lowest-ranked pair, one merge at a time (with
+  // bpe_simple a 100 KB run of letters, e.g. base64, takes seconds, LLaMA-3's tens of seconds).
+  // Symbols form a linked list; a min-heap holds candidate pairs keyed by (rank, position of the
+  // left symbol). Entries made stale by an earlier merge are recognised when popped and skipped.
+  // With well-ordered ranks no merge makes a pair that outranks it, so all occurrences of the
+  // lowest-ranked pair are merged left to right before any higher-ranked pair, as in bpe_simple.
   void bpe_heap(std::string_view piece, std::vector<int32_t>& out) const {
     const auto n = static_cast<int32_t>(piece.size());
     struct Sym {
