@@ -142,6 +142,12 @@ TEST(World, ALayoutThatDoesNotMatchTheWorldIsRefusedNamingTheFlags) {
   m = test::message_of<Error>([] { dist::World::create({0, 3, 1}); });
   EXPECT_NE(m.find("not a multiple of --tp 3 x --pp 1 = 3"), std::string::npos) << m;
   EXPECT_EQ(m.find("--dp 0"), std::string::npos) << m;
+  // Products past an int: tp x pp = 2^32 divided by zero (a crash on every rank), and
+  // dp x tp x pp wrapping to the world size was accepted as a layout.
+  m = test::message_of<Error>([] { dist::World::create({0, 65536, 65536}); });
+  EXPECT_NE(m.find("not a multiple of --tp 65536 x --pp 65536 = 4294967296"), std::string::npos) << m;
+  m = test::message_of<Error>([] { dist::World::create({2147483647, 2, 2147483647}); });
+  EXPECT_NE(m.find("--dp 2147483647: each of --dp, --tp and --pp must be at most 1048576"), std::string::npos) << m;
 }
 
 TEST(Communicator, CollectivesMoveWhatTheyShould) {

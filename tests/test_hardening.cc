@@ -274,7 +274,15 @@ TEST(Hardening, BadNumbersInFlagsAreRefused) {
       {[](auto& c) { c.top_k = -1; }, "--top-k must be >= 0"},
       {[](auto& c) { c.sample_every = -2; }, "--sample-every must be >= -1"},
       // 1e13 MiB in bytes is past int64: the bucket size's conversion was undefined.
-      {[](auto& c) { c.bucket_mb = 1e13; }, "--bucket-mb must be in (0, 1048576] MiB, got 1e+13"},
+      {[](auto& c) { c.bucket_mb = 1e13; }, "--bucket-mb must be from one byte (2^-20) to 1048576 MiB, got 1e+13"},
+      // Positive, but less than a byte: "must be positive" came from the bucketing, a layer down.
+      {[](auto& c) { c.bucket_mb = 1e-9; }, "--bucket-mb must be from one byte (2^-20) to 1048576 MiB, got 1e-09"},
+      // AdamW keeps its moments in fp32: a beta within 3e-8 of 1 was accepted and rounded to 1
+      // there, so its moment never moved (beta2: every update m/eps, the loss 4.6 -> 2e6).
+      {[](auto& c) { c.beta2 = 0.99999999; }, "--beta2 0.99999999 is 1 in fp32"},
+      {[](auto& c) { c.beta1 = 0.99999999; }, "--beta1 0.99999999 is 1 in fp32"},
+      // ... and an eps below fp32's normal range was 0 there: 0/0 on a gradient that is zero.
+      {[](auto& c) { c.eps = 1e-50; }, "--eps 1e-50 is below fp32's smallest normal number"},
       {[](auto& c) { c.model_file.clear(), c.model = "d99999999999999999999"; }, "--model d99999999999999999999: depth"},
   };
   for (const Case& k : cases) {

@@ -21,8 +21,12 @@ std::unique_ptr<World> World::self() {
 std::unique_ptr<World> World::create(const ParallelConfig& c) {
   TALLY_CHECK(c.dp >= 0, "--dp must be >= 0 (0: the world size / (tp * pp)), got ", c.dp);
   TALLY_CHECK(c.tp >= 1 && c.pp >= 1, "--tp and --pp must be >= 1, got ", c.tp, " and ", c.pp);
+  // Bounded so that products of the three are int64s (an int wrapped: tp x pp = 2^32 was 0).
+  for (auto [flag, value] : {std::pair{"--dp", c.dp}, {"--tp", c.tp}, {"--pp", c.pp}})
+    TALLY_CHECK(value <= kMaxRanksPerDimension, flag, " ", value, ": each of --dp, --tp and --pp must be at most ",
+                kMaxRanksPerDimension);
   if (!mpi::launched_by_mpirun()) {
-    const int needed = std::max(c.dp, 1) * c.tp * c.pp;
+    const int64_t needed = int64_t{std::max(c.dp, 1)} * c.tp * c.pp;
     TALLY_CHECK(needed == 1, "--dp ", std::max(c.dp, 1), " x --tp ", c.tp, " x --pp ", c.pp, " needs ", needed,
                 " processes: launch with `mpirun -np ", needed, " tally train ...`");
     return self();
@@ -33,12 +37,13 @@ std::unique_ptr<World> World::create(const ParallelConfig& c) {
   w->rank_ = mpi::world_rank();
   w->size_ = mpi::world_size();
   const int tp = c.tp, pp = c.pp;
+  const int64_t tp_pp = int64_t{tp} * pp;
   // Without --dp the data-parallel ranks are what the world leaves: it must be a multiple
   // of tp x pp (saying "--dp 0 x ... = 0 processes" named a flag the user never gave).
-  TALLY_CHECK(c.dp > 0 || w->size_ % (tp * pp) == 0, "mpirun started ", w->size_, " processes, not a multiple of --tp ",
-              tp, " x --pp ", pp, " = ", tp * pp, " (each data-parallel rank needs tp x pp processes)");
-  const int dp = c.dp > 0 ? c.dp : w->size_ / (tp * pp);
-  TALLY_CHECK(dp * tp * pp == w->size_, "--dp ", dp, " x --tp ", tp, " x --pp ", pp, " = ", dp * tp * pp,
+  TALLY_CHECK(c.dp > 0 || w->size_ % tp_pp == 0, "mpirun started ", w->size_, " processes, not a multiple of --tp ",
+              tp, " x --pp ", pp, " = ", tp_pp, " (each data-parallel rank needs tp x pp processes)");
+  const int dp = c.dp > 0 ? c.dp : static_cast<int>(w->size_ / tp_pp);
+  TALLY_CHECK(dp * tp_pp == w->size_, "--dp ", dp, " x --tp ", tp, " x --pp ", pp, " = ", dp * tp_pp,
               " processes, but mpirun started ", w->size_, " (the product must equal the world size)");
   w->dp_ = dp;
   w->tp_ = tp;

@@ -21,6 +21,9 @@ struct ParallelConfig {
   int pp = 1;
 };
 
+// The most ranks along any one dimension (a million: past any machine MPI runs on).
+inline constexpr int kMaxRanksPerDimension = 1 << 20;
+
 class World {
  public:
   // MPI when the process was launched by mpirun, else a world of one. Checks the layout

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -66,6 +67,13 @@ namespace {
 // otherwise reach OpenMP's per-thread buffers.
 constexpr int kMaxThreads = 1024;
 
+// A double as the shortest decimal that reads back as it (a stream's six digits print
+// 0.99999999 as 1).
+std::string shortest_decimal(double x) {
+  char text[32];
+  return std::string(text, std::to_chars(text, text + sizeof(text), x).ptr);
+}
+
 void validate(const TrainConfig& c) {
   // Every real-valued flag must be a number: checked first, so NaN and infinity are named as such.
   for (auto [flag, value] : {std::pair{"--lr", c.lr}, {"--min-lr-frac", c.min_lr_frac}, {"--beta1", c.beta1},
@@ -81,6 +89,14 @@ void validate(const TrainConfig& c) {
   TALLY_CHECK(c.min_lr_frac >= 0 && c.min_lr_frac <= 1, "--min-lr-frac must be in [0, 1], got ", c.min_lr_frac);
   TALLY_CHECK(c.beta1 >= 0 && c.beta1 < 1 && c.beta2 >= 0 && c.beta2 < 1, "--beta1/--beta2 must be in [0, 1)");
   TALLY_CHECK(c.eps > 0 && std::isfinite(c.eps), "--eps must be positive and finite, got ", c.eps);
+  // AdamW keeps its moments and divides in fp32 (optim/adamw.h): these flags must survive the
+  // rounding. A beta that rounds to 1 freezes its moment (beta2: every update is m/eps); an
+  // eps below fp32's normal range rounds, or flushes, to 0, and a zero gradient's update is 0/0.
+  for (auto [flag, beta] : {std::pair{"--beta1", c.beta1}, {"--beta2", c.beta2}})
+    TALLY_CHECK(static_cast<float>(beta) < 1.0f, flag, " ", shortest_decimal(beta),
+                " is 1 in fp32, where AdamW keeps its moments (the largest beta below 1 there is 1 - 2^-24 = 0.99999994)");
+  TALLY_CHECK(static_cast<float>(c.eps) >= std::numeric_limits<float>::min(), "--eps ", c.eps,
+              " is below fp32's smallest normal number (1.2e-38), where AdamW divides by it");
   TALLY_CHECK(c.warmup_steps >= 0, "--warmup-steps must be >= 0, got ", c.warmup_steps);
   TALLY_CHECK(c.val_batches > 0, "--val-batches must be positive, got ", c.val_batches);
   TALLY_CHECK(c.sample_tokens >= 0, "--sample-tokens must be >= 0, got ", c.sample_tokens);
@@ -339,7 +355,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   validate(c);
   TALLY_CHECK(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, got ", c.zero);
   // (Bounded so its size in bytes is an int64: a TiB per all-reduce is past any use.)
-  TALLY_CHECK(c.bucket_mb > 0 && c.bucket_mb <= 1048576, "--bucket-mb must be in (0, 1048576] MiB, got ", c.bucket_mb);
+  // (At least a byte: a smaller bucket truncated to 0 bytes.)
+  TALLY_CHECK(c.bucket_mb * (1 << 20) >= 1 && c.bucket_mb <= 1048576,
+              "--bucket-mb must be from one byte (2^-20) to 1048576 MiB, got ", c.bucket_mb);
   TALLY_CHECK(c.dp == 0 || c.dp == world.dp(), "--dp ", c.dp, " but the world is laid out as ", world.describe());
   if (c.threads > 0) omp_set_num_threads(c.threads);
   const bool root = world.is_root();
