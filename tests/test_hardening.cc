@@ -91,6 +91,37 @@ TEST(Hardening, SafetensorsShapeWhoseElementCountWrapsIsRefused) {
   EXPECT_NE(msg.find("overflows"), std::string::npos) << msg;
 }
 
+// nlohmann's get<std::vector<int64_t>> truncates a float: "shape":[2.9] loaded as [2].
+TEST(Hardening, SafetensorsShapesAndOffsetsMustBeIntegersNotFloats) {
+  auto write_header = [](const std::string& name, const std::string& header, int64_t data_bytes) {
+    std::string file(8, '\0');
+    const uint64_t len = header.size();
+    std::memcpy(file.data(), &len, 8);
+    const std::string path = test::temp_path(name);
+    test::write_all(path, file + header + std::string(static_cast<size_t>(data_bytes), '\0'));
+    return path;
+  };
+  for (const char* header : {R"({"w":{"dtype":"F32","shape":[2.9],"data_offsets":[0,8]}})",
+                             R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0.5,8.7]}})"}) {
+    const std::string path = write_header("float_shape.safetensors", header, 8);
+    const std::string msg = message_of<Error>([&] { io::read_safetensors(path); });
+    EXPECT_NE(msg.find("tensor 'w' has a non-integer shape or data_offsets"), std::string::npos) << header << ": " << msg;
+  }
+  // A header longer than safetensors allows (100,000,000 bytes) is refused before it is read.
+  std::string file(8, '\0');
+  const uint64_t len = 100'000'001;
+  std::memcpy(file.data(), &len, 8);
+  const std::string path = test::temp_path("huge_header.safetensors");
+  {
+    std::ofstream out(path, std::ios::binary);
+    out << file;
+    out.seekp(static_cast<std::streamoff>(8 + len));
+    out.put('\0');  // sparse: the size is there, the bytes are not written
+  }
+  const std::string msg = message_of<Error>([&] { io::read_safetensors(path); });
+  EXPECT_NE(msg.find("header length 100000001 is over safetensors' limit of 100000000 bytes"), std::string::npos) << msg;
+}
+
 TEST(Hardening, FlagsWhoseProductWrapsAreRefusedBeforeAnythingRuns) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 1000, 97, 1));
   c.batch_size = int64_t{1} << 32;
@@ -198,6 +229,10 @@ TEST(Hardening, IntegerTensorsAreNotTakenAsFloatWeights) {
   nn::Transformer target(io::read_hf_config(path));
   const std::string msg = message_of<Error>([&] { io::load_hf(path, target); });
   EXPECT_NE(msg.find("ln_f.weight is int32, expected a float weight"), std::string::npos) << msg;
+  // The head count from the file's metadata: "4abc" was read as 4 (std::stoll stops early).
+  io::write_safetensors(path, tensors, {{"n_head", std::to_string(model.config().n_head) + "abc"}});
+  const std::string head_msg = message_of<Error>([&] { io::read_hf_config(path); });
+  EXPECT_NE(head_msg.find("metadata n_head '4abc' is not a positive integer"), std::string::npos) << head_msg;
 }
 
 TEST(Hardening, HuggingFaceConfigsThatContradictTheWeightsOrTheModelAreRefusedNamingTheFile) {
@@ -234,7 +269,9 @@ TEST(Hardening, HuggingFaceConfigsThatContradictTheWeightsOrTheModelAreRefusedNa
   const std::string llama = test::temp_path("hf_llama");
   fs::copy(test::fixture_path("llama3_tiny_hf"), llama);
   const nlohmann::json llama_config = nlohmann::json::parse(test::read_all(llama + "/config.json"));
-  for (const Case& k : {Case{"rms_norm_eps", -1, "\"rms_norm_eps\" is -1, expected a positive number"},
+  for (const Case& k : {Case{"rope_scaling", {{"rope_type", nullptr}, {"type", "llama3"}, {"factor", 8.0}},
+                             "rope_scaling's rope_type is null, expected a string"},
+                        Case{"rms_norm_eps", -1, "\"rms_norm_eps\" is -1, expected a positive number"},
                         Case{"hidden_act", "relu", "hidden_act 'relu'"},
                         Case{"rope_theta", 0, "rope_theta must be positive"}}) {
     nlohmann::json j = llama_config;

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
@@ -415,31 +416,42 @@ TEST(Llama3Tokenizer, RefusesAnotherPreTokenizerNamingTheFile) {
 // (rank 1 is "Ġ" + "ĠĠĠ"). A small file with one such merge: rank 0 joins "bc" + "b", rank 1
 // makes "bc". In "bcbc", HuggingFace merges the first "b c", then "bc b" (rank 0) before the
 // second "b c": "bcb" "c". Merging every "b c" first would give "bc" "bc".
-TEST(Llama3Tokenizer, MergesTheLeftmostLowestRankedPairOneAtATimeAsHuggingFaceDoes) {
+// A small tokenizer.json laid out as LLaMA-3's: the 256 byte tokens (id = byte value), "bc"
+// (256) and "bcb" (257), merges "bc b" (rank 0) and "b c" (rank 1), and the two special
+// tokens (258, 259).
+nlohmann::json small_llama3_tokenizer() {
   // GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the others are
   // U+0100 onwards in byte order.
   auto byte_char = [](int b) {
-    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+    const auto printable = [](int c) { return (c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || (c >= 0xAE && c <= 0xFF); };
     int shifted = 0;
-    for (int c = 0; c < b; ++c)
-      shifted += !((c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || (c >= 0xAE && c <= 0xFF));
-    const uint32_t cp = printable ? static_cast<uint32_t>(b) : 256u + static_cast<uint32_t>(shifted);
+    for (int c = 0; c < b; ++c) shifted += !printable(c);
+    const uint32_t cp = printable(b) ? static_cast<uint32_t>(b) : 256u + static_cast<uint32_t>(shifted);
     std::string s;
     if (cp < 0x80) s += static_cast<char>(cp);
     else s += static_cast<char>(0xC0 | (cp >> 6)), s += static_cast<char>(0x80 | (cp & 0x3F));
     return s;
   };
   nlohmann::json vocab = nlohmann::json::object();
-  for (int b = 0; b < 256; ++b) vocab[byte_char(b)] = b;  // id = byte value
+  for (int b = 0; b < 256; ++b) vocab[byte_char(b)] = b;
   vocab["bc"] = 256;
   vocab["bcb"] = 257;
   const std::string regex =
       "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
       "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-  const nlohmann::json file = {
-      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"bc b", "b c"}}}},
-      {"pre_tokenizer", {{"type", "Sequence"}, {"pretokenizers", {{{"type", "Split"}, {"pattern", {{"Regex", regex}}}}}}}},
-      {"added_tokens", {{{"id", 258}, {"content", "<|begin_of_text|>"}}, {{"id", 259}, {"content", "<|end_of_text|>"}}}}};
+  return {{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"bc b", "b c"}}, {"ignore_merges", true}}},
+          {"pre_tokenizer",
+           {{"type", "Sequence"},
+            {"pretokenizers",
+             {{{"type", "Split"}, {"pattern", {{"Regex", regex}}}, {"behavior", "Isolated"}, {"invert", false}},
+              {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}}}}}},
+          {"normalizer", nullptr},
+          {"added_tokens",
+           {{{"id", 258}, {"content", "<|begin_of_text|>"}}, {{"id", 259}, {"content", "<|end_of_text|>"}}}}};
+}
+
+TEST(Llama3Tokenizer, MergesTheLeftmostLowestRankedPairOneAtATimeAsHuggingFaceDoes) {
+  const nlohmann::json file = small_llama3_tokenizer();
   const std::string dir = scratch_dir();
   write_all(dir + "/tokenizer.json", file.dump());
   const Tokenizer tok = Tokenizer::load_path(dir);
@@ -452,4 +464,33 @@ TEST(Llama3Tokenizer, MergesTheLeftmostLowestRankedPairOneAtATimeAsHuggingFaceDo
   std::vector<int32_t> want;  // each "bcbc" is "bcb" + "c"
   for (int i = 0; i < 20; ++i) want.insert(want.end(), {257, 'c'});
   EXPECT_EQ(tok.encode(long_piece), want);
+}
+
+// Only the regex was checked: a file with LLaMA-3's regex but a normalizer, a ByteLevel step
+// that adds a prefix space or splits again, or BPE options tally does not implement loaded,
+// and encoded differently from what it describes.
+TEST(Llama3Tokenizer, RefusesWhatLlama3sFileDoesNotDoBeforeOrDuringBpeNamingIt) {
+  const std::string dir = scratch_dir();
+  write_all(dir + "/tokenizer.json", small_llama3_tokenizer().dump());
+  EXPECT_NO_THROW(Tokenizer::load_path(dir));
+  struct Case {
+    std::function<void(nlohmann::json&)> change;
+    const char* expected;
+  };
+  const std::vector<Case> cases = {
+      {[](auto& j) { j["normalizer"] = {{"type", "NFC"}}; }, "it has a normalizer ({\"type\":\"NFC\"})"},
+      {[](auto& j) { j["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = true; }, "its pre-tokenizer is not LLaMA-3's: expected"},
+      {[](auto& j) { j["pre_tokenizer"]["pretokenizers"][1]["use_regex"] = true; }, "its pre-tokenizer is not LLaMA-3's: expected"},
+      {[](auto& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed"; }, "its pre-tokenizer is not LLaMA-3's: expected"},
+      {[](auto& j) { j["model"]["byte_fallback"] = true; }, "its BPE model sets byte_fallback to true"},
+      {[](auto& j) { j["model"]["continuing_subword_prefix"] = "##"; }, "its BPE model sets continuing_subword_prefix"},
+  };
+  for (const Case& k : cases) {
+    nlohmann::json j = small_llama3_tokenizer();
+    k.change(j);
+    write_all(dir + "/tokenizer.json", j.dump());
+    const std::string msg = message_of<tally::Error>([&] { Tokenizer::load_path(dir); });
+    EXPECT_NE(msg.find(dir + "/tokenizer.json"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(k.expected), std::string::npos) << "expected '" << k.expected << "', got '" << msg << "'";
+  }
 }

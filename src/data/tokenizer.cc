@@ -688,13 +688,36 @@ Tokenizer Tokenizer::load_llama3(const std::string& path) {
   TALLY_CHECK(model.value("type", "") == "BPE" && model.contains("vocab") && model["vocab"].is_object() &&
                   model.contains("merges") && model["merges"].is_array(),
               what, ": expected a BPE model with \"vocab\" and \"merges\"");
+  // Options of HuggingFace's BPE that LLaMA-3's file leaves off and tally does not implement.
+  for (const char* option : {"byte_fallback", "continuing_subword_prefix", "end_of_word_suffix", "dropout"}) {
+    const nlohmann::json& v = model.contains(option) ? model[option] : nlohmann::json();
+    TALLY_CHECK(v.is_null() || v == false || v == "" || v == 0, what, ": its BPE model sets ", option, " to ",
+                excerpt(v.dump()), "; LLaMA-3's does not, and tally implements no such option");
+  }
   // The pre-tokenizer must be LLaMA-3's: this class implements that regex and no other.
   const std::string expected_regex =
       "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
       "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-  const std::string dump = j.value("pre_tokenizer", nlohmann::json()).dump();
+  const nlohmann::json pre = j.value("pre_tokenizer", nlohmann::json());
+  const std::string dump = pre.dump();
   TALLY_CHECK(dump.find(nlohmann::json(expected_regex).dump()) != std::string::npos, what,
               ": its pre-tokenizer is not LLaMA-3's regex (found ", excerpt(dump), ")");
+  // ... and the rest of what happens to text before BPE must be LLaMA-3's too: no normalizer,
+  // the regex's pieces kept whole ("Isolated"), then bytes mapped without a prefix space or a
+  // second (GPT-2) regex. A file that differs encodes differently from what it describes.
+  const auto field = [](const nlohmann::json& o, const char* key) {
+    return o.is_object() && o.contains(key) ? o[key] : nlohmann::json();
+  };
+  const nlohmann::json steps = field(pre, "pretokenizers");
+  const bool llama3_pre = field(pre, "type") == "Sequence" && steps.is_array() && steps.size() == 2 &&
+                          field(steps[0], "type") == "Split" && field(steps[0], "behavior") == "Isolated" &&
+                          field(steps[0], "invert") == false && field(steps[1], "type") == "ByteLevel" &&
+                          field(steps[1], "add_prefix_space") == false && field(steps[1], "use_regex") == false;
+  TALLY_CHECK(llama3_pre, what, ": its pre-tokenizer is not LLaMA-3's: expected a Sequence of a Split on its regex "
+              "(behavior Isolated, not inverted) and a ByteLevel with add_prefix_space and use_regex false; found ",
+              excerpt(dump));
+  TALLY_CHECK(field(j, "normalizer").is_null(), what, ": it has a normalizer (", excerpt(field(j, "normalizer").dump()),
+              "); LLaMA-3's has none, and tally applies none");
   // Ids: the vocabulary's, then the added (special) tokens, dense from 0.
   const auto& vocab = model["vocab"];
   const auto& added = j.value("added_tokens", nlohmann::json::array());

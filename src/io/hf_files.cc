@@ -1,5 +1,6 @@
 #include "io/hf_files.h"
 
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -165,9 +166,12 @@ nn::TransformerConfig llama_config(const std::string& path) {
                 "': ", bias, " is true; LLaMA-3 has no biases and tally's model none");
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
     const json& r = j["rope_scaling"];
-    const std::string type = r.contains("rope_type") ? r["rope_type"].get<std::string>()
-                             : r.contains("type")    ? r["type"].get<std::string>()
-                                                     : "";
+    // rope_type is the newer key; type the older one.
+    TALLY_CHECK(r.is_object(), "HuggingFace config '", path, "': rope_scaling is ", r.dump(), ", expected an object");
+    const char* key = r.contains("rope_type") ? "rope_type" : "type";
+    TALLY_CHECK(!r.contains(key) || r[key].is_string(), "HuggingFace config '", path, "': rope_scaling's ", key, " is ",
+                r[key].dump(), ", expected a string");
+    const std::string type = r.contains(key) ? r[key].get<std::string>() : "";
     TALLY_CHECK(type == "llama3", "HuggingFace config '", path, "': rope_scaling type '", type,
                 "' is not supported (LLaMA-3.1's \"llama3\" is)");
     c.rope_factor = number(r, "factor", path);
@@ -251,11 +255,11 @@ nn::TransformerConfig gpt2_config(const HfSource& src) {
   if (!src.config_path.empty()) {
     c.n_head = integer(read_config(src.config_path), "n_head", src.config_path);
   } else if (it != metadata.end()) {
-    try {
-      c.n_head = std::stoll(it->second);
-    } catch (const std::exception&) {
-      TALLY_FAIL("HuggingFace GPT-2 file '", f.path, "': metadata n_head '", it->second, "' is not a number");
-    }
+    // The whole string: std::stoll read "4abc" as 4.
+    const std::string& text = it->second;
+    const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), c.n_head);
+    TALLY_CHECK(error == std::errc() && end == text.data() + text.size() && c.n_head > 0, "HuggingFace GPT-2 file '",
+                f.path, "': metadata n_head '", text, "' is not a positive integer");
   } else {
     TALLY_CHECK(c.n_embd % 64 == 0, "HuggingFace GPT-2 file '", f.path, "': width ", c.n_embd,
                 " is not a multiple of GPT-2's 64-wide heads and the file has no n_head metadata");

@@ -1,5 +1,6 @@
 #include "io/safetensors.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 
@@ -120,6 +121,11 @@ SafetensorsFile index_safetensors(const std::string& path) {
               "), not safetensors: --model-file takes it");
   TALLY_CHECK(header_len <= static_cast<uint64_t>(file_size - 8), "safetensors '", path, "': header length ", header_len,
               " exceeds the file size ", file_size);
+  // The format's own bound, checked before the header is read into memory (a large file of
+  // another kind would otherwise be read whole as "JSON").
+  constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+  TALLY_CHECK(header_len <= kMaxHeaderBytes, "safetensors '", path, "': header length ", header_len,
+              " is over safetensors' limit of ", kMaxHeaderBytes, " bytes: is it a safetensors file?");
   std::string header(header_len, '\0');
   in.read(header.data(), static_cast<std::streamsize>(header_len));
   nlohmann::json j;
@@ -149,13 +155,21 @@ SafetensorsFile index_safetensors(const std::string& path) {
                 "safetensors '", path, "': entry '", name,
                 "' needs a string dtype, an array shape and an array data_offsets");
     DType dt = parse_dtype(e["dtype"].get<std::string>(), path, name);
+    // Integers only: get<int64_t>() would truncate 2.9 to 2.
+    const auto all_integers = [](const nlohmann::json& a) {
+      return std::all_of(a.begin(), a.end(), [](const nlohmann::json& x) { return x.is_number_integer(); });
+    };
+    bool integers = all_integers(e["shape"]) && all_integers(e["data_offsets"]);
     std::vector<int64_t> dims, offs;
     try {
-      dims = e["shape"].get<std::vector<int64_t>>();
-      offs = e["data_offsets"].get<std::vector<int64_t>>();
+      if (integers) {
+        dims = e["shape"].get<std::vector<int64_t>>();
+        offs = e["data_offsets"].get<std::vector<int64_t>>();
+      }
     } catch (const std::exception&) {
-      TALLY_FAIL("safetensors '", path, "': tensor '", name, "' has a non-integer shape or data_offsets");
+      integers = false;  // past int64
     }
+    TALLY_CHECK(integers, "safetensors '", path, "': tensor '", name, "' has a non-integer shape or data_offsets");
     TALLY_CHECK(dims.size() <= Shape::kMaxDims, "safetensors '", path, "': tensor '", name, "' has ", dims.size(),
                 " dimensions; tally supports at most ", Shape::kMaxDims);
     const Shape shape(dims);
