@@ -316,6 +316,22 @@ TEST(DataParallel, RanksStartedWithDifferentSettingsStopNamingTheSetting) {
   if (last) source.model_file.clear(), source.init_from = exported;
   msg = test::message_of<Error>([&] { train::run_training(source, world()); });
   EXPECT_NE(msg.find("different settings: the weights' source " + differs), std::string::npos) << msg;
+  // HF files of the same model with other weights on one rank: compared by kind only, the
+  // ranks trained different replicas and the log showed their blend.
+  const std::string other_exported = shared_path("agree_hf_other");
+  if (world().is_root()) {
+    nn::Transformer m(io::read_llmc_config(other_model));
+    io::load_llmc(other_model, m);
+    io::save_hf(other_exported, m);
+  }
+  world().world().barrier();
+  train::TrainConfig hf = c;
+  hf.model_file.clear();
+  hf.init_from = last ? other_exported : exported;
+  msg = test::message_of<Error>([&] { train::run_training(hf, world()); });
+  EXPECT_NE(msg.find("different settings: --init-from's weights (CRC-32 of wte) " + differs), std::string::npos) << msg;
+  hf.init_from = exported;
+  EXPECT_NO_THROW(train::run_training(hf, world()));
   // A checkpoint: the same run's step 2, and another run's (other data of the same size,
   // so the same recipe).
   train::TrainConfig saving = c;

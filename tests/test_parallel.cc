@@ -30,6 +30,7 @@
 #include "dist/pipeline.h"
 #include "dist/world.h"
 #include "io/checkpoint.h"
+#include "io/hf_files.h"
 #include "io/model_files.h"
 #include "nn/transformer.h"
 #include "ops/ops.h"
@@ -429,6 +430,37 @@ TEST(ParallelCheckpoints, ASavedShardedRunResumesExactlyAndInOneProcess) {
         EXPECT_NEAR(alone.history[s].loss, full.history[s + 5].loss, 1e-5 * std::abs(full.history[s + 5].loss))
             << what << ": one process resumed, step " << s + 6;
       world->world().barrier();  // rank 0 reads nothing more before the others are done
+    }
+  }
+}
+
+// --init-from reads HuggingFace files into each rank's shard, and the ranks compare what
+// they read parameter by parameter (a pipeline stage reads only its own): every layout
+// must load without a false alarm and start from the one-process model's loss.
+TEST(ParallelInit, HuggingFaceWeightsLoadIntoEveryShardAsIntoOneProcess) {
+  const std::vector<Layout> layouts = {{1, 1, 2}, {1, 2, 1}, {2, 1, 1, "1f1b", 1, false, 3}, {1, 2, 2}, {2, 2, 2}};
+  for (const Layout& l : layouts) {
+    if (l.world() != world_size()) continue;
+    for (bool llama : {false, true}) {
+      const std::string what = (llama ? "llama " : "gpt2 ") + l.name();
+      const std::string hf = test::temp_path(std::string(llama ? "llama" : "gpt2") + "_hf_rank" +
+                                             std::to_string(g_world->rank()));
+      {
+        nn::Transformer m(io::read_llmc_config(tiny_model_file(llama)));
+        io::load_llmc(tiny_model_file(llama), m);
+        io::save_hf(hf, m);
+      }
+      const int64_t N = l.pp > 1 ? 4 : 2;
+      std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
+      train::TrainConfig c = l.apply(base_config(llama));
+      c.model_file.clear();
+      c.init_from = hf;
+      c.grad_accum = N;
+      c.steps = 1;
+      const train::TrainResult got = train::run_training(c, *world);
+      ASSERT_EQ(got.history.size(), 1u) << what;
+      const double want = one_process(llama, N * l.dp).history[0].loss;
+      EXPECT_NEAR(got.history[0].loss, want, 1e-6 * std::abs(want)) << what;
     }
   }
 }

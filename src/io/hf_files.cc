@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -11,6 +12,7 @@
 #include "autograd/grad_mode.h"
 #include "core/atomic_file.h"
 #include "data/tokenizer.h"
+#include "io/checksum.h"
 #include "io/files.h"
 #include "io/safetensors.h"
 
@@ -365,7 +367,10 @@ Tensor hf_rows_from_meta(const Tensor& meta, int64_t heads) {
 // a part of (Transformer::fill_whole_parameters): a load holds at most one file tensor
 // beside the model (and LLaMA's q and k rows re-ordered once more; none where a tensor is
 // read straight into its parameter), never the file.
-void load_llama(const HfSource& src, nn::Transformer& model) {
+// Called with each whole parameter once it is filled (load_hf's checksums).
+using WholeParameterRecord = std::function<void(size_t whole_index, const Tensor& filled)>;
+
+void load_llama(const HfSource& src, nn::Transformer& model, const WholeParameterRecord& record) {
   const auto& c = model.config();
   const nn::Transformer whole = nn::Transformer::layout_only(c);
   const auto targets = llama_targets(whole);
@@ -405,10 +410,11 @@ void load_llama(const HfSource& src, nn::Transformer& model) {
       if (t.heads) rows.copy_(meta_rows_from_hf(f.files[file].read(name, Category::Other), t.heads));
       else f.files[file].read_into(name, rows);
     }
+    record(index, target);
   });
 }
 
-void load_gpt2(const HfSource& src, nn::Transformer& model) {
+void load_gpt2(const HfSource& src, nn::Transformer& model, const WholeParameterRecord& record) {
   const SafetensorsShards f(src);
   const std::string& path = f.path;
   const auto& c = model.config();
@@ -458,6 +464,7 @@ void load_gpt2(const HfSource& src, nn::Transformer& model) {
     } else {
       file.read_into(keys[index], target);
     }
+    record(index, target);
   });
 }
 }  // namespace
@@ -485,13 +492,21 @@ nn::TransformerConfig read_hf_config(const std::string& path) {
   return model_type(src) == "llama" ? llama_config(src.config_path) : gpt2_config(src);
 }
 
-void load_hf(const std::string& path, nn::Transformer& model) {
+void load_hf(const std::string& path, nn::Transformer& model, std::vector<int64_t>* crc_of_each) {
   HfSource src = locate(path);
   const bool llama = model_type(src) == "llama";
   TALLY_CHECK(llama == model.config().is_llama(), "HuggingFace model '", path, "' is ", llama ? "llama" : "gpt2",
               " but the model is ", model.config().describe());
   autograd::NoGradGuard no_grad;
-  llama ? load_llama(src, model) : load_gpt2(src, model);
+  if (crc_of_each) crc_of_each->assign(nn::Transformer::layout_only(model.config()).params().size(), -1);
+  const WholeParameterRecord record = [&](size_t index, const Tensor& filled) {
+    if (!crc_of_each) return;
+    TALLY_CHECK(filled.device().is_cpu() && filled.is_contiguous(), "internal: weights' checksums are taken on the CPU");
+    Crc32 crc;
+    crc.update(filled.data<float>(), static_cast<size_t>(filled.numel()) * sizeof(float));
+    (*crc_of_each)[index] = crc.value();
+  };
+  llama ? load_llama(src, model, record) : load_gpt2(src, model, record);
 }
 
 void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {

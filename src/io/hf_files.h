@@ -26,8 +26,11 @@ bool is_hf_model_dir(const std::string& path);
 std::vector<std::string> hf_files_read(const std::string& path);
 // The model's shape from `path`: a model directory or a model.safetensors file.
 nn::TransformerConfig read_hf_config(const std::string& path);
-// Reads the weights into `model`, built from read_hf_config(path).
-void load_hf(const std::string& path, nn::Transformer& model);
+// Reads the weights into `model`, built from read_hf_config(path). With `crc_of_each` (CPU
+// models): the CRC-32 of each whole parameter as this process filled it, by the whole
+// model's parameter index, -1 for those it did not fill (another pipeline stage's), so that
+// ranks can check they read the same weights.
+void load_hf(const std::string& path, nn::Transformer& model, std::vector<int64_t>* crc_of_each = nullptr);
 // Writes `dir`/config.json and `dir`/model.safetensors (fp32, or bf16 rounded to nearest
 // even), atomically each; the directory is created when missing. An earlier sharded save
 // there (model.safetensors.index.json and the shards it names) is removed afterwards: for

@@ -183,6 +183,30 @@ void check_ranks_agree(const dist::World& world, const std::vector<std::pair<std
   }
 }
 
+// --init-from's weights, compared parameter by parameter: each rank filled the parameters
+// its stage holds (io::load_hf; -1 for the others), and every rank that filled one must have
+// read the same values. (A whole-file CRC, as for --model-file, would read every stage's
+// tensors on every rank.)
+void check_ranks_read_the_same_weights(const dist::World& world, const std::vector<int64_t>& crcs,
+                                       const nn::TransformerConfig& config) {
+  if (world.size() == 1) return;
+  const nn::Transformer whole = nn::Transformer::layout_only(config);
+  for (size_t i = 0; i < crcs.size(); ++i) {
+    const std::vector<double> all = world.world().all_gather_scalar(static_cast<double>(crcs[i]));
+    int first = -1;
+    std::string differ;
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (all[r] < 0) continue;
+      if (first < 0) first = static_cast<int>(r);
+      else if (all[r] != all[static_cast<size_t>(first)]) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+    }
+    if (differ.empty()) continue;
+    TALLY_FAIL("the ranks were started with different settings: --init-from's weights (CRC-32 of ",
+               whole.params().spec(i).name, ") on rank(s) ", differ, " differs from rank ", first,
+               "'s (this is rank ", world.rank(), "); every rank must run the same command on the same data");
+  }
+}
+
 }  // namespace
 
 // "--lr 3e-4 -> 6e-4, --steps 100 -> 200", or "" when nothing differs. Checkpoints older
@@ -232,10 +256,11 @@ namespace {
 // shard (tensor/pipeline parallel) reads or draws the whole model's parameters one at a
 // time and keeps its part, as does ZeRO-3's optimizer, the model's residency by then
 // (Transformer::fill_whole_parameters).
-// Returns the CRC-32 of an llm.c file's weight bytes (0 for the other sources).
-uint32_t fill_weights(const TrainConfig& c, nn::Transformer& model) {
+// Returns the CRC-32 of an llm.c file's weight bytes (0 for the other sources); with
+// `hf_crcs`, HuggingFace files' weights are checksummed parameter by parameter there.
+uint32_t fill_weights(const TrainConfig& c, nn::Transformer& model, std::vector<int64_t>* hf_crcs = nullptr) {
   if (!c.model_file.empty()) return io::load_llmc(c.model_file, model);
-  if (!c.init_from.empty()) io::load_hf(c.init_from, model);
+  if (!c.init_from.empty()) io::load_hf(c.init_from, model, hf_crcs);
   else model.init_weights(c.seed);
   return 0;
 }
@@ -556,7 +581,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // A resume's weights are the checkpoint's: a model flag beside it only names the model
   // (its file was read and then overwritten before).
   uint32_t weights_crc = 0;
-  if (resume_dir.empty()) weights_crc = fill_weights(source, *model);
+  std::vector<int64_t> hf_crcs;
+  const bool compare_hf = resume_dir.empty() && !source.init_from.empty() && world.size() > 1;
+  if (resume_dir.empty()) weights_crc = fill_weights(source, *model, compare_hf ? &hf_crcs : nullptr);
   else {
     try {
       weights_crc = io::load_checkpoint_model(resume_dir, *model);  // before ZeRO-1/2 shard it
@@ -584,6 +611,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     check_ranks_agree(world, {{resume_dir.empty() ? "--model-file's contents (CRC-32 of its weights)"
                                                   : "--resume's model.bin (CRC-32 of its weights)",
                                std::to_string(weights_crc)}});
+  if (compare_hf) check_ranks_read_the_same_weights(world, hf_crcs, mc);
   std::unique_ptr<dist::TensorParallel> tensor_parallel;
   if (TP > 1) {
     tensor_parallel = std::make_unique<dist::TensorParallel>(world.tp_group(), c.sequence_parallel);
