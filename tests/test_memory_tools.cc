@@ -5,6 +5,9 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <map>
+
+#include <nlohmann/json.hpp>
 
 #include "memory/report.h"
 #include "runtime/backend.h"
@@ -43,12 +46,34 @@ TEST(MemoryTools, ATraceRoundTripsEveryEventAndThePlan) {
   {
     Tensor a = Tensor::empty({1000}, DType::F32, Device::cpu(), make_owner(Category::Activation, "h.0.attn"));
     Tensor b = Tensor::empty({10}, DType::F32, Device::cpu(), make_owner(Category::Workspace, "scratch"));
+    // Over the 1 MiB of an instant event, with a name JSON must escape.
+    Tensor c = Tensor::empty({1 << 19}, DType::F32, Device::cpu(), make_owner(Category::Other, "big \"one\" \\ here"));
   }
-  L.enable_history(false);
-  const std::vector<memory::MemoryEvent> events = L.history();
-  L.clear_history();
+  const std::vector<memory::MemoryEvent> events = L.take_history();
+  EXPECT_FALSE(L.history_enabled());
+  { Tensor after = Tensor::empty({10}, DType::F32, Device::cpu(), make_owner(Category::Other, "after")); }
+  EXPECT_TRUE(L.history().empty()) << "take_history stops the recording";
   const std::string path = test::temp_path("t.json");
   memory::write_chrome_trace(path, events, 1 << 20, {{"parameters", 123}, {"activations", 456}});
+  // The Perfetto/Chrome part: a counter per event holding each category's running total,
+  // and an instant event for each allocation and free of 1 MiB or more.
+  const nlohmann::json doc = nlohmann::json::parse(test::read_all(path));
+  std::map<std::string, int64_t> running;
+  size_t counters = 0, instants = 0;
+  for (const auto& e : doc.at("traceEvents")) {
+    if (e.at("ph") == "i") {
+      ++instants;
+      EXPECT_EQ(e.at("args").at("owner"), "big \"one\" \\ here");
+      EXPECT_EQ(std::abs(e.at("args").at("bytes").get<int64_t>()), int64_t{4} << 19);
+      continue;
+    }
+    const memory::MemoryEvent& ev = events.at(counters++);
+    running[category_name(ev.category)] += ev.delta;
+    for (const auto& [category, bytes] : running) EXPECT_EQ(e.at("args").at(category), bytes) << category;
+    EXPECT_DOUBLE_EQ(e.at("ts").get<double>(), ev.time_us);
+  }
+  EXPECT_EQ(counters, events.size());
+  EXPECT_EQ(instants, 2u);
   const memory::MemoryTrace back = memory::read_memory_trace(path);
   ASSERT_EQ(back.events.size(), events.size());
   for (size_t i = 0; i < events.size(); ++i) {

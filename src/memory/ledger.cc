@@ -194,6 +194,14 @@ std::vector<MemoryEvent> Ledger::history() const {
   return history_;
 }
 
+std::vector<MemoryEvent> Ledger::take_history() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  history_enabled_ = false;
+  std::vector<MemoryEvent> taken;
+  taken.swap(history_);
+  return taken;
+}
+
 void Ledger::clear_history() {
   std::lock_guard<std::mutex> lock(mutex_);
   history_.clear();

@@ -95,6 +95,9 @@ class Ledger {
   void enable_history(bool enabled, bool with_stacks = false);
   bool history_enabled() const;
   std::vector<MemoryEvent> history() const;
+  // Stops recording and hands the history over (no copy: it may be most of a long run's
+  // host memory).
+  std::vector<MemoryEvent> take_history();
   void clear_history();
 
  private:

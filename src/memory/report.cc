@@ -10,8 +10,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <cctype>
+#include <charconv>
 #include <fstream>
 #include <memory>
+#include <string_view>
 #include <unordered_map>
 #include <set>
 #include <map>
@@ -57,48 +59,99 @@ std::string format_bytes(int64_t bytes) {
   return buf;
 }
 
+namespace {
+// JSON text written straight to the file in 1 MiB pieces. A trace holds every alloc and free
+// of the run: as one nlohmann document it took ~4 KB of memory per event (a 9-key object
+// each), tens of GB for a long run, at the very end of it.
+class JsonStream {
+ public:
+  JsonStream(const std::string& path, const char* what) : file_(path, what) { buffer_.reserve(kFlushBytes + 4096); }
+  JsonStream& raw(std::string_view text) {
+    buffer_ += text;
+    if (buffer_.size() >= kFlushBytes) flush();
+    return *this;
+  }
+  JsonStream& number(int64_t v) {
+    char text[24];
+    return raw(std::string_view(text, static_cast<size_t>(std::to_chars(text, text + sizeof(text), v).ptr - text)));
+  }
+  JsonStream& number(double v) {  // the shortest text that reads back as v, as nlohmann writes
+    char text[32];
+    return raw(std::string_view(text, static_cast<size_t>(std::to_chars(text, text + sizeof(text), v).ptr - text)));
+  }
+  JsonStream& string(const std::string& s) { return raw(nlohmann::json(s).dump()); }  // quoted and escaped
+  void commit() {
+    flush();
+    file_.commit();
+  }
+
+ private:
+  static constexpr size_t kFlushBytes = size_t{1} << 20;
+  void flush() {
+    file_.write(buffer_.data(), buffer_.size());
+    buffer_.clear();
+  }
+  AtomicFile file_;
+  std::string buffer_;
+};
+}  // namespace
+
 void write_chrome_trace(const std::string& path, const std::vector<MemoryEvent>& events, int64_t instant_min_bytes,
                         const PlanParts& plan) {
-  using nlohmann::json;
-  json trace_events = json::array();
+  JsonStream out(path, "memory trace");
+  std::array<std::string, kNumCategories> category_key;  // ",\"name\":" ready to write
+  for (int c = 0; c < kNumCategories; ++c) {
+    category_key[c].assign(c ? 1 : 0, ',');
+    category_key[c] += nlohmann::json(category_name(static_cast<Category>(c))).dump();
+    category_key[c] += ":";
+  }
+  out.raw("{\"traceEvents\":[");
   std::array<int64_t, kNumCategories> current{};
+  bool first = true;
   for (const MemoryEvent& ev : events) {
     current[static_cast<int>(ev.category)] += ev.delta;
-    json args = json::object();
-    for (int c = 0; c < kNumCategories; ++c) args[category_name(static_cast<Category>(c))] = current[c];
-    trace_events.push_back({{"ph", "C"}, {"name", "memory"}, {"ts", ev.time_us}, {"pid", 0}, {"tid", 0}, {"args", args}});
+    out.raw(first ? "" : ",").raw("{\"ph\":\"C\",\"name\":\"memory\",\"ts\":").number(ev.time_us);
+    out.raw(",\"pid\":0,\"tid\":0,\"args\":{");
+    for (int c = 0; c < kNumCategories; ++c) out.raw(category_key[c]).number(current[c]);
+    out.raw("}}");
+    first = false;
     if (!ev.retag && (ev.delta >= instant_min_bytes || -ev.delta >= instant_min_bytes)) {
-      json iargs = {{"bytes", ev.delta}, {"owner", name_of(ev.name)}, {"category", category_name(ev.category)},
-                    {"step", ev.step}, {"microbatch", ev.microbatch}};
+      out.raw(",{\"ph\":\"i\",\"s\":\"p\",\"name\":").raw(ev.delta > 0 ? "\"alloc\"" : "\"free\"");
+      out.raw(",\"ts\":").number(ev.time_us).raw(",\"pid\":0,\"tid\":0,\"args\":{\"bytes\":").number(ev.delta);
+      out.raw(",\"owner\":").string(name_of(ev.name)).raw(",\"category\":").string(category_name(ev.category));
+      out.raw(",\"step\":").number(ev.step).raw(",\"microbatch\":").number(ev.microbatch);
       if (ev.stack && !ev.stack->empty()) {
-        json frames = json::array();
-        for (void* f : *ev.stack) frames.push_back(symbolize(f));
-        iargs["stack"] = frames;
+        out.raw(",\"stack\":[");
+        for (size_t f = 0; f < ev.stack->size(); ++f) out.raw(f ? "," : "").string(symbolize((*ev.stack)[f]));
+        out.raw("]");
       }
-      trace_events.push_back({{"ph", "i"}, {"s", "p"}, {"name", ev.delta > 0 ? "alloc" : "free"},
-                              {"ts", ev.time_us}, {"pid", 0}, {"tid", 0}, {"args", iargs}});
+      out.raw("}}");
     }
   }
+  out.raw("],\"displayTimeUnit\":\"ms\",\"tally_memory\":{\"version\":1,\"categories\":[");
+  for (int c = 0; c < kNumCategories; ++c) out.raw(c ? "," : "").string(category_name(static_cast<Category>(c)));
+  out.raw("],\"plan\":[");  // [part, bytes] pairs, in the plan's order
+  for (size_t i = 0; i < plan.size(); ++i)
+    out.raw(i ? ",[" : "[").string(plan[i].first).raw(",").number(plan[i].second).raw("]");
   // Every event, compactly, for `tally memory report` and `tally memory diff` (Perfetto and
   // Chrome ignore keys they do not know): [time_us, delta, category, owner, step,
   // microbatch, id, retag], owners as indices into a name table.
-  json owners = json::array(), compact = json::array();
   std::unordered_map<NameId, int64_t> owner_index;
+  std::vector<NameId> owners;
+  for (const MemoryEvent& ev : events)
+    if (owner_index.emplace(ev.name, static_cast<int64_t>(owners.size())).second) owners.push_back(ev.name);
+  out.raw("],\"owners\":[");
+  for (size_t i = 0; i < owners.size(); ++i) out.raw(i ? "," : "").string(name_of(owners[i]));
+  out.raw("],\"events\":[");
+  first = true;
   for (const MemoryEvent& ev : events) {
-    auto [it, inserted] = owner_index.emplace(ev.name, static_cast<int64_t>(owner_index.size()));
-    if (inserted) owners.push_back(name_of(ev.name));
-    compact.push_back({ev.time_us, ev.delta, static_cast<int>(ev.category), it->second, ev.step, ev.microbatch, ev.id,
-                       ev.retag ? 1 : 0});
+    out.raw(first ? "[" : ",[").number(ev.time_us).raw(",").number(ev.delta).raw(",");
+    out.number(static_cast<int64_t>(ev.category)).raw(",").number(owner_index.at(ev.name)).raw(",").number(ev.step);
+    out.raw(",").number(ev.microbatch).raw(",").number(static_cast<int64_t>(ev.id)).raw(ev.retag ? ",1]" : ",0]");
+    first = false;
   }
-  json plan_json = json::array();  // [part, bytes] pairs, in the plan's order
-  for (const auto& [part, bytes] : plan) plan_json.push_back({part, bytes});
-  json categories = json::array();
-  for (int c = 0; c < kNumCategories; ++c) categories.push_back(category_name(static_cast<Category>(c)));
-  json doc = {{"traceEvents", trace_events},
-              {"displayTimeUnit", "ms"},
-              {"tally_memory", {{"version", 1}, {"categories", categories}, {"owners", owners}, {"plan", plan_json},
-                                {"events", compact}}}};
-  write_whole_file(path, doc.dump(), "memory trace");
+  out.raw("]}}");
+  out.commit();
 }
 
 MemoryTrace read_memory_trace(const std::string& path) {

@@ -1224,10 +1224,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     const bool html = c.mem_trace.size() > 5 && c.mem_trace.compare(c.mem_trace.size() - 5, 5, ".html") == 0;
     const std::string path = root ? c.mem_trace : c.mem_trace + ".rank" + std::to_string(world.rank());
     io::create_directories_for("--mem-trace", path, fs::path(path).parent_path().string());
-    if (html) memory::write_html_report(path, ledger.history(), plan_parts);
-    else memory::write_chrome_trace(path, ledger.history(), 1 << 20, plan_parts);
-    ledger.enable_history(false);
-    ledger.clear_history();
+    const std::vector<memory::MemoryEvent> events = ledger.take_history();
+    if (html) memory::write_html_report(path, events, plan_parts);
+    else memory::write_chrome_trace(path, events, 1 << 20, plan_parts);
     log("memory %s written to %s%s\n", html ? "report" : "trace (open in ui.perfetto.dev or chrome://tracing)", path.c_str(),
         world.size() > 1 ? (", and each other rank's to " + c.mem_trace + ".rank<R>").c_str() : "");
   }
