@@ -504,11 +504,10 @@ TEST(Zero, AGradientNoBackwardReachedIsReducedAsZerosNotAsTheStagingsOldBytes) {
 TEST(Plan, PredictsEveryRanksPeakToTheByteForDataParallelAndEveryZeroStage) {
   for (int shape = 0; shape <= 1; ++shape)
   for (int zero = 0; zero <= 3; ++zero) {
-    if (shape == 1 && zero == 3) continue;  // the plan flags this case in a note (see test_plan.cc)
     for (int64_t accum : {1, 2}) {
       // d1 (a real 50,304-token head): the plan's peak moment, the start of backward, holds
-      // when the logits outweigh two layer units in flight, as for real GPT-2 shapes. (The
-      // 97-token fixture is the opposite case, which the plan flags in its notes.)
+      // when the logits outweigh two layer units in flight, as for real GPT-2 shapes; the
+      // small microbatch under ZeRO-3 peaks at the last layer's MLP backward instead.
       train::TrainConfig c = tiny_config();
       c.model_file.clear();
       c.model = "d1";
@@ -525,7 +524,11 @@ TEST(Plan, PredictsEveryRanksPeakToTheByteForDataParallelAndEveryZeroStage) {
           expect_planned_peaks(r, c, nn::TransformerConfig::preset("d1"),
                                "shape " + std::to_string(shape) + " zero " + std::to_string(zero) + " accum " +
                                    std::to_string(accum));
-      EXPECT_TRUE(plan.notes.empty()) << plan.notes.front();
+      // (The small microbatch under ZeRO-3 keeps the note that the embeddings unit,
+      // gathered in forward, outweighs its activations; the measured peak is still planned.)
+      if (shape == 0 || zero < 3) {
+        EXPECT_TRUE(plan.notes.empty()) << plan.notes.front();
+      }
     }
   }
 }

@@ -158,10 +158,16 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForZeroInOneProcess) {
     int64_t batch;
     int zero;
     bool bf16 = false;
+    std::string recompute = "none";
   };
+  // (gpt2_tiny.bin under full recomputation: the second-to-last layer's MLP backward is the
+  // peak, a whole layer unit staged and in flight beside it; it measured 5% over a plan
+  // that only noted it.)
   for (const Case& k : std::vector<Case>{{"d2", 2, 1},        {"d2", 2, 2},        {"d2", 2, 3},
                                          {"d2", 8, 2},        {"d2", 8, 3},        {"d2", 2, 2, true},
-                                         {"llama3-d1", 2, 2}, {"llama3-d1", 2, 3}, {"gpt2_tiny.bin", 4, 3}}) {
+                                         {"llama3-d1", 2, 2}, {"llama3-d1", 2, 3}, {"gpt2_tiny.bin", 4, 3},
+                                         {"gpt2_tiny.bin", 8, 2, false, "full"}, {"gpt2_tiny.bin", 8, 3, false, "full"},
+                                         {"gpt2_tiny.bin", 8, 2, true, "full"}}) {
     train::TrainConfig c;
     const bool file = k.model.size() > 4 && k.model.substr(k.model.size() - 4) == ".bin";
     if (file) c.model_file = test::fixture_path(k.model);
@@ -177,6 +183,7 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForZeroInOneProcess) {
     c.threads = 1;
     c.out_dir = test::temp_path("out");
     if (k.bf16) c.dtype = "bf16";
+    c.recompute = k.recompute;
     const train::TrainResult r = train::run_training(c);
     train::PlanInput in;
     in.model = mc;
@@ -184,17 +191,18 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForZeroInOneProcess) {
     in.seq_len = 32;
     in.zero = k.zero;
     in.bf16 = k.bf16;
+    in.recompute = nn::parse_recompute(k.recompute);
     const train::MemoryPlan plan = train::plan_memory(in);
     const int64_t planned = plan.ranks[0].predicted_peak_bytes;
-    const std::string what = k.model + " B" + std::to_string(k.batch) + " zero " + std::to_string(k.zero) + (k.bf16 ? " bf16" : "");
-    if (k.model == "gpt2_tiny.bin") {
-      // Logits smaller than two layer units: the plan says its peak may come later in
-      // backward, and it does.
-      ASSERT_FALSE(plan.notes.empty()) << what;
-      EXPECT_GT(r.history.back().peak_bytes, planned) << what;
-      continue;
-    }
+    const std::string what = k.model + " B" + std::to_string(k.batch) + " zero " + std::to_string(k.zero) + (k.bf16 ? " bf16" : "") +
+                             " recompute " + k.recompute;
+    // gpt2_tiny.bin: logits smaller than two layer units, so the peak comes later in
+    // backward, at the last layer's MLP backward (the plan only noted it, and the run
+    // measured 0.7% over it).
     EXPECT_EQ(r.history.back().peak_bytes, planned) << what;
+    if (k.model == "gpt2_tiny.bin") {
+      EXPECT_TRUE(plan.notes.empty()) << what << ": " << plan.notes.front();
+    }
   }
 }
 
@@ -328,13 +336,18 @@ TEST(Plan, SaysWhenItsPeakMomentMayNotHold) {
   in.seq_len = 64;  // 64 x 50304 logits are far smaller than two 1.5B layers
   in.world = 2;
   in.zero = 3;
-  // That note only. Set-up holds the rank's shards (16 bytes a padded piece) and one whole
-  // parameter, the largest (wte, 50,304 x 1,600): below the step peak, which holds the
-  // shards and gathered units. (It used to build the whole block, 4P = 5.8 GiB, beside the
-  // shards, far above this small batch's step peak.)
+  // So the peak comes later in backward than its start: at the second-to-last layer's MLP
+  // backward, with that layer's unit staged and gathered and the last one's staged and in
+  // flight. The plan takes that moment (it used to only note that its own might not hold).
+  // Set-up holds the rank's shards (16 bytes a padded piece) and one whole parameter, the
+  // largest (wte, 50,304 x 1,600): below the step peak, which holds the shards and gathered
+  // units. (It used to build the whole block, 4P = 5.8 GiB, beside the shards, far above
+  // this small batch's step peak.)
   const train::MemoryPlan xl = train::plan_memory(in);
-  ASSERT_EQ(xl.notes.size(), 1u);
-  EXPECT_EQ(xl.notes[0].rfind("set-up", 0), std::string::npos) << xl.notes[0];
+  EXPECT_TRUE(xl.notes.empty()) << xl.notes.front();
+  EXPECT_TRUE(std::any_of(xl.ranks[0].parts.begin(), xl.ranks[0].parts.end(), [](const auto& part) {
+    return part.first.rfind("gradient staging (the second-to-last layer's", 0) == 0;
+  }));
   int64_t pieces = 0;
   const nn::Transformer layout = nn::Transformer::layout_only(in.model);
   for (size_t u = 0; u < layout.params().num_units(); ++u) pieces += (layout.params().unit(u).numel() + 1) / 2;

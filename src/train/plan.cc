@@ -563,7 +563,7 @@ MemoryPlan plan_steps(const PlanInput& in) {
       rp.parts.emplace_back("gathered units (" + head_names + ", last layer prefetched)", head_units + padded(last_layer));
     for (const auto& [name, bytes] : rp.parts) rp.predicted_peak_bytes = checked_add(rp.predicted_peak_bytes, bytes, "plan");
     // The other moments (above), where nothing else changes between them (zero <= 1); with
-    // ZeRO-2/3 the last layer's MLP backward is only noted.
+    // ZeRO-2/3 the layers' MLP backward with what ZeRO holds there (below).
     struct Moment {
       std::string activations_name;
       int64_t activations;
@@ -617,29 +617,85 @@ MemoryPlan plan_steps(const PlanInput& in) {
     auto total = [&](const Moment& m) {
       return checked_add(checked_add(others, m.activations, "plan"), m.transient, "plan") - (m.in_forward ? loss_bytes : 0);
     };
-    // ZeRO-2/3 change what lives between these moments (staging and gathered units at the
-    // start of backward only): their later moments are noted, not planned.
+    // ZeRO-2/3 change what lives between these moments. At a layer's MLP backward
+    // (measured from traces, 1 and 2 ranks): the layer's gradient is being staged, the
+    // unit after it (the next layer, or the final norm) is still staged with its
+    // reduce-scatter piece in flight, and a tied embedding's staging waits for the end of
+    // backward; ZeRO-3 holds the layer gathered and the unit before it prefetched. The last
+    // layer holds the most activations; the one before it holds one layer's fewer (under
+    // full recomputation one layer input fewer) but a whole layer unit's staging and piece
+    // where the last holds the final norm's, so either can be the peak. Both are planned;
+    // the others (the forward's, the recomputation's, tensor parallel's head) are not, and
+    // are noted when larger.
+    using Parts = std::vector<std::pair<std::string, int64_t>>;
+    // `unit`: the layer's; `layer` names it, `after` the unit after it.
+    auto zero_parts_at = [&](size_t unit, const std::string& layer, const std::string& after) {
+      Parts parts;
+      parts.emplace_back("gradient staging (the " + layer + "'s; the " + after + "'s, and its reduce-scatter piece in "
+                             "flight" + (c.tie_embeddings ? "; the embeddings'" : "") + ")",
+                         sum({padded(unit), padded(unit + 1), padded(unit + 1) / D, c.tie_embeddings ? padded(embed) : 0}));
+      if (in.zero == 3)
+        parts.emplace_back("gathered units (the " + layer + ", the unit before it prefetched)",
+                           sum({padded(unit), padded(unit - 1)}));
+      return parts;
+    };
+    std::vector<Parts> zero_parts;  // by moment, under ZeRO-2/3
+    std::vector<Moment> unplanned;  // ZeRO-2/3's other moments
     if (in.zero >= 2) {
-      if (total(moments[0]) > rp.predicted_peak_bytes)
-        plan.notes.push_back("ZeRO-" + std::to_string(in.zero) +
-                             ": the last layer's MLP backward holds more activation memory than the start of "
-                             "backward (a small vocabulary or a wide MLP); the peak may come there, and be higher");
-      moments.clear();
+      unplanned.assign(moments.begin() + 1, moments.end());
+      moments.resize(1);
+      zero_parts.push_back(zero_parts_at(last_layer, "last layer", "final norm"));
+      if (L >= 2) {
+        const int64_t one_layer_fewer = full ? bytes_of(sp_rows, C, kFloat) : layer_bytes;
+        moments.push_back({moments[0].activations_name + ", less the last layer's" + (full ? " input" : ""),
+                           moments[0].activations - one_layer_fewer,
+                           "transient at the peak (the second-to-last layer's MLP backward" +
+                               std::string(full ? ", the layer recomputed" : "") +
+                               ": the residual's gradient and the MLP's)",
+                           moments[0].transient});
+        zero_parts.push_back(zero_parts_at(last_layer - 1, "second-to-last layer", "last layer"));
+      }
     }
-    const Moment* peak = nullptr;
+    auto is_zero_part = [](const std::pair<std::string, int64_t>& part) {
+      return part.first.rfind("gradient staging", 0) == 0 || part.first.rfind("gathered units", 0) == 0;
+    };
+    int64_t zero_at_start = 0;
+    for (const auto& part : rp.parts)
+      if (is_zero_part(part)) zero_at_start += part.second;
+    auto total_at = [&](size_t m) {
+      int64_t bytes = total(moments[m]);
+      if (m < zero_parts.size()) {
+        bytes -= zero_at_start;
+        for (const auto& [name, b] : zero_parts[m]) bytes = checked_add(bytes, b, "plan");
+      }
+      return bytes;
+    };
+    size_t peak = moments.size();
     int64_t at_peak = rp.predicted_peak_bytes;
-    for (const Moment& m : moments)
-      if (total(m) > at_peak) peak = &m, at_peak = total(m);
-    if (peak) {
-      rp.parts[3] = {peak->activations_name, peak->activations};
-      rp.parts[5] = {peak->transient_name, peak->transient};
-      if (peak->in_forward) rp.parts.erase(rp.parts.begin() + 6);
+    for (size_t m = 0; m < moments.size(); ++m)
+      if (total_at(m) > at_peak) peak = m, at_peak = total_at(m);
+    if (peak < moments.size()) {
+      rp.parts[3] = {moments[peak].activations_name, moments[peak].activations};
+      rp.parts[5] = {moments[peak].transient_name, moments[peak].transient};
+      if (moments[peak].in_forward) rp.parts.erase(rp.parts.begin() + 6);
+      if (peak < zero_parts.size()) {
+        std::erase_if(rp.parts, is_zero_part);
+        rp.parts.insert(rp.parts.end(), zero_parts[peak].begin(), zero_parts[peak].end());
+      }
       rp.predicted_peak_bytes = at_peak;
     }
+    // An unplanned moment holds at least its activations and transient beside the model
+    // states: noted when even that is over the plan.
+    bool unplanned_larger = false;
+    for (const Moment& m : unplanned) unplanned_larger |= total(m) - zero_at_start > rp.predicted_peak_bytes;
+    if (unplanned_larger)
+      plan.notes.push_back("ZeRO-" + std::to_string(in.zero) +
+                           ": a moment of the forward, of the recomputation or of the head's backward holds more "
+                           "activation memory than the plan's peak (a small vocabulary or a wide MLP); the peak may "
+                           "come there, and be higher");
     // Moments when no activation is alive: the model states, the loader, the bf16 copy,
     // the library workspace and the model constants, plus what the moment itself holds.
     // Each becomes the plan's peak where it is larger.
-    using Parts = std::vector<std::pair<std::string, int64_t>>;
     auto consider_without_activations = [&](const Parts& held) {
       Parts parts(rp.parts.begin(), rp.parts.begin() + 3);
       parts.emplace_back("loader buffers", loader);
@@ -679,12 +735,6 @@ MemoryPlan plan_steps(const PlanInput& in) {
       plan.ranks.back().rank = r;
     }
   }
-  const int64_t layer_pair = 2 * padded(last_layer);
-  if (in.zero >= 2 && BT * Vp * kFloat < layer_pair)
-    plan.notes.push_back("ZeRO-" + std::to_string(in.zero) + ": the logits of one microbatch (" +
-                         memory::format_bytes(BT * Vp * kFloat) + ") are smaller than two layer units in flight (" +
-                         memory::format_bytes(layer_pair) +
-                         "); the peak may come later in backward than the plan assumes, and be higher");
   if (in.zero == 3 && padded(embed) > activations)
     plan.notes.push_back("ZeRO-3: the embeddings unit (" + memory::format_bytes(padded(embed)) +
                          ") outweighs one microbatch's activations (" + memory::format_bytes(activations) +
