@@ -374,6 +374,14 @@ TEST(Launch, Bf16AndProfileOpsFromTheCommandLine) {
   o = run(train_command("mpirun --oversubscribe -np 2", data, "--dtype bf16 --zero 3", 1));
   EXPECT_NE(o.exit_code, 0) << o.output;
   EXPECT_NE(o.output.find("--dtype bf16 with --zero 3"), std::string::npos) << o.output;
+  // Where bf16 GEMMs are widened (no AVX-512), the note says so once, not once per rank.
+  o = run(train_command("mpirun --oversubscribe -np 2", data, "--dtype bf16 --dp 2", 1));
+  EXPECT_EQ(o.exit_code, 0) << o.output;
+  size_t notes = 0;
+  for (size_t at = o.output.find("no bf16 GEMM kernel"); at != std::string::npos;
+       at = o.output.find("no bf16 GEMM kernel", at + 1))
+    ++notes;
+  EXPECT_LE(notes, 1u) << o.output;
 }
 
 // One command trains a pipeline: the step line, the pipeline's own memory line, and the

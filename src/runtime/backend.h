@@ -9,6 +9,7 @@
 // backend plugs in beside it.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/device_hooks.h"
@@ -66,6 +67,10 @@ class Backend : public DeviceHooks {
   // Bytes the GEMM library keeps for itself once the first GEMM runs (a persistent
   // allocation the ledger shows; the memory plan counts it). The CPU's oneDNN: none.
   virtual int64_t library_workspace_bytes() const { return 0; }
+  // What a run in `dtype` should know about how this device runs its GEMMs, or "" (the
+  // CPU's: bf16 widened to fp32 where oneDNN has no bf16 kernel). Said by the caller, once:
+  // the runtime knows no ranks.
+  virtual std::string gemm_note(DType) const { return ""; }
 
   // ---- neural-network kernels
   virtual void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices);

@@ -496,6 +496,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // model states they made a small run's memory report peak at the probe.
   TALLY_CHECK(c.dtype == "fp32" || c.dtype == "bf16", "--dtype must be fp32 or bf16, got '", c.dtype, "'");
   runtime::backend(device).measured_gemm_peak_flops(c.dtype == "bf16" ? DType::BF16 : DType::F32);
+  const std::string gemm_note = runtime::backend(device).gemm_note(c.dtype == "bf16" ? DType::BF16 : DType::F32);
+  if (!gemm_note.empty() && root) std::fprintf(stderr, "tally: note: %s\n", gemm_note.c_str());
   if (!c.mem_trace.empty()) ledger.enable_history(true, false);
   ledger.reset_peaks();  // set-up's peak is this run's (a process may have trained before)
   int64_t setup_peak = 0;  // tensor/pipeline parallel and ZeRO-2/3: building the model and sharding it

@@ -130,6 +130,12 @@ class CpuBackend final : public Backend {
     profiler::KernelScope scope("gemm", gemm_flops(a, ta, c));
     cpu::gemm(a, ta, b, tb, c, 1.f, 0.f, bias);
   }
+  std::string gemm_note(DType dtype) const override {
+    if (dtype != DType::BF16 || !cpu::bf16_gemm_has_no_kernel()) return "";
+    return "oneDNN has no bf16 GEMM kernel for this CPU (it needs AVX-512); bf16 GEMMs run as fp32 GEMMs of the bf16 "
+           "operands widened to fp32: the same products and fp32 sums, with widening and rounding passes on top, so "
+           "--dtype fp32 trains faster on this CPU";
+  }
   double measured_gemm_peak_flops(DType dtype, bool probe_again) override {
     return cpu::measured_gemm_peak_flops(dtype, probe_again);
   }

@@ -44,6 +44,8 @@ void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, in
 // no bf16 kernel for this CPU (oneDNN 2.6 needs AVX-512), or where the environment says
 // TALLY_BF16_GEMM=widened. The same products and fp32 sums, on fp32 GEMMs.
 bool bf16_gemm_widened();
+// Whether oneDNN has no bf16 GEMM kernel for this CPU (oneDNN 2.6 needs AVX-512).
+bool bf16_gemm_has_no_kernel();
 // Measured fp32 GEMM throughput of this machine in FLOP/s (cached after the first call).
 double measured_gemm_peak_flops(DType dtype, bool probe_again);
 

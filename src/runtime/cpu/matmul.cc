@@ -201,21 +201,21 @@ bool matmul_runs_bf16_on_amx() { return bf16_matmul_impl().find("amx") != std::s
 
 }  // namespace
 
-// Whether bf16 GEMMs are widened to fp32 (widened_bf16_gemm), said once per process: where
-// oneDNN has no bf16 kernel, or where TALLY_BF16_GEMM=widened asks for it (the tests run
-// that path on every machine so).
+bool bf16_gemm_has_no_kernel() {
+  static const bool none = bf16_matmul_impl().empty();
+  return none;
+}
+
+// Whether bf16 GEMMs are widened to fp32 (widened_bf16_gemm): where oneDNN has no bf16
+// kernel, or where TALLY_BF16_GEMM=widened asks for it (the tests run that path on every
+// machine so).
 bool bf16_gemm_widened() {
   static const bool widened = [] {
     const char* env = std::getenv("TALLY_BF16_GEMM");
     const std::string asked = env ? env : "";
     TALLY_CHECK(asked.empty() || asked == "widened" || asked == "onednn", "TALLY_BF16_GEMM='", asked,
                 "': expected 'widened' (fp32 GEMMs of the widened operands) or 'onednn' (its bf16 kernels, the default)");
-    const bool none = bf16_matmul_impl().empty();
-    if (none)
-      std::fprintf(stderr, "tally: note: oneDNN has no bf16 GEMM kernel for this CPU (it needs AVX-512); bf16 GEMMs "
-                           "run as fp32 GEMMs of the bf16 operands widened to fp32: the same products and fp32 sums, "
-                           "with widening and rounding passes on top, so --dtype fp32 trains faster on this CPU\n");
-    return none || asked == "widened";
+    return bf16_gemm_has_no_kernel() || asked == "widened";
   }();
   return widened;
 }
