@@ -101,7 +101,7 @@ struct PlanInput {
   int tp = 1;     // tensor-parallel ranks (--tp); the data-parallel ones are world / tp
   bool sequence_parallel = false;  // --sp
   int zero = 0;   // over the data-parallel ranks
-  bool val_loader = false;
+  bool val_loader = false;  // a validation loader whose buffers are in the planned device's ledger (the CPU's)
   bool bf16 = false;  // --dtype bf16: mixed precision (see below)
   int64_t loss_chunk_rows = 0;  // --chunked-loss: rows per chunk of the fused head and loss (0: off)
   int64_t library_workspace = 0;  // the device's GEMM library workspace (cuBLASLt's on a GPU), bytes
