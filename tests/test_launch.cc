@@ -115,6 +115,18 @@ TEST(Launch, TokenizeLeavesNoStaleValidationSplitBehind) {
   ASSERT_EQ(none.exit_code, 0) << none.output;
   EXPECT_EQ(test::read_all(prefix + "_val.bin"), "mine");
   EXPECT_NE(none.output.find("is not from this run"), std::string::npos) << none.output;
+  // An input named like an output: the stale-split removal deleted it, or the shard was
+  // written over it; and a _val.bin that is a directory failed only after _train.bin was
+  // written. Refused before anything is read or written, naming the input.
+  test::write_all(dir + "/w_val.bin", "ab ab\n");
+  Outcome own = run(tokenize + " --val-fraction 0.01 --out " + dir + "/w " + dir + "/w_val.bin");
+  EXPECT_NE(own.exit_code, 0) << own.output;
+  EXPECT_EQ(test::read_all(dir + "/w_val.bin"), "ab ab\n") << own.output;
+  EXPECT_NE(own.output.find(dir + "/w_val.bin"), std::string::npos) << own.output;
+  std::filesystem::create_directories(dir + "/d_val.bin");
+  Outcome directory = run(tokenize + " --val-fraction 0.3 --separator % --out " + dir + "/d " + dir + "/two.txt");
+  EXPECT_NE(directory.exit_code, 0) << directory.output;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/d_train.bin")) << directory.output;
 }
 
 // One large document beside a small one (each input file is a document without
@@ -612,6 +624,13 @@ TEST(Launch, LlamaTokenizeTrainSampleAndExport) {
   Outcome b = run(std::string(TALLY_CLI) + " sample --model-file " + hf + greedy);
   ASSERT_EQ(b.exit_code, 0) << b.output;
   EXPECT_EQ(b.output, a.output) << "the exported model samples the same greedy text";
+  // An empty -o wrote the HuggingFace files into the current directory (and removed a
+  // sharded model's files there); both formats refuse it.
+  for (const char* format : {"hf", "llmc"}) {
+    Outcome empty = run(std::string(TALLY_CLI) + " export --model-file " + out + " --format " + format + " -o ''");
+    EXPECT_NE(empty.exit_code, 0) << empty.output;
+    EXPECT_NE(empty.output.find("-o is empty"), std::string::npos) << empty.output;
+  }
   Outcome bad = run(std::string(TALLY_CLI) + " sample --model-file " + out + " --top-p 1.5");
   EXPECT_EQ(bad.exit_code, 1);
   EXPECT_NE(bad.output.find("--top-p must be in (0, 1]"), std::string::npos) << bad.output;

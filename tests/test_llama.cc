@@ -9,10 +9,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 
 #include "autograd/grad_mode.h"
+#include "data/tokenizer.h"
 #include "io/hf_files.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"
@@ -369,6 +371,40 @@ TEST(Sampler, WithoutATokenizerASampleStartsAndStopsWhereTheFamilysDocumentsDo) 
   b = train::document_bounds(llama, nullptr);
   EXPECT_EQ(b.start, 96);
   EXPECT_EQ(b.stops, (std::vector<int32_t>{96}));
+  // An llm.c tokenizer .bin of LLaMA-3's vocabulary only decodes, and names one token, its
+  // end of text (128001): samples started there and 128000 no longer stopped them, so
+  // adding --tokenizer changed what was sampled. The family's bounds stand.
+  std::string file(256 * sizeof(int32_t), '\0');
+  const int32_t header[4] = {20240328, 2, 128256, 128001};
+  std::memcpy(file.data(), header, sizeof header);
+  for (int32_t id = 0; id < 128256; ++id) file += std::string{'\x01', static_cast<char>('a' + id % 26)};
+  const std::string path = test::temp_path("llama3_tokenizer.bin");
+  test::write_all(path, file);
+  const data::Tokenizer decode_only = data::Tokenizer::load_path(path);
+  ASSERT_FALSE(decode_only.can_encode());
+  llama = nn::TransformerConfig::preset("llama3-d1");
+  b = train::document_bounds(llama, &decode_only);
+  EXPECT_EQ(b.start, 128000);
+  EXPECT_EQ(b.stops, (std::vector<int32_t>{128001, 128000}));
+}
+
+// Weights holding NaN (a foreign file: training stops before such an update) sampled
+// silently: greedy picked the same token every time, and the sort for top-k was given an
+// ordering NaN breaks (undefined behaviour).
+TEST(Sampler, LogitsThatAreNotFiniteStopTheSampleNamingThem) {
+  auto m = tiny_llama();
+  {
+    autograd::NoGradGuard no_grad;
+    m->params()[m->params().index_of("ln_f.weight")].fill_(std::numeric_limits<float>::quiet_NaN());
+  }
+  train::SampleOptions opt;
+  opt.tokens = 4;
+  Rng rng(1);
+  for (double temperature : {0.0, 1.0}) {
+    opt.temperature = temperature;
+    const std::string msg = test::message_of<Error>([&] { train::sample(*m, {1, 2, 3}, opt, rng); });
+    EXPECT_NE(msg.find("logits are not finite"), std::string::npos) << msg;
+  }
 }
 
 TEST(Sampler, NucleusOfATinyMassIsGreedyAndStopTokensEndASample) {

@@ -175,6 +175,25 @@ TEST(Plot, ReadingALogNamesTheFileAndLineOfABadRow) {
   test::write_all(path, "{\"step\": 1, \"loss\": 10.5}\n{\"step\": 2, \"loss\": 9.5}\n{\"step\": 3, \"lo");
   const train::RunCurve run = train::read_run_log(path, "x");
   EXPECT_EQ(run.steps, (std::vector<int64_t>{1, 2}));
+  // A step that is not a whole number a double holds exactly: 1.5 was read as 1, 1e300 was
+  // undefined, and 2^53 + 1 made the axis's tick loop stand still (plot hung, eating memory).
+  for (const char* step : {"1.5", "1e300", "9007199254740993", "-1"}) {
+    test::write_all(path, std::string("{\"step\": ") + step + ", \"loss\": 2}\n");
+    m = test::message_of<Error>([&] { train::read_run_log(path, "x"); });
+    EXPECT_NE(m.find("line 1: \"step\" "), std::string::npos) << m;
+    EXPECT_NE(m.find(" is not a step number"), std::string::npos) << m;
+  }
+}
+
+// Ticks over a range whose values a double cannot step through (2^60 apart by 1000) stop
+// instead of looping forever.
+TEST(Plot, StepsFarApartAtTheEdgeOfADoubleStillDrawAFewTicks) {
+  train::RunCurve run;
+  run.add_step(int64_t{1} << 52, 2.0, 0.0, 0);
+  run.add_step((int64_t{1} << 52) + 1000, 1.5, 0.0, 0);
+  const std::string path = test::temp_path("edge.svg");
+  train::write_loss_svg(path, {run}, "edge");
+  EXPECT_NE(test::read_all(path).find("</svg>"), std::string::npos);
 }
 
 TEST(Plot, TheTrainerDrawsLossSvgInItsOutDirAndLogsTokens) {

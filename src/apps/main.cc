@@ -332,6 +332,12 @@ int run_tokenize(const TokenizeArgs& a) {
   TALLY_CHECK(!a.out_prefix.empty() && a.out_prefix.back() != '/',
               "tokenize: --out must be a path prefix (it writes <prefix>_train.bin and <prefix>_val.bin), got '",
               a.out_prefix, "'");
+  // Both outputs checked before anything is read or written: neither may be an input (the
+  // stale split's removal would delete it) nor a directory (found only after _train.bin).
+  std::vector<std::pair<std::string, std::string>> input_files;
+  for (const std::string& path : a.inputs) input_files.emplace_back("an input", path);
+  for (const char* suffix : {"_train.bin", "_val.bin"})
+    io::check_output_file("--out", a.out_prefix + suffix, input_files);
   std::vector<std::string> documents;
   for (const std::string& path : a.inputs) {
     std::ifstream in(path, std::ios::binary);
@@ -413,6 +419,8 @@ struct ExportArgs {
 // A trained model out of tally: a HuggingFace directory (transformers loads it) or an llm.c
 // model file.
 int run_export(const ExportArgs& a) {
+  // (Empty, the HuggingFace files went to the current directory.)
+  TALLY_CHECK(!a.out.empty(), "export: -o is empty: expected ", a.format == "hf" ? "a directory" : "a file path");
   std::string model_file;
   const std::unique_ptr<nn::Transformer> loaded = load_model(a.model_file, &model_file);
   const nn::Transformer& model = *loaded;

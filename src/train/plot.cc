@@ -44,8 +44,15 @@ RunCurve read_run_log(const std::string& path, const std::string& name) {
     }
     TALLY_CHECK(j.is_object() && j.contains("step") && j["step"].is_number() && j.contains("loss") && j["loss"].is_number(),
                 "plot: log '", path, "' line ", n, " has no numeric \"step\" and \"loss\" (is it a tally --log-json file?)");
+    // A whole number a double holds exactly (the axis is drawn in doubles): get<int64_t>
+    // read 1.5 as 1, and 1e300 was undefined.
+    const nlohmann::json& step_json = j["step"];
+    constexpr double kLargestStep = 9007199254740992.0;  // 2^53
+    TALLY_CHECK(step_json.is_number_integer() && step_json.get<double>() >= 0 && step_json.get<double>() < kLargestStep,
+                "plot: log '", path, "' line ", n, ": \"step\" ", step_json.dump(),
+                " is not a step number (a whole number from 0 to 2^53)");
     try {
-      const int64_t step = j["step"].get<int64_t>();
+      const int64_t step = step_json.get<int64_t>();
       run.add_step(step, j["loss"].get<double>(), j.value("lr", 0.0), j.value("tokens", int64_t{0}));
       if (j.contains("val_loss") && j["val_loss"].is_number()) run.add_val(step, j["val_loss"].get<double>());
     } catch (const nlohmann::json::exception& e) {  // "lr": "fast" and the like
@@ -110,7 +117,11 @@ std::vector<double> nice_ticks(double lo, double hi, int count, bool whole_numbe
   const double unit = raw / mag < 1.5 ? 1 : raw / mag < 3 ? 2 : raw / mag < 7 ? 5 : 10;
   const double step = whole_numbers ? std::max(1.0, unit * mag) : unit * mag;
   std::vector<double> ticks;
-  for (double t = std::ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) ticks.push_back(t);
+  // (Bounded: where t + step == t a double cannot step on, and the loop would never end.)
+  for (double t = std::ceil(lo / step) * step; t <= hi + step * 1e-9 && ticks.size() < 100; t += step) {
+    ticks.push_back(t);
+    if (t + step == t) break;
+  }
   return ticks;
 }
 

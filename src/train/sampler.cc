@@ -14,7 +14,12 @@ namespace {
 int32_t choose(const float* logits, int64_t vocab, const SampleOptions& opt, Rng& rng) {
   std::vector<std::pair<float, int32_t>> scored;
   scored.reserve(static_cast<size_t>(vocab));
-  for (int64_t v = 0; v < vocab; ++v) scored.emplace_back(logits[v], static_cast<int32_t>(v));
+  for (int64_t v = 0; v < vocab; ++v) {
+    // (NaN breaks the ordering the sort below needs; a sample of it would be garbage.)
+    TALLY_CHECK(std::isfinite(logits[v]), "sample: the model's logits are not finite (token ", v, "'s is ", logits[v],
+                "): its weights hold NaN or infinity, or overflow");
+    scored.emplace_back(logits[v], static_cast<int32_t>(v));
+  }
   // Likelier first; equal logits (bf16 logits tie often) by the lower token id, as argmax
   // breaks ties in PyTorch and llm.c.
   auto likelier = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
@@ -114,7 +119,9 @@ std::string decode_known(const data::Tokenizer& tok, const std::vector<int32_t>&
 }
 
 DocumentBounds document_bounds(const nn::TransformerConfig& config, const data::Tokenizer* tok) {
-  if (tok) return {tok->document_separator_id(), tok->stop_ids()};
+  // A LLaMA model's bounds come from a LLaMA-3 tokenizer, not from an llm.c .bin, which
+  // only decodes and names one token (its end of text).
+  if (tok && (tok->is_llama3() || !config.is_llama())) return {tok->document_separator_id(), tok->stop_ids()};
   if (config.is_llama() && config.vocab_size == data::kLlama3VocabSize)
     return {data::kLlama3BeginOfText, {data::kLlama3EndOfText, data::kLlama3BeginOfText}};
   const auto last = static_cast<int32_t>(config.vocab_size - 1);

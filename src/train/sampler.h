@@ -28,7 +28,8 @@ std::vector<int32_t> sample(const nn::Transformer& model, std::vector<int32_t> p
 // family's: GPT-2's <|endoftext|> (the last of its 50,257 ids) for both, LLaMA-3's
 // <|begin_of_text|> (128000) to start and <|end_of_text|> (128001) or the next document's
 // start to stop, when the vocabulary is LLaMA-3's 128,256. A vocabulary of another size has
-// no known separator: its last id.
+// no known separator: its last id. (A tokenizer's own bounds stand, but for a LLaMA model
+// only a LLaMA-3 tokenizer's: an llm.c tokenizer .bin names only its end of text.)
 struct DocumentBounds {
   int32_t start = 0;
   std::vector<int32_t> stops;
