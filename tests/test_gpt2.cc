@@ -349,6 +349,18 @@ TEST(Gpt2Files, LlmcRoundTripIsExactInFp32AndRoundedInBf16) {
   io::load_llmc(p16, b);
   test::expect_close(a.params().flat_params(), m->params().flat_params(), 0, 0, "fp32 round trip");
   test::expect_close(b.params().flat_params(), m->params().flat_params(), 1.0 / 256, 1e-30, "bf16 round trip");
+  // A LayerNorm eps other than GPT-2's 1e-5 (a HuggingFace config's layer_norm_epsilon,
+  // which --init-from trains with) is kept: llm.c's header has no slot for it, and a
+  // checkpoint read back as 1e-5, so a resume or an export changed the model unseen.
+  nn::TransformerConfig wide_eps = m->config();
+  wide_eps.norm_eps = 0.3;
+  nn::Transformer e(wide_eps);
+  e.init_weights(3);
+  const std::string pe = test::temp_path("eps.bin");
+  io::save_llmc(pe, e);
+  EXPECT_EQ(io::read_llmc_config(pe).norm_eps, 0.3);
+  EXPECT_EQ(io::read_llmc_config(p32).norm_eps, 1e-5);
+  EXPECT_EQ(io::read_llmc_config(test::fixture_path("gpt2_tiny.bin")).norm_eps, 1e-5) << "llm.c's files: GPT-2's";
 }
 
 TEST(Gpt2Files, CorruptModelFilesFailNamingTheFileAndTheMismatch) {

@@ -258,7 +258,11 @@ TEST(Hardening, HuggingFaceConfigsThatContradictTheWeightsOrTheModelAreRefusedNa
                         Case{"vocab_size", 50257, "\"vocab_size\" is 50257 but the weights have 97"},
                         Case{"n_positions", 1024, "\"n_positions\" is 1024 but the weights have 32"},
                         Case{"layer_norm_epsilon", -1, "\"layer_norm_epsilon\" is -1, expected a positive number"},
-                        Case{"activation_function", "relu", "activation_function 'relu'"}}) {
+                        Case{"activation_function", "relu", "activation_function 'relu'"},
+                        // Attention scalings HF's GPT-2 has and tally's not: trained the
+                        // unscaled model without a word.
+                        Case{"scale_attn_by_inverse_layer_idx", true, "scale_attn_by_inverse_layer_idx is true"},
+                        Case{"scale_attn_weights", false, "scale_attn_weights is false"}}) {
     nlohmann::json j = gpt2_config;
     j[k.key] = k.value;
     test::write_all(gpt2 + "/config.json", j.dump());

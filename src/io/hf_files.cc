@@ -305,6 +305,14 @@ nn::TransformerConfig gpt2_config(const HfSource& src) {
                   "': activation_function ", act.is_string() ? "'" + act.get<std::string>() + "'" : act.dump(),
                   " is not supported (GPT-2's is gelu_new, the tanh approximation tally's model computes)");
     }
+    // Attention scalings HF's GPT2Attention has and tally's does not: scores divided by
+    // layer_idx + 1 (Stanford CRFM's GPT-2s), or not divided by sqrt(head_dim).
+    // (reorder_and_upcast_attn only changes precision: tally's attention sums in fp32.)
+    for (const auto& [key, unsupported] : {std::pair{"scale_attn_by_inverse_layer_idx", true},
+                                           std::pair{"scale_attn_weights", false}})
+      TALLY_CHECK(!j.contains(key) || !j[key].is_boolean() || j[key].get<bool>() != unsupported, "HuggingFace config '",
+                  path, "': ", key, " is ", unsupported ? "true" : "false",
+                  ", an attention scaling tally's GPT-2 does not have (it divides the scores by sqrt(head_dim) only)");
     validate_from(c, path);
   }
   return c;

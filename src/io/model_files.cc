@@ -29,6 +29,9 @@ constexpr int kExactMarkSlot = 230, kFfnSlot = 231, kTiedSlot = 232, kOriginalCo
 constexpr int kEpsSlot = 234, kThetaSlot = 236, kFactorSlot = 238, kLowSlot = 240, kHighSlot = 242,
               kMultiplierSlot = 244;  // doubles: two int32 slots each
 constexpr int32_t kExactMark = 0x33616C6C;  // "lla3"
+// GPT-2: its LayerNorm eps (1e-5 in every GPT-2, but a HuggingFace config may say another),
+// a double in kEpsSlot, marked so. llm.c's files have neither: 1e-5.
+constexpr int32_t kGpt2EpsMark = 0x32657067;  // "gpe2"
 
 struct Header {
   int32_t ints[256];
@@ -191,6 +194,9 @@ nn::TransformerConfig read_llmc_config(const std::string& path) {
     c.n_kv_head = h.ints[5];
     c.n_embd = h.ints[6];
     c.padded_vocab_size = h.ints[7];
+    if (h.ints[kExactMarkSlot] == kGpt2EpsMark) c.norm_eps = get_double(h, kEpsSlot);
+    TALLY_CHECK(c.norm_eps > 0 && std::isfinite(c.norm_eps), "model file '", path, "': LayerNorm eps ", c.norm_eps,
+                ", expected a positive number");
     TALLY_CHECK(c.max_seq_len > 0 && c.vocab_size > 0 && c.n_layer > 0 && c.n_head > 0 && c.n_embd > 0 &&
                     c.padded_vocab_size >= c.vocab_size && c.n_embd % c.n_head == 0,
                 "model file '", path, "': implausible header (maxT ", c.max_seq_len, ", V ", c.vocab_size, ", L ",
@@ -307,6 +313,8 @@ void save_llmc(const std::string& path, const nn::Transformer& model, const std:
     h.ints[0] = kGpt2Magic;
     h.ints[6] = static_cast<int32_t>(c.n_embd);
     h.ints[7] = static_cast<int32_t>(c.padded_vocab_size);
+    h.ints[kExactMarkSlot] = kGpt2EpsMark;
+    put_double(h, kEpsSlot, c.norm_eps);
   }
   h.ints[kChecksumMarkSlot] = kHeaderChecksumMark;
   h.ints[kHeaderChecksumSlot] = static_cast<int32_t>(header_checksum(h));

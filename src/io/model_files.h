@@ -11,7 +11,8 @@
 //     variant (a 256 x float32 block after the ints holding ffn_dim_multiplier, norm_eps
 //     and rope_theta; weights at byte 2048) is recognised too. Files tally writes carry
 //     the exact values in header slots llm.c leaves unused (230..245), so its own files
-//     read back exactly (tied head included).
+//     read back exactly (tied head included). A GPT-2 file tally writes carries its
+//     LayerNorm eps there too (llm.c's: 1e-5, GPT-2's own).
 //   HuggingFace files: io/hf_files.h.
 #pragma once
 #include <functional>
