@@ -14,6 +14,11 @@ TEST(Documents, SplitOnSeparatorLinesTrimmingBlankLines) {
   EXPECT_EQ(data::split_documents(text, ""), (std::vector<std::string>{"first\nfortune\n%\n\nsecond\n%\n%\r\nthird, last"}));
   // A "%" inside a line is text, not a separator.
   EXPECT_EQ(data::split_documents("50% off\n%\nnext", "%"), (std::vector<std::string>{"50% off", "next"}));
+  size_t separators = 99;
+  data::split_documents(text, "%", &separators);
+  EXPECT_EQ(separators, 3u);
+  data::split_documents("no separator\nhere\n", "%%", &separators);
+  EXPECT_EQ(separators, 0u);
 }
 
 TEST(Documents, ShuffleIsAPermutationFixedByItsSeed) {

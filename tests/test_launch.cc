@@ -123,6 +123,16 @@ TEST(Launch, TokenizeLeavesNoStaleValidationSplitBehind) {
   EXPECT_NE(own.exit_code, 0) << own.output;
   EXPECT_EQ(test::read_all(dir + "/w_val.bin"), "ab ab\n") << own.output;
   EXPECT_NE(own.output.find(dir + "/w_val.bin"), std::string::npos) << own.output;
+  // A binary input (a token shard given among text files) was tokenized as garbage.
+  test::write_all(dir + "/shard.bin", std::string("ab\0\x01\x02", 5));
+  Outcome binary = run(tokenize + " --out " + dir + "/b " + dir + "/shard.bin");
+  EXPECT_NE(binary.exit_code, 0) << binary.output;
+  EXPECT_NE(binary.output.find("holds a NUL byte at offset 2"), std::string::npos) << binary.output;
+  // A --separator no line of a file is: the file is one document, said.
+  Outcome unseparated = run(tokenize + " --separator %% --out " + dir + "/u " + dir + "/two.txt");
+  EXPECT_EQ(unseparated.exit_code, 0) << unseparated.output;
+  EXPECT_NE(unseparated.output.find("is the --separator '%%': the file is one document"), std::string::npos)
+      << unseparated.output;
   std::filesystem::create_directories(dir + "/d_val.bin");
   Outcome directory = run(tokenize + " --val-fraction 0.3 --separator % --out " + dir + "/d " + dir + "/two.txt");
   EXPECT_NE(directory.exit_code, 0) << directory.output;

@@ -84,6 +84,22 @@ TEST(MemoryTools, ATraceRoundTripsEveryEventAndThePlan) {
   }
   EXPECT_EQ(back.plan, (memory::PlanParts{{"parameters", 123}, {"activations", 456}}));  // in the plan's order
 
+  // Hand-edited events: a fractional byte count was read as its integer part, and one past
+  // 2^62 overflowed the report's sums.
+  for (const auto& [event, expected] : {std::pair{"[1.0, 1.7, 0, 0, 0, 0, 1, 0]", "expected a time and 7 integers"},
+                                        std::pair{"[1.0, 9223372036854775807, 0, 0, 0, 0, 1, 0]", "more than an allocation"}}) {
+    test::write_all(path, std::string(R"({"tally_memory": {"version": 1, "owners": ["a"], "plan": [], "events": [)") +
+                              event + "]}}");
+    const std::string bad = test::message_of<Error>([&] { memory::read_memory_trace(path); });
+    EXPECT_NE(bad.find(expected), std::string::npos) << bad;
+  }
+  memory::write_chrome_trace(path, events, 1 << 20, {{"parameters", 123}, {"activations", 456}});
+  // A trace cut short (a copy that did not finish): said so, not "a --log-json file".
+  const std::string whole = test::read_all(path);
+  test::write_all(path, whole.substr(0, whole.size() / 2));
+  const std::string cut = test::message_of<Error>([&] { memory::read_memory_trace(path); });
+  EXPECT_NE(cut.find("a trace cut short"), std::string::npos) << cut;
+
   test::write_all(path, "{\"traceEvents\": []}");
   EXPECT_NE(test::message_of<Error>([&] { memory::read_memory_trace(path); }).find("no tally_memory section"),
             std::string::npos);

@@ -344,7 +344,17 @@ int run_tokenize(const TokenizeArgs& a) {
     TALLY_CHECK(in.good(), "tokenize: cannot read input '", path, "'");
     std::stringstream ss;
     ss << in.rdbuf();
-    for (std::string& d : data::split_documents(ss.str(), a.separator)) documents.push_back(std::move(d));
+    const std::string text = ss.str();
+    // Text has no NUL byte; a binary file (a token shard, `data/*`) would be tokenized as
+    // garbage without a word.
+    const size_t nul = text.find('\0');
+    TALLY_CHECK(nul == std::string::npos, "tokenize: input '", path, "' holds a NUL byte at offset ", nul,
+                ": expected a text file (is it a token shard or another binary file?)");
+    size_t separator_lines = 0;
+    for (std::string& d : data::split_documents(text, a.separator, &separator_lines)) documents.push_back(std::move(d));
+    if (!a.separator.empty() && separator_lines == 0)
+      std::fprintf(stderr, "tally: warning: no line of '%s' is the --separator '%s': the file is one document\n",
+                   path.c_str(), a.separator.c_str());
   }
   TALLY_CHECK(!documents.empty(), "tokenize: the inputs hold no text");
   if (a.shuffle_seed != 0) data::shuffle_documents(documents, a.shuffle_seed);

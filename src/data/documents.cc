@@ -17,8 +17,11 @@ std::string trim_blank_lines(const std::string& s) {
 }
 }  // namespace
 
-std::vector<std::string> split_documents(const std::string& text, const std::string& separator) {
+std::vector<std::string> split_documents(const std::string& text, const std::string& separator,
+                                         size_t* separator_lines) {
   std::vector<std::string> docs;
+  size_t found = 0;
+  if (separator_lines) *separator_lines = 0;
   auto keep = [&](const std::string& d) {
     std::string t = trim_blank_lines(d);
     if (!t.empty()) docs.push_back(std::move(t));
@@ -35,6 +38,7 @@ std::vector<std::string> split_documents(const std::string& text, const std::str
     std::string line = text.substr(start, end - start);
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line == separator) {
+      ++found;
       keep(current);
       current.clear();
     } else {
@@ -44,6 +48,7 @@ std::vector<std::string> split_documents(const std::string& text, const std::str
     start = end + 1;
   }
   keep(current);
+  if (separator_lines) *separator_lines = found;
   return docs;
 }
 

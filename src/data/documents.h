@@ -18,7 +18,10 @@ namespace tally::data {
 // Splits `text` into documents at lines equal to `separator` (kept out of the documents);
 // an empty separator makes the whole text one document. Blank lines around a document are
 // trimmed and empty documents dropped.
-std::vector<std::string> split_documents(const std::string& text, const std::string& separator);
+// `separator_lines`, when given, is set to how many lines were the separator (none: the
+// text was one document, which a caller that gave a separator may want to say).
+std::vector<std::string> split_documents(const std::string& text, const std::string& separator,
+                                         size_t* separator_lines = nullptr);
 
 // Fisher-Yates with tally's portable generator: the same seed gives the same order on
 // every machine.

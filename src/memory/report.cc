@@ -11,6 +11,7 @@
 #include <cstring>
 #include <cctype>
 #include <charconv>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string_view>
@@ -169,9 +170,17 @@ MemoryTrace read_memory_trace(const std::string& path) {
     for (const auto& part : t.at("plan")) trace.plan.emplace_back(part.at(0).get<std::string>(), part.at(1).get<int64_t>());
     for (const auto& e : t.at("events")) {
       TALLY_CHECK(e.is_array() && e.size() == 8, "memory trace '", path, "': an event is not an array of 8 numbers");
+      // A time, then integers (get<int64_t> read 1.7 bytes as 1); byte counts within what an
+      // allocation can be (2^62), so the sums the report makes cannot overflow.
+      bool integers = e[0].is_number();
+      for (size_t k = 1; k < 8; ++k) integers = integers && e[k].is_number_integer();
+      TALLY_CHECK(integers, "memory trace '", path, "': event ", trace.events.size(), " is ", e.dump(),
+                  ", expected a time and 7 integers");
       MemoryEvent ev;
       ev.time_us = e[0].get<double>();
       ev.delta = e[1].get<int64_t>();
+      TALLY_CHECK(ev.delta >= -(int64_t{1} << 62) && ev.delta <= (int64_t{1} << 62), "memory trace '", path, "': event ",
+                  trace.events.size(), " moves ", ev.delta, " bytes, more than an allocation can hold (2^62)");
       const int c = e[2].get<int>();
       const int64_t o = e[3].get<int64_t>();
       TALLY_CHECK(c >= 0 && c < kNumCategories && o >= 0 && o < static_cast<int64_t>(names.size()), "memory trace '", path,
@@ -190,7 +199,13 @@ MemoryTrace read_memory_trace(const std::string& path) {
     char first = 0;
     while (again.get(first) && std::isspace(static_cast<unsigned char>(first))) {
     }
+    // A document that ends inside itself was cut short (the parser ran out of input).
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(path, ec);
+    const bool cut_short = first == '{' && !ec && e.byte >= size;
     const char* what = first == '<' ? "an HTML page (a report; `--mem-trace F.json` writes the trace itself)"
+                       : cut_short  ? "a trace cut short: it ends inside the document (tally writes traces whole, "
+                                      "so this is a copy that did not finish)"
                                     : "a --log-json file, or not JSON at all";
     TALLY_FAIL("memory trace '", path, "' is not one JSON document (", e.what(),
                "): the memory tools read what `tally train --mem-trace F.json` writes; this looks like ", what);
