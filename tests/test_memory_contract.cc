@@ -592,6 +592,43 @@ TEST(SanitizerParameters, AGrowingGradientOfAnAliasOfAWeightIsCaught) {
   EXPECT_FALSE(mlp.w1.grad().defined()) << "the parameter itself received nothing";
 }
 
+// A parameter's gradient is tagged persistent when it is made. Dropped from the parameter
+// (set_grad(None), a set-to-none zero_grad) and kept by the caller, each step's gradient
+// stayed "persistent" and the sanitizer saw no growth at all (256 KiB a step here).
+TEST(SanitizerParameters, GradientsSetAsideAndKeptAreCaughtAsPersistentGrowth) {
+  TinyMlp mlp(256);
+  Recorder s;
+  std::vector<Tensor> kept;
+  for (int step = 0; step < 4; ++step) {
+    s.begin_step(step);
+    s.begin_microbatch(0);
+    ops::mean(mlp.forward(batch(8, 256, step))).backward();
+    s.end_microbatch();
+    kept.push_back(mlp.w1.grad());
+    mlp.w1.set_grad(Tensor());
+    mlp.w2.set_grad(Tensor());
+    s.end_step();
+  }
+  size_t growth = 0;
+  for (const auto& i : s.issues())
+    growth += i.kind == IssueKind::Growth && i.message.find("mlp.w1.grad") != std::string::npos &&
+              i.message.find("persistent memory went") != std::string::npos;
+  EXPECT_EQ(growth, 3u) << "one report a step from the second on";
+  // The same steps with the gradient dropped and not kept: flat, nothing to report.
+  kept.clear();
+  Recorder flat;
+  for (int step = 0; step < 4; ++step) {
+    flat.begin_step(step);
+    flat.begin_microbatch(0);
+    ops::mean(mlp.forward(batch(8, 256, step))).backward();
+    flat.end_microbatch();
+    mlp.w1.set_grad(Tensor());
+    mlp.w2.set_grad(Tensor());
+    flat.end_step();
+  }
+  EXPECT_TRUE(flat.issues().empty()) << flat.issues().front().message;
+}
+
 // ------------------------------------------------------------------ cycles (S3) named by S2
 TEST(SanitizerCycles, AHookCapturingItsOwnTensorIsNamedAsTheCycleThatKeepsItsGraphAlive) {
   TinyMlp mlp;

@@ -110,6 +110,30 @@ TEST(StorageRelease, ReturnsBytesImmediatelyAndViewsFailWithReleaserName) {
   }
 }
 
+// A storage saved for backward, released and given bytes again under another owner (ZeRO-3
+// gathers into the same storage): when the last saver went, the new allocation was retagged
+// an activation, a parameter's bytes counted as non-persistent activation memory.
+TEST(StorageRelease, ASaveBeforeAReleaseDoesNotRetagTheNextOwnersBytes) {
+  auto& L = runtime::ledger();
+  Tensor t = Tensor::zeros({1024}, DType::F32, Device::cpu(), make_owner(Category::Activation, "h.0.out"));
+  t.storage().add_saver();
+  EXPECT_EQ(t.storage().owner().category, Category::SavedForBackward);
+  t.storage().release("test.release");
+  t.storage().reacquire(make_owner(Category::Parameter, "gathered.w", /*persistent=*/true));
+  const int64_t non_persistent = L.stats().live_non_persistent;
+  t.storage().remove_saver();
+  EXPECT_EQ(t.storage().owner().category, Category::Parameter);
+  EXPECT_EQ(L.stats().live_non_persistent, non_persistent);
+  // Saved while held by a new activation owner, it is saved_for_backward again, and an
+  // activation after its last saver.
+  t.storage().add_saver();
+  t.storage().release("test.release");
+  t.storage().reacquire(make_owner(Category::Activation, "h.1.out"));
+  EXPECT_EQ(t.storage().owner().category, Category::SavedForBackward);
+  t.storage().remove_saver();
+  EXPECT_EQ(t.storage().owner().category, Category::Activation);
+}
+
 TEST(StorageHolders, ListsEveryViewOfAStorage) {
   Tensor base = Tensor::zeros({8}).set_name("base");
   Tensor a = base.slice(0, 0, 4).set_name("first_half");

@@ -30,6 +30,13 @@ void Storage::reacquire(const OwnerTag& owner) {
   allocation_ = allocator_->allocate(nbytes_, owner, weak_from_this());
   released_ = false;
   released_by_.clear();
+  // Tensors saved before the release still refer to this storage: the new bytes are saved
+  // for backward as add_saver() would have tagged them, if they are an activation.
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (savers_ > 0 && owner.category == Category::Activation) {
+    retag(Category::SavedForBackward);
+    retagged_by_save_ = true;
+  }
 }
 
 Storage::~Storage() {
@@ -48,6 +55,9 @@ void Storage::release(const std::string& releaser) {
   allocator_->free(allocation_);
   released_ = true;
   released_by_ = releaser;
+  // The save's retag was of the bytes just freed: the next owner's are not retagged back.
+  std::lock_guard<std::mutex> lock(mutex_);
+  retagged_by_save_ = false;
 }
 
 OwnerTag Storage::owner() const {

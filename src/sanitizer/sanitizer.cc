@@ -253,6 +253,28 @@ void Sanitizer::end_step() {
                                     " without a new allocation surviving (an allocation became non-persistent)");
     }
     baseline_live_ = b.live_non_persistent;
+    // S1 through a persistent tag: persistent bytes (model states) are flat once a step has
+    // made them (optimizer moments, in the first). A parameter's gradient is tagged
+    // persistent when made; set aside (set_grad(None)) and kept, it kept its tag and grew
+    // unseen. From the second step on, growth names the persistent allocations this step
+    // made that are still alive.
+    const int64_t persistent = b.allocated - b.live_non_persistent;
+    if (baseline_persistent_ >= 0 && !warming_up && persistent > baseline_persistent_) {
+      std::vector<LiveAllocation> made;
+      for (size_t i = 0; i < devices_.size(); ++i)
+        for (LiveAllocation& a : runtime::ledger(devices_[i]).live()) {
+          const bool this_step = a.owner.step == step_ && a.owner.microbatch != kBetweenSteps;
+          const bool before_it = a.owner.step == previous_step_ && a.owner.microbatch == kBetweenSteps;
+          if (a.owner.is_persistent() && a.id > first_id_[i] && (this_step || before_it)) made.push_back(std::move(a));
+        }
+      const std::string growth = "persistent memory went " + format_bytes(baseline_persistent_) + " -> " +
+                                 format_bytes(persistent) + " (model states are made once: one that was set aside, "
+                                 "such as a parameter's gradient dropped with set_grad and kept, is still tagged "
+                                 "persistent)";
+      if (!made.empty()) report_allocations(made, where, "tagged persistent and made in this step, while " + growth);
+      else report(IssueKind::Growth, "at " + where + " " + growth + ", without a persistent allocation of this step alive");
+    }
+    baseline_persistent_ = persistent;
   }
   boundaries_.push_back(b);
   ++steps_ended_;

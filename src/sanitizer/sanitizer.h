@@ -116,6 +116,7 @@ class Sanitizer : private autograd::EngineObserver {
   int64_t warmup_steps_ = 0;
   std::set<int64_t> in_flight_;
   int64_t baseline_live_ = 0;
+  int64_t baseline_persistent_ = -1;  // live persistent bytes at the last step's end (-1: none ended)
   std::vector<Issue> issues_;
   std::vector<Boundary> boundaries_;
   std::function<void(const Issue&)> printer_;
