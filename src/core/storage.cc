@@ -30,10 +30,14 @@ void Storage::reacquire(const OwnerTag& owner) {
   allocation_ = allocator_->allocate(nbytes_, owner, weak_from_this());
   released_ = false;
   released_by_.clear();
-  // Tensors saved before the release still refer to this storage: the new bytes are saved
-  // for backward as add_saver() would have tagged them, if they are an activation.
+  // Tensors saved before the release still refer to this storage: the new bytes are tagged
+  // as add_saver() tags them.
   std::lock_guard<std::mutex> lock(mutex_);
-  if (savers_ > 0 && owner.category == Category::Activation) {
+  if (savers_ > 0) tag_saved_activation();
+}
+
+void Storage::tag_saved_activation() {
+  if (!released_ && owner().category == Category::Activation) {
     retag(Category::SavedForBackward);
     retagged_by_save_ = true;
   }
@@ -75,10 +79,7 @@ void Storage::rename(const std::string& name) const {
 
 void Storage::add_saver() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (savers_++ == 0 && !released_ && owner().category == Category::Activation) {
-    retag(Category::SavedForBackward);
-    retagged_by_save_ = true;
-  }
+  if (savers_++ == 0) tag_saved_activation();
 }
 
 void Storage::remove_saver() {

@@ -83,6 +83,8 @@ class Storage : public std::enable_shared_from_this<Storage> {
 
  private:
   [[noreturn]] void fail_released(const std::string& user) const;
+  // An activation's bytes become saved_for_backward while a save refers to them (mutex_ held).
+  void tag_saved_activation();
 
   Allocation allocation_;
   int64_t nbytes_ = 0;  // what the storage holds when it holds anything

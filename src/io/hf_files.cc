@@ -370,14 +370,14 @@ Tensor hf_rows_from_meta(const Tensor& meta, int64_t heads) {
   return meta.view({heads, half, 2, cols}).transpose(1, 2).reshape({rows, cols});
 }
 
+// Called with each whole parameter once it is filled (load_hf's checksums).
+using WholeParameterRecord = std::function<void(size_t whole_index, const Tensor& filled)>;
+
 // Both loaders check every tensor's header entry first, then fill the model (whole, or a
 // tensor/pipeline shard) one whole parameter at a time, reading only the tensors it keeps
 // a part of (Transformer::fill_whole_parameters): a load holds at most one file tensor
 // beside the model (and LLaMA's q and k rows re-ordered once more; none where a tensor is
-// read straight into its parameter), never the file.
-// Called with each whole parameter once it is filled (load_hf's checksums).
-using WholeParameterRecord = std::function<void(size_t whole_index, const Tensor& filled)>;
-
+// read straight into its parameter), never the file. Each filled parameter goes to `record`.
 void load_llama(const HfSource& src, nn::Transformer& model, const WholeParameterRecord& record) {
   const auto& c = model.config();
   const nn::Transformer whole = nn::Transformer::layout_only(c);

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <memory>
 #include <string_view>
+#include <type_traits>
 #include <unordered_map>
 #include <set>
 #include <map>
@@ -72,11 +73,9 @@ class JsonStream {
     if (buffer_.size() >= kFlushBytes) flush();
     return *this;
   }
-  JsonStream& number(int64_t v) {
-    char text[24];
-    return raw(std::string_view(text, static_cast<size_t>(std::to_chars(text, text + sizeof(text), v).ptr - text)));
-  }
-  JsonStream& number(double v) {  // the shortest text that reads back as v, as nlohmann writes
+  // An int64, or a double as the shortest text that reads back as it (as nlohmann writes).
+  template <class Number> JsonStream& number(Number v) {
+    static_assert(std::is_same_v<Number, int64_t> || std::is_same_v<Number, double>);
     char text[32];
     return raw(std::string_view(text, static_cast<size_t>(std::to_chars(text, text + sizeof(text), v).ptr - text)));
   }

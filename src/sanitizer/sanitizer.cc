@@ -104,6 +104,12 @@ void Sanitizer::backward_begins(const std::vector<Tensor>& roots) {
     report(IssueKind::Cycle, "reference cycle in the autograd graph, which nothing can free: " + c);
 }
 
+bool Sanitizer::born_this_step(const LiveAllocation& a) const {
+  const bool this_step = a.owner.step == step_ && a.owner.microbatch != kBetweenSteps;
+  const bool before_it = a.owner.step == previous_step_ && a.owner.microbatch == kBetweenSteps;
+  return this_step || before_it;
+}
+
 bool Sanitizer::born_here(const LiveAllocation& a, const Device& d) const {
   const size_t i = static_cast<size_t>(std::find(devices_.begin(), devices_.end(), d) - devices_.begin());
   return !a.owner.is_persistent() && a.id > first_id_[i];
@@ -237,11 +243,8 @@ void Sanitizer::end_step() {
     const bool warming_up = steps_ended_ < warmup_steps_;
     std::vector<LiveAllocation> survivors;
     for (Device d : devices_)
-      for (LiveAllocation& a : runtime::ledger(d).live()) {
-        const bool this_step = a.owner.step == step_ && a.owner.microbatch != kBetweenSteps;
-        const bool before_it = a.owner.step == previous_step_ && a.owner.microbatch == kBetweenSteps;
-        if (born_here(a, d) && (this_step || before_it)) survivors.push_back(std::move(a));
-      }
+      for (LiveAllocation& a : runtime::ledger(d).live())
+        if (born_here(a, d) && born_this_step(a)) survivors.push_back(std::move(a));
     if (!survivors.empty() && !warming_up) {
       report_allocations(survivors, where,
                          "born in this step (or since the previous one) that are not persistent; live non-persistent "
@@ -262,11 +265,8 @@ void Sanitizer::end_step() {
     if (baseline_persistent_ >= 0 && !warming_up && persistent > baseline_persistent_) {
       std::vector<LiveAllocation> made;
       for (size_t i = 0; i < devices_.size(); ++i)
-        for (LiveAllocation& a : runtime::ledger(devices_[i]).live()) {
-          const bool this_step = a.owner.step == step_ && a.owner.microbatch != kBetweenSteps;
-          const bool before_it = a.owner.step == previous_step_ && a.owner.microbatch == kBetweenSteps;
-          if (a.owner.is_persistent() && a.id > first_id_[i] && (this_step || before_it)) made.push_back(std::move(a));
-        }
+        for (LiveAllocation& a : runtime::ledger(devices_[i]).live())
+          if (a.owner.is_persistent() && a.id > first_id_[i] && born_this_step(a)) made.push_back(std::move(a));
       const std::string growth = "persistent memory went " + format_bytes(baseline_persistent_) + " -> " +
                                  format_bytes(persistent) + " (model states are made once: one that was set aside, "
                                  "such as a parameter's gradient dropped with set_grad and kept, is still tagged "

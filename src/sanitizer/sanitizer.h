@@ -99,6 +99,8 @@ class Sanitizer : private autograd::EngineObserver {
 
   bool active() const { return mode_ != SanitizeMode::Off; }
   bool born_here(const memory::LiveAllocation& a, const Device& d) const;
+  // Whether `a` was born in the current step, or between the previous step and it.
+  bool born_this_step(const memory::LiveAllocation& a) const;
   Boundary measure(int64_t microbatch) const;
   std::vector<autograd::NodeInfo> surviving_nodes(int64_t step, std::optional<int64_t> microbatch) const;
   void report_nodes(const std::vector<autograd::NodeInfo>& nodes, const std::string& where, const char* why);

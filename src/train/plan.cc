@@ -557,6 +557,7 @@ MemoryPlan plan_steps(const PlanInput& in) {
     // staging buffers, whole units, reduce-scattered when complete.
     const int64_t head_units = padded(final_norm) + (c.tie_embeddings ? padded(embed) : 0);
     const std::string head_names = c.tie_embeddings ? "embeddings and final norm" : "final norm and head";
+    const size_t zero_parts_begin = rp.parts.size();  // ZeRO-2/3's parts at the start of backward: the last ones
     if (in.zero >= 2) rp.parts.emplace_back("gradient staging (" + head_names + ", whole units)", head_units);
     // ZeRO-3 has gathered the same units again for backward, and prefetched the last layer.
     if (in.zero == 3)
@@ -656,12 +657,8 @@ MemoryPlan plan_steps(const PlanInput& in) {
         zero_parts.push_back(zero_parts_at(last_layer - 1, "second-to-last layer", "last layer"));
       }
     }
-    auto is_zero_part = [](const std::pair<std::string, int64_t>& part) {
-      return part.first.rfind("gradient staging", 0) == 0 || part.first.rfind("gathered units", 0) == 0;
-    };
     int64_t zero_at_start = 0;
-    for (const auto& part : rp.parts)
-      if (is_zero_part(part)) zero_at_start += part.second;
+    for (size_t i = zero_parts_begin; i < rp.parts.size(); ++i) zero_at_start += rp.parts[i].second;
     auto total_at = [&](size_t m) {
       int64_t bytes = total(moments[m]);
       if (m < zero_parts.size()) {
@@ -677,10 +674,11 @@ MemoryPlan plan_steps(const PlanInput& in) {
     if (peak < moments.size()) {
       rp.parts[3] = {moments[peak].activations_name, moments[peak].activations};
       rp.parts[5] = {moments[peak].transient_name, moments[peak].transient};
-      if (moments[peak].in_forward) rp.parts.erase(rp.parts.begin() + 6);
-      if (peak < zero_parts.size()) {
-        std::erase_if(rp.parts, is_zero_part);
+      if (peak < zero_parts.size()) {  // (a backward moment: the loss stays, the parts keep their places)
+        rp.parts.erase(rp.parts.begin() + static_cast<std::ptrdiff_t>(zero_parts_begin), rp.parts.end());
         rp.parts.insert(rp.parts.end(), zero_parts[peak].begin(), zero_parts[peak].end());
+      } else if (moments[peak].in_forward) {
+        rp.parts.erase(rp.parts.begin() + 6);
       }
       rp.predicted_peak_bytes = at_peak;
     }

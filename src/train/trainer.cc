@@ -379,8 +379,8 @@ nn::TransformerConfig model_config(const std::string& preset, const std::string&
 TrainResult run_training(const TrainConfig& c, const dist::World& world, const std::function<void(const StepMetrics&)>& on_step) {
   validate(c);
   TALLY_CHECK(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, got ", c.zero);
-  // (Bounded so its size in bytes is an int64: a TiB per all-reduce is past any use.)
-  // (At least a byte: a smaller bucket truncated to 0 bytes.)
+  // (At least a byte: a smaller bucket truncated to 0 bytes. At most a TiB, so its size in
+  // bytes is an int64: past any use for one all-reduce.)
   TALLY_CHECK(c.bucket_mb * (1 << 20) >= 1 && c.bucket_mb <= 1048576,
               "--bucket-mb must be from one byte (2^-20) to 1048576 MiB, got ", c.bucket_mb);
   TALLY_CHECK(c.dp == 0 || c.dp == world.dp(), "--dp ", c.dp, " but the world is laid out as ", world.describe());
@@ -495,8 +495,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // run is allocated: its 12 MiB of operands are no part of the run's memory, and after the
   // model states they made a small run's memory report peak at the probe.
   TALLY_CHECK(c.dtype == "fp32" || c.dtype == "bf16", "--dtype must be fp32 or bf16, got '", c.dtype, "'");
-  runtime::backend(device).measured_gemm_peak_flops(c.dtype == "bf16" ? DType::BF16 : DType::F32);
-  const std::string gemm_note = runtime::backend(device).gemm_note(c.dtype == "bf16" ? DType::BF16 : DType::F32);
+  const DType matmul_dtype = c.dtype == "bf16" ? DType::BF16 : DType::F32;
+  runtime::backend(device).measured_gemm_peak_flops(matmul_dtype);
+  const std::string gemm_note = runtime::backend(device).gemm_note(matmul_dtype);
   if (!gemm_note.empty() && root) std::fprintf(stderr, "tally: note: %s\n", gemm_note.c_str());
   if (!c.mem_trace.empty()) ledger.enable_history(true, false);
   ledger.reset_peaks();  // set-up's peak is this run's (a process may have trained before)
@@ -621,8 +622,6 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   }
   model->set_recompute(nn::parse_recompute(c.recompute));
   model->move_to(device);  // built and loaded on the host; trained where --device says
-  TALLY_CHECK(c.dtype == "fp32" || c.dtype == "bf16", "--dtype must be fp32 or bf16, got '", c.dtype, "'");
-  const DType matmul_dtype = c.dtype == "bf16" ? DType::BF16 : DType::F32;
   TALLY_CHECK(matmul_dtype == DType::F32 || c.zero <= 2, "--dtype bf16 with --zero 3: the GEMMs read a bf16 copy of "
               "the whole parameter block, which ZeRO-3 does not keep; use --zero 2 or lower");
   std::unique_ptr<dist::PipelineStage> pipeline;
