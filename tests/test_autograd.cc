@@ -247,6 +247,29 @@ TEST(Checkpoint, GradientsEqualTheUncheckpointedRegion) {
   test::expect_close(w.grad(), gw, 0, 0, "dw");
 }
 
+// A region that reads a tensor with its own graph, not passed as one of its inputs: the
+// inner backward ran that tensor's nodes (the enclosing graph's) with the region's share
+// of the gradient alone and released them, so the enclosing backward then failed with
+// "backward through 'affine' a second time ... pass retain_graph=true", which names
+// neither the region nor the remedy. It is refused, naming the op, before any node runs.
+TEST(Checkpoint, ARegionReadingATensorWithAGraphOutsideItsInputsIsRefused) {
+  Tensor x = leaf({1.0});
+  Tensor y = x * 2.0;  // a graph of its own: MulBackward -> x
+  Tensor w = leaf({1.5});
+  auto region = [&](const std::vector<Tensor>& in) { return in[0] * y; };
+  Tensor loss = ops::sum(autograd::checkpoint(region, {w})) + ops::sum(y);
+  try {
+    loss.backward();
+    FAIL() << "no error; x.grad = " << x.grad().str();
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("checkpoint"), std::string::npos) << what;
+    EXPECT_NE(what.find("inputs"), std::string::npos) << what;
+    EXPECT_NE(what.find("'affine'"), std::string::npos) << what;  // the op that made y
+    EXPECT_EQ(what.find("second time"), std::string::npos) << what;
+  }
+}
+
 // What a recomputed region allocates in backward carries the region's own module path:
 // the inner backward names its nodes' paths as they are ("blk.inner:gelu_dx"), not
 // appended to the checkpoint node's ("blk.blk.inner:...").

@@ -20,6 +20,7 @@ struct CheckpointFn {
       detached.push_back(d);
     }
     Tensor out;
+    const uint64_t first_recomputed = next_sequence_nr();
     {
       set_grad_enabled(true);  // the engine runs backward under no-grad; recompute records
       struct Restore {
@@ -30,7 +31,7 @@ struct CheckpointFn {
     // One gradient per edge: none when the node was recorded as a source.
     std::vector<Tensor> input_grads(ctx.inputs_are_edges ? detached.size() : 0);
     if (out.requires_grad()) {
-      autograd::backward({out}, {grads[0]});
+      autograd::backward_within({out}, {grads[0]}, first_recomputed, "checkpoint");
       for (size_t i = 0; i < detached.size(); ++i)
         if (ctx.needs_input_grad(i)) input_grads[i] = detached[i].grad();
     }

@@ -86,7 +86,38 @@ struct EndNotice {
 
 }  // namespace
 
+namespace {
+// Where a backward may go: everywhere, or (for a recomputation) only to nodes recorded
+// from `first_sequence_nr` on and to leaves' accumulators.
+struct Boundary {
+  uint64_t first_sequence_nr = 0;
+  const char* region = nullptr;
+};
+
+void check_within(const Node& n, const Boundary& boundary) {
+  if (n.sequence_nr() >= boundary.first_sequence_nr || dynamic_cast<const AccumulateGrad*>(&n)) return;
+  TALLY_FAIL(boundary.region, ": the recomputed region reads a tensor made by '", n.name(), "'",
+             n.module_path().empty() ? std::string() : " [" + n.module_path() + "]",
+             " outside the region, with a graph of its own; pass that tensor in the region's inputs, so that its "
+             "gradient reaches the enclosing graph once, with the rest of its gradient");
+}
+
+void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_grads, bool retain_graph,
+                  const Boundary& boundary);
+}  // namespace
+
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_grads, bool retain_graph) {
+  run_backward(roots, root_grads, retain_graph, Boundary{});
+}
+
+void backward_within(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_grads,
+                     uint64_t first_sequence_nr, const char* region) {
+  run_backward(roots, root_grads, /*retain_graph=*/false, Boundary{first_sequence_nr, region});
+}
+
+namespace {
+void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_grads, bool retain_graph,
+                  const Boundary& boundary) {
   TALLY_CHECK(root_grads.empty() || root_grads.size() == roots.size(), "backward: ", roots.size(), " roots but ",
               root_grads.size(), " gradients");
   for (size_t i = 0; i < roots.size(); ++i) {
@@ -129,6 +160,7 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_
     while (!stack.empty()) {
       Node* n = stack.back();
       stack.pop_back();
+      check_within(*n, boundary);
       for (const Edge& e : n->next_edges()) {
         if (!e.node) continue;
         dependencies[e.node.get()]++;
@@ -214,5 +246,6 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_
     }
   }
 }
+}  // namespace
 
 }  // namespace tally::autograd

@@ -23,4 +23,12 @@ namespace tally::autograd {
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_grads = {},
               bool retain_graph = false);
 
+// The backward of a graph recorded from sequence number `first_sequence_nr` on (a
+// recomputed region's, inside the backward of the graph that encloses it). It may reach
+// older nodes only through leaves' accumulators: any other older node belongs to the
+// enclosing graph, whose own backward must run it once with every share of its gradient.
+// Reaching one is an error naming its op and `region`, raised before any node runs.
+void backward_within(const std::vector<Tensor>& roots, const std::vector<Tensor>& root_grads,
+                     uint64_t first_sequence_nr, const char* region);
+
 }  // namespace tally::autograd
