@@ -5,6 +5,9 @@
 // bench/run_cuda.sh runs them on a GPU machine.
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <tuple>
+
 #include "core/tensor.h"
 #include "memory/caching_allocator.h"
 #include "memory/report.h"
@@ -262,6 +265,32 @@ TEST(CudaKernels, CrossEntropyMatchesTheCpu) {
     d = cpu_vs_cuda(ce_bf16, {rnd({37, Vp}, 21), targets}, {true, false});
     EXPECT_LT(d.out, 1e-5) << V;  // both read the same bf16 logits; the loss is fp32
     EXPECT_LT(d.grad, 1e-2) << V;
+  }
+}
+
+// Masked logits (-inf): a thread whose first values were all -inf added exp(-inf - -inf),
+// a NaN, to its running sum, which stayed NaN once a finite value came (the CPU's
+// Ops.CrossEntropyOverManyVocabularyBlocksWithAMaskedPrefix case). Packed rows (2560 of
+// whole packs, 2500 valid, row 1's first 1100 masked) and plain ones (999, 997 valid, row
+// 2's first logit masked). Tolerances as in CrossEntropyMatchesTheCpu.
+TEST(CudaKernels, CrossEntropyMatchesTheCpuWithMaskedLogits) {
+  REQUIRE_GPU();
+  for (auto [V, Vp, row, masked] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{2500, 2560, 1, 1100},
+                                    {997, 999, 2, 1}}) {
+    std::vector<float> values = ops::scale(rnd({4, Vp}, 22), 3.0).to_vector<float>();
+    for (int64_t j = 0; j < masked; ++j)
+      values[static_cast<size_t>(row * Vp + j)] = -std::numeric_limits<float>::infinity();
+    const Tensor logits = Tensor::from_vector(values, {4, Vp});
+    const Tensor targets = Tensor::from_vector(std::vector<int32_t>{17, static_cast<int32_t>(V - 3), 600, -1}, {4});
+    for (bool bf16 : {false, true}) {
+      auto ce = [&](const std::vector<Tensor>& in) {
+        return ops::cross_entropy(bf16 ? ops::to_dtype(ops::scale(in[0], 1.0), DType::BF16) : ops::scale(in[0], 1.0),
+                                  in[1], V);
+      };
+      const DeviceDiff d = cpu_vs_cuda(ce, {logits, targets}, {true, false});
+      EXPECT_LT(d.out, bf16 ? 1e-5 : 1e-6) << V << (bf16 ? " bf16" : " fp32");
+      EXPECT_LT(d.grad, bf16 ? 1e-2 : 1e-5) << V << (bf16 ? " bf16" : " fp32");
+    }
   }
 }
 

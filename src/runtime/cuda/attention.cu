@@ -913,8 +913,15 @@ void validate(const AttentionGeometry& g, const char* op) {
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   if (g.Tk > kIntMax / 2 || g.B * g.H > kIntMax || g.B * g.KV > kIntMax)
     throw std::runtime_error(what + ": sizes too large for the CUDA kernels' grid");
-  if ((g.Tq + 63) / 64 > 65535 || (g.Tk + 63) / 64 > 65535)
-    throw std::runtime_error(what + ": sequence of " + std::to_string(g.Tk) + " too long for the CUDA kernels' grid");
+  // The forward's grid is (B*H, query tiles of at least 64 rows), the backward's (key tiles,
+  // B*KV): CUDA allows 65535 blocks along y.
+  if ((g.Tq + 63) / 64 > 65535)
+    throw std::runtime_error(what + ": sequence of " + std::to_string(g.Tq) + " queries too long for the CUDA kernels' grid");
+  if (g.B * g.KV > 65535)
+    throw std::runtime_error(what + ": batch " + std::to_string(g.B) + " x " + std::to_string(g.KV) +
+                             " key/value heads = " + std::to_string(g.B * g.KV) +
+                             " exceeds the 65535 blocks the backward kernels' grid allows (use a smaller batch or "
+                             "more gradient accumulation)");
 }
 
 // Whether an operand can move 16 bytes (8 bf16) at a time: aligned base, strides in whole chunks.

@@ -255,8 +255,11 @@ __global__ void cross_entropy_forward_kernel(float* losses, float* lse, const In
   __shared__ float scratch[32];
   const int64_t n = blockIdx.x;
   const In* row = logits + n * Vp;
+  // A masked logit (-inf) adds 0, and is skipped: while m is still -inf, exp(v - m) would
+  // be exp(-inf + inf), a NaN that the first finite value would not wash out.
   float m = -INFINITY, s = 0.f;
   auto add = [&](float v) {
+    if (v == -INFINITY) return;
     if (v > m) s = s * expf(m - v) + 1.f, m = v;  // s is 0 while m is -inf
     else s += expf(v - m);
   };
@@ -267,6 +270,7 @@ __global__ void cross_entropy_forward_kernel(float* losses, float* lse, const In
       float pm = to_float(x.v[0]);
 #pragma unroll
       for (int j = 1; j < kPack; ++j) pm = fmaxf(pm, to_float(x.v[j]));
+      if (pm == -INFINITY) continue;  // a wholly masked pack adds 0
       if (pm > m) s *= expf(m - pm), m = pm;
       float ps = 0.f;
 #pragma unroll
