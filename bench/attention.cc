@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
 
   const DType gemm_dtype = bf16 ? DType::BF16 : DType::F32;
   runtime::backend(Device::cpu()).measured_gemm_peak_flops(gemm_dtype);
-  std::vector<double> forward_ms, backward_ms;
+  std::vector<double> forward_ms, backward_ms, step_ms;  // step: one round's forward + backward
   memory::Ledger& ledger = runtime::ledger();
   int64_t ledger_growth = 0, rss_growth = 0;
   for (int r = 0; r < rounds + 1; ++r) {  // the first round warms caches and primitives
@@ -129,6 +129,7 @@ int main(int argc, char** argv) {
     }
     forward_ms.push_back((t1 - t0) * 1e3);
     backward_ms.push_back((t2 - t1) * 1e3);
+    step_ms.push_back((t2 - t0) * 1e3);
   }
 
   // Probed again now, the larger of the two, as bench_w1 does: a neighbour's burst can slow
@@ -154,13 +155,13 @@ int main(int argc, char** argv) {
         row.pass, row.s.min_ms, row.s.median_ms, tiles / 1e9, causal / 1e9, tiles / (row.s.min_ms * 1e-3) / 1e9,
         100.0 * floor_ms / row.s.min_ms, floor_ms);
   }
-  const Stats f = stats(forward_ms), b = stats(backward_ms);
+  const Stats f = stats(forward_ms), b = stats(backward_ms), s = stats(step_ms);
   std::printf(
       "{\"system\": \"tally\", \"forward_min_ms\": %.2f, \"forward_median_ms\": %.2f, \"backward_min_ms\": %.2f, "
-      "\"backward_median_ms\": %.2f, \"ledger_peak_growth_bytes\": %lld, \"peak_growth_bytes\": %lld, "
+      "\"backward_median_ms\": %.2f, \"step_min_ms\": %.2f, \"step_median_ms\": %.2f, \"ledger_peak_growth_bytes\": %lld, \"peak_growth_bytes\": %lld, "
       "\"gemm_peak_gflops\": %.0f, \"batch\": %lld, \"seq\": %lld, \"heads\": %lld, \"head_dim\": %lld, "
       "\"layers\": %lld, \"dtype\": \"%s\"}\n",
-      f.min_ms, f.median_ms, b.min_ms, b.median_ms, static_cast<long long>(ledger_growth),
+      f.min_ms, f.median_ms, b.min_ms, b.median_ms, s.min_ms, s.median_ms, static_cast<long long>(ledger_growth),
       static_cast<long long>(rss_growth), peak / 1e9, static_cast<long long>(B), static_cast<long long>(T),
       static_cast<long long>(H), static_cast<long long>(D), static_cast<long long>(L), dtype.c_str());
   return 0;

@@ -17,9 +17,16 @@ from cpu_table import kind, machine, mib, write_block  # noqa: E402
 
 
 def step(runs):
-    """Forward + backward (ms): the best over the runs, and the median of the runs' medians."""
-    return (min(r["forward_min_ms"] + r["backward_min_ms"] for r in runs),
-            statistics.median(r["forward_median_ms"] + r["backward_median_ms"] for r in runs))
+    """Forward + backward (ms): the best round over the runs, and the median of the runs' median
+    rounds. A round's forward and backward are timed together ("step_*"): the best forward and
+    the best backward may come from different rounds, and their sum from none. Runs written
+    before those fields existed give that sum."""
+    def best(r):
+        return r["step_min_ms"] if "step_min_ms" in r else r["forward_min_ms"] + r["backward_min_ms"]
+
+    def median(r):
+        return r["step_median_ms"] if "step_median_ms" in r else r["forward_median_ms"] + r["backward_median_ms"]
+    return min(best(r) for r in runs), statistics.median(median(r) for r in runs)
 
 
 def main():
@@ -52,7 +59,7 @@ def main():
     threads = first.get("threads", os.environ.get("OMP_NUM_THREADS", "?"))
     peer_name = next((r["system"].replace(" autocast(bfloat16)", "") for r in runs if r["system"] != "tally"), "PyTorch")
     block = [begin,
-             f"**{datetime.date.today()}**, {machine()}, {threads} threads, `bench/run_attention_scan.sh {rounds}`: "
+             f"**{datetime.date.today()}**, {machine()}, {threads} threads, `bench/run_attention_scan.sh {rounds} {threads}`: "
              f"causal attention alone, batch {first['batch']}, {first['heads']} heads of {first['head_dim']}, "
              f"{layers} layer{'s' if layers != 1 else ''}, forward and backward; {rounds} alternating "
              f"rounds of tally's blocked kernel (bench_attention) and {peer_name}'s eager attention "

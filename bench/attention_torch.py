@@ -40,6 +40,8 @@ def main():
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error("rounds must be at least 1")
     B, T, H, D, L = a.batch, a.seq, a.heads, a.head_dim, a.layers
     C = H * D
     torch.set_num_threads(a.threads)
@@ -55,7 +57,7 @@ def main():
         att = att.masked_fill(mask, float("-inf")).softmax(-1)
         return (att @ v).transpose(1, 2).reshape(B, T, C)
 
-    forward_ms, backward_ms, peak_growth = [], [], 0
+    forward_ms, backward_ms, step_ms, peak_growth = [], [], [], 0  # step: one round's forward + backward
     for r in range(a.rounds + 1):  # the first warms up, and its peak is the memory figure
         if r == 0:
             reset_peak_rss()
@@ -74,12 +76,15 @@ def main():
             continue
         forward_ms.append((t1 - t0) * 1e3)
         backward_ms.append((t2 - t1) * 1e3)
+        step_ms.append((t2 - t0) * 1e3)
     forward_ms.sort()
     backward_ms.sort()
+    step_ms.sort()
     print(json.dumps({"system": "pytorch " + torch.__version__ + (" autocast(bfloat16)" if a.dtype == "bf16" else ""),
                       "forward_min_ms": round(forward_ms[0], 2), "forward_median_ms": round(forward_ms[len(forward_ms) // 2], 2),
                       "backward_min_ms": round(backward_ms[0], 2),
                       "backward_median_ms": round(backward_ms[len(backward_ms) // 2], 2),
+                      "step_min_ms": round(step_ms[0], 2), "step_median_ms": round(step_ms[len(step_ms) // 2], 2),
                       "peak_growth_bytes": peak_growth, "batch": B, "seq": T, "heads": H, "head_dim": D,
                       "layers": L, "dtype": a.dtype, "threads": a.threads}))
 

@@ -1,16 +1,18 @@
 # Sourced by the bench/run_*.sh scripts that time tally against PyTorch; $root is the
 # repository.
 
-# prepare_peers BINARY...: builds tally if a BINARY (under build/) is missing and installs
-# Debian's PyTorch if /usr/bin/python3 has none. Debian's OpenBLAS does not recognize every
+# prepare_peers BINARY...: builds tally (incrementally: a binary older than the sources must
+# not be timed) and checks that each BINARY (under build/) is there, and installs Debian's
+# PyTorch if /usr/bin/python3 has none. Debian's OpenBLAS does not recognize every
 # CPU (on a Sapphire Rapids VM it picks its generic "Prescott" kernels, ~25 GFLOP/s), so
 # PyTorch gets the kernels of the widest vectors the CPU has by name (AVX-512's, or on a CPU
 # without it AVX2's: AVX-512 kernels there die of an illegal instruction) unless the caller
 # set a core type.
 prepare_peers() {
   local binary
+  bash "$root/scripts/build.sh"
   for binary in "$@"; do
-    [ -x "$root/build/$binary" ] || { bash "$root/scripts/build.sh"; break; }
+    [ -x "$root/build/$binary" ] || { echo "$(basename "$0"): the build made no build/$binary" >&2; exit 1; }
   done
   /usr/bin/python3 -c "import torch" 2>/dev/null || bash "$root/scripts/setup.sh" --torch
   local widest=Haswell
@@ -20,16 +22,32 @@ prepare_peers() {
 
 # record OUT TAGS COMMAND...: runs COMMAND, adds the fields of the JSON object TAGS to the
 # last line it prints (a JSON object), appends that to OUT and echoes it. A command that
-# ends without printing one stops the script, naming the command.
+# fails or ends without printing one stops the script, naming the command, its exit status
+# and the end of what it wrote to stderr.
 record() {
   local out="$1" tags="$2"; shift 2
-  local line
-  line="$("$@" 2>/dev/null | tail -1)" || true
-  if ! TAGS="$tags" /usr/bin/python3 -c \
+  local line status=0 errors
+  errors="$(mktemp)"
+  line="$("$@" 2>"$errors" | tail -1; exit "${PIPESTATUS[0]}")" || status=$?
+  if [ "$status" != 0 ] || ! TAGS="$tags" /usr/bin/python3 -c \
       "import json, os, sys; r = json.loads(sys.stdin.read()); r.update(json.loads(os.environ['TAGS'])); print(json.dumps(r))" \
       <<< "$line" >> "$out" 2>/dev/null; then
-    echo "$(basename "$0"): no JSON line from: $*" >&2
+    echo "$(basename "$0"): no JSON line (exit status $status) from: $*" >&2
+    tail -5 "$errors" | sed 's/^/  | /' >&2
+    rm -f "$errors"
     exit 1
   fi
+  rm -f "$errors"
   tail -1 "$out"
+}
+
+# begin_runs FINAL: where this script's raw runs go while it runs: FINAL.partial, emptied.
+# The runs replace FINAL (the data behind the table in RESULTS.md) only at the end
+# (finish_runs), so a run that fails leaves the committed runs and table as they were.
+begin_runs() {
+  : > "$1.partial"
+  echo "$1.partial"
+}
+finish_runs() {  # finish_runs FINAL
+  mv "$1.partial" "$1"
 }

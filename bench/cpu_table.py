@@ -7,6 +7,7 @@ the first time): each kind keeps its own latest table. Standard library only.
     usage: cpu_table.py RUNS.jsonl RESULTS.md         prints the kind with --kind"""
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -42,13 +43,23 @@ def machine():
     return f"{model} ({', '.join(isa) or 'no AVX-512'})"
 
 
-def kind():
-    """"amd" or "intel" for the AVX-512 machines the issue names; a CPU without AVX-512 (an
-    AVX2-only EPYC VM, where oneDNN has no bf16 kernel) is a kind of its own, "amd-avx2", so
-    that its table does not replace the AVX-512 machine's."""
-    _, vendor, flags = cpuinfo()
-    name = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(vendor, vendor.lower() or "unknown")
-    return name if " avx512f" in flags else name + "-avx2"
+# The kinds issue 12 names, by the features that make them that kind: each keeps its own
+# table, and a machine with fewer features must not replace it.
+NAMED_KINDS = {"AuthenticAMD": ("amd", "avx512_bf16"),  # Zen 4: AVX-512 with BF16, no AMX
+               "GenuineIntel": ("intel", "amx_bf16")}   # Sapphire Rapids: AVX-512 with BF16 and AMX
+
+
+def kind(info=None):
+    """"amd" or "intel" for the machines the issue names (AVX-512 with BF16; Intel's with AMX
+    too). Any other CPU is a kind of its own, named by its widest vectors: "amd-avx2" for an
+    AVX2-only EPYC VM (where oneDNN has no bf16 kernel), "intel-avx512" for an Ice Lake
+    without BF16 or AMX, so that its table does not replace the named machine's."""
+    _, vendor, flags = info or cpuinfo()
+    name, needs = NAMED_KINDS.get(vendor, (vendor.lower() or "unknown", None))
+    has = set(flags.split(":", 1)[-1].split())
+    if "avx512f" not in has:
+        return name + "-avx2"
+    return name if needs in has else name + "-avx512"
 
 
 def mib(b):
@@ -118,11 +129,17 @@ def main():
         rows.append(f"| {work} | tally | {t['min']:.0f} | {t['median']:.0f} | {t['tokens']:.0f} | {mib(t['alloc'])} / {mib(t['rss'])} "
                     f"| {t['pct']:.0f}% | **{p['median'] / t['median']:.2f}x** ({p['min'] / t['min']:.2f}x on min) |")
         rows.append(f"| {work} | {peer} | {p['min']:.0f} | {p['median']:.0f} | {p['tokens']:.0f} | – / {mib(p['rss'])} | | |")
+    if not rows:
+        sys.exit(f"cpu_table.py: {sys.argv[1]} has no work with both a tally run and a peer run")
     rounds = max(r["round"] for r in runs)
     threads = runs[0].get("threads", "?")
+    steps = sorted({r["steps"] for r in runs if "steps" in r})
+    command = os.environ.get("BENCH_COMMAND") or (
+        f"bench/run_cpu.sh {rounds}" + (f" {steps[0]}" if len(steps) == 1 else ""))
+    done = [w for w in WORKS if any(row.startswith(f"| {w} |") for row in rows)]
     peak_text = "; ".join(f"{w} ({d}): {lo:.0f}-{hi:.0f}" for w, (lo, hi, d) in peaks.items())
     block = [begin,
-             f"**{datetime.date.today()}**, {machine()}, {threads} threads, `bench/run_cpu.sh {rounds}`: "
+             f"**{datetime.date.today()}**, {machine()}, {threads} threads, `{command}`: "
              f"{rounds} alternating rounds, tally then the peer for each work, each run timing its steps after "
              f"two warm-up steps. GEMM peak measured by tally in the same runs (GFLOP/s, min-max over rounds; "
              f"bf16 = bf16 operands, fp32 accumulation): {peak_text}." + memory_text(runs),
@@ -130,7 +147,7 @@ def main():
              "| work | system | min ms | median ms | tokens/s | peak MiB (ledger / RSS) | % of GEMM peak | peer / tally |",
              "|---|---|---|---|---|---|---|---|"] + rows + [
              "",
-             "Works: " + "; ".join(f"{w} = {d}" for w, d in WORKS.items()) + ". Min and median are over every "
+             "Works: " + "; ".join(f"{w} = {WORKS[w]}" for w in done) + ". Min and median are over every "
              "timed step of every round (min: the best step; median: the median of the rounds' median steps). "
              "% of GEMM peak: the model's training FLOPs (6N + 6LCT per token) per second over the peak of the "
              "run's precision.",

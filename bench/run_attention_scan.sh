@@ -17,8 +17,8 @@ heads=12
 source "$root/bench/common.sh"
 prepare_peers bench/bench_attention
 export OMP_NUM_THREADS="$threads"
-out="$root/bench/attention_runs_$(python3 "$root/bench/cpu_table.py" --kind).jsonl"
-: > "$out"
+final="$root/bench/attention_runs_$(python3 "$root/bench/cpu_table.py" --kind).jsonl"
+out="$(begin_runs "$final")"
 available_kib=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo)
 for round in $(seq "$rounds"); do
   for T in $seqs; do
@@ -36,3 +36,4 @@ for round in $(seq "$rounds"); do
   done
 done
 python3 "$root/bench/attention_table.py" "$out" "$root/bench/RESULTS.md"
+finish_runs "$final"

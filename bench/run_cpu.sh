@@ -23,8 +23,10 @@ works="${BENCH_WORKS:-W1 W1-bf16 W3 W3-bf16}"
 source "$root/bench/common.sh"
 prepare_peers bench/bench_w1 bench/bench_memory
 export OMP_NUM_THREADS="$threads"
-out="$root/bench/cpu_runs_$(python3 "$root/bench/cpu_table.py" --kind).jsonl"
-: > "$out"
+case "$rounds$steps$threads" in *[!0-9]*) echo "bench/run_cpu.sh: rounds, steps and threads must be whole numbers" >&2; exit 2 ;; esac
+[ "$rounds" -ge 1 ] && [ "$steps" -ge 1 ] && [ "$threads" -ge 1 ] || { echo "bench/run_cpu.sh: rounds, steps and threads must be at least 1" >&2; exit 2; }
+final="$root/bench/cpu_runs_$(python3 "$root/bench/cpu_table.py" --kind).jsonl"
+out="$(begin_runs "$final")"
 shape() {  # the flags of a work's shape and precision
   case "$1" in
     W1) echo "--batch 4 --seq 64 --dtype fp32" ;;
@@ -46,7 +48,9 @@ for round in $(seq "$rounds"); do
     record "$out" "{\"work\": \"$work\", \"round\": $round}" /usr/bin/python3 "$root/bench/w1_torch.py" "$steps" "$threads" $flags
   done
 done
-python3 "$root/bench/cpu_table.py" "$out" "$root/bench/RESULTS.md"
+BENCH_COMMAND="$(printf 'BENCH_WORKS="%s" BENCH_SCAN=%s bench/run_cpu.sh %s %s %s' "$works" "${BENCH_SCAN:-1}" "$rounds" "$steps" "$threads")" \
+  python3 "$root/bench/cpu_table.py" "$out" "$root/bench/RESULTS.md"
+finish_runs "$final"
 if [ "${BENCH_SCAN:-1}" != 0 ]; then
   bash "$root/bench/run_attention_scan.sh" 2 "$threads"
 fi

@@ -60,6 +60,7 @@ int main(int argc, char** argv) {
   omp_set_num_threads(threads);
   const std::string preset = positional.size() > 2 ? positional[2] : "gpt2";
   if (B < 1 || T < 1) std::fprintf(stderr, "bench_w1: --batch and --seq must be positive\n"), std::exit(2);
+  if (steps < 1 || threads < 1) std::fprintf(stderr, "bench_w1: steps and threads must be at least 1\n"), std::exit(2);
   nn::Transformer model(nn::TransformerConfig::preset(preset));
   model.init_weights(1);
   if (dtype == "bf16") model.set_matmul_dtype(DType::BF16);
@@ -131,11 +132,11 @@ int main(int argc, char** argv) {
   std::printf(
       "{\"system\": \"tally\", \"model\": \"%s\", \"ms_per_step\": %.1f, \"min_ms\": %.1f, \"tokens_per_s\": %.0f, \"gemm_peak_gflops\": %.0f, "
       "\"pct_gemm_peak\": %.1f, \"peak_rss_bytes\": %lld, \"peak_allocated_bytes\": %lld, \"reserved_bytes\": %lld, "
-      "\"live_after_forward_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d, \"batch\": %lld, \"seq\": %lld, \"dtype\": \"%s\", \"grads\": \"%s\"}\n",
+      "\"live_after_forward_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d, \"batch\": %lld, \"seq\": %lld, \"dtype\": \"%s\", \"grads\": \"%s\", \"steps\": %d}\n",
       preset.c_str(), median, ms.front(), B * T / (median / 1e3), gemm_peak / 1e9, 100.0 * flops / (median / 1e3) / gemm_peak,
       static_cast<long long>(memory::peak_rss_bytes()), static_cast<long long>(ledger.stats().peak_allocated),
       static_cast<long long>(ledger.stats().reserved), static_cast<long long>(live_after_forward),
       static_cast<long long>(model.num_parameters()), loss_value, threads, static_cast<long long>(B),
-      static_cast<long long>(T), dtype.c_str(), zero_grads ? "zeroed" : "discarded");
+      static_cast<long long>(T), dtype.c_str(), zero_grads ? "zeroed" : "discarded", steps);
   return 0;
 }

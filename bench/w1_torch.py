@@ -4,7 +4,8 @@ training step, timed over several steps after two warm-up steps. Same model as t
 (pre-LN, tanh GELU, tied head, padded vocab 50304, loss over the first 50257 columns).
 --batch/--seq give other shapes (W3: --batch 1 --seq 1024); --dtype bf16 runs the forward
 under torch.autocast("cpu", dtype=torch.bfloat16), PyTorch's CPU mixed precision, with
-fp32 master weights and AdamW. Prints one JSON line.
+fp32 master weights and AdamW. The gradients are clipped to norm 1.0 before AdamW, as
+bench_w1 does. Prints one JSON line.
 usage: w1_torch.py [steps=10] [threads=2] [--batch B] [--seq T] [--dtype fp32|bf16]"""
 import argparse, contextlib, json, math, resource, time
 import torch
@@ -70,6 +71,8 @@ def main():
     ap.add_argument("--seq", type=int, default=T)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     a = ap.parse_args()
+    if a.steps < 1:
+        ap.error("steps must be at least 1")
     steps, threads, B, T = a.steps, a.threads, a.batch, a.seq
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if a.dtype == "bf16" else contextlib.nullcontext
     torch.set_num_threads(threads)
@@ -85,6 +88,7 @@ def main():
         with autocast():
             loss = model(x, y)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # bench_w1 clips at 1.0 too
         opt.step()
         opt.zero_grad(set_to_none=True)  # PyTorch 2's default; tally discards its gradients too
         dt = (time.perf_counter() - t0) * 1e3
@@ -96,7 +100,7 @@ def main():
                       "tokens_per_s": round(B * T / (median / 1e3)),
                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                       "params": params, "loss": round(loss.item(), 4), "threads": threads,
-                      "batch": B, "seq": T, "dtype": a.dtype}))
+                      "batch": B, "seq": T, "dtype": a.dtype, "steps": steps}))
 
 
 if __name__ == "__main__":
