@@ -88,9 +88,21 @@ bool Matmul::run(cudaStream_t stream, const Tensor& a_in, bool ta, const Tensor&
 
   // Row-major C (m x n) is column-major C^T (n x m): C^T = op(B)^T op(A)^T, so cuBLASLt's
   // first operand is B's storage read column-major (cols x rows), its second A's.
+  // The heuristic assumes 256-byte aligned operands unless told otherwise, and an algorithm
+  // it picks for those may refuse (CUBLAS_STATUS_NOT_SUPPORTED) operands that are less
+  // aligned, as a parameter's view inside the flat block can be: each operand's alignment
+  // (the largest power of two up to 256 dividing its address) is part of the plan.
+  auto alignment = [](const void* p) -> uint32_t {
+    const auto address = reinterpret_cast<uintptr_t>(p);
+    uint32_t a = 256;
+    while (a > 1 && address % a != 0) a /= 2;
+    return a;
+  };
+  const uint32_t align_a = alignment(B.data), align_b = alignment(A.data), align_c = alignment(c_in.raw_data());
   std::ostringstream key;
   key << m << ',' << n << ',' << k << ',' << opa << opb << ',' << A.ld << ',' << B.ld << ',' << ldc << ',' << at << ','
-      << ct << ',' << (bias.defined() ? static_cast<int>(bias_t) : -1) << ',' << (beta != 0.f);
+      << ct << ',' << (bias.defined() ? static_cast<int>(bias_t) : -1) << ',' << (beta != 0.f) << ',' << align_a << ','
+      << align_b << ',' << align_c;
   Plan*& plan = plans_[key.str()];
   if (!plan) {
     plan = new Plan();
@@ -113,6 +125,15 @@ bool Matmul::run(cudaStream_t stream, const Tensor& a_in, bool ta, const Tensor&
     TALLY_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     const uint64_t ws = kMatmulWorkspaceBytes;
     TALLY_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    // cuBLASLt's first operand is B's storage, its second A's (see above); C is also D.
+    TALLY_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
+                                                            sizeof(align_a)));
+    TALLY_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
+                                                            sizeof(align_b)));
+    TALLY_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c,
+                                                            sizeof(align_c)));
+    TALLY_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c,
+                                                            sizeof(align_c)));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, plan->op, plan->a, plan->b, plan->c, plan->c,
