@@ -5,6 +5,7 @@
 // bench/run_cuda.sh runs them on a GPU machine.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <limits>
 #include <tuple>
 
@@ -291,6 +292,26 @@ TEST(CudaKernels, CrossEntropyMatchesTheCpuWithMaskedLogits) {
       EXPECT_LT(d.out, bf16 ? 1e-5 : 1e-6) << V << (bf16 ? " bf16" : " fp32");
       EXPECT_LT(d.grad, bf16 ? 1e-2 : 1e-5) << V << (bf16 ? " bf16" : " fp32");
     }
+  }
+}
+
+// max and argmax over rows: the first maximum, and a NaN is the maximum of a row holding one
+// (its first), as on the CPU (Ops.MaxAndArgmaxPropagateTheFirstNaN). Rows longer than the
+// kernel's 256 threads, so the NaN and the ties meet in the block's reduction too.
+TEST(CudaKernels, MaxAndArgmaxMatchTheCpuWithTiesAndNaN) {
+  REQUIRE_GPU();
+  std::vector<float> v = rnd({4, 700}, 23).to_vector<float>();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  v[0 * 700 + 650] = nan, v[0 * 700 + 3] = 50.f;  // a NaN after the maximum
+  v[1 * 700 + 600] = nan, v[1 * 700 + 300] = nan;  // two NaNs: the first wins
+  v[2 * 700 + 511] = 9.f, v[2 * 700 + 257] = 9.f;  // a tie: the first wins
+  const Tensor x = Tensor::from_vector(v, {4, 700});
+  for (DType dt : {DType::F32, DType::BF16}) {
+    const Tensor host = x.to(dt), device = on(host, Device::cuda(0), false);
+    EXPECT_EQ(ops::argmax(device).to(Device::cpu()).to_vector<int64_t>(), ops::argmax(host.to(DType::F32)).to_vector<int64_t>());
+    EXPECT_EQ(ops::argmax(host.to(DType::F32)).to_vector<int64_t>(), (std::vector<int64_t>{650, 300, 257, ops::argmax(host.to(DType::F32)).to_vector<int64_t>()[3]}));
+    const std::vector<float> values = ops::max(device, 1).to(Device::cpu()).to(DType::F32).to_vector<float>();
+    EXPECT_TRUE(std::isnan(values[0]) && std::isnan(values[1]) && values[2] == 9.f);
   }
 }
 

@@ -6,6 +6,9 @@
 // any formula error (those show up at 1e-3 or worse). The gradcheck uses central
 // differences with eps 1e-6: truncation error ~eps^2 and rounding ~1e-16/eps, so a
 // relative error above 1e-6 means a wrong gradient.
+#include <cmath>
+#include <limits>
+
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -208,6 +211,23 @@ TEST(Gradcheck, Reductions) {
   Fn g = [](auto& in) { return ops::max(in[0], 1); };
   EXPECT_LT(test::gradcheck(g, {test::random_tensor({3, 5}, 4)}), kGradTol);
 }
+// A NaN is the maximum of any row holding one, at its first position, as in PyTorch: the
+// comparison alone skipped a NaN after the first element (max 3, argmax 2 for the first row)
+// and kept one in the first place (argmax 0 for a row whose maximum is elsewhere).
+TEST(Ops, MaxAndArgmaxPropagateTheFirstNaN) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (DType dt : {DType::F64, DType::F32}) {
+    const Tensor x = Tensor::from_vector(std::vector<double>{1, nan, 3, 2, nan, 1, 0, -1, 4, 7, 7, 5, 2, nan, 1, nan}, {4, 4}).to(dt);
+    const std::vector<double> values = ops::max(x, 1).to(DType::F64).to_vector<double>();
+    EXPECT_TRUE(std::isnan(values[0]) && std::isnan(values[1]) && std::isnan(values[3])) << dtype_name(dt);
+    EXPECT_EQ(values[2], 7) << dtype_name(dt);
+    EXPECT_EQ(ops::argmax(x).to_vector<int64_t>(), (std::vector<int64_t>{1, 0, 1, 1})) << dtype_name(dt);
+    // Along a leading dimension (strided rows): column 1 holds NaN at row 0, column 3 at row 3.
+    const std::vector<double> columns = ops::max(x, 0).to(DType::F64).to_vector<double>();
+    EXPECT_TRUE(std::isnan(columns[1]) && std::isnan(columns[3]) && std::isnan(columns[0])) << dtype_name(dt);
+  }
+}
+
 TEST(Gradcheck, MatmulWithTransposes) {
   for (bool ta : {false, true})
     for (bool tb : {false, true}) {

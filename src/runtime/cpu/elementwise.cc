@@ -297,10 +297,14 @@ void max_dim(const Tensor& values, const Tensor& indices, const Tensor& x, int64
     for (int64_t o = 0; o < outer; ++o)
       for (int64_t i = 0; i < inner; ++i) {
         const T* row = px + o * n * inner + i;
+        // The first maximum; a NaN is the maximum of a row holding one (its first, as in
+        // PyTorch): once best is NaN nothing compares greater, and nothing is sought.
         T best = row[0];
         int64_t arg = 0;
-        for (int64_t j = 1; j < n; ++j)
-          if (row[j * inner] > best) best = row[j * inner], arg = j;
+        for (int64_t j = 1; j < n && best == best; ++j) {
+          const T v = row[j * inner];
+          if (v > best || v != v) best = v, arg = j;
+        }
         pv[o * inner + i] = best;
         pi[o * inner + i] = arg;
       }

@@ -199,12 +199,13 @@ template <> __global__ void sum_squares_kernel(double* partial, const double* x,
 template <class T, class I>
 __global__ void argmax_rows_kernel(T* values, I* indices, const T* x, int64_t n) {
   const T* row = x + blockIdx.x * n;
-  // Each thread's first maximum (its indices rise), then the smallest index among equals.
+  // Each thread's first maximum (its indices rise), then the smallest index among equals. A
+  // NaN is the maximum of a row holding one (its first, as in PyTorch and the CPU).
   float best = -INFINITY;
   int64_t at = n;
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
     const float v = to_float(row[j]);
-    if (at == n || v > best) best = v, at = j;
+    if (at == n || v > best || (isnan(v) && !isnan(best))) best = v, at = j;
   }
   __shared__ float sv[1024];
   __shared__ int64_t si[1024];
@@ -215,7 +216,13 @@ __global__ void argmax_rows_kernel(T* values, I* indices, const T* x, int64_t n)
     if (threadIdx.x < s) {
       const float ov = sv[threadIdx.x + s];
       const int64_t oi = si[threadIdx.x + s];
-      if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) sv[threadIdx.x] = ov, si[threadIdx.x] = oi;
+      const float mv = sv[threadIdx.x];
+      const int64_t mi = si[threadIdx.x];
+      const bool other_nan = isnan(ov), mine_nan = isnan(mv);
+      const bool other_wins = other_nan != mine_nan ? other_nan
+                              : other_nan         ? oi < mi
+                                                  : ov > mv || (ov == mv && oi < mi);
+      if (other_wins) sv[threadIdx.x] = ov, si[threadIdx.x] = oi;
     }
     __syncthreads();
   }
