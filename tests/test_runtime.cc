@@ -424,6 +424,26 @@ TEST(VecMath, ExpIsFiniteWhereverTheTrueValueIs) {
   }
 }
 
+// Below -87.3 (where the clamp keeps 2^n a normal float) exp is 0: -inf, a masked score,
+// gave exp(-87.3) = 1.2e-38, so a masked entry of a softmax was not exactly 0. In the
+// one-value form and in exp_shifted's (vexp16 on AVX-512), every lane position; a NaN
+// stays NaN.
+TEST(VecMath, ExpOfMinusInfinityAndFarBelowIsZero) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float x : {-inf, -1e30f, -104.0f, -87.5f}) EXPECT_EQ(runtime::cpu::vexp(x), 0.0f) << x;
+  EXPECT_NEAR(runtime::cpu::vexp(-87.0f), std::exp(-87.0), 1e-6 * std::exp(-87.0));
+  EXPECT_TRUE(std::isnan(runtime::cpu::vexp(std::numeric_limits<float>::quiet_NaN())));
+  std::vector<float> x(37), out(37);
+  for (size_t j = 0; j < x.size(); ++j) x[j] = j % 3 == 0 ? -inf : -0.25f * static_cast<float>(j);
+  const float sum = runtime::cpu::exp_shifted(x.data(), 0.0f, 37, out.data(), nullptr);
+  double want = 0;
+  for (size_t j = 0; j < x.size(); ++j) {
+    if (j % 3 == 0) EXPECT_EQ(out[j], 0.0f) << j;
+    else want += out[j];
+  }
+  EXPECT_NEAR(sum, want, 1e-6 * want);
+}
+
 TEST(VecMath, ExpShiftedIsVexpInOnePassWithItsSumAndRounding) {
   // exp_shifted (softmax's numerators, vexp16 where the CPU has AVX-512) against vexp one
   // value at a time, over every length around the 16-lane blocking: the values within
@@ -458,8 +478,8 @@ TEST(VecMath, ExpShiftedIsVexpInOnePassWithItsSumAndRounding) {
     EXPECT_EQ(runtime::cpu::exp_shifted(x.data(), shift, n, nullptr, nullptr),
               runtime::cpu::exp_shifted(x.data(), shift, n, out.data(), nullptr)) << n;
   }
-  // vexp's range: clamped to a normal float at the bottom (no denormal reaches a GEMM) and
-  // a finite value at the top, -inf to that same smallest value, and NaN kept.
+  // vexp's range: 0 or a normal float at the bottom (no denormal reaches a GEMM; -inf and
+  // anything below -87.3 give 0), a finite value at the top, and NaN kept.
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> edge = {-1000.0f, -inf, -87.0f, 0.0f, 88.3f, 1000.0f, inf, nan};
   std::vector<float> got(edge.size());
@@ -467,7 +487,8 @@ TEST(VecMath, ExpShiftedIsVexpInOnePassWithItsSumAndRounding) {
   for (size_t j = 0; j + 1 < edge.size(); ++j) {
     const float want = runtime::cpu::vexp(edge[j]);
     EXPECT_NEAR(got[j], want, 2.4e-7 * want) << edge[j];
-    EXPECT_GE(got[j], std::numeric_limits<float>::min()) << edge[j];
+    EXPECT_TRUE(got[j] == 0.0f || got[j] >= std::numeric_limits<float>::min()) << edge[j];
+    EXPECT_EQ(got[j] == 0.0f, edge[j] < -87.3f) << edge[j];
     EXPECT_TRUE(std::isfinite(got[j])) << edge[j];
   }
   EXPECT_TRUE(std::isnan(got.back()));
