@@ -577,6 +577,31 @@ TEST(Hardening, ValidationDataThatIsAlsoTrainingDataIsWarnedAbout) {
   EXPECT_EQ(err.find("warning"), std::string::npos) << err;
 }
 
+// --zero shards over data-parallel ranks: on one it changes nothing, and the start-up line
+// said "ZeRO stage 1" as if memory were saved. Said, as the trainer says other flags that
+// would do nothing; --zero 0 says nothing.
+TEST(Hardening, ZeroWithOneDataParallelRankIsWarnedAbout) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("zero_one_rank.bin", 5000, 97, 4));
+  c.steps = 1;
+  c.quiet = false;
+  c.zero = 1;
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  train::run_training(c);
+  std::string err = ::testing::internal::GetCapturedStderr();
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  EXPECT_NE(err.find("warning: --zero 1 shards the optimizer state over data-parallel ranks; this run has one, so it "
+                     "saves nothing"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(out.find("ZeRO stage 1 over 1 data-parallel rank: nothing sharded"), std::string::npos) << out;
+  c.zero = 0;
+  ::testing::internal::CaptureStderr();
+  train::run_training(c);
+  err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("--zero"), std::string::npos) << err;
+}
+
 TEST(Hardening, BadOutputPathsFailBeforeTraining) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
   c.steps = 1000000;  // would take hours if the check came after training

@@ -56,7 +56,8 @@ void check_pipeline(PipelineSchedule schedule, int stages, int virtual_stages, i
                 stages, " (Megatron's schedule runs microbatches in groups of P), got ", microbatches);
   }
   TALLY_CHECK(layers >= static_cast<int64_t>(stages) * virtual_stages, "--pp ", stages, " x --virtual-stages ",
-              virtual_stages, " = ", stages * virtual_stages, " stages, but the model has only ", layers, " layers");
+              virtual_stages, " = ", static_cast<int64_t>(stages) * virtual_stages, " stages, but the model has only ",
+              layers, " layers");
   const int64_t others = static_cast<int64_t>(stages) * virtual_stages - 1;
   TALLY_CHECK(last_stage_layers == 0 || (last_stage_layers < layers && layers - last_stage_layers >= others),
               "--pp-last-stage-layers ", last_stage_layers, ": the other ", others, " stages need at least one of the ",

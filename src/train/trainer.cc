@@ -769,8 +769,14 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
                      .c_str()
                : "",
         c.recompute.c_str(), static_cast<long long>(model->num_parameters()), static_cast<long long>(parameter_count(mc)));
+  // ZeRO shards over the data-parallel ranks: with one, it changes nothing (said, not left
+  // for the start-up line to suggest otherwise).
+  if (c.zero > 0 && D == 1 && root)
+    std::fprintf(stderr, "tally: warning: --zero %d shards the optimizer state over data-parallel ranks; this run has "
+                 "one, so it saves nothing (launch more ranks with mpirun, or leave --zero out)\n", c.zero);
   log("parallel: %s, %s\n", world.describe().c_str(),
-      c.zero ? ("ZeRO stage " + std::to_string(c.zero)).c_str()
+      c.zero ? ("ZeRO stage " + std::to_string(c.zero) + (D == 1 ? " over 1 data-parallel rank: nothing sharded" : ""))
+                   .c_str()
              : (D > 1 ? "bucketed all-reduce of " + std::to_string(all_reduce->buckets().size()) + " buckets"
                      : model_parallel ? "no data parallel" : "one process")
                         .c_str());
