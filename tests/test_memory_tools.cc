@@ -177,6 +177,58 @@ TEST(MemoryTools, TheReportNamesAHoldersCategoryAsItIsAtThePeak) {
   EXPECT_EQ(table.find("<td>activation</td><td class='owner'>h.0.mlp:gelu"), std::string::npos) << table;
 }
 
+// The plan is of the training steps: the report set it beside the whole trace's peak, which
+// can come in the set-up (the GEMM probe) or after the last step (the end-of-run sample's
+// KV cache): "planned 107.14 MiB / measured 108.84 MiB" for a run whose steps matched the
+// plan to the byte. The measured figure beside the plan is now the steps' own, and the
+// run's peak outside them is named as such.
+TEST(MemoryTools, TheReportSetsThePlanBesideTheTrainingStepsPeak) {
+  auto event = [](double time, int64_t delta, int64_t step, int64_t microbatch, uint64_t id) {
+    memory::MemoryEvent e;
+    e.time_us = time, e.delta = delta, e.category = Category::Activation, e.name = intern_name("x"), e.id = id;
+    e.step = step, e.microbatch = microbatch;
+    return e;
+  };
+  const std::vector<memory::MemoryEvent> events = {
+      event(1, 3000, -1, -1, 1), event(2, -3000, -1, -1, 1),                // set-up's probe: 3000
+      event(3, 1000, 0, 0, 2), event(4, -1000, 0, 0, 2),                    // step 1: 1000
+      event(5, 1500, 1, -1, 3), event(6, -1500, 1, -1, 3),                  // step 2 (its optimizer): 1500
+      event(7, 2000, 1, kBetweenSteps, 4), event(8, -2000, 1, kBetweenSteps, 4)};  // the sample after it: 2000
+  const std::string page = test::temp_path("step_peak.html");
+  memory::write_html_report(page, events, {{"activations", 1500}});
+  const std::string html = test::read_all(page);
+  const size_t plan = html.find("id='plan'");
+  ASSERT_NE(plan, std::string::npos) << html;
+  const std::string table = html.substr(plan, html.find("</table>", plan) - plan);
+  EXPECT_NE(table.find("measured peak in the training steps</b></td><td><b>1.5 KiB"), std::string::npos) << table;
+  EXPECT_NE(table.find("outside the training steps (in the set-up), which the plan does not model</td><td>2.9 KiB"),
+            std::string::npos)
+      << table;
+}
+
+// The KV cache a sample makes is stamped with the clock, as every allocation is: born
+// "in step 0" (the set-up) it read as set-up memory in a report of a run that sampled at
+// its end.
+TEST(MemoryTools, AKvCacheIsStampedWithTheStepItIsMadeIn) {
+  const nn::Transformer model(nn::TransformerConfig::preset("d1"));
+  auto& ledger = runtime::ledger();
+  ledger.clear_history();
+  ledger.enable_history(true);
+  Clock::set(4, kBetweenSteps);
+  { const nn::KvCache cache = model.make_kv_cache(1, 8); }
+  Clock::set(-1, -1);
+  ledger.enable_history(false);
+  int kv = 0;
+  for (const memory::MemoryEvent& e : ledger.history())
+    if (name_of(e.name).find("kv_cache") != std::string::npos && e.delta > 0) {
+      ++kv;
+      EXPECT_EQ(e.step, 4);
+      EXPECT_EQ(e.microbatch, kBetweenSteps);
+    }
+  ledger.clear_history();
+  EXPECT_GT(kv, 0);
+}
+
 TEST(MemoryTools, DiffNamesTheOwnersThatGrewAndTheFirstStep) {
   const std::string a = traced_run("small", 2), b = traced_run("large", 4);
   const memory::MemoryTrace ta = memory::read_memory_trace(a), tb = memory::read_memory_trace(b);

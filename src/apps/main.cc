@@ -20,6 +20,7 @@
 #include "io/model_files.h"
 #include "memory/report.h"
 #include "nn/transformer.h"
+#include "runtime/backend.h"
 #include "train/plan.h"
 #include "train/plot.h"
 #include "train/sampler.h"
@@ -241,7 +242,7 @@ struct PlanArgs {
   int64_t pp_last_stage_layers = 0;
   std::string pp_schedule = "1f1b";
   bool val = false, json = false, chunked_loss = false, sp = false;
-  std::string dtype = "fp32", recompute = "none";
+  std::string dtype = "fp32", recompute = "none", device = "cpu";
 };
 
 int run_plan(const PlanArgs& a) {
@@ -274,7 +275,12 @@ int run_plan(const PlanArgs& a) {
   in.virtual_stages = a.virtual_stages;
   in.pp_last_stage_layers = a.pp_last_stage_layers;
   in.zero = a.zero;
-  in.val_loader = a.val;
+  // A GPU run's plan, made anywhere: cuBLASLt's workspace is on the device, the validation
+  // loader's buffers on the host (outside the device's ledger), as the trainer plans it.
+  const bool cpu = a.device == "cpu";
+  in.device = a.device;
+  in.library_workspace = runtime::library_workspace_bytes(cpu ? DeviceType::CPU : DeviceType::CUDA);
+  in.val_loader = a.val && cpu;
   in.bf16 = a.dtype == "bf16";
   in.loss_chunk_rows = a.chunked_loss ? nn::Transformer::default_loss_chunk_rows(in.model.padded_vocab_size) : 0;
   in.recompute = nn::parse_recompute(a.recompute);
@@ -594,13 +600,23 @@ int main(int argc, char** argv) {
       ->check(kPositiveInteger)->capture_default_str();
   q->add_option("--pp-last-stage-layers", pl.pp_last_stage_layers, "Layers of the last pipeline stage (0: even split)")
       ->check(kNonNegativeInteger)->capture_default_str();
-  q->add_option("--zero", pl.zero, "ZeRO stage 0-3")->capture_default_str();
+  q->add_option("--zero", pl.zero, "ZeRO stage 0-3")->check(CLI::Range(0, 3))->capture_default_str();
   q->add_flag("--val", pl.val, "The run validates (--val-data): count its loader's buffers");
   q->add_option("--dtype", pl.dtype, "GEMM precision of the run: fp32 or bf16 (mixed precision)")
       ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   q->add_flag("--chunked-loss", pl.chunked_loss, "The run fuses the head and the loss in chunks (--chunked-loss)");
   q->add_option("--recompute", pl.recompute, "The run's activation recomputation: none, selective or full (--recompute)")
       ->check(CLI::IsMember({"none", "selective", "full"}))->capture_default_str();
+  q->add_option("--device", pl.device, "Where the run trains: cpu, cuda or cuda:N (its GEMM library's workspace; "
+                                         "one process a GPU run, no ZeRO)")
+      ->check(CLI::Validator(
+          [](const std::string& d) {
+            const bool cuda_n = d.starts_with("cuda:") && d.size() > 5 && d.size() < 10 &&
+                                d.find_first_not_of("0123456789", 5) == std::string::npos;
+            return d == "cpu" || d == "cuda" || cuda_n ? std::string() : "expected cpu, cuda or cuda:N, got '" + d + "'";
+          },
+          "DEVICE"))
+      ->capture_default_str();
   q->add_flag("--json", pl.json, "Print the plan as JSON");
   auto* p = app.add_subcommand("plot", "Draw the loss curves of one or more runs (their --log-json files) into one SVG");
   p->add_option("logs", pa.logs, "Logs written by `tally train --log-json`")->required()->check(CLI::ExistingFile);

@@ -299,6 +299,10 @@ void write_html_report(const std::string& path, const std::vector<MemoryEvent>& 
   std::unordered_map<uint64_t, const MemoryEvent*> live;  // id -> its allocation
   int64_t total = 0, peak = 0;
   size_t peak_index = 0;
+  // The training steps' own peak, which the plan predicts: the highest total an allocation
+  // made inside a step reached (not the set-up's, nor what runs between steps: a
+  // validation, the end-of-run sample).
+  int64_t step_peak = 0;
   for (size_t i = 0; i < events.size(); ++i) {
     const MemoryEvent& ev = events[i];
     by_category[static_cast<int>(ev.category)] += ev.delta;
@@ -307,6 +311,7 @@ void write_html_report(const std::string& path, const std::vector<MemoryEvent>& 
       by_owner[ev.name] += ev.delta;
       if (ev.delta > 0) live[ev.id] = &ev;
       else live.erase(ev.id);
+      if (ev.delta > 0 && ev.step >= 0 && ev.microbatch != kBetweenSteps) step_peak = std::max(step_peak, total);
     }
     if (total > peak) peak = total, peak_index = i;
   }
@@ -389,7 +394,16 @@ void write_html_report(const std::string& path, const std::vector<MemoryEvent>& 
       html += "<tr><td class='owner'>" + escape_html(part) + "</td><td>" + format_bytes(bytes) + "</td></tr>";
     }
     html += "<tr><td class='owner'><b>planned peak</b></td><td><b>" + format_bytes(planned) + "</b></td></tr>"
-            "<tr><td class='owner'><b>measured peak</b></td><td><b>" + format_bytes(peak) + "</b></td></tr></table>";
+            "<tr><td class='owner'><b>measured peak in the training steps</b></td><td><b>" + format_bytes(step_peak) +
+            "</b></td></tr>";
+    if (peak > step_peak && !events.empty()) {
+      const MemoryEvent& at = events[peak_index];
+      const std::string where = at.step < 0 ? "in the set-up"
+                                            : "after step " + std::to_string(at.step + 1) + " (a validation or a sample)";
+      html += "<tr><td class='owner'>the run's peak, outside the training steps (" + where +
+              "), which the plan does not model</td><td>" + format_bytes(peak) + "</td></tr>";
+    }
+    html += "</table>";
   }
   std::vector<const MemoryEvent*> holders;
   for (auto& [id, ev] : live_at_peak) holders.push_back(ev);

@@ -487,6 +487,8 @@ KvCache Transformer::make_kv_cache(int64_t batch, int64_t capacity) const {
   tag.category = Category::Workspace;
   tag.persistent = true;  // lives across the decoding steps by design
   tag.name = intern_name("kv_cache");
+  tag.step = Clock::step();  // when it is made, as every allocation is stamped
+  tag.microbatch = Clock::microbatch();
   KvCache cache;
   const Shape shape = {batch, capacity, config_.n_kv_head, config_.head_dim()};
   for (int64_t l = 0; l < config_.n_layer; ++l) {

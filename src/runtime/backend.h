@@ -144,5 +144,12 @@ using DeviceCounter = int (*)();
 void register_backend(DeviceType type, BackendFactory factory, DeviceCounter count);
 // Number of devices of `type` this process can use (CPU: 1).
 int device_count(DeviceType type);
+// What library_workspace_bytes() is on a device of this type, known without one (a plan
+// for a GPU run made on a machine without a GPU): cuBLASLt's 32 MiB on CUDA, its
+// recommendation for Hopper; nothing on the CPU.
+inline constexpr int64_t kCudaMatmulWorkspaceBytes = int64_t{32} << 20;
+inline int64_t library_workspace_bytes(DeviceType type) {
+  return type == DeviceType::CUDA ? kCudaMatmulWorkspaceBytes : 0;
+}
 
 }  // namespace tally::runtime

@@ -142,35 +142,47 @@ MemoryPlan plan_memory(const PlanInput& in) {
   return plan;
 }
 
+void check_layout_flags(const LayoutFlags& f) {
+  TALLY_CHECK(f.zero >= 0 && f.zero <= 3, "--zero must be 0, 1, 2 or 3, got ", f.zero);
+  // One GPU a run for now: the communicator that would reduce between GPUs (NCCL) is not
+  // built yet, and MPI's moves host memory.
+  const bool cpu = f.device == "cpu";
+  TALLY_CHECK(cpu || f.world == 1, "--device ", f.device, " with ", f.world,
+              " processes: multi-GPU training needs the NCCL communicator, which tally does not have yet; "
+              "run one process per GPU run, or train on --device cpu under mpirun");
+  TALLY_CHECK(cpu || f.zero == 0, "--device ", f.device, " with --zero ", f.zero,
+              ": ZeRO shards over data-parallel GPUs, which need the NCCL communicator tally does not have yet");
+  TALLY_CHECK(!f.sequence_parallel || f.tp > 1, "--sp (sequence parallel) shards along the sequence over the "
+              "tensor-parallel group: it needs --tp > 1");
+  TALLY_CHECK(!f.sequence_parallel || f.seq_len % f.tp == 0, "--sp: --seq-len ", f.seq_len, " must divide into --tp ",
+              f.tp, " ranks");
+  TALLY_CHECK(f.tp * f.pp == 1 || f.zero <= 1, "--zero ", f.zero, " with --tp/--pp: the model is already sharded by "
+              "tensor and pipeline parallelism; use --zero 1 (optimizer state sharded over the data-parallel group)");
+  TALLY_CHECK(!f.bf16 || f.zero <= 2, "--dtype bf16 with --zero 3: the GEMMs read a bf16 copy of the whole parameter "
+              "block, which ZeRO-3 does not keep; use --zero 2 or lower");
+  TALLY_CHECK(!f.chunked_loss || f.tp == 1, "--chunked-loss with --tp: the tensor-parallel loss is vocabulary-parallel "
+              "already (no rank holds the whole logits)");
+}
+
 namespace {
 MemoryPlan plan_steps(const PlanInput& in) {
   const auto& c = in.model;
   c.validate();
-  TALLY_CHECK(in.zero >= 0 && in.zero <= 3, "plan: --zero must be 0, 1, 2 or 3, got ", in.zero);
   TALLY_CHECK(in.world >= 1, "plan: --world must be at least 1, got ", in.world);
   TALLY_CHECK(in.tp >= 1 && in.pp >= 1 && in.world % checked_mul(in.tp, in.pp, "plan: --tp x --pp") == 0, "plan: --world ", in.world,
               " is not a multiple of --tp ", in.tp, " x --pp ", in.pp);
-  TALLY_CHECK(!in.sequence_parallel || in.tp > 1, "plan: --sp needs --tp 2 or more");
+  check_layout_flags({in.world, in.tp, in.pp, in.sequence_parallel, in.seq_len, in.zero, in.bf16, in.loss_chunk_rows > 0,
+                      in.device});
   const int64_t TP = in.tp;
-  TALLY_CHECK(c.n_head % TP == 0 && c.n_kv_head % TP == 0 && c.ffn_dim() % TP == 0 && c.padded_vocab_size % TP == 0,
-              "plan: --tp ", TP, " must divide the heads (", c.n_head, "), the kv heads (", c.n_kv_head,
-              "), the MLP width (", c.ffn_dim(), ") and the padded vocabulary (", c.padded_vocab_size, ")");
-  TALLY_CHECK(!(TP > 1 && in.zero >= 2), "plan: --zero ", in.zero, " with --tp: the model is already sharded by tensor "
-              "parallelism; use --zero 1 (as tally train says)");
-  TALLY_CHECK(!(in.bf16 && in.zero == 3), "plan: --dtype bf16 with --zero 3: the GEMMs read a bf16 copy of the whole "
-              "parameter block, which ZeRO-3 does not keep; use --zero 2 or lower (as tally train says)");
-  TALLY_CHECK(!(TP > 1 && in.loss_chunk_rows > 0), "plan: --chunked-loss does not run with --tp");
   // D: the data-parallel ranks, over which ZeRO shards and the loss is averaged.
   const int64_t PP = in.pp;
   const dist::PipelineSchedule schedule = dist::parse_pipeline_schedule(in.pp_schedule);
   // As tally train checks them (a flag that needs --pp > 1 without it, too).
   dist::check_pipeline(schedule, static_cast<int>(PP), in.virtual_stages, in.grad_accum, c.n_layer,
                        in.pp_last_stage_layers);
-  TALLY_CHECK(PP == 1 || in.zero <= 1, "plan: --zero ", in.zero, " with --pp: use --zero 1 (as tally train says)");
   const int64_t D = in.world / (TP * PP), B = in.batch_size, T = in.seq_len, C = c.n_embd, H = c.n_head, L = c.n_layer;
   const int64_t Vp = c.padded_vocab_size;
   const int64_t BT = checked_mul(B, T, "plan: --batch-size x --seq-len");
-  TALLY_CHECK(!in.sequence_parallel || T % TP == 0, "plan: --seq-len ", T, " must divide by --tp ", TP, " with --sp");
   // Rows of what sequence parallelism shards (norms, residuals): B*T/tp with --sp.
   const int64_t sp_rows = in.sequence_parallel ? BT / TP : BT;
 
@@ -632,9 +644,11 @@ MemoryPlan plan_steps(const PlanInput& in) {
     // `unit`: the layer's; `layer` names it, `after` the unit after it.
     auto zero_parts_at = [&](size_t unit, const std::string& layer, const std::string& after) {
       Parts parts;
-      parts.emplace_back("gradient staging (the " + layer + "'s; the " + after + "'s, and its reduce-scatter piece in "
-                             "flight" + (c.tie_embeddings ? "; the embeddings'" : "") + ")",
-                         sum({padded(unit), padded(unit + 1), padded(unit + 1) / D, c.tie_embeddings ? padded(embed) : 0}));
+      parts.emplace_back("gradient staging (the " + layer + "'s; the " + after + "'s" +
+                             (c.tie_embeddings ? "; the embeddings'" : "") + ")",
+                         sum({padded(unit), padded(unit + 1), c.tie_embeddings ? padded(embed) : 0}));
+      // (The ledger tags the piece a reduce-scatter fills as communication.)
+      parts.emplace_back("communication (the " + after + "'s reduce-scatter piece, in flight)", padded(unit + 1) / D);
       if (in.zero == 3)
         parts.emplace_back("gathered units (the " + layer + ", the unit before it prefetched)",
                            sum({padded(unit), padded(unit - 1)}));
@@ -723,8 +737,8 @@ MemoryPlan plan_steps(const PlanInput& in) {
     // embedding gathered from the head's backward to the embedding's.
     if (in.zero >= 2) {
       Parts held = {{"loss", in.grad_accum * D > 1 ? 2 * kFloat : kFloat},
-                    {"gradient staging (embeddings, whole unit) and its reduce-scatter piece, at the end of backward",
-                     checked_add(padded(embed), padded(embed) / D, "plan")}};
+                    {"gradient staging (embeddings, whole unit), at the end of backward", padded(embed)},
+                    {"communication (the embeddings' reduce-scatter piece, at the end of backward)", padded(embed) / D}};
       if (in.zero == 3 && c.tie_embeddings) held.emplace_back("gathered unit (embeddings)", padded(embed));
       consider_without_activations(held);
     }

@@ -79,10 +79,11 @@
 // last layer prefetched. ZeRO-1/2 have a second candidate, the optimizer step's all-gather
 // of the largest unit D does not divide (send piece c, receive buffer D*c, over the model
 // states and the loader; a unit of D equal pieces is gathered in place): the plan takes
-// the larger. Not modeled, and flagged in the notes: ZeRO-2/3's
-// two layer units in flight later in backward, which can exceed the start of backward when
-// the logits are small (B*T < 282 for GPT-2 124M, < 1223 for 1.5B), and ZeRO-3's gather of
-// the embeddings in forward when they outweigh the activations.
+// the larger. ZeRO-2/3's two layer units in flight later in backward (which exceed the start
+// of backward when the logits are small: B*T < 282 for GPT-2 124M, < 1223 for 1.5B) are
+// planned at the last and second-to-last layers' MLP backward, a reduce-scatter piece in
+// flight as "communication", as the ledger tags it. Not modeled, and flagged in the notes:
+// ZeRO-3's gather of the embeddings in forward when they outweigh the activations.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -93,6 +94,21 @@
 #include "nn/transformer.h"
 
 namespace tally::train {
+
+// The checks of a run's layout flags that tally train and tally plan share, in the same
+// words: what one refuses, the other refuses alike. (The pipeline's flags have theirs in
+// dist::check_pipeline, the tensor-parallel splits theirs in the model's layout.)
+struct LayoutFlags {
+  int64_t world = 1;  // ranks
+  int tp = 1, pp = 1;
+  bool sequence_parallel = false;  // --sp
+  int64_t seq_len = 64;
+  int zero = 0;
+  bool bf16 = false;  // --dtype bf16
+  bool chunked_loss = false;
+  std::string device = "cpu";  // --device, as given
+};
+void check_layout_flags(const LayoutFlags& f);
 
 struct PlanInput {
   nn::TransformerConfig model;
@@ -105,6 +121,7 @@ struct PlanInput {
   bool bf16 = false;  // --dtype bf16: mixed precision (see below)
   int64_t loss_chunk_rows = 0;  // --chunked-loss: rows per chunk of the fused head and loss (0: off)
   int64_t library_workspace = 0;  // the device's GEMM library workspace (cuBLASLt's on a GPU), bytes
+  std::string device = "cpu";  // --device: what the layout checks name (the workspace above is its cost)
   nn::Recompute recompute = nn::Recompute::None;  // --recompute (see below)
   // The pipeline (--pp, --pp-schedule, --virtual-stages, --pp-last-stage-layers); world =
   // dp x tp x pp.

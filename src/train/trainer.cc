@@ -378,7 +378,9 @@ nn::TransformerConfig model_config(const std::string& preset, const std::string&
 
 TrainResult run_training(const TrainConfig& c, const dist::World& world, const std::function<void(const StepMetrics&)>& on_step) {
   validate(c);
-  TALLY_CHECK(c.zero >= 0 && c.zero <= 3, "--zero must be 0, 1, 2 or 3, got ", c.zero);
+  // The layout flags' checks, as tally plan makes them (train/plan.h).
+  check_layout_flags({world.size(), world.tp(), world.pp(), c.sequence_parallel, c.seq_len, c.zero, c.dtype == "bf16",
+                      c.chunked_loss, c.device});
   // (At least a byte: a smaller bucket truncated to 0 bytes. At most a TiB, so its size in
   // bytes is an int64: past any use for one all-reduce.)
   TALLY_CHECK(c.bucket_mb * (1 << 20) >= 1 && c.bucket_mb <= 1048576,
@@ -391,14 +393,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   };
   dist::Communicator& dp_group = world.dp_group();
   const int64_t D = world.dp(), dp_rank = world.dp_rank();
-  // Where the model trains. A GPU run is one process for now: the communicator that
-  // would reduce between GPUs (NCCL) is not built yet, and MPI's moves host memory.
+  // Where the model trains (one process a GPU run: check_layout_flags, above).
   const Device device = parse_device(c.device);
-  TALLY_CHECK(device.is_cpu() || world.size() == 1, "--device ", c.device, " with ", world.size(),
-              " processes: multi-GPU training needs the NCCL communicator, which tally does not have yet; "
-              "run one process per GPU run, or train on --device cpu under mpirun");
-  TALLY_CHECK(device.is_cpu() || c.zero == 0, "--device ", c.device, " with --zero ", c.zero,
-              ": ZeRO shards over data-parallel GPUs, which need the NCCL communicator tally does not have yet");
   // A batch's tokens on the training device (the loader fills host buffers).
   auto on_device = [&](const Tensor& t) {
     if (t.device() == device) return t;
@@ -517,12 +513,6 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   const bool model_parallel = TP * PP > 1;
   const dist::PipelineSchedule schedule = dist::parse_pipeline_schedule(c.pp_schedule);
   dist::check_pipeline(schedule, PP, c.virtual_stages, c.grad_accum, mc.n_layer, c.pp_last_stage_layers);
-  TALLY_CHECK(!c.sequence_parallel || TP > 1, "--sp (sequence parallel) shards along the sequence over the tensor-parallel "
-              "group: it needs --tp > 1");
-  TALLY_CHECK(!c.sequence_parallel || c.seq_len % TP == 0, "--sp: --seq-len ", c.seq_len, " must divide into --tp ", TP,
-              " ranks");
-  TALLY_CHECK(!model_parallel || c.zero <= 1, "--zero ", c.zero, " with --tp/--pp: the model is already sharded by "
-              "tensor and pipeline parallelism; use --zero 1 (optimizer state sharded over the data-parallel group)");
   const nn::ModelShard shard = model_parallel ? dist::pipeline_shard(mc.n_layer, PP, world.pp_rank(), c.virtual_stages,
                                                                      TP, world.tp_rank(), c.pp_last_stage_layers)
                                               : nn::ModelShard{};
@@ -622,8 +612,6 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   }
   model->set_recompute(nn::parse_recompute(c.recompute));
   model->move_to(device);  // built and loaded on the host; trained where --device says
-  TALLY_CHECK(matmul_dtype == DType::F32 || c.zero <= 2, "--dtype bf16 with --zero 3: the GEMMs read a bf16 copy of "
-              "the whole parameter block, which ZeRO-3 does not keep; use --zero 2 or lower");
   std::unique_ptr<dist::PipelineStage> pipeline;
   if (PP > 1) pipeline = std::make_unique<dist::PipelineStage>(*model, world.pp_group(), schedule, c.virtual_stages);
   // The optimizer: AdamW over the whole block, or ZeRO over the data-parallel group
@@ -638,8 +626,6 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (zero && zero->stage() >= 2) model->set_residency(zero.get());
   // After the optimizer: its state is allocated first, as the plan orders the parts.
   model->set_matmul_dtype(matmul_dtype);
-  TALLY_CHECK(!c.chunked_loss || TP == 1, "--chunked-loss with --tp: the tensor-parallel loss is vocabulary-parallel "
-              "already (no rank holds the whole logits)");
   const int64_t loss_chunk_rows = c.chunked_loss ? nn::Transformer::default_loss_chunk_rows(mc.padded_vocab_size) : 0;
   model->set_loss_chunk_rows(loss_chunk_rows);
   // Plain data parallel and ZeRO-1 average full gradients with bucketed all-reduces.
@@ -868,6 +854,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     pi.val_loader = val_loader != nullptr && device.is_cpu();
     pi.bf16 = matmul_dtype == DType::BF16;
     pi.library_workspace = runtime::backend(device).library_workspace_bytes();
+    pi.device = c.device;
     pi.loss_chunk_rows = loss_chunk_rows;
     pi.recompute = model->recompute();
     const MemoryPlan plan = plan_memory(pi);

@@ -11,11 +11,12 @@
 #include <string>
 
 #include "core/tensor.h"
+#include "runtime/backend.h"
 
 namespace tally::runtime::cuda {
 
-// cuBLASLt's workspace: 32 MiB, its recommendation for Hopper.
-inline constexpr int64_t kMatmulWorkspaceBytes = int64_t{32} << 20;
+// cuBLASLt's workspace (runtime/backend.h says its size where no GPU is).
+inline constexpr int64_t kMatmulWorkspaceBytes = kCudaMatmulWorkspaceBytes;
 
 class Matmul {
  public:
