@@ -208,12 +208,10 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForZeroInOneProcess) {
     for (const memory::OwnerBytes& o : runtime::ledger().peak_owners()) measured_kinds[train::memory_kind(o.category)] += o.bytes;
     std::erase_if(planned_kinds, [](const auto& kv) { return kv.second == 0; });
     std::erase_if(measured_kinds, [](const auto& kv) { return kv.second == 0; });
-    // (Not under full recomputation: there the recomputed layer's input gradient is the
-    // .grad of the region's detached input, which the ledger tags a gradient, and the plan
-    // counts as the transient activation gradient it is: 32 KiB the two file differently.)
-    if (k.recompute != "full") {
-      EXPECT_EQ(measured_kinds, planned_kinds) << what;
-    }
+    // (Under full recomputation the recomputed layer's input gradient, the .grad of the
+    // region's detached input, was tagged a gradient: 32 KiB the plan counts, rightly, as
+    // the activation gradient it is.)
+    EXPECT_EQ(measured_kinds, planned_kinds) << what;
     if (k.model == "gpt2_tiny.bin") {
       EXPECT_TRUE(plan.notes.empty()) << what << ": " << plan.notes.front();
     }

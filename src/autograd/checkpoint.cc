@@ -32,8 +32,13 @@ struct CheckpointFn {
     std::vector<Tensor> input_grads(ctx.inputs_are_edges ? detached.size() : 0);
     if (out.requires_grad()) {
       autograd::backward_within({out}, {grads[0]}, first_recomputed, "checkpoint");
-      for (size_t i = 0; i < detached.size(); ++i)
-        if (ctx.needs_input_grad(i)) input_grads[i] = detached[i].grad();
+      for (size_t i = 0; i < detached.size(); ++i) {
+        if (!ctx.needs_input_grad(i)) continue;
+        input_grads[i] = detached[i].grad();
+        // An activation's gradient, passed on to the enclosing graph: the accumulator made
+        // it a leaf's .grad, which the ledger would count among the model's gradients.
+        if (input_grads[i].defined()) input_grads[i].storage().retag(Category::Activation);
+      }
     }
     return input_grads;  // `detached`, their grads' other owners and `out` die here
   }
