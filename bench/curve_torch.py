@@ -15,7 +15,7 @@ What it mirrors, from src/train/trainer.cc and src/data/loader.cc:
     validation reads batches 0..n-1 of the validation shard, mean of their losses;
   - AdamW (betas, eps, decoupled weight decay on 2-D weights only), the global gradient
     norm clipped to max/(norm+1e-6), linear warm-up lr*(k+1)/warmup then cosine to
-    lr*min_lr_frac over the remaining steps.
+    lr*min_lr_frac, reached on the last step.
 
 usage: curve_torch.py MODEL_BIN TRAIN_BIN VAL_BIN OUT_JSONL [--dtype fp32|bf16|fp64] [--steps 300]
        [--batch 16] [--seq 64] [--lr 3e-3] [--warmup 30] [--min-lr-frac 0.1] [--weight-decay 0.1]
@@ -117,7 +117,8 @@ def learning_rate(a, step):
     if a.warmup > 0 and step < a.warmup:
         return a.lr * (step + 1) / a.warmup
     min_lr = a.lr * a.min_lr_frac
-    progress = min(1.0, (step - a.warmup) / max(a.steps - a.warmup, 1))
+    decay = a.steps - 1 - a.warmup  # min_lr on the last step, as tally's learning_rate()
+    progress = 0.0 if decay <= 0 else min(1.0, (step - a.warmup) / decay)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (a.lr - min_lr)
 
 

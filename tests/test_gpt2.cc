@@ -524,16 +524,26 @@ TEST(Trainer, ResumeIsBitExact) {
   }
 }
 
+// The cosine ends at --min-lr-frac on the last step that trains (step steps-1): it used to
+// reach it one step after the run, so the last step ran above it (a 10-step run with 3 of
+// warm-up ended at 1.45e-3 for a final 1e-3; two steps without warm-up ended half-way).
 TEST(Trainer, LearningRateScheduleWarmsUpThenDecays) {
   train::TrainConfig c;
   c.lr = 1.0;
-  c.steps = 110;
+  c.steps = 111;
   c.warmup_steps = 10;
   c.min_lr_frac = 0.1;
   EXPECT_DOUBLE_EQ(train::learning_rate(c, 0), 0.1);
   EXPECT_DOUBLE_EQ(train::learning_rate(c, 9), 1.0);
+  EXPECT_DOUBLE_EQ(train::learning_rate(c, 10), 1.0);
   EXPECT_NEAR(train::learning_rate(c, 60), 0.55, 1e-12);
-  EXPECT_NEAR(train::learning_rate(c, 110), 0.1, 1e-12);
+  EXPECT_NEAR(train::learning_rate(c, 110), 0.1, 1e-12);  // the last step
+  c.steps = 11;  // one step after the warm-up: the peak (the cosine has nowhere to go)
+  EXPECT_DOUBLE_EQ(train::learning_rate(c, 10), 1.0);
+  c.steps = 2;
+  c.warmup_steps = 0;
+  EXPECT_DOUBLE_EQ(train::learning_rate(c, 0), 1.0);
+  EXPECT_NEAR(train::learning_rate(c, 1), 0.1, 1e-12);
   c.lr_schedule = "constant";
   EXPECT_DOUBLE_EQ(train::learning_rate(c, 60), 1.0);
 }

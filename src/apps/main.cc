@@ -77,7 +77,7 @@ void add_train(CLI::App& app, train::TrainConfig& c) {
   t->add_option("--lr", c.lr, "Peak learning rate")->capture_default_str();
   t->add_option("--warmup-steps", c.warmup_steps, "Linear warmup steps")->capture_default_str();
   t->add_option("--lr-schedule", c.lr_schedule, "constant or cosine")->check(CLI::IsMember({"constant", "cosine"}))->capture_default_str();
-  t->add_option("--min-lr-frac", c.min_lr_frac, "Final learning rate as a fraction of --lr (cosine)")->capture_default_str();
+  t->add_option("--min-lr-frac", c.min_lr_frac, "Learning rate of the last step as a fraction of --lr (cosine)")->capture_default_str();
   t->add_option("--weight-decay", c.weight_decay, "Decoupled weight decay on 2-D weights")->capture_default_str();
   t->add_option("--beta1", c.beta1, "AdamW's decay of the gradient's running mean")->capture_default_str();
   t->add_option("--beta2", c.beta2, "AdamW's decay of the squared gradient's running mean")->capture_default_str();

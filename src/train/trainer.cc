@@ -55,9 +55,12 @@ double learning_rate(const TrainConfig& c, int64_t step) {
     return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
   if (c.lr_schedule == "constant") return c.lr;
   TALLY_CHECK(c.lr_schedule == "cosine", "--lr-schedule: expected constant or cosine, got '", c.lr_schedule, "'");
+  // From the peak on the first step after the warm-up to min_lr on the last step that
+  // trains (steps - 1); one step after the warm-up stays at the peak.
   const double min_lr = c.lr * c.min_lr_frac;
-  const int64_t decay_steps = std::max<int64_t>(c.steps - c.warmup_steps, 1);
-  const double progress = std::min(1.0, static_cast<double>(step - c.warmup_steps) / static_cast<double>(decay_steps));
+  const int64_t decay_steps = c.steps - 1 - c.warmup_steps;
+  const double progress =
+      decay_steps <= 0 ? 0.0 : std::min(1.0, static_cast<double>(step - c.warmup_steps) / static_cast<double>(decay_steps));
   return min_lr + 0.5 * (1.0 + std::cos(M_PI * progress)) * (c.lr - min_lr);
 }
 
