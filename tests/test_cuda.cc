@@ -427,6 +427,25 @@ TEST(CudaTraining, LiveDeviceMemoryIsFlatAcrossStepsAndMicrobatches) {
   }
 }
 
+// The sanitizer reads the GPU's ledger as well as the host's (it read only the host's, so a
+// GPU run's S1 checks saw none of its activations): a strict run passes, and its step
+// records hold the device's live bytes (a run's live bytes are on the GPU).
+TEST(CudaTraining, TheSanitizerReadsTheDevicesLedger) {
+  EXPECT_EQ(train::sanitized_devices(Device::cpu()), std::vector<Device>{Device::cpu()});
+  EXPECT_EQ(train::sanitized_devices(Device::cuda(1)), (std::vector<Device>{Device::cpu(), Device::cuda(1)}));
+  REQUIRE_GPU();
+  const std::string shard = write_random_shard("cuda_sanitized.bin", 20000, 50257, 6);
+  train::TrainConfig c = gpu_run(shard, "cuda", "fp32");
+  c.steps = 4;
+  c.grad_accum = 2;
+  c.sanitize = "strict";
+  const train::TrainResult r = train::run_training(c);
+  ASSERT_EQ(r.history.size(), 4u);
+  int64_t device_live = 0;
+  for (const sanitizer::Boundary& b : r.boundaries) device_live = std::max(device_live, b.allocated);
+  EXPECT_GE(device_live, r.history.back().live_bytes);
+}
+
 TEST(CudaTraining, DeviceFlagErrorsNameTheFlag) {
   const std::string shard = write_random_shard("cuda_flag.bin", 2000, 50257, 5);
   train::TrainConfig c = gpu_run(shard, "gpu0", "fp32");

@@ -84,10 +84,13 @@ TEST(MemoryTools, ATraceRoundTripsEveryEventAndThePlan) {
   }
   EXPECT_EQ(back.plan, (memory::PlanParts{{"parameters", 123}, {"activations", 456}}));  // in the plan's order
 
-  // Hand-edited events: a fractional byte count was read as its integer part, and one past
-  // 2^62 overflowed the report's sums.
+  // Hand-edited events: a fractional byte count was read as its integer part, one past 2^62
+  // overflowed the report's sums, and a category or retag flag past an int's range was
+  // truncated into range (category 2^32 + 3 read as 3, an activation).
   for (const auto& [event, expected] : {std::pair{"[1.0, 1.7, 0, 0, 0, 0, 1, 0]", "expected a time and 7 integers"},
-                                        std::pair{"[1.0, 9223372036854775807, 0, 0, 0, 0, 1, 0]", "more than an allocation"}}) {
+                                        std::pair{"[1.0, 9223372036854775807, 0, 0, 0, 0, 1, 0]", "more than an allocation"},
+                                        std::pair{"[1.0, 8, 4294967299, 0, 0, 0, 1, 0]", "names category 4294967299"},
+                                        std::pair{"[1.0, 8, 3, 0, 0, 0, 1, 4294967296]", "retag flag 4294967296"}}) {
     test::write_all(path, std::string(R"({"tally_memory": {"version": 1, "owners": ["a"], "plan": [], "events": [)") +
                               event + "]}}");
     const std::string bad = test::message_of<Error>([&] { memory::read_memory_trace(path); });

@@ -34,7 +34,6 @@ class Allocator {
   // Owner bookkeeping of a live allocation.
   virtual OwnerTag owner(const Allocation& allocation) const = 0;
   virtual void retag(const Allocation& allocation, Category category) = 0;
-  virtual void rename(const Allocation& allocation, NameId name) = 0;
 };
 
 }  // namespace tally

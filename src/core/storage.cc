@@ -73,10 +73,6 @@ void Storage::retag(Category category) const {
   if (!released_) allocator_->retag(allocation_, category);
 }
 
-void Storage::rename(const std::string& name) const {
-  if (!released_) allocator_->rename(allocation_, intern_name(name));
-}
-
 void Storage::add_saver() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (savers_++ == 0) tag_saved_activation();

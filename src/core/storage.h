@@ -63,7 +63,6 @@ class Storage : public std::enable_shared_from_this<Storage> {
   // default tag once released.
   OwnerTag owner() const;
   void retag(Category category) const;
-  void rename(const std::string& name) const;
 
   // Saved-for-backward accounting: while any saved tensor refers to this storage, an
   // activation is counted as saved_for_backward; when the last one goes, it is an

@@ -152,11 +152,6 @@ void CachingAllocator::retag(const Allocation& a, Category category) {
   ledger_.record_retag(a.slot, a.id, category);
 }
 
-void CachingAllocator::rename(const Allocation& a, NameId name) {
-  std::lock_guard<std::mutex> lock(ledger_.mutex_);
-  ledger_.record_rename(a.slot, a.id, name);
-}
-
 void CachingAllocator::empty_cache() {
   std::vector<std::vector<void*>> blocks;
   {

@@ -49,7 +49,6 @@ class CachingAllocator final : public Allocator {
   void free(const Allocation& allocation) override;
   OwnerTag owner(const Allocation& allocation) const override;
   void retag(const Allocation& allocation, Category category) override;
-  void rename(const Allocation& allocation, NameId name) override;
 
   // Returns cached (unused) blocks to the system.
   void empty_cache();

@@ -140,10 +140,6 @@ void Ledger::record_retag(uint32_t slot, uint64_t id, Category category) {
   }
 }
 
-void Ledger::record_rename(uint32_t slot, uint64_t id, NameId name) {
-  if (LiveAllocation* rec = record_at(slot, id)) rec->owner.name = name;
-}
-
 Stats Ledger::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return stats_;

@@ -111,7 +111,6 @@ class Ledger {
   LiveAllocation* record_at(uint32_t slot, uint64_t id);
   const LiveAllocation* record_at(uint32_t slot, uint64_t id) const;
   void record_retag(uint32_t slot, uint64_t id, Category category);
-  void record_rename(uint32_t slot, uint64_t id, NameId name);
 
   Device device_;
   mutable std::mutex mutex_;  // guards everything below (and the allocator's cache)

@@ -180,7 +180,7 @@ MemoryTrace read_memory_trace(const std::string& path) {
       ev.delta = e[1].get<int64_t>();
       TALLY_CHECK(ev.delta >= -(int64_t{1} << 62) && ev.delta <= (int64_t{1} << 62), "memory trace '", path, "': event ",
                   trace.events.size(), " moves ", ev.delta, " bytes, more than an allocation can hold (2^62)");
-      const int c = e[2].get<int>();
+      const int64_t c = e[2].get<int64_t>();  // (read as an int, 2^32 + 3 was 3)
       const int64_t o = e[3].get<int64_t>();
       TALLY_CHECK(c >= 0 && c < kNumCategories && o >= 0 && o < static_cast<int64_t>(names.size()), "memory trace '", path,
                   "': an event names category ", c, " or owner ", o, ", which do not exist");
@@ -189,7 +189,10 @@ MemoryTrace read_memory_trace(const std::string& path) {
       ev.step = e[4].get<int64_t>();
       ev.microbatch = e[5].get<int64_t>();
       ev.id = e[6].get<uint64_t>();
-      ev.retag = e[7].get<int>() != 0;
+      const int64_t retag = e[7].get<int64_t>();
+      TALLY_CHECK(retag == 0 || retag == 1, "memory trace '", path, "': event ", trace.events.size(), " has retag flag ",
+                  retag, ", expected 0 or 1");
+      ev.retag = retag == 1;
       trace.events.push_back(ev);
     }
   } catch (const nlohmann::json::parse_error& e) {

@@ -50,6 +50,11 @@ namespace tally::train {
 namespace fs = std::filesystem;
 using memory::format_bytes;
 
+std::vector<Device> sanitized_devices(Device training) {
+  if (training.is_cpu()) return {training};
+  return {Device::cpu(), training};
+}
+
 double learning_rate(const TrainConfig& c, int64_t step) {
   if (c.warmup_steps > 0 && step < c.warmup_steps)
     return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
@@ -830,7 +835,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   };
   const auto run_start = std::chrono::steady_clock::now();
 
-  sanitizer::Sanitizer sanitizer(mode);
+  sanitizer::Sanitizer sanitizer(mode, sanitized_devices(device));
   TrainResult result;
   int64_t live_after_forward = 0;
   // The plan: every rank's peak from the configuration alone, printed beside the measured one.

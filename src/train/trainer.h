@@ -90,6 +90,11 @@ struct TrainConfig {
 // text is not one or no such device is visible to this process.
 Device parse_device(const std::string& text);
 
+// The devices whose ledgers a run's sanitizer reads: the host's (loaders, token staging)
+// and the training device's, where a GPU run's activations, gradients and saved tensors
+// live (reading only the host's, a GPU run's S1 checks saw none of them).
+std::vector<Device> sanitized_devices(Device training);
+
 struct StepMetrics {
   int64_t step = 0;
   double loss = 0;
