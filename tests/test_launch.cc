@@ -570,7 +570,7 @@ TEST(Launch, PlanRefusesWhatTrainRefusesInTheSameWords) {
     return text.substr(text.rfind('\n') + 1);
   };
   for (const std::string& flags : {std::string("--zero 5"), std::string("--sp"), std::string("--dtype bf16 --zero 3"),
-                                   std::string("--device cuda --zero 1")}) {
+                                   std::string("--device cuda --zero 1"), std::string("--device gpu0 --zero 1")}) {
     const Outcome train = run(train_command("", data, flags + " --out-dir " + test::temp_path("plan_refusals_out"), 1));
     const Outcome plan = run(std::string(TALLY_CLI) + " plan --model-file " + test::fixture_path("gpt2_tiny.bin") +
                              " --batch-size 2 --seq-len 16 " + flags);

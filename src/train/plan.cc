@@ -142,11 +142,19 @@ MemoryPlan plan_memory(const PlanInput& in) {
   return plan;
 }
 
+bool is_device_name(const std::string& text) {
+  const bool cuda_n = text.starts_with("cuda:") && text.size() > 5 && text.size() < 10 &&
+                      text.find_first_not_of("0123456789", 5) == std::string::npos;
+  return text == "cpu" || text == "cuda" || cuda_n;
+}
+
 void check_layout_flags(const LayoutFlags& f) {
   TALLY_CHECK(f.zero >= 0 && f.zero <= 3, "--zero must be 0, 1, 2 or 3, got ", f.zero);
   // One GPU a run for now: the communicator that would reduce between GPUs (NCCL) is not
-  // built yet, and MPI's moves host memory.
+  // built yet, and MPI's moves host memory. (The name first, as parse_device says it: a
+  // misspelt device is not a GPU run.)
   const bool cpu = f.device == "cpu";
+  TALLY_CHECK(is_device_name(f.device), "--device: expected cpu, cuda or cuda:N, got '", f.device, "'");
   TALLY_CHECK(cpu || f.world == 1, "--device ", f.device, " with ", f.world,
               " processes: multi-GPU training needs the NCCL communicator, which tally does not have yet; "
               "run one process per GPU run, or train on --device cpu under mpirun");

@@ -109,6 +109,8 @@ struct LayoutFlags {
   std::string device = "cpu";  // --device, as given
 };
 void check_layout_flags(const LayoutFlags& f);
+// Whether `text` names a device as --device takes it: cpu, cuda or cuda:N.
+bool is_device_name(const std::string& text);
 
 struct PlanInput {
   nn::TransformerConfig model;

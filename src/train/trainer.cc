@@ -238,13 +238,9 @@ std::string recipe_changes(const std::vector<std::pair<std::string, std::string>
 }
 
 Device parse_device(const std::string& text) {
-  Device d;
+  TALLY_CHECK(is_device_name(text), "--device: expected cpu, cuda or cuda:N, got '", text, "'");
   if (text == "cpu") return Device::cpu();
-  if (text == "cuda") d = Device::cuda(0);
-  else if (text.rfind("cuda:", 0) == 0 && text.size() > 5 &&
-           text.find_first_not_of("0123456789", 5) == std::string::npos && text.size() < 10)
-    d = Device::cuda(std::stoi(text.substr(5)));
-  else TALLY_FAIL("--device: expected cpu, cuda or cuda:N, got '", text, "'");
+  const Device d = text == "cuda" ? Device::cuda(0) : Device::cuda(std::stoi(text.substr(5)));
   const int visible = runtime::device_count(DeviceType::CUDA);
   TALLY_CHECK(d.index < visible, "--device ", text, ": ",
               visible == 0 ? std::string("no CUDA device is visible to this process") +
