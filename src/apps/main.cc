@@ -20,7 +20,6 @@
 #include "io/model_files.h"
 #include "memory/report.h"
 #include "nn/transformer.h"
-#include "runtime/backend.h"
 #include "train/plan.h"
 #include "train/plot.h"
 #include "train/sampler.h"
@@ -275,12 +274,8 @@ int run_plan(const PlanArgs& a) {
   in.virtual_stages = a.virtual_stages;
   in.pp_last_stage_layers = a.pp_last_stage_layers;
   in.zero = a.zero;
-  // A GPU run's plan, made anywhere: cuBLASLt's workspace is on the device, the validation
-  // loader's buffers on the host (outside the device's ledger), as the trainer plans it.
-  const bool cpu = a.device == "cpu";
-  in.device = a.device;
-  in.library_workspace = runtime::library_workspace_bytes(cpu ? DeviceType::CPU : DeviceType::CUDA);
-  in.val_loader = a.val && cpu;
+  in.device = a.device;  // a GPU run's plan, made on any machine
+  in.val_loader = a.val;
   in.bf16 = a.dtype == "bf16";
   in.loss_chunk_rows = a.chunked_loss ? nn::Transformer::default_loss_chunk_rows(in.model.padded_vocab_size) : 0;
   in.recompute = nn::parse_recompute(a.recompute);

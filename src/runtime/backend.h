@@ -64,9 +64,6 @@ class Backend : public DeviceHooks {
   // whole probe (two cores read as one), which would flatter every "% of peak" after it,
   // so a benchmark probes again after its timed steps.
   virtual double measured_gemm_peak_flops(DType dtype = DType::F32, bool probe_again = false);
-  // Bytes the GEMM library keeps for itself once the first GEMM runs (a persistent
-  // allocation the ledger shows; the memory plan counts it). The CPU's oneDNN: none.
-  virtual int64_t library_workspace_bytes() const { return 0; }
   // What a run in `dtype` should know about how this device runs its GEMMs, or "" (the
   // CPU's: bf16 widened to fp32 where oneDNN has no bf16 kernel). Said by the caller, once:
   // the runtime knows no ranks.
@@ -144,9 +141,10 @@ using DeviceCounter = int (*)();
 void register_backend(DeviceType type, BackendFactory factory, DeviceCounter count);
 // Number of devices of `type` this process can use (CPU: 1).
 int device_count(DeviceType type);
-// What library_workspace_bytes() is on a device of this type, known without one (a plan
-// for a GPU run made on a machine without a GPU): cuBLASLt's 32 MiB on CUDA, its
-// recommendation for Hopper; nothing on the CPU.
+// Bytes the GEMM library of a device of this type keeps for itself once the first GEMM
+// runs (a persistent allocation the ledger shows; the memory plan counts it), known
+// without such a device (a GPU run planned on a machine without one): cuBLASLt's 32 MiB on
+// CUDA, its recommendation for Hopper; the CPU's oneDNN: none.
 inline constexpr int64_t kCudaMatmulWorkspaceBytes = int64_t{32} << 20;
 inline int64_t library_workspace_bytes(DeviceType type) {
   return type == DeviceType::CUDA ? kCudaMatmulWorkspaceBytes : 0;

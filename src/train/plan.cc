@@ -10,6 +10,7 @@
 #include "core/checked.h"
 #include "dist/pipeline.h"
 #include "memory/report.h"
+#include "runtime/backend.h"
 
 namespace tally::train {
 
@@ -363,7 +364,11 @@ MemoryPlan plan_steps(const PlanInput& in) {
   const int64_t head_input_sum = sum({head_input_grad, head_input_grad, in.sequence_parallel ? bytes_of(sp_rows, C, kFloat) : 0});
   const int64_t final_norm_output = bytes_of(BT, C, proj_bytes);
 
-  const int64_t loader = (in.val_loader ? 2 : 1) * 2 * BT * kFloat;
+  // What the device changes: the GEMM library's workspace, and whether the validation
+  // loader's host buffers are in the planned ledger.
+  const bool on_cpu = in.device == "cpu";
+  const int64_t library_workspace = runtime::library_workspace_bytes(on_cpu ? DeviceType::CPU : DeviceType::CUDA);
+  const int64_t loader = (in.val_loader && on_cpu ? 2 : 1) * 2 * BT * kFloat;
   // At the peak (the start of backward): dL/d(final norm output) is allocated while the
   // cross-entropy's log-sum-exp has been freed (the logits' gradient took the logits'
   // place). The chunked loss holds one chunk of logits, then of their gradient, in place.
@@ -569,7 +574,7 @@ MemoryPlan plan_steps(const PlanInput& in) {
                 // The loss (and, when scaled by 1/(N*D), its scaled copy): scalars.
                 {"loss", in.grad_accum * D > 1 ? 2 * kFloat : kFloat}};
     if (bf16) rp.parts.emplace_back(kBf16CopyPart, 2 * P);
-    if (in.library_workspace > 0) rp.parts.emplace_back("GEMM library workspace (cuBLASLt)", in.library_workspace);
+    if (library_workspace > 0) rp.parts.emplace_back("GEMM library workspace (cuBLASLt)", library_workspace);
     // LLaMA's rotary frequencies, a model constant (D/2 floats).
     if (c.is_llama()) rp.parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
     // ZeRO-2/3 at the start of backward: the head's units (the final norm, and the tied
@@ -720,7 +725,7 @@ MemoryPlan plan_steps(const PlanInput& in) {
       Parts parts(rp.parts.begin(), rp.parts.begin() + 3);
       parts.emplace_back("loader buffers", loader);
       if (bf16) parts.emplace_back(kBf16CopyPart, 2 * P);
-      if (in.library_workspace > 0) parts.emplace_back("GEMM library workspace (cuBLASLt)", in.library_workspace);
+      if (library_workspace > 0) parts.emplace_back("GEMM library workspace (cuBLASLt)", library_workspace);
       if (c.is_llama()) parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
       parts.insert(parts.end(), held.begin(), held.end());
       int64_t total = 0;

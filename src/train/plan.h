@@ -119,11 +119,12 @@ struct PlanInput {
   int tp = 1;     // tensor-parallel ranks (--tp); the data-parallel ones are world / tp
   bool sequence_parallel = false;  // --sp
   int zero = 0;   // over the data-parallel ranks
-  bool val_loader = false;  // a validation loader whose buffers are in the planned device's ledger (the CPU's)
+  bool val_loader = false;  // the run validates (--val-data): its loader's buffers, counted where they are (the host)
   bool bf16 = false;  // --dtype bf16: mixed precision (see below)
   int64_t loss_chunk_rows = 0;  // --chunked-loss: rows per chunk of the fused head and loss (0: off)
-  int64_t library_workspace = 0;  // the device's GEMM library workspace (cuBLASLt's on a GPU), bytes
-  std::string device = "cpu";  // --device: what the layout checks name (the workspace above is its cost)
+  // --device: on a GPU the plan counts cuBLASLt's workspace and leaves the validation
+  // loader's host buffers out (a GPU's evaluation copies them one batch at a time).
+  std::string device = "cpu";
   nn::Recompute recompute = nn::Recompute::None;  // --recompute (see below)
   // The pipeline (--pp, --pp-schedule, --virtual-stages, --pp-last-stage-layers); world =
   // dp x tp x pp.

@@ -853,12 +853,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     pi.virtual_stages = c.virtual_stages;
     pi.pp_last_stage_layers = c.pp_last_stage_layers;
     pi.zero = c.zero;
-    // The validation loader's buffers are on the host: in the training device's ledger only
-    // on the CPU (a GPU's evaluation copies them for one batch, outside the step's peak).
-    pi.val_loader = val_loader != nullptr && device.is_cpu();
+    pi.val_loader = val_loader != nullptr;
     pi.bf16 = matmul_dtype == DType::BF16;
-    pi.library_workspace = runtime::backend(device).library_workspace_bytes();
-    pi.device = c.device;
+    pi.device = c.device;  // (the plan counts what the device changes: the GEMM library's workspace, the loader)
     pi.loss_chunk_rows = loss_chunk_rows;
     pi.recompute = model->recompute();
     const MemoryPlan plan = plan_memory(pi);

@@ -210,7 +210,6 @@ class CudaBackend final : public Backend {
     if (product.raw_data() != c.raw_data()) copy(c, product);
   }
   double measured_gemm_peak_flops(DType dtype, bool probe_again) override;
-  int64_t library_workspace_bytes() const override { return cuda::kMatmulWorkspaceBytes; }
 
   void embedding_forward(const Tensor& out, const Tensor& weight, const Tensor& indices) override {
     Scope scope("embedding_forward", stream_);
