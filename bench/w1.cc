@@ -132,11 +132,12 @@ int main(int argc, char** argv) {
   std::printf(
       "{\"system\": \"tally\", \"model\": \"%s\", \"ms_per_step\": %.1f, \"min_ms\": %.1f, \"tokens_per_s\": %.0f, \"gemm_peak_gflops\": %.0f, "
       "\"pct_gemm_peak\": %.1f, \"peak_rss_bytes\": %lld, \"peak_allocated_bytes\": %lld, \"reserved_bytes\": %lld, "
-      "\"live_after_forward_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d, \"batch\": %lld, \"seq\": %lld, \"dtype\": \"%s\", \"grads\": \"%s\", \"steps\": %d}\n",
+      "\"live_after_forward_bytes\": %lld, \"params\": %lld, \"loss\": %.4f, \"threads\": %d, \"batch\": %lld, \"seq\": %lld, \"dtype\": \"%s\", \"grads\": \"%s\", \"steps\": %d, "
+      "\"flops_per_step\": %.6e}\n",
       preset.c_str(), median, ms.front(), B * T / (median / 1e3), gemm_peak / 1e9, 100.0 * flops / (median / 1e3) / gemm_peak,
       static_cast<long long>(memory::peak_rss_bytes()), static_cast<long long>(ledger.stats().peak_allocated),
       static_cast<long long>(ledger.stats().reserved), static_cast<long long>(live_after_forward),
       static_cast<long long>(model.num_parameters()), loss_value, threads, static_cast<long long>(B),
-      static_cast<long long>(T), dtype.c_str(), zero_grads ? "zeroed" : "discarded", steps);
+      static_cast<long long>(T), dtype.c_str(), zero_grads ? "zeroed" : "discarded", steps, flops);
   return 0;
 }
