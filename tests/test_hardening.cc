@@ -27,7 +27,9 @@
 #include "io/hf_files.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"
+#include "memory/report.h"
 #include "support.h"
+#include "train/plot.h"
 #include "train/step_log.h"
 #include "train/trainer.h"
 
@@ -89,6 +91,53 @@ TEST(Hardening, SafetensorsShapeWhoseElementCountWrapsIsRefused) {
   const std::string msg = message_of<Error>([&] { io::read_safetensors(path); });
   EXPECT_NE(msg.find("tensor 'w' shape"), std::string::npos) << msg;
   EXPECT_NE(msg.find("overflows"), std::string::npos) << msg;
+}
+
+// nlohmann parses any depth without recursing, but copying or printing a value recurses once
+// a level: a 120 KB encoder.json of '[' overflowed the stack (a segfault, no message) where
+// the loader copied or printed the value it refused. Every JSON file tally reads is parsed
+// with its depth bounded, and the error names the file.
+TEST(Hardening, DeeplyNestedJsonIsRefusedNamingTheFileNotACrash) {
+  const int depth = 200000;
+  const std::string deep = std::string(depth, '[') + std::string(depth, ']');
+  auto expect_refused = [](const std::string& path, const std::function<void()>& read) {
+    const std::string msg = message_of<Error>(read);
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    EXPECT_NE(msg.find("nested deeper than 64 levels"), std::string::npos) << msg;
+  };
+  const std::string dir = test::temp_path("deep_json");
+  fs::create_directories(dir + "/gpt2");
+  fs::create_directories(dir + "/llama3");
+  fs::create_directories(dir + "/hf");
+  // GPT-2's encoder.json, beside a vocab.bpe that would be fine.
+  test::write_all(dir + "/gpt2/encoder.json", "{\"a\": " + deep + "}");
+  test::write_all(dir + "/gpt2/vocab.bpe", "#version: 0.2\n");
+  expect_refused(dir + "/gpt2/encoder.json", [&] { data::Tokenizer::load_path(dir + "/gpt2"); });
+  // LLaMA-3's tokenizer.json, deep where the loader prints what it refuses.
+  test::write_all(dir + "/llama3/tokenizer.json",
+                  "{\"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": [], \"dropout\": " + deep + "}}");
+  expect_refused(dir + "/llama3/tokenizer.json", [&] { data::Tokenizer::load_path(dir + "/llama3"); });
+  // A safetensors header.
+  const std::string header = "{\"w\": " + deep + "}";
+  std::string file(8, '\0');
+  const uint64_t len = header.size();
+  std::memcpy(file.data(), &len, 8);
+  test::write_all(dir + "/deep.safetensors", file + header);
+  expect_refused(dir + "/deep.safetensors", [&] { io::read_safetensors(dir + "/deep.safetensors"); });
+  // A HuggingFace directory's shard index, then its config (beside an empty safetensors).
+  test::write_all(dir + "/hf/model.safetensors.index.json", "{\"weight_map\": " + deep + "}");
+  expect_refused(dir + "/hf/model.safetensors.index.json", [&] { io::read_hf_config(dir + "/hf"); });
+  fs::remove(dir + "/hf/model.safetensors.index.json");
+  std::string empty_safetensors(8, '\0');
+  empty_safetensors[0] = 2;
+  test::write_all(dir + "/hf/model.safetensors", empty_safetensors + "{}");
+  test::write_all(dir + "/hf/config.json", "{\"model_type\": " + deep + "}");
+  expect_refused(dir + "/hf/config.json", [&] { io::read_hf_config(dir + "/hf"); });
+  // A memory trace and a step log, tally's own files.
+  test::write_all(dir + "/trace.json", "{\"tally_memory\": " + deep + "}");
+  expect_refused(dir + "/trace.json", [&] { memory::read_memory_trace(dir + "/trace.json"); });
+  test::write_all(dir + "/log.jsonl", "{\"step\": 1, \"loss\": " + deep + "}\n");
+  expect_refused(dir + "/log.jsonl", [&] { train::read_run_log(dir + "/log.jsonl", "run"); });
 }
 
 // nlohmann's get<std::vector<int64_t>> truncates a float: "shape":[2.9] loaded as [2].

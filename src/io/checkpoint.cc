@@ -19,6 +19,7 @@
 
 #include "autograd/grad_mode.h"
 #include "core/crash_point.h"
+#include "core/json_input.h"
 #include "core/owner.h"
 #include "core/atomic_file.h"
 #include "io/files.h"
@@ -522,12 +523,7 @@ std::vector<std::string> remove_older_checkpoints(const std::string& out_dir, co
 namespace {
 // A recipe.json's text (read from `path`) as name -> value pairs.
 std::vector<std::pair<std::string, std::string>> parse_recipe(const std::string& text, const std::string& path) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    TALLY_FAIL("checkpoint recipe '", path, "' is not valid JSON: ", e.what());
-  }
+  const nlohmann::json j = parse_json(text, "checkpoint recipe '" + path + "'");
   TALLY_CHECK(j.is_object(), "checkpoint recipe '", path, "': expected a JSON object");
   std::vector<std::pair<std::string, std::string>> recipe;
   for (auto it = j.begin(); it != j.end(); ++it) {

@@ -11,6 +11,7 @@
 
 #include "autograd/grad_mode.h"
 #include "core/atomic_file.h"
+#include "core/json_input.h"
 #include "data/tokenizer.h"
 #include "io/checksum.h"
 #include "io/files.h"
@@ -37,12 +38,7 @@ HfSource locate(const std::string& path) {
     if (fs::exists(dir / "config.json")) src.config_path = (dir / "config.json").string();
     const fs::path index = dir / "model.safetensors.index.json";
     if (fs::exists(index)) {
-      json j;
-      try {
-        j = json::parse(read_file(index.string()));
-      } catch (const json::exception& e) {
-        TALLY_FAIL("HuggingFace index '", index.string(), "' is not valid JSON: ", e.what());
-      }
+      const json j = parse_json(read_file(index.string()), "HuggingFace index '" + index.string() + "'");
       TALLY_CHECK(j.contains("weight_map") && j["weight_map"].is_object(), "HuggingFace index '", index.string(),
                   "' has no weight_map object");
       std::set<std::string> files;
@@ -68,13 +64,9 @@ HfSource locate(const std::string& path) {
 }
 
 json read_config(const std::string& path) {
-  try {
-    json j = json::parse(read_file(path));
-    TALLY_CHECK(j.is_object(), "HuggingFace config '", path, "' is not a JSON object");
-    return j;
-  } catch (const json::exception& e) {
-    TALLY_FAIL("HuggingFace config '", path, "' is not valid JSON: ", e.what());
-  }
+  json j = parse_json(read_file(path), "HuggingFace config '" + path + "'");
+  TALLY_CHECK(j.is_object(), "HuggingFace config '", path, "' is not a JSON object");
+  return j;
 }
 
 // A numeric field of config.json; `fallback` when absent (NaN: required).

@@ -8,6 +8,7 @@
 
 #include "core/checked.h"
 #include "core/atomic_file.h"
+#include "core/json_input.h"
 #include "io/files.h"
 
 namespace tally::io {
@@ -128,12 +129,7 @@ SafetensorsFile index_safetensors(const std::string& path) {
               " is over safetensors' limit of ", kMaxHeaderBytes, " bytes: is it a safetensors file?");
   std::string header(header_len, '\0');
   in.read(header.data(), static_cast<std::streamsize>(header_len));
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(header);
-  } catch (const std::exception& e) {
-    TALLY_FAIL("safetensors '", path, "': header is not valid JSON: ", e.what());
-  }
+  const nlohmann::json j = parse_json(header, "safetensors '" + path + "': header");
   TALLY_CHECK(j.is_object(), "safetensors '", path, "': header must be a JSON object");
   const int64_t data_start = 8 + static_cast<int64_t>(header_len);
   const int64_t data_size = file_size - data_start;

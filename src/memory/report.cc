@@ -18,12 +18,14 @@
 #include <type_traits>
 #include <unordered_map>
 #include <set>
+#include <sstream>
 #include <map>
 
 #include <nlohmann/json.hpp>
 
 #include "core/atomic_file.h"
 #include "core/error.h"
+#include "core/json_input.h"
 
 namespace tally::memory {
 
@@ -159,7 +161,9 @@ MemoryTrace read_memory_trace(const std::string& path) {
   TALLY_CHECK(in.good(), "memory trace '", path, "': cannot open");
   MemoryTrace trace;
   try {
-    const nlohmann::json doc = nlohmann::json::parse(in);
+    std::ostringstream text;
+    text << in.rdbuf();
+    const nlohmann::json doc = parse_json_keeping_syntax_errors(text.str(), "memory trace '" + path + "'");
     TALLY_CHECK(doc.is_object() && doc.contains("tally_memory"), "memory trace '", path,
                 "': no tally_memory section (write it with `tally train --mem-trace F.json`)");
     const auto& t = doc["tally_memory"];

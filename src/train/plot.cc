@@ -11,6 +11,7 @@
 
 #include "core/atomic_file.h"
 #include "core/error.h"
+#include "core/json_input.h"
 
 namespace tally::train {
 
@@ -37,8 +38,8 @@ RunCurve read_run_log(const std::string& path, const std::string& name) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     nlohmann::json j;
     try {
-      j = nlohmann::json::parse(line);
-    } catch (const std::exception& e) {
+      j = parse_json_keeping_syntax_errors(line, "plot: log '" + path + "' line " + std::to_string(n));
+    } catch (const nlohmann::json::exception& e) {
       if (last_row_torn && rows.peek() == std::char_traits<char>::eof()) break;
       TALLY_FAIL("plot: log '", path, "' line ", n, " is not JSON: ", e.what());
     }
@@ -74,7 +75,7 @@ std::string curve_to_json(const RunCurve& run) {
 RunCurve curve_from_json(const std::string& text, const std::string& what) {
   RunCurve run;
   try {
-    const nlohmann::json j = nlohmann::json::parse(text);
+    const nlohmann::json j = parse_json_keeping_syntax_errors(text, "run history '" + what + "'");
     run.steps = j.at("steps").get<std::vector<int64_t>>();
     run.loss = j.at("loss").get<std::vector<double>>();
     run.lr = j.at("lr").get<std::vector<double>>();

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/atomic_file.h"
+#include "core/json_input.h"
 #include "io/files.h"
 
 namespace tally::train {
@@ -32,8 +33,13 @@ StepLog::StepLog(std::string path, int64_t resumed_step) : path_(std::move(path)
     std::string kept, line;
     while (std::getline(rows, line)) {
       if (line.empty()) continue;
-      nlohmann::json row = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-      if (row.is_discarded() || !row.is_object() || !row.contains("step") || !row["step"].is_number_integer()) continue;
+      nlohmann::json row;
+      try {
+        row = parse_json(line, "step log '" + path_ + "'");
+      } catch (const Error&) {  // not a row (a torn line, or not JSON): not kept
+        continue;
+      }
+      if (!row.is_object() || !row.contains("step") || !row["step"].is_number_integer()) continue;
       if (row["step"].get<int64_t>() <= resumed_step) kept += line + "\n";
     }
     AtomicFile rewritten(path_);

@@ -1,0 +1,24 @@
+// JSON read from files: tokenizers, HuggingFace configs and indexes, safetensors headers,
+// checkpoint recipes, step logs, memory traces. nlohmann parses any depth without
+// recursing, but copying, comparing or printing a value recurses once a level: a 120 KB
+// encoder.json of '[' overflowed the stack (a segfault, not an error) wherever a loader
+// copied the value or printed it in its message. Every such file is parsed here, its
+// nesting bounded: none of them nests deeper than a handful of levels.
+#pragma once
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+
+namespace tally {
+
+inline constexpr int kMaxJsonDepth = 64;
+
+// `text` parsed, or tally::Error "<what>: invalid JSON: <nlohmann's reason>" or "<what>:
+// JSON nested deeper than 64 levels ...". `what` names the file ("GPT-2 encoder.json 'f'").
+nlohmann::json parse_json(std::string_view text, const std::string& what);
+
+// The same bound for a caller that reads nlohmann's own syntax error (its byte offset):
+// nlohmann::json::parse_error passes through; too deep is the tally::Error above.
+nlohmann::json parse_json_keeping_syntax_errors(std::string_view text, const std::string& what);
+
+}  // namespace tally
