@@ -466,6 +466,44 @@ TEST(Llama3Tokenizer, MergesTheLeftmostLowestRankedPairOneAtATimeAsHuggingFaceDo
   EXPECT_EQ(tok.encode(long_piece), want);
 }
 
+// HuggingFace's BPE option ignore_merges: true (LLaMA-3's file) looks a whole piece up in the
+// vocabulary before merging; false, and absent (its default: conversions made before
+// tokenizers 0.19), merges alone. Every file was encoded as if true: 588 of LLaMA-3's
+// tokens are pieces its merges do not reach from their bytes. Here "abc" is one: its
+// merges join "b c" (rank 1) before "a b" (rank 2), and "a" + "bc" is no merge; "ab c"
+// (rank 3) makes "abc" only from "ab".
+TEST(Llama3Tokenizer, IgnoreMergesDecidesWhetherAWholePieceIsLookedUpFirst) {
+  const std::string dir = scratch_dir();
+  auto with = [&](const std::function<void(nlohmann::json&)>& change) {
+    nlohmann::json j = small_llama3_tokenizer();
+    j["model"]["vocab"]["ab"] = 258;
+    j["model"]["vocab"]["abc"] = 259;
+    j["model"]["merges"] = {"bc b", "b c", "a b", "ab c"};
+    j["added_tokens"] = {{{"id", 260}, {"content", "<|begin_of_text|>"}}, {{"id", 261}, {"content", "<|end_of_text|>"}}};
+    change(j);
+    write_all(dir + "/tokenizer.json", j.dump());
+    return Tokenizer::load_path(dir);
+  };
+  EXPECT_EQ(with([](auto&) {}).encode("abc"), (std::vector<int32_t>{259}));
+  EXPECT_EQ(with([](auto& j) { j["model"]["ignore_merges"] = false; }).encode("abc"), (std::vector<int32_t>{'a', 256}));
+  EXPECT_EQ(with([](auto& j) { j["model"].erase("ignore_merges"); }).encode("abc"), (std::vector<int32_t>{'a', 256}));
+  // Where the merges reach the piece, both give it.
+  EXPECT_EQ(with([](auto& j) { j["model"]["ignore_merges"] = false; }).encode("bcbc"), (std::vector<int32_t>{257, 'c'}));
+  const std::string msg = message_of<tally::Error>([&] { with([](auto& j) { j["model"]["ignore_merges"] = "yes"; }); });
+  EXPECT_NE(msg.find(dir + "/tokenizer.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("ignore_merges must be true or false"), std::string::npos) << msg;
+}
+
+// GPT-2's encoder.json named alone was read as a LLaMA-3 tokenizer.json, and refused as one.
+TEST(Tokenizer, Gpt2sEncoderJsonNamedAloneIsRefusedSayingWhatToPass) {
+  const std::string dir = scratch_dir();
+  const auto files = write_tiny_gpt2_tokenizer(dir, {{"a", "b"}});
+  const std::string msg = message_of<tally::Error>([&] { Tokenizer::load_path(files.encoder); });
+  EXPECT_NE(msg.find(files.encoder), std::string::npos) << msg;
+  EXPECT_NE(msg.find("GPT-2's encoder.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("the directory that holds it and vocab.bpe"), std::string::npos) << msg;
+}
+
 // Only the regex was checked: a file with LLaMA-3's regex but a normalizer, a ByteLevel step
 // that adds a prefix space or splits again, or BPE options tally does not implement loaded,
 // and encoded differently from what it describes.

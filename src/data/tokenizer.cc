@@ -9,11 +9,11 @@
 #include <fstream>
 #include <mutex>
 #include <queue>
-#include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
 
 #include "core/error.h"
+#include "core/json_input.h"
 #include "data/unicode_tables.h"
 
 namespace tally::data {
@@ -401,8 +401,10 @@ struct Tokenizer::Impl {
   int32_t separator = kGpt2Eot;  // written before each document
   bool can_encode = false;
   bool llama3 = false;
-  // LLaMA-3: every token's bytes, for the whole-piece lookup done before merging.
+  // LLaMA-3: every token's bytes, for the whole-piece lookup done before merging when the
+  // file's BPE sets ignore_merges (LLaMA-3's does; HuggingFace's default is off).
   std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>> whole;
+  bool ignore_merges = false;
   std::string llmc_path;  // set by load_llmc, for the message of encode()
 
   // Encoding tables (load() only).
@@ -587,12 +589,7 @@ Tokenizer Tokenizer::load(const std::string& encoder_json_path, const std::strin
 
   // --- encoder.json: {"token string": id, ...}, ids dense in [0, N).
   const std::string json_text = read_file(encoder_json_path, "GPT-2 encoder.json");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(json_text);
-  } catch (const nlohmann::json::exception& e) {  // syntax errors, and numbers out of range
-    TALLY_FAIL("GPT-2 encoder.json '", encoder_json_path, "': invalid JSON: ", e.what());
-  }
+  const nlohmann::json j = parse_json(json_text, "GPT-2 encoder.json '" + encoder_json_path + "'");
   TALLY_CHECK(j.is_object(), "GPT-2 encoder.json '", encoder_json_path,
               "': expected a JSON object mapping token strings to ids, found a JSON ", j.type_name());
   TALLY_CHECK(!j.empty(), "GPT-2 encoder.json '", encoder_json_path, "': expected token entries, found an empty object");
@@ -676,12 +673,11 @@ Tokenizer Tokenizer::load_llama3(const std::string& path) {
   Impl& m = *tok.impl_;
   m.llama3 = true;
   const std::string what = "LLaMA-3 tokenizer.json '" + path + "'";
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_file(path, "LLaMA-3 tokenizer.json"));
-  } catch (const nlohmann::json::exception& e) {
-    TALLY_FAIL(what, ": invalid JSON: ", e.what());
-  }
+  nlohmann::json j = parse_json(read_file(path, "LLaMA-3 tokenizer.json"), what);
+  // GPT-2's encoder.json (token -> id) is JSON too: named alone, it is named as such.
+  TALLY_CHECK(!(j.is_object() && !j.contains("model") && !j.empty() && j.begin()->is_number_integer()), "tokenizer '",
+              path, "' is GPT-2's encoder.json (token -> id), not a LLaMA-3 tokenizer.json: pass the directory that "
+              "holds it and vocab.bpe");
   TALLY_CHECK(j.is_object() && j.contains("model") && j["model"].is_object(), what, ": expected a HuggingFace tokenizer "
               "with a \"model\" object");
   const auto& model = j["model"];
@@ -693,6 +689,14 @@ Tokenizer Tokenizer::load_llama3(const std::string& path) {
     const nlohmann::json& v = model.contains(option) ? model[option] : nlohmann::json();
     TALLY_CHECK(v.is_null() || v == false || v == "" || v == 0, what, ": its BPE model sets ", option, " to ",
                 excerpt(v.dump()), "; LLaMA-3's does not, and tally implements no such option");
+  }
+  // ignore_merges: a piece that is a token is that token, before any merge (true in
+  // LLaMA-3's file); off, or absent as in files made before tokenizers 0.19, merges alone.
+  if (model.contains("ignore_merges")) {
+    const nlohmann::json& ignore = model["ignore_merges"];
+    TALLY_CHECK(ignore.is_boolean(), what, ": its BPE model's ignore_merges must be true or false, found ",
+                excerpt(ignore.dump()));
+    m.ignore_merges = ignore.get<bool>();
   }
   // The pre-tokenizer must be LLaMA-3's: this class implements that regex and no other.
   const std::string expected_regex =
@@ -862,9 +866,11 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
   }
   const std::string valid = replace_invalid_utf8(text);
   split_llama3(valid, [&](std::string_view piece) {
-    const auto it = m.whole.find(piece);  // a piece that is a token is that token
-    if (it != m.whole.end()) out.push_back(it->second);
-    else m.encode_piece(piece, out);
+    if (m.ignore_merges) {  // a piece that is a token is that token
+      const auto it = m.whole.find(piece);
+      if (it != m.whole.end()) return out.push_back(it->second);
+    }
+    m.encode_piece(piece, out);
   });
   return out;
 }
