@@ -297,6 +297,31 @@ TEST(Launch, ToolsNameTheInputTheyExpected) {
   EXPECT_NE(o.output.find("--stop-at-eot excludes --no-stop-at-eot"), std::string::npos) << o.output;
 }
 
+// A switch given a value: --no-stop-at-eot=false kept generating past the end of text (the
+// callbacks dropped the value), and a seed past 2^64 - 1 was clamped to it, so two seeds
+// drew the same samples.
+TEST(Launch, SwitchValuesAreHonouredAndSeedsOutOfRangeRefused) {
+  const std::string unseeded = std::string(TALLY_CLI) + " sample --model-file " + test::fixture_path("gpt2_tiny.bin") +
+                               " --tokens 10 --top-k 0";
+  const std::string sample = unseeded + " --seed 17";
+  const Outcome stops = run(sample);
+  const Outcome goes_on = run(sample + " --no-stop-at-eot");
+  ASSERT_EQ(stops.exit_code, 0) << stops.output;
+  ASSERT_EQ(goes_on.exit_code, 0) << goes_on.output;
+  ASSERT_NE(stops.output, goes_on.output) << "this seed's sample must reach the end of text";
+  for (const char* flag : {"--no-stop-at-eot=false", "--no-stop-at-eot=0", "--stop-at-eot=true", "--stop-at-eot"})
+    EXPECT_EQ(run(sample + " " + flag).output, stops.output) << flag;
+  for (const char* flag : {"--stop-at-eot=false", "--stop-at-eot=0", "--no-stop-at-eot=true"})
+    EXPECT_EQ(run(sample + " " + flag).output, goes_on.output) << flag;
+  for (const std::string seed : {"18446744073709551616", "99999999999999999999999"}) {
+    const Outcome o = run(unseeded + " --seed " + seed);
+    EXPECT_NE(o.exit_code, 0) << seed;
+    EXPECT_NE(o.output.find("--seed: expected a non-negative integer below 2^64, got " + seed), std::string::npos)
+        << o.output;
+  }
+  EXPECT_EQ(run(unseeded + " --seed 18446744073709551615").exit_code, 0);
+}
+
 TEST(Launch, SamplingWithASmallerTokenizerWarnsAndShowsTheIdsItLacks) {
   // A model with 128,256 tokens sampled through a 257-token tokenizer failed mid-sample
   // with "token id N is out of range", naming neither the model nor the tokenizer.

@@ -2,6 +2,7 @@
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -37,12 +38,16 @@ constexpr const char* kTokenizerHelp =
     "A directory with tokenizer.json (LLaMA-3) or encoder.json + vocab.bpe (GPT-2), or an llm.c tokenizer .bin";
 
 // For unsigned options (seeds): CLI11 would take "-1" as 2^64 - 1, and its NonNegativeNumber
-// names a range up to 1.8e308.
+// names a range up to 1.8e308. A value past 2^64 - 1 is refused here: CLI11 2.1 clamps it to
+// that, so two seeds drew the same samples.
 const CLI::Validator kNonNegativeInteger(
     [](std::string& value) {
-      return value.find_first_not_of("0123456789") == std::string::npos && !value.empty()
-                 ? std::string()
-                 : "expected a non-negative integer, got " + value;
+      uint64_t parsed = 0;
+      const char* end = value.data() + value.size();
+      const auto [stop, error] = std::from_chars(value.data(), end, parsed);
+      const bool digits = !value.empty() && value.find_first_not_of("0123456789") == std::string::npos;
+      return digits && error == std::errc() && stop == end ? std::string()
+                                                          : "expected a non-negative integer below 2^64, got " + value;
     },
     "");
 
@@ -525,9 +530,11 @@ int main(int argc, char** argv) {
   s->add_option("--prompt", sa.prompt, "Text to continue (needs a tokenizer that encodes)");
   s->add_option("--tokens", sa.tokens, "Most tokens to generate per sample")->capture_default_str();
   s->add_option("--count", sa.count, "Samples to draw, each from the prompt")->capture_default_str();
-  auto* stop = s->add_flag("--stop-at-eot", [&sa](int64_t) { sa.stop_at_eot = true; },
+  // A value given to either switch counts (CLI11 passes --flag=false as -1): it was dropped,
+  // and --no-stop-at-eot=false kept generating.
+  auto* stop = s->add_flag("--stop-at-eot", [&sa](int64_t on) { sa.stop_at_eot = on > 0; },
                            "End a sample at the end of text or the next document's start (the default)");
-  s->add_flag("--no-stop-at-eot", [&sa](int64_t) { sa.stop_at_eot = false; },
+  s->add_flag("--no-stop-at-eot", [&sa](int64_t on) { sa.stop_at_eot = on <= 0; },
               "Keep generating past the end of text or the next document's start (by default a sample ends there)")
       ->excludes(stop);
   s->add_option("--temperature", sa.temperature, "0 = greedy")->capture_default_str();
