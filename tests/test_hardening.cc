@@ -326,7 +326,13 @@ TEST(Hardening, HuggingFaceConfigsThatContradictTheWeightsOrTheModelAreRefusedNa
                              "rope_scaling's rope_type is null, expected a string"},
                         Case{"rms_norm_eps", -1, "\"rms_norm_eps\" is -1, expected a positive number"},
                         Case{"hidden_act", "relu", "hidden_act 'relu'"},
-                        Case{"rope_theta", 0, "rope_theta must be positive"}}) {
+                        Case{"rope_theta", 0, "rope_theta must be positive"},
+                        // The shape was taken from the config alone: a model of the config's
+                        // size was built before the weights were read (20,000 layers took
+                        // 28 s to find its tensors missing).
+                        Case{"num_hidden_layers", 3, "\"num_hidden_layers\" is 3 but the weights have 2 layers"},
+                        Case{"num_hidden_layers", 20000, "\"num_hidden_layers\" is 20000 but the weights have 2 layers"},
+                        Case{"vocab_size", 50, "\"vocab_size\" 50 and \"hidden_size\" 32 but model.embed_tokens.weight is [97,32]"}}) {
     nlohmann::json j = llama_config;
     j[k.key] = k.value;
     test::write_all(llama + "/config.json", j.dump());
@@ -334,6 +340,31 @@ TEST(Hardening, HuggingFaceConfigsThatContradictTheWeightsOrTheModelAreRefusedNa
     EXPECT_NE(msg.find("HuggingFace config '" + llama + "/config.json'"), std::string::npos) << k.key << ": " << msg;
     EXPECT_NE(msg.find(k.expected), std::string::npos) << k.key << ": " << msg;
   }
+}
+
+// A tensor in two shards was taken from one without a word: GPT-2's loader kept the first
+// file's, LLaMA's the last's. And a LLaMA directory without its config.json was read as a
+// GPT-2 model, refused for a missing 'wte.weight'.
+TEST(Hardening, AHuggingFaceTensorInTwoShardsOrALlamaWithoutItsConfigIsRefused) {
+  const std::string dir = test::temp_path("hf_twice");
+  fs::copy(test::fixture_path("llama3_tiny_hf"), dir);
+  const std::string first = dir + "/model-00001-of-00002.safetensors", second = dir + "/model-00002-of-00002.safetensors";
+  {
+    const io::SafetensorsFile a = io::read_safetensors(first), b = io::read_safetensors(second);
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    for (const std::string& name : b.order) tensors.emplace_back(name, b.at(name));
+    tensors.emplace_back("model.embed_tokens.weight", a.at("model.embed_tokens.weight"));
+    io::write_safetensors(second, tensors);
+  }
+  const std::string msg = message_of<Error>([&] { io::read_hf_config(dir); });
+  EXPECT_NE(msg.find("tensor 'model.embed_tokens.weight' is in both '" + first + "' and '" + second + "'"),
+            std::string::npos) << msg;
+
+  const std::string bare = test::temp_path("hf_no_config");
+  fs::copy(test::fixture_path("llama3_tiny_hf"), bare);
+  fs::remove(bare + "/config.json");
+  const std::string why = message_of<Error>([&] { io::read_hf_config(bare); });
+  EXPECT_NE(why.find("holds LLaMA's tensors (model.embed_tokens.weight) but no config.json"), std::string::npos) << why;
 }
 
 TEST(Hardening, ATruncatedVocabBpeIsRefusedNamingATokenNoMergeMakes) {

@@ -105,7 +105,16 @@ void validate_from(const nn::TransformerConfig& c, const std::string& path) {
 }
 
 std::string model_type(const HfSource& src) {
-  if (src.config_path.empty()) return "gpt2";  // a bare GPT-2 model.safetensors
+  if (src.config_path.empty()) {
+    // A bare model.safetensors is GPT-2's, whose shape is all in its weights. LLaMA's heads,
+    // rotary and norms are not: without its config.json it was read as a GPT-2 and refused
+    // for a missing 'wte.weight'.
+    for (const std::string& shard : src.shards)
+      TALLY_CHECK(!index_safetensors(shard).has("model.embed_tokens.weight"), "HuggingFace model '", shard,
+                  "' holds LLaMA's tensors (model.embed_tokens.weight) but no config.json beside it: LLaMA's heads, "
+                  "rotary embedding and norms are not in its weights");
+    return "gpt2";
+  }
   json j = read_config(src.config_path);
   TALLY_CHECK(j.contains("model_type") && j["model_type"].is_string(), "HuggingFace config '", src.config_path,
               "' has no \"model_type\"");
@@ -205,7 +214,13 @@ struct SafetensorsShards {
   explicit SafetensorsShards(const HfSource& src) {
     for (const std::string& shard : src.shards) {
       files.push_back(index_safetensors(shard));  // the header: shapes, no weights
-      for (const std::string& name : files.back().order) file_of.emplace(name, files.size() - 1);
+      // One tensor in two files is refused: GPT-2's loader took the first file's, LLaMA's
+      // the last's, each without a word.
+      for (const std::string& name : files.back().order) {
+        const auto [it, first] = file_of.emplace(name, files.size() - 1);
+        TALLY_CHECK(first, "HuggingFace model: tensor '", name, "' is in both '", files[it->second].path, "' and '",
+                    shard, "'");
+      }
     }
     path = src.shards.at(0) + (src.shards.size() > 1 ? " (and " + std::to_string(src.shards.size() - 1) + " more shards)" : "");
   }
@@ -487,9 +502,29 @@ std::vector<std::string> hf_files_read(const std::string& path) {
   return files;
 }
 
+// LLaMA's config.json against its weights' headers, before a model is built from it: the
+// layer count, vocabulary and width were the config's alone, so another model's config
+// built that model (20,000 layers took 28 s to find its tensors missing).
+void check_llama_config_against_weights(const nn::TransformerConfig& c, const HfSource& src) {
+  const SafetensorsShards f(src);
+  const std::string& path = src.config_path;
+  int64_t L = 0;
+  while (f.file_of.count("model.layers." + std::to_string(L) + ".input_layernorm.weight")) ++L;
+  TALLY_CHECK(c.n_layer == L, "HuggingFace config '", path, "': \"num_hidden_layers\" is ", c.n_layer,
+              " but the weights have ", L, " layers (model.layers.N.input_layernorm.weight)");
+  if (f.file_of.count("model.embed_tokens.weight")) {
+    const Shape& embed = f.entry("model.embed_tokens.weight").shape;
+    TALLY_CHECK(embed == Shape({c.vocab_size, c.n_embd}), "HuggingFace config '", path, "': \"vocab_size\" ",
+                c.vocab_size, " and \"hidden_size\" ", c.n_embd, " but model.embed_tokens.weight is ", shape_str(embed));
+  }
+}
+
 nn::TransformerConfig read_hf_config(const std::string& path) {
   HfSource src = locate(path);
-  return model_type(src) == "llama" ? llama_config(src.config_path) : gpt2_config(src);
+  if (model_type(src) != "llama") return gpt2_config(src);
+  const nn::TransformerConfig c = llama_config(src.config_path);
+  check_llama_config_against_weights(c, src);
+  return c;
 }
 
 void load_hf(const std::string& path, nn::Transformer& model, std::vector<int64_t>* crc_of_each) {

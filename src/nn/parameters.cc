@@ -12,6 +12,7 @@ size_t ParameterStore::begin_unit(std::string name) {
 
 size_t ParameterStore::declare(std::string name, Shape shape, bool decay) {
   TALLY_CHECK(!allocated_, "parameter '", name, "' declared after allocation");
+  TALLY_CHECK(index_by_name_.emplace(name, specs_.size()).second, "parameter '", name, "' declared twice");
   if (units_.empty()) begin_unit("all");
   offsets_.push_back(total_);
   total_ += shape_numel(shape);
@@ -128,9 +129,9 @@ void ParameterStore::release_grads() {
 void ParameterStore::release_params() { flat_params_ = Tensor(); }
 
 size_t ParameterStore::index_of(const std::string& name) const {
-  for (size_t i = 0; i < specs_.size(); ++i)
-    if (specs_[i].name == name) return i;
-  TALLY_FAIL("no parameter named '", name, "'");
+  const auto it = index_by_name_.find(name);
+  TALLY_CHECK(it != index_by_name_.end(), "no parameter named '", name, "'");
+  return it->second;
 }
 
 const Tensor& ParameterStore::get(const std::string& name) const { return params_[index_of(name)]; }
