@@ -72,6 +72,11 @@ TEST(LlamaFiles, LlmcFileFromTrainLlama3PyRecoversWhatItsHeaderTruncated) {
   EXPECT_EQ(c.n_embd, 32);
   EXPECT_EQ(c.ffn_hidden, 128) << "from the file size; the header's multiplier (1) would give 96";
   EXPECT_EQ(nn::llama_ffn_hidden(32, 32, 1.0), 96);
+  // The rounding kept is one that gives the width: the header's (32, 1) did not, an export
+  // wrote it to config.json, and the import chose another pair, so llm.c -> HF -> llm.c
+  // changed the header.
+  EXPECT_EQ(nn::llama_ffn_hidden(c.n_embd, c.multiple_of, c.ffn_dim_multiplier), c.ffn_hidden)
+      << c.multiple_of << ", " << c.ffn_dim_multiplier;
   EXPECT_EQ(c.vocab_size, 97);
   EXPECT_EQ(c.padded_vocab_size, 128);
   EXPECT_DOUBLE_EQ(c.norm_eps, 1e-5);
@@ -188,6 +193,18 @@ TEST(LlamaFiles, HuggingFaceExportIsHfsLayoutAndRoundTripsBitExactly) {
   io::save_llmc(again, d2_back);
   EXPECT_EQ(d2_back.config().multiple_of, 256);
   EXPECT_TRUE(test::read_all(again) == test::read_all(llmc)) << "llm.c -> HF -> llm.c changed the file";
+  // The same from a train_llama3.py file, whose header's rounding did not give its width.
+  {
+    nn::Transformer t(io::read_llmc_config(test::fixture_path("llama3_tiny.bin")));
+    io::load_llmc(test::fixture_path("llama3_tiny.bin"), t);
+    const std::string a = test::temp_path("tiny_a.bin"), tiny_hf = test::temp_path("tiny_hf"), b = test::temp_path("tiny_b.bin");
+    io::save_llmc(a, t);
+    io::save_hf(tiny_hf, t);
+    nn::Transformer t_back(io::read_hf_config(tiny_hf));
+    io::load_hf(tiny_hf, t_back);
+    io::save_llmc(b, t_back);
+    EXPECT_TRUE(test::read_all(a) == test::read_all(b)) << "llm.c -> HF -> llm.c changed a train_llama3.py model's file";
+  }
   // bf16: the weights rounded once, and a second round trip changes nothing.
   const std::string out16 = test::temp_path("hf_export_bf16");
   io::save_hf(out16, *m, true);

@@ -124,20 +124,6 @@ std::string model_type(const HfSource& src) {
   return type;
 }
 
-// Meta's (multiple_of, ffn_dim_multiplier) for a width, for llm.c's header: the first
-// usual pair that reproduces it, else the width itself as multiple_of.
-void ffn_rounding(nn::TransformerConfig& c) {
-  for (double multiplier : {0.0, 1.0, 1.3, 1.5, 2.0})
-    for (int64_t multiple : {1024, 512, 256, 128, 64, 32, 16, 8})
-      if (nn::llama_ffn_hidden(c.n_embd, multiple, multiplier) == c.ffn_hidden) {
-        c.multiple_of = multiple;
-        c.ffn_dim_multiplier = multiplier;
-        return;
-      }
-  c.multiple_of = c.ffn_hidden;
-  c.ffn_dim_multiplier = 0;
-}
-
 nn::TransformerConfig llama_config(const std::string& path) {
   json j = read_config(path);
   nn::TransformerConfig c;
@@ -186,14 +172,9 @@ nn::TransformerConfig llama_config(const std::string& path) {
   // HuggingFace's config has no field for); other files get the first usual pair.
   const bool has_rounding = j.contains("multiple_of") && j["multiple_of"].is_number_integer() &&
                             j.contains("ffn_dim_multiplier") && j["ffn_dim_multiplier"].is_number();
-  if (has_rounding && j["multiple_of"].get<int64_t>() >= 1 &&
-      nn::llama_ffn_hidden(c.n_embd, j["multiple_of"].get<int64_t>(), j["ffn_dim_multiplier"].get<double>()) ==
-          c.ffn_hidden) {
-    c.multiple_of = j["multiple_of"].get<int64_t>();
-    c.ffn_dim_multiplier = j["ffn_dim_multiplier"].get<double>();
-  } else {
-    ffn_rounding(c);
-  }
+  c.multiple_of = has_rounding ? j["multiple_of"].get<int64_t>() : 0;  // 0: none, the first usual pair
+  c.ffn_dim_multiplier = has_rounding ? j["ffn_dim_multiplier"].get<double>() : 0.0;
+  nn::settle_llama_ffn_rounding(c);
   validate_from(c, path);
   return c;
 }

@@ -153,6 +153,7 @@ nn::TransformerConfig llama_config(Header& h, const std::string& path) {
       c.rope_theta = f[2];
       c.rope_factor = h.ints[9] ? 8 : 0;
       c.ffn_hidden = F;
+      nn::settle_llama_ffn_rounding(c);
       return c;
     }
   }
@@ -167,6 +168,9 @@ nn::TransformerConfig llama_config(Header& h, const std::string& path) {
   TALLY_CHECK(c.ffn_hidden > 0, "model file '", path, "' is ", h.file_size, " bytes, which no FFN width fits for ",
               "its LLaMA header (L ", c.n_layer, ", C ", c.n_embd, ", V ", c.vocab_size, ", ",
               width_of(h) == 4 ? "fp32" : "bf16", "): truncated or not an llm.c LLaMA-3 file");
+  // The truncated multiplier rarely gives the width the size did (1.3 -> 1): a pair that
+  // does, so that an export writes one its import keeps (llm.c -> HF -> llm.c is the file).
+  nn::settle_llama_ffn_rounding(c);
   return c;
 }
 }  // namespace

@@ -56,6 +56,19 @@ int64_t llama_ffn_hidden(int64_t n_embd, int64_t multiple_of, double ffn_dim_mul
   return multiple_of * ((hidden + multiple_of - 1) / multiple_of);
 }
 
+void settle_llama_ffn_rounding(TransformerConfig& c) {
+  if (c.multiple_of >= 1 && llama_ffn_hidden(c.n_embd, c.multiple_of, c.ffn_dim_multiplier) == c.ffn_hidden) return;
+  for (double multiplier : {0.0, 1.0, 1.3, 1.5, 2.0})
+    for (int64_t multiple : {1024, 512, 256, 128, 64, 32, 16, 8})
+      if (llama_ffn_hidden(c.n_embd, multiple, multiplier) == c.ffn_hidden) {
+        c.multiple_of = multiple;
+        c.ffn_dim_multiplier = multiplier;
+        return;
+      }
+  c.multiple_of = c.ffn_hidden;
+  c.ffn_dim_multiplier = 0;
+}
+
 std::vector<double> rope_inv_freq(const TransformerConfig& c) {
   const int64_t D = c.head_dim();
   std::vector<double> freqs;

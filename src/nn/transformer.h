@@ -67,6 +67,10 @@ struct TransformerConfig {
 // Meta's SwiGLU width: 2/3 of 4C, times ffn_dim_multiplier (when not 0), rounded up to
 // multiple_of (int() truncations as in Meta's model.py).
 int64_t llama_ffn_hidden(int64_t n_embd, int64_t multiple_of, double ffn_dim_multiplier);
+// Keeps c's (multiple_of, ffn_dim_multiplier) when they give c.ffn_hidden, else sets the
+// first usual pair that does (the width itself as multiple_of if none): what llm.c's header
+// and tally's config.json carry, so that a file read back gives the same pair.
+void settle_llama_ffn_rounding(TransformerConfig& c);
 // The rotary inverse frequencies of one head, D/2 of them: theta^(-2i/D), then LLaMA-3.1's
 // scaling when rope_factor > 0 (computed in double, as Meta's apply_scaling does in Python).
 std::vector<double> rope_inv_freq(const TransformerConfig& c);
