@@ -271,6 +271,12 @@ TEST(Launch, AMistypedCommandOrAZeroCountIsNamed) {
     EXPECT_NE(o.exit_code, 0) << flag;
     EXPECT_NE(o.output.find(std::string(flag) + ": expected a positive integer, got 0"), std::string::npos) << o.output;
   }
+  // A batch whose activations overflow a 64-bit byte count names the flags that made it
+  // ("plan: activations: 639999999999936 x 50304 overflows" named neither).
+  o = run(std::string(TALLY_CLI) + " plan --model d2 --batch-size 9999999999999");
+  EXPECT_NE(o.exit_code, 0);
+  EXPECT_NE(o.output.find("plan: the activations of --batch-size 9999999999999 x --seq-len 64 tokens a microbatch: "),
+            std::string::npos) << o.output;
 }
 
 // tokenize read any file that is not a directory as an llm.c tokenizer .bin ("bad magic",

@@ -260,18 +260,22 @@ MemoryPlan plan_steps(const PlanInput& in) {
     layer.push_back({std::string("MLP pre-GELU") + (bf16 ? " (bf16)" : ""), BT, 4 * C / TP, hidden_bytes});
     layer.push_back({std::string("MLP post-GELU") + (bf16 ? " (bf16)" : ""), BT, 4 * C / TP, hidden_bytes});
   }
+  // Their sizes grow with the flags: an overflow names them (it read "plan: activations:
+  // 639999999999936 x 50304 overflows" for --batch-size 9999999999999).
+  const std::string activations_context = "plan: the activations of --batch-size " + std::to_string(B) + " x --seq-len " +
+                                   std::to_string(T) + " tokens a microbatch";
   int64_t layer_bytes = 0;  // one layer's saved activations of one microbatch
   for (const Kind& k : layer)
-    layer_bytes = checked_add(layer_bytes, checked_product({k.rows, k.columns, k.bytes}, "plan: activations"), "plan");
+    layer_bytes = checked_add(layer_bytes, checked_product({k.rows, k.columns, k.bytes}, activations_context), activations_context);
 
   // Activations of one microbatch, by kind over all layers.
   auto act = [&](const std::string& kind, int64_t rows, int64_t columns, int64_t bytes = kFloat) {
-    plan.activations_by_kind.emplace_back(kind, checked_product({rows, columns, bytes}, "plan: activations"));
+    plan.activations_by_kind.emplace_back(kind, checked_product({rows, columns, bytes}, activations_context));
   };
   if (full) {
     act("layer inputs (kept by --recompute full)", sp_rows, C * L);
   } else {
-    for (const Kind& k : layer) act(k.name, k.rows, checked_mul(k.columns, L, "plan: activations"), k.bytes);
+    for (const Kind& k : layer) act(k.name, k.rows, checked_mul(k.columns, L, activations_context), k.bytes);
   }
   act("head: last residual", sp_rows, C);
   act(std::string("head: final norm output") + proj + gathered, BT, C, proj_bytes);
