@@ -682,6 +682,27 @@ TEST(Hardening, ZeroWithOneDataParallelRankIsWarnedAbout) {
   EXPECT_EQ(err.find("--zero"), std::string::npos) << err;
 }
 
+// --bucket-mb sizes the buckets of data parallel's all-reduce; with one rank there is none,
+// and the flag was taken without a word (as --zero was).
+TEST(Hardening, ABucketSizeWithoutADataParallelAllReduceIsWarnedAbout) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("bucket_one_rank.bin", 5000, 97, 4));
+  c.steps = 1;
+  c.bucket_mb = 1;
+  c.bucket_mb_given = true;
+  ::testing::internal::CaptureStderr();
+  train::run_training(c);
+  std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("warning: --bucket-mb 1 sizes the buckets of data parallel's gradient all-reduce; this run has "
+                     "one data-parallel rank and no all-reduce, so it does nothing"),
+            std::string::npos)
+      << err;
+  c.bucket_mb_given = false;  // the default, not given: nothing said
+  ::testing::internal::CaptureStderr();
+  train::run_training(c);
+  err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("--bucket-mb"), std::string::npos) << err;
+}
+
 TEST(Hardening, BadOutputPathsFailBeforeTraining) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
   c.steps = 1000000;  // would take hours if the check came after training

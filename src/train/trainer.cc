@@ -764,6 +764,12 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (c.zero > 0 && D == 1 && root)
     std::fprintf(stderr, "tally: warning: --zero %d shards the optimizer state over data-parallel ranks; this run has "
                  "one, so it saves nothing (launch more ranks with mpirun, or leave --zero out)\n", c.zero);
+  // --bucket-mb sizes plain data parallel's and ZeRO-1's all-reduce; a run without one says so.
+  if (c.bucket_mb_given && !all_reduce && root)
+    std::fprintf(stderr, "tally: warning: --bucket-mb %g sizes the buckets of data parallel's gradient all-reduce; this "
+                 "run has %s, so it does nothing\n", c.bucket_mb,
+                 D == 1 ? "one data-parallel rank and no all-reduce"
+                        : "ZeRO stage 2 or 3, which reduce-scatters gradients instead");
   log("parallel: %s, %s\n", world.describe().c_str(),
       c.zero ? ("ZeRO stage " + std::to_string(c.zero) + (D == 1 ? " over 1 data-parallel rank: nothing sharded" : ""))
                    .c_str()

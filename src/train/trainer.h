@@ -78,6 +78,7 @@ struct TrainConfig {
   std::string recompute = "none";    // none | selective | full
   int zero = 0;              // 0: plain data parallel; 1, 2, 3: ZeRO stage
   double bucket_mb = 25;     // all-reduce bucket size (MiB)
+  bool bucket_mb_given = false;  // --bucket-mb was on the command line (a run without the all-reduce says it does nothing)
   bool log_json_all_ranks = false;  // also write <log-json>.rank<R> on every rank
   bool return_parameters = false;   // fill TrainResult::parameters (tests)
   bool profile_ops = false;         // time every kernel; the step line and the JSONL row get the table
