@@ -39,6 +39,34 @@ size_t count(const std::string& text, const std::string& needle) {
 
 }  // namespace
 
+// "Every live byte has a known owner": every allocation of a run, set-up, steps, validation,
+// samples and saving alike, carries a name. The scalars the trainer's all-reduces carry (the
+// step's memory and loss figures, even on one process) and backward's root gradient had
+// none: "(unnamed)" in the report and diff.
+TEST(MemoryTools, EveryAllocationOfARunHasAnOwnerName) {
+  for (const char* dtype : {"fp32", "bf16"}) {
+    const std::string data = test::write_random_shard(std::string("named_") + dtype + ".bin", 5000, 97, 1);
+    train::TrainConfig c = test::tiny_train_config(data);
+    c.dtype = dtype;
+    c.grad_accum = 2;
+    c.steps = 3;
+    c.val_data = data;
+    c.val_every = 2;
+    c.sample_every = 2;
+    c.sample_tokens = 4;
+    c.save_every = 3;
+    c.out_dir = test::temp_path(std::string("named_out_") + dtype);
+    c.mem_trace = test::temp_path(std::string("named_") + dtype + ".json");
+    train::run_training(c);
+    const memory::MemoryTrace trace = memory::read_memory_trace(c.mem_trace);
+    ASSERT_FALSE(trace.events.empty());
+    std::map<std::string, int> unnamed;  // category -> events
+    for (const memory::MemoryEvent& e : trace.events)
+      if (name_of(e.name).empty()) ++unnamed[category_name(e.category)];
+    for (const auto& [category, n] : unnamed) ADD_FAILURE() << dtype << ": " << n << " " << category << " events without a name";
+  }
+}
+
 TEST(MemoryTools, ATraceRoundTripsEveryEventAndThePlan) {
   auto& L = runtime::ledger();
   L.clear_history();

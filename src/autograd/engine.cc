@@ -138,7 +138,8 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& r
     Tensor g = i < root_grads.size() && root_grads[i].defined() ? root_grads[i] : Tensor();
     if (!g.defined()) {
       TALLY_CHECK(r.numel() == 1, "backward: root ", r.str(), " is not a scalar; pass its gradient explicitly");
-      g = Tensor::ones(r.shape(), r.dtype(), r.device());
+      g = Tensor::empty(r.shape(), r.dtype(), r.device(), current_owner("backward:root_grad"));
+      g.fill_(1.0);
     }
     TALLY_CHECK(g.shape() == r.shape() && g.dtype() == r.dtype() && g.device() == r.device(), "backward: gradient ",
                 g.str(), " on ", g.device().str(), " for root ", r.str(), " on ", r.device().str(),

@@ -114,13 +114,15 @@ Tensor Communicator::all_gather_uneven(const Tensor& in, const std::vector<int64
 }
 
 double Communicator::all_reduce_scalar(double value, ReduceOp op) {
-  Tensor t = Tensor::full({1}, value, DType::F64, Device::cpu());
+  Tensor t = Tensor::empty({1}, DType::F64, Device::cpu(), make_owner(Category::Communication, "comm:all_reduce_scalar"));
+  t.fill_(value);
   all_reduce(t, op);
   return t.item();
 }
 
 std::vector<double> Communicator::all_gather_scalar(double value) {
-  Tensor in = Tensor::full({1}, value, DType::F64, Device::cpu());
+  Tensor in = Tensor::empty({1}, DType::F64, Device::cpu(), make_owner(Category::Communication, "comm:all_gather_scalar"));
+  in.fill_(value);
   Tensor out = Tensor::empty({size()}, DType::F64, Device::cpu(), make_owner(Category::Communication, "comm:all_gather"));
   all_gather(out, in);
   return out.to_vector<double>();
