@@ -50,7 +50,7 @@ TEST(MemoryTools, EveryAllocationOfARunHasAnOwnerName) {
     c.dtype = dtype;
     c.grad_accum = 2;
     c.steps = 3;
-    c.val_data = data;
+    c.val_data = test::write_random_shard(std::string("named_val_") + dtype + ".bin", 2000, 97, 2);
     c.val_every = 2;
     c.sample_every = 2;
     c.sample_tokens = 4;
@@ -65,6 +65,25 @@ TEST(MemoryTools, EveryAllocationOfARunHasAnOwnerName) {
       if (name_of(e.name).empty()) ++unnamed[category_name(e.category)];
     for (const auto& [category, n] : unnamed) ADD_FAILURE() << dtype << ": " << n << " " << category << " events without a name";
   }
+}
+
+// A run that fails (here a loss gone non-finite; out of memory, the sanitizer's strict mode
+// alike) wrote no trace: it was written after the loop, which the failure skipped, though a
+// failure is when the history is wanted most.
+TEST(MemoryTools, ARunThatFailsStillWritesItsTraceUpToTheFailure) {
+  train::TrainConfig c = test::tiny_train_config(test::write_random_shard("failing.bin", 5000, 97, 1));
+  c.steps = 5;
+  c.lr = 1e30;
+  c.grad_clip = 0;
+  c.mem_trace = test::temp_path("failing.json");
+  EXPECT_THROW(train::run_training(c), Error);
+  ASSERT_TRUE(fs::exists(c.mem_trace)) << "no trace after the failure";
+  const memory::MemoryTrace trace = memory::read_memory_trace(c.mem_trace);
+  EXPECT_FALSE(trace.events.empty());
+  EXPECT_FALSE(trace.plan.empty()) << "the plan travels with the failed run's trace too";
+  int64_t last_step = -1;
+  for (const memory::MemoryEvent& e : trace.events) last_step = std::max(last_step, e.step);
+  EXPECT_GE(last_step, 1) << "the trace reaches into the steps";
 }
 
 TEST(MemoryTools, ATraceRoundTripsEveryEventAndThePlan) {

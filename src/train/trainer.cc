@@ -299,6 +299,36 @@ double evaluate(const nn::Transformer& model, dist::PipelineStage* pipeline, dat
   return total / static_cast<double>(std::max<int64_t>(batches, 1));
 }
 
+// Rank R's --mem-trace beside rank 0's: ".rankR" before the extension, so that another
+// rank's report still ends in .html (run.rank1.html opens as a page; run.html.rank1 did not).
+std::string rank_trace_path(const std::string& path, int rank) {
+  const fs::path p(path);
+  return (p.parent_path() / (p.stem().string() + ".rank" + std::to_string(rank) + p.extension().string())).string();
+}
+
+// Runs `write` when the scope is left by an exception: a run that fails (out of memory, a
+// loss gone non-finite, the sanitizer's strict mode) still writes its memory trace, up to
+// the failure, which is when it is wanted most. A failure to write it is said, and the
+// run's own error is the one that propagates.
+class WriteOnFailure {
+ public:
+  explicit WriteOnFailure(std::function<void()> write) : write_(std::move(write)) {}
+  WriteOnFailure(const WriteOnFailure&) = delete;
+  WriteOnFailure& operator=(const WriteOnFailure&) = delete;
+  ~WriteOnFailure() {
+    if (std::uncaught_exceptions() <= exceptions_ || !write_) return;
+    try {
+      write_();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "tally: the failed run's memory trace could not be written: %s\n", e.what());
+    }
+  }
+
+ private:
+  std::function<void()> write_;
+  int exceptions_ = std::uncaught_exceptions();
+};
+
 }  // namespace
 
 namespace {
@@ -478,7 +508,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     TALLY_CHECK(!c.log_json_all_ranks || !log_is_stream, "--log-json-all-ranks writes <--log-json>.rank<R> "
                 "beside --log-json, and '", c.log_json, "' is a stream: give --log-json a file path");
     if (!c.log_json.empty() && c.log_json_all_ranks) io::check_output_file("--log-json-all-ranks", c.log_json + rank_suffix, inputs);
-    if (!c.mem_trace.empty()) io::check_output_file("--mem-trace", root ? c.mem_trace : c.mem_trace + rank_suffix, inputs);
+    if (!c.mem_trace.empty())
+      io::check_output_file("--mem-trace", root ? c.mem_trace : rank_trace_path(c.mem_trace, world.rank()), inputs);
   }
   std::vector<std::string> earlier;
   // (A run that saves nothing leaves them, unless --overwrite says to start afresh.)
@@ -500,6 +531,21 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   const std::string gemm_note = runtime::backend(device).gemm_note(matmul_dtype);
   if (!gemm_note.empty() && root) std::fprintf(stderr, "tally: note: %s\n", gemm_note.c_str());
   if (!c.mem_trace.empty()) ledger.enable_history(true, false);
+  // The trace, written at the end of the run, or where it fails.
+  memory::PlanParts plan_parts;  // this rank's, for --mem-trace
+  const std::string trace_path = root ? c.mem_trace : rank_trace_path(c.mem_trace, world.rank());
+  const bool trace_html = fs::path(c.mem_trace).extension() == ".html";
+  auto write_trace = [&] {
+    io::create_directories_for("--mem-trace", trace_path, fs::path(trace_path).parent_path().string());
+    const std::vector<memory::MemoryEvent> events = ledger.take_history();
+    if (trace_html) memory::write_html_report(trace_path, events, plan_parts);
+    else memory::write_chrome_trace(trace_path, events, 1 << 20, plan_parts);
+  };
+  WriteOnFailure trace_on_failure(c.mem_trace.empty() ? std::function<void()>() : [&] {
+    write_trace();
+    std::fprintf(stderr, "tally: the memory %s of the run up to its failure is in %s\n", trace_html ? "report" : "trace",
+                 trace_path.c_str());
+  });
   ledger.reset_peaks();  // set-up's peak is this run's (a process may have trained before)
   int64_t setup_peak = 0;  // tensor/pipeline parallel and ZeRO-2/3: building the model and sharding it
 
@@ -843,7 +889,6 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   // The plan: every rank's peak from the configuration alone, printed beside the measured one.
   int64_t planned_peak = 0;  // this rank's
   std::vector<int64_t> rank_planned_peaks;  // every rank's
-  memory::PlanParts plan_parts;  // this rank's, for --mem-trace
   std::vector<std::string> plan_notes;  // where the plan said its peak moment may not hold
   {
     PlanInput pi;
@@ -1224,14 +1269,12 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   }
   if (c.return_parameters && !model_parallel) result.parameters = gather_parameters(*model);
   if (!c.mem_trace.empty()) {
-    const bool html = c.mem_trace.size() > 5 && c.mem_trace.compare(c.mem_trace.size() - 5, 5, ".html") == 0;
-    const std::string path = root ? c.mem_trace : c.mem_trace + ".rank" + std::to_string(world.rank());
-    io::create_directories_for("--mem-trace", path, fs::path(path).parent_path().string());
-    const std::vector<memory::MemoryEvent> events = ledger.take_history();
-    if (html) memory::write_html_report(path, events, plan_parts);
-    else memory::write_chrome_trace(path, events, 1 << 20, plan_parts);
-    log("memory %s written to %s%s\n", html ? "report" : "trace (open in ui.perfetto.dev or chrome://tracing)", path.c_str(),
-        world.size() > 1 ? (", and each other rank's to " + c.mem_trace + ".rank<R>").c_str() : "");
+    write_trace();
+    log("memory %s written to %s%s\n", trace_html ? "report" : "trace (open in ui.perfetto.dev or chrome://tracing)",
+        trace_path.c_str(),
+        world.size() > 1 ? (", and each other rank's beside it, .rank<R> before the extension (" +
+                            rank_trace_path(c.mem_trace, 1) + ")").c_str()
+                         : "");
   }
   model->set_residency(nullptr);
   return result;
