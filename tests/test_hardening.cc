@@ -703,6 +703,33 @@ TEST(Hardening, ABucketSizeWithoutADataParallelAllReduceIsWarnedAbout) {
   EXPECT_EQ(err.find("--bucket-mb"), std::string::npos) << err;
 }
 
+// A run resumed from step 2 of an out-dir holding steps 2, 4 and 6 of an abandoned run, saving
+// at 3 and 6 with --keep-last 2: its step 3 was removed as "older" and the abandoned run's
+// step 4 kept. The abandoned run's later checkpoints are left alone (not this run's to
+// remove), and not counted among the ones --keep-last keeps.
+TEST(Hardening, KeepLastAfterAResumeFromAnEarlierCheckpointKeepsThisRunsNewest) {
+  const std::string dir = test::temp_path("keep_resumed");
+  auto make = [&](int64_t step) {
+    char name[32];
+    std::snprintf(name, sizeof name, "step_%08lld", static_cast<long long>(step));
+    fs::create_directories(fs::path(dir) / name);
+    test::write_all((fs::path(dir) / name / "state.bin").string(), "x");
+    return std::string(name);
+  };
+  for (int64_t step : {2, 4, 6}) make(step);  // the abandoned run's
+  test::write_all(dir + "/latest", "step_00000006\n");
+  // Resumed at 2; this run saves 3, then 6 (over the abandoned run's 6).
+  EXPECT_TRUE(io::remove_older_checkpoints(dir, dir + "/" + make(3), 2, /*resumed_step=*/2, {3}).empty());
+  const std::vector<std::string> removed = io::remove_older_checkpoints(dir, dir + "/" + make(6), 2, 2, {3, 6});
+  EXPECT_EQ(removed, std::vector<std::string>{"step_00000002"});
+  for (const char* kept : {"step_00000003", "step_00000004", "step_00000006"})
+    EXPECT_TRUE(fs::exists(fs::path(dir) / kept)) << kept;
+  // --keep-last 1 at its step 8: its own 3 and 6 go, the abandoned run's 4 stays.
+  EXPECT_EQ(io::remove_older_checkpoints(dir, dir + "/" + make(8), 1, 2, {3, 6, 8}),
+            (std::vector<std::string>{"step_00000003", "step_00000006"}));
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "step_00000004"));
+}
+
 TEST(Hardening, BadOutputPathsFailBeforeTraining) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
   c.steps = 1000000;  // would take hours if the check came after training

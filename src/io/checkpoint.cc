@@ -500,13 +500,17 @@ void remove_checkpoints(const std::string& out_dir) {
   sync_directory(out_dir);
 }
 
-std::vector<std::string> remove_older_checkpoints(const std::string& out_dir, const std::string& newest, int64_t keep) {
+std::vector<std::string> remove_older_checkpoints(const std::string& out_dir, const std::string& newest, int64_t keep,
+                                                  int64_t resumed_step, const std::vector<int64_t>& saved_steps) {
   // Steps by number (names are step_%08lld: past 10^8 steps they grow a digit).
   auto step_of = [](const std::string& name) { return std::stoll(name.substr(5)); };
   const int64_t newest_step = step_of(fs::path(newest).filename().string());
   std::vector<std::pair<int64_t, std::string>> older;
   for (const std::string& name : checkpoints_in(out_dir))
-    if (name != "latest" && step_of(name) < newest_step) older.emplace_back(step_of(name), name);
+    if (name != "latest" && step_of(name) < newest_step &&
+        (step_of(name) <= resumed_step ||
+         std::find(saved_steps.begin(), saved_steps.end(), step_of(name)) != saved_steps.end()))
+      older.emplace_back(step_of(name), name);
   std::sort(older.begin(), older.end());
   const size_t keep_older = static_cast<size_t>(std::max<int64_t>(keep - 1, 0));
   if (older.size() <= keep_older) return {};

@@ -110,10 +110,13 @@ std::vector<std::string> checkpoints_in(const std::string& out_dir);
 // Removes them (a fresh run's --overwrite).
 void remove_checkpoints(const std::string& out_dir);
 // After saving `newest` (a step directory of `out_dir`, which `latest` names): removes
-// the checkpoints of earlier steps but the `keep` - 1 newest (--keep-last), never a later
-// step (a run resumed from an earlier checkpoint leaves the abandoned run's alone).
-// Returns the removed directories' names, oldest first.
-std::vector<std::string> remove_older_checkpoints(const std::string& out_dir, const std::string& newest, int64_t keep);
+// this run's checkpoints of earlier steps but the `keep` - 1 newest (--keep-last). This
+// run's: those at or before `resumed_step` (its past) and the steps it saved
+// (`saved_steps`). A run resumed from an earlier checkpoint leaves the abandoned run's later
+// ones alone and does not count them (it kept one of those and removed its own). Returns
+// the removed directories' names, oldest first.
+std::vector<std::string> remove_older_checkpoints(const std::string& out_dir, const std::string& newest, int64_t keep,
+                                                  int64_t resumed_step, const std::vector<int64_t>& saved_steps);
 // Loads the weights (configs must match; errors name the file). Returns the CRC-32 of the
 // weight bytes read (the whole file's, also for a shard).
 uint32_t load_checkpoint_model(const std::string& dir, nn::Transformer& model);

@@ -748,6 +748,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
 
   int64_t start_step = 0;
   std::string resumed_history;  // the checkpoint's record of the steps before start_step
+  std::vector<int64_t> saved_steps;  // the checkpoints this run wrote (--keep-last counts them)
   if (!resume_dir.empty()) {
     io::TrainingState st = io::load_checkpoint_state(resume_dir, *model, opt);
     check_ranks_agree(world, {{"--resume's state.bin (CRC-32 of its contents)", std::to_string(st.content_crc)}});
@@ -1236,7 +1237,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       log("saved %s (writing held %s beside the live memory%s)\n", result.last_checkpoint.c_str(),
           format_bytes(static_cast<int64_t>(save_held)).c_str(), world.size() > 1 ? ", largest over ranks" : "");
       if (c.keep_last > 0 && root) {
-        const std::vector<std::string> removed = io::remove_older_checkpoints(c.out_dir, result.last_checkpoint, c.keep_last);
+        saved_steps.push_back(m.step);
+        const std::vector<std::string> removed =
+            io::remove_older_checkpoints(c.out_dir, result.last_checkpoint, c.keep_last, start_step, saved_steps);
         if (!removed.empty())
           log("removed %zu older checkpoint%s (--keep-last %lld): %s%s\n", removed.size(), removed.size() == 1 ? "" : "s",
               static_cast<long long>(c.keep_last), removed.front().c_str(),
