@@ -730,6 +730,27 @@ TEST(Hardening, KeepLastAfterAResumeFromAnEarlierCheckpointKeepsThisRunsNewest) 
   EXPECT_TRUE(fs::exists(fs::path(dir) / "step_00000004"));
 }
 
+// The tokens a run has seen, in its log rows and history, were step x tokens a step: a
+// resume that changed the batch (--allow-recipe-change) rewrote its past at the new size.
+TEST(Hardening, TokensSeenAccumulateAcrossAResumeThatChangesTheBatch) {
+  train::TrainConfig c = tiny_config(test::write_random_shard("tokens_resume.bin", 20000, 97, 4));
+  c.steps = 2;
+  c.save_every = 2;
+  c.out_dir = test::temp_path("tokens_resume_out");
+  c.log_json = test::temp_path("tokens_resume.jsonl");
+  train::run_training(c);  // 2 steps of 2 x 16 tokens
+  c.steps = 3;
+  c.batch_size = 4;  // 64 tokens a step from here
+  c.resume = c.out_dir;
+  c.allow_recipe_change = true;
+  train::run_training(c);
+  std::vector<int64_t> tokens;
+  std::istringstream rows(test::read_all(c.log_json));
+  for (std::string line; std::getline(rows, line);)
+    if (!line.empty()) tokens.push_back(nlohmann::json::parse(line).at("tokens").get<int64_t>());
+  EXPECT_EQ(tokens, (std::vector<int64_t>{32, 64, 128}));
+}
+
 TEST(Hardening, BadOutputPathsFailBeforeTraining) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
   c.steps = 1000000;  // would take hours if the check came after training

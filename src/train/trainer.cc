@@ -871,6 +871,11 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
         if (v < best_val) best_val = v, best_val_step = step;
       }
   }
+  // Tokens seen by the end of each step: the resumed run's count goes on from its record
+  // (step x tokens a step is wrong after a resume that changed the batch).
+  int64_t tokens_seen = start_step * tokens_per_step;
+  if (!curve.steps.empty() && curve.steps.back() == start_step && curve.tokens.back() > 0)
+    tokens_seen = curve.tokens.back();
   // A run that does not save, in an --out-dir holding another run's checkpoints, would
   // replace that run's plot with its own: it draws none, and says so.
   const bool plot_is_anothers = root && c.save_every == 0 && !continues && !c.overwrite && !io::checkpoints_in(c.out_dir).empty();
@@ -1149,7 +1154,8 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
         log("  (rank 0's kernels%s)\n", PP > 1 ? ": pipeline stage 0; its untimed time includes waiting for the other stages" : "");
       log("  %s", table.c_str());
     }
-    curve.add_step(m.step, m.loss, m.lr, m.step * tokens_per_step);
+    tokens_seen += tokens_per_step;
+    curve.add_step(m.step, m.loss, m.lr, tokens_seen);
 
     nlohmann::json j = {{"step", m.step},       {"loss", m.loss},           {"lr", m.lr},
                         {"grad_norm", m.grad_norm}, {"ms", m.ms},           {"tokens_per_s", m.tokens_per_s},
@@ -1158,7 +1164,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
                         {"predicted_peak_bytes", m.predicted_peak_bytes},
                         {"rank_peak_bytes", m.rank_peak_bytes}, {"rank_predicted_peak_bytes", m.rank_predicted_peak_bytes},
                         {"peak_rss_bytes", m.peak_rss_bytes},
-                        {"tokens", m.step * tokens_per_step}};
+                        {"tokens", tokens_seen}};
     if (pipeline) {
       j["bubble_frac"] = m.bubble_frac;
       j["rank_idle_frac"] = m.rank_idle_frac;
