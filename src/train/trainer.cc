@@ -221,6 +221,16 @@ void check_ranks_read_the_same_weights(const dist::World& world, const std::vect
 // than saved recipes have none and compare equal. A setting added to the recipe later is
 // missing from the recipes saved before it, which ran with its old behaviour: it compares
 // as that value (--shuffle: off).
+// A recipe's number as one would type it: kept as %.17g (compared exactly), 3e-4 reads
+// 0.00029999999999999997. Whole numbers and words are shown as they are.
+std::string readable(const std::string& value) {
+  if (value.find_first_of(".e") == std::string::npos) return value;
+  double x = 0;
+  const char* end = value.data() + value.size();
+  const auto [stop, error] = std::from_chars(value.data(), end, x);
+  return error == std::errc() && stop == end ? shortest_decimal(x) : value;
+}
+
 std::string recipe_changes(const std::vector<std::pair<std::string, std::string>>& saved,
                            const std::vector<std::pair<std::string, std::string>>& now) {
   static const std::vector<std::pair<std::string, std::string>> added_later = {{"--shuffle", "off"}};
@@ -232,7 +242,8 @@ std::string recipe_changes(const std::vector<std::pair<std::string, std::string>
     if (!was && !saved.empty())
       for (const auto& [added, old_behaviour] : added_later)
         if (added == name) was = &old_behaviour;
-    if (was && *was != value) out += (out.empty() ? "" : ", ") + name + " was " + *was + ", now " + value;
+    if (was && *was != value)
+      out += (out.empty() ? "" : ", ") + name + " was " + readable(*was) + ", now " + readable(value);
   }
   return out;
 }
