@@ -431,6 +431,24 @@ TEST(Hardening, FlagsThatWouldDoNothingAreRefusedNamingWhatTheyNeed) {
   c.min_lr_frac = 0.5;
   msg = message_of<Error>([&] { train::run_training(c); });
   EXPECT_NE(msg.find("--min-lr-frac 0.5 is where --lr-schedule cosine ends"), std::string::npos) << msg;
+  c = tiny_config(data);
+  c.val_batches_given = true;
+  msg = message_of<Error>([&] { train::run_training(c); });
+  EXPECT_NE(msg.find("--val-batches 8 sets the batches of a validation on --val-data, which this run does not have"),
+            std::string::npos) << msg;
+  c = tiny_config(data);
+  c.allow_recipe_change = true;
+  msg = message_of<Error>([&] { train::run_training(c); });
+  EXPECT_NE(msg.find("--allow-recipe-change lets --resume continue a run with another recipe; this run resumes none"),
+            std::string::npos) << msg;
+  // The run's own files in its --out-dir: the plot replaced a log of that name.
+  for (const char* own : {"loss.svg", "latest"}) {
+    c = tiny_config(data);
+    c.log_json = c.out_dir + "/" + own;
+    msg = message_of<Error>([&] { train::run_training(c); });
+    EXPECT_NE(msg.find("--log-json '" + c.log_json + "' is the run's own " + own + " in --out-dir"), std::string::npos)
+        << msg;
+  }
   // A pipeline schedule without a pipeline ran as one process, without a word.
   for (const char* schedule : {"gpipe", "interleaved"}) {
     c = tiny_config(data);
@@ -836,7 +854,7 @@ TEST(Hardening, AFreshRunDoesNotOverwriteAnEarlierRunsCheckpoints) {
   again.save_every = 3;
   again.seed = 7;
   const std::string msg = message_of<Error>([&] { train::run_training(again); });
-  EXPECT_NE(msg.find("--out-dir '" + c.out_dir + "' holds an earlier run's checkpoints (step_00000002 ... latest)"),
+  EXPECT_NE(msg.find("--out-dir '" + c.out_dir + "' holds an earlier run's checkpoints (step_00000002 ... step_00000004)"),
             std::string::npos) << msg;
   EXPECT_NE(msg.find("--resume " + c.out_dir), std::string::npos) << msg;
   EXPECT_NE(msg.find("--overwrite"), std::string::npos) << msg;

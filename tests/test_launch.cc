@@ -217,7 +217,7 @@ TEST(Launch, TheRunSaysHowMuchOfItsDataItReadAndInWhatOrder) {
   EXPECT_NE(o.output.find("1024 tokens ("), std::string::npos) << o.output;
   EXPECT_NE(o.output.find("99.7% of one pass over the training data"), std::string::npos) << o.output;
   Outcome twice = run(train_command("", data, "--out-dir " + test::temp_path("pass_out"), 64));
-  EXPECT_NE(twice.output.find("data order: file order; --steps 64 read 1.99 passes, every pass the same batches"),
+  EXPECT_NE(twice.output.find("data order: file order; --steps 64 read 1.99 passes, every pass the same text in the same order"),
             std::string::npos)
       << twice.output;
   // A warm-up longer than the run never reaches --lr: said at start-up.

@@ -626,6 +626,7 @@ int main(int argc, char** argv) {
   if (app.got_subcommand("train")) {
     tc.model_given = app.get_subcommand("train")->get_option("--model")->count() > 0;
     tc.bucket_mb_given = app.get_subcommand("train")->get_option("--bucket-mb")->count() > 0;
+    tc.val_batches_given = app.get_subcommand("train")->get_option("--val-batches")->count() > 0;
     // A sample setting given to a run that draws no samples would do nothing: said.
     // None is drawn with --sample-every -1, nor with --sample-tokens 0.
     std::string unused_sample_flag, draws_none;

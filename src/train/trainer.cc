@@ -118,6 +118,10 @@ void validate(const TrainConfig& c) {
               " is where --lr-schedule cosine ends; --lr-schedule constant has no end to set");
   TALLY_CHECK(c.val_every == 0 || !c.val_data.empty(), "--val-every ", c.val_every,
               " validates on --val-data, which this run does not have");
+  TALLY_CHECK(!c.val_batches_given || !c.val_data.empty(), "--val-batches ", c.val_batches,
+              " sets the batches of a validation on --val-data, which this run does not have");
+  TALLY_CHECK(!c.allow_recipe_change || !c.resume.empty(),
+              "--allow-recipe-change lets --resume continue a run with another recipe; this run resumes none");
   TALLY_CHECK(!c.log_json_all_ranks || !c.log_json.empty(),
               "--log-json-all-ranks writes <--log-json>.rank<R> beside --log-json, which this run does not have");
   TALLY_CHECK(c.save_every >= 0, "--save-every must be >= 0 (0: never), got ", c.save_every);
@@ -514,6 +518,12 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
     TALLY_CHECK(c.log_json.empty() || c.mem_trace.empty() ||
                     fs::weakly_canonical(c.log_json, ec) != fs::weakly_canonical(c.mem_trace, ec),
                 "--log-json and --mem-trace are both '", c.mem_trace, "': the trace would replace the log");
+    // The run's own files in --out-dir: its plot and `latest` would replace a log of that name.
+    for (const char* own : {"loss.svg", "latest"})
+      TALLY_CHECK(c.log_json.empty() || log_is_stream ||
+                      fs::weakly_canonical(c.log_json, ec) != fs::weakly_canonical(fs::path(c.out_dir) / own, ec),
+                  "--log-json '", c.log_json, "' is the run's own ", own, " in --out-dir '", c.out_dir,
+                  "', which the run writes: give the log another name");
     const std::string rank_suffix = ".rank" + std::to_string(world.rank());
     if (!c.log_json.empty() && root) io::check_output_file("--log-json", c.log_json, inputs, io::OutputKind::FileOrStream);
     TALLY_CHECK(!c.log_json_all_ranks || !log_is_stream, "--log-json-all-ranks writes <--log-json>.rank<R> "
@@ -527,7 +537,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   if (root && (c.save_every > 0 || c.overwrite) && !continues) earlier = io::checkpoints_in(c.out_dir);
   const bool has_earlier = world.world().all_reduce_scalar(earlier.empty() ? 0.0 : 1.0, dist::ReduceOp::Max) > 0;
   TALLY_CHECK(!has_earlier || c.overwrite, "--out-dir '", c.out_dir, "' holds an earlier run's checkpoints",
-              earlier.empty() ? "" : " (" + earlier.front() + (earlier.size() > 1 ? " ... " + earlier.back() : "") + ")",
+              earlier.empty() ? "" : " (" + earlier.front() + (earlier.size() > 2 ? " ... " + earlier[earlier.size() - 2] : "") + ")",
               ": --resume ", c.out_dir, " continues that run, --overwrite starts afresh and removes them; or choose "
               "another --out-dir");
 
@@ -805,7 +815,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
           static_cast<unsigned long long>(c.seed), static_cast<long long>(train_loader.tokens_per_pass() / T),
           static_cast<long long>(T), static_cast<long long>(c.steps), passes_str(passes).c_str());
     else if (passes > 1.0)
-      log("data order: file order; --steps %lld read %s, every pass the same batches in the same order "
+      log("data order: file order; --steps %lld read %s, every pass the same text in the same order "
           "(--shuffle reads each pass in a new order)\n", static_cast<long long>(c.steps), passes_str(passes).c_str());
   }
   if (model_parallel)

@@ -53,6 +53,7 @@ struct TrainConfig {
   bool shuffle = false;  // read the training sequences in a new order every pass (seeded by `seed`)
   int64_t val_every = 0;
   int64_t val_batches = 8;
+  bool val_batches_given = false;  // --val-batches was on the command line (refused without --val-data)
   int64_t sample_every = 0;
   int64_t sample_tokens = 64;
   double temperature = 1.0;
