@@ -20,11 +20,11 @@ namespace fs = std::filesystem;
 namespace {
 
 // A 3-step run of the 97-token fixture writing its memory trace.
-std::string traced_run(const std::string& name, int64_t batch) {
+std::string traced_run(const std::string& name, int64_t batch, int64_t steps = 3) {
   train::TrainConfig c = test::tiny_train_config(test::write_random_shard(name + ".bin", 5000, 97, 1));
   c.batch_size = batch;
   c.grad_accum = 2;
-  c.steps = 3;
+  c.steps = steps;
   c.out_dir = test::temp_path(name + "_out");
   c.mem_trace = test::temp_path(name + ".json");
   train::run_training(c);
@@ -277,6 +277,19 @@ TEST(MemoryTools, AKvCacheIsStampedWithTheStepItIsMadeIn) {
     }
   ledger.clear_history();
   EXPECT_GT(kv, 0);
+}
+
+// Two runs alike but for --steps: every owner was listed, each "+0 B", "first in step 4" (the
+// step only one of them has) or step 3 (where the end of the shorter run fell). The diff
+// compares the steps both traces have, says so, and lists the owners whose most held differs.
+TEST(MemoryTools, DiffOfRunsThatDifferOnlyInLengthListsNoOwner) {
+  const std::string a = traced_run("three_steps", 2, 3), b = traced_run("four_steps", 2, 4);
+  const std::string diff = memory::diff_memory_traces(memory::read_memory_trace(a), memory::read_memory_trace(b));
+  EXPECT_NE(diff.find("A has 3 steps and B 4: compared over the set-up and steps 1 to 2 (step 3 holds the end of A's "
+                      "run: its last validation, sample and save)"),
+            std::string::npos) << diff;
+  EXPECT_NE(diff.find("no owner differs"), std::string::npos) << diff;
+  EXPECT_EQ(diff.find("+0 B"), std::string::npos) << diff;
 }
 
 TEST(MemoryTools, DiffNamesTheOwnersThatGrewAndTheFirstStep) {

@@ -438,14 +438,18 @@ void write_html_report(const std::string& path, const std::vector<MemoryEvent>& 
 }
 
 std::string diff_memory_traces(const MemoryTrace& a, const MemoryTrace& b) {
-  // Per owner: the most it held in each step (steps as current_steps numbers them).
+  // Per owner: the most it held in each step (steps as current_steps numbers them: -1 the
+  // set-up, then 0 for step 1 and on; the end of a run, its last validation, sample and
+  // save, falls in its last step).
   using PerStep = std::map<int64_t, int64_t>;
-  auto profile = [](const std::vector<MemoryEvent>& events) {
+  int64_t last_a = -1, last_b = -1;
+  auto profile = [](const std::vector<MemoryEvent>& events, int64_t& last) {
     std::map<std::string, PerStep> out;
     std::unordered_map<NameId, int64_t> live;
     const std::vector<int64_t> steps = current_steps(events);
     for (size_t i = 0; i < events.size(); ++i) {
       const MemoryEvent& ev = events[i];
+      last = std::max(last, steps[i]);
       if (ev.retag) continue;
       const int64_t now = live[ev.name] += ev.delta;
       int64_t& most = out[name_of(ev.name)][steps[i]];
@@ -453,7 +457,21 @@ std::string diff_memory_traces(const MemoryTrace& a, const MemoryTrace& b) {
     }
     return out;
   };
-  const auto pa = profile(a.events), pb = profile(b.events);
+  const auto pa = profile(a.events, last_a), pb = profile(b.events, last_b);
+  // Runs of different lengths are compared over the steps both have, and not over the
+  // shorter one's last step, which also holds the end of its run: the longer one's extra
+  // steps, and its end falling elsewhere, listed every owner.
+  std::string out;
+  int64_t compared_to = std::max(last_a, last_b);
+  if (last_a != last_b) {
+    compared_to = std::min(last_a, last_b) - 1;
+    const bool a_shorter = last_a < last_b;
+    out += "A has " + std::to_string(last_a + 1) + " steps and B " + std::to_string(last_b + 1) +
+           ": compared over the set-up" +
+           (compared_to >= 0 ? " and steps 1 to " + std::to_string(compared_to + 1) : std::string()) + " (step " +
+           std::to_string(compared_to + 2) + " holds the end of " + (a_shorter ? "A" : "B") +
+           "'s run: its last validation, sample and save)\n";
+  }
   std::set<std::string> owners;
   for (auto& [o, _] : pa) owners.insert(o);
   for (auto& [o, _] : pb) owners.insert(o);
@@ -462,6 +480,7 @@ std::string diff_memory_traces(const MemoryTrace& a, const MemoryTrace& b) {
     int64_t peak_a = 0, peak_b = 0, first_step = -2;
   };
   std::vector<Row> rows;
+  int64_t same_most = 0;  // owners whose most held is the same, held at other moments
   for (const std::string& o : owners) {
     Row r;
     r.owner = o;
@@ -469,8 +488,10 @@ std::string diff_memory_traces(const MemoryTrace& a, const MemoryTrace& b) {
     const PerStep& sa = pa.count(o) ? pa.at(o) : empty;
     const PerStep& sb = pb.count(o) ? pb.at(o) : empty;
     std::set<int64_t> steps;
-    for (auto& [s, v] : sa) steps.insert(s), r.peak_a = std::max(r.peak_a, v);
-    for (auto& [s, v] : sb) steps.insert(s), r.peak_b = std::max(r.peak_b, v);
+    for (auto& [s, v] : sa)
+      if (s <= compared_to) steps.insert(s), r.peak_a = std::max(r.peak_a, v);
+    for (auto& [s, v] : sb)
+      if (s <= compared_to) steps.insert(s), r.peak_b = std::max(r.peak_b, v);
     for (int64_t s : steps) {
       const int64_t va = sa.count(s) ? sa.at(s) : 0, vb = sb.count(s) ? sb.at(s) : 0;
       if (va != vb) {
@@ -478,23 +499,34 @@ std::string diff_memory_traces(const MemoryTrace& a, const MemoryTrace& b) {
         break;
       }
     }
-    if (r.first_step != -2) rows.push_back(r);
+    if (r.first_step == -2) continue;
+    if (r.peak_a == r.peak_b) ++same_most;
+    else rows.push_back(r);
   }
   std::sort(rows.begin(), rows.end(), [](const Row& x, const Row& y) {
     return std::llabs(x.peak_b - x.peak_a) > std::llabs(y.peak_b - y.peak_a);
   });
-  std::string out;
-  if (rows.empty()) return "no owner differs: every owner held the same bytes in every step\n";
+  const std::string same_note =
+      same_most == 0 ? std::string()
+                     : std::to_string(same_most) + " owner" + (same_most == 1 ? "" : "s") +
+                           " held the same most in both, at other moments (not listed)\n";
+  if (rows.empty()) {
+    out += same_most == 0 ? "no owner differs: every owner held the same bytes in every step compared\n"
+                          : "no owner differs in the most it held; " + same_note;
+    return out;
+  }
   out += "owners that differ (largest change first): owner, most held in A -> in B, change, first step that differs "
          "(counted from 1; 0 is the set-up)\n";
   for (const Row& r : rows) {
-    char buf[512];
-    std::snprintf(buf, sizeof buf, "  %-40s %12s -> %-12s %s%s, first in step %lld\n",
-                  (r.owner.empty() ? std::string("(unnamed)") : r.owner).c_str(), format_bytes(r.peak_a).c_str(),
+    // A std::string row: a fixed buffer cut a long owner's name, and its sizes, off.
+    const std::string owner = r.owner.empty() ? std::string("(unnamed)") : r.owner;
+    char sizes[160];
+    std::snprintf(sizes, sizeof sizes, " %12s -> %-12s %s%s, first in step %lld\n", format_bytes(r.peak_a).c_str(),
                   format_bytes(r.peak_b).c_str(), r.peak_b >= r.peak_a ? "+" : "-",
                   format_bytes(std::llabs(r.peak_b - r.peak_a)).c_str(), static_cast<long long>(r.first_step + 1));
-    out += buf;
+    out += "  " + owner + std::string(owner.size() < 40 ? 40 - owner.size() : 0, ' ') + sizes;
   }
+  out += same_note;
   return out;
 }
 
