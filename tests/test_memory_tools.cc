@@ -86,6 +86,21 @@ TEST(MemoryTools, ARunThatFailsStillWritesItsTraceUpToTheFailure) {
   EXPECT_GE(last_step, 1) << "the trace reaches into the steps";
 }
 
+// An edited trace with a time or step no run reaches drew "-9223372036854775808 ms" and
+// "step -9223372036854775808": refused, naming the event.
+TEST(MemoryTools, ATraceWithATimeOrStepNoRunReachesIsRefused) {
+  const std::string path = test::temp_path("edited_trace.json");
+  for (const auto& [event, expected] : std::vector<std::pair<std::string, std::string>>{
+           {"[1e300, 8, 0, 0, 1, 0, 1, 0]", "event 0 is at time 1e+300 us, expected a finite time"},
+           {"[0.5, 8, 0, 0, 9223372036854775807, 0, 1, 0]", "event 0 is in step 9223372036854775807"},
+           {"[0.5, 8, 0, 0, 1, -5, 1, 0]", "microbatch -5, expected -1 (none) up to 2^40"}}) {
+    test::write_all(path, "{\"tally_memory\": {\"version\": 1, \"owners\": [\"x\"], \"plan\": [], \"events\": [" +
+                              event + "]}}");
+    const std::string msg = test::message_of<Error>([&] { memory::read_memory_trace(path); });
+    EXPECT_NE(msg.find(expected), std::string::npos) << event << ": " << msg;
+  }
+}
+
 TEST(MemoryTools, ATraceRoundTripsEveryEventAndThePlan) {
   auto& L = runtime::ledger();
   L.clear_history();

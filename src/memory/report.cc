@@ -11,6 +11,7 @@
 #include <cstring>
 #include <cctype>
 #include <charconv>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -192,6 +193,15 @@ MemoryTrace read_memory_trace(const std::string& path) {
       ev.name = names[static_cast<size_t>(o)];
       ev.step = e[4].get<int64_t>();
       ev.microbatch = e[5].get<int64_t>();
+      // Within what a run can reach: an edited 1e300 us or step 2^63 - 1 drew the axis as
+      // "-9223372036854775808 ms" and "step -9223372036854775808".
+      constexpr double kMaxTimeUs = 1e15;  // 31 years
+      constexpr int64_t kMaxStep = int64_t{1} << 40;
+      TALLY_CHECK(std::isfinite(ev.time_us) && std::abs(ev.time_us) <= kMaxTimeUs, "memory trace '", path, "': event ",
+                  trace.events.size(), " is at time ", e[0].dump(), " us, expected a finite time within 1e15 us");
+      TALLY_CHECK(ev.step >= -1 && ev.step <= kMaxStep && ev.microbatch >= -1 && ev.microbatch <= kMaxStep,
+                  "memory trace '", path, "': event ", trace.events.size(), " is in step ", ev.step, ", microbatch ",
+                  ev.microbatch, ", expected -1 (none) up to 2^40");
       ev.id = e[6].get<uint64_t>();
       const int64_t retag = e[7].get<int64_t>();
       TALLY_CHECK(retag == 0 || retag == 1, "memory trace '", path, "': event ", trace.events.size(), " has retag flag ",
