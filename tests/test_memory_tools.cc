@@ -93,7 +93,7 @@ TEST(MemoryTools, ATraceWithATimeOrStepNoRunReachesIsRefused) {
   for (const auto& [event, expected] : std::vector<std::pair<std::string, std::string>>{
            {"[1e300, 8, 0, 0, 1, 0, 1, 0]", "event 0 is at time 1e+300 us, expected a finite time"},
            {"[0.5, 8, 0, 0, 9223372036854775807, 0, 1, 0]", "event 0 is in step 9223372036854775807"},
-           {"[0.5, 8, 0, 0, 1, -5, 1, 0]", "microbatch -5, expected -1 (none) up to 2^40"}}) {
+           {"[0.5, 8, 0, 0, 1, -5, 1, 0]", "microbatch -5, expected steps from -1 (none) and microbatches from -2"}}) {
     test::write_all(path, "{\"tally_memory\": {\"version\": 1, \"owners\": [\"x\"], \"plan\": [], \"events\": [" +
                               event + "]}}");
     const std::string msg = test::message_of<Error>([&] { memory::read_memory_trace(path); });

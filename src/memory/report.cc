@@ -199,9 +199,9 @@ MemoryTrace read_memory_trace(const std::string& path) {
       constexpr int64_t kMaxStep = int64_t{1} << 40;
       TALLY_CHECK(std::isfinite(ev.time_us) && std::abs(ev.time_us) <= kMaxTimeUs, "memory trace '", path, "': event ",
                   trace.events.size(), " is at time ", e[0].dump(), " us, expected a finite time within 1e15 us");
-      TALLY_CHECK(ev.step >= -1 && ev.step <= kMaxStep && ev.microbatch >= -1 && ev.microbatch <= kMaxStep,
+      TALLY_CHECK(ev.step >= -1 && ev.step <= kMaxStep && ev.microbatch >= kBetweenSteps && ev.microbatch <= kMaxStep,
                   "memory trace '", path, "': event ", trace.events.size(), " is in step ", ev.step, ", microbatch ",
-                  ev.microbatch, ", expected -1 (none) up to 2^40");
+                  ev.microbatch, ", expected steps from -1 (none) and microbatches from -2 (between steps) up to 2^40");
       ev.id = e[6].get<uint64_t>();
       const int64_t retag = e[7].get<int64_t>();
       TALLY_CHECK(retag == 0 || retag == 1, "memory trace '", path, "': event ", trace.events.size(), " has retag flag ",
