@@ -569,6 +569,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   });
   ledger.reset_peaks();  // set-up's peak is this run's (a process may have trained before)
   int64_t setup_peak = 0;  // tensor/pipeline parallel and ZeRO-2/3: building the model and sharding it
+  int64_t resume_peak = 0;  // --resume: set-up up to the checkpoint read
 
   // Every rank builds the same model (same seed, or the same file). A resume that names no
   // model builds the checkpoint's (the --model default would be another shape).
@@ -772,6 +773,9 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   std::vector<int64_t> saved_steps;  // the checkpoints this run wrote (--keep-last counts them)
   if (!resume_dir.empty()) {
     io::TrainingState st = io::load_checkpoint_state(resume_dir, *model, opt);
+    // Reading it stages the moments one unit at a time beside the model states: a peak of
+    // set-up the plan leaves out, said at the first step when above the steps' own.
+    resume_peak = ledger.stats().peak_allocated;
     check_ranks_agree(world, {{"--resume's state.bin (CRC-32 of its contents)", std::to_string(st.content_crc)}});
     TALLY_CHECK(st.step <= c.steps, "--resume '", c.resume, "': the checkpoint is at step ", st.step, ", beyond --steps ",
                 c.steps, "; to train further, raise --steps with --allow-recipe-change (--steps is part of the run's "
@@ -1127,6 +1131,13 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
       ledger.track_peak_owners(false);
       result.setup_peak_bytes = static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(setup_peak), dist::ReduceOp::Max));
       const char* above = result.setup_peak_bytes > m.peak_bytes ? "; above the steps' peak: each rank needs it free at start-up" : "";
+      result.resume_peak_bytes =
+          static_cast<int64_t>(everyone.all_reduce_scalar(static_cast<double>(resume_peak), dist::ReduceOp::Max));
+      if (result.resume_peak_bytes > m.peak_bytes)
+        log("memory: reading the checkpoint peaked at %s (largest over ranks), above the steps' peak %s: its optimizer "
+            "state is staged one unit at a time beside the model states, which the plan leaves out; a rank needs it "
+            "free at start-up\n",
+            format_bytes(result.resume_peak_bytes).c_str(), format_bytes(m.peak_bytes).c_str());
       if (result.predicted_setup_bytes > 0)
         log("memory: set-up peak %s (largest over ranks: %s), planned %s%s%s\n", format_bytes(result.setup_peak_bytes).c_str(),
             model_parallel ? "this rank's shard built, one whole parameter read beside it"

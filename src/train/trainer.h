@@ -128,6 +128,7 @@ struct TrainResult {
   // Set-up's peak (the largest over ranks: measured, and the plan's; 0 when the plan has
   // none, without tensor/pipeline parallelism).
   int64_t setup_peak_bytes = 0, predicted_setup_bytes = 0;
+  int64_t resume_peak_bytes = 0;  // --resume: the peak of set-up up to the checkpoint read (largest over ranks)
   double best_val_loss = -1;  // the lowest validation loss of the whole run (a resumed one's included), -1 if none
   int64_t best_val_step = 0;
   std::vector<StepMetrics> history;
