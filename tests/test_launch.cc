@@ -34,7 +34,9 @@ Outcome run(const std::string& command, int limit = 120) {
   // unfreed allocations are suppressed (tests/lsan.supp, which needs full stacks).
   const std::string sanitizer_env = std::string("ASAN_OPTIONS=detect_leaks=1:fast_unwind_on_malloc=0 ") +
                                     "LSAN_OPTIONS=suppressions=" + TALLY_SOURCE_DIR + "/tests/lsan.supp:print_suppressions=0 ";
-  const std::string full = sanitizer_env + "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout " +
+  // -k: an mpirun whose ranks hang in MPI outlived the plain SIGTERM of `timeout`, and the
+  // test with it.
+  const std::string full = sanitizer_env + "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout -k 10 " +
                            std::to_string(limit) + " " + command + " 2>&1";
   const auto t0 = std::chrono::steady_clock::now();
   Outcome o;
@@ -389,6 +391,14 @@ TEST(Launch, ALayoutThatDoesNotFitTheWorldNamesTheFlags) {
   Outcome o = run(train_command("mpirun --oversubscribe -np 2", data, "--dp 3"));
   EXPECT_NE(o.exit_code, 0) << o.output;
   EXPECT_NE(o.output.find("--dp 3 x --tp 1 x --pp 1 = 3 processes, but mpirun started 2"), std::string::npos) << o.output;
+  // Ranks launched with other layouts (an mpirun app context, a per-node script): only
+  // rank 1's did not fit, it exited, and rank 0 waited in set-up forever.
+  const std::string one = train_command("-np 1", data, "--dp 2", 2), other = train_command("-np 1", data, "--dp 3", 2);
+  o = run("mpirun --oversubscribe " + one + " : " + other, 60);
+  EXPECT_NE(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.exit_code, 124) << "the job hung: " << o.output;
+  EXPECT_NE(o.output.find("tally: rank 1: --dp 3 x --tp 1 x --pp 1 = 3 processes, but mpirun started 2"),
+            std::string::npos) << o.output;
   o = run(train_command("mpirun --oversubscribe -np 2", data, "--pp 2 --grad-accum 1", 2));
   EXPECT_NE(o.exit_code, 0) << o.output;
   EXPECT_NE(o.output.find("needs at least 2 microbatches per step (--grad-accum)"), std::string::npos) << o.output;

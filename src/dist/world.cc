@@ -36,25 +36,36 @@ std::unique_ptr<World> World::create(const ParallelConfig& c) {
   w->mpi_ = true;
   w->rank_ = mpi::world_rank();
   w->size_ = mpi::world_size();
+  // From here a rank that fails ends the whole job, naming itself: ranks launched with other
+  // layouts (an mpirun app context, a per-node script) fail here on some ranks only, and
+  // the others would wait in the communicators' set-up for ever.
+  try {
+    w->layout(c);
+  } catch (const std::exception& e) {
+    w->abort(e.what());
+  }
+  return w;
+}
+
+void World::layout(const ParallelConfig& c) {
   const int tp = c.tp, pp = c.pp;
   const int64_t tp_pp = int64_t{tp} * pp;
   // Without --dp the data-parallel ranks are what the world leaves: it must be a multiple
   // of tp x pp (saying "--dp 0 x ... = 0 processes" named a flag the user never gave).
-  TALLY_CHECK(c.dp > 0 || w->size_ % tp_pp == 0, "mpirun started ", w->size_, " processes, not a multiple of --tp ",
+  TALLY_CHECK(c.dp > 0 || size_ % tp_pp == 0, "mpirun started ", size_, " processes, not a multiple of --tp ",
               tp, " x --pp ", pp, " = ", tp_pp, " (each data-parallel rank needs tp x pp processes)");
-  const int dp = c.dp > 0 ? c.dp : static_cast<int>(w->size_ / tp_pp);
-  TALLY_CHECK(dp * tp_pp == w->size_, "--dp ", dp, " x --tp ", tp, " x --pp ", pp, " = ", dp * tp_pp,
-              " processes, but mpirun started ", w->size_, " (the product must equal the world size)");
-  w->dp_ = dp;
-  w->tp_ = tp;
-  w->pp_ = pp;
-  const int r = w->rank_;
+  const int dp = c.dp > 0 ? c.dp : static_cast<int>(size_ / tp_pp);
+  TALLY_CHECK(dp * tp_pp == size_, "--dp ", dp, " x --tp ", tp, " x --pp ", pp, " = ", dp * tp_pp,
+              " processes, but mpirun started ", size_, " (the product must equal the world size)");
+  dp_ = dp;
+  tp_ = tp;
+  pp_ = pp;
+  const int r = rank_;
   const int tp_rank = r % tp, dp_rank = (r / tp) % dp, pp_rank = r / (tp * dp);
-  w->world_ = mpi::world("world");
-  w->dp_group_ = mpi::split(*w->world_, pp_rank * tp + tp_rank, dp_rank, "dp");
-  w->tp_group_ = mpi::split(*w->world_, pp_rank * dp + dp_rank, tp_rank, "tp");
-  w->pp_group_ = mpi::split(*w->world_, dp_rank * tp + tp_rank, pp_rank, "pp");
-  return w;
+  world_ = mpi::world("world");
+  dp_group_ = mpi::split(*world_, pp_rank * tp + tp_rank, dp_rank, "dp");
+  tp_group_ = mpi::split(*world_, pp_rank * dp + dp_rank, tp_rank, "tp");
+  pp_group_ = mpi::split(*world_, dp_rank * tp + tp_rank, pp_rank, "pp");
 }
 
 std::string World::describe() const {
