@@ -399,6 +399,14 @@ TEST(Launch, ALayoutThatDoesNotFitTheWorldNamesTheFlags) {
   EXPECT_NE(o.exit_code, 124) << "the job hung: " << o.output;
   EXPECT_NE(o.output.find("tally: rank 1: --dp 3 x --tp 1 x --pp 1 = 3 processes, but mpirun started 2"),
             std::string::npos) << o.output;
+  // A rank whose data holds other tokens of the same count trained on them without a word.
+  const std::string other_data = test::write_random_shard("ok_other.bin", 20000, 97, 4);
+  o = run("mpirun --oversubscribe " + train_command("-np 1", data, "--dp 2", 2) + " : " +
+              train_command("-np 1", other_data, "--dp 2", 2),
+          60);
+  EXPECT_NE(o.exit_code, 0) << o.output;
+  EXPECT_NE(o.output.find("--train-data's tokens (a fingerprint of every token) on rank(s) 1 differs from rank 0's"),
+            std::string::npos) << o.output;
   o = run(train_command("mpirun --oversubscribe -np 2", data, "--pp 2 --grad-accum 1", 2));
   EXPECT_NE(o.exit_code, 0) << o.output;
   EXPECT_NE(o.output.find("needs at least 2 microbatches per step (--grad-accum)"), std::string::npos) << o.output;

@@ -648,6 +648,7 @@ int main(int argc, char** argv) {
     } catch (const std::exception& e) {
       const std::string message = error_message(e);
       if (world && world->size() > 1) world->abort(message);
+      if (!world) dist::World::end_job_if_launched(message);
       std::fprintf(stderr, "%s\n", message.c_str());
       return 1;
     }

@@ -13,7 +13,9 @@ TokenLoader::TokenLoader(const std::string& pattern, int64_t batch_size, int64_t
   files_ = expand_glob(pattern, split);
   for (const std::string& f : files_) {
     shards_.push_back(TokenShard::open(f));
-    const int64_t bad = shards_.back().find_token_at_or_above(vocab_);
+    const TokenShard::Scan scanned = shards_.back().scan(vocab_, total_);
+    const int64_t bad = scanned.first_at_or_above;
+    fingerprint_ += scanned.fingerprint;
     // (Named as the unsigned value the file holds: a 32-bit token past INT32_MAX reads back
     // as a negative int32.)
     TALLY_CHECK(bad < 0, split, " shard '", f, "': token ", bad < 0 ? 0u : static_cast<uint32_t>(shards_.back().at(bad)),

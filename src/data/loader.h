@@ -43,6 +43,8 @@ class TokenLoader {
   const Batch& batch_from(int64_t first_token);
 
   int64_t total_tokens() const { return total_; }
+  // A fingerprint of every token in order (TokenShard::Scan): ranks compare it.
+  uint64_t fingerprint() const { return fingerprint_; }
   // Input tokens one pass over the data feeds the model: all of them in file order, S*T
   // shuffled (the last (tokens - 1) mod T begin no sequence).
   int64_t tokens_per_pass() const { return shuffled_ ? sequences_ * T_ : total_; }
@@ -62,6 +64,7 @@ class TokenLoader {
   std::vector<TokenShard> shards_;
   std::vector<int64_t> starts_;  // first global token index of each shard
   int64_t total_ = 0;
+  uint64_t fingerprint_ = 0;
   bool shuffled_ = false;
   uint64_t seed_ = 0;
   int64_t sequences_ = 0;  // S, when shuffled

@@ -177,31 +177,51 @@ void TokenShard::read(int64_t start, int64_t count, int32_t* out) const {
   }
 }
 
-int64_t TokenShard::find_token_at_or_above(int64_t limit) const {
-  // Chunks scanned in parallel; the first offending chunk in order gives the position.
+namespace {
+// SplitMix64's finalizer: every bit of (position, token) moves every bit of the hash.
+inline uint64_t mix(uint64_t x) {
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+}  // namespace
+
+TokenShard::Scan TokenShard::scan(int64_t limit, int64_t first_position) const {
+  // Chunks scanned in parallel; the first offending chunk in order gives the position, and
+  // the fingerprint is a sum, so the chunks' add up in any order.
   constexpr int64_t kChunk = 1 << 20;
   const int64_t chunks = (ntok_ + kChunk - 1) / kChunk;
   int64_t first_bad_chunk = chunks;
-#pragma omp parallel for schedule(static) reduction(min : first_bad_chunk)
+  uint64_t fingerprint = 0;
+  auto hash = [&](int64_t i, uint32_t v) {
+    return mix((static_cast<uint64_t>(first_position + i) << 32) ^ v ^ 0x9e3779b97f4a7c15ULL);
+  };
+#pragma omp parallel for schedule(static) reduction(min : first_bad_chunk) reduction(+ : fingerprint)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t begin = c * kChunk, end = std::min(ntok_, begin + kChunk);
     bool bad = false;
+    uint64_t sum = 0;
     if (width_ == TokenWidth::U16) {
       for (int64_t i = begin; i < end; ++i) {
         uint16_t v;
         std::memcpy(&v, tokens_ + 2 * i, 2);
         bad |= v >= limit;
+        sum += hash(i, v);
       }
     } else {
       for (int64_t i = begin; i < end; ++i) {
         uint32_t v;
         std::memcpy(&v, tokens_ + 4 * i, 4);
         bad |= v >= limit;
+        sum += hash(i, v);
       }
     }
+    fingerprint += sum;
     if (bad) first_bad_chunk = std::min(first_bad_chunk, c);
   }
-  if (first_bad_chunk == chunks) return -1;
+  Scan result;
+  result.fingerprint = fingerprint;
+  if (first_bad_chunk == chunks) return result;
   for (int64_t i = first_bad_chunk * kChunk;; ++i) {
     uint32_t v = 0;
     if (width_ == TokenWidth::U16) {
@@ -211,7 +231,10 @@ int64_t TokenShard::find_token_at_or_above(int64_t limit) const {
     } else {
       std::memcpy(&v, tokens_ + 4 * i, 4);
     }
-    if (v >= limit) return i;
+    if (v >= limit) {
+      result.first_at_or_above = i;
+      return result;
+    }
   }
 }
 

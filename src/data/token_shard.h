@@ -36,9 +36,18 @@ class TokenShard {
   void read(int64_t start, int64_t count, int32_t* out) const;  // throws std::out_of_range
   const std::string& path() const { return path_; }
   TokenWidth width() const { return width_; }
-  // The position of the first token >= `limit` (e.g. a model's vocabulary size), or -1.
-  // A linear scan of the mapping, a few GB/s: the loader checks every shard before training.
-  int64_t find_token_at_or_above(int64_t limit) const;
+  // What the loader checks of every shard before training, in one linear scan of the
+  // mapping (a few GB/s): the position of the first token >= `limit` (a model's vocabulary
+  // size) or -1, and a fingerprint of the tokens: the sum over positions of a hash of
+  // (first_position + position, token), so that shards read one after another add up to
+  // their concatenation's. Ranks compare it: a rank whose shards hold other tokens of the
+  // same count trained on them without a word.
+  struct Scan {
+    int64_t first_at_or_above = -1;
+    uint64_t fingerprint = 0;
+  };
+  Scan scan(int64_t limit, int64_t first_position = 0) const;
+  int64_t find_token_at_or_above(int64_t limit) const { return scan(limit).first_at_or_above; }
 
  private:
   TokenShard() = default;

@@ -36,15 +36,17 @@ std::unique_ptr<World> World::create(const ParallelConfig& c) {
   w->mpi_ = true;
   w->rank_ = mpi::world_rank();
   w->size_ = mpi::world_size();
-  // From here a rank that fails ends the whole job, naming itself: ranks launched with other
-  // layouts (an mpirun app context, a per-node script) fail here on some ranks only, and
-  // the others would wait in the communicators' set-up for ever.
-  try {
-    w->layout(c);
-  } catch (const std::exception& e) {
-    w->abort(e.what());
-  }
+  w->layout(c);  // a rank that fails here throws; the program ends the job (end_job_if_launched)
   return w;
+}
+
+void World::end_job_if_launched(const std::string& message) {
+  if (!mpi::launched_by_mpirun()) return;
+  mpi::initialize();  // once per process: a no-op when create got that far
+  const std::string text = message.rfind("tally: ", 0) == 0 ? message.substr(7) : message;
+  std::fprintf(stderr, "tally: rank %d: %s\n", mpi::world_rank(), text.c_str());
+  std::fflush(stderr);
+  mpi::abort_job(1);
 }
 
 void World::layout(const ParallelConfig& c) {

@@ -53,6 +53,11 @@ class World {
   // Ends the whole job now, after printing "tally: rank R: <message>" on stderr: the other
   // ranks must not wait forever in a collective for a rank that failed.
   [[noreturn]] void abort(const std::string& message) const;
+  // A rank that failed before its World existed (its layout does not fit, under mpirun):
+  // ends the whole job naming itself, since ranks launched with other layouts (an mpirun
+  // app context, a per-node script) fail on some ranks only and the others wait in set-up
+  // for ever. Returns without MPI.
+  static void end_job_if_launched(const std::string& message);
 
  private:
   World() = default;

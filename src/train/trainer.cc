@@ -720,8 +720,13 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const s
   std::unique_ptr<data::TokenLoader> val_loader;
   if (!c.val_data.empty()) val_loader = std::make_unique<data::TokenLoader>(c.val_data, c.batch_size, c.seq_len, mc.vocab_size, "--val-data");
   // The data each rank reads (a path may differ between machines; what it holds may not).
+  // The tokens themselves, not only their count: a node holding another subset of shards of
+  // one size (llm.c's are all 100M tokens), or a stale copy, trained on them unseen.
   check_ranks_agree(world, {{"--train-data's token count", std::to_string(train_loader.total_tokens())},
-                            {"--val-data's token count", val_loader ? std::to_string(val_loader->total_tokens()) : "none"}});
+                            {"--val-data's token count", val_loader ? std::to_string(val_loader->total_tokens()) : "none"},
+                            {"--train-data's tokens (a fingerprint of every token)", std::to_string(train_loader.fingerprint())},
+                            {"--val-data's tokens (a fingerprint of every token)",
+                             val_loader ? std::to_string(val_loader->fingerprint()) : "none"}});
   // A resume on other training data would not continue the run (the batches differ): the
   // data joins the recipe, by its token count as the ranks compare it (a checkpoint saved
   // before it was there compares as equal).
