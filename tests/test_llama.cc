@@ -183,28 +183,25 @@ TEST(LlamaFiles, HuggingFaceExportIsHfsLayoutAndRoundTripsBitExactly) {
   expect_same_weights(back, *m, 0, "fp32 round trip");
   // llm.c -> HF -> llm.c is the same file, header included: HF's config has no field for
   // Meta's FFN rounding (multiple_of, ffn_dim_multiplier), so tally's export carries it.
+  // Returns the model read back from HF, after checking llm.c -> HF -> llm.c gives `model`'s file.
+  auto llmc_hf_llmc = [](const nn::Transformer& model, const std::string& name) {
+    const std::string llmc = test::temp_path(name + ".bin"), hf = test::temp_path(name + "_hf"),
+                      again = test::temp_path(name + "_again.bin");
+    io::save_llmc(llmc, model);
+    io::save_hf(hf, model);
+    auto back = std::make_unique<nn::Transformer>(io::read_hf_config(hf));
+    io::load_hf(hf, *back);
+    io::save_llmc(again, *back);
+    EXPECT_TRUE(test::read_all(again) == test::read_all(llmc)) << "llm.c -> HF -> llm.c changed " << name << "'s file";
+    return back;
+  };
   nn::Transformer d2(nn::TransformerConfig::preset("llama3-d2"));  // multiple_of 256; 512 also gives its width
   d2.init_weights(3);
-  const std::string llmc = test::temp_path("d2.bin"), hf = test::temp_path("d2_hf"), again = test::temp_path("d2_again.bin");
-  io::save_llmc(llmc, d2);
-  io::save_hf(hf, d2);
-  nn::Transformer d2_back(io::read_hf_config(hf));
-  io::load_hf(hf, d2_back);
-  io::save_llmc(again, d2_back);
-  EXPECT_EQ(d2_back.config().multiple_of, 256);
-  EXPECT_TRUE(test::read_all(again) == test::read_all(llmc)) << "llm.c -> HF -> llm.c changed the file";
+  EXPECT_EQ(llmc_hf_llmc(d2, "d2")->config().multiple_of, 256);
   // The same from a train_llama3.py file, whose header's rounding did not give its width.
-  {
-    nn::Transformer t(io::read_llmc_config(test::fixture_path("llama3_tiny.bin")));
-    io::load_llmc(test::fixture_path("llama3_tiny.bin"), t);
-    const std::string a = test::temp_path("tiny_a.bin"), tiny_hf = test::temp_path("tiny_hf"), b = test::temp_path("tiny_b.bin");
-    io::save_llmc(a, t);
-    io::save_hf(tiny_hf, t);
-    nn::Transformer t_back(io::read_hf_config(tiny_hf));
-    io::load_hf(tiny_hf, t_back);
-    io::save_llmc(b, t_back);
-    EXPECT_TRUE(test::read_all(a) == test::read_all(b)) << "llm.c -> HF -> llm.c changed a train_llama3.py model's file";
-  }
+  nn::Transformer tiny(io::read_llmc_config(test::fixture_path("llama3_tiny.bin")));
+  io::load_llmc(test::fixture_path("llama3_tiny.bin"), tiny);
+  llmc_hf_llmc(tiny, "tiny");
   // bf16: the weights rounded once, and a second round trip changes nothing.
   const std::string out16 = test::temp_path("hf_export_bf16");
   io::save_hf(out16, *m, true);

@@ -45,9 +45,9 @@ const CLI::Validator kNonNegativeInteger(
       uint64_t parsed = 0;
       const char* end = value.data() + value.size();
       const auto [stop, error] = std::from_chars(value.data(), end, parsed);
-      const bool digits = !value.empty() && value.find_first_not_of("0123456789") == std::string::npos;
-      return digits && error == std::errc() && stop == end ? std::string()
-                                                          : "expected a non-negative integer below 2^64, got " + value;
+      // (from_chars reads digits only into an unsigned type: no sign, no space, not empty.)
+      return error == std::errc() && stop == end ? std::string()
+                                                 : "expected a non-negative integer below 2^64, got " + value;
     },
     "");
 

@@ -5,6 +5,8 @@
 // copied the value or printed it in its message. Every such file is parsed here, its
 // nesting bounded: none of them nests deeper than a handful of levels.
 #pragma once
+#include <functional>
+#include <iosfwd>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
@@ -20,5 +22,10 @@ nlohmann::json parse_json(std::string_view text, const std::string& what);
 // The same bound for a caller that reads nlohmann's own syntax error (its byte offset):
 // nlohmann::json::parse_error passes through; too deep is the tally::Error above.
 nlohmann::json parse_json_keeping_syntax_errors(std::string_view text, const std::string& what);
+// From a stream, keeping only the top-level members whose key `keep_key` accepts (a memory
+// trace's tally_memory section, without the Perfetto counters beside it): the others are
+// skipped as they are read, never built.
+nlohmann::json parse_json_keeping_syntax_errors(std::istream& in, const std::string& what,
+                                                const std::function<bool(const std::string&)>& keep_key);
 
 }  // namespace tally

@@ -36,38 +36,25 @@ std::unique_ptr<World> World::create(const ParallelConfig& c) {
   w->mpi_ = true;
   w->rank_ = mpi::world_rank();
   w->size_ = mpi::world_size();
-  w->layout(c);  // a rank that fails here throws; the program ends the job (end_job_if_launched)
-  return w;
-}
-
-void World::end_job_if_launched(const std::string& message) {
-  if (!mpi::launched_by_mpirun()) return;
-  mpi::initialize();  // once per process: a no-op when create got that far
-  const std::string text = message.rfind("tally: ", 0) == 0 ? message.substr(7) : message;
-  std::fprintf(stderr, "tally: rank %d: %s\n", mpi::world_rank(), text.c_str());
-  std::fflush(stderr);
-  mpi::abort_job(1);
-}
-
-void World::layout(const ParallelConfig& c) {
   const int tp = c.tp, pp = c.pp;
   const int64_t tp_pp = int64_t{tp} * pp;
   // Without --dp the data-parallel ranks are what the world leaves: it must be a multiple
   // of tp x pp (saying "--dp 0 x ... = 0 processes" named a flag the user never gave).
-  TALLY_CHECK(c.dp > 0 || size_ % tp_pp == 0, "mpirun started ", size_, " processes, not a multiple of --tp ",
+  TALLY_CHECK(c.dp > 0 || w->size_ % tp_pp == 0, "mpirun started ", w->size_, " processes, not a multiple of --tp ",
               tp, " x --pp ", pp, " = ", tp_pp, " (each data-parallel rank needs tp x pp processes)");
-  const int dp = c.dp > 0 ? c.dp : static_cast<int>(size_ / tp_pp);
-  TALLY_CHECK(dp * tp_pp == size_, "--dp ", dp, " x --tp ", tp, " x --pp ", pp, " = ", dp * tp_pp,
-              " processes, but mpirun started ", size_, " (the product must equal the world size)");
-  dp_ = dp;
-  tp_ = tp;
-  pp_ = pp;
-  const int r = rank_;
+  const int dp = c.dp > 0 ? c.dp : static_cast<int>(w->size_ / tp_pp);
+  TALLY_CHECK(dp * tp_pp == w->size_, "--dp ", dp, " x --tp ", tp, " x --pp ", pp, " = ", dp * tp_pp,
+              " processes, but mpirun started ", w->size_, " (the product must equal the world size)");
+  w->dp_ = dp;
+  w->tp_ = tp;
+  w->pp_ = pp;
+  const int r = w->rank_;
   const int tp_rank = r % tp, dp_rank = (r / tp) % dp, pp_rank = r / (tp * dp);
-  world_ = mpi::world("world");
-  dp_group_ = mpi::split(*world_, pp_rank * tp + tp_rank, dp_rank, "dp");
-  tp_group_ = mpi::split(*world_, pp_rank * dp + dp_rank, tp_rank, "tp");
-  pp_group_ = mpi::split(*world_, dp_rank * tp + tp_rank, pp_rank, "pp");
+  w->world_ = mpi::world("world");
+  w->dp_group_ = mpi::split(*w->world_, pp_rank * tp + tp_rank, dp_rank, "dp");
+  w->tp_group_ = mpi::split(*w->world_, pp_rank * dp + dp_rank, tp_rank, "tp");
+  w->pp_group_ = mpi::split(*w->world_, dp_rank * tp + tp_rank, pp_rank, "pp");
+  return w;
 }
 
 std::string World::describe() const {
@@ -75,12 +62,23 @@ std::string World::describe() const {
          std::to_string(tp_) + " x pp " + std::to_string(pp_) + (mpi_ ? " (MPI)" : "");
 }
 
-void World::abort(const std::string& message) const {
+namespace {
+// Prints "tally: rank R: <message>" and ends the job (all of it under MPI).
+[[noreturn]] void end_job(int rank, bool mpi, const std::string& message) {
   const std::string text = message.rfind("tally: ", 0) == 0 ? message.substr(7) : message;
-  std::fprintf(stderr, "tally: rank %d: %s\n", rank_, text.c_str());
+  std::fprintf(stderr, "tally: rank %d: %s\n", rank, text.c_str());
   std::fflush(stderr);
-  if (mpi_) mpi::abort_job(1);
+  if (mpi) mpi::abort_job(1);
   std::exit(1);
+}
+}  // namespace
+
+void World::abort(const std::string& message) const { end_job(rank_, mpi_, message); }
+
+void World::end_job_if_launched(const std::string& message) {
+  if (!mpi::launched_by_mpirun()) return;
+  mpi::initialize();  // once per process: a no-op when create got that far
+  end_job(mpi::world_rank(), true, message);
 }
 
 }  // namespace tally::dist

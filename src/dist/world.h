@@ -61,8 +61,6 @@ class World {
 
  private:
   World() = default;
-  // Checks the layout against the world size and makes the groups (create, under MPI).
-  void layout(const ParallelConfig& config);
   int rank_ = 0, size_ = 1, dp_ = 1, tp_ = 1, pp_ = 1;
   bool mpi_ = false;
   std::unique_ptr<Communicator> world_, dp_group_, tp_group_, pp_group_;  // owning

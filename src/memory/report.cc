@@ -19,7 +19,6 @@
 #include <type_traits>
 #include <unordered_map>
 #include <set>
-#include <sstream>
 #include <map>
 
 #include <nlohmann/json.hpp>
@@ -164,15 +163,9 @@ MemoryTrace read_memory_trace(const std::string& path) {
   try {
     // Parsed from the stream, keeping only the tally_memory section: the Perfetto counters
     // beside it (a JSON object of every category an event) are for other tools, and read
-    // into a document they took ~8 bytes of memory a byte of file. Nesting is bounded as
-    // parse_json bounds it.
-    const nlohmann::json::parser_callback_t keep = [&](int depth, nlohmann::json::parse_event_t event,
-                                                       nlohmann::json& parsed) {
-      TALLY_CHECK(depth <= kMaxJsonDepth, "memory trace '", path, "': JSON nested deeper than ", kMaxJsonDepth,
-                  " levels; no file tally reads nests that deep");
-      return !(depth == 1 && event == nlohmann::json::parse_event_t::key && parsed != "tally_memory");
-    };
-    const nlohmann::json doc = nlohmann::json::parse(in, keep);
+    // into a document they took ~8 bytes of memory a byte of file.
+    const nlohmann::json doc = parse_json_keeping_syntax_errors(
+        in, "memory trace '" + path + "'", [](const std::string& key) { return key == "tally_memory"; });
     TALLY_CHECK(doc.is_object() && doc.contains("tally_memory"), "memory trace '", path,
                 "': no tally_memory section (write it with `tally train --mem-trace F.json`)");
     const auto& t = doc["tally_memory"];

@@ -221,10 +221,6 @@ void check_ranks_read_the_same_weights(const dist::World& world, const std::vect
 
 }  // namespace
 
-// "--lr 3e-4 -> 6e-4, --steps 100 -> 200", or "" when nothing differs. Checkpoints older
-// than saved recipes have none and compare equal. A setting added to the recipe later is
-// missing from the recipes saved before it, which ran with its old behaviour: it compares
-// as that value (--shuffle: off).
 // A recipe's number as one would type it: kept as %.17g (compared exactly), 3e-4 reads
 // 0.00029999999999999997. Whole numbers and words are shown as they are.
 std::string readable(const std::string& value) {
@@ -235,6 +231,10 @@ std::string readable(const std::string& value) {
   return error == std::errc() && stop == end ? shortest_decimal(x) : value;
 }
 
+// "--lr 3e-4 -> 6e-4, --steps 100 -> 200", or "" when nothing differs. Checkpoints older
+// than saved recipes have none and compare equal. A setting added to the recipe later is
+// missing from the recipes saved before it, which ran with its old behaviour: it compares
+// as that value (--shuffle: off).
 std::string recipe_changes(const std::vector<std::pair<std::string, std::string>>& saved,
                            const std::vector<std::pair<std::string, std::string>>& now) {
   static const std::vector<std::pair<std::string, std::string>> added_later = {{"--shuffle", "off"}};
