@@ -20,6 +20,7 @@
 #include "core/random.h"
 #include "memory/ledger.h"
 #include "memory/process.h"
+#include "ops/install.h"
 #include "ops/ops.h"
 #include "runtime/backend.h"
 #include "runtime/cpu/kernels.h"
@@ -60,6 +61,7 @@ Stats stats(std::vector<double> ms) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  tally::ops::install();
   int rounds = 5;
   int64_t B = 1, T = 1024, H = 12, D = 64, L = 12;
   std::string dtype = "fp32";

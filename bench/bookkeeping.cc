@@ -13,6 +13,7 @@
 
 #include "core/owner.h"
 #include "core/tensor.h"
+#include "ops/install.h"
 #include "ops/ops.h"
 #include "runtime/backend.h"
 
@@ -33,6 +34,7 @@ template <class F> double best_ns_per_op(int n, F&& f) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  tally::ops::install();
   const int n = argc > 1 ? std::atoi(argv[1]) : 200000;
   OwnerScope model("model"), h("h"), layer("11"), attn("attn");
   Allocator& allocator = runtime::backend(Device::cpu()).allocator();

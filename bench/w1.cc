@@ -23,15 +23,17 @@
 #include "memory/process.h"
 #include "memory/report.h"
 #include "nn/transformer.h"
-#include "runtime/backend.h"
-#include "runtime/profiler.h"
+#include "ops/install.h"
 #include "optim/adamw.h"
 #include "optim/grad_norm.h"
+#include "runtime/backend.h"
+#include "runtime/profiler.h"
 
 using namespace tally;
 
 
 int main(int argc, char** argv) {
+  tally::ops::install();
   std::vector<std::string> positional;
   int64_t B = 4, T = 64;
   bool profile = false, zero_grads = false, norm_after_backward = false;

@@ -13,6 +13,7 @@
 #include "core/random.h"
 #include "data/token_shard.h"
 #include "dist/world.h"
+#include "ops/install.h"
 #include "ops/ops.h"
 
 #include <nlohmann/json.hpp>
@@ -278,6 +279,7 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
 }  // namespace
 
 int run_tests_under_mpi(int argc, char** argv, dist::World** world) {
+  ops::install();
   ::testing::InitGoogleTest(&argc, argv);
   std::unique_ptr<dist::World> w = dist::World::create({});
   *world = w.get();

@@ -21,6 +21,7 @@
 #include "io/model_files.h"
 #include "memory/report.h"
 #include "nn/transformer.h"
+#include "ops/install.h"
 #include "train/plan.h"
 #include "train/plot.h"
 #include "train/sampler.h"
@@ -515,6 +516,7 @@ std::string unknown_command(CLI::App& app, int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
+  tally::ops::install();
   CLI::App app{"tally: train GPT-2 and LLaMA-3 with flat memory and every byte accounted for"};
   app.require_subcommand(1);
   train::TrainConfig tc;

@@ -8,7 +8,8 @@
 namespace tally {
 
 namespace {
-// One factory per device type; written once at static initialization by the runtime.
+// One factory per device type, written by the runtime's registration at start-up
+// (runtime::install_backends, which ops::install calls).
 std::array<std::atomic<DeviceHooksFactory>, 2>& factories() {
   static std::array<std::atomic<DeviceHooksFactory>, 2> f{};
   return f;
@@ -22,7 +23,7 @@ void register_device_hooks(DeviceType type, DeviceHooksFactory factory) {
 DeviceHooks& device_hooks(Device device) {
   DeviceHooksFactory f = factories()[static_cast<size_t>(device.type)].load(std::memory_order_acquire);
   TALLY_CHECK(f, "device ", device.str(), ": no backend is registered for it (",
-              device.is_cpu() ? "the runtime layer registers the CPU backend when it is linked; link tally_runtime"
+              device.is_cpu() ? "tally::ops::install() registers the built-in backends: call it first thing in main"
                               : "this build of tally has no CUDA backend; configure with -DTALLY_CUDA=ON",
               ")");
   DeviceHooks* hooks = f(device.index);

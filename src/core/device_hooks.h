@@ -2,7 +2,8 @@
 //
 // Core is the lowest layer: it cannot include the runtime that implements devices. It
 // declares this interface instead (as PyTorch's c10 declares the allocator and hooks that
-// ATen and CUDA implement), and each runtime backend registers itself here at start-up.
+// ATen and CUDA implement), and the runtime registers each backend here at start-up
+// (ops::install, the one call a program makes before its first tensor).
 // Tensor creation, Tensor::copy_ and Tensor::fill_ go through it, so nothing in core
 // names the CPU.
 #pragma once

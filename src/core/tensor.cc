@@ -29,7 +29,8 @@ void register_tensor_methods(TensorMethods* methods) { methods_slot().store(meth
 
 TensorMethods& tensor_methods() {
   TensorMethods* m = methods_slot().load(std::memory_order_acquire);
-  TALLY_CHECK(m, "this Tensor method is implemented by tally's ops layer, which is not linked (link tally_ops)");
+  TALLY_CHECK(m, "this Tensor method is implemented by tally's ops layer, which registers it at start-up: call "
+              "tally::ops::install() first thing in main");
   return *m;
 }
 

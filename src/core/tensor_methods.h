@@ -3,9 +3,9 @@
 // Views, copies and backward are Tensor methods because that is how users write them
 // (x.view(...), loss.backward()), but they record autograd graphs, so they are
 // implemented by the ops layer (over autograd). Core declares this interface and the
-// ops layer registers its implementation at start-up, as PyTorch's Tensor methods reach
-// autograd through a dispatcher declared below it. Nothing here is a cast table: every
-// entry is a typed virtual function.
+// ops layer registers its implementation in one call at start-up (ops::install, in
+// ops/install.h), as PyTorch's Tensor methods reach autograd through a dispatcher declared
+// below it. Nothing here is a cast table: every entry is a typed virtual function.
 #pragma once
 #include <cstdint>
 #include <memory>

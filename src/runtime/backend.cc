@@ -33,13 +33,22 @@ void register_backend(DeviceType type, BackendFactory factory, DeviceCounter cou
   register_device_hooks(type, type == DeviceType::CPU ? cpu_hooks : cuda_hooks);
 }
 
+void install_backends() {
+  register_cpu_backend();
+#ifdef TALLY_CUDA
+  register_cuda_backend();
+#endif
+}
+
 Backend& backend(Device device) {
   if (device.is_cpu()) {
     if (Backend* b = g_cpu.load(std::memory_order_acquire)) return *b;
   }
   BackendFactory f = registry()[static_cast<size_t>(device.type)].factory.load(std::memory_order_acquire);
-  TALLY_CHECK(f, "device ", device.str(), ": no backend is registered for it",
-              device.is_cuda() ? " (this build of tally has no CUDA backend; configure with -DTALLY_CUDA=ON)" : "");
+  TALLY_CHECK(f, "device ", device.str(), ": no backend is registered for it (",
+              device.is_cuda() ? "this build of tally has no CUDA backend; configure with -DTALLY_CUDA=ON"
+                               : "tally::ops::install() registers the built-in ones: call it first thing in main",
+              ")");
   Backend* b = f(device.index);
   TALLY_CHECK(b, "device ", device.str(), " is not available (", device_count(device.type), " ",
               device.is_cpu() ? "CPU" : "CUDA", " device(s) visible)");

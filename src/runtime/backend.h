@@ -134,11 +134,17 @@ std::vector<Backend*> active_backends();
 
 
 // A backend's factory (nullptr for an index that does not exist), registered once per
-// device type by the backend's own translation unit. Registering also makes the backend
-// core's DeviceHooks for that device type.
+// device type. Registering also makes the backend core's DeviceHooks for that device
+// type. A later registration of the same type replaces the earlier one (a test's fake
+// device stands in for CUDA so).
 using BackendFactory = Backend* (*)(int index);
 using DeviceCounter = int (*)();
 void register_backend(DeviceType type, BackendFactory factory, DeviceCounter count);
+// Registers the backends this build has: the CPU's (runtime/cpu), and CUDA's when built
+// with it (runtime/cuda). Done once at start-up, by ops::install.
+void install_backends();
+void register_cpu_backend();   // runtime/cpu/cpu_backend.cc
+void register_cuda_backend();  // runtime/cuda/cuda_backend.cc (TALLY_CUDA builds)
 // Number of devices of `type` this process can use (CPU: 1).
 int device_count(DeviceType type);
 // Bytes the GEMM library of a device of this type keeps for itself once the first GEMM

@@ -1,7 +1,6 @@
 // The CPU backend: host memory through the caching allocator, a synchronous stream, and
-// the kernels of runtime/cpu. It registers itself (as core's DeviceHooks for the CPU,
-// and as the runtime's CPU backend) when this translation unit is linked; tally_runtime's
-// link options keep it linked (see tally_cpu_backend_anchor).
+// the kernels of runtime/cpu. runtime::install_backends registers it (as core's
+// DeviceHooks for the CPU, and as the runtime's CPU backend).
 #include <sys/mman.h>
 
 #include <cstdlib>
@@ -239,14 +238,6 @@ int cpu_count() { return 1; }
 
 }  // namespace
 
-}  // namespace tally::runtime
+void register_cpu_backend() { register_backend(DeviceType::CPU, cpu_backend, cpu_count); }
 
-// Registration at static initialization. The symbol is what tally_runtime's link options
-// name with --undefined, so the linker keeps this object (and its registration) in every
-// program that links the runtime, even one that only creates tensors through core.
-extern "C" {
-int tally_cpu_backend_anchor = [] {
-  tally::runtime::register_backend(tally::DeviceType::CPU, tally::runtime::cpu_backend, tally::runtime::cpu_count);
-  return 1;
-}();
-}
+}  // namespace tally::runtime

@@ -458,11 +458,6 @@ Backend* cuda_backend(int index) {
 
 }  // namespace
 
-}  // namespace tally::runtime
+void register_cuda_backend() { register_backend(DeviceType::CUDA, cuda_backend, cuda_count); }
 
-extern "C" {
-int tally_cuda_backend_anchor = [] {
-  tally::runtime::register_backend(tally::DeviceType::CUDA, tally::runtime::cuda_backend, tally::runtime::cuda_count);
-  return 1;
-}();
-}
+}  // namespace tally::runtime

@@ -1,10 +1,14 @@
 // The Tensor methods core declares (core/tensor_methods.h), implemented with the ops and
-// the engine, and registered when this translation unit is linked (tally_ops' link
-// options name tally_tensor_methods_anchor, so the linker always keeps it).
+// the engine, registered with the runtime's backends by install().
+#include "ops/install.h"
+
+#include <mutex>
+
 #include "autograd/engine.h"
 #include "autograd/node.h"
 #include "core/tensor_methods.h"
 #include "ops/ops.h"
+#include "runtime/backend.h"
 
 namespace tally::ops {
 
@@ -34,12 +38,13 @@ class OpsTensorMethods final : public TensorMethods {
 
 }  // namespace
 
-}  // namespace tally::ops
-
-extern "C" {
-int tally_tensor_methods_anchor = [] {
-  // Never destroyed (core holds a non-owning pointer): tensors may be used during exit.
-  tally::register_tensor_methods(new tally::ops::OpsTensorMethods());
-  return 1;
-}();
+void install() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    runtime::install_backends();
+    // Never destroyed (core holds a non-owning pointer): tensors may be used during exit.
+    register_tensor_methods(new OpsTensorMethods());
+  });
 }
+
+}  // namespace tally::ops
