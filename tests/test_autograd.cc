@@ -516,14 +516,7 @@ TEST(Hooks, AnInteriorHooksHandleOutlivingItsGraphIsHarmless) {
 }
 
 // ---- "the gradient of this leaf is final": for every parameter, in backward order
-namespace {
-struct ReadyRecorder : autograd::EngineObserver {
-  std::vector<std::string> order;
-  void gradient_ready(const Tensor& leaf) override { order.push_back(leaf.name()); }
-};
-}  // namespace
-
-TEST(GradientReady, FiresOnceForEveryLeafInBackwardOrderIncludingSunkGradients) {
+TEST(PostAccumulateHooks, RunOnceForEveryLeafInBackwardOrderIncludingSunkGradients) {
   Tensor w1 = test::random_tensor({4, 3}, 2).set_name("w1");
   Tensor w2 = test::random_tensor({2, 4}, 3).set_name("w2");
   w1.set_parameter();
@@ -531,12 +524,33 @@ TEST(GradientReady, FiresOnceForEveryLeafInBackwardOrderIncludingSunkGradients) 
   w1.set_grad(Tensor::zeros({4, 3}, DType::F64));  // preallocated: linear writes dW in place (grad sink)
   w2.set_grad(Tensor::zeros({2, 4}, DType::F64));
   Tensor x = test::random_tensor({5, 3}, 1);
-  ReadyRecorder rec;
-  autograd::ObserverRegistration reg(rec);
+  std::vector<std::string> order;
+  std::vector<double> norm_when_final;
+  for (const Tensor& w : {w1, w2})
+    w.register_post_accumulate_hook([&](const Tensor& leaf) {
+      order.push_back(leaf.name());
+      norm_when_final.push_back(ops::global_norm({leaf.grad()}));
+    });
   Tensor loss = ops::sum(ops::linear(ops::gelu(ops::linear(x, w1)), w2));
   loss.backward();
-  EXPECT_EQ(rec.order, (std::vector<std::string>{"w2", "w1"}));
-  EXPECT_GT(ops::global_norm({w1.grad()}), 0.0) << "the sunk gradient did arrive";
+  EXPECT_EQ(order, (std::vector<std::string>{"w2", "w1"}));
+  ASSERT_EQ(norm_when_final.size(), 2u);
+  EXPECT_GT(norm_when_final[1], 0.0) << "the sunk gradient had arrived when the hook ran";
+  EXPECT_EQ(norm_when_final[1], ops::global_norm({w1.grad()}));
+}
+
+TEST(PostAccumulateHooks, TheHandleRemovesOneAndOnlyLeavesTakeThem) {
+  Tensor w = leaf({2});
+  int calls = 0;
+  HookHandle h = w.register_post_accumulate_hook([&](const Tensor&) { ++calls; });
+  ops::sum(2.0 * w).backward();
+  EXPECT_EQ(calls, 1);
+  h.remove();
+  ops::sum(2.0 * w).backward();
+  EXPECT_EQ(calls, 1) << "removed";
+  Tensor interior = 2.0 * w;
+  std::string m = test::message_of<Error>([&] { interior.register_post_accumulate_hook([](const Tensor&) {}); });
+  EXPECT_NE(m.find("not a leaf"), std::string::npos) << m;
 }
 
 // ---- R1 cannot be bypassed: no public mutable access to a tensor's autograd state

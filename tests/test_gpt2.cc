@@ -227,11 +227,11 @@ TEST(Gpt2Recompute, SelectiveAttentionKeepsOnlyQkvInFp32AndBf16) {
 // tied token embedding (used by the first and the last op) only once both uses are done.
 TEST(Gpt2Backward, EveryParameterIsAnnouncedFinalOnceInBackwardOrder) {
   auto m = tiny_model();
-  struct Recorder : autograd::EngineObserver {
+  struct {
     std::vector<std::string> order;
-    void gradient_ready(const Tensor& leaf) override { order.push_back(leaf.name()); }
   } rec;
-  autograd::ObserverRegistration reg(rec);
+  for (size_t i = 0; i < m->params().size(); ++i)
+    m->params()[i].register_post_accumulate_hook([&](const Tensor& leaf) { rec.order.push_back(leaf.name()); });
   for (int pass = 0; pass < 2; ++pass) {  // the second backward has its gradient sinks allocated
     rec.order.clear();
     m->forward(ref().at("x"), ref().at("y")).loss.backward();

@@ -65,8 +65,9 @@ class ReferenceGraph {
       const auto& state = v.tensor->autograd();
       if (auto* in = std::get_if<InteriorState>(&state)) out.push_back({{in->grad_fn.get(), nullptr}, nullptr});
       if (auto* leaf = std::get_if<LeafState>(&state))
-        for (const auto& h : leaf->hooks)
-          if (h->hook) scan(h->hook->captured_bytes(), "hook capture", out);
+        for (const auto* list : {&leaf->hooks, &leaf->post_accumulate_hooks})
+          for (const auto& h : *list)
+            if (h->hook) scan(h->hook->captured_bytes(), "hook capture", out);
     }
     return out;
   }

@@ -233,12 +233,8 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& r
       if (--dependencies[e.node.get()] == 0) ready.push(e.node);
     }
     input_grads.clear();
-    if (!watching.empty()) {
-      // A processed accumulator means its leaf gets nothing more in this backward.
-      if (auto* acc = dynamic_cast<AccumulateGrad*>(node.get()))
-        if (std::shared_ptr<TensorImpl> leaf = acc->leaf())
-          for (EngineObserver* o : watching) o->gradient_ready(Tensor(leaf));
-    }
+    // A processed accumulator means its leaf gets nothing more in this backward.
+    if (auto* acc = dynamic_cast<AccumulateGrad*>(node.get())) acc->finished();
     // Cut the traversed edges: a root kept alive after backward then holds only its own
     // emptied node, never the graph behind it.
     if (!retain_graph) {

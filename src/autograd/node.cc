@@ -121,6 +121,18 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads, bool) {
   return {};
 }
 
+void AccumulateGrad::finished() const {
+  std::shared_ptr<TensorImpl> impl = leaf_.lock();
+  if (!impl) return;
+  const auto* state = std::get_if<LeafState>(&detail::StateAccess::state(*impl));
+  if (!state || state->post_accumulate_hooks.empty()) return;
+  const Tensor leaf(impl);
+  // A copy: a hook may register or remove hooks.
+  const std::vector<std::shared_ptr<HookEntry>> hooks = state->post_accumulate_hooks;
+  for (const auto& entry : hooks)
+    if (entry->hook) (*entry->hook)(leaf);
+}
+
 Edge gradient_edge(const Tensor& t) {
   AutogradState& st = detail::StateAccess::state(t);
   if (auto* interior = std::get_if<InteriorState>(&st)) return {interior->grad_fn, interior->output_nr, TensorMeta::of(t)};

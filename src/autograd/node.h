@@ -107,6 +107,8 @@ class AccumulateGrad final : public Node {
   const char* name() const override { return "AccumulateGrad"; }
   std::vector<Tensor> apply(std::vector<Tensor>&& grads, bool will_release) override;
   std::shared_ptr<TensorImpl> leaf() const { return leaf_.lock(); }
+  // The backward gave the leaf its last contribution: runs its post-accumulate hooks.
+  void finished() const;
 
  private:
   std::weak_ptr<TensorImpl> leaf_;  // non-owning

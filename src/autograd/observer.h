@@ -1,7 +1,8 @@
 // Observers of the backward engine: the interface through which higher layers watch
 // backward without the engine knowing them. The sanitizer checks for reference cycles
-// when a backward begins (S3); data parallel starts a bucket's all-reduce as soon as the
-// gradients in it are final.
+// when a backward begins (S3). (What a leaf's gradient being final starts, data
+// parallel's and ZeRO's reductions, hangs on the leaf itself: a post-accumulate hook,
+// core/tensor.h.)
 #pragma once
 #include <vector>
 
@@ -14,10 +15,6 @@ class EngineObserver {
   virtual ~EngineObserver() = default;
   // Before any node of the backward runs; `roots` are the tensors being differentiated.
   virtual void backward_begins(const std::vector<Tensor>& roots) {}
-  // Every contribution to `leaf`'s gradient in this backward has been accumulated into
-  // its .grad (or written there in place through a grad sink). Fires once per leaf the
-  // backward reaches, in backward order, sunk gradients included.
-  virtual void gradient_ready(const Tensor& leaf) {}
   // After the last node ran (also when backward ends with an error).
   virtual void backward_ends() {}
 };

@@ -306,4 +306,17 @@ HookHandle Tensor::add_hook(std::unique_ptr<GradHook> hook) const {
   return handle;
 }
 
+HookHandle Tensor::add_post_accumulate_hook(std::unique_ptr<GradHook> hook) const {
+  auto* leaf = defined() ? std::get_if<autograd::LeafState>(&impl_->autograd_) : nullptr;
+  TALLY_CHECK(leaf, "register_post_accumulate_hook on ", defined() ? str() : "an undefined tensor",
+              ", which is not a leaf that requires grad (only a leaf accumulates a gradient)");
+  auto entry = std::make_shared<HookEntry>();
+  entry->captures_own_tensor = bytes_hold_tensor(hook->captured_bytes(), *this);
+  entry->hook = std::move(hook);
+  HookHandle handle(entry);
+  std::erase_if(leaf->post_accumulate_hooks, [](const std::shared_ptr<HookEntry>& e) { return !e->hook; });
+  leaf->post_accumulate_hooks.push_back(std::move(entry));
+  return handle;
+}
+
 }  // namespace tally

@@ -133,9 +133,22 @@ class Tensor {
   template <class F> HookHandle register_hook(F&& f) const {
     return add_hook(std::make_unique<GradHookOf<std::decay_t<F>>>(std::forward<F>(f)));
   }
+  // Hooks the end of a leaf's accumulation (PyTorch's register_post_accumulate_grad_hook):
+  // `f(leaf)` runs once in every backward that reaches the leaf, after that backward's
+  // last contribution is in its .grad (written in place through a grad sink included).
+  // What data parallel and ZeRO start their reductions from. Leaves only; lives as long as
+  // the leaf, and the handle removes it early.
+  template <class F> HookHandle register_post_accumulate_hook(F&& f) const {
+    auto call = [f = std::forward<F>(f)](const Tensor& leaf) {
+      f(leaf);
+      return Tensor();
+    };
+    return add_post_accumulate_hook(std::make_unique<GradHookOf<decltype(call)>>(std::move(call)));
+  }
 
  private:
   HookHandle add_hook(std::unique_ptr<GradHook> hook) const;
+  HookHandle add_post_accumulate_hook(std::unique_ptr<GradHook> hook) const;
   std::shared_ptr<TensorImpl> impl_;
 };
 
@@ -158,6 +171,7 @@ struct LeafState {
   Tensor grad;                                     // owned: the accumulated gradient
   std::weak_ptr<AccumulateGrad> accumulator;       // non-owning: the graph owns it (R2)
   std::vector<std::shared_ptr<HookEntry>> hooks;   // owned: live as long as the leaf
+  std::vector<std::shared_ptr<HookEntry>> post_accumulate_hooks;  // owned likewise; called with the leaf
   bool parameter = false;                          // a registered model parameter
   // discard_grad() was called and no gradient has arrived since: the gradient is zero,
   // and `grad`'s bytes are stale (overwritten by the next gradient, zeroed if read first).

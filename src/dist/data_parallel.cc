@@ -36,35 +36,28 @@ std::vector<Bucket> make_buckets(const nn::ParameterStore& params, int64_t bucke
 GradientAllReduce::GradientAllReduce(nn::ParameterStore& params, Communicator& group, int64_t bucket_bytes)
     : params_(params), group_(group), buckets_(make_buckets(params, bucket_bytes)) {
   TALLY_CHECK(params_.has_grad_block(), "data parallel all-reduce needs the gradient block");
-  for (size_t b = 0; b < buckets_.size(); ++b)
-    for (size_t i = buckets_[b].first; i < buckets_[b].last; ++i) bucket_of_[params_[i].impl()] = b;
   pending_.assign(buckets_.size(), 0);
   works_.resize(buckets_.size());
-  if (group_.size() > 1) registration_.emplace(static_cast<autograd::EngineObserver&>(*this));
+  if (group_.size() == 1) return;
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (size_t i = buckets_[b].first; i < buckets_[b].last; ++i)
+      hooks_.push_back(params_[i].register_post_accumulate_hook([this, b](const Tensor&) { gradient_final(b); }));
 }
 
-GradientAllReduce::~GradientAllReduce() = default;
+GradientAllReduce::~GradientAllReduce() {
+  for (HookHandle& h : hooks_) h.remove();
+}
 
 void GradientAllReduce::arm() {
   if (group_.size() == 1) return;
   armed_ = true;
+  armed_at_ = now_seconds();
   for (size_t b = 0; b < buckets_.size(); ++b) pending_[b] = static_cast<int>(buckets_[b].last - buckets_[b].first);
   std::fill(works_.begin(), works_.end(), nullptr);
 }
 
-void GradientAllReduce::backward_begins(const std::vector<Tensor>&) {
-  if (armed_) backward_start_ = now_seconds();
-}
-
-void GradientAllReduce::backward_ends() {
-  if (armed_) backward_end_ = now_seconds();
-}
-
-void GradientAllReduce::gradient_ready(const Tensor& leaf) {
-  if (!armed_) return;
-  auto it = bucket_of_.find(leaf.impl());
-  if (it == bucket_of_.end()) return;  // not one of our parameters
-  if (--pending_[it->second] == 0) start(it->second);
+void GradientAllReduce::gradient_final(size_t b) {
+  if (armed_ && --pending_[b] == 0) start(b);
 }
 
 void GradientAllReduce::start(size_t b) {
@@ -75,6 +68,7 @@ void GradientAllReduce::start(size_t b) {
 void GradientAllReduce::finish() {
   if (!armed_) return;
   armed_ = false;
+  finished_at_ = now_seconds();
   // Buckets no gradient reached (unused parameters) still take part: every rank must run
   // the same collectives.
   for (size_t b = 0; b < buckets_.size(); ++b)
@@ -87,7 +81,7 @@ void GradientAllReduce::finish() {
     const double start = works_[b]->started(), end = works_[b]->finished();
     s.payload_bytes += (buckets_[b].end - buckets_[b].begin) * static_cast<int64_t>(dtype_size(grads.dtype()));
     s.comm_seconds += end - start;
-    s.hidden_seconds += std::max(0.0, std::min(end, backward_end_) - std::max(start, backward_start_));
+    s.hidden_seconds += std::max(0.0, std::min(end, finished_at_) - std::max(start, armed_at_));
     works_[b] = nullptr;
   }
   grads.storage().bump_version();

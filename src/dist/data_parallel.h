@@ -4,19 +4,17 @@
 // The gradient block is cut into buckets of about --bucket-mb, walking the parameters
 // from the last to the first (the order backward finishes them; the block is laid out by
 // unit, so a bucket is a contiguous range). On a step's last microbatch, as soon as every
-// parameter of a bucket has its final gradient (the engine's gradient-ready event, sunk
-// gradients included) the bucket's all-reduce starts, in place, while backward goes on
-// with earlier layers; finish() waits for the rest before the gradient norm is taken.
+// parameter of a bucket has its final gradient (a post-accumulate hook on each parameter,
+// which this object installs and owns; sunk gradients included) the bucket's all-reduce
+// starts, in place, while backward goes on with earlier layers; finish() waits for the
+// rest before the gradient norm is taken.
 // The losses are scaled by 1 / (microbatches x ranks), so the sum the all-reduce makes is
 // the mean a single process with all the microbatches would compute.
 #pragma once
 #include <cstdint>
 #include <memory>
-#include <optional>
-#include <unordered_map>
 #include <vector>
 
-#include "autograd/observer.h"
 #include "dist/communicator.h"
 #include "nn/parameters.h"
 
@@ -37,10 +35,10 @@ struct ReductionStats {
   int buckets = 0;
 };
 
-class GradientAllReduce final : private autograd::EngineObserver {
+class GradientAllReduce final {
  public:
   GradientAllReduce(nn::ParameterStore& params, Communicator& group, int64_t bucket_bytes);
-  ~GradientAllReduce() override;
+  ~GradientAllReduce();
   GradientAllReduce(const GradientAllReduce&) = delete;
   GradientAllReduce& operator=(const GradientAllReduce&) = delete;
 
@@ -52,21 +50,18 @@ class GradientAllReduce final : private autograd::EngineObserver {
   const ReductionStats& last() const { return last_; }
 
  private:
-  void backward_begins(const std::vector<Tensor>& roots) override;
-  void gradient_ready(const Tensor& leaf) override;
-  void backward_ends() override;
+  void gradient_final(size_t bucket);  // a parameter of `bucket` has its final gradient
   void start(size_t bucket);
 
   nn::ParameterStore& params_;
   Communicator& group_;
   std::vector<Bucket> buckets_;
-  std::unordered_map<const TensorImpl*, size_t> bucket_of_;  // parameter -> bucket
-  std::vector<int> pending_;                                  // per bucket: parameters not final yet
+  std::vector<int> pending_;                  // per bucket: parameters not final yet
   std::vector<std::shared_ptr<Work>> works_;
+  std::vector<HookHandle> hooks_;             // one post-accumulate hook per parameter, removed with this
   bool armed_ = false;
-  double backward_start_ = 0, backward_end_ = 0;
+  double armed_at_ = 0, finished_at_ = 0;     // the last backward's span, for the share hidden behind it
   ReductionStats last_;
-  std::optional<autograd::ObserverRegistration> registration_;
 };
 
 }  // namespace tally::dist

@@ -39,8 +39,6 @@ ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig conf
     p.local = local_numel_;
     local_numel_ += p.size;
     pieces_.push_back(p);
-    if (from_block)  // (a store without blocks has no parameters yet: stage 3 binds them below)
-      for (size_t i = unit.first; i < unit.last; ++i) param_index_[params_[i].impl()] = i;
   }
   const DType dt = params_.dtype();
   const Device dev = params_.device();
@@ -70,7 +68,6 @@ ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig conf
       for (size_t i = unit.first; i < unit.last; ++i) {
         const Shape& shape = params_.spec(i).shape;
         params_.rebind(i, make_view(whole, shape, contiguous_strides(shape), params_.offset(i) - unit.begin));
-        param_index_[params_[i].impl()] = i;
       }
       gathered_.push_back(whole);
     }
@@ -80,10 +77,15 @@ ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig conf
   // The full blocks freed above are sizes nothing will ask for again: give them back to
   // the system rather than keep them cached.
   if (stage_ >= 2) runtime::backend(dev).caching_allocator().empty_cache();
-  if (stage_ >= 2) registration_.emplace(static_cast<autograd::EngineObserver&>(*this));
+  // On the parameters as they are now (stage 3 rebound them above).
+  if (stage_ >= 2)
+    for (size_t i = 0; i < params_.size(); ++i)
+      hooks_.push_back(params_[i].register_post_accumulate_hook([this, i](const Tensor&) { gradient_final(i); }));
 }
 
-ZeroOptimizer::~ZeroOptimizer() = default;
+ZeroOptimizer::~ZeroOptimizer() {
+  for (HookHandle& h : hooks_) h.remove();
+}
 
 Tensor ZeroOptimizer::piece_of(const Tensor& shard, size_t u) const {
   return range(shard, pieces_[u].local, pieces_[u].size);
@@ -209,16 +211,14 @@ void ZeroOptimizer::stage_gradients(size_t u) {
   st.active = true;
 }
 
-void ZeroOptimizer::gradient_ready(const Tensor& leaf) {
-  auto it = param_index_.find(leaf.impl());
-  if (it == param_index_.end()) return;
-  const size_t u = params_.spec(it->second).unit;
+void ZeroOptimizer::gradient_final(size_t param) {
+  const size_t u = params_.spec(param).unit;
   Staging& st = staging_[u];
   if (!st.active) {
     // A gradient made without the model saying the unit's backward began: adopt it.
-    Tensor g = leaf.grad();
+    Tensor g = params_[param].grad();
     stage_gradients(u);
-    if (g.defined()) params_[it->second].grad().copy_(g);
+    if (g.defined()) params_[param].grad().copy_(g);
   }
   if (--st.pending == 0) start_reduce(u);
 }

@@ -28,12 +28,9 @@
 #include <cstdint>
 #include <cstddef>
 #include <memory>
-#include <optional>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
-#include "autograd/observer.h"
 #include "dist/communicator.h"
 #include "nn/parameters.h"
 #include "nn/residency.h"
@@ -42,7 +39,7 @@
 
 namespace tally::dist {
 
-class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResidency, private autograd::EngineObserver {
+class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResidency {
  public:
   // Shards the model states of `params` (which must hold the full, identical model on
   // every rank) over `group`. Stage 3 moves the parameters into per-unit storages and
@@ -110,7 +107,8 @@ class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResiden
     bool reduced = false;  // its reduce-scatter was started in this microbatch
   };
 
-  void gradient_ready(const Tensor& leaf) override;
+  // Parameter `param`'s gradient is final in this backward (its post-accumulate hook).
+  void gradient_final(size_t param);
   void stage_gradients(size_t unit);
   void start_reduce(size_t unit);
   void absorb(size_t unit);
@@ -141,8 +139,7 @@ class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResiden
   std::vector<std::shared_ptr<Work>> gathering_;   // stage 3: a gather in flight per unit
   std::vector<Staging> staging_;
   size_t in_flight_ = SIZE_MAX;  // the unit whose reduce-scatter was started last
-  std::unordered_map<const TensorImpl*, size_t> param_index_;
-  std::optional<autograd::ObserverRegistration> registration_;
+  std::vector<HookHandle> hooks_;  // stages 2, 3: a post-accumulate hook per parameter, removed with this
 };
 
 }  // namespace tally::dist

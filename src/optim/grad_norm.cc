@@ -30,8 +30,12 @@ double block_gradient_norm(const nn::ParameterStore& params) {
 
 BackwardGradientNorm::BackwardGradientNorm(const nn::ParameterStore& params)
     : params_(params), squares_(params.size(), 0.0), summed_(params.size(), 0) {
-  for (size_t i = 0; i < params.size(); ++i) index_of_[params[i].impl()] = i;
-  registration_.emplace(static_cast<autograd::EngineObserver&>(*this));
+  for (size_t i = 0; i < params.size(); ++i)
+    hooks_.push_back(params[i].register_post_accumulate_hook([this, i](const Tensor&) { gradient_final(i); }));
+}
+
+BackwardGradientNorm::~BackwardGradientNorm() {
+  for (HookHandle& h : hooks_) h.remove();
 }
 
 void BackwardGradientNorm::arm() {
@@ -39,15 +43,12 @@ void BackwardGradientNorm::arm() {
   std::fill(summed_.begin(), summed_.end(), 0);
 }
 
-void BackwardGradientNorm::gradient_ready(const Tensor& leaf) {
+void BackwardGradientNorm::gradient_final(size_t param) {
   if (!armed_) return;
-  auto it = index_of_.find(leaf.impl());
-  // A leaf that is not one of the parameters (or one rebound since: finish() sums it).
-  if (it == index_of_.end()) return;
-  // A second notice for the same parameter (one it reached through a recomputed region's
+  // A second call for the same parameter (one it reached through a recomputed region's
   // own backward and again through the outer one) means it changed since: sum it again.
-  squares_[it->second] = squares_of(params_[it->second]);
-  summed_[it->second] = 1;
+  squares_[param] = squares_of(params_[param]);
+  summed_[param] = 1;
 }
 
 double BackwardGradientNorm::finish() {

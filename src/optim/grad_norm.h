@@ -14,11 +14,8 @@
 // sums after it (data parallel, whose gradients are final only once all-reduced) agree
 // exactly.
 #pragma once
-#include <optional>
-#include <unordered_map>
 #include <vector>
 
-#include "autograd/observer.h"
 #include "core/tensor.h"
 #include "nn/parameters.h"
 
@@ -33,9 +30,14 @@ double gradient_norm(const nn::ParameterStore& params);
 // added in another order than gradient_norm's, so the two may differ in the last bits.
 double block_gradient_norm(const nn::ParameterStore& params);
 
-class BackwardGradientNorm final : public autograd::EngineObserver {
+class BackwardGradientNorm final {
  public:
+  // Hooks every parameter of `params` as they are now (post-accumulate hooks, removed
+  // with this object).
   explicit BackwardGradientNorm(const nn::ParameterStore& params);
+  ~BackwardGradientNorm();
+  BackwardGradientNorm(const BackwardGradientNorm&) = delete;
+  BackwardGradientNorm& operator=(const BackwardGradientNorm&) = delete;
 
   // The next backward is the step's last one: sum each parameter's gradient as it becomes
   // final. Gradients that anything changes after that backward (a data-parallel
@@ -46,15 +48,14 @@ class BackwardGradientNorm final : public autograd::EngineObserver {
   // earlier microbatches, or not at all) are summed here. Disarms.
   double finish();
 
-  void gradient_ready(const Tensor& leaf) override;
-
  private:
+  void gradient_final(size_t param);  // parameter `param`'s post-accumulate hook
+
   const nn::ParameterStore& params_;
-  std::unordered_map<const void*, size_t> index_of_;  // a parameter's TensorImpl -> its index
-  std::vector<double> squares_;                       // per parameter, valid where summed_
+  std::vector<double> squares_;  // per parameter, valid where summed_
   std::vector<char> summed_;
   bool armed_ = false;
-  std::optional<autograd::ObserverRegistration> registration_;
+  std::vector<HookHandle> hooks_;
 };
 
 }  // namespace tally::optim
