@@ -587,17 +587,34 @@ TEST(PipelineMemory, EachStageHoldsWhatItsScheduleNeedsWithinFivePercent) {
 
 // ------------------------------------------------------------------ the seed bug in a real pipeline
 namespace {
+// What a stage does with a received activation, as the seed bugs did it.
+// KeepReceived keeps every received input (a leaf, and its gradient) past its backward.
+struct KeepReceived final : dist::ReceivedInputs {
+  std::vector<Tensor> kept;
+  void done(const Tensor& input) override { kept.push_back(input); }
+};
+// InfiniTrain's receive (seed 000): the received tensor is an op's output, then made a leaf.
+struct LeafAndOutput final : dist::ReceivedInputs {
+  Tensor input(const Tensor& received) override {
+    Tensor source = Tensor::zeros(received.shape(), received.dtype(), Device::cpu());
+    source.set_requires_grad(true);
+    Tensor output = ops::add(source, received);
+    output.set_requires_grad(true);  // R1 refuses this
+    return output;
+  }
+};
+
 // A two-stage pipeline of the tiny GPT-2 run directly (stage, sanitizer, one step).
 struct TwoStages {
   std::unique_ptr<dist::World> world = dist::World::create({1, 1, 2});
   std::unique_ptr<nn::Transformer> model;
   std::unique_ptr<dist::PipelineStage> stage;
-  TwoStages() {
+  explicit TwoStages(dist::ReceivedInputs* received = nullptr) {
     nn::Transformer full(tiny_model(false));
     full.init_weights(7);
     model = std::make_unique<nn::Transformer>(full.config(), dist::pipeline_shard(4, 2, world->pp_rank(), 1, 1, 0));
     model->load_shard_from(full);
-    stage = std::make_unique<dist::PipelineStage>(*model, world->pp_group(), dist::PipelineSchedule::GPipe, 1);
+    stage = std::make_unique<dist::PipelineStage>(*model, world->pp_group(), dist::PipelineSchedule::GPipe, 1, received);
   }
   std::pair<Tensor, Tensor> batch(int64_t mb) const {
     Tensor t = Tensor::empty({1, 8}, DType::I32);
@@ -609,12 +626,13 @@ struct TwoStages {
 
 TEST(PipelineSeed, AReceivedActivationKeptPastItsBackwardIsCaughtAndNamed) {
   if (world_size() != 2) GTEST_SKIP();
-  TwoStages p;
+  KeepReceived keep;
+  TwoStages p(&keep);
   sanitizer::Sanitizer san(sanitizer::SanitizeMode::Warn);
   san.set_printer([](const sanitizer::Issue&) {});
-  p.stage->inject_fault_for_testing(dist::PipelineStage::Fault::KeepReceived);
   san.begin_step(0);
   p.stage->run(2, [&](int64_t mb) { return p.batch(mb); }, 0.5, san);
+  keep.kept.clear();
   san.end_step();
   if (p.world->pp_rank() == 1) {
     ASSERT_FALSE(san.issues().empty()) << "the kept receive went unnoticed";
@@ -624,21 +642,21 @@ TEST(PipelineSeed, AReceivedActivationKeptPastItsBackwardIsCaughtAndNamed) {
   } else {
     EXPECT_TRUE(san.issues().empty()) << san.issues()[0].message;  // stage 0 receives nothing
   }
-  // Without the fault the same step is clean on both stages.
+  // With the stage's own rule the same step is clean on both stages.
+  TwoStages own;
   sanitizer::Sanitizer clean(sanitizer::SanitizeMode::Strict);
-  p.stage->inject_fault_for_testing(dist::PipelineStage::Fault::None);
   clean.begin_step(1);
-  p.stage->run(2, [&](int64_t mb) { return p.batch(mb); }, 0.5, clean);
+  own.stage->run(2, [&](int64_t mb) { return own.batch(mb); }, 0.5, clean);
   clean.end_step();
 }
 
 TEST(PipelineSeed, AReceiveThatIsBothAnOpOutputAndALeafIsRefused) {
   if (world_size() != 2) GTEST_SKIP();
-  TwoStages p;
+  LeafAndOutput leaf_and_output;
+  TwoStages p(&leaf_and_output);
   sanitizer::Sanitizer san(sanitizer::SanitizeMode::Off);
   san.begin_step(0);
   if (p.world->pp_rank() == 1) {
-    p.stage->inject_fault_for_testing(dist::PipelineStage::Fault::LeafAndOutput);
     const std::string m = test::message_of<Error>([&] { p.stage->run(1, [&](int64_t mb) { return p.batch(mb); }, 1.0, san); });
     EXPECT_NE(m.find("memory contract R1"), std::string::npos) << m;
     // Stage 0 waits for its microbatch's gradient: answer it so the job goes on.

@@ -9,7 +9,6 @@
 
 namespace tally::autograd {
 
-const Tensor& saved_with_graph(const SavedTensor& s);  // function.cc
 
 namespace {
 
@@ -47,12 +46,6 @@ class ReferenceGraph {
     if (v.node) {
       for (const Edge& e : v.node->next_edges())
         if (e.node) out.push_back({{e.node.get(), nullptr}, nullptr});
-      if (const Context* ctx = v.node->context()) {
-        for (const SavedTensor& s : ctx->saved_tensors()) {
-          const Tensor& t = saved_with_graph(s);
-          if (t.defined()) out.push_back({{nullptr, t.impl()}, "saved with its graph"});
-        }
-      }
       if (auto* acc = dynamic_cast<const AccumulateGrad*>(v.node))
         if (auto leaf = acc->leaf()) {
           out.push_back({{nullptr, leaf.get()}, kWeak});

@@ -15,8 +15,7 @@ SavedTensor::SavedTensor(const Tensor& t, bool check_version) : check_version_(c
 SavedTensor::SavedTensor(SavedTensor&& other) noexcept
     : data_(std::move(other.data_)),
       version_(other.version_),
-      check_version_(other.check_version_),
-      with_graph_(std::move(other.with_graph_)) {
+      check_version_(other.check_version_) {
   other.data_ = Tensor();
 }
 
@@ -131,20 +130,5 @@ void check_context_holds_no_output(std::span<const std::byte> context, const cha
   }
 }
 
-struct testing_access {
-  static void save_with_graph(Context& ctx, const Tensor& t) {
-    SavedTensor s(t, true);
-    s.with_graph_ = t;
-    ctx.saved_.push_back(std::move(s));
-  }
-  static const Tensor& with_graph(const SavedTensor& s) { return s.with_graph_; }
-};
-
-namespace testing {
-void save_keeping_graph(Context& ctx, const Tensor& t) { testing_access::save_with_graph(ctx, t); }
-}  // namespace testing
-
-// Used by the cycle check (cycles.cc).
-const Tensor& saved_with_graph(const SavedTensor& s) { return testing_access::with_graph(s); }
 
 }  // namespace tally::autograd

@@ -57,11 +57,9 @@ class SavedTensor {
   bool defined() const { return data_.defined(); }
 
  private:
-  friend struct testing_access;
   Tensor data_;
   uint64_t version_ = 0;
   bool check_version_ = true;
-  Tensor with_graph_;  // only set by testing::save_keeping_graph (reintroduces seed 000)
 };
 
 // A leaf's gradient buffer that backward writes in place: see Context::grad_sink.
@@ -118,7 +116,6 @@ class Context {
   void bind(const char* op_name, const std::vector<Tensor>& inputs);
 
  private:
-  friend struct testing_access;
   template <class Fn> friend class FunctionNode;
   std::vector<SavedTensor> saved_;
   uint64_t needs_input_grad_mask_ = 0;  // inputs 0..63
@@ -196,11 +193,5 @@ std::shared_ptr<Node> record_source(std::unique_ptr<typename Fn::Context> ctx, c
   connect(*node, node, {}, outputs);
   return node;
 }
-
-namespace testing {
-// Saves `t` WITH its autograd state, the way a buggy framework would. Exists only so
-// tests can reintroduce a reference cycle (seed 000) and see the cycle check report it.
-void save_keeping_graph(Context& ctx, const Tensor& t);
-}  // namespace testing
 
 }  // namespace tally::autograd

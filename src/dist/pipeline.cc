@@ -139,9 +139,10 @@ nn::ModelShard pipeline_shard(int64_t layers, int P, int s, int V, int tp, int t
   return shard;
 }
 
-PipelineStage::PipelineStage(nn::Transformer& model, Communicator& pp_group, PipelineSchedule schedule, int virtual_stages)
+PipelineStage::PipelineStage(nn::Transformer& model, Communicator& pp_group, PipelineSchedule schedule, int virtual_stages,
+                             ReceivedInputs* received)
     : model_(model), group_(pp_group), schedule_(schedule), stages_(pp_group.size()), stage_(pp_group.rank()),
-      virtual_stages_(virtual_stages) {
+      virtual_stages_(virtual_stages), received_(received) {
   TALLY_CHECK(static_cast<int>(model.num_chunks()) == virtual_stages, "internal: the model holds ", model.num_chunks(),
               " chunks, the pipeline runs ", virtual_stages);
 }
@@ -171,142 +172,179 @@ struct InFlight {
   Tensor output;  // the chunk's output, or its scaled loss on the model's last chunk
   std::shared_ptr<Work> sent;  // the output's send to the next stage
 };
+
+// A receive posted ahead of the action that needs it.
+struct Posted {
+  Tensor buffer;
+  std::shared_ptr<Work> work;
+};
 }  // namespace
+
+Tensor ReceivedInputs::input(const Tensor& received) {
+  received.set_requires_grad(true);  // a fresh leaf: the stage's graph starts here
+  return received;
+}
+
+// One step of one stage: the schedule's actions in order, each forward keeping what its
+// backward needs (InFlight), receives posted one action ahead.
+class PipelineStage::Step {
+ public:
+  Step(PipelineStage& stage, int64_t microbatches, const BatchFn& batch, double loss_scale,
+       sanitizer::Sanitizer& sanitizer, const std::function<void()>& before_last_backward)
+      : stage_(stage), batch_(batch), loss_scale_(loss_scale), sanitizer_(sanitizer),
+        before_last_backward_(before_last_backward),
+        actions_(pipeline_actions(stage.schedule_, stage.stages_, stage.stage_, microbatches, stage.virtual_stages_)) {
+    for (size_t i = 0; i < actions_.size(); ++i)
+      if (!actions_[i].forward) last_backward_ = i;
+  }
+
+  double run() {
+    // Every microbatch has the first one's shape (the first action is microbatch 0's forward).
+    sanitizer_.begin_microbatch(actions_[0].microbatch);
+    first_batch_ = batch_(actions_[0].microbatch);
+    activation_shape_ = stage_.activation_shape(first_batch_.first.shape()[0], first_batch_.first.shape()[1]);
+    for (size_t i = 0; i < actions_.size(); ++i) {
+      post_receive(i);
+      post_receive(i + 1);
+      sanitizer_.begin_microbatch(actions_[i].microbatch);  // what follows is this microbatch's
+      if (actions_[i].forward) forward(i);
+      else backward(i);
+    }
+    if (gradient_sent_) wait_timed(*gradient_sent_);
+    TALLY_CHECK(flight_.empty() && backwards_left_.empty() && posted_.empty(), "internal: the pipeline schedule left ",
+                flight_.size(), " forwards without a backward");
+    return loss_sum_;
+  }
+
+ private:
+  const nn::ModelShard::Chunk& chunk(size_t i) const {
+    return stage_.model_.shard().chunks[static_cast<size_t>(actions_[i].chunk)];
+  }
+  int global(size_t i) const { return stage_.global_stage(actions_[i].chunk); }
+  int stages() const { return stage_.stages_ * stage_.virtual_stages_; }
+
+  void wait_timed(Work& w) {
+    const double t0 = now_seconds();
+    w.wait();
+    stage_.last_.idle_seconds += now_seconds() - t0;
+  }
+
+  // Action i's receive, posted one action ahead so that it arrives while the previous
+  // action computes. A buffer belongs to its own microbatch (the sanitizer's clock is set
+  // to it while the buffer is made).
+  void post_receive(size_t i) {
+    if (i >= actions_.size() || posted_.count(i)) return;
+    const PipelineAction& a = actions_[i];
+    if (a.forward ? chunk(i).embed : chunk(i).head) return;  // it receives nothing
+    sanitizer_.begin_microbatch(a.microbatch);
+    const int g = global(i);
+    const DType dtype = stage_.model_.params().dtype();
+    Posted p;
+    if (a.forward) {
+      OwnerScope scope("pp_recv");
+      p.buffer = Tensor::empty(activation_shape_, dtype, Device::cpu(), current_owner("activation"));
+      p.work = stage_.group_.recv_async(p.buffer, (g - 1 + stages()) % stages() % stage_.stages_, activation_tag(g - 1));
+    } else {
+      p.buffer = Tensor::empty(activation_shape_, dtype, Device::cpu(), make_owner(Category::Communication, "comm:pp_recv_grad"));
+      p.work = stage_.group_.recv_async(p.buffer, (g + 1) % stage_.stages_, gradient_tag(g));
+    }
+    posted_.emplace(i, std::move(p));
+  }
+
+  // Action i's receive, waited for.
+  Tensor received(size_t i) {
+    auto it = posted_.find(i);
+    TALLY_CHECK(it != posted_.end(), "internal: pipeline action ", i, " has no receive posted");
+    Posted p = std::move(it->second);
+    posted_.erase(it);
+    wait_timed(*p.work);
+    return p.buffer;
+  }
+
+  void forward(size_t i) {
+    const PipelineAction& a = actions_[i];
+    auto [tokens, targets] = i == 0 ? std::move(first_batch_) : batch_(a.microbatch);
+    InFlight f;
+    Tensor input = tokens;
+    if (!chunk(i).embed) input = f.input = stage_.received_inputs().input(received(i));
+    nn::ForwardResult r = stage_.model_.forward_chunk(static_cast<size_t>(a.chunk), input, chunk(i).head ? targets : Tensor());
+    if (chunk(i).head) {
+      loss_sum_ += r.loss.item();
+      f.output = loss_scale_ == 1.0 ? r.loss : ops::scale(r.loss, loss_scale_);
+    } else {
+      f.output = r.hidden;
+      f.sent = stage_.group_.send_async(f.output.detach(), (global(i) + 1) % stage_.stages_, activation_tag(global(i)));
+      stage_.last_.bytes_sent += f.output.nbytes();
+    }
+    backwards_left_[a.microbatch]++;
+    stage_.last_.max_in_flight = std::max<int64_t>(stage_.last_.max_in_flight, static_cast<int64_t>(backwards_left_.size()));
+    flight_.emplace(std::make_pair(a.microbatch, a.chunk), std::move(f));
+  }
+
+  void backward(size_t i) {
+    const PipelineAction& a = actions_[i];
+    auto it = flight_.find({a.microbatch, a.chunk});
+    TALLY_CHECK(it != flight_.end(), "internal: pipeline backward of microbatch ", a.microbatch, " chunk ", a.chunk,
+                " before its forward");
+    InFlight f = std::move(it->second);
+    flight_.erase(it);
+    if (i == last_backward_ && before_last_backward_) before_last_backward_();
+    if (chunk(i).head) {
+      f.output.backward();
+    } else {
+      f.output.backward(received(i));
+      wait_timed(*f.sent);
+    }
+    if (!chunk(i).embed) send_input_gradient(i, f.input);
+    stage_.received_inputs().done(f.input);
+    f = InFlight();
+    if (--backwards_left_[a.microbatch] == 0) {
+      backwards_left_.erase(a.microbatch);
+      sanitizer_.end_microbatch(a.microbatch);
+    }
+  }
+
+  // The received activation's gradient goes back in a buffer of its own, so the leaf and
+  // its gradient die with this microbatch. The last gradient sent is waited for before
+  // the next is sent, so a stage holds one send buffer, not one per microbatch
+  // (deadlock-free for these schedules: a stage's previous gradient is received by its
+  // neighbour at or before that neighbour's next backward, which needs nothing more from
+  // this stage).
+  void send_input_gradient(size_t i, const Tensor& input) {
+    if (gradient_sent_) wait_timed(*gradient_sent_);
+    gradient_sent_.reset();  // its buffer is freed before the next is made
+    Tensor out = Tensor::empty(input.shape(), input.dtype(), Device::cpu(), make_owner(Category::Communication, "comm:pp_send_grad"));
+    out.copy_(input.grad());
+    gradient_sent_ = stage_.group_.send_async(out, (global(i) - 1 + stages()) % stages() % stage_.stages_, gradient_tag(global(i) - 1));
+    stage_.last_.bytes_sent += out.nbytes();
+  }
+
+  PipelineStage& stage_;
+  const BatchFn& batch_;
+  double loss_scale_;
+  sanitizer::Sanitizer& sanitizer_;
+  const std::function<void()>& before_last_backward_;
+  const std::vector<PipelineAction> actions_;
+  size_t last_backward_ = SIZE_MAX;
+  std::pair<Tensor, Tensor> first_batch_;
+  Shape activation_shape_;
+  std::map<std::pair<int64_t, int>, InFlight> flight_;  // (microbatch, chunk)
+  std::map<int64_t, int> backwards_left_;               // per microbatch: chunks whose backward has not run
+  std::map<size_t, Posted> posted_;                     // action index -> its receive
+  std::shared_ptr<Work> gradient_sent_;
+  double loss_sum_ = 0;
+};
+
+ReceivedInputs& PipelineStage::received_inputs() {
+  static ReceivedInputs own;
+  return received_ ? *received_ : own;
+}
 
 double PipelineStage::run(int64_t N, const BatchFn& batch, double loss_scale, sanitizer::Sanitizer& sanitizer,
                           const std::function<void()>& before_last_backward) {
-  const auto& chunks = model_.shard().chunks;
-  const int S = stages_ * virtual_stages_;
-  const std::vector<PipelineAction> actions = pipeline_actions(schedule_, stages_, stage_, N, virtual_stages_);
-  std::map<std::pair<int64_t, int>, InFlight> flight;  // (microbatch, chunk)
-  std::map<int64_t, int> backwards_left;               // per microbatch: chunks whose backward has not run
-  // The last gradient sent back: waited for before the next is sent, so a stage holds one
-  // send buffer, not one per microbatch (deadlock-free for these schedules: a stage's
-  // previous gradient is received by its neighbour at or before that neighbour's next
-  // backward, which needs nothing more from this stage).
-  std::shared_ptr<Work> gradient_sent;
-  std::vector<Tensor> kept;                            // Fault::KeepReceived only
   last_ = PipelineStepStats();
   const double begin = now_seconds();
-  double loss_sum = 0;
-  size_t last_backward = actions.size();
-  for (size_t i = 0; i < actions.size(); ++i)
-    if (!actions[i].forward) last_backward = i;
-
-  auto wait_timed = [&](Work& w) {
-    const double t0 = now_seconds();
-    w.wait();
-    last_.idle_seconds += now_seconds() - t0;
-  };
-  // Every microbatch has the first one's shape (the first action is microbatch 0's forward).
-  sanitizer.begin_microbatch(actions[0].microbatch);
-  std::pair<Tensor, Tensor> first_batch = batch(actions[0].microbatch);
-  const Shape act_shape = activation_shape(first_batch.first.shape()[0], first_batch.first.shape()[1]);
-  const DType dtype = model_.params().dtype();
-  // Receives are posted one action ahead, so the next action's activation or gradient
-  // arrives while this one computes. A buffer belongs to its own microbatch (the
-  // sanitizer's clock is set to it while the buffer is made).
-  struct Posted {
-    Tensor buffer;
-    std::shared_ptr<Work> work;
-  };
-  std::map<size_t, Posted> posted;  // action index -> its receive
-  auto post_receive = [&](size_t i) {
-    if (i >= actions.size() || posted.count(i)) return;
-    const PipelineAction& n = actions[i];
-    const nn::ModelShard::Chunk& ch = chunks[static_cast<size_t>(n.chunk)];
-    const int g = global_stage(n.chunk);
-    if (n.forward ? ch.embed : ch.head) return;  // it receives nothing
-    sanitizer.begin_microbatch(n.microbatch);
-    Posted p;
-    if (n.forward) {
-      OwnerScope scope("pp_recv");
-      p.buffer = Tensor::empty(act_shape, dtype, Device::cpu(), current_owner("activation"));
-      p.work = group_.recv_async(p.buffer, (g - 1 + S) % S % stages_, activation_tag(g - 1));
-    } else {
-      p.buffer = Tensor::empty(act_shape, dtype, Device::cpu(), make_owner(Category::Communication, "comm:pp_recv_grad"));
-      p.work = group_.recv_async(p.buffer, (g + 1) % stages_, gradient_tag(g));
-    }
-    posted.emplace(i, std::move(p));
-  };
-  // This action's receive, waited for.
-  auto received = [&](size_t i) {
-    auto it = posted.find(i);
-    TALLY_CHECK(it != posted.end(), "internal: pipeline action ", i, " has no receive posted");
-    Posted p = std::move(it->second);
-    posted.erase(it);
-    wait_timed(*p.work);
-    return p.buffer;
-  };
-  for (size_t i = 0; i < actions.size(); ++i) {
-    const PipelineAction& a = actions[i];
-    const nn::ModelShard::Chunk& chunk = chunks[static_cast<size_t>(a.chunk)];
-    const int g = global_stage(a.chunk);
-    post_receive(i);
-    post_receive(i + 1);
-    sanitizer.begin_microbatch(a.microbatch);  // what follows is this microbatch's
-    if (a.forward) {
-      auto [tokens, targets] = i == 0 ? std::move(first_batch) : batch(a.microbatch);
-      InFlight f;
-      Tensor input = tokens;
-      if (!chunk.embed) {
-        f.input = received(i);
-        if (fault_ == Fault::LeafAndOutput) {
-          // The receive recorded as an op (its output depends on a tensor that requires
-          // grad), then made a leaf as well: R1 refuses it here.
-          Tensor source = Tensor::zeros(act_shape, f.input.dtype(), Device::cpu());
-          source.set_requires_grad(true);
-          f.input = ops::add(source, f.input);
-        }
-        f.input.set_requires_grad(true);  // a fresh leaf: the stage's graph starts here
-        input = f.input;
-      }
-      nn::ForwardResult r = model_.forward_chunk(static_cast<size_t>(a.chunk), input, chunk.head ? targets : Tensor());
-      if (chunk.head) {
-        loss_sum += r.loss.item();
-        f.output = loss_scale == 1.0 ? r.loss : ops::scale(r.loss, loss_scale);
-      } else {
-        f.output = r.hidden;
-        f.sent = group_.send_async(f.output.detach(), (g + 1) % stages_, activation_tag(g));
-        last_.bytes_sent += f.output.nbytes();
-      }
-      backwards_left[a.microbatch]++;
-      last_.max_in_flight = std::max<int64_t>(last_.max_in_flight, static_cast<int64_t>(backwards_left.size()));
-      flight.emplace(std::make_pair(a.microbatch, a.chunk), std::move(f));
-    } else {
-      auto it = flight.find({a.microbatch, a.chunk});
-      TALLY_CHECK(it != flight.end(), "internal: pipeline backward of microbatch ", a.microbatch, " chunk ", a.chunk,
-                  " before its forward");
-      InFlight f = std::move(it->second);
-      flight.erase(it);
-      if (i == last_backward && before_last_backward) before_last_backward();
-      if (chunk.head) {
-        f.output.backward();
-      } else {
-        f.output.backward(received(i));
-        wait_timed(*f.sent);
-      }
-      if (!chunk.embed) {
-        // The received activation's gradient goes back in a buffer of its own, so the
-        // leaf and its gradient die now, with this microbatch.
-        if (gradient_sent) wait_timed(*gradient_sent);
-        gradient_sent.reset();  // its buffer is freed before the next is made
-        Tensor out = Tensor::empty(f.input.shape(), f.input.dtype(), Device::cpu(), make_owner(Category::Communication, "comm:pp_send_grad"));
-        out.copy_(f.input.grad());
-        gradient_sent = group_.send_async(out, (g - 1 + S) % S % stages_, gradient_tag(g - 1));
-        last_.bytes_sent += out.nbytes();
-      }
-      if (fault_ == Fault::KeepReceived && f.input.defined()) kept.push_back(f.input);
-      f = InFlight();
-      if (--backwards_left[a.microbatch] == 0) {
-        backwards_left.erase(a.microbatch);
-        sanitizer.end_microbatch(a.microbatch);
-      }
-    }
-  }
-  if (gradient_sent) wait_timed(*gradient_sent);
-  TALLY_CHECK(flight.empty() && backwards_left.empty() && posted.empty(), "internal: the pipeline schedule left ", flight.size(),
-              " forwards without a backward");
+  const double loss_sum = Step(*this, N, batch, loss_scale, sanitizer, before_last_backward).run();
   last_.seconds = now_seconds() - begin;
   return loss_sum;
 }

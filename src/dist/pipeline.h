@@ -73,11 +73,26 @@ struct PipelineStepStats {
 // the copies stay bit-equal. A no-op on other stages and untied models.
 void sum_tied_embedding_gradients(nn::Transformer& model, Communicator& pp_group);
 
+// How a stage turns a received activation into its chunk's input, and what becomes of
+// that input after its microbatch's backward. This class is the stage's own rule: a
+// fresh leaf that requires grad, let go after the backward. Tests derive from it to
+// re-enact the seed bugs in a real pipeline (an input kept to the end of the step; a
+// receive that is an op's output and a leaf at once) and show they are caught.
+class ReceivedInputs {
+ public:
+  virtual ~ReceivedInputs() = default;
+  virtual Tensor input(const Tensor& received);
+  virtual void done(const Tensor& input) { (void)input; }
+};
+
 // Runs one stage's share of a step. Every rank of the pipeline group calls run() with the
 // same number of microbatches.
 class PipelineStage {
  public:
-  PipelineStage(nn::Transformer& model, Communicator& pp_group, PipelineSchedule schedule, int virtual_stages);
+  // `received` (not owned; null: the stage's own ReceivedInputs) decides what a received
+  // activation becomes.
+  PipelineStage(nn::Transformer& model, Communicator& pp_group, PipelineSchedule schedule, int virtual_stages,
+                ReceivedInputs* received = nullptr);
 
   // The microbatch's tokens and targets (read on the stages that need them).
   using BatchFn = std::function<std::pair<Tensor, Tensor>(int64_t microbatch)>;
@@ -93,24 +108,18 @@ class PipelineStage {
   const PipelineStepStats& last() const { return last_; }
   bool runs_head() const;
 
-  // Tests only: re-enact the seed bugs in a real pipeline, to show they are caught.
-  //   KeepReceived   keep every received activation (a leaf, and its gradient) to the
-  //                  end of the step instead of dropping it after its backward;
-  //   LeafAndOutput  InfiniTrain's receive: the received tensor is a receive op's output
-  //                  and is then made a leaf (seed 000).
-  enum class Fault { None, KeepReceived, LeafAndOutput };
-  void inject_fault_for_testing(Fault fault) { fault_ = fault; }
-
  private:
+  class Step;
   int global_stage(int chunk) const { return chunk * stages_ + stage_; }
   Shape activation_shape(int64_t batch, int64_t seq) const;
+  ReceivedInputs& received_inputs();
 
   nn::Transformer& model_;
   Communicator& group_;
   PipelineSchedule schedule_;
   int stages_, stage_, virtual_stages_;
   PipelineStepStats last_;
-  Fault fault_ = Fault::None;
+  ReceivedInputs* received_;  // non-owning; null: the stage's own
 };
 
 }  // namespace tally::dist
