@@ -155,9 +155,19 @@ const char* const kColours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff
 
 }  // namespace
 
-std::string render_loss_svg(const std::vector<RunCurve>& runs, const std::string& title) {
-  TALLY_CHECK(!runs.empty(), "plot: no runs to draw");
-  const double W = 960, H = 540, left = 80, right = W - 90, top = 56, bottom = H - 92;
+namespace {
+
+// The plot's geometry: the page, the plotting box, and the data ranges it maps onto them.
+struct Frame {
+  double W = 960, H = 540, left = 80, right = 960 - 90, top = 56, bottom = 540 - 92;
+  double s0 = 0, s1 = 1, l0 = 0, l1 = 1, lr1 = 1;  // steps, losses (padded), the largest learning rate
+  double X(double step) const { return left + (step - s0) / (s1 - s0) * (right - left); }
+  double Y(double loss) const { return bottom - (loss - l0) / (l1 - l0) * (bottom - top); }
+  double YR(double lr) const { return bottom - lr / (lr1 * 1.05) * (bottom - top); }
+};
+
+Frame frame_of(const std::vector<RunCurve>& runs) {
+  Frame f;
   double s0 = std::numeric_limits<double>::max(), s1 = std::numeric_limits<double>::lowest();
   double l0 = s0, l1 = s1, lr1 = 0;
   for (const RunCurve& r : runs) {
@@ -173,112 +183,138 @@ std::string render_loss_svg(const std::vector<RunCurve>& runs, const std::string
   if (s1 <= s0) s1 = s0 + 1;
   if (!(l1 > l0)) l1 = l0 + 1;
   const double pad = 0.04 * (l1 - l0);
-  l0 -= pad;
-  l1 += pad;
-  if (lr1 <= 0) lr1 = 1;
-  auto X = [&](double step) { return left + (step - s0) / (s1 - s0) * (right - left); };
-  auto Y = [&](double loss) { return bottom - (loss - l0) / (l1 - l0) * (bottom - top); };
-  auto YR = [&](double lr) { return bottom - lr / (lr1 * 1.05) * (bottom - top); };
-  auto polyline = [&](const std::vector<std::pair<double, double>>& pts, const std::string& attrs) {
-    std::string p;
-    // At most ~1500 points per line: a long run is drawn from every k-th point.
-    const size_t stride = std::max<size_t>(1, pts.size() / 1500);
-    for (size_t i = 0; i < pts.size(); i += stride) p += fmt("%.1f", pts[i].first) + "," + fmt("%.1f", pts[i].second) + " ";
-    if (!pts.empty() && (pts.size() - 1) % stride) p += fmt("%.1f", pts.back().first) + "," + fmt("%.1f", pts.back().second);
-    return "<polyline fill='none' " + attrs + " points='" + p + "'/>\n";
-  };
+  f.s0 = s0, f.s1 = s1, f.l0 = l0 - pad, f.l1 = l1 + pad, f.lr1 = lr1 <= 0 ? 1 : lr1;
+  return f;
+}
 
-  std::string svg = "<svg xmlns='http://www.w3.org/2000/svg' width='" + fmt("%.0f", W) + "' height='" + fmt("%.0f", H) +
-                    "' viewBox='0 0 " + fmt("%.0f", W) + " " + fmt("%.0f", H) +
-                    "' font-family='DejaVu Sans, Arial, sans-serif' font-size='13'>\n";
-  svg += "<rect width='100%' height='100%' fill='#ffffff'/>\n";
-  svg += "<text class='title' x='" + fmt("%.0f", left) + "' y='30' font-size='18' font-weight='bold'>" + escape(title) + "</text>\n";
-  // Grid, ticks and labels.
-  for (double t : nice_ticks(l0, l1, 6)) {
-    svg += "<line x1='" + fmt("%.1f", left) + "' x2='" + fmt("%.1f", right) + "' y1='" + fmt("%.1f", Y(t)) + "' y2='" +
-           fmt("%.1f", Y(t)) + "' stroke='#e6e6e6'/>\n";
-    svg += "<text class='ytick' x='" + fmt("%.1f", left - 8) + "' y='" + fmt("%.1f", Y(t) + 4) + "' text-anchor='end'>" +
-           fmt(l1 - l0 < 2 ? "%.2f" : "%.1f", t) + "</text>\n";
-  }
-  for (double t : nice_ticks(0, lr1 * 1.05, 5)) {
-    svg += "<text class='lrtick' x='" + fmt("%.1f", right + 8) + "' y='" + fmt("%.1f", YR(t) + 4) + "' fill='#777'>" +
-           fmt("%.2g", t) + "</text>\n";
-  }
-  // Tokens under each step tick, read from the run that goes furthest and logged them.
+// At most ~1500 points per line: a long run is drawn from every k-th point.
+std::string polyline(const std::vector<std::pair<double, double>>& pts, const std::string& attrs) {
+  std::string p;
+  const size_t stride = std::max<size_t>(1, pts.size() / 1500);
+  for (size_t i = 0; i < pts.size(); i += stride) p += fmt("%.1f", pts[i].first) + "," + fmt("%.1f", pts[i].second) + " ";
+  if (!pts.empty() && (pts.size() - 1) % stride) p += fmt("%.1f", pts.back().first) + "," + fmt("%.1f", pts.back().second);
+  return "<polyline fill='none' " + attrs + " points='" + p + "'/>\n";
+}
+
+// The tokens under each step tick, read from the run that goes furthest and logged them.
+const RunCurve* run_with_tokens(const std::vector<RunCurve>& runs) {
   const RunCurve* with_tokens = nullptr;
   for (const RunCurve& r : runs)
     if (!r.tokens.empty() && r.tokens.back() > 0 && (!with_tokens || r.steps.back() > with_tokens->steps.back()))
       with_tokens = &r;
-  for (double t : nice_ticks(s0, s1, 8, /*whole_numbers=*/true)) {
-    const double x = X(t);
-    svg += "<line x1='" + fmt("%.1f", x) + "' x2='" + fmt("%.1f", x) + "' y1='" + fmt("%.1f", top) + "' y2='" +
-           fmt("%.1f", bottom) + "' stroke='#f0f0f0'/>\n";
-    // Steps in full: rounded ("1.1k", "100k"), ticks 50 or 200 apart would print alike.
-    svg += "<text class='xtick' x='" + fmt("%.1f", x) + "' y='" + fmt("%.1f", bottom + 18) + "' text-anchor='middle'>" +
-           fmt("%.0f", t) + "</text>\n";
-    if (with_tokens) {
-      const auto& st = with_tokens->steps;
-      const size_t i = static_cast<size_t>(std::lower_bound(st.begin(), st.end(), static_cast<int64_t>(std::llround(t))) - st.begin());
-      if (i < st.size())
-        svg += "<text class='tokentick' x='" + fmt("%.1f", x) + "' y='" + fmt("%.1f", bottom + 34) +
-               "' text-anchor='middle' fill='#777'>" + count_label(static_cast<double>(with_tokens->tokens[i])) +
-               "</text>\n";
-    }
-  }
-  svg += "<rect x='" + fmt("%.1f", left) + "' y='" + fmt("%.1f", top) + "' width='" + fmt("%.1f", right - left) +
-         "' height='" + fmt("%.1f", bottom - top) + "' fill='none' stroke='#999'/>\n";
-  svg += "<text class='axis' x='" + fmt("%.1f", (left + right) / 2) + "' y='" + fmt("%.1f", H - 34) +
-         "' text-anchor='middle'>step" + std::string(with_tokens ? " (tokens seen, in grey)" : "") + "</text>\n";
-  svg += "<text class='axis' transform='translate(22," + fmt("%.1f", (top + bottom) / 2) +
-         ") rotate(-90)' text-anchor='middle'>loss</text>\n";
-  svg += "<text class='axis' transform='translate(" + fmt("%.1f", W - 14) + "," + fmt("%.1f", (top + bottom) / 2) +
-         ") rotate(90)' text-anchor='middle' fill='#777'>learning rate</text>\n";
+  return with_tokens;
+}
 
-  // The curves, and a legend naming each.
-  std::string legend;
-  double ly = top + 14;
+std::string draw_step_ticks(const Frame& f, const RunCurve* with_tokens) {
+  std::string svg;
+  for (double t : nice_ticks(f.s0, f.s1, 8, /*whole_numbers=*/true)) {
+    const double x = f.X(t);
+    svg += "<line x1='" + fmt("%.1f", x) + "' x2='" + fmt("%.1f", x) + "' y1='" + fmt("%.1f", f.top) + "' y2='" +
+           fmt("%.1f", f.bottom) + "' stroke='#f0f0f0'/>\n";
+    // Steps in full: rounded ("1.1k", "100k"), ticks 50 or 200 apart would print alike.
+    svg += "<text class='xtick' x='" + fmt("%.1f", x) + "' y='" + fmt("%.1f", f.bottom + 18) + "' text-anchor='middle'>" +
+           fmt("%.0f", t) + "</text>\n";
+    if (!with_tokens) continue;
+    const auto& st = with_tokens->steps;
+    const size_t i = static_cast<size_t>(std::lower_bound(st.begin(), st.end(), static_cast<int64_t>(std::llround(t))) - st.begin());
+    if (i < st.size())
+      svg += "<text class='tokentick' x='" + fmt("%.1f", x) + "' y='" + fmt("%.1f", f.bottom + 34) +
+             "' text-anchor='middle' fill='#777'>" + count_label(static_cast<double>(with_tokens->tokens[i])) + "</text>\n";
+  }
+  return svg;
+}
+
+// The grid, ticks and labels of both axes, the box and the axes' names.
+std::string draw_axes(const Frame& f, const std::vector<RunCurve>& runs) {
+  std::string svg;
+  for (double t : nice_ticks(f.l0, f.l1, 6)) {
+    svg += "<line x1='" + fmt("%.1f", f.left) + "' x2='" + fmt("%.1f", f.right) + "' y1='" + fmt("%.1f", f.Y(t)) + "' y2='" +
+           fmt("%.1f", f.Y(t)) + "' stroke='#e6e6e6'/>\n";
+    svg += "<text class='ytick' x='" + fmt("%.1f", f.left - 8) + "' y='" + fmt("%.1f", f.Y(t) + 4) + "' text-anchor='end'>" +
+           fmt(f.l1 - f.l0 < 2 ? "%.2f" : "%.1f", t) + "</text>\n";
+  }
+  for (double t : nice_ticks(0, f.lr1 * 1.05, 5))
+    svg += "<text class='lrtick' x='" + fmt("%.1f", f.right + 8) + "' y='" + fmt("%.1f", f.YR(t) + 4) + "' fill='#777'>" +
+           fmt("%.2g", t) + "</text>\n";
+  const RunCurve* with_tokens = run_with_tokens(runs);
+  svg += draw_step_ticks(f, with_tokens);
+  svg += "<rect x='" + fmt("%.1f", f.left) + "' y='" + fmt("%.1f", f.top) + "' width='" + fmt("%.1f", f.right - f.left) +
+         "' height='" + fmt("%.1f", f.bottom - f.top) + "' fill='none' stroke='#999'/>\n";
+  svg += "<text class='axis' x='" + fmt("%.1f", (f.left + f.right) / 2) + "' y='" + fmt("%.1f", f.H - 34) +
+         "' text-anchor='middle'>step" + std::string(with_tokens ? " (tokens seen, in grey)" : "") + "</text>\n";
+  svg += "<text class='axis' transform='translate(22," + fmt("%.1f", (f.top + f.bottom) / 2) +
+         ") rotate(-90)' text-anchor='middle'>loss</text>\n";
+  svg += "<text class='axis' transform='translate(" + fmt("%.1f", f.W - 14) + "," + fmt("%.1f", (f.top + f.bottom) / 2) +
+         ") rotate(90)' text-anchor='middle' fill='#777'>learning rate</text>\n";
+  return svg;
+}
+
+// Run k's curves: the learning rate, the raw and smoothed training loss, the validation.
+std::string draw_run(const Frame& f, const RunCurve& r, size_t k, const std::string& colour) {
+  std::vector<std::pair<double, double>> raw, smoothed, lr, val;
+  const std::vector<double> s = smooth(r.loss);
+  for (size_t i = 0; i < r.steps.size(); ++i) {
+    if (!std::isfinite(r.loss[i])) continue;
+    raw.emplace_back(f.X(static_cast<double>(r.steps[i])), f.Y(r.loss[i]));
+    smoothed.emplace_back(f.X(static_cast<double>(r.steps[i])), f.Y(s[i]));
+    lr.emplace_back(f.X(static_cast<double>(r.steps[i])), f.YR(r.lr[i]));
+  }
+  for (auto& [step, v] : r.val) val.emplace_back(f.X(static_cast<double>(step)), f.Y(v));
+  const std::string run = "run-" + std::to_string(k) + "' stroke='" + colour;
+  std::string svg = polyline(lr, "class='lr " + run + "' stroke-width='1' stroke-dasharray='5 4' opacity='0.6'");
+  svg += polyline(raw, "class='train-raw " + run + "' stroke-width='1' opacity='0.25'");
+  svg += polyline(smoothed, "class='train " + run + "' stroke-width='2.2'");
+  if (val.empty()) return svg;
+  svg += polyline(val, "class='val " + run + "' stroke-width='1.6' opacity='0.9'");
+  for (auto& [x, y] : val)
+    svg += "<circle class='val-point run-" + std::to_string(k) + "' cx='" + fmt("%.1f", x) + "' cy='" + fmt("%.1f", y) +
+           "' r='3.5' fill='#fff' stroke='" + colour + "' stroke-width='1.8'/>\n";
+  return svg;
+}
+
+// Every run's curves, and a legend naming each.
+std::string draw_runs(const Frame& f, const std::vector<RunCurve>& runs) {
+  std::string svg, legend;
+  double ly = f.top + 14;
   auto legend_row = [&](const std::string& sample, const std::string& label) {
-    legend += sample + "<text class='legend' x='" + fmt("%.1f", right - 200) + "' y='" + fmt("%.1f", ly + 4) + "'>" +
+    legend += sample + "<text class='legend' x='" + fmt("%.1f", f.right - 200) + "' y='" + fmt("%.1f", ly + 4) + "'>" +
               escape(label) + "</text>\n";
     ly += 18;
   };
   for (size_t k = 0; k < runs.size(); ++k) {
     const RunCurve& r = runs[k];
     const std::string colour = kColours[k % (sizeof kColours / sizeof *kColours)];
-    std::vector<std::pair<double, double>> raw, smoothed, lr, val;
-    const std::vector<double> s = smooth(r.loss);
-    for (size_t i = 0; i < r.steps.size(); ++i) {
-      if (!std::isfinite(r.loss[i])) continue;
-      raw.emplace_back(X(static_cast<double>(r.steps[i])), Y(r.loss[i]));
-      smoothed.emplace_back(X(static_cast<double>(r.steps[i])), Y(s[i]));
-      lr.emplace_back(X(static_cast<double>(r.steps[i])), YR(r.lr[i]));
-    }
-    for (auto& [step, v] : r.val) val.emplace_back(X(static_cast<double>(step)), Y(v));
-    svg += polyline(lr, "class='lr run-" + std::to_string(k) + "' stroke='" + colour +
-                            "' stroke-width='1' stroke-dasharray='5 4' opacity='0.6'");
-    svg += polyline(raw, "class='train-raw run-" + std::to_string(k) + "' stroke='" + colour + "' stroke-width='1' opacity='0.25'");
-    svg += polyline(smoothed, "class='train run-" + std::to_string(k) + "' stroke='" + colour + "' stroke-width='2.2'");
-    if (!val.empty()) {
-      svg += polyline(val, "class='val run-" + std::to_string(k) + "' stroke='" + colour + "' stroke-width='1.6' opacity='0.9'");
-      for (auto& [x, y] : val)
-        svg += "<circle class='val-point run-" + std::to_string(k) + "' cx='" + fmt("%.1f", x) + "' cy='" + fmt("%.1f", y) +
-               "' r='3.5' fill='#fff' stroke='" + colour + "' stroke-width='1.8'/>\n";
-    }
+    svg += draw_run(f, r, k, colour);
     const std::string prefix = runs.size() > 1 || !r.name.empty() ? r.name + ": " : "";
-    const double sx = right - 230;
-    legend_row("<line x1='" + fmt("%.1f", sx) + "' x2='" + fmt("%.1f", sx + 22) + "' y1='" + fmt("%.1f", ly) + "' y2='" +
-                   fmt("%.1f", ly) + "' stroke='" + colour + "' stroke-width='2.2'/>",
-               prefix + "train (smoothed)");
+    const double sx = f.right - 230;
+    const std::string line = "<line x1='" + fmt("%.1f", sx) + "' x2='" + fmt("%.1f", sx + 22) + "' y1='" + fmt("%.1f", ly) +
+                             "' y2='" + fmt("%.1f", ly) + "' stroke='" + colour + "'";
+    legend_row(line + " stroke-width='2.2'/>", prefix + "train (smoothed)");
     if (!r.val.empty())
       legend_row("<circle cx='" + fmt("%.1f", sx + 11) + "' cy='" + fmt("%.1f", ly) + "' r='3.5' fill='#fff' stroke='" + colour +
                      "' stroke-width='1.8'/>",
                  prefix + "validation");
-    legend_row("<line x1='" + fmt("%.1f", sx) + "' x2='" + fmt("%.1f", sx + 22) + "' y1='" + fmt("%.1f", ly) + "' y2='" +
-                   fmt("%.1f", ly) + "' stroke='" + colour + "' stroke-dasharray='5 4' opacity='0.6'/>",
-               prefix + "learning rate");
+    const std::string lr_line = "<line x1='" + fmt("%.1f", sx) + "' x2='" + fmt("%.1f", sx + 22) + "' y1='" + fmt("%.1f", ly) +
+                                "' y2='" + fmt("%.1f", ly) + "' stroke='" + colour + "'";
+    legend_row(lr_line + " stroke-dasharray='5 4' opacity='0.6'/>", prefix + "learning rate");
   }
-  svg += "<rect class='legend-box' x='" + fmt("%.1f", right - 238) + "' y='" + fmt("%.1f", top + 4) + "' width='232' height='" +
-         fmt("%.1f", ly - top - 8) + "' fill='#ffffff' fill-opacity='0.85' stroke='#ddd'/>\n" + legend;
+  return svg + "<rect class='legend-box' x='" + fmt("%.1f", f.right - 238) + "' y='" + fmt("%.1f", f.top + 4) +
+         "' width='232' height='" + fmt("%.1f", ly - f.top - 8) + "' fill='#ffffff' fill-opacity='0.85' stroke='#ddd'/>\n" +
+         legend;
+}
+
+}  // namespace
+
+std::string render_loss_svg(const std::vector<RunCurve>& runs, const std::string& title) {
+  TALLY_CHECK(!runs.empty(), "plot: no runs to draw");
+  const Frame f = frame_of(runs);
+  std::string svg = "<svg xmlns='http://www.w3.org/2000/svg' width='" + fmt("%.0f", f.W) + "' height='" + fmt("%.0f", f.H) +
+                    "' viewBox='0 0 " + fmt("%.0f", f.W) + " " + fmt("%.0f", f.H) +
+                    "' font-family='DejaVu Sans, Arial, sans-serif' font-size='13'>\n";
+  svg += "<rect width='100%' height='100%' fill='#ffffff'/>\n";
+  svg += "<text class='title' x='" + fmt("%.0f", f.left) + "' y='30' font-size='18' font-weight='bold'>" + escape(title) + "</text>\n";
+  svg += draw_axes(f, runs);
+  svg += draw_runs(f, runs);
   svg += "</svg>\n";
   return svg;
 }
