@@ -22,6 +22,7 @@
 #include "core/random.h"
 #include "memory/process.h"
 #include "memory/report.h"
+#include "nn/init.h"
 #include "nn/transformer.h"
 #include "ops/install.h"
 #include "optim/adamw.h"
@@ -64,7 +65,7 @@ int main(int argc, char** argv) {
   if (B < 1 || T < 1) std::fprintf(stderr, "bench_w1: --batch and --seq must be positive\n"), std::exit(2);
   if (steps < 1 || threads < 1) std::fprintf(stderr, "bench_w1: steps and threads must be at least 1\n"), std::exit(2);
   nn::Transformer model(nn::TransformerConfig::preset(preset));
-  model.init_weights(1);
+  nn::init_weights(model, 1);
   if (dtype == "bf16") model.set_matmul_dtype(DType::BF16);
   optim::AdamW opt(model.params(), optim::AdamWConfig{0.9, 0.999, 1e-8, 0.0, false});
   optim::BackwardGradientNorm backward_norm(model.params());

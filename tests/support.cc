@@ -13,6 +13,7 @@
 #include "core/random.h"
 #include "data/token_shard.h"
 #include "dist/world.h"
+#include "nn/llmc_layout.h"
 #include "ops/install.h"
 #include "ops/ops.h"
 
@@ -102,14 +103,14 @@ TinyTokenizerFiles write_tiny_gpt2_tokenizer(const std::string& dir,
 
 train::TrainConfig tiny_train_config(const std::string& train_data) {
   train::TrainConfig c;
-  c.model_file = fixture_path("gpt2_tiny.bin");
-  c.train_data = train_data;
-  c.batch_size = 2;
-  c.seq_len = 16;
-  c.threads = 1;
-  c.quiet = true;
-  c.sample_every = -1;
-  c.sample_tokens = 0;
+  c.model.file = fixture_path("gpt2_tiny.bin");
+  c.data.train = train_data;
+  c.batch.batch_size = 2;
+  c.batch.seq_len = 16;
+  c.compute.threads = 1;
+  c.metrics.quiet = true;
+  c.sampling.every = -1;
+  c.sampling.tokens = 0;
   return c;
 }
 
@@ -249,7 +250,7 @@ double gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, std
 
 namespace tally::test {
 Tensor stacked_llmc_grad(const nn::Transformer& m, const std::string& name) {
-  for (const nn::LlmcTensor& t : m.llmc_tensors()) {
+  for (const nn::LlmcTensor& t : nn::llmc_tensors(m)) {
     if (t.name != name) continue;
     std::vector<Tensor> parts;
     for (size_t i : t.params) {

@@ -347,20 +347,20 @@ namespace {
 train::TrainConfig gpu_run(const std::string& shard, const std::string& device, const std::string& dtype,
                            const std::string& model = "d2") {
   train::TrainConfig c;
-  c.model = model;
-  c.train_data = shard;
-  c.batch_size = 2;
-  c.seq_len = 64;
-  c.steps = 6;
-  c.lr = 1e-3;
-  c.threads = 2;
-  c.quiet = true;
-  c.sample_every = -1;
-  c.sample_tokens = 0;
-  c.device = device;
-  c.dtype = dtype;
-  c.out_dir = temp_path("cuda_run_" + model + device + dtype);
-  c.overwrite = true;
+  c.model.preset = model;
+  c.data.train = shard;
+  c.batch.batch_size = 2;
+  c.batch.seq_len = 64;
+  c.batch.steps = 6;
+  c.optimizer.lr = 1e-3;
+  c.compute.threads = 2;
+  c.metrics.quiet = true;
+  c.sampling.every = -1;
+  c.sampling.tokens = 0;
+  c.compute.device = train::parse_device(device);
+  c.compute.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
+  c.checkpoint.out_dir = temp_path("cuda_run_" + model + device + dtype);
+  c.checkpoint.overwrite = true;
   return c;
 }
 }  // namespace
@@ -392,21 +392,21 @@ TEST(CudaTraining, CheckpointsResumeAndSamplingRunFromTheGpu) {
   REQUIRE_GPU();
   const std::string shard = write_random_shard("cuda_resume.bin", 20000, 50257, 6);
   train::TrainConfig whole = gpu_run(shard, "cuda", "fp32");
-  whole.steps = 6;
-  whole.lr_schedule = "constant";  // the first three steps' learning rates do not depend on --steps
+  whole.batch.steps = 6;
+  whole.optimizer.schedule = train::LrSchedule::Constant;  // the first three steps' learning rates do not depend on --steps
   const train::TrainResult straight = train::run_training(whole);
   train::TrainConfig first = whole;
-  first.out_dir = temp_path("cuda_resume_run");
-  first.steps = 3;
-  first.save_every = 3;
-  first.sample_every = 0;
-  first.sample_tokens = 4;
+  first.checkpoint.out_dir = temp_path("cuda_resume_run");
+  first.batch.steps = 3;
+  first.checkpoint.save_every = 3;
+  first.sampling.every = 0;
+  first.sampling.tokens = 4;
   train::run_training(first);
   train::TrainConfig second = first;
-  second.steps = 6;
-  second.overwrite = false;
-  second.resume = first.out_dir;
-  second.allow_recipe_change = true;  // --steps 3 -> 6
+  second.batch.steps = 6;
+  second.checkpoint.overwrite = false;
+  second.checkpoint.resume = first.checkpoint.out_dir;
+  second.checkpoint.allow_recipe_change = true;  // --steps 3 -> 6
   const train::TrainResult resumed = train::run_training(second);
   ASSERT_EQ(resumed.history.size(), 3u);
   for (size_t i = 0; i < 3; ++i)  // fp32 on one device: the same kernels, the same order
@@ -417,8 +417,8 @@ TEST(CudaTraining, LiveDeviceMemoryIsFlatAcrossStepsAndMicrobatches) {
   REQUIRE_GPU();
   const std::string shard = write_random_shard("cuda_flat.bin", 20000, 50257, 4);
   train::TrainConfig c = gpu_run(shard, "cuda", "bf16");
-  c.steps = 12;
-  c.grad_accum = 8;
+  c.batch.steps = 12;
+  c.batch.grad_accum = 8;
   const train::TrainResult r = train::run_training(c);
   ASSERT_EQ(r.history.size(), 12u);
   for (const auto& m : r.history) {
@@ -436,9 +436,9 @@ TEST(CudaTraining, TheSanitizerReadsTheDevicesLedger) {
   REQUIRE_GPU();
   const std::string shard = write_random_shard("cuda_sanitized.bin", 20000, 50257, 6);
   train::TrainConfig c = gpu_run(shard, "cuda", "fp32");
-  c.steps = 4;
-  c.grad_accum = 2;
-  c.sanitize = "strict";
+  c.batch.steps = 4;
+  c.batch.grad_accum = 2;
+  c.memory.sanitize = sanitizer::SanitizeMode::Strict;
   const train::TrainResult r = train::run_training(c);
   ASSERT_EQ(r.history.size(), 4u);
   int64_t device_live = 0;
@@ -448,10 +448,9 @@ TEST(CudaTraining, TheSanitizerReadsTheDevicesLedger) {
 
 TEST(CudaTraining, DeviceFlagErrorsNameTheFlag) {
   const std::string shard = write_random_shard("cuda_flag.bin", 2000, 50257, 5);
-  train::TrainConfig c = gpu_run(shard, "gpu0", "fp32");
-  std::string msg = message_of<Error>([&] { train::run_training(c); });
+  std::string msg = message_of<Error>([&] { gpu_run(shard, "gpu0", "fp32"); });
   EXPECT_NE(msg.find("--device: expected cpu, cuda or cuda:N, got 'gpu0'"), std::string::npos) << msg;
-  c.device = "cuda:7";
+  train::TrainConfig c = gpu_run(shard, "cuda:7", "fp32");
   msg = message_of<Error>([&] { train::run_training(c); });
   EXPECT_NE(msg.find("--device cuda:7"), std::string::npos) << msg;
 }

@@ -34,6 +34,7 @@
 #include "runtime/backend.h"
 #include "sanitizer/sanitizer.h"
 #include "support.h"
+#include "nn/init.h"
 #include "train/plan.h"
 #include "train/trainer.h"
 
@@ -63,19 +64,19 @@ int64_t env_or(const char* name, int64_t fallback) {
 // The training config all tests start from: the tiny fixture model on random tokens.
 train::TrainConfig tiny_config() {
   train::TrainConfig c = test::tiny_train_config(test::write_random_shard("train.bin", 40000, 97, 11));
-  c.steps = 12;
-  c.lr = 3e-3;
-  c.warmup_steps = 2;
-  c.grad_clip = 0.3;  // below the gradient norm every step: clipping is active
+  c.batch.steps = 12;
+  c.optimizer.lr = 3e-3;
+  c.optimizer.warmup_steps = 2;
+  c.optimizer.grad_clip = 0.3;  // below the gradient norm every step: clipping is active
   return c;
 }
 
 // The single-process run with the same global batch: D x N microbatches per step.
 train::TrainResult single_process(train::TrainConfig c, int64_t microbatches_per_rank) {
-  c.grad_accum = microbatches_per_rank * world().dp();
-  c.zero = 0;
-  c.dp = 0;
-  c.out_dir = test::temp_path("single_process");  // a job of its own: its own out dir (loss.svg)
+  c.batch.grad_accum = microbatches_per_rank * world().dp();
+  c.parallel.zero = 0;
+  c.parallel.dp = 0;
+  c.checkpoint.out_dir = test::temp_path("single_process");  // a job of its own: its own out dir (loss.svg)
   std::unique_ptr<dist::World> self = dist::World::self();
   return train::run_training(c, *self);
 }
@@ -98,11 +99,11 @@ train::MemoryPlan expect_planned_peaks(const train::TrainResult& r, const train:
                                        const nn::TransformerConfig& model, const std::string& what) {
   train::PlanInput in;
   in.model = model;
-  in.batch_size = c.batch_size;
-  in.seq_len = c.seq_len;
-  in.grad_accum = c.grad_accum;
+  in.batch_size = c.batch.batch_size;
+  in.seq_len = c.batch.seq_len;
+  in.grad_accum = c.batch.grad_accum;
   in.world = world().dp();
-  in.zero = c.zero;
+  in.zero = c.parallel.zero;
   const train::MemoryPlan plan = train::plan_memory(in);
   const std::vector<int64_t>& measured = r.history.back().rank_peak_bytes;
   EXPECT_EQ(measured.size(), plan.ranks.size()) << what;
@@ -114,7 +115,7 @@ train::MemoryPlan expect_planned_peaks(const train::TrainResult& r, const train:
   for (const train::RankPlan& rp : plan.ranks) planned_setup = std::max(planned_setup, rp.setup_bytes);
   EXPECT_EQ(r.predicted_setup_bytes, planned_setup) << what;
   EXPECT_EQ(r.setup_peak_bytes, planned_setup) << what << ": set-up's peak against its plan";
-  EXPECT_EQ(planned_setup > 0, c.zero >= 2) << what;
+  EXPECT_EQ(planned_setup > 0, c.parallel.zero >= 2) << what;
   return plan;
 }
 
@@ -231,12 +232,12 @@ void expect_every_zero_stage_matches_one_process(train::TrainConfig c, bool clip
   c.return_parameters = true;
   const train::TrainResult want = single_process(c, N);
   if (clipping) {
-    for (const auto& m : want.history) ASSERT_GT(m.grad_norm, c.grad_clip) << "clipping must be active at every step";
+    for (const auto& m : want.history) ASSERT_GT(m.grad_norm, c.optimizer.grad_clip) << "clipping must be active at every step";
   }
   for (int zero = 0; zero <= 3; ++zero) {
     train::TrainConfig p = c;
-    p.grad_accum = N;
-    p.zero = zero;
+    p.batch.grad_accum = N;
+    p.parallel.zero = zero;
     const train::TrainResult got = train::run_training(p, world());
     expect_same_run(got, want, 1e-5, "dp" + std::to_string(world().dp()) + " zero " + std::to_string(zero));
   }
@@ -252,13 +253,13 @@ TEST(DataParallel, MatchesOneProcessWithTheSameGlobalBatchForEveryZeroStage) {
 // The unshuffled run reads other batches: its losses must differ, or the flag did nothing.
 TEST(DataParallel, ShuffledDataTrainsAsOneProcessWithTheSameGlobalBatch) {
   train::TrainConfig c = tiny_config();
-  c.steps = 4;
-  c.shuffle = true;
+  c.batch.steps = 4;
+  c.data.shuffle = true;
   const train::TrainResult want = single_process(c, 2);
   train::TrainConfig p = c;
-  p.grad_accum = 2;
+  p.batch.grad_accum = 2;
   expect_same_run(train::run_training(p, world()), want, 1e-5, "shuffled dp" + std::to_string(world().dp()));
-  c.shuffle = false;
+  c.data.shuffle = false;
   const train::TrainResult in_file_order = single_process(c, 2);
   EXPECT_GT(std::abs(in_file_order.history[0].loss - want.history[0].loss), 1e-3)
       << "the shuffled run's first batch is the file-order run's";
@@ -272,19 +273,19 @@ TEST(DataParallel, RanksStartedWithDifferentSettingsStopNamingTheSetting) {
   const bool last = world().rank() == world().size() - 1;
   const std::string differs = "on rank(s) " + std::to_string(world().size() - 1) + " differs from rank 0's";
   train::TrainConfig c = tiny_config();
-  c.steps = 2;
+  c.batch.steps = 2;
   train::TrainConfig seq = c;
-  if (last) seq.seq_len = c.seq_len / 2;
+  if (last) seq.batch.seq_len = c.batch.seq_len / 2;
   std::string msg = test::message_of<Error>([&] { train::run_training(seq, world()); });
   EXPECT_NE(msg.find("different settings: --seq-len " + differs), std::string::npos) << msg;
   EXPECT_NE(msg.find("every rank must run the same command"), std::string::npos) << msg;
   // A different all-reduce bucket size: all-reduces of other sizes and counts.
   train::TrainConfig buckets = c;
-  if (last) buckets.bucket_mb = c.bucket_mb / 4;
+  if (last) buckets.parallel.bucket_mb = c.parallel.bucket_mb / 4;
   msg = test::message_of<Error>([&] { train::run_training(buckets, world()); });
   EXPECT_NE(msg.find("different settings: --bucket-mb " + differs), std::string::npos) << msg;
   train::TrainConfig data = c;
-  if (last) data.train_data = test::write_random_shard("other_train.bin", 30000, 97, 12);
+  if (last) data.data.train = test::write_random_shard("other_train.bin", 30000, 97, 12);
   msg = test::message_of<Error>([&] { train::run_training(data, world()); });
   EXPECT_NE(msg.find("--train-data's token count " + differs), std::string::npos) << msg;
   // Files of the same name and shape that hold other bytes on one rank (a node with a stale
@@ -292,13 +293,13 @@ TEST(DataParallel, RanksStartedWithDifferentSettingsStopNamingTheSetting) {
   // weights, silently. A model file: the fixture, and one with other weights.
   const std::string other_model = shared_path("other_model.bin");
   if (world().is_root()) {
-    nn::Transformer m(io::read_llmc_config(c.model_file));
-    m.init_weights(5);
+    nn::Transformer m(io::read_llmc_config(c.model.file));
+    nn::init_weights(m, 5);
     io::save_llmc(other_model, m);
   }
   world().world().barrier();
   train::TrainConfig model = c;
-  if (last) model.model_file = other_model;
+  if (last) model.model.file = other_model;
   msg = test::message_of<Error>([&] { train::run_training(model, world()); });
   EXPECT_NE(msg.find("--model-file's contents (CRC-32 of its weights) " + differs), std::string::npos) << msg;
   // The same model from another kind of source on one rank (an HF export of the file): the
@@ -307,13 +308,13 @@ TEST(DataParallel, RanksStartedWithDifferentSettingsStopNamingTheSetting) {
   // nothing at all.
   const std::string exported = shared_path("agree_hf");
   if (world().is_root()) {
-    nn::Transformer m(io::read_llmc_config(c.model_file));
-    io::load_llmc(c.model_file, m);
+    nn::Transformer m(io::read_llmc_config(c.model.file));
+    io::load_llmc(c.model.file, m);
     io::save_hf(exported, m);
   }
   world().world().barrier();
   train::TrainConfig source = c;
-  if (last) source.model_file.clear(), source.init_from = exported;
+  if (last) source.model.file.clear(), source.model.init_from = exported;
   msg = test::message_of<Error>([&] { train::run_training(source, world()); });
   EXPECT_NE(msg.find("different settings: the weights' source " + differs), std::string::npos) << msg;
   // HF files of the same model with other weights on one rank: compared by kind only, the
@@ -326,28 +327,28 @@ TEST(DataParallel, RanksStartedWithDifferentSettingsStopNamingTheSetting) {
   }
   world().world().barrier();
   train::TrainConfig hf = c;
-  hf.model_file.clear();
-  hf.init_from = last ? other_exported : exported;
+  hf.model.file.clear();
+  hf.model.init_from = last ? other_exported : exported;
   msg = test::message_of<Error>([&] { train::run_training(hf, world()); });
   EXPECT_NE(msg.find("different settings: --init-from's weights (CRC-32 of wte) " + differs), std::string::npos) << msg;
-  hf.init_from = exported;
+  hf.model.init_from = exported;
   EXPECT_NO_THROW(train::run_training(hf, world()));
   // A checkpoint: the same run's step 2, and another run's (other data of the same size,
   // so the same recipe).
   train::TrainConfig saving = c;
-  saving.steps = 4;  // the resumed run's schedule
-  saving.save_every = 2;
-  saving.out_dir = shared_path("agree_a");
+  saving.batch.steps = 4;  // the resumed run's schedule
+  saving.checkpoint.save_every = 2;
+  saving.checkpoint.out_dir = shared_path("agree_a");
   train::run_training(saving, world());
-  saving.out_dir = shared_path("agree_b");
-  saving.train_data = test::write_random_shard("agree_b.bin", 40000, 97, 99);
+  saving.checkpoint.out_dir = shared_path("agree_b");
+  saving.data.train = test::write_random_shard("agree_b.bin", 40000, 97, 99);
   train::run_training(saving, world());
   train::TrainConfig resumed = c;
-  resumed.steps = 4;
-  resumed.resume = (last ? shared_path("agree_b") : shared_path("agree_a")) + "/step_00000002";
+  resumed.batch.steps = 4;
+  resumed.checkpoint.resume = (last ? shared_path("agree_b") : shared_path("agree_a")) + "/step_00000002";
   msg = test::message_of<Error>([&] { train::run_training(resumed, world()); });
   EXPECT_NE(msg.find("--resume's model.bin (CRC-32 of its weights) " + differs), std::string::npos) << msg;
-  resumed.resume = shared_path("agree_a") + "/step_00000002";
+  resumed.checkpoint.resume = shared_path("agree_a") + "/step_00000002";
   EXPECT_NO_THROW(train::run_training(resumed, world()));
   // The same settings train.
   EXPECT_NO_THROW(train::run_training(c, world()));
@@ -356,8 +357,8 @@ TEST(DataParallel, RanksStartedWithDifferentSettingsStopNamingTheSetting) {
 // LLaMA (the untied-head fixture) in every data-parallel mode.
 TEST(DataParallel, LlamaMatchesOneProcessForEveryZeroStage) {
   train::TrainConfig c = tiny_config();
-  c.model_file = test::fixture_path("llama3_tiny.bin");
-  c.grad_clip = 1.0;
+  c.model.file = test::fixture_path("llama3_tiny.bin");
+  c.optimizer.grad_clip = 1.0;
   expect_every_zero_stage_matches_one_process(c, false);
 }
 
@@ -374,7 +375,7 @@ std::string odd_width_model_file() {
   const std::string path = shared_path("odd_width.bin");
   if (world().world().rank() == 0) {
     nn::Transformer model(cfg);
-    model.init_weights(7);
+    nn::init_weights(model, 7);
     io::save_llmc(path, model);
   }
   world().world().barrier();
@@ -384,8 +385,8 @@ std::string odd_width_model_file() {
 
 TEST(DataParallel, UnitsThatTheRanksDoNotDivideTrainAsOneProcessInEveryZeroStage) {
   train::TrainConfig c = tiny_config();
-  c.model_file = odd_width_model_file();
-  const nn::TransformerConfig cfg = io::read_llmc_config(c.model_file);
+  c.model.file = odd_width_model_file();
+  const nn::TransformerConfig cfg = io::read_llmc_config(c.model.file);
   bool divisible = false, not_divisible = false;
   {
     nn::Transformer probe(cfg);  // gone before the runs: its bytes would count in their peaks
@@ -396,10 +397,10 @@ TEST(DataParallel, UnitsThatTheRanksDoNotDivideTrainAsOneProcessInEveryZeroStage
   expect_every_zero_stage_matches_one_process(c, true);
 
   // A small microbatch: the optimizer step's padded all-gather is ZeRO-1's peak.
-  c.batch_size = 1;
-  c.seq_len = 4;
-  c.steps = 2;
-  c.zero = 1;
+  c.batch.batch_size = 1;
+  c.batch.seq_len = 4;
+  c.batch.steps = 2;
+  c.parallel.zero = 1;
   const train::TrainResult r = train::run_training(c, world());
   const train::MemoryPlan plan = expect_planned_peaks(r, c, cfg, "zero 1, odd width");
   ASSERT_FALSE(plan.ranks.empty());
@@ -411,13 +412,13 @@ namespace {
 void expect_flat_in_every_zero_stage(const std::string& model_file, int64_t steps, int64_t microbatches) {
   for (int zero = 0; zero <= 3; ++zero) {
     train::TrainConfig c = tiny_config();
-    c.model_file = model_file;
-    c.steps = steps;
-    c.grad_accum = microbatches;
-    c.seq_len = 8;
-    c.batch_size = 1;
-    c.zero = zero;
-    c.sanitize = "strict";  // any growth or surviving graph on this rank throws
+    c.model.file = model_file;
+    c.batch.steps = steps;
+    c.batch.grad_accum = microbatches;
+    c.batch.seq_len = 8;
+    c.batch.batch_size = 1;
+    c.parallel.zero = zero;
+    c.memory.sanitize = sanitizer::SanitizeMode::Strict;  // any growth or surviving graph on this rank throws
     train::TrainResult r = train::run_training(c, world());
     int64_t live = -1, peak = -1;
     size_t step_count = 0;
@@ -431,7 +432,7 @@ void expect_flat_in_every_zero_stage(const std::string& model_file, int64_t step
       ASSERT_EQ(b.allocated, live) << "zero " << zero << " step " << b.step;
       ASSERT_EQ(b.peak_allocated, peak) << "zero " << zero << " step " << b.step;
     }
-    EXPECT_EQ(step_count, static_cast<size_t>(c.steps));
+    EXPECT_EQ(step_count, static_cast<size_t>(c.batch.steps));
   }
 }
 }  // namespace
@@ -509,16 +510,16 @@ TEST(Plan, PredictsEveryRanksPeakToTheByteForDataParallelAndEveryZeroStage) {
       // when the logits outweigh two layer units in flight, as for real GPT-2 shapes; the
       // small microbatch under ZeRO-3 peaks at the last layer's MLP backward instead.
       train::TrainConfig c = tiny_config();
-      c.model_file.clear();
-      c.model = "d1";
-      c.train_data = test::write_random_shard("plan_train.bin", 20000, 50257, 5);
+      c.model.file.clear();
+      c.model.preset = "d1";
+      c.data.train = test::write_random_shard("plan_train.bin", 20000, 50257, 5);
       // A large microbatch (the start of backward is the peak) and, for ZeRO-1/2, a small one
       // (the optimizer step's all-gather is).
-      c.batch_size = shape == 0 ? 4 : 2;
-      c.seq_len = shape == 0 ? 64 : 16;
-      c.steps = 2;
-      c.grad_accum = accum;
-      c.zero = zero;
+      c.batch.batch_size = shape == 0 ? 4 : 2;
+      c.batch.seq_len = shape == 0 ? 64 : 16;
+      c.batch.steps = 2;
+      c.batch.grad_accum = accum;
+      c.parallel.zero = zero;
       const train::TrainResult r = train::run_training(c, world());
       const train::MemoryPlan plan =
           expect_planned_peaks(r, c, nn::TransformerConfig::preset("d1"),
@@ -537,13 +538,13 @@ TEST(Plan, PredictsEveryRanksPeakToTheByteForDataParallelAndEveryZeroStage) {
 TEST(Plan, PredictsEveryRanksPeakToTheByteForLlamaInEveryZeroStage) {
   for (int zero = 0; zero <= 3; ++zero) {
     train::TrainConfig c = tiny_config();
-    c.model_file.clear();
-    c.model = "llama3-d1";
-    c.train_data = test::write_random_shard("plan_llama.bin", 20000, 65535, 6);
-    c.batch_size = 2;
-    c.seq_len = 32;
-    c.steps = 2;
-    c.zero = zero;
+    c.model.file.clear();
+    c.model.preset = "llama3-d1";
+    c.data.train = test::write_random_shard("plan_llama.bin", 20000, 65535, 6);
+    c.batch.batch_size = 2;
+    c.batch.seq_len = 32;
+    c.batch.steps = 2;
+    c.parallel.zero = zero;
     const train::TrainResult r = train::run_training(c, world());
     const train::MemoryPlan plan =
         expect_planned_peaks(r, c, nn::TransformerConfig::preset("llama3-d1"), "zero " + std::to_string(zero));
@@ -558,23 +559,23 @@ TEST(Plan, PredictsEveryRanksPeakToTheByteForLlamaInEveryZeroStage) {
 // validates as one process does, samples, and saves its last step.
 TEST(Zero, EveryStageValidatesSamplesAndSavesItsLastStep) {
   train::TrainConfig c = tiny_config();
-  c.steps = 2;
-  c.val_data = c.train_data;
-  c.val_every = 1;
-  c.val_batches = 2;
+  c.batch.steps = 2;
+  c.data.val = c.data.train;
+  c.validation.every = 1;
+  c.validation.batches = 2;
   const train::TrainResult want = single_process(c, 2);
   for (int zero = 0; zero <= 3; ++zero) {
     train::TrainConfig p = c;
-    p.grad_accum = 2;
-    p.zero = zero;
-    p.sample_every = 1;
-    p.sample_tokens = 4;
-    p.save_every = 2;
-    p.overwrite = true;
-    p.out_dir = shared_path("zero_val_sample_" + std::to_string(zero));
+    p.batch.grad_accum = 2;
+    p.parallel.zero = zero;
+    p.sampling.every = 1;
+    p.sampling.tokens = 4;
+    p.checkpoint.save_every = 2;
+    p.checkpoint.overwrite = true;
+    p.checkpoint.out_dir = shared_path("zero_val_sample_" + std::to_string(zero));
     const train::TrainResult got = train::run_training(p, world());
     EXPECT_NEAR(got.final_val_loss, want.final_val_loss, 1e-5 * want.final_val_loss) << "zero " << zero;
-    EXPECT_EQ(got.last_checkpoint, p.out_dir + "/step_00000002") << "zero " << zero;
+    EXPECT_EQ(got.last_checkpoint, p.checkpoint.out_dir + "/step_00000002") << "zero " << zero;
   }
 }
 
@@ -639,7 +640,7 @@ TEST(Zero, Stage3IsBuiltFromItsSourceOneWholeParameterAtATime) {
   llama.padded_vocab_size = 1024;
   for (const nn::TransformerConfig& config : {gpt2, llama}) {
     nn::Transformer whole(config);
-    whole.init_weights(7);
+    nn::init_weights(whole, 7);
     const std::string family = config.is_llama() ? "llama" : "gpt2";
     const std::string fp32_file = shared_path(family + ".bin"), bf16_file = shared_path(family + "_bf16.bin"),
                       hf_dir = shared_path(family + "_hf");
@@ -654,7 +655,7 @@ TEST(Zero, Stage3IsBuiltFromItsSourceOneWholeParameterAtATime) {
     const auto [shards, largest] = zero3_shards_and_largest_parameter(config);
     const int64_t rotary = config.is_llama() ? config.head_dim() / 2 * 4 : 0;
     const std::vector<std::pair<std::string, std::function<void(nn::Transformer&)>>> sources = {
-        {"drawn", [](nn::Transformer& m) { m.init_weights(7); }},
+        {"drawn", [](nn::Transformer& m) { nn::init_weights(m, 7); }},
         {"fp32 llm.c file", [&](nn::Transformer& m) { io::load_llmc(fp32_file, m); }},
         {"bf16 llm.c file", [&](nn::Transformer& m) { io::load_llmc(bf16_file, m); }},
         {"HuggingFace files", [&](nn::Transformer& m) { io::load_hf(hf_dir, m); }}};
@@ -699,9 +700,9 @@ TEST(Zero, Stage3WritesItsCheckpointWithoutGatheringTheWholeModel) {
   nn::TransformerConfig config = io::read_llmc_config(test::fixture_path("gpt2_tiny.bin"));
   config.n_layer = 6;  // units far smaller than the model
   nn::Transformer whole(config);
-  whole.init_weights(3);
+  nn::init_weights(whole, 3);
   Zero3Model z(config);
-  z.model->init_weights(3);
+  nn::init_weights(*z.model, 3);
   const nn::ParameterStore& wp = whole.params();
   int64_t largest_unit = 0, largest_parameter = 0;
   const int64_t D = world().dp();
@@ -743,14 +744,14 @@ TEST(Zero, Stage3WritesItsCheckpointWithoutGatheringTheWholeModel) {
 
 TEST(Zero, Stage3PeakIsBelowPlainDataParallelByTheShardedStatesLessWhatIsGathered) {
   train::TrainConfig c = tiny_config();
-  c.steps = 3;
-  c.grad_accum = 2;
+  c.batch.steps = 3;
+  c.batch.grad_accum = 2;
   train::TrainConfig plain = c;
   const train::TrainResult dp = train::run_training(plain, world());
   train::TrainConfig z3 = c;
-  z3.zero = 3;
+  z3.parallel.zero = 3;
   const train::TrainResult zr = train::run_training(z3, world());
-  auto model = std::make_unique<nn::Transformer>(io::read_llmc_config(c.model_file));
+  auto model = std::make_unique<nn::Transformer>(io::read_llmc_config(c.model.file));
   const nn::ParameterStore& params = model->params();
   const int64_t P = params.numel(), D = world().dp();
   int64_t padded = 0, largest_layer = 0;
@@ -780,16 +781,16 @@ TEST(Zero, Stage3PeakIsBelowPlainDataParallelByTheShardedStatesLessWhatIsGathere
 TEST(Checkpoints, ResumingTheSameLayoutIsBitExactForEveryZeroStage) {
   for (int zero = 0; zero <= 3; ++zero) {
     train::TrainConfig c = tiny_config();
-    c.steps = 8;
-    c.grad_accum = 2;
-    c.zero = zero;
+    c.batch.steps = 8;
+    c.batch.grad_accum = 2;
+    c.parallel.zero = zero;
     c.return_parameters = true;
-    c.save_every = 4;
-    c.out_dir = shared_path("ckpt_zero" + std::to_string(zero));
+    c.checkpoint.save_every = 4;
+    c.checkpoint.out_dir = shared_path("ckpt_zero" + std::to_string(zero));
     const train::TrainResult straight = train::run_training(c, world());
     train::TrainConfig again = c;
-    again.save_every = 0;
-    again.resume = c.out_dir + "/step_00000004";
+    again.checkpoint.save_every = 0;
+    again.checkpoint.resume = c.checkpoint.out_dir + "/step_00000004";
     const train::TrainResult resumed = train::run_training(again, world());
     ASSERT_EQ(resumed.history.size(), 4u);
     for (size_t s = 0; s < 4; ++s) EXPECT_EQ(resumed.history[s].loss, straight.history[s + 4].loss) << "zero " << zero;
@@ -802,19 +803,19 @@ TEST(Checkpoints, ResumingTheSameLayoutIsBitExactForEveryZeroStage) {
 // checkpoint: Checkpoints.ReshardsAcrossRankCounts in Dist.4ranks).
 TEST(Checkpoints, AZero2CheckpointResumesAsOneProcessWithinFp32Tolerance) {
   train::TrainConfig c = tiny_config();
-  c.steps = 8;
-  c.grad_accum = 2;
-  c.zero = 2;
+  c.batch.steps = 8;
+  c.batch.grad_accum = 2;
+  c.parallel.zero = 2;
   c.return_parameters = true;
-  c.save_every = 4;
-  c.out_dir = shared_path("ckpt");
+  c.checkpoint.save_every = 4;
+  c.checkpoint.out_dir = shared_path("ckpt");
   const train::TrainResult straight = train::run_training(c, world());
   train::TrainConfig one = c;
-  one.zero = 0;
-  one.save_every = 0;
-  one.resume = c.out_dir + "/step_00000004";
-  one.grad_accum = c.grad_accum * world().dp();
-  one.out_dir = test::temp_path("one_process");  // each rank is a job of its own here
+  one.parallel.zero = 0;
+  one.checkpoint.save_every = 0;
+  one.checkpoint.resume = c.checkpoint.out_dir + "/step_00000004";
+  one.batch.grad_accum = c.batch.grad_accum * world().dp();
+  one.checkpoint.out_dir = test::temp_path("one_process");  // each rank is a job of its own here
   std::unique_ptr<dist::World> self = dist::World::self();
   const train::TrainResult resumed = train::run_training(one, *self);
   ASSERT_EQ(resumed.history.size(), 4u);
@@ -829,23 +830,23 @@ TEST(Checkpoints, ReshardsAcrossRankCounts) {
   if (!dir_env) GTEST_SKIP() << "TALLY_DIST_SHARED_DIR not set (CTest sets it)";
   const std::string dir = std::string(dir_env) + "/dp2_zero2";
   train::TrainConfig c = tiny_config();
-  c.train_data = dir + "_train.bin";
-  c.steps = 8;
-  c.zero = 2;
+  c.data.train = dir + "_train.bin";
+  c.batch.steps = 8;
+  c.parallel.zero = 2;
   c.return_parameters = true;
   if (world().dp() == 2) {
     // Write the data where the other run finds it, a checkpoint at step 4, and the
     // uninterrupted run's losses for steps 5..8.
     if (world().is_root()) {
       fs::create_directories(std::string(dir_env));
-      fs::copy_file(test::write_random_shard("train.bin", 40000, 97, 11), c.train_data,
+      fs::copy_file(test::write_random_shard("train.bin", 40000, 97, 11), c.data.train,
                     fs::copy_options::overwrite_existing);
     }
     world().world().barrier();
-    c.grad_accum = 4;
-    c.save_every = 4;
-    c.out_dir = dir;
-    c.overwrite = true;  // the shared directory keeps the previous ctest run's checkpoints
+    c.batch.grad_accum = 4;
+    c.checkpoint.save_every = 4;
+    c.checkpoint.out_dir = dir;
+    c.checkpoint.overwrite = true;  // the shared directory keeps the previous ctest run's checkpoints
     const train::TrainResult straight = train::run_training(c, world());
     if (world().is_root()) {
       std::ofstream out(dir + "/losses.txt");
@@ -861,9 +862,9 @@ TEST(Checkpoints, ReshardsAcrossRankCounts) {
     ASSERT_EQ(want.size(), 4u);
     for (int zero : {0, 3}) {
       train::TrainConfig r = c;
-      r.grad_accum = 2;  // the same global batch: 2 ranks x 4 = 4 ranks x 2
-      r.zero = zero;
-      r.resume = dir + "/step_00000004";
+      r.batch.grad_accum = 2;  // the same global batch: 2 ranks x 4 = 4 ranks x 2
+      r.parallel.zero = zero;
+      r.checkpoint.resume = dir + "/step_00000004";
       const train::TrainResult resumed = train::run_training(r, world());
       ASSERT_EQ(resumed.history.size(), 4u);
       for (size_t s = 0; s < 4; ++s)

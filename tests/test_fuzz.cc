@@ -152,13 +152,13 @@ TEST(Fuzz, SafetensorsFiles) {
 
 TEST(Fuzz, TrainingStates) {
   train::TrainConfig c = test::tiny_train_config(test::write_random_shard("t.bin", 3000, 97, 1));
-  c.steps = 1;
-  c.save_every = 1;
-  c.out_dir = test::temp_path("ckpt");
+  c.batch.steps = 1;
+  c.checkpoint.save_every = 1;
+  c.checkpoint.out_dir = test::temp_path("ckpt");
   train::run_training(c);
-  const std::string dir = c.out_dir + "/step_00000001";
+  const std::string dir = c.checkpoint.out_dir + "/step_00000001";
   const std::string original = test::read_all(dir + "/state.bin");
-  nn::Transformer model(io::read_llmc_config(c.model_file));
+  nn::Transformer model(io::read_llmc_config(c.model.file));
   optim::AdamW adamw(model.params(), optim::AdamWConfig{});
   fuzz("training state", original, dir + "/state.bin", false, [&] { io::load_checkpoint_state(dir, model, adamw); });
   test::write_all(dir + "/state.bin", original);

@@ -28,6 +28,8 @@
 #include "optim/grad_norm.h"
 #include "runtime/backend.h"
 #include "support.h"
+#include "nn/init.h"
+#include "nn/llmc_layout.h"
 #include "train/trainer.h"
 
 using namespace tally;
@@ -355,7 +357,7 @@ TEST(Gpt2Files, LlmcRoundTripIsExactInFp32AndRoundedInBf16) {
   nn::TransformerConfig wide_eps = m->config();
   wide_eps.norm_eps = 0.3;
   nn::Transformer e(wide_eps);
-  e.init_weights(3);
+  nn::init_weights(e, 3);
   const std::string pe = test::temp_path("eps.bin");
   io::save_llmc(pe, e);
   EXPECT_EQ(io::read_llmc_config(pe).norm_eps, 0.3);
@@ -481,10 +483,10 @@ namespace {
 
 train::TrainConfig tiny_config() {
   train::TrainConfig c = test::tiny_train_config(test::write_random_shard("train.bin", 5000, 97, 1));
-  c.threads = 0;  // these tests run on OMP_NUM_THREADS threads (CTest sets 2)
-  c.grad_accum = 2;
-  c.lr = 1e-3;
-  c.warmup_steps = 2;
+  c.compute.threads = 0;  // these tests run on OMP_NUM_THREADS threads (CTest sets 2)
+  c.batch.grad_accum = 2;
+  c.optimizer.lr = 1e-3;
+  c.optimizer.warmup_steps = 2;
   return c;
 }
 }  // namespace
@@ -497,15 +499,15 @@ TEST(Trainer, ResumeIsBitExact) {
   for (const bool shuffle : {false, true}) {
     SCOPED_TRACE(shuffle ? "--shuffle" : "file order");
     train::TrainConfig c = tiny_config();
-    if (shuffle) c.train_data = test::write_random_shard("train_300.bin", 300, 97, 3);
-    c.steps = 8;
-    c.save_every = 4;
-    c.shuffle = shuffle;
-    c.out_dir = test::temp_path("ckpt");
-    fs::remove_all(c.out_dir);
+    if (shuffle) c.data.train = test::write_random_shard("train_300.bin", 300, 97, 3);
+    c.batch.steps = 8;
+    c.checkpoint.save_every = 4;
+    c.data.shuffle = shuffle;
+    c.checkpoint.out_dir = test::temp_path("ckpt");
+    fs::remove_all(c.checkpoint.out_dir);
     auto full = train::run_training(c);
-    c.save_every = 0;
-    c.resume = c.out_dir + "/step_00000004";
+    c.checkpoint.save_every = 0;
+    c.checkpoint.resume = c.checkpoint.out_dir + "/step_00000004";
     auto resumed = train::run_training(c);
     ASSERT_EQ(resumed.history.size(), 4u);
     for (int i = 0; i < 4; ++i) {
@@ -514,7 +516,7 @@ TEST(Trainer, ResumeIsBitExact) {
     }
     // The data's order is part of the run's recipe: resuming it the other way is refused,
     // naming the flag.
-    c.shuffle = !shuffle;
+    c.data.shuffle = !shuffle;
     try {
       train::run_training(c);
       ADD_FAILURE() << "a resume that changes --shuffle was accepted";
@@ -529,29 +531,29 @@ TEST(Trainer, ResumeIsBitExact) {
 // warm-up ended at 1.45e-3 for a final 1e-3; two steps without warm-up ended half-way).
 TEST(Trainer, LearningRateScheduleWarmsUpThenDecays) {
   train::TrainConfig c;
-  c.lr = 1.0;
-  c.steps = 111;
-  c.warmup_steps = 10;
-  c.min_lr_frac = 0.1;
-  EXPECT_DOUBLE_EQ(train::learning_rate(c, 0), 0.1);
-  EXPECT_DOUBLE_EQ(train::learning_rate(c, 9), 1.0);
-  EXPECT_DOUBLE_EQ(train::learning_rate(c, 10), 1.0);
-  EXPECT_NEAR(train::learning_rate(c, 60), 0.55, 1e-12);
-  EXPECT_NEAR(train::learning_rate(c, 110), 0.1, 1e-12);  // the last step
-  c.steps = 11;  // one step after the warm-up: the peak (the cosine has nowhere to go)
-  EXPECT_DOUBLE_EQ(train::learning_rate(c, 10), 1.0);
-  c.steps = 2;
-  c.warmup_steps = 0;
-  EXPECT_DOUBLE_EQ(train::learning_rate(c, 0), 1.0);
-  EXPECT_NEAR(train::learning_rate(c, 1), 0.1, 1e-12);
-  c.lr_schedule = "constant";
-  EXPECT_DOUBLE_EQ(train::learning_rate(c, 60), 1.0);
+  c.optimizer.lr = 1.0;
+  c.batch.steps = 111;
+  c.optimizer.warmup_steps = 10;
+  c.optimizer.min_lr_frac = 0.1;
+  EXPECT_DOUBLE_EQ(train::learning_rate(c.optimizer, c.batch.steps, 0), 0.1);
+  EXPECT_DOUBLE_EQ(train::learning_rate(c.optimizer, c.batch.steps, 9), 1.0);
+  EXPECT_DOUBLE_EQ(train::learning_rate(c.optimizer, c.batch.steps, 10), 1.0);
+  EXPECT_NEAR(train::learning_rate(c.optimizer, c.batch.steps, 60), 0.55, 1e-12);
+  EXPECT_NEAR(train::learning_rate(c.optimizer, c.batch.steps, 110), 0.1, 1e-12);  // the last step
+  c.batch.steps = 11;  // one step after the warm-up: the peak (the cosine has nowhere to go)
+  EXPECT_DOUBLE_EQ(train::learning_rate(c.optimizer, c.batch.steps, 10), 1.0);
+  c.batch.steps = 2;
+  c.optimizer.warmup_steps = 0;
+  EXPECT_DOUBLE_EQ(train::learning_rate(c.optimizer, c.batch.steps, 0), 1.0);
+  EXPECT_NEAR(train::learning_rate(c.optimizer, c.batch.steps, 1), 0.1, 1e-12);
+  c.optimizer.schedule = train::LrSchedule::Constant;
+  EXPECT_DOUBLE_EQ(train::learning_rate(c.optimizer, c.batch.steps, 60), 1.0);
 }
 
 TEST(Trainer, BadFlagsFailWithTheFlagName) {
   train::TrainConfig c = tiny_config();
-  c.steps = 1;
-  c.grad_accum = 0;
+  c.batch.steps = 1;
+  c.batch.grad_accum = 0;
   try {
     train::run_training(c);
     FAIL();
@@ -559,7 +561,7 @@ TEST(Trainer, BadFlagsFailWithTheFlagName) {
     EXPECT_NE(std::string(e.what()).find("--grad-accum"), std::string::npos) << e.what();
   }
   c = tiny_config();
-  c.train_data = "/nonexistent/*.bin";
+  c.data.train = "/nonexistent/*.bin";
   EXPECT_THROW(train::run_training(c), std::exception);
 }
 
@@ -572,12 +574,12 @@ TEST(Trainer, BadFlagsFailWithTheFlagName) {
 TEST(Trainer, ZeroStagesInOneProcessTrainAsThePlainRun) {
   for (const bool chunked : {false, true}) {
     train::TrainConfig c = tiny_config();
-    c.steps = 3;
-    c.grad_accum = 2;
-    c.chunked_loss = chunked;
+    c.batch.steps = 3;
+    c.batch.grad_accum = 2;
+    c.compute.chunked_loss = chunked;
     const train::TrainResult want = train::run_training(c);
     for (int zero = 1; zero <= 3; ++zero) {
-      c.zero = zero;
+      c.parallel.zero = zero;
       const std::string what = "zero " + std::to_string(zero) + (chunked ? ", chunked loss" : "");
       train::TrainResult got;
       ASSERT_NO_THROW(got = train::run_training(c)) << what;
@@ -590,9 +592,9 @@ TEST(Trainer, ZeroStagesInOneProcessTrainAsThePlainRun) {
 
 TEST(Trainer, LossFallsOnRepeatedData) {
   train::TrainConfig c = tiny_config();
-  c.train_data = test::write_random_shard("small.bin", 2 * 16 * 2 + 1, 97, 7);  // one step's worth: memorizable
-  c.steps = 30;
-  c.lr = 3e-3;
+  c.data.train = test::write_random_shard("small.bin", 2 * 16 * 2 + 1, 97, 7);  // one step's worth: memorizable
+  c.batch.steps = 30;
+  c.optimizer.lr = 3e-3;
   auto r = train::run_training(c);
   EXPECT_LT(r.history.back().loss, r.history.front().loss - 1.0);
 }
@@ -607,18 +609,18 @@ void expect_flat_under_strict_sanitizer(const std::string& model_file, int64_t s
   train::TrainConfig c;
   // A tiny fixture model: the invariants are about boundaries (200 x 64 = 12,800 of
   // them), not model size, and this keeps the test well under a minute.
-  c.model_file = model_file;
-  c.train_data = test::write_random_shard("flat.bin", 20000, 97, 3);
-  c.batch_size = 1;
-  c.seq_len = 8;
-  c.steps = steps_env ? std::atoll(steps_env) : steps;
-  c.grad_accum = mb_env ? std::atoll(mb_env) : microbatches;
-  c.sanitize = "strict";
-  c.dtype = dtype;
-  c.chunked_loss = chunked_loss;
-  c.quiet = true;
-  c.sample_every = -1;
-  c.sample_tokens = 0;
+  c.model.file = model_file;
+  c.data.train = test::write_random_shard("flat.bin", 20000, 97, 3);
+  c.batch.batch_size = 1;
+  c.batch.seq_len = 8;
+  c.batch.steps = steps_env ? std::atoll(steps_env) : steps;
+  c.batch.grad_accum = mb_env ? std::atoll(mb_env) : microbatches;
+  c.memory.sanitize = sanitizer::SanitizeMode::Strict;
+  c.compute.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
+  c.compute.chunked_loss = chunked_loss;
+  c.metrics.quiet = true;
+  c.sampling.every = -1;
+  c.sampling.tokens = 0;
   auto r = train::run_training(c);  // strict: any growth or surviving graph throws
   int64_t live = -1, peak = -1;
   size_t steps_seen = 0;
@@ -632,7 +634,7 @@ void expect_flat_under_strict_sanitizer(const std::string& model_file, int64_t s
     ASSERT_EQ(b.allocated, live) << "step " << b.step;
     ASSERT_EQ(b.peak_allocated, peak) << "step " << b.step;
   }
-  EXPECT_EQ(steps_seen, static_cast<size_t>(c.steps));
+  EXPECT_EQ(steps_seen, static_cast<size_t>(c.batch.steps));
 }
 }  // namespace
 

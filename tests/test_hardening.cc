@@ -29,6 +29,8 @@
 #include "io/safetensors.h"
 #include "memory/report.h"
 #include "support.h"
+#include "nn/init.h"
+#include "train/checkpointer.h"
 #include "train/plot.h"
 #include "train/step_log.h"
 #include "train/trainer.h"
@@ -47,9 +49,9 @@ std::string int32s(const std::vector<int32_t>& head, size_t total_ints) {
 
 train::TrainConfig tiny_config(const std::string& data) {
   train::TrainConfig c = test::tiny_train_config(data);
-  c.steps = 2;
-  c.lr = 1e-3;
-  c.out_dir = test::temp_path("out");
+  c.batch.steps = 2;
+  c.optimizer.lr = 1e-3;
+  c.checkpoint.out_dir = test::temp_path("out");
   return c;
 }
 
@@ -173,17 +175,17 @@ TEST(Hardening, SafetensorsShapesAndOffsetsMustBeIntegersNotFloats) {
 
 TEST(Hardening, FlagsWhoseProductWrapsAreRefusedBeforeAnythingRuns) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 1000, 97, 1));
-  c.batch_size = int64_t{1} << 32;
-  c.seq_len = int64_t{1} << 32;
+  c.batch.batch_size = int64_t{1} << 32;
+  c.batch.seq_len = int64_t{1} << 32;
   const std::string msg = message_of<Error>([&] { train::run_training(c); });
   EXPECT_NE(msg.find("--batch-size x --seq-len x --grad-accum"), std::string::npos) << msg;
 }
 
 TEST(Hardening, ThreadsOutsideTheSaneRangeAreRefused) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 1000, 97, 1));
-  c.threads = 100000;
+  c.compute.threads = 100000;
   EXPECT_NE(message_of<Error>([&] { train::run_training(c); }).find("--threads must be in 0..1024"), std::string::npos);
-  c.threads = -3;
+  c.compute.threads = -3;
   EXPECT_NE(message_of<Error>([&] { train::run_training(c); }).find("got -3"), std::string::npos);
 }
 
@@ -201,20 +203,20 @@ TEST(Hardening, DataAndTokenizersOfAnotherModelFamilyAreWarnedAbout) {
   // A LLaMA-3-sized vocabulary trained on a 16-bit (GPT-2) shard, and printed its samples
   // through GPT-2's tokenizer, without a word: the ids are in range, the text is not theirs.
   train::TrainConfig c = tiny_config(test::write_random_shard("t16.bin", 5000, 97, 1));  // 16-bit
-  c.model_file.clear();
-  c.model = "llama3-d1";  // vocabulary 128,256
-  c.steps = 1;
-  c.tokenizer_dir = test::temp_path("small_tok");
-  fs::create_directories(c.tokenizer_dir);
-  test::write_tiny_gpt2_tokenizer(c.tokenizer_dir, {});  // 257 tokens
+  c.model.file.clear();
+  c.model.preset = "llama3-d1";  // vocabulary 128,256
+  c.batch.steps = 1;
+  c.data.tokenizer = test::temp_path("small_tok");
+  fs::create_directories(c.data.tokenizer);
+  test::write_tiny_gpt2_tokenizer(c.data.tokenizer, {});  // 257 tokens
   ::testing::internal::CaptureStderr();
   train::run_training(c);
   const std::string err = ::testing::internal::GetCapturedStderr();
-  EXPECT_NE(err.find("shard '" + c.train_data + "' holds 16-bit tokens"), std::string::npos) << err;
-  EXPECT_NE(err.find("--tokenizer '" + c.tokenizer_dir + "' has 257 tokens and the model 128256"), std::string::npos) << err;
+  EXPECT_NE(err.find("shard '" + c.data.train + "' holds 16-bit tokens"), std::string::npos) << err;
+  EXPECT_NE(err.find("--tokenizer '" + c.data.tokenizer + "' has 257 tokens and the model 128256"), std::string::npos) << err;
   // The matching pair says nothing.
-  train::TrainConfig same = tiny_config(c.train_data);
-  same.steps = 1;
+  train::TrainConfig same = tiny_config(c.data.train);
+  same.batch.steps = 1;
   ::testing::internal::CaptureStderr();
   train::run_training(same);
   EXPECT_EQ(::testing::internal::GetCapturedStderr().find("warning"), std::string::npos);
@@ -225,16 +227,16 @@ TEST(Hardening, AModelGivenToTheWrongFlagNamesTheRightOne) {
   // file, found a directory"; an llm.c file given as --init-from read its magic as a
   // safetensors header length ("header length 12905142691 exceeds the file size").
   const std::string hf = test::fixture_path("llama3_tiny_hf");
-  std::string msg = message_of<Error>([&] { train::model_config("d6", hf, ""); });
+  std::string msg = message_of<Error>([&] { train::model_config({"d6", true, hf, ""}); });
   EXPECT_NE(msg.find("is a HuggingFace model directory: --init-from " + hf), std::string::npos) << msg;
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  fs::remove_all(c.out_dir);
-  c.steps = 1;
-  c.save_every = 1;
+  fs::remove_all(c.checkpoint.out_dir);
+  c.batch.steps = 1;
+  c.checkpoint.save_every = 1;
   train::run_training(c);
-  msg = message_of<Error>([&] { train::model_config("d6", c.out_dir, ""); });
-  EXPECT_NE(msg.find("is a checkpoint or training --out-dir: --resume " + c.out_dir), std::string::npos) << msg;
-  msg = message_of<Error>([&] { train::model_config("d6", "", test::fixture_path("llama3_tiny.bin")); });
+  msg = message_of<Error>([&] { train::model_config({"d6", true, c.checkpoint.out_dir, ""}); });
+  EXPECT_NE(msg.find("is a checkpoint or training --out-dir: --resume " + c.checkpoint.out_dir), std::string::npos) << msg;
+  msg = message_of<Error>([&] { train::model_config({"d6", true, "", test::fixture_path("llama3_tiny.bin")}); });
   EXPECT_NE(msg.find("is an llm.c model file (magic 20240803), not safetensors"), std::string::npos) << msg;
   // A bare GPT-2 save (model.safetensors, no config.json) is a HuggingFace directory too:
   // `sample --model-file` said it had "neither model.bin nor latest".
@@ -387,24 +389,24 @@ TEST(Hardening, BadNumbersInFlagsAreRefused) {
     const char* expected;
   };
   const std::vector<Case> cases = {
-      {[](auto& c) { c.eps = std::numeric_limits<double>::infinity(); }, "--eps must be positive and finite"},
-      {[](auto& c) { c.temperature = std::nan(""); }, "--temperature must be a finite number"},
-      {[](auto& c) { c.lr = std::nan(""); }, "--lr must be a finite number"},
-      {[](auto& c) { c.save_every = -1; }, "--save-every must be >= 0"},
-      {[](auto& c) { c.val_every = -5; }, "--val-every must be >= 0"},
-      {[](auto& c) { c.top_k = -1; }, "--top-k must be >= 0"},
-      {[](auto& c) { c.sample_every = -2; }, "--sample-every must be >= -1"},
+      {[](auto& c) { c.optimizer.eps = std::numeric_limits<double>::infinity(); }, "--eps must be positive and finite"},
+      {[](auto& c) { c.sampling.temperature = std::nan(""); }, "--temperature must be a finite number"},
+      {[](auto& c) { c.optimizer.lr = std::nan(""); }, "--lr must be a finite number"},
+      {[](auto& c) { c.checkpoint.save_every = -1; }, "--save-every must be >= 0"},
+      {[](auto& c) { c.validation.every = -5; }, "--val-every must be >= 0"},
+      {[](auto& c) { c.sampling.top_k = -1; }, "--top-k must be >= 0"},
+      {[](auto& c) { c.sampling.every = -2; }, "--sample-every must be >= -1"},
       // 1e13 MiB in bytes is past int64: the bucket size's conversion was undefined.
-      {[](auto& c) { c.bucket_mb = 1e13; }, "--bucket-mb must be from one byte (2^-20) to 1048576 MiB, got 1e+13"},
+      {[](auto& c) { c.parallel.bucket_mb = 1e13; }, "--bucket-mb must be from one byte (2^-20) to 1048576 MiB, got 1e+13"},
       // Positive, but less than a byte: "must be positive" came from the bucketing, a layer down.
-      {[](auto& c) { c.bucket_mb = 1e-9; }, "--bucket-mb must be from one byte (2^-20) to 1048576 MiB, got 1e-09"},
+      {[](auto& c) { c.parallel.bucket_mb = 1e-9; }, "--bucket-mb must be from one byte (2^-20) to 1048576 MiB, got 1e-09"},
       // AdamW keeps its moments in fp32: a beta within 3e-8 of 1 was accepted and rounded to 1
       // there, so its moment never moved (beta2: every update m/eps, the loss 4.6 -> 2e6).
-      {[](auto& c) { c.beta2 = 0.99999999; }, "--beta2 0.99999999 is 1 in fp32"},
-      {[](auto& c) { c.beta1 = 0.99999999; }, "--beta1 0.99999999 is 1 in fp32"},
+      {[](auto& c) { c.optimizer.beta2 = 0.99999999; }, "--beta2 0.99999999 is 1 in fp32"},
+      {[](auto& c) { c.optimizer.beta1 = 0.99999999; }, "--beta1 0.99999999 is 1 in fp32"},
       // ... and an eps below fp32's normal range was 0 there: 0/0 on a gradient that is zero.
-      {[](auto& c) { c.eps = 1e-50; }, "--eps 1e-50 is below fp32's smallest normal number"},
-      {[](auto& c) { c.model_file.clear(), c.model = "d99999999999999999999"; }, "--model d99999999999999999999: depth"},
+      {[](auto& c) { c.optimizer.eps = 1e-50; }, "--eps 1e-50 is below fp32's smallest normal number"},
+      {[](auto& c) { c.model.file.clear(), c.model.preset = "d99999999999999999999"; }, "--model d99999999999999999999: depth"},
   };
   for (const Case& k : cases) {
     train::TrainConfig c = tiny_config(data);
@@ -419,70 +421,71 @@ TEST(Hardening, BadNumbersInFlagsAreRefused) {
 TEST(Hardening, FlagsThatWouldDoNothingAreRefusedNamingWhatTheyNeed) {
   const std::string data = test::write_random_shard("t.bin", 1000, 97, 1);
   train::TrainConfig c = tiny_config(data);
-  c.val_every = 1;
+  c.validation.every = 1;
   std::string msg = message_of<Error>([&] { train::run_training(c); });
   EXPECT_NE(msg.find("--val-every 1 validates on --val-data, which this run does not have"), std::string::npos) << msg;
   c = tiny_config(data);
-  c.log_json_all_ranks = true;
+  c.metrics.log_json_all_ranks = true;
   msg = message_of<Error>([&] { train::run_training(c); });
   EXPECT_NE(msg.find("--log-json-all-ranks writes"), std::string::npos) << msg;
   c = tiny_config(data);
-  c.lr_schedule = "constant";
-  c.min_lr_frac = 0.5;
+  c.optimizer.schedule = train::LrSchedule::Constant;
+  c.optimizer.min_lr_frac = 0.5;
   msg = message_of<Error>([&] { train::run_training(c); });
   EXPECT_NE(msg.find("--min-lr-frac 0.5 is where --lr-schedule cosine ends"), std::string::npos) << msg;
   c = tiny_config(data);
-  c.val_batches_given = true;
+  c.validation.batches_given = true;
   msg = message_of<Error>([&] { train::run_training(c); });
   EXPECT_NE(msg.find("--val-batches 8 sets the batches of a validation on --val-data, which this run does not have"),
             std::string::npos) << msg;
   c = tiny_config(data);
-  c.allow_recipe_change = true;
+  c.checkpoint.allow_recipe_change = true;
   msg = message_of<Error>([&] { train::run_training(c); });
   EXPECT_NE(msg.find("--allow-recipe-change lets --resume continue a run with another recipe; this run resumes none"),
             std::string::npos) << msg;
   // The run's own files in its --out-dir: the plot replaced a log of that name.
   for (const char* own : {"loss.svg", "latest"}) {
     c = tiny_config(data);
-    c.log_json = c.out_dir + "/" + own;
+    c.metrics.log_json = c.checkpoint.out_dir + "/" + own;
     msg = message_of<Error>([&] { train::run_training(c); });
-    EXPECT_NE(msg.find("--log-json '" + c.log_json + "' is the run's own " + own + " in --out-dir"), std::string::npos)
+    EXPECT_NE(msg.find("--log-json '" + c.metrics.log_json + "' is the run's own " + own + " in --out-dir"), std::string::npos)
         << msg;
   }
   // A pipeline schedule without a pipeline ran as one process, without a word.
-  for (const char* schedule : {"gpipe", "interleaved"}) {
+  for (dist::PipelineSchedule schedule : {dist::PipelineSchedule::GPipe, dist::PipelineSchedule::Interleaved}) {
     c = tiny_config(data);
-    c.pp_schedule = schedule;
+    c.parallel.pp_schedule = schedule;
     msg = message_of<Error>([&] { train::run_training(c); });
-    EXPECT_NE(msg.find(std::string("--pp-schedule ") + schedule + " needs --pp > 1"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(std::string("--pp-schedule ") + dist::pipeline_schedule_name(schedule) + " needs --pp > 1"),
+              std::string::npos) << msg;
   }
 }
 
 TEST(Hardening, ResumingBeyondStepsOrWithAnotherRecipeIsRefusedSayingWhatDiffers) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  c.steps = 4;
-  c.save_every = 4;
-  fs::remove_all(c.out_dir);
+  c.batch.steps = 4;
+  c.checkpoint.save_every = 4;
+  fs::remove_all(c.checkpoint.out_dir);
   train::run_training(c);
   train::TrainConfig r = c;
-  r.resume = c.out_dir;
-  r.steps = 3;
+  r.checkpoint.resume = c.checkpoint.out_dir;
+  r.batch.steps = 3;
   std::string msg = message_of<Error>([&] { train::run_training(r); });
   EXPECT_NE(msg.find("the checkpoint is at step 4, beyond --steps 3"), std::string::npos) << msg;
   // Its advice is what the recipe check then takes (raising --steps alone was refused).
   EXPECT_NE(msg.find("raise --steps with --allow-recipe-change"), std::string::npos) << msg;
 
-  r.steps = 8;  // longer: the cosine schedule changes, so bit-exactness is gone
-  r.lr = 3e-4;  // %.17g is 0.00029999999999999997: said as typed
-  r.batch_size = 4;
+  r.batch.steps = 8;  // longer: the cosine schedule changes, so bit-exactness is gone
+  r.optimizer.lr = 3e-4;  // %.17g is 0.00029999999999999997: said as typed
+  r.batch.batch_size = 4;
   msg = message_of<Error>([&] { train::run_training(r); });
   EXPECT_NE(msg.find("--batch-size was 2, now 4"), std::string::npos) << msg;
   EXPECT_NE(msg.find("--steps was 4, now 8"), std::string::npos) << msg;
   EXPECT_NE(msg.find("--lr was 0.001, now 3e-04."), std::string::npos) << msg;
   EXPECT_EQ(msg.find("0.000299999"), std::string::npos) << msg;
   EXPECT_NE(msg.find("--allow-recipe-change"), std::string::npos) << msg;
-  r.allow_recipe_change = true;
-  r.save_every = 0;
+  r.checkpoint.allow_recipe_change = true;
+  r.checkpoint.save_every = 0;
   EXPECT_EQ(train::run_training(r).steps_run, 4);
 }
 
@@ -495,13 +498,13 @@ struct SavedAtStep2 {
 };
 SavedAtStep2 save_at_step_2(int64_t steps) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  c.steps = steps;
-  c.save_every = 2;
-  fs::remove_all(c.out_dir);
+  c.batch.steps = steps;
+  c.checkpoint.save_every = 2;
+  fs::remove_all(c.checkpoint.out_dir);
   train::run_training(c);
-  SavedAtStep2 saved{c.out_dir + "/step_00000002", c};
-  saved.resume.resume = saved.dir;
-  saved.resume.save_every = 0;
+  SavedAtStep2 saved{c.checkpoint.out_dir + "/step_00000002", c};
+  saved.resume.checkpoint.resume = saved.dir;
+  saved.resume.checkpoint.save_every = 0;
   return saved;
 }
 }  // namespace
@@ -521,7 +524,7 @@ TEST(Hardening, ARecipeSavedBeforeAKeyExistedComparesAsItsOldBehaviour) {
 
 TEST(Hardening, ChecksumsTurnBitRotIntoAClearError) {
   SavedAtStep2 saved = save_at_step_2(2);
-  saved.resume.steps = 3;
+  saved.resume.batch.steps = 3;
   for (const char* file : {"state.bin", "model.bin"}) {
     const std::string path = saved.dir + "/" + file;
     const std::string good = test::read_all(path);
@@ -555,7 +558,7 @@ TEST(Hardening, ABitFlippedInAModelFileHeaderIsACorruptFileNotAnotherModel) {
     config.vocab_size = 97;  // small files
     config.padded_vocab_size = 128;
     nn::Transformer model(config);
-    model.init_weights(3);
+    nn::init_weights(model, 3);
     const std::string path = test::temp_path(std::string(preset) + ".bin");
     io::save_llmc(path, model);
     EXPECT_NO_THROW(io::read_llmc_config(path)) << preset;
@@ -618,12 +621,12 @@ TEST(Hardening, ACheckpointMissingOrWithAnEditedRecipeOrHistoryIsRefusedNamingTh
 TEST(Hardening, AResumeWithoutAModelFlagBuildsTheCheckpointsModel) {
   const SavedAtStep2 saved = save_at_step_2(3);
   train::TrainConfig r = saved.resume;
-  r.model_file.clear();
-  r.model = "d6";
-  r.model_given = false;
+  r.model.file.clear();
+  r.model.preset = "d6";
+  r.model.preset_given = false;
   EXPECT_EQ(train::run_training(r).steps_run, 1);
-  r.model = "d1";
-  r.model_given = true;
+  r.model.preset = "d1";
+  r.model.preset_given = true;
   const std::string msg = message_of<Error>([&] { train::run_training(r); });
   EXPECT_NE(msg.find("--resume '" + saved.dir + "': model file"), std::string::npos) << msg;
   EXPECT_NE(msg.find("(--model d1 names another model than the checkpoint's"), std::string::npos) << msg;
@@ -637,7 +640,7 @@ TEST(Hardening, AnOutOfVocabularyTokenIsFoundBeforeTheFirstStepNamingShardAndSpl
   const std::string path = test::temp_path("oov.bin");
   data::write_token_shard(path, tokens, data::TokenWidth::U16);
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  c.val_data = path;
+  c.data.val = path;
   const std::string msg = message_of<Error>([&] { train::run_training(c); });
   EXPECT_NE(msg.find("--val-data shard '" + path + "': token 500 at position 4321"), std::string::npos) << msg;
   // A 32-bit shard's token past INT32_MAX (a corrupt one: no writer makes it) is named by
@@ -648,7 +651,7 @@ TEST(Hardening, AnOutOfVocabularyTokenIsFoundBeforeTheFirstStepNamingShardAndSpl
   const size_t at = 256 * sizeof(int32_t) + 4321 * sizeof(uint32_t);  // past the 256-int header
   bytes.replace(at, 4, std::string(4, '\xff'));
   test::write_all(wide, bytes);
-  c.val_data = wide;
+  c.data.val = wide;
   const std::string wide_msg = message_of<Error>([&] { train::run_training(c); });
   EXPECT_NE(wide_msg.find("--val-data shard '" + wide + "': token 4294967295 at position 4321"), std::string::npos)
       << wide_msg;
@@ -660,16 +663,16 @@ TEST(Hardening, ValidationDataThatIsAlsoTrainingDataIsWarnedAbout) {
   test::write_random_shard("overlap_train_a.bin", 5000, 97, 1);
   const std::string train_b = test::write_random_shard("overlap_train_b.bin", 5000, 97, 2);
   train::TrainConfig c = tiny_config(test::temp_path("overlap_train_*.bin"));
-  c.steps = 1;
-  c.val_data = fs::path(train_b).parent_path().string() + "/./" + fs::path(train_b).filename().string();
+  c.batch.steps = 1;
+  c.data.val = fs::path(train_b).parent_path().string() + "/./" + fs::path(train_b).filename().string();
   ::testing::internal::CaptureStderr();
   train::run_training(c);
   std::string err = ::testing::internal::GetCapturedStderr();
-  EXPECT_NE(err.find("warning: --val-data shard '" + c.val_data + "' is also a --train-data shard ('" + train_b + "')"),
+  EXPECT_NE(err.find("warning: --val-data shard '" + c.data.val + "' is also a --train-data shard ('" + train_b + "')"),
             std::string::npos)
       << err;
   // Validation data of its own says nothing.
-  c.val_data = test::write_random_shard("overlap_val.bin", 5000, 97, 3);
+  c.data.val = test::write_random_shard("overlap_val.bin", 5000, 97, 3);
   ::testing::internal::CaptureStderr();
   train::run_training(c);
   err = ::testing::internal::GetCapturedStderr();
@@ -681,9 +684,9 @@ TEST(Hardening, ValidationDataThatIsAlsoTrainingDataIsWarnedAbout) {
 // would do nothing; --zero 0 says nothing.
 TEST(Hardening, ZeroWithOneDataParallelRankIsWarnedAbout) {
   train::TrainConfig c = tiny_config(test::write_random_shard("zero_one_rank.bin", 5000, 97, 4));
-  c.steps = 1;
-  c.quiet = false;
-  c.zero = 1;
+  c.batch.steps = 1;
+  c.metrics.quiet = false;
+  c.parallel.zero = 1;
   ::testing::internal::CaptureStdout();
   ::testing::internal::CaptureStderr();
   train::run_training(c);
@@ -694,7 +697,7 @@ TEST(Hardening, ZeroWithOneDataParallelRankIsWarnedAbout) {
             std::string::npos)
       << err;
   EXPECT_NE(out.find("ZeRO stage 1 over 1 data-parallel rank: nothing sharded"), std::string::npos) << out;
-  c.zero = 0;
+  c.parallel.zero = 0;
   ::testing::internal::CaptureStderr();
   train::run_training(c);
   err = ::testing::internal::GetCapturedStderr();
@@ -705,9 +708,9 @@ TEST(Hardening, ZeroWithOneDataParallelRankIsWarnedAbout) {
 // and the flag was taken without a word (as --zero was).
 TEST(Hardening, ABucketSizeWithoutADataParallelAllReduceIsWarnedAbout) {
   train::TrainConfig c = tiny_config(test::write_random_shard("bucket_one_rank.bin", 5000, 97, 4));
-  c.steps = 1;
-  c.bucket_mb = 1;
-  c.bucket_mb_given = true;
+  c.batch.steps = 1;
+  c.parallel.bucket_mb = 1;
+  c.parallel.bucket_mb_given = true;
   ::testing::internal::CaptureStderr();
   train::run_training(c);
   std::string err = ::testing::internal::GetCapturedStderr();
@@ -715,7 +718,7 @@ TEST(Hardening, ABucketSizeWithoutADataParallelAllReduceIsWarnedAbout) {
                      "one data-parallel rank and no all-reduce, so it does nothing"),
             std::string::npos)
       << err;
-  c.bucket_mb_given = false;  // the default, not given: nothing said
+  c.parallel.bucket_mb_given = false;  // the default, not given: nothing said
   ::testing::internal::CaptureStderr();
   train::run_training(c);
   err = ::testing::internal::GetCapturedStderr();
@@ -753,18 +756,18 @@ TEST(Hardening, KeepLastAfterAResumeFromAnEarlierCheckpointKeepsThisRunsNewest) 
 // resume that changed the batch (--allow-recipe-change) rewrote its past at the new size.
 TEST(Hardening, TokensSeenAccumulateAcrossAResumeThatChangesTheBatch) {
   train::TrainConfig c = tiny_config(test::write_random_shard("tokens_resume.bin", 20000, 97, 4));
-  c.steps = 2;
-  c.save_every = 2;
-  c.out_dir = test::temp_path("tokens_resume_out");
-  c.log_json = test::temp_path("tokens_resume.jsonl");
+  c.batch.steps = 2;
+  c.checkpoint.save_every = 2;
+  c.checkpoint.out_dir = test::temp_path("tokens_resume_out");
+  c.metrics.log_json = test::temp_path("tokens_resume.jsonl");
   train::run_training(c);  // 2 steps of 2 x 16 tokens
-  c.steps = 3;
-  c.batch_size = 4;  // 64 tokens a step from here
-  c.resume = c.out_dir;
-  c.allow_recipe_change = true;
+  c.batch.steps = 3;
+  c.batch.batch_size = 4;  // 64 tokens a step from here
+  c.checkpoint.resume = c.checkpoint.out_dir;
+  c.checkpoint.allow_recipe_change = true;
   train::run_training(c);
   std::vector<int64_t> tokens;
-  std::istringstream rows(test::read_all(c.log_json));
+  std::istringstream rows(test::read_all(c.metrics.log_json));
   for (std::string line; std::getline(rows, line);)
     if (!line.empty()) tokens.push_back(nlohmann::json::parse(line).at("tokens").get<int64_t>());
   EXPECT_EQ(tokens, (std::vector<int64_t>{32, 64, 128}));
@@ -775,18 +778,18 @@ TEST(Hardening, TokensSeenAccumulateAcrossAResumeThatChangesTheBatch) {
 // tokens), and the run said "+0.00%" against the plan without a word of it.
 TEST(Hardening, AResumeWhoseCheckpointReadPeaksAboveTheStepsSaysSo) {
   train::TrainConfig c = tiny_config(test::write_random_shard("resume_peak.bin", 20000, 97, 4));
-  c.model_file.clear();
-  c.model = "d2";
-  c.batch_size = 1;
-  c.steps = 2;
-  c.save_every = 2;
-  c.out_dir = test::temp_path("resume_peak_out");
+  c.model.file.clear();
+  c.model.preset = "d2";
+  c.batch.batch_size = 1;
+  c.batch.steps = 2;
+  c.checkpoint.save_every = 2;
+  c.checkpoint.out_dir = test::temp_path("resume_peak_out");
   train::run_training(c);
-  c.steps = 3;
-  c.resume = c.out_dir;
-  c.allow_recipe_change = true;
-  c.save_every = 0;
-  c.quiet = false;
+  c.batch.steps = 3;
+  c.checkpoint.resume = c.checkpoint.out_dir;
+  c.checkpoint.allow_recipe_change = true;
+  c.checkpoint.save_every = 0;
+  c.metrics.quiet = false;
   ::testing::internal::CaptureStdout();
   const train::TrainResult r = train::run_training(c);
   const std::string out = ::testing::internal::GetCapturedStdout();
@@ -799,14 +802,14 @@ TEST(Hardening, AResumeWhoseCheckpointReadPeaksAboveTheStepsSaysSo) {
 
 TEST(Hardening, BadOutputPathsFailBeforeTraining) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  c.steps = 1000000;  // would take hours if the check came after training
-  c.out_dir = test::temp_path("a_file");
-  test::write_all(c.out_dir, "x");
+  c.batch.steps = 1000000;  // would take hours if the check came after training
+  c.checkpoint.out_dir = test::temp_path("a_file");
+  test::write_all(c.checkpoint.out_dir, "x");
   EXPECT_NE(message_of<Error>([&] { train::run_training(c); }).find("is a file, expected a directory"),
             std::string::npos);
-  c.out_dir = test::temp_path("out_ok");
-  c.mem_trace = test::temp_path("trace_dir");
-  fs::create_directories(c.mem_trace);
+  c.checkpoint.out_dir = test::temp_path("out_ok");
+  c.memory.trace = test::temp_path("trace_dir");
+  fs::create_directories(c.memory.trace);
   EXPECT_NE(message_of<Error>([&] { train::run_training(c); }).find("--mem-trace"), std::string::npos);
   // A path under a file: "file system: filesystem error: cannot create directories: Not a
   // directory" named no flag. And a --train-data pattern that matches nothing named none.
@@ -816,14 +819,14 @@ TEST(Hardening, BadOutputPathsFailBeforeTraining) {
     const char* flag;
     std::function<void(train::TrainConfig&)> set;
   };
-  for (const Case& k : {Case{"--out-dir", [&](train::TrainConfig& t) { t.out_dir = file + "/sub"; }},
-                        Case{"--log-json", [&](train::TrainConfig& t) { t.log_json = file + "/sub/log.jsonl"; }},
-                        Case{"--mem-trace", [&](train::TrainConfig& t) { t.mem_trace = file + "/sub/trace.json"; }},
+  for (const Case& k : {Case{"--out-dir", [&](train::TrainConfig& t) { t.checkpoint.out_dir = file + "/sub"; }},
+                        Case{"--log-json", [&](train::TrainConfig& t) { t.metrics.log_json = file + "/sub/log.jsonl"; }},
+                        Case{"--mem-trace", [&](train::TrainConfig& t) { t.memory.trace = file + "/sub/trace.json"; }},
                         // Not a file it can write: refused at the start, not after the run.
-                        Case{"--mem-trace", [&](train::TrainConfig& t) { t.mem_trace = "/dev/full"; }},
-                        Case{"--train-data", [&](train::TrainConfig& t) { t.train_data = file + "_*.bin"; }},
-                        Case{"--val-data", [&](train::TrainConfig& t) { t.val_data = file + "_*.bin"; }}}) {
-    train::TrainConfig b = tiny_config(c.train_data);
+                        Case{"--mem-trace", [&](train::TrainConfig& t) { t.memory.trace = "/dev/full"; }},
+                        Case{"--train-data", [&](train::TrainConfig& t) { t.data.train = file + "_*.bin"; }},
+                        Case{"--val-data", [&](train::TrainConfig& t) { t.data.val = file + "_*.bin"; }}}) {
+    train::TrainConfig b = tiny_config(c.data.train);
     k.set(b);
     const std::string msg = message_of<Error>([&] { train::run_training(b); });
     EXPECT_EQ(msg.rfind(std::string("tally: ") + k.flag + " '", 0), 0u) << k.flag << ": " << msg;
@@ -836,18 +839,18 @@ TEST(Hardening, ATokenizerLargerThanTheModelsVocabularyIsRefusedBeforeTraining) 
   // (the separator, id 256, is out of the embedding's range) before the last checkpoint
   // was saved: the whole run was lost.
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  c.tokenizer_dir = test::temp_path("big_tok");
-  fs::create_directories(c.tokenizer_dir);
-  test::write_tiny_gpt2_tokenizer(c.tokenizer_dir, {});
-  c.steps = 3;
-  c.save_every = 3;
-  c.sample_every = 0;  // one sample, at the end
-  c.sample_tokens = 4;
-  c.log_json = c.out_dir + "/log.jsonl";
+  c.data.tokenizer = test::temp_path("big_tok");
+  fs::create_directories(c.data.tokenizer);
+  test::write_tiny_gpt2_tokenizer(c.data.tokenizer, {});
+  c.batch.steps = 3;
+  c.checkpoint.save_every = 3;
+  c.sampling.every = 0;  // one sample, at the end
+  c.sampling.tokens = 4;
+  c.metrics.log_json = c.checkpoint.out_dir + "/log.jsonl";
   const std::string msg = message_of<Error>([&] { train::run_training(c); });
-  EXPECT_NE(msg.find("--tokenizer '" + c.tokenizer_dir + "' has 257 tokens"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--tokenizer '" + c.data.tokenizer + "' has 257 tokens"), std::string::npos) << msg;
   EXPECT_NE(msg.find("only 97"), std::string::npos) << msg;
-  EXPECT_FALSE(fs::exists(c.log_json) && fs::file_size(c.log_json) > 0) << "refused before the first step";
+  EXPECT_FALSE(fs::exists(c.metrics.log_json) && fs::file_size(c.metrics.log_json) > 0) << "refused before the first step";
 }
 
 TEST(Hardening, MoreValidationBatchesThanTheValidationDataHoldsAreCappedNotWrapped) {
@@ -856,13 +859,13 @@ TEST(Hardening, MoreValidationBatchesThanTheValidationDataHoldsAreCappedNotWrapp
   // twice. Capped at the batches the data holds ((5000 - 1) / 32 tokens per batch = 156),
   // 1,000 asked for give what 156 give.
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  c.val_data = test::write_random_shard("v.bin", 5000, 97, 2);
-  c.steps = 1;
-  c.val_batches = 156;
+  c.data.val = test::write_random_shard("v.bin", 5000, 97, 2);
+  c.batch.steps = 1;
+  c.validation.batches = 156;
   const double all = train::run_training(c).final_val_loss;
-  c.val_batches = 1000;
+  c.validation.batches = 1000;
   EXPECT_EQ(train::run_training(c).final_val_loss, all);
-  c.val_batches = 155;  // the cap is not below what the data holds
+  c.validation.batches = 155;  // the cap is not below what the data holds
   EXPECT_NE(train::run_training(c).final_val_loss, all);
 }
 
@@ -871,74 +874,74 @@ TEST(Hardening, AFreshRunDoesNotOverwriteAnEarlierRunsCheckpoints) {
   // replaced the first run's checkpoints step by step; with other step numbers the
   // directory ended up holding both runs' checkpoints under one `latest`.
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  fs::remove_all(c.out_dir);
-  c.steps = 4;
-  c.save_every = 2;
+  fs::remove_all(c.checkpoint.out_dir);
+  c.batch.steps = 4;
+  c.checkpoint.save_every = 2;
   train::run_training(c);
-  const std::string first = test::read_all(c.out_dir + "/step_00000004/model.bin");
+  const std::string first = test::read_all(c.checkpoint.out_dir + "/step_00000004/model.bin");
   train::TrainConfig again = c;
-  again.steps = 3;
-  again.save_every = 3;
+  again.batch.steps = 3;
+  again.checkpoint.save_every = 3;
   again.seed = 7;
   const std::string msg = message_of<Error>([&] { train::run_training(again); });
-  EXPECT_NE(msg.find("--out-dir '" + c.out_dir + "' holds an earlier run's checkpoints (step_00000002 ... step_00000004)"),
+  EXPECT_NE(msg.find("--out-dir '" + c.checkpoint.out_dir + "' holds an earlier run's checkpoints (step_00000002 ... step_00000004)"),
             std::string::npos) << msg;
-  EXPECT_NE(msg.find("--resume " + c.out_dir), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--resume " + c.checkpoint.out_dir), std::string::npos) << msg;
   EXPECT_NE(msg.find("--overwrite"), std::string::npos) << msg;
-  EXPECT_EQ(test::read_all(c.out_dir + "/step_00000004/model.bin"), first) << "the earlier checkpoints are untouched";
+  EXPECT_EQ(test::read_all(c.checkpoint.out_dir + "/step_00000004/model.bin"), first) << "the earlier checkpoints are untouched";
   // --overwrite removes them only once every check has passed: a run refused for another
   // reason (a tokenizer of another model) leaves them.
-  again.overwrite = true;
-  again.tokenizer_dir = test::temp_path("tok257");
-  fs::create_directories(again.tokenizer_dir);
-  test::write_tiny_gpt2_tokenizer(again.tokenizer_dir, {});
+  again.checkpoint.overwrite = true;
+  again.data.tokenizer = test::temp_path("tok257");
+  fs::create_directories(again.data.tokenizer);
+  test::write_tiny_gpt2_tokenizer(again.data.tokenizer, {});
   EXPECT_THROW(train::run_training(again), Error);
-  EXPECT_EQ(test::read_all(c.out_dir + "/step_00000004/model.bin"), first) << "a refused --overwrite removes nothing";
+  EXPECT_EQ(test::read_all(c.checkpoint.out_dir + "/step_00000004/model.bin"), first) << "a refused --overwrite removes nothing";
   // Continuing into the directory it continues from cannot also overwrite it.
   train::TrainConfig both = again;
-  both.tokenizer_dir.clear();
-  both.resume = c.out_dir;
-  both.steps = 5;
-  both.allow_recipe_change = true;
+  both.data.tokenizer.clear();
+  both.checkpoint.resume = c.checkpoint.out_dir;
+  both.batch.steps = 5;
+  both.checkpoint.allow_recipe_change = true;
   EXPECT_NE(message_of<Error>([&] { train::run_training(both); }).find("--overwrite with --resume"), std::string::npos);
   // A run resumed from another directory's checkpoint is a new run here: refused as well.
   train::TrainConfig elsewhere = c;
-  elsewhere.out_dir = test::temp_path("other_out");
-  elsewhere.steps = 2;
-  elsewhere.save_every = 2;
+  elsewhere.checkpoint.out_dir = test::temp_path("other_out");
+  elsewhere.batch.steps = 2;
+  elsewhere.checkpoint.save_every = 2;
   train::run_training(elsewhere);
   train::TrainConfig moved = c;
-  moved.resume = elsewhere.out_dir;
-  moved.allow_recipe_change = true;
+  moved.checkpoint.resume = elsewhere.checkpoint.out_dir;
+  moved.checkpoint.allow_recipe_change = true;
   EXPECT_NE(message_of<Error>([&] { train::run_training(moved); }).find("holds an earlier run's checkpoints"),
             std::string::npos);
-  again.tokenizer_dir.clear();
+  again.data.tokenizer.clear();
   train::run_training(again);
-  EXPECT_EQ(io::checkpoints_in(c.out_dir), (std::vector<std::string>{"step_00000003", "latest"}))
+  EXPECT_EQ(io::checkpoints_in(c.checkpoint.out_dir), (std::vector<std::string>{"step_00000003", "latest"}))
       << "only the new run's checkpoints";
   // Continuing a run, and runs that save nothing, are not affected.
   train::TrainConfig resumed = again;
-  resumed.overwrite = false;
-  resumed.steps = 4;
-  resumed.allow_recipe_change = true;  // the schedule's length changes
-  resumed.resume = c.out_dir;
+  resumed.checkpoint.overwrite = false;
+  resumed.batch.steps = 4;
+  resumed.checkpoint.allow_recipe_change = true;  // the schedule's length changes
+  resumed.checkpoint.resume = c.checkpoint.out_dir;
   EXPECT_NO_THROW(train::run_training(resumed));
   train::TrainConfig unsaved = c;
-  unsaved.save_every = 0;
+  unsaved.checkpoint.save_every = 0;
   EXPECT_NO_THROW(train::run_training(unsaved));
-  EXPECT_EQ(io::checkpoints_in(c.out_dir), (std::vector<std::string>{"step_00000003", "step_00000004", "latest"}))
+  EXPECT_EQ(io::checkpoints_in(c.checkpoint.out_dir), (std::vector<std::string>{"step_00000003", "step_00000004", "latest"}))
       << "a run that saves nothing leaves them";
   // ... unless it says --overwrite: then it starts afresh there too, and its plot is not
   // drawn beside another run's checkpoints (it kept them, and replaced their loss.svg).
-  unsaved.overwrite = true;
+  unsaved.checkpoint.overwrite = true;
   EXPECT_NO_THROW(train::run_training(unsaved));
-  EXPECT_TRUE(io::checkpoints_in(c.out_dir).empty()) << "--overwrite removes the earlier run's checkpoints";
+  EXPECT_TRUE(io::checkpoints_in(c.checkpoint.out_dir).empty()) << "--overwrite removes the earlier run's checkpoints";
   // A first save that a kill interrupted before `latest` (a step directory, or its .tmp)
   // is no earlier run: starting again is not refused.
   train::TrainConfig interrupted = c;
-  interrupted.out_dir = test::temp_path("interrupted");
-  fs::create_directories(interrupted.out_dir + "/step_00000002");
-  fs::create_directories(interrupted.out_dir + "/step_00000002.tmp");
+  interrupted.checkpoint.out_dir = test::temp_path("interrupted");
+  fs::create_directories(interrupted.checkpoint.out_dir + "/step_00000002");
+  fs::create_directories(interrupted.checkpoint.out_dir + "/step_00000002.tmp");
   EXPECT_NO_THROW(train::run_training(interrupted));
 }
 
@@ -963,14 +966,14 @@ TEST(Hardening, AnOutputThatIsTheRunsOwnInputIsRefusedBeforeItIsTouched) {
   fs::remove_all(hf);
   fs::copy(test::fixture_path("llama3_tiny_hf"), hf, fs::copy_options::recursive);
   const std::string hf_config = test::read_all(hf + "/config.json");
-  for (const Case& k : {Case{"--log-json", [&](train::TrainConfig& t) { t.log_json = shard; }, "--train-data"},
-                        Case{"--log-json", [&](train::TrainConfig& t) { t.val_data = val; t.log_json = val; }, "--val-data"},
-                        Case{"--log-json", [&](train::TrainConfig& t) { t.model_file = model_copy; t.log_json = model_copy; },
+  for (const Case& k : {Case{"--log-json", [&](train::TrainConfig& t) { t.metrics.log_json = shard; }, "--train-data"},
+                        Case{"--log-json", [&](train::TrainConfig& t) { t.data.val = val; t.metrics.log_json = val; }, "--val-data"},
+                        Case{"--log-json", [&](train::TrainConfig& t) { t.model.file = model_copy; t.metrics.log_json = model_copy; },
                              "--model-file"},
                         Case{"--mem-trace", [&](train::TrainConfig& t) {
-                               t.model_file.clear();
-                               t.init_from = hf;
-                               t.mem_trace = hf + "/config.json";
+                               t.model.file.clear();
+                               t.model.init_from = hf;
+                               t.memory.trace = hf + "/config.json";
                              }, "--init-from"}}) {
     train::TrainConfig c = tiny_config(shard);
     k.set(c);
@@ -981,7 +984,7 @@ TEST(Hardening, AnOutputThatIsTheRunsOwnInputIsRefusedBeforeItIsTouched) {
   }
   // A trace over a shard: refused by its name already (a trace is .json or .html).
   train::TrainConfig traced = tiny_config(shard);
-  traced.mem_trace = shard;
+  traced.memory.trace = shard;
   EXPECT_NE(message_of<Error>([&] { train::run_training(traced); }).find("expected a path ending in .json"), std::string::npos);
   EXPECT_EQ(test::read_all(val), val_bytes) << "the validation shard is untouched";
   EXPECT_EQ(test::read_all(hf + "/config.json"), hf_config) << "the HuggingFace config is untouched";
@@ -989,7 +992,7 @@ TEST(Hardening, AnOutputThatIsTheRunsOwnInputIsRefusedBeforeItIsTouched) {
   EXPECT_EQ(test::read_all(model_copy), test::read_all(test::fixture_path("gpt2_tiny.bin"))) << "the model is untouched";
   // A name that can only be a directory's: refused, and nothing is made.
   train::TrainConfig slash = tiny_config(shard);
-  slash.mem_trace = test::temp_path("traces_new") + "/";
+  slash.memory.trace = test::temp_path("traces_new") + "/";
   EXPECT_NE(message_of<Error>([&] { train::run_training(slash); }).find("ends in '/'"), std::string::npos);
   EXPECT_FALSE(fs::exists(test::temp_path("traces_new"))) << "no directory is left behind";
 }
@@ -1001,93 +1004,93 @@ TEST(Hardening, AnOutputThatIsTheRunsOwnInputIsRefusedBeforeItIsTouched) {
 // were left contradicting the new log.
 TEST(Hardening, OverwriteKeepsTheUsersFilesAndResumeRefusesOtherData) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  fs::remove_all(c.out_dir);
-  c.steps = 4;
-  c.save_every = 2;
+  fs::remove_all(c.checkpoint.out_dir);
+  c.batch.steps = 4;
+  c.checkpoint.save_every = 2;
   train::run_training(c);
-  fs::create_directories(c.out_dir + "/step_notes");
-  test::write_all(c.out_dir + "/step_notes/mine.txt", "keep me");
-  fs::create_directories(c.out_dir + "/step_00000099");
-  test::write_all(c.out_dir + "/step_00000099/mine.txt", "and me");
+  fs::create_directories(c.checkpoint.out_dir + "/step_notes");
+  test::write_all(c.checkpoint.out_dir + "/step_notes/mine.txt", "keep me");
+  fs::create_directories(c.checkpoint.out_dir + "/step_00000099");
+  test::write_all(c.checkpoint.out_dir + "/step_00000099/mine.txt", "and me");
   // Other data (another token count) is another run.
   train::TrainConfig other_data = c;
-  other_data.steps = 6;
-  other_data.resume = c.out_dir;
-  other_data.train_data = test::write_random_shard("t_other.bin", 3000, 97, 2);
+  other_data.batch.steps = 6;
+  other_data.checkpoint.resume = c.checkpoint.out_dir;
+  other_data.data.train = test::write_random_shard("t_other.bin", 3000, 97, 2);
   const std::string msg = message_of<Error>([&] { train::run_training(other_data); });
   EXPECT_NE(msg.find("--train-data's token count was 5000, now 3000"), std::string::npos) << msg;
   train::TrainConfig again = c;
-  again.overwrite = true;
+  again.checkpoint.overwrite = true;
   train::run_training(again);
-  EXPECT_EQ(test::read_all(c.out_dir + "/step_notes/mine.txt"), "keep me");
-  EXPECT_EQ(test::read_all(c.out_dir + "/step_00000099/mine.txt"), "and me") << "no state.bin: not a checkpoint";
+  EXPECT_EQ(test::read_all(c.checkpoint.out_dir + "/step_notes/mine.txt"), "keep me");
+  EXPECT_EQ(test::read_all(c.checkpoint.out_dir + "/step_00000099/mine.txt"), "and me") << "no state.bin: not a checkpoint";
   // --keep-last 2: each save leaves the newest two.
   train::TrainConfig kept = c;
-  kept.out_dir = test::temp_path("keep_last");
-  fs::remove_all(kept.out_dir);
-  kept.steps = 5;
-  kept.save_every = 1;
-  kept.keep_last = 2;
+  kept.checkpoint.out_dir = test::temp_path("keep_last");
+  fs::remove_all(kept.checkpoint.out_dir);
+  kept.batch.steps = 5;
+  kept.checkpoint.save_every = 1;
+  kept.checkpoint.keep_last = 2;
   train::run_training(kept);
-  EXPECT_EQ(io::checkpoints_in(kept.out_dir), (std::vector<std::string>{"step_00000004", "step_00000005", "latest"}));
+  EXPECT_EQ(io::checkpoints_in(kept.checkpoint.out_dir), (std::vector<std::string>{"step_00000004", "step_00000005", "latest"}));
   // Resumed from step 2 of a longer run: the later checkpoints (4, 5) are that run's, left.
   train::TrainConfig longer = kept;
-  longer.out_dir = test::temp_path("keep_last_resumed");
-  fs::remove_all(longer.out_dir);
-  longer.keep_last = 0;
+  longer.checkpoint.out_dir = test::temp_path("keep_last_resumed");
+  fs::remove_all(longer.checkpoint.out_dir);
+  longer.checkpoint.keep_last = 0;
   train::run_training(longer);  // steps 1 .. 5
   train::TrainConfig back = longer;
-  back.keep_last = 1;
-  back.resume = longer.out_dir + "/step_00000002";
-  back.steps = 3;
-  back.allow_recipe_change = true;  // a shorter schedule
+  back.checkpoint.keep_last = 1;
+  back.checkpoint.resume = longer.checkpoint.out_dir + "/step_00000002";
+  back.batch.steps = 3;
+  back.checkpoint.allow_recipe_change = true;  // a shorter schedule
   train::run_training(back);
-  EXPECT_EQ(io::checkpoints_in(longer.out_dir),
+  EXPECT_EQ(io::checkpoints_in(longer.checkpoint.out_dir),
             (std::vector<std::string>{"step_00000003", "step_00000004", "step_00000005", "latest"}));
   train::TrainConfig no_saves = c;
-  no_saves.save_every = 0;
-  no_saves.keep_last = 1;
+  no_saves.checkpoint.save_every = 0;
+  no_saves.checkpoint.keep_last = 1;
   EXPECT_NE(message_of<Error>([&] { train::run_training(no_saves); }).find("--keep-last 1 keeps"), std::string::npos);
   // A per-rank log of a rank this run does not have (an earlier run of 4 ranks) is removed.
   train::TrainConfig logged = c;
-  logged.out_dir = test::temp_path("rank_logs");
-  fs::remove_all(logged.out_dir);
-  logged.save_every = 0;
-  logged.log_json = logged.out_dir + "/log.jsonl";
-  fs::create_directories(logged.out_dir);
-  test::write_all(logged.log_json + ".rank3", "{}\n");
-  test::write_all(logged.log_json + ".ranked_by_me", "mine\n");
+  logged.checkpoint.out_dir = test::temp_path("rank_logs");
+  fs::remove_all(logged.checkpoint.out_dir);
+  logged.checkpoint.save_every = 0;
+  logged.metrics.log_json = logged.checkpoint.out_dir + "/log.jsonl";
+  fs::create_directories(logged.checkpoint.out_dir);
+  test::write_all(logged.metrics.log_json + ".rank3", "{}\n");
+  test::write_all(logged.metrics.log_json + ".ranked_by_me", "mine\n");
   train::run_training(logged);
-  EXPECT_FALSE(fs::exists(logged.log_json + ".rank3"));
-  EXPECT_TRUE(fs::exists(logged.log_json + ".ranked_by_me"));
+  EXPECT_FALSE(fs::exists(logged.metrics.log_json + ".rank3"));
+  EXPECT_TRUE(fs::exists(logged.metrics.log_json + ".ranked_by_me"));
   // Outputs beside the files a run reads are no inputs: a log in the tokenizer's directory
   // (where `tally tokenize` writes the shards too), run twice.
   train::TrainConfig beside = c;
-  beside.out_dir = test::temp_path("beside_out");
-  fs::remove_all(beside.out_dir);
-  beside.save_every = 0;
+  beside.checkpoint.out_dir = test::temp_path("beside_out");
+  fs::remove_all(beside.checkpoint.out_dir);
+  beside.checkpoint.save_every = 0;
   {
     // A model of the tokenizer's 257 tokens.
-    nn::TransformerConfig config = io::read_llmc_config(c.model_file);
+    nn::TransformerConfig config = io::read_llmc_config(c.model.file);
     config.vocab_size = 257;
     config.padded_vocab_size = 384;
     nn::Transformer m(config);
-    m.init_weights(1);
-    beside.model_file = test::temp_path("beside_model.bin");
-    io::save_llmc(beside.model_file, m);
+    nn::init_weights(m, 1);
+    beside.model.file = test::temp_path("beside_model.bin");
+    io::save_llmc(beside.model.file, m);
   }
-  beside.tokenizer_dir = test::temp_path("beside_tok");
-  fs::create_directories(beside.tokenizer_dir);
-  test::write_tiny_gpt2_tokenizer(beside.tokenizer_dir, {});
-  beside.log_json = beside.tokenizer_dir + "/log.jsonl";
+  beside.data.tokenizer = test::temp_path("beside_tok");
+  fs::create_directories(beside.data.tokenizer);
+  test::write_tiny_gpt2_tokenizer(beside.data.tokenizer, {});
+  beside.metrics.log_json = beside.data.tokenizer + "/log.jsonl";
   EXPECT_NO_THROW(train::run_training(beside));
   EXPECT_NO_THROW(train::run_training(beside)) << "the second run's log exists: still no input";
   // A stream is written as it is.
-  beside.log_json = "/dev/null";
+  beside.metrics.log_json = "/dev/null";
   EXPECT_NO_THROW(train::run_training(beside));
   // One name for two outputs: the trace would replace the log.
-  beside.log_json = beside.out_dir + "/both.json";
-  beside.mem_trace = beside.out_dir + "/both.json";
+  beside.metrics.log_json = beside.checkpoint.out_dir + "/both.json";
+  beside.memory.trace = beside.checkpoint.out_dir + "/both.json";
   EXPECT_NE(message_of<Error>([&] { train::run_training(beside); }).find("the trace would replace the log"),
             std::string::npos);
 }
@@ -1100,18 +1103,18 @@ TEST(Hardening, ALogOverTheConfigBesideAnInitFromFileIsRefused) {
   const std::string dir = test::temp_path("init_from_file");
   fs::remove_all(dir);
   {
-    nn::Transformer m(io::read_llmc_config(c.model_file));
-    io::load_llmc(c.model_file, m);
+    nn::Transformer m(io::read_llmc_config(c.model.file));
+    io::load_llmc(c.model.file, m);
     io::save_hf(dir, m);
   }
   const std::string config = test::read_all(dir + "/config.json");
-  c.model_file.clear();
-  c.init_from = dir + "/model.safetensors";
-  c.log_json = dir + "/config.json";
+  c.model.file.clear();
+  c.model.init_from = dir + "/model.safetensors";
+  c.metrics.log_json = dir + "/config.json";
   const std::string msg = message_of<Error>([&] { train::run_training(c); });
-  EXPECT_NE(msg.find("--log-json '" + c.log_json + "' is --init-from '" + c.log_json + "'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--log-json '" + c.metrics.log_json + "' is --init-from '" + c.metrics.log_json + "'"), std::string::npos) << msg;
   EXPECT_EQ(test::read_all(dir + "/config.json"), config) << "the config is untouched";
-  c.log_json = dir + "/log.jsonl";  // beside it, a log is no input
+  c.metrics.log_json = dir + "/log.jsonl";  // beside it, a log is no input
   EXPECT_NO_THROW(train::run_training(c));
 }
 
@@ -1125,14 +1128,14 @@ TEST(Hardening, ALogOverTheConfigBesideAnInitFromFileIsRefused) {
 // export, memory report, trace) refuse a stream before any work.
 TEST(Hardening, AStreamLogTakesEveryRowOfRunsThatSaveAndResume) {
   train::TrainConfig c = tiny_config(test::write_random_shard("stream_log.bin", 5000, 97, 4));
-  c.out_dir = test::temp_path("stream_log_out");
-  fs::remove_all(c.out_dir);
-  c.steps = 4;
-  c.save_every = 2;
-  c.log_json = "/dev/null";
+  c.checkpoint.out_dir = test::temp_path("stream_log_out");
+  fs::remove_all(c.checkpoint.out_dir);
+  c.batch.steps = 4;
+  c.checkpoint.save_every = 2;
+  c.metrics.log_json = "/dev/null";
   EXPECT_NO_THROW(train::run_training(c)) << "a run that saves, logging to /dev/null";
   train::TrainConfig resumed = c;
-  resumed.resume = c.out_dir + "/step_00000002";
+  resumed.checkpoint.resume = c.checkpoint.out_dir + "/step_00000002";
   EXPECT_NO_THROW(train::run_training(resumed)) << "a resume logging to /dev/null";
   // The process's own descriptor, open on a file that already holds a line (as a shell's
   // `> run.log` holds what the run printed before): the rows follow it, none overwritten.
@@ -1144,11 +1147,11 @@ TEST(Hardening, AStreamLogTakesEveryRowOfRunsThatSaveAndResume) {
   EXPECT_TRUE(io::is_stream(descriptor));
   EXPECT_TRUE(io::is_stream("/dev/null"));
   EXPECT_FALSE(io::is_stream(file));
-  fs::remove_all(c.out_dir);
+  fs::remove_all(c.checkpoint.out_dir);
   train::TrainConfig to_fd = c;
-  to_fd.log_json = descriptor;
+  to_fd.metrics.log_json = descriptor;
   train::run_training(to_fd);  // steps 1 .. 4, saved at 2 and 4
-  resumed.log_json = descriptor;
+  resumed.metrics.log_json = descriptor;
   train::run_training(resumed);  // steps 3 .. 4 again: a stream keeps what it was given
   ASSERT_EQ(::write(fd, "printed after\n", 14), 14);
   ::close(fd);
@@ -1169,7 +1172,7 @@ TEST(Hardening, AStreamLogTakesEveryRowOfRunsThatSaveAndResume) {
   EXPECT_NO_THROW(io::check_output_file("--log-json", "/dev/null", {}, io::OutputKind::FileOrStream));
   // Per-rank logs go beside --log-json, which a stream has no directory for.
   train::TrainConfig all_ranks = c;
-  all_ranks.log_json_all_ranks = true;
+  all_ranks.metrics.log_json_all_ranks = true;
   EXPECT_NE(message_of<Error>([&] { train::run_training(all_ranks); }).find("--log-json-all-ranks"), std::string::npos);
 }
 
@@ -1255,27 +1258,27 @@ TEST(Hardening, OutputsAreWrittenThroughLinksAndNeverReplaceDevicesOrDirectories
 
 TEST(Hardening, AKillWhileReSavingAStepLeavesALoadableCheckpoint) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  c.steps = 2;
-  c.save_every = 2;
-  fs::remove_all(c.out_dir);
+  c.batch.steps = 2;
+  c.checkpoint.save_every = 2;
+  fs::remove_all(c.checkpoint.out_dir);
   train::run_training(c);
   // The state a kill leaves between moving the old step aside and renaming the new one in:
   // `latest` names step_00000002, which is gone; step_00000002.old is complete; a half
   // written step_00000002.tmp lies beside it.
-  const std::string step = c.out_dir + "/step_00000002";
+  const std::string step = c.checkpoint.out_dir + "/step_00000002";
   fs::rename(step, step + ".old");
   fs::create_directories(step + ".tmp");
   test::write_all(step + ".tmp/state.bin", "half");
   // and the temporaries of `latest` and the plot that the same kill cut short (pid 4194305
   // is above Linux's largest pid_max: no process has it). A live process's temporary (this
   // one's: another run finishing into the same directory) is left alone.
-  const std::string latest_tmp = c.out_dir + "/latest.tmp.4194305.0", plot_tmp = c.out_dir + "/loss.svg.tmp.4194305.1";
-  const std::string live_tmp = c.out_dir + "/loss.svg.tmp." + std::to_string(::getpid()) + ".9";
+  const std::string latest_tmp = c.checkpoint.out_dir + "/latest.tmp.4194305.0", plot_tmp = c.checkpoint.out_dir + "/loss.svg.tmp.4194305.1";
+  const std::string live_tmp = c.checkpoint.out_dir + "/loss.svg.tmp." + std::to_string(::getpid()) + ".9";
   test::write_all(latest_tmp, "step_0000");
   test::write_all(plot_tmp, "<svg");
   test::write_all(live_tmp, "<svg");
-  EXPECT_EQ(io::resolve_checkpoint(c.out_dir), step + ".old");
-  io::recover_out_dir(c.out_dir);
+  EXPECT_EQ(io::resolve_checkpoint(c.checkpoint.out_dir), step + ".old");
+  io::recover_out_dir(c.checkpoint.out_dir);
   EXPECT_TRUE(fs::exists(step + "/state.bin"));
   EXPECT_FALSE(fs::exists(step + ".old"));
   EXPECT_FALSE(fs::exists(step + ".tmp"));
@@ -1283,7 +1286,7 @@ TEST(Hardening, AKillWhileReSavingAStepLeavesALoadableCheckpoint) {
   EXPECT_FALSE(fs::exists(plot_tmp));
   EXPECT_TRUE(fs::exists(live_tmp));
   fs::remove(live_tmp);
-  EXPECT_EQ(io::resolve_checkpoint(c.out_dir), step);
+  EXPECT_EQ(io::resolve_checkpoint(c.checkpoint.out_dir), step);
 }
 
 // Two runs in one --out-dir: a run's start-up repair (which removes unfinished saves,
@@ -1293,58 +1296,58 @@ TEST(Hardening, AKillWhileReSavingAStepLeavesALoadableCheckpoint) {
 // holder's pid, and one that saves nothing trains beside it without repairing anything.
 TEST(Hardening, ARunSavingIntoAnOutDirLocksItAgainstAnotherRunsRepairAndSaves) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  c.save_every = 2;
-  fs::remove_all(c.out_dir);
-  fs::create_directories(c.out_dir);
+  c.checkpoint.save_every = 2;
+  fs::remove_all(c.checkpoint.out_dir);
+  fs::create_directories(c.checkpoint.out_dir);
   // The other run, saving step 4 now (this process holds the lock as it would).
-  io::OutDirLock other = io::OutDirLock::try_take(c.out_dir);
+  io::OutDirLock other = io::OutDirLock::try_take(c.checkpoint.out_dir);
   ASSERT_TRUE(other.held());
-  const std::string in_progress = c.out_dir + "/step_00000004.tmp";
+  const std::string in_progress = c.checkpoint.out_dir + "/step_00000004.tmp";
   fs::create_directories(in_progress);
   const std::string msg = message_of<Error>([&] { train::run_training(c); });
-  EXPECT_NE(msg.find("--out-dir '" + c.out_dir + "' is in use by another tally run (pid " + std::to_string(::getpid()) +
+  EXPECT_NE(msg.find("--out-dir '" + c.checkpoint.out_dir + "' is in use by another tally run (pid " + std::to_string(::getpid()) +
                      ")"),
             std::string::npos)
       << msg;
   EXPECT_TRUE(fs::exists(in_progress));
   train::TrainConfig watcher = c;
-  watcher.save_every = 0;
+  watcher.checkpoint.save_every = 0;
   EXPECT_EQ(train::run_training(watcher).steps_run, 2);
   EXPECT_TRUE(fs::exists(in_progress)) << "a run beside a live saver repaired its directory";
   // Once the other run is gone its leftovers are repaired, and this run saves.
   other = io::OutDirLock();
   EXPECT_EQ(train::run_training(c).steps_run, 2);
   EXPECT_FALSE(fs::exists(in_progress));
-  EXPECT_TRUE(fs::exists(c.out_dir + "/step_00000002/state.bin"));
+  EXPECT_TRUE(fs::exists(c.checkpoint.out_dir + "/step_00000002/state.bin"));
 }
 
 TEST(Hardening, ALatestFileWithCrlfResolves) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  c.save_every = 2;
-  fs::remove_all(c.out_dir);
+  c.checkpoint.save_every = 2;
+  fs::remove_all(c.checkpoint.out_dir);
   train::run_training(c);
-  test::write_all(c.out_dir + "/latest", "step_00000002\r\n");
-  EXPECT_EQ(io::resolve_checkpoint(c.out_dir), c.out_dir + "/step_00000002");
+  test::write_all(c.checkpoint.out_dir + "/latest", "step_00000002\r\n");
+  EXPECT_EQ(io::resolve_checkpoint(c.checkpoint.out_dir), c.checkpoint.out_dir + "/step_00000002");
 }
 
 TEST(Hardening, ResumedLogsHaveEveryStepOnceAndCheckpointedRowsComeFirst) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  c.steps = 6;
-  c.save_every = 3;
-  fs::remove_all(c.out_dir);
-  c.log_json = c.out_dir + "/log.jsonl";
+  c.batch.steps = 6;
+  c.checkpoint.save_every = 3;
+  fs::remove_all(c.checkpoint.out_dir);
+  c.metrics.log_json = c.checkpoint.out_dir + "/log.jsonl";
   train::run_training(c);
   // As if killed after step 5 (its row written) and resumed from step 3's checkpoint.
-  ASSERT_EQ(test::log_steps(c.log_json), (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
-  std::istringstream rows(test::read_all(c.log_json));
+  ASSERT_EQ(test::log_steps(c.metrics.log_json), (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  std::istringstream rows(test::read_all(c.metrics.log_json));
   std::string killed, line;
   for (int i = 0; i < 5 && std::getline(rows, line); ++i) killed += line + "\n";
-  test::write_all(c.log_json, killed + "{\"step\": 6, \"lo");  // and a torn last line
+  test::write_all(c.metrics.log_json, killed + "{\"step\": 6, \"lo");  // and a torn last line
   train::TrainConfig r = c;
-  r.resume = c.out_dir + "/step_00000003";
-  r.save_every = 0;
+  r.checkpoint.resume = c.checkpoint.out_dir + "/step_00000003";
+  r.checkpoint.save_every = 0;
   train::run_training(r);
-  EXPECT_EQ(test::log_steps(c.log_json), (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(test::log_steps(c.metrics.log_json), (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
 }
 
 // A resumed run forgot what came before its checkpoint unless --log-json held it: its
@@ -1353,26 +1356,26 @@ TEST(Hardening, ResumedLogsHaveEveryStepOnceAndCheckpointedRowsComeFirst) {
 // ends with the uninterrupted run's record, byte for byte, and its best validation loss.
 TEST(Hardening, AResumedRunKeepsTheRecordAndBestValidationOfTheStepsBeforeIt) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 5000, 97, 1));
-  c.val_data = test::write_random_shard("v.bin", 2000, 97, 2);
-  c.val_every = 1;
-  c.val_batches = 2;
-  c.steps = 6;
-  c.save_every = 3;
-  c.lr = 1.0;  // diverges after the first steps: the best validation comes before the resume
-  c.lr_schedule = "constant";
-  fs::remove_all(c.out_dir);
+  c.data.val = test::write_random_shard("v.bin", 2000, 97, 2);
+  c.validation.every = 1;
+  c.validation.batches = 2;
+  c.batch.steps = 6;
+  c.checkpoint.save_every = 3;
+  c.optimizer.lr = 1.0;  // diverges after the first steps: the best validation comes before the resume
+  c.optimizer.schedule = train::LrSchedule::Constant;
+  fs::remove_all(c.checkpoint.out_dir);
   const train::TrainResult full = train::run_training(c);
   ASSERT_GT(full.best_val_loss, 0);
   ASSERT_LE(full.best_val_step, 3) << "the test wants the best validation before the checkpoint";
-  const std::string want = test::read_all(c.out_dir + "/step_00000006/history.json");
+  const std::string want = test::read_all(c.checkpoint.out_dir + "/step_00000006/history.json");
   EXPECT_NE(want.find("\"val\""), std::string::npos);
   train::TrainConfig r = c;
-  r.resume = c.out_dir + "/step_00000003";
+  r.checkpoint.resume = c.checkpoint.out_dir + "/step_00000003";
   const train::TrainResult resumed = train::run_training(r);
   EXPECT_EQ(resumed.steps_run, 3);
   EXPECT_EQ(resumed.best_val_loss, full.best_val_loss);
   EXPECT_EQ(resumed.best_val_step, full.best_val_step);
-  EXPECT_EQ(test::read_all(c.out_dir + "/step_00000006/history.json"), want);
+  EXPECT_EQ(test::read_all(c.checkpoint.out_dir + "/step_00000006/history.json"), want);
 }
 
 TEST(Hardening, AFullDiskIsAnErrorNotATruncatedLog) {

@@ -636,7 +636,7 @@ TEST(Launch, PlanRefusesWhatTrainRefusesInTheSameWords) {
             std::string::npos);
   EXPECT_NE(run(plan + "--tp 2 --sp --seq-len 63").output.find("--sp: --seq-len 63 must divide into --tp 2 ranks"),
             std::string::npos);
-  EXPECT_NE(run(plan + "--world 2 --device cuda").output.find("--device cuda with 2 processes: multi-GPU training needs "
+  EXPECT_NE(run(plan + "--world 2 --device cuda").output.find("--device cuda:0 with 2 processes: multi-GPU training needs "
                                                               "the NCCL communicator"),
             std::string::npos);
 }

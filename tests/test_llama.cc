@@ -22,6 +22,8 @@
 #include "ops/ops.h"
 #include "optim/adamw.h"
 #include "support.h"
+#include "nn/init.h"
+#include "nn/llmc_layout.h"
 #include "train/plan.h"
 #include "train/sampler.h"
 
@@ -196,7 +198,7 @@ TEST(LlamaFiles, HuggingFaceExportIsHfsLayoutAndRoundTripsBitExactly) {
     return back;
   };
   nn::Transformer d2(nn::TransformerConfig::preset("llama3-d2"));  // multiple_of 256; 512 also gives its width
-  d2.init_weights(3);
+  nn::init_weights(d2, 3);
   EXPECT_EQ(llmc_hf_llmc(d2, "d2")->config().multiple_of, 256);
   // The same from a train_llama3.py file, whose header's rounding did not give its width.
   nn::Transformer tiny(io::read_llmc_config(test::fixture_path("llama3_tiny.bin")));
@@ -249,7 +251,7 @@ TEST(LlamaFiles, LlmcRoundTripKeepsTheExactConfigTiedHeadIncluded) {
   tied.rope_factor = 32;  // 3.2's factor, which train_llama3.py's header cannot say
   tied.norm_eps = 1e-6;
   nn::Transformer t(tied);
-  t.init_weights(5);
+  nn::init_weights(t, 5);
   io::save_llmc(p, t);
   nn::TransformerConfig read = io::read_llmc_config(p);
   EXPECT_TRUE(read.tie_embeddings);

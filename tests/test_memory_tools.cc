@@ -22,13 +22,13 @@ namespace {
 // A 3-step run of the 97-token fixture writing its memory trace.
 std::string traced_run(const std::string& name, int64_t batch, int64_t steps = 3) {
   train::TrainConfig c = test::tiny_train_config(test::write_random_shard(name + ".bin", 5000, 97, 1));
-  c.batch_size = batch;
-  c.grad_accum = 2;
-  c.steps = steps;
-  c.out_dir = test::temp_path(name + "_out");
-  c.mem_trace = test::temp_path(name + ".json");
+  c.batch.batch_size = batch;
+  c.batch.grad_accum = 2;
+  c.batch.steps = steps;
+  c.checkpoint.out_dir = test::temp_path(name + "_out");
+  c.memory.trace = test::temp_path(name + ".json");
   train::run_training(c);
-  return c.mem_trace;
+  return c.memory.trace;
 }
 
 size_t count(const std::string& text, const std::string& needle) {
@@ -47,18 +47,18 @@ TEST(MemoryTools, EveryAllocationOfARunHasAnOwnerName) {
   for (const char* dtype : {"fp32", "bf16"}) {
     const std::string data = test::write_random_shard(std::string("named_") + dtype + ".bin", 5000, 97, 1);
     train::TrainConfig c = test::tiny_train_config(data);
-    c.dtype = dtype;
-    c.grad_accum = 2;
-    c.steps = 3;
-    c.val_data = test::write_random_shard(std::string("named_val_") + dtype + ".bin", 2000, 97, 2);
-    c.val_every = 2;
-    c.sample_every = 2;
-    c.sample_tokens = 4;
-    c.save_every = 3;
-    c.out_dir = test::temp_path(std::string("named_out_") + dtype);
-    c.mem_trace = test::temp_path(std::string("named_") + dtype + ".json");
+    c.compute.dtype = std::string(dtype) == "bf16" ? DType::BF16 : DType::F32;
+    c.batch.grad_accum = 2;
+    c.batch.steps = 3;
+    c.data.val = test::write_random_shard(std::string("named_val_") + dtype + ".bin", 2000, 97, 2);
+    c.validation.every = 2;
+    c.sampling.every = 2;
+    c.sampling.tokens = 4;
+    c.checkpoint.save_every = 3;
+    c.checkpoint.out_dir = test::temp_path(std::string("named_out_") + dtype);
+    c.memory.trace = test::temp_path(std::string("named_") + dtype + ".json");
     train::run_training(c);
-    const memory::MemoryTrace trace = memory::read_memory_trace(c.mem_trace);
+    const memory::MemoryTrace trace = memory::read_memory_trace(c.memory.trace);
     ASSERT_FALSE(trace.events.empty());
     std::map<std::string, int> unnamed;  // category -> events
     for (const memory::MemoryEvent& e : trace.events)
@@ -72,13 +72,13 @@ TEST(MemoryTools, EveryAllocationOfARunHasAnOwnerName) {
 // failure is when the history is wanted most.
 TEST(MemoryTools, ARunThatFailsStillWritesItsTraceUpToTheFailure) {
   train::TrainConfig c = test::tiny_train_config(test::write_random_shard("failing.bin", 5000, 97, 1));
-  c.steps = 5;
-  c.lr = 1e30;
-  c.grad_clip = 0;
-  c.mem_trace = test::temp_path("failing.json");
+  c.batch.steps = 5;
+  c.optimizer.lr = 1e30;
+  c.optimizer.grad_clip = 0;
+  c.memory.trace = test::temp_path("failing.json");
   EXPECT_THROW(train::run_training(c), Error);
-  ASSERT_TRUE(fs::exists(c.mem_trace)) << "no trace after the failure";
-  const memory::MemoryTrace trace = memory::read_memory_trace(c.mem_trace);
+  ASSERT_TRUE(fs::exists(c.memory.trace)) << "no trace after the failure";
+  const memory::MemoryTrace trace = memory::read_memory_trace(c.memory.trace);
   EXPECT_FALSE(trace.events.empty());
   EXPECT_FALSE(trace.plan.empty()) << "the plan travels with the failed run's trace too";
   int64_t last_step = -1;

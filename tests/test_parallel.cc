@@ -38,6 +38,8 @@
 #include "runtime/backend.h"
 #include "sanitizer/sanitizer.h"
 #include "support.h"
+#include "nn/init.h"
+#include "nn/llmc_layout.h"
 #include "train/plan.h"
 #include "train/trainer.h"
 
@@ -72,7 +74,7 @@ std::string tiny_model_file(bool llama) {
   auto it = paths.find(llama);
   if (it != paths.end()) return it->second;
   nn::Transformer model(tiny_model(llama));
-  model.init_weights(7);
+  nn::init_weights(model, 7);
   const std::string path = test::temp_path(std::string(llama ? "llama" : "gpt2") + "_4layer_rank" +
                                            std::to_string(g_world->rank()) + ".bin");
   io::save_llmc(path, model);
@@ -83,12 +85,12 @@ train::TrainConfig base_config(bool llama) {
   static const std::string data = test::write_random_shard("parallel_train_rank" + std::to_string(g_world->rank()) + ".bin",
                                                            40000, 97, 11);
   train::TrainConfig c = test::tiny_train_config(data);
-  c.model_file = tiny_model_file(llama);
-  c.steps = 10;
-  c.lr = 3e-3;
-  c.warmup_steps = 2;
-  c.grad_clip = 1.0;
-  c.out_dir = test::temp_path("parallel_out_rank" + std::to_string(g_world->rank()));
+  c.model.file = tiny_model_file(llama);
+  c.batch.steps = 10;
+  c.optimizer.lr = 3e-3;
+  c.optimizer.warmup_steps = 2;
+  c.optimizer.grad_clip = 1.0;
+  c.checkpoint.out_dir = test::temp_path("parallel_out_rank" + std::to_string(g_world->rank()));
   return c;
 }
 
@@ -102,14 +104,14 @@ struct Layout {
   int world() const { return dp * tp * pp; }
   // `base` run in this layout.
   train::TrainConfig apply(train::TrainConfig c) const {
-    c.dp = dp;
-    c.tp = tp;
-    c.pp = pp;
-    c.pp_schedule = schedule;
-    c.virtual_stages = virtual_stages;
-    c.sequence_parallel = sp;
-    c.zero = zero;
-    c.pp_last_stage_layers = last_stage_layers;
+    c.parallel.dp = dp;
+    c.parallel.tp = tp;
+    c.parallel.pp = pp;
+    c.parallel.pp_schedule = dist::parse_pipeline_schedule(schedule);
+    c.parallel.virtual_stages = virtual_stages;
+    c.parallel.sequence_parallel = sp;
+    c.parallel.zero = zero;
+    c.parallel.pp_last_stage_layers = last_stage_layers;
     return c;
   }
   std::string name() const {
@@ -131,8 +133,8 @@ const train::TrainResult& one_process(bool llama, int64_t microbatches, const st
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   train::TrainConfig c = base_config(llama);
-  c.grad_accum = microbatches;
-  c.dtype = dtype;
+  c.batch.grad_accum = microbatches;
+  c.compute.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
   std::unique_ptr<dist::World> self = dist::World::self();
   return cache[key] = train::run_training(c, *self);
 }
@@ -158,11 +160,11 @@ void expect_matches_one_process(const Layout& l, bool llama, const std::string& 
   const train::TrainResult& want = one_process(llama, N * l.dp, dtype);
   std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
   train::TrainConfig c = l.apply(base_config(llama));
-  c.recompute = recompute;
-  c.grad_accum = N;
-  c.sanitize = "strict";
-  c.dtype = dtype;
-  c.chunked_loss = chunked_loss;
+  c.compute.recompute = nn::parse_recompute(recompute);
+  c.batch.grad_accum = N;
+  c.memory.sanitize = sanitizer::SanitizeMode::Strict;
+  c.compute.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
+  c.compute.chunked_loss = chunked_loss;
   const train::TrainResult got = train::run_training(c, *world);
   const std::string what = (llama ? "llama " : "gpt2 ") + l.name() + "recompute " + recompute + " " + dtype +
                            (chunked_loss ? " chunked loss" : "");
@@ -241,15 +243,15 @@ TEST(Bf16Pipeline, TheHeadStagePeaksAtTheLossForwardAsPlanned) {
   for (bool chunked : {false, true}) {
     std::unique_ptr<dist::World> world = dist::World::create({1, 1, 2});
     train::TrainConfig c = Layout{1, 1, 2}.apply(base_config(false));
-    c.model_file.clear();
-    c.model = "d2";
-    c.batch_size = 4;  // 256 tokens: the logits (25 MiB) outweigh the tied embedding's exchange (4 MiB)
-    c.seq_len = 64;
-    c.grad_accum = 2;
-    c.steps = 3;
-    c.dtype = "bf16";
-    c.chunked_loss = chunked;
-    c.sanitize = "strict";
+    c.model.file.clear();
+    c.model.preset = "d2";
+    c.batch.batch_size = 4;  // 256 tokens: the logits (25 MiB) outweigh the tied embedding's exchange (4 MiB)
+    c.batch.seq_len = 64;
+    c.batch.grad_accum = 2;
+    c.batch.steps = 3;
+    c.compute.dtype = DType::BF16;
+    c.compute.chunked_loss = chunked;
+    c.memory.sanitize = sanitizer::SanitizeMode::Strict;
     const train::TrainResult r = train::run_training(c, *world);
     const std::string what = std::string("d2 pp2 bf16") + (chunked ? " chunked loss" : "");
     expect_flat(r, what);
@@ -403,26 +405,26 @@ TEST(ParallelCheckpoints, ASavedShardedRunResumesExactlyAndInOneProcess) {
       const std::string what = (llama ? "llama " : "gpt2 ") + l.name();
       std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
       train::TrainConfig c = l.apply(base_config(llama));
-      c.grad_accum = l.pp > 1 ? 2 : 1;
-      c.save_every = 5;
-      c.out_dir = shared_dir(std::string(llama ? "llama_" : "gpt2_") + std::to_string(l.dp) + std::to_string(l.tp) +
+      c.batch.grad_accum = l.pp > 1 ? 2 : 1;
+      c.checkpoint.save_every = 5;
+      c.checkpoint.out_dir = shared_dir(std::string(llama ? "llama_" : "gpt2_") + std::to_string(l.dp) + std::to_string(l.tp) +
                              std::to_string(l.pp));
       const train::TrainResult full = train::run_training(c, *world);
       ASSERT_EQ(full.history.size(), 10u) << what;
       train::TrainConfig r = c;
-      r.resume = c.out_dir + "/step_00000005";
-      r.save_every = 0;
+      r.checkpoint.resume = c.checkpoint.out_dir + "/step_00000005";
+      r.checkpoint.save_every = 0;
       const train::TrainResult resumed = train::run_training(r, *world);
       ASSERT_EQ(resumed.history.size(), 5u) << what;
       for (size_t s = 0; s < 5; ++s)
         EXPECT_EQ(resumed.history[s].loss, full.history[s + 5].loss) << what << ": resumed step " << s + 6;
       // One process, the same global batch, from the same checkpoint.
       train::TrainConfig one = r;
-      one.dp = one.tp = one.pp = 1;
-      one.sequence_parallel = false;
-      one.zero = 0;
-      one.grad_accum = c.grad_accum * l.dp;
-      one.out_dir = test::temp_path("one_process_resume_rank" + std::to_string(g_world->rank()));
+      one.parallel.dp = one.parallel.tp = one.parallel.pp = 1;
+      one.parallel.sequence_parallel = false;
+      one.parallel.zero = 0;
+      one.batch.grad_accum = c.batch.grad_accum * l.dp;
+      one.checkpoint.out_dir = test::temp_path("one_process_resume_rank" + std::to_string(g_world->rank()));
       std::unique_ptr<dist::World> self = dist::World::self();
       const train::TrainResult alone = train::run_training(one, *self);
       ASSERT_EQ(alone.history.size(), 5u) << what;
@@ -453,10 +455,10 @@ TEST(ParallelInit, HuggingFaceWeightsLoadIntoEveryShardAsIntoOneProcess) {
       const int64_t N = l.pp > 1 ? 4 : 2;
       std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
       train::TrainConfig c = l.apply(base_config(llama));
-      c.model_file.clear();
-      c.init_from = hf;
-      c.grad_accum = N;
-      c.steps = 1;
+      c.model.file.clear();
+      c.model.init_from = hf;
+      c.batch.grad_accum = N;
+      c.batch.steps = 1;
       const train::TrainResult got = train::run_training(c, *world);
       ASSERT_EQ(got.history.size(), 1u) << what;
       const double want = one_process(llama, N * l.dp).history[0].loss;
@@ -487,7 +489,7 @@ TEST(ParallelCheckpoints, RankZeroWritesTheWholeModelOnePieceAtATime) {
         return dist::pipeline_shard(config.n_layer, l.pp, pp_rank, l.virtual_stages, l.tp, tp_rank, 0);
       };
       nn::Transformer shard(config, layout(world->pp_rank(), world->tp_rank()));
-      shard.init_weights(7);
+      nn::init_weights(shard, 7);
       // Moments the checkpoint can be checked by: m = the parameters, v = twice them.
       optim::AdamW opt(shard.params(), {});
       const Tensor& flat = shard.params().flat_params();
@@ -509,7 +511,7 @@ TEST(ParallelCheckpoints, RankZeroWritesTheWholeModelOnePieceAtATime) {
       const int64_t held = ledger.stats().peak_allocated - before;
       if (world->is_root()) {
         nn::Transformer whole(config);
-        whole.init_weights(7);
+        nn::init_weights(whole, 7);
         int64_t largest_parameter = 0, largest_unit = 0;
         for (size_t i = 0; i < whole.params().size(); ++i)
           largest_parameter = std::max(largest_parameter, whole.params()[i].numel());
@@ -556,10 +558,11 @@ TEST(PipelineMemory, EachStageHoldsWhatItsScheduleNeedsWithinFivePercent) {
   for (const char* schedule : {"gpipe", "1f1b", "1f1b half"}) {
     std::unique_ptr<dist::World> world = dist::World::create({1, 1, P});
     train::TrainConfig c = base_config(false);
-    c.pp = P;
-    c.pp_schedule = std::string(schedule).substr(0, 5) == "gpipe" ? "gpipe" : "1f1b";
-    c.grad_accum = std::string(schedule) == "1f1b half" ? N / 2 : N;
-    c.steps = 3;
+    c.parallel.pp = P;
+    c.parallel.pp_schedule = std::string(schedule).substr(0, 5) == "gpipe" ? dist::PipelineSchedule::GPipe
+                                                                          : dist::PipelineSchedule::OneFOneB;
+    c.batch.grad_accum = std::string(schedule) == "1f1b half" ? N / 2 : N;
+    c.batch.steps = 3;
     peaks[schedule] = train::run_training(c, *world).history.back().rank_peak_bytes;
   }
   // 1F1B holds P - s microbatches whatever N is: its peaks do not move with N (a buffer
@@ -568,12 +571,12 @@ TEST(PipelineMemory, EachStageHoldsWhatItsScheduleNeedsWithinFivePercent) {
   train::TrainConfig c = base_config(false);
   train::PlanInput in;
   in.model = tiny_model(false);
-  in.batch_size = c.batch_size;
-  in.seq_len = c.seq_len;
+  in.batch_size = c.batch.batch_size;
+  in.seq_len = c.batch.seq_len;
   const train::MemoryPlan plan = train::plan_memory(in);
   int64_t layers = 0, head = 0;
   for (const auto& [kind, bytes] : plan.activations_by_kind) (kind.rfind("head:", 0) == 0 ? head : layers) += bytes;
-  const int64_t BT = c.batch_size * c.seq_len, C = in.model.n_embd, L = in.model.n_layer;
+  const int64_t BT = c.batch.batch_size * c.batch.seq_len, C = in.model.n_embd, L = in.model.n_layer;
   const int64_t per_stage_layers = layers / L * (L / P);
   const std::vector<int64_t> activations = {per_stage_layers + BT * 4 + BT * C * 4, per_stage_layers + head + BT * 4};
   for (int s = 0; s < P; ++s) {
@@ -611,9 +614,9 @@ struct TwoStages {
   std::unique_ptr<dist::PipelineStage> stage;
   explicit TwoStages(dist::ReceivedInputs* received = nullptr) {
     nn::Transformer full(tiny_model(false));
-    full.init_weights(7);
+    nn::init_weights(full, 7);
     model = std::make_unique<nn::Transformer>(full.config(), dist::pipeline_shard(4, 2, world->pp_rank(), 1, 1, 0));
-    model->load_shard_from(full);
+    nn::load_shard_from(*model, full);
     stage = std::make_unique<dist::PipelineStage>(*model, world->pp_group(), dist::PipelineSchedule::GPipe, 1, received);
   }
   std::pair<Tensor, Tensor> batch(int64_t mb) const {

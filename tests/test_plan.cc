@@ -14,8 +14,10 @@
 #include "io/hf_files.h"
 #include "io/model_files.h"
 #include "support.h"
-#include "train/plan.h"
+#include "nn/init.h"
+#include "nn/llmc_layout.h"
 #include "runtime/backend.h"
+#include "train/plan.h"
 #include "train/trainer.h"
 
 using namespace tally;
@@ -99,27 +101,27 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
     train::TrainConfig c;
     const bool wide = wide_files.count(s.model) > 0;
     const bool file = (s.model.size() > 4 && s.model.substr(s.model.size() - 4) == ".bin") || wide;
-    if (wide) c.model_file = wide_files[s.model];
-    else if (file) c.model_file = test::fixture_path(s.model);
-    else c.model = s.model;
-    const nn::TransformerConfig mc = file ? io::read_llmc_config(c.model_file) : nn::TransformerConfig::preset(s.model);
+    if (wide) c.model.file = wide_files[s.model];
+    else if (file) c.model.file = test::fixture_path(s.model);
+    else c.model.preset = s.model;
+    const nn::TransformerConfig mc = file ? io::read_llmc_config(c.model.file) : nn::TransformerConfig::preset(s.model);
     // uint16 tokens: below 65535 for the 128,256-token LLaMA vocabulary.
     const int vocab = static_cast<int>(std::min<int64_t>(mc.vocab_size, 65535));
-    c.train_data = test::write_random_shard("train.bin", 20000, vocab, 3);
-    if (s.val) c.val_data = c.train_data;
-    c.batch_size = s.batch;
-    c.seq_len = s.seq;
-    c.grad_accum = s.accum;
-    c.steps = 2;
-    c.val_every = 0;
-    c.val_batches = 1;
-    c.quiet = true;
-    c.sample_every = -1;
-    c.threads = 1;
-    c.out_dir = test::temp_path("out");
-    if (s.bf16) c.dtype = "bf16";
-    c.chunked_loss = s.chunked;
-    c.recompute = s.recompute;
+    c.data.train = test::write_random_shard("train.bin", 20000, vocab, 3);
+    if (s.val) c.data.val = c.data.train;
+    c.batch.batch_size = s.batch;
+    c.batch.seq_len = s.seq;
+    c.batch.grad_accum = s.accum;
+    c.batch.steps = 2;
+    c.validation.every = 0;
+    c.validation.batches = 1;
+    c.metrics.quiet = true;
+    c.sampling.every = -1;
+    c.compute.threads = 1;
+    c.checkpoint.out_dir = test::temp_path("out");
+    if (s.bf16) c.compute.dtype = DType::BF16;
+    c.compute.chunked_loss = s.chunked;
+    c.compute.recompute = nn::parse_recompute(s.recompute);
     const train::TrainResult r = train::run_training(c);
     const int64_t measured = r.history.back().peak_bytes;
     train::PlanInput in;
@@ -170,20 +172,20 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForZeroInOneProcess) {
                                          {"gpt2_tiny.bin", 8, 2, true, "full"}}) {
     train::TrainConfig c;
     const bool file = k.model.size() > 4 && k.model.substr(k.model.size() - 4) == ".bin";
-    if (file) c.model_file = test::fixture_path(k.model);
-    else c.model = k.model;
-    const nn::TransformerConfig mc = file ? io::read_llmc_config(c.model_file) : nn::TransformerConfig::preset(k.model);
-    c.train_data = test::write_random_shard("train.bin", 20000, static_cast<int>(std::min<int64_t>(mc.vocab_size, 65535)), 3);
-    c.batch_size = k.batch;
-    c.seq_len = 32;
-    c.steps = 2;
-    c.zero = k.zero;
-    c.quiet = true;
-    c.sample_every = -1;
-    c.threads = 1;
-    c.out_dir = test::temp_path("out");
-    if (k.bf16) c.dtype = "bf16";
-    c.recompute = k.recompute;
+    if (file) c.model.file = test::fixture_path(k.model);
+    else c.model.preset = k.model;
+    const nn::TransformerConfig mc = file ? io::read_llmc_config(c.model.file) : nn::TransformerConfig::preset(k.model);
+    c.data.train = test::write_random_shard("train.bin", 20000, static_cast<int>(std::min<int64_t>(mc.vocab_size, 65535)), 3);
+    c.batch.batch_size = k.batch;
+    c.batch.seq_len = 32;
+    c.batch.steps = 2;
+    c.parallel.zero = k.zero;
+    c.metrics.quiet = true;
+    c.sampling.every = -1;
+    c.compute.threads = 1;
+    c.checkpoint.out_dir = test::temp_path("out");
+    if (k.bf16) c.compute.dtype = DType::BF16;
+    c.compute.recompute = nn::parse_recompute(k.recompute);
     const train::TrainResult r = train::run_training(c);
     train::PlanInput in;
     in.model = mc;
@@ -325,7 +327,7 @@ TEST(Plan, PipelineStagesFollowTheirShardsAndSchedules) {
   EXPECT_EQ(in_flight(one_f_one_b.ranks[0]), "activations (4 microbatch chunk(s) in flight)");
   EXPECT_EQ(in_flight(one_f_one_b.ranks[2]), "activations (2 microbatch chunk(s) in flight)");
   train::PlanInput gpipe = in;
-  gpipe.pp_schedule = "gpipe";
+  gpipe.pp_schedule = dist::PipelineSchedule::GPipe;
   const train::MemoryPlan all = train::plan_memory(gpipe);
   EXPECT_EQ(in_flight(all.ranks[1]), "activations (8 microbatch chunk(s) in flight)");
   EXPECT_GT(all.ranks[1].predicted_peak_bytes, one_f_one_b.ranks[1].predicted_peak_bytes);
@@ -427,7 +429,7 @@ TEST(Plan, ExplainsAMissedPeakByTheLargestOwnerOfTheKindFurthestOff) {
 }
 
 // Tensor/pipeline set-up: a rank builds only its shard, reading or drawing the whole
-// model's parameters one at a time (Transformer::fill_whole_parameters). Its values must be
+// model's parameters one at a time (nn::fill_whole_parameters). Its values must be
 // exactly the whole model's there (same seed, same file), and set-up must hold no more than
 // the shard's parameters and gradients and one whole parameter: the plan's set-up term.
 TEST(Plan, AShardIsBuiltOneWholeParameterAtATimeWithTheWholeModelsValues) {
@@ -439,7 +441,7 @@ TEST(Plan, AShardIsBuiltOneWholeParameterAtATimeWithTheWholeModelsValues) {
   untied_llama.tie_embeddings = false;
   for (const nn::TransformerConfig& config : {nn::TransformerConfig::preset("d2"), llama, untied_llama}) {
     nn::Transformer whole(config);
-    whole.init_weights(7);
+    nn::init_weights(whole, 7);
     const std::string fp32_file = test::temp_path("whole.bin"), bf16_file = test::temp_path("whole_bf16.bin");
     io::save_llmc(fp32_file, whole);
     io::save_llmc(bf16_file, whole, /*bf16=*/true);
@@ -472,19 +474,19 @@ TEST(Plan, AShardIsBuiltOneWholeParameterAtATimeWithTheWholeModelsValues) {
       ledger.reset_peaks();
       const int64_t before = ledger.stats().allocated;
       nn::Transformer drawn(config, shard);
-      drawn.init_weights(7);
+      nn::init_weights(drawn, 7);
       const int64_t rotary = config.is_llama() ? config.head_dim() / 2 * 4 : 0;
-      const int64_t scratch = drawn.whole_parameter_scratch_bytes();
+      const int64_t scratch = nn::whole_parameter_scratch_bytes(drawn);
       EXPECT_EQ(ledger.stats().peak_allocated - before, 8 * drawn.num_parameters() + rotary + scratch) << what;
       if (l[3] > 1) EXPECT_GT(scratch, 0) << what;
       else EXPECT_EQ(scratch, 0) << what << ": a pipeline-only shard holds each of its parameters whole";
       nn::Transformer cut(config, shard), read(config, shard), read_bf16(config, shard), cut_bf16(config, shard),
           read_hf(config, shard);
-      cut.load_shard_from(whole);
+      nn::load_shard_from(cut, whole);
       io::load_llmc(fp32_file, read);
       io::load_llmc(bf16_file, read_bf16);
       io::load_hf(hf_dir, read_hf);
-      cut_bf16.load_shard_from(whole_bf16);
+      nn::load_shard_from(cut_bf16, whole_bf16);
       ASSERT_GT(drawn.params().size(), 0u);
       for (size_t i = 0; i < drawn.params().size(); ++i) {
         const std::string name = what + ", " + drawn.params().spec(i).name;

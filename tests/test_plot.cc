@@ -198,39 +198,39 @@ TEST(Plot, StepsFarApartAtTheEdgeOfADoubleStillDrawAFewTicks) {
 
 TEST(Plot, TheTrainerDrawsLossSvgInItsOutDirAndLogsTokens) {
   train::TrainConfig c;
-  c.model_file = test::fixture_path("gpt2_tiny.bin");
-  c.train_data = test::write_random_shard("train.bin", 5000, 97, 1);
-  c.val_data = test::write_random_shard("val.bin", 2000, 97, 2);
-  c.batch_size = 2;
-  c.seq_len = 16;
-  c.steps = 6;
-  c.val_every = 3;
-  c.val_batches = 2;
-  c.sample_every = -1;
-  c.sample_tokens = 0;
-  c.quiet = true;
-  c.out_dir = test::temp_path("out");
-  c.log_json = c.out_dir + "/log.jsonl";
+  c.model.file = test::fixture_path("gpt2_tiny.bin");
+  c.data.train = test::write_random_shard("train.bin", 5000, 97, 1);
+  c.data.val = test::write_random_shard("val.bin", 2000, 97, 2);
+  c.batch.batch_size = 2;
+  c.batch.seq_len = 16;
+  c.batch.steps = 6;
+  c.validation.every = 3;
+  c.validation.batches = 2;
+  c.sampling.every = -1;
+  c.sampling.tokens = 0;
+  c.metrics.quiet = true;
+  c.checkpoint.out_dir = test::temp_path("out");
+  c.metrics.log_json = c.checkpoint.out_dir + "/log.jsonl";
   train::run_training(c);
-  const std::string svg = slurp(c.out_dir + "/loss.svg");
+  const std::string svg = slurp(c.checkpoint.out_dir + "/loss.svg");
   EXPECT_EQ(count(svg, "class='val-point run-0'"), 2u) << "validation at steps 3 and 6";
-  train::RunCurve run = train::read_run_log(c.log_json, "run");
+  train::RunCurve run = train::read_run_log(c.metrics.log_json, "run");
   ASSERT_EQ(run.steps.size(), 6u);
   EXPECT_EQ(run.tokens.back(), 6 * 2 * 16);
   EXPECT_EQ(run.val.size(), 2u);
   // A run that saves nothing, in an out-dir holding another run's checkpoints, replaced
   // that run's plot with its own; it now leaves it, and says so.
   train::TrainConfig saver = c;
-  saver.save_every = 6;
-  saver.overwrite = true;
+  saver.checkpoint.save_every = 6;
+  saver.checkpoint.overwrite = true;
   train::run_training(saver);
-  const std::string saved_plot = slurp(c.out_dir + "/loss.svg");
+  const std::string saved_plot = slurp(c.checkpoint.out_dir + "/loss.svg");
   train::TrainConfig other = c;
-  other.log_json.clear();
-  other.steps = 2;
-  other.val_every = 1;
+  other.metrics.log_json.clear();
+  other.batch.steps = 2;
+  other.validation.every = 1;
   train::run_training(other);
-  EXPECT_EQ(slurp(c.out_dir + "/loss.svg"), saved_plot);
+  EXPECT_EQ(slurp(c.checkpoint.out_dir + "/loss.svg"), saved_plot);
 }
 
 // The picture as a browser draws it. The page inlines the SVG and uses the browser's own

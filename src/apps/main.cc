@@ -22,6 +22,7 @@
 #include "memory/report.h"
 #include "nn/transformer.h"
 #include "ops/install.h"
+#include "apps/flags.h"
 #include "train/plan.h"
 #include "train/plot.h"
 #include "train/sampler.h"
@@ -31,120 +32,6 @@ using namespace tally;
 namespace fs = std::filesystem;
 
 namespace {
-
-constexpr const char* kModelHelp =
-    "Preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, dN (GPT-2 of depth N, width 64N; N in 1..64); llama3.2-1b, "
-    "llama3.2-3b, llama3.1-8b, llama3-dN (N in 1..64)";
-constexpr const char* kTokenizerHelp =
-    "A directory with tokenizer.json (LLaMA-3) or encoder.json + vocab.bpe (GPT-2), or an llm.c tokenizer .bin";
-
-// For unsigned options (seeds): CLI11 would take "-1" as 2^64 - 1, and its NonNegativeNumber
-// names a range up to 1.8e308. A value past 2^64 - 1 is refused here: CLI11 2.1 clamps it to
-// that, so two seeds drew the same samples.
-const CLI::Validator kNonNegativeInteger(
-    [](std::string& value) {
-      uint64_t parsed = 0;
-      const char* end = value.data() + value.size();
-      const auto [stop, error] = std::from_chars(value.data(), end, parsed);
-      // (from_chars reads digits only into an unsigned type: no sign, no space, not empty.)
-      return error == std::errc() && stop == end ? std::string()
-                                                 : "expected a non-negative integer below 2^64, got " + value;
-    },
-    "");
-
-// A count of at least one (ranks, stages): CLI11's PositiveNumber says "Value 0 not in
-// range 0 to 1.8e308".
-const CLI::Validator kPositiveInteger(
-    [](std::string& value) {
-      const bool digits = !value.empty() && value.find_first_not_of("0123456789") == std::string::npos;
-      return digits && value.find_first_not_of('0') != std::string::npos ? std::string()
-                                                                          : "expected a positive integer, got " + value;
-    },
-    "");
-
-void add_train(CLI::App& app, train::TrainConfig& c) {
-  auto* t = app.add_subcommand("train", "Train a GPT-2 or LLaMA-3 model on llm.c token shards");
-  auto* preset = t->add_option("--model", c.model, kModelHelp)->capture_default_str();
-  auto* file = t->add_option("--model-file", c.model_file, "Start from an llm.c model file (.bin, GPT-2 or LLaMA-3)");
-  auto* hf = t->add_option("--init-from", c.init_from,
-                           "Start from a HuggingFace model: a directory (config.json + model.safetensors or shards) or "
-                           "a GPT-2 model.safetensors");
-  // One source for the model: a preset named beside a file was ignored without a word.
-  preset->excludes(file)->excludes(hf);
-  file->excludes(hf);
-  t->add_option("--train-data", c.train_data, "Glob of training token shards")->required();
-  t->add_option("--val-data", c.val_data, "Glob of validation token shards");
-  t->add_option("--tokenizer", c.tokenizer_dir, kTokenizerHelp);
-  t->add_option("--batch-size", c.batch_size, "Sequences per microbatch (B)")->capture_default_str();
-  t->add_option("--seq-len", c.seq_len, "Tokens per sequence (T)")->capture_default_str();
-  t->add_option("--grad-accum", c.grad_accum, "Microbatches per step")->capture_default_str();
-  t->add_option("--steps", c.steps, "Optimizer steps")->capture_default_str();
-  t->add_option("--lr", c.lr, "Peak learning rate")->capture_default_str();
-  t->add_option("--warmup-steps", c.warmup_steps, "Linear warmup steps")->capture_default_str();
-  t->add_option("--lr-schedule", c.lr_schedule, "constant or cosine")->check(CLI::IsMember({"constant", "cosine"}))->capture_default_str();
-  t->add_option("--min-lr-frac", c.min_lr_frac, "Learning rate of the last step as a fraction of --lr (cosine)")->capture_default_str();
-  t->add_option("--weight-decay", c.weight_decay, "Decoupled weight decay on 2-D weights")->capture_default_str();
-  t->add_option("--beta1", c.beta1, "AdamW's decay of the gradient's running mean")->capture_default_str();
-  t->add_option("--beta2", c.beta2, "AdamW's decay of the squared gradient's running mean")->capture_default_str();
-  t->add_option("--eps", c.eps, "AdamW's epsilon, added to the root of the second moment")->capture_default_str();
-  t->add_option("--grad-clip", c.grad_clip, "Clip the global gradient norm (0 = off)")->capture_default_str();
-  t->add_option("--threads", c.threads, "CPU threads (0 = all)")->capture_default_str();
-  t->add_option("--seed", c.seed, "Seed of the weights' initialization (without --model-file) and of the samples")
-      ->check(kNonNegativeInteger)
-      ->capture_default_str();
-  t->add_flag("--shuffle", c.shuffle,
-              "Read the training data as sequences of --seq-len + 1 tokens in a new random order on every pass over it "
-              "(seeded by --seed); without it, batches follow the files' order, the same on every pass");
-  t->add_option("--val-every", c.val_every, "Validate every N steps (and at the end)")->capture_default_str();
-  t->add_option("--val-batches", c.val_batches, "Batches per validation")->capture_default_str();
-  t->add_option("--sample-every", c.sample_every, "Print a sample every N steps (and at the end; -1 never)")->capture_default_str();
-  t->add_option("--sample-tokens", c.sample_tokens, "Tokens per sample")->capture_default_str();
-  t->add_option("--temperature", c.temperature, "Temperature of the printed samples (0 = greedy)")->capture_default_str();
-  t->add_option("--top-k", c.top_k, "The printed samples draw from the K likeliest tokens (0 = all)")->capture_default_str();
-  t->add_option("--save-every", c.save_every, "Checkpoint every N steps (and at the end; 0 = never)")->capture_default_str();
-  t->add_option("--keep-last", c.keep_last, "Keep only the newest N checkpoints: each save removes the older ones "
-                "(0 = keep every one)")->capture_default_str();
-  t->add_option("--out-dir", c.out_dir, "Where checkpoints go")->capture_default_str();
-  t->add_option("--resume", c.resume, "Resume from a checkpoint directory (or an --out-dir with 'latest'), with its weights; a --model, --model-file or --init-from beside it only names the model, which must be the checkpoint's");
-  t->add_flag("--overwrite", c.overwrite,
-              "Start afresh in an --out-dir that holds an earlier run's checkpoints, removing them (without it such a "
-              "run is refused when it saves)");
-  t->add_flag("--allow-recipe-change", c.allow_recipe_change,
-              "Resume even if batch shape, schedule or optimizer differ from the checkpoint's run");
-  t->add_option("--log-json", c.log_json, "Write one JSON object per step to this file: a new run starts it empty, a --resume keeps its rows up to the checkpoint's step and appends");
-  t->add_option("--sanitize", c.sanitize, "Memory sanitizer: off, warn or strict")->check(CLI::IsMember({"off", "warn", "strict"}))->capture_default_str();
-  t->add_option("--mem-trace", c.mem_trace, "Write the memory history: a Perfetto/Chrome trace (.json) or an HTML report with a plot (.html)");
-  t->add_flag("--quiet", c.quiet, "Print nothing but warnings and errors (no start-up, step or summary lines)");
-  t->add_option("--dp", c.dp, "Data-parallel ranks (0 = world size / (tp x pp)); launch with mpirun -np N")->capture_default_str();
-  t->add_option("--tp", c.tp, "Tensor-parallel ranks: heads, MLP width and vocabulary split over them (Megatron)")
-      ->capture_default_str();
-  t->add_flag("--sp", c.sequence_parallel, "Sequence parallel: norms and residuals sharded along the sequence over the --tp group");
-  t->add_option("--pp", c.pp, "Pipeline-parallel stages: the layers split into P stages")->capture_default_str();
-  t->add_option("--pp-schedule", c.pp_schedule, "Pipeline schedule: gpipe, 1f1b (needs --grad-accum >= --pp) or interleaved")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}))->capture_default_str();
-  t->add_option("--virtual-stages", c.virtual_stages, "Model chunks per pipeline rank (--pp-schedule interleaved)")
-      ->capture_default_str();
-  t->add_option("--pp-last-stage-layers", c.pp_last_stage_layers,
-                "Layers of the last pipeline stage, beside the head (0: split evenly); the rest are spread evenly")
-      ->capture_default_str();
-  t->add_option("--recompute", c.recompute, "Activation recomputation: none, selective (the attention core) or full (each layer)")
-      ->check(CLI::IsMember({"none", "selective", "full"}))->capture_default_str();
-  t->add_option("--zero", c.zero, "ZeRO stage over the data-parallel group: 0 (off), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)")
-      ->check(CLI::Range(0, 3))->capture_default_str();
-  t->add_option("--bucket-mb", c.bucket_mb, "Gradient all-reduce bucket size in MiB (data parallel, ZeRO-1)")->capture_default_str();
-  t->add_flag("--log-json-all-ranks", c.log_json_all_ranks, "Also write <log-json>.rank<R> on every rank");
-  t->add_option("--dtype", c.dtype,
-                "GEMM precision: fp32, or bf16 (mixed precision: bf16 operands for the projections' and "
-                "attention's products; fp32 master weights, gradients, optimizer state, norms, softmax and loss)")
-      ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
-  t->add_option("--device", c.device, "Where to train: cpu, cuda or cuda:N (one process per GPU run)")
-      ->capture_default_str();
-  t->add_flag("--chunked-loss", c.chunked_loss,
-              "Fuse the LM head with the loss in chunks of rows, so the (batch x seq, vocab) logits are never all "
-              "in memory (one more head GEMM per microbatch)");
-  t->add_flag("--profile-ops", c.profile_ops,
-              "Time every kernel: after each step line, where each phase's time went (and in the --log-json row)");
-}
 
 struct SampleArgs {
   std::string model_file, tokenizer, prompt;
@@ -240,51 +127,32 @@ int run_sample(const SampleArgs& a) {
   return 0;
 }
 
+// tally plan takes tally train's command line (apps/flags.h) and predicts that run's memory.
 struct PlanArgs {
-  std::string model = "d6", model_file, init_from;
-  int64_t batch_size = 4, seq_len = 64, grad_accum = 1;
-  int world = 0, dp = 0, tp = 1, pp = 1, virtual_stages = 1, zero = 0;
-  int64_t pp_last_stage_layers = 0;
-  std::string pp_schedule = "1f1b";
-  bool val = false, json = false, chunked_loss = false, sp = false;
-  std::string dtype = "fp32", recompute = "none", device = "cpu";
+  train::TrainConfig run;
+  int world = 0;  // ranks the job would run on (0: --dp x --tp x --pp)
+  bool val = false, json = false;
 };
 
 int run_plan(const PlanArgs& a) {
-  train::PlanInput in;
+  train::TrainConfig c = a.run;
   // A checkpoint or out-dir plans for its model, as sample and export read it (train
   // refuses one, to tell --resume from a new run's --model-file).
-  const bool hf = !a.model_file.empty() && io::is_hf_model_dir(a.model_file);
-  in.model = train::model_config(a.model, a.model_file.empty() || hf ? a.model_file : resolve_model_file(a.model_file),
-                                 a.init_from);
-  TALLY_CHECK(a.batch_size > 0 && a.seq_len > 0 && a.grad_accum > 0, "--batch-size, --seq-len and --grad-accum must be positive");
-  TALLY_CHECK(a.seq_len <= in.model.max_seq_len, "--seq-len ", a.seq_len, " exceeds the model's maximum sequence length ",
-              in.model.max_seq_len);
-  TALLY_CHECK(a.world >= 0 && a.dp >= 0 && a.tp >= 1 && a.pp >= 1, "--world and --dp must be >= 0, --tp and --pp >= 1, "
-              "got --world ", a.world, " --dp ", a.dp, " --tp ", a.tp, " --pp ", a.pp);
+  if (!c.model.file.empty() && !io::is_hf_model_dir(c.model.file)) c.model.file = resolve_model_file(c.model.file);
+  const nn::TransformerConfig model = train::model_config(c.model);
+  c.validate_settings();
+  TALLY_CHECK(c.batch.seq_len <= model.max_seq_len, "--seq-len ", c.batch.seq_len,
+              " exceeds the model's maximum sequence length ", model.max_seq_len);
+  const train::ParallelismConfig& p = c.parallel;
+  TALLY_CHECK(a.world >= 0 && p.dp >= 0, "--world and --dp must be >= 0, got --world ", a.world, " --dp ", p.dp);
   // --world 0: the ranks --dp x --tp x --pp make (one data-parallel rank without --dp).
-  const int64_t model_parallel = checked_mul(a.tp, a.pp, "--tp x --pp");
-  const int64_t world = a.world > 0 ? a.world : checked_mul(std::max(a.dp, 1), model_parallel, "--dp x --tp x --pp");
+  const int64_t model_parallel = checked_mul(p.tp, p.pp, "--tp x --pp");
+  const int64_t world = a.world > 0 ? a.world : checked_mul(std::max(p.dp, 1), model_parallel, "--dp x --tp x --pp");
   TALLY_CHECK(world <= 1 << 20, "--world ", world, " is more ranks than the plan models (at most 2^20)");
   // (plan_memory checks that --world is a multiple of --tp x --pp.)
-  TALLY_CHECK(a.dp == 0 || a.dp * model_parallel == world, "--dp ", a.dp, " x --tp ", a.tp, " x --pp ", a.pp,
+  TALLY_CHECK(p.dp == 0 || p.dp * model_parallel == world, "--dp ", p.dp, " x --tp ", p.tp, " x --pp ", p.pp,
               " is not --world ", world);
-  in.batch_size = a.batch_size;
-  in.seq_len = a.seq_len;
-  in.grad_accum = a.grad_accum;
-  in.world = static_cast<int>(world);
-  in.tp = a.tp;
-  in.sequence_parallel = a.sp;
-  in.pp = a.pp;
-  in.pp_schedule = a.pp_schedule;
-  in.virtual_stages = a.virtual_stages;
-  in.pp_last_stage_layers = a.pp_last_stage_layers;
-  in.zero = a.zero;
-  in.device = a.device;  // a GPU run's plan, made on any machine
-  in.val_loader = a.val;
-  in.bf16 = a.dtype == "bf16";
-  in.loss_chunk_rows = a.chunked_loss ? nn::Transformer::default_loss_chunk_rows(in.model.padded_vocab_size) : 0;
-  in.recompute = nn::parse_recompute(a.recompute);
+  const train::PlanInput in = train::plan_input(c, model, world, a.val || !c.data.val.empty());
   const train::MemoryPlan plan = train::plan_memory(in);
   std::printf("%s\n", a.json ? train::plan_json(plan).c_str() : train::plan_text(plan, in).c_str());
   return 0;
@@ -515,25 +383,19 @@ std::string unknown_command(CLI::App& app, int argc, char** argv) {
   return "";
 }
 
-int main(int argc, char** argv) {
-  tally::ops::install();
-  CLI::App app{"tally: train GPT-2 and LLaMA-3 with flat memory and every byte accounted for"};
-  app.require_subcommand(1);
-  train::TrainConfig tc;
-  add_train(app, tc);
+namespace {
 
-  SampleArgs sa;
+void add_sample(CLI::App& app, SampleArgs& sa) {
   auto* s = app.add_subcommand("sample", "Generate text from a GPT-2 or LLaMA-3 model (KV-cached decoding)");
   s->add_option("--model-file", sa.model_file,
                  "An llm.c model (.bin), a checkpoint directory, a training --out-dir (its latest checkpoint), or a "
                  "HuggingFace model directory")
       ->required();
-  s->add_option("--tokenizer", sa.tokenizer, kTokenizerHelp);
+  s->add_option("--tokenizer", sa.tokenizer, apps::kTokenizerHelp);
   s->add_option("--prompt", sa.prompt, "Text to continue (needs a tokenizer that encodes)");
   s->add_option("--tokens", sa.tokens, "Most tokens to generate per sample")->capture_default_str();
   s->add_option("--count", sa.count, "Samples to draw, each from the prompt")->capture_default_str();
-  // A value given to either switch counts (CLI11 passes --flag=false as -1): it was dropped,
-  // and --no-stop-at-eot=false kept generating.
+  // A value given to either switch counts (CLI11 passes --flag=false as -1).
   auto* stop = s->add_flag("--stop-at-eot", [&sa](int64_t on) { sa.stop_at_eot = on > 0; },
                            "End a sample at the end of text or the next document's start (the default)");
   s->add_flag("--no-stop-at-eot", [&sa](int64_t on) { sa.stop_at_eot = on <= 0; },
@@ -543,23 +405,26 @@ int main(int argc, char** argv) {
   s->add_option("--top-k", sa.top_k, "0 = no truncation")->capture_default_str();
   s->add_option("--top-p", sa.top_p, "Nucleus: keep the likeliest tokens up to this probability mass (1 = all)")
       ->capture_default_str();
-  s->add_option("--seed", sa.seed, "Seed of the draws")->check(kNonNegativeInteger)->capture_default_str();
+  s->add_option("--seed", sa.seed, "Seed of the draws")->check(apps::kNonNegativeInteger)->capture_default_str();
   s->add_option("--threads", sa.threads, "CPU threads (0 = all)")->capture_default_str();
+}
 
-  TokenizeArgs ta;
+void add_tokenize(CLI::App& app, TokenizeArgs& ta) {
   auto* k = app.add_subcommand("tokenize", "Turn text files into llm.c token shards (GPT-2 or LLaMA-3)");
   k->add_option("--tokenizer", ta.tokenizer, "A directory with tokenizer.json (LLaMA-3) or encoder.json + vocab.bpe (GPT-2)")
       ->required();
   k->add_option("--out", ta.out_prefix, "Output prefix: writes <prefix>_train.bin and <prefix>_val.bin")->required();
-  k->add_option("--val-fraction", ta.val_fraction, "Share of tokens for validation, taken from the end: whole documents where they come within a quarter of it, else the boundary document is cut")
+  k->add_option("--val-fraction", ta.val_fraction, "Share of tokens for validation, taken from the end: whole documents "
+                "where they come within a quarter of it, else the boundary document is cut")
       ->capture_default_str();
   k->add_option("--separator", ta.separator, "A line that separates documents inside a file (e.g. % in fortune files)");
   k->add_option("--shuffle-seed", ta.shuffle_seed, "Shuffle the documents with this seed before the split (0: keep their order)")
-      ->check(kNonNegativeInteger)
+      ->check(apps::kNonNegativeInteger)
       ->capture_default_str();
   k->add_option("inputs", ta.inputs, "Text files")->required()->check(CLI::ExistingFile);
+}
 
-  ExportArgs ea;
+void add_export(CLI::App& app, ExportArgs& ea) {
   auto* x = app.add_subcommand("export", "Write a model in another format: a HuggingFace directory or an llm.c file");
   x->add_option("--model-file", ea.model_file,
                 "An llm.c model (.bin), a checkpoint directory, a training --out-dir, or a HuggingFace model directory")
@@ -569,9 +434,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   x->add_option("-o,--out", ea.out, "The directory (hf) or file (llmc) to write")->required();
   x->add_flag("--bf16", ea.bf16, "Write bf16 weights (rounded to nearest even) instead of fp32");
+}
 
-  PlotArgs pa;
-  MemoryArgs ma;
+// Returns the report and diff commands.
+std::pair<CLI::App*, CLI::App*> add_memory(CLI::App& app, MemoryArgs& ma) {
   auto* mem = app.add_subcommand("memory", "Memory tools over traces written by `tally train --mem-trace F.json`");
   mem->require_subcommand(1);
   auto* mr = mem->add_subcommand("report", "Draw a trace as a self-contained HTML page: live bytes by category and owner, "
@@ -581,88 +447,81 @@ int main(int argc, char** argv) {
   auto* md = mem->add_subcommand("diff", "Which owners held more or less in trace B than in A, and from which step");
   md->add_option("a", ma.trace, "Trace A (.json)")->required()->check(CLI::ExistingFile);
   md->add_option("b", ma.other, "Trace B (.json)")->required()->check(CLI::ExistingFile);
-  PlanArgs pl;
-  auto* q = app.add_subcommand("plan", "Predict every rank's memory peak and its parts for a training configuration, without running it");
-  auto* plan_preset = q->add_option("--model", pl.model, kModelHelp)->capture_default_str();
-  auto* plan_file = q->add_option("--model-file", pl.model_file, "Plan for the shape of an llm.c model file, a checkpoint or a training --out-dir (its latest checkpoint)");
-  auto* plan_hf = q->add_option("--init-from", pl.init_from,
-                                "Plan for a HuggingFace model's shape (a directory, or a GPT-2 model.safetensors)");
-  plan_preset->excludes(plan_file)->excludes(plan_hf);
-  plan_file->excludes(plan_hf);
-  q->add_option("--batch-size", pl.batch_size, "Sequences per microbatch (B)")->capture_default_str();
-  q->add_option("--seq-len", pl.seq_len, "Tokens per sequence (T)")->capture_default_str();
-  q->add_option("--grad-accum", pl.grad_accum, "Microbatches per step")->capture_default_str();
+  return {mr, md};
+}
+
+void add_plan(CLI::App& app, PlanArgs& pl) {
+  auto* q = app.add_subcommand("plan", "Predict every rank's memory peak and its parts for a training run, without "
+                                       "running it: give it `tally train`'s command line");
+  apps::add_run_flags(*q, pl.run);
   q->add_option("--world", pl.world, "Ranks the job would run on (mpirun -np; 0 = --dp x --tp x --pp)")->capture_default_str();
-  q->add_option("--dp", pl.dp, "Data-parallel ranks (0 = --world / (--tp x --pp))")->capture_default_str();
-  q->add_option("--tp", pl.tp, "Tensor-parallel ranks (Megatron's split of heads, MLP width and vocabulary)")
-      ->check(kPositiveInteger)->capture_default_str();
-  q->add_flag("--sp", pl.sp, "Sequence parallel over the --tp group");
-  q->add_option("--pp", pl.pp, "Pipeline stages")->check(kPositiveInteger)->capture_default_str();
-  q->add_option("--pp-schedule", pl.pp_schedule, "Pipeline schedule: gpipe, 1f1b or interleaved")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved"}))->capture_default_str();
-  q->add_option("--virtual-stages", pl.virtual_stages, "Model chunks per pipeline rank (interleaved)")
-      ->check(kPositiveInteger)->capture_default_str();
-  q->add_option("--pp-last-stage-layers", pl.pp_last_stage_layers, "Layers of the last pipeline stage (0: even split)")
-      ->check(kNonNegativeInteger)->capture_default_str();
-  q->add_option("--zero", pl.zero, "ZeRO stage 0-3")->check(CLI::Range(0, 3))->capture_default_str();
-  q->add_flag("--val", pl.val, "The run validates (--val-data): count its loader's buffers");
-  q->add_option("--dtype", pl.dtype, "GEMM precision of the run: fp32 or bf16 (mixed precision)")
-      ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
-  q->add_flag("--chunked-loss", pl.chunked_loss, "The run fuses the head and the loss in chunks (--chunked-loss)");
-  q->add_option("--recompute", pl.recompute, "The run's activation recomputation: none, selective or full (--recompute)")
-      ->check(CLI::IsMember({"none", "selective", "full"}))->capture_default_str();
-  q->add_option("--device", pl.device, "Where the run trains: cpu, cuda or cuda:N (its GEMM library's workspace; "
-                                         "one process a GPU run, no ZeRO; checked as tally train checks it)")
-      ->capture_default_str();
+  q->add_flag("--val", pl.val, "The run validates (as --val-data says): count its loader's buffers");
   q->add_flag("--json", pl.json, "Print the plan as JSON");
+}
+
+void add_plot(CLI::App& app, PlotArgs& pa) {
   auto* p = app.add_subcommand("plot", "Draw the loss curves of one or more runs (their --log-json files) into one SVG");
   p->add_option("logs", pa.logs, "Logs written by `tally train --log-json`")->required()->check(CLI::ExistingFile);
   p->add_option("-o,--out", pa.out, "The SVG to write")->capture_default_str();
   p->add_option("--title", pa.title, "The plot's title")->capture_default_str();
+}
 
+// Under mpirun every rank runs this; a rank that fails ends the whole job (never a hang
+// of the others in a collective), naming itself and the error.
+int run_train(const CLI::App& command, train::TrainConfig& tc) {
+  apps::note_given_flags(command, tc);
+  const auto [unused_flag, draws_none] = apps::unused_sample_flag(command, tc);
+  std::unique_ptr<dist::World> world;
+  try {
+    world = dist::World::create({tc.parallel.dp, tc.parallel.tp, tc.parallel.pp});
+    TALLY_CHECK(unused_flag.empty(), unused_flag, " sets the samples a run prints, and ", draws_none, " draws none");
+    train::run_training(tc, *world);
+    return 0;
+  } catch (const std::exception& e) {
+    const std::string message = error_message(e);
+    if (world && world->size() > 1) world->abort(message);
+    if (!world) dist::World::end_job_if_launched(message);
+    std::fprintf(stderr, "%s\n", message.c_str());
+    return 1;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tally::ops::install();
+  CLI::App app{"tally: train GPT-2 and LLaMA-3 with flat memory and every byte accounted for"};
+  app.require_subcommand(1);
+  train::TrainConfig tc;
+  auto* train_command = app.add_subcommand("train", "Train a GPT-2 or LLaMA-3 model on llm.c token shards");
+  apps::add_run_flags(*train_command, tc);
+  train_command->get_option("--train-data")->required();
+  SampleArgs sa;
+  TokenizeArgs ta;
+  ExportArgs ea;
+  PlotArgs pa;
+  MemoryArgs ma;
+  PlanArgs pl;
+  add_sample(app, sa);
+  add_tokenize(app, ta);
+  add_export(app, ea);
+  const auto [report, diff] = add_memory(app, ma);
+  add_plan(app, pl);
+  add_plot(app, pa);
   if (const std::string unknown = unknown_command(app, argc, argv); !unknown.empty()) {
     std::fprintf(stderr, "%s\n", unknown.c_str());
     return 2;
   }
   CLI11_PARSE(app, argc, argv);
-  if (app.got_subcommand("train")) {
-    tc.model_given = app.get_subcommand("train")->get_option("--model")->count() > 0;
-    tc.bucket_mb_given = app.get_subcommand("train")->get_option("--bucket-mb")->count() > 0;
-    tc.val_batches_given = app.get_subcommand("train")->get_option("--val-batches")->count() > 0;
-    // A sample setting given to a run that draws no samples would do nothing: said.
-    // None is drawn with --sample-every -1, nor with --sample-tokens 0.
-    std::string unused_sample_flag, draws_none;
-    if (tc.sample_every == -1) draws_none = "--sample-every -1";
-    else if (tc.sample_tokens == 0) draws_none = "--sample-tokens 0";
-    for (const char* flag : {"--sample-tokens", "--temperature", "--top-k"})
-      if (!draws_none.empty() && !draws_none.starts_with(flag) && unused_sample_flag.empty() &&
-          app.get_subcommand("train")->get_option(flag)->count() > 0)
-        unused_sample_flag = flag;
-    // Under mpirun every rank runs this; a rank that fails ends the whole job (never a
-    // hang of the others in a collective), naming itself and the error.
-    std::unique_ptr<dist::World> world;
-    try {
-      world = dist::World::create({tc.dp, tc.tp, tc.pp});
-      TALLY_CHECK(unused_sample_flag.empty(), unused_sample_flag, " sets the samples a run prints, and ", draws_none,
-                  " draws none");
-      train::run_training(tc, *world);
-      return 0;
-    } catch (const std::exception& e) {
-      const std::string message = error_message(e);
-      if (world && world->size() > 1) world->abort(message);
-      if (!world) dist::World::end_job_if_launched(message);
-      std::fprintf(stderr, "%s\n", message.c_str());
-      return 1;
-    }
-  }
+  if (train_command->parsed()) return run_train(*train_command, tc);
   try {
     if (app.got_subcommand("sample")) return run_sample(sa);
     if (app.got_subcommand("tokenize")) return run_tokenize(ta);
     if (app.got_subcommand("plot")) return run_plot(pa);
     if (app.got_subcommand("export")) return run_export(ea);
     if (app.got_subcommand("plan")) return run_plan(pl);
-    if (mr->parsed()) return run_memory_report(ma);
-    if (md->parsed()) return run_memory_diff(ma);
+    if (report->parsed()) return run_memory_report(ma);
+    if (diff->parsed()) return run_memory_diff(ma);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", error_message(e).c_str());
     return 1;

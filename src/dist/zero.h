@@ -46,7 +46,7 @@ class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResiden
   // frees the full block; stages 2 and 3 free the full gradient block.
   // Stage 3 also takes a store built without blocks (nn::Blocks::None): its pieces start
   // as zeros, and the model's values come in through store() once this optimizer is the
-  // model's residency (Transformer::fill_whole_parameters), so no rank ever holds the
+  // model's residency (nn::fill_whole_parameters), so no rank ever holds the
   // whole model, not even while it is built.
   ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig config, Communicator& group, int stage);
   ~ZeroOptimizer() override;

@@ -18,13 +18,14 @@
 #include <nlohmann/json.hpp>
 
 #include "autograd/grad_mode.h"
+#include "core/atomic_file.h"
 #include "core/crash_point.h"
 #include "core/json_input.h"
 #include "core/owner.h"
-#include "core/atomic_file.h"
-#include "io/files.h"
 #include "io/checksum.h"
+#include "io/files.h"
 #include "io/model_files.h"
+#include "nn/llmc_layout.h"
 
 namespace tally::io {
 
@@ -269,7 +270,7 @@ std::string save_gathered_checkpoint(const std::string& out_dir, const nn::Trans
       sends.clear();
     };
     if (sender)
-      for (const nn::LlmcTensor& t : whole.llmc_tensors())
+      for (const nn::LlmcTensor& t : nn::llmc_tensors(whole))
         for (size_t w : t.params)
           if (auto it = mine.find(wp.spec(w).name); it != mine.end())
             sends.push_back(comm.send_async(params[it->second].detach().contiguous(), 0, kGatherTag));
@@ -360,7 +361,7 @@ std::string save_checkpoint(const std::string& out_dir, const nn::Transformer& m
     auto value = [&](size_t i) { return pieces ? residency->value_at_root(i) : model.params()[i].detach(); };
     if (!path.empty()) save_llmc(path, model, value);
     else if (pieces)
-      for (const nn::LlmcTensor& t : model.llmc_tensors())
+      for (const nn::LlmcTensor& t : nn::llmc_tensors(model))
         for (size_t i : t.params) value(i);
   };
   // Every rank takes part in each gather; only the writer keeps the bytes.
@@ -597,7 +598,7 @@ TrainingState load_checkpoint_state(const std::string& dir, const nn::Transforme
       crc.update(file_order.raw_data(), static_cast<size_t>(h.numel) * 4);
       Tensor block = Tensor::empty({h.numel}, DType::F32, Device::cpu(), make_owner(Category::Other, "checkpoint.read"));
       int64_t at = 0;
-      for (const nn::LlmcTensor& t : model.llmc_tensors())
+      for (const nn::LlmcTensor& t : nn::llmc_tensors(model))
         for (size_t i : t.params) {
           const int64_t n = params.spec(i).shape.empty() ? 1 : shape_numel(params.spec(i).shape);
           make_view(block, {n}, {1}, params.offset(i)).copy_(make_view(file_order, {n}, {1}, at));

@@ -16,6 +16,7 @@
 #include "io/checksum.h"
 #include "io/files.h"
 #include "io/safetensors.h"
+#include "nn/llmc_layout.h"
 
 namespace tally::io {
 
@@ -363,7 +364,7 @@ using WholeParameterRecord = std::function<void(size_t whole_index, const Tensor
 
 // Both loaders check every tensor's header entry first, then fill the model (whole, or a
 // tensor/pipeline shard) one whole parameter at a time, reading only the tensors it keeps
-// a part of (Transformer::fill_whole_parameters): a load holds at most one file tensor
+// a part of (nn::fill_whole_parameters): a load holds at most one file tensor
 // beside the model (and LLaMA's q and k rows re-ordered once more; none where a tensor is
 // read straight into its parameter), never the file. Each filled parameter goes to `record`.
 void load_llama(const HfSource& src, nn::Transformer& model, const WholeParameterRecord& record) {
@@ -395,7 +396,7 @@ void load_llama(const HfSource& src, nn::Transformer& model, const WholeParamete
   }
   for (const auto& [name, t] : targets)
     TALLY_CHECK(found.count(name), "HuggingFace LLaMA model '", f.path, "': tensor '", name, "' is missing");
-  model.fill_whole_parameters([&](const nn::LlmcTensor&, size_t index, const nn::ParameterSpec& spec, const Tensor& target) {
+  nn::fill_whole_parameters(model, [&](const nn::LlmcTensor&, size_t index, const nn::ParameterSpec& spec, const Tensor& target) {
     if (!target.defined()) return;
     // The files hold the first vocab_size rows of the embedding and head; the padding rows
     // are never looked up or predicted: zero.
@@ -449,7 +450,7 @@ void load_gpt2(const HfSource& src, nn::Transformer& model, const WholeParameter
                 "': ", name, " differs from wte (", wte_key, "): an untied head, which tally's GPT-2 (tied, as ",
                 "HuggingFace's GPT-2 is) cannot hold");
   }
-  model.fill_whole_parameters([&](const nn::LlmcTensor&, size_t index, const nn::ParameterSpec& spec, const Tensor& target) {
+  nn::fill_whole_parameters(model, [&](const nn::LlmcTensor&, size_t index, const nn::ParameterSpec& spec, const Tensor& target) {
     if (!target.defined()) return;
     const SafetensorsFile& file = f.file(keys[index]);
     if (spec.name == "wte") {

@@ -6,10 +6,11 @@
 #include <fstream>
 
 #include "autograd/grad_mode.h"
-#include "core/checked.h"
 #include "core/atomic_file.h"
-#include "io/files.h"
+#include "core/checked.h"
 #include "io/checksum.h"
+#include "io/files.h"
+#include "nn/llmc_layout.h"
 
 namespace tally::io {
 
@@ -235,7 +236,7 @@ uint32_t load_llmc(const std::string& path, nn::Transformer& model) {
   std::vector<char> passed;
   std::vector<uint16_t> raw;
   Crc32 crc;
-  model.fill_whole_parameters([&](const nn::LlmcTensor& t, size_t, const nn::ParameterSpec& spec, const Tensor& target) {
+  nn::fill_whole_parameters(model, [&](const nn::LlmcTensor& t, size_t, const nn::ParameterSpec& spec, const Tensor& target) {
     int64_t n = shape_numel(spec.shape);
     if (t.vocab_rows && spec.shape[0] != m.vocab_size) n = n / spec.shape[0] * m.vocab_size;
     if (!target.defined()) {
@@ -326,7 +327,7 @@ void save_llmc(const std::string& path, const nn::Transformer& model, const std:
   out.write(h.ints, 1024);  // the checksum is filled in at the end
   std::vector<uint16_t> raw;
   Crc32 crc;
-  for (const nn::LlmcTensor& t : model.llmc_tensors()) {
+  for (const nn::LlmcTensor& t : nn::llmc_tensors(model)) {
     for (size_t i : t.params) {
       Tensor p = values(i);
       if (t.vocab_rows) p = p.slice(0, 0, c.vocab_size);  // contiguous: the leading rows

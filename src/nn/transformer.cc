@@ -2,8 +2,6 @@
 
 #include <cmath>
 #include <sstream>
-#include <unordered_map>
-#include <unordered_set>
 
 #include "autograd/checkpoint.h"
 #include "autograd/function.h"
@@ -156,27 +154,20 @@ std::vector<std::string> TransformerConfig::preset_names() {
           "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "llama3-d2", "llama3-d4", "llama3-d6"};
 }
 
-std::vector<std::pair<std::string, Shape>> llmc_tensor_layout(const TransformerConfig& c) {
-  const int64_t L = c.n_layer, C = c.n_embd, Vp = c.padded_vocab_size, T = c.max_seq_len, F = c.ffn_dim();
-  if (c.is_llama()) {
-    // llm.c's train_llama3.py order; c_fc is the up projection (Meta's w3), c_fc2 the
-    // gate (w1). Embedding and head hold vocab_size rows (unpadded).
-    const int64_t V = c.vocab_size;
-    return {{"wte", {V, C}},          {"ln1w", {L, C}},       {"qkvw", {L, c.qkv_dim(), C}}, {"attprojw", {L, C, C}},
-            {"ln2w", {L, C}},          {"fcw", {L, F, C}},     {"fcw2", {L, F, C}},           {"fcprojw", {L, C, F}},
-            {"lnfw", {C}},             {"lm_head", {V, C}}};
-  }
-  return {{"wte", {Vp, C}},         {"wpe", {T, C}},        {"ln1w", {L, C}},         {"ln1b", {L, C}},
-          {"qkvw", {L, 3 * C, C}}, {"qkvb", {L, 3 * C}},  {"attprojw", {L, C, C}},  {"attprojb", {L, C}},
-          {"ln2w", {L, C}},         {"ln2b", {L, C}},        {"fcw", {L, 4 * C, C}},   {"fcb", {L, 4 * C}},
-          {"fcprojw", {L, C, 4 * C}}, {"fcprojb", {L, C}}, {"lnfw", {C}},            {"lnfb", {C}}};
-}
-
 Recompute parse_recompute(const std::string& text) {
   if (text == "none") return Recompute::None;
   if (text == "selective") return Recompute::Selective;
   if (text == "full") return Recompute::Full;
   TALLY_FAIL("--recompute: expected none, selective or full, got '", text, "'");
+}
+
+const char* recompute_name(Recompute r) {
+  switch (r) {
+    case Recompute::None: return "none";
+    case Recompute::Selective: return "selective";
+    case Recompute::Full: return "full";
+  }
+  return "?";
 }
 
 size_t Transformer::declare(const std::string& name, Shape shape, bool decay, TpSplit split) {
@@ -314,131 +305,6 @@ std::vector<std::pair<Tensor, Tensor>> Transformer::shard_regions(size_t i, cons
     }
   }
   return {};
-}
-
-namespace {
-// Whether this shard's parameter `local` has the whole parameter's shape (replicated, or
-// a split over one tensor-parallel rank): then it is filled in place.
-bool holds_whole(const ParameterSpec& local, const ParameterSpec& whole) { return local.shape == whole.shape; }
-}  // namespace
-
-void Transformer::fill_whole_parameters(const WholeParameterFill& fill) {
-  autograd::NoGradGuard no_grad;
-  std::unordered_set<size_t> visited;  // a tied head's wte comes twice: the second time, passed over
-  // The whole model's layout (a whole model's own, index for index) and the parameters this
-  // model holds of it, by name: a whole model holds each whole, so it fills them in place.
-  const Transformer whole = layout_only(config_);
-  std::unordered_map<std::string, size_t> local;  // name -> this model's parameter
-  for (size_t i = 0; i < params_.size(); ++i) local.emplace(params_.spec(i).name, i);
-  // ZeRO-3: no parameter holds its values; each goes through the scratch to the residency.
-  ParameterResidency* keeper = residency_ && residency_->holds_values() ? residency_ : nullptr;
-  auto scratch_of = [](const ParameterSpec& spec) {
-    return Tensor::empty(spec.shape, DType::F32, Device::cpu(), make_owner(Category::Other, "model.whole_parameter"));
-  };
-  for (const LlmcTensor& t : whole.llmc_tensors()) {
-    for (size_t w : t.params) {
-      const ParameterSpec& spec = whole.params().spec(w);
-      auto it = local.find(spec.name);
-      if (it == local.end() || !visited.insert(w).second) {
-        fill(t, w, spec, Tensor());  // another rank's, or visited already
-        continue;
-      }
-      const size_t i = it->second;
-      if (keeper) {
-        const Tensor scratch = scratch_of(spec);
-        fill(t, w, spec, scratch);
-        keeper->store(i, scratch);
-        continue;
-      }
-      const Tensor param = params_[i].detach();
-      if (holds_whole(params_.spec(i), spec)) {
-        fill(t, w, spec, param);
-      } else {
-        const Tensor scratch = scratch_of(spec);
-        fill(t, w, spec, scratch);
-        for (auto& [from, to] : shard_regions(i, scratch, param)) to.copy_(from);
-      }
-      params_[i].storage().bump_version();
-    }
-  }
-}
-
-int64_t Transformer::whole_parameter_scratch_bytes() const {
-  const Transformer whole = layout_only(config_);
-  int64_t largest = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const ParameterSpec& spec = whole.params().spec(whole.params().index_of(params_.spec(i).name));
-    if (!holds_whole(params_.spec(i), spec)) largest = std::max(largest, shape_numel(spec.shape) * 4);
-  }
-  return largest;
-}
-
-void Transformer::load_shard_from(const Transformer& full) {
-  TALLY_CHECK(full.shard_.whole(), "internal: load_shard_from needs the whole model");
-  fill_whole_parameters([&](const LlmcTensor&, size_t index, const ParameterSpec&, const Tensor& target) {
-    if (target.defined()) target.copy_(full.params()[index].detach());
-  });
-}
-
-std::vector<LlmcTensor> Transformer::llmc_tensors() const {
-  TALLY_CHECK(shard_.whole(), "internal: the llm.c layout is the whole model's; this rank holds a shard");
-  std::vector<LlmcTensor> out;
-  for (auto& [name, shape] : llmc_tensor_layout(config_)) {
-    LlmcTensor t{name, shape, {}, false};
-    if (name == "wte") {
-      t.params = {wte_};
-      t.vocab_rows = config_.is_llama();
-    } else if (name == "lm_head") {
-      t.params = {config_.tie_embeddings ? wte_ : lm_head_};
-      t.vocab_rows = true;
-    } else if (name == "wpe") t.params = {wpe_};
-    else if (name == "lnfw") t.params = {lnfw_};
-    else if (name == "lnfb") t.params = {lnfb_};
-    else {
-      static const std::pair<const char*, size_t Layer::*> kinds[] = {
-          {"ln1w", &Layer::ln1w}, {"ln1b", &Layer::ln1b},         {"qkvw", &Layer::qkvw},     {"qkvb", &Layer::qkvb},
-          {"attprojw", &Layer::attprojw}, {"attprojb", &Layer::attprojb}, {"ln2w", &Layer::ln2w}, {"ln2b", &Layer::ln2b},
-          {"fcw", &Layer::fcw},   {"fcb", &Layer::fcb},           {"fcw2", &Layer::fc2w},
-          {"fcprojw", &Layer::fcprojw}, {"fcprojb", &Layer::fcprojb}};
-      for (auto& [kind, field] : kinds)
-        if (name == kind)
-          for (const Layer& layer : layers_) t.params.push_back(layer.*field);
-    }
-    TALLY_CHECK(!t.params.empty(), "internal: llm.c tensor '", name, "' maps to no parameter");
-    for (size_t i : t.params) TALLY_CHECK(i != kAbsent, "internal: llm.c tensor '", name, "' maps to an absent parameter");
-    out.push_back(std::move(t));
-  }
-  return out;
-}
-
-void Transformer::init_weights(uint64_t seed) {
-  Rng rng(seed);
-  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config_.n_layer));
-  // Draws in llm.c's tensor order (each kind over all layers), so a seed gives the same
-  // weights whatever order the parameter block keeps them in, and a shard the values the
-  // whole model would hold there: it draws every parameter and keeps its own.
-  std::unordered_set<size_t> drawn;  // a tied head lists wte twice: its numbers are drawn once
-  fill_whole_parameters([&](const LlmcTensor&, size_t index, const ParameterSpec& spec, const Tensor& target) {
-    if (!drawn.insert(index).second) return;
-    const std::string& name = spec.name;
-    const int64_t n = shape_numel(spec.shape);
-    const bool is_norm_weight = name.find("ln_") != std::string::npos && name.find(".weight") != std::string::npos;
-    const bool is_bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
-    if (is_norm_weight || is_bias) {
-      if (target.defined()) target.fill_(is_norm_weight ? 1.f : 0.f);
-      return;
-    }
-    if (!target.defined()) {
-      rng.discard_normals(n);
-      return;
-    }
-    const bool residual = name.find("c_proj.weight") != std::string::npos;
-    const double std = residual ? residual_std : 0.02;
-    float* d = target.data<float>();
-    for (int64_t j = 0; j < n; ++j) d[j] = static_cast<float>(rng.normal() * std);
-    // Padding rows of the embedding (and head) are never looked up or predicted: zero.
-    if (name == "wte" || name == "lm_head") target.slice(0, config_.vocab_size, config_.padded_vocab_size).zero_();
-  });
 }
 
 namespace {

@@ -8,14 +8,13 @@
 //   LM head       tied to wte                    lm_head, or tied (3.2 1B/3B)
 // Parameters carry llm.c's names for both (h.L.attn.c_attn.weight ...; LLaMA adds
 // h.L.mlp.c_fc2.weight, the gate, and lm_head) and are kept layer by layer
-// (parameters.h); llmc_tensors() maps them to llm.c's file layout, which stacks each
-// kind of weight over the layers.
+// (parameters.h). The model is its parameters and its forward: the llm.c file layout
+// (and filling a shard in its order) is nn/llmc_layout.h's, the initialization
+// nn/init.h's.
 #pragma once
-#include <functional>
 #include <string>
 #include <vector>
 
-#include "core/random.h"
 #include "core/tensor.h"
 #include "nn/parameters.h"
 #include "nn/residency.h"
@@ -84,17 +83,6 @@ struct KvCache {
   int64_t capacity() const { return k.empty() ? 0 : k[0].shape()[1]; }
 };
 
-// One tensor of an llm.c model file and the parameters it is made of: one, or one per
-// layer for the kinds llm.c stacks over layers ("qkvw" is (L, 3C, C)).
-struct LlmcTensor {
-  std::string name;
-  Shape shape;
-  std::vector<size_t> params;  // parameter indices, in file order
-  // The file holds only the first vocab_size rows of each parameter (LLaMA's files are
-  // not padded); the rest are zero in the model.
-  bool vocab_rows = false;
-};
-
 struct ForwardResult {
   Tensor loss;    // scalar mean cross-entropy (defined when targets were given)
   Tensor logits;  // (B, T, Vp) when asked for (sampling, parity tests)
@@ -125,6 +113,7 @@ struct ModelShard {
 // backward); full, each layer keeps only its input and is recomputed in backward.
 enum class Recompute { None, Selective, Full };
 Recompute parse_recompute(const std::string& text);  // "none" | "selective" | "full"
+const char* recompute_name(Recompute r);
 
 // How a parameter of a tensor-parallel shard is cut from the whole model's.
 enum class TpSplit {
@@ -140,7 +129,7 @@ class Transformer {
   // blocks `blocks` names (nn/parameters.h): both for training with the model's own
   // gradients; the parameters only for sampling, export, a source to cut a shard from and
   // ZeRO-2; none for ZeRO-3, whose optimizer binds the parameters and is the model's
-  // residency before its values are filled (fill_whole_parameters).
+  // residency before its values are filled (nn::fill_whole_parameters).
   explicit Transformer(const TransformerConfig& config, ModelShard shard = {},
                        Blocks blocks = Blocks::ParametersAndGradients);
   // The parameters' names, shapes, units and splits only, nothing allocated: what another
@@ -152,35 +141,8 @@ class Transformer {
   const ParameterStore& params() const { return params_; }
   int64_t num_parameters() const { return params_.numel(); }
 
-  // GPT-2's (and llm.c's LLaMA) initialization: N(0, 0.02), residual projections
-  // N(0, 0.02/sqrt(2L)), biases 0, norm weights 1; padded embedding rows 0.
-  void init_weights(uint64_t seed);
-
   const ModelShard& shard() const { return shard_; }
   size_t num_chunks() const { return shard_.chunks.size(); }
-  // Fills this model, whole or a shard, from a source of the whole model's parameters
-  // (a file, an initializer, another model). The source is visited in llm.c file order
-  // (each kind over the layers, parameter by parameter; a tied head's wte twice) with
-  // `fill(file_tensor, index, spec, target)`: parameter `index` of the whole model's
-  // layout (`spec` its name and whole shape) is to be written into `target`, a tensor of
-  // that whole shape, or, when `target` is undefined (no part of it is this shard's),
-  // only passed over (a file reads past it, an initializer draws and drops its numbers;
-  // so is a tied head's wte the second time the file lists it).
-  // A whole model's targets are its own parameters, as are a shard's parameters that it
-  // holds whole (replicated, or not split); a split one is filled through a scratch
-  // tensor of its whole shape, then cut: set-up holds one whole parameter beside the
-  // shard, never the whole model. So is every parameter of a model whose residency holds
-  // the values (ZeRO-3), then handed to ParameterResidency::store.
-  using WholeParameterFill =
-      std::function<void(const LlmcTensor& file_tensor, size_t index, const ParameterSpec& spec, const Tensor& target)>;
-  void fill_whole_parameters(const WholeParameterFill& fill);
-  // The bytes fill_whole_parameters holds beside the model: the largest whole parameter
-  // this shard holds split (0 for a whole model, or a pipeline shard without --tp). (Under
-  // a residency that holds the values, ZeRO-3's, it is the largest parameter: the plan
-  // counts that itself.)
-  int64_t whole_parameter_scratch_bytes() const;
-  // Copies this shard's parameters out of the whole model `full` (same config).
-  void load_shard_from(const Transformer& full);
   // The pairs (region of the whole parameter, region of this shard's parameter) that
   // correspond for parameter `param` (by its index in this shard): copying each pair
   // one way cuts the shard from the whole, the other way puts it back. `whole` has the
@@ -247,9 +209,6 @@ class Transformer {
   size_t layer_unit(int64_t layer) const { return layers_[static_cast<size_t>(layer)].unit; }
   size_t final_unit() const { return final_unit_; }
 
-  // The llm.c file layout of this model's parameters (file order).
-  std::vector<LlmcTensor> llmc_tensors() const;
-
   // FLOPs of one training token (forward + backward) of the whole model, whatever shard
   // this is: 6N + 6*L*C*T (attention), the formula llm.c and the PaLM paper use for MFU.
   double flops_per_token(int64_t seq_len) const;
@@ -309,8 +268,5 @@ class Transformer {
   };
   std::vector<Layer> layers_;  // indexed by the global layer
 };
-
-// The llm.c tensor names in file order (wte ... lnfb) and their shapes for a config.
-std::vector<std::pair<std::string, Shape>> llmc_tensor_layout(const TransformerConfig& c);
 
 }  // namespace tally::nn

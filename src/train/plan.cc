@@ -10,6 +10,7 @@
 #include "core/checked.h"
 #include "dist/pipeline.h"
 #include "memory/report.h"
+#include "nn/llmc_layout.h"
 #include "runtime/backend.h"
 
 namespace tally::train {
@@ -88,7 +89,7 @@ MemoryPlan plan_steps(const PlanInput& in);
 // The steps' plan, and set-up's under tensor and pipeline parallelism: each rank builds
 // its shard's parameters and gradients (8 P_rank bytes), then reads or draws the whole
 // model's parameters one at a time, holding a whole-shaped scratch tensor for each one it
-// keeps only a slice of (Transformer::fill_whole_parameters): 8 P_rank + the largest such
+// keeps only a slice of (nn::fill_whole_parameters): 8 P_rank + the largest such
 // parameter, whatever the source (the seed, an llm.c file, HuggingFace files: those read
 // one tensor at a time, each a piece of a parameter, into the scratch or the parameter).
 MemoryPlan plan_memory(const PlanInput& in) {
@@ -131,7 +132,7 @@ MemoryPlan plan_memory(const PlanInput& in) {
       if ((name.rfind("parameters", 0) == 0 && name != kBf16CopyPart) || name.rfind("gradients", 0) == 0) shard += bytes;
     const nn::ModelShard layout = dist::pipeline_shard(in.model.n_layer, in.pp, r.stage, in.virtual_stages, in.tp, 0,
                                                        in.pp_last_stage_layers);
-    const int64_t scratch = nn::Transformer::layout_only(in.model, layout).whole_parameter_scratch_bytes();
+    const int64_t scratch = nn::whole_parameter_scratch_bytes(nn::Transformer::layout_only(in.model, layout));
     r.setup_bytes = checked_add(shard, scratch + rotary, "plan: set-up");
     if (r.setup_bytes - r.predicted_peak_bytes > worst - worst_step) worst = r.setup_bytes, worst_step = r.predicted_peak_bytes;
   }
@@ -143,34 +144,26 @@ MemoryPlan plan_memory(const PlanInput& in) {
   return plan;
 }
 
-bool is_device_name(const std::string& text) {
-  const bool cuda_n = text.starts_with("cuda:") && text.size() > 5 && text.size() < 10 &&
-                      text.find_first_not_of("0123456789", 5) == std::string::npos;
-  return text == "cpu" || text == "cuda" || cuda_n;
-}
-
-void check_layout_flags(const LayoutFlags& f) {
-  TALLY_CHECK(f.zero >= 0 && f.zero <= 3, "--zero must be 0, 1, 2 or 3, got ", f.zero);
-  // One GPU a run for now: the communicator that would reduce between GPUs (NCCL) is not
-  // built yet, and MPI's moves host memory. (The name first, as parse_device says it: a
-  // misspelt device is not a GPU run.)
-  const bool cpu = f.device == "cpu";
-  TALLY_CHECK(is_device_name(f.device), "--device: expected cpu, cuda or cuda:N, got '", f.device, "'");
-  TALLY_CHECK(cpu || f.world == 1, "--device ", f.device, " with ", f.world,
-              " processes: multi-GPU training needs the NCCL communicator, which tally does not have yet; "
-              "run one process per GPU run, or train on --device cpu under mpirun");
-  TALLY_CHECK(cpu || f.zero == 0, "--device ", f.device, " with --zero ", f.zero,
-              ": ZeRO shards over data-parallel GPUs, which need the NCCL communicator tally does not have yet");
-  TALLY_CHECK(!f.sequence_parallel || f.tp > 1, "--sp (sequence parallel) shards along the sequence over the "
-              "tensor-parallel group: it needs --tp > 1");
-  TALLY_CHECK(!f.sequence_parallel || f.seq_len % f.tp == 0, "--sp: --seq-len ", f.seq_len, " must divide into --tp ",
-              f.tp, " ranks");
-  TALLY_CHECK(f.tp * f.pp == 1 || f.zero <= 1, "--zero ", f.zero, " with --tp/--pp: the model is already sharded by "
-              "tensor and pipeline parallelism; use --zero 1 (optimizer state sharded over the data-parallel group)");
-  TALLY_CHECK(!f.bf16 || f.zero <= 2, "--dtype bf16 with --zero 3: the GEMMs read a bf16 copy of the whole parameter "
-              "block, which ZeRO-3 does not keep; use --zero 2 or lower");
-  TALLY_CHECK(!f.chunked_loss || f.tp == 1, "--chunked-loss with --tp: the tensor-parallel loss is vocabulary-parallel "
-              "already (no rank holds the whole logits)");
+PlanInput plan_input(const TrainConfig& c, const nn::TransformerConfig& model, int64_t world, bool validates) {
+  PlanInput in;
+  in.model = model;
+  in.batch_size = c.batch.batch_size;
+  in.seq_len = c.batch.seq_len;
+  in.grad_accum = c.batch.grad_accum;
+  in.world = static_cast<int>(world);
+  in.tp = c.parallel.tp;
+  in.sequence_parallel = c.parallel.sequence_parallel;
+  in.pp = c.parallel.pp;
+  in.pp_schedule = c.parallel.pp_schedule;
+  in.virtual_stages = c.parallel.virtual_stages;
+  in.pp_last_stage_layers = c.parallel.pp_last_stage_layers;
+  in.zero = c.parallel.zero;
+  in.val_loader = validates;
+  in.bf16 = c.compute.dtype == DType::BF16;
+  in.device = c.compute.device;  // (the plan counts what the device changes: the GEMM library's workspace, the loader)
+  in.loss_chunk_rows = c.compute.chunked_loss ? nn::Transformer::default_loss_chunk_rows(model.padded_vocab_size) : 0;
+  in.recompute = c.compute.recompute;
+  return in;
 }
 
 namespace {
@@ -185,7 +178,7 @@ MemoryPlan plan_steps(const PlanInput& in) {
   const int64_t TP = in.tp;
   // D: the data-parallel ranks, over which ZeRO shards and the loss is averaged.
   const int64_t PP = in.pp;
-  const dist::PipelineSchedule schedule = dist::parse_pipeline_schedule(in.pp_schedule);
+  const dist::PipelineSchedule schedule = in.pp_schedule;
   // As tally train checks them (a flag that needs --pp > 1 without it, too).
   dist::check_pipeline(schedule, static_cast<int>(PP), in.virtual_stages, in.grad_accum, c.n_layer,
                        in.pp_last_stage_layers);
@@ -370,7 +363,7 @@ MemoryPlan plan_steps(const PlanInput& in) {
 
   // What the device changes: the GEMM library's workspace, and whether the validation
   // loader's host buffers are in the planned ledger.
-  const bool on_cpu = in.device == "cpu";
+  const bool on_cpu = in.device.is_cpu();
   const int64_t library_workspace = runtime::library_workspace_bytes(on_cpu ? DeviceType::CPU : DeviceType::CUDA);
   const int64_t loader = (in.val_loader && on_cpu ? 2 : 1) * 2 * BT * kFloat;
   // At the peak (the start of backward): dL/d(final norm output) is allocated while the
@@ -778,7 +771,7 @@ std::string plan_text(const MemoryPlan& plan, const PlanInput& in) {
                     std::to_string(in.seq_len) + ", grad-accum " + std::to_string(in.grad_accum) + ", " +
                     std::to_string(in.world) + " rank(s)" +
                     (in.tp > 1 ? " (tp " + std::to_string(in.tp) + (in.sequence_parallel ? " with sp" : "") + ")" : "") +
-                    (in.pp > 1 ? " (pp " + std::to_string(in.pp) + " " + in.pp_schedule +
+                    (in.pp > 1 ? " (pp " + std::to_string(in.pp) + " " + dist::pipeline_schedule_name(in.pp_schedule) +
                                      (in.virtual_stages > 1 ? " x" + std::to_string(in.virtual_stages) : "") +
                                      (in.pp_last_stage_layers > 0
                                           ? ", " + std::to_string(in.pp_last_stage_layers) + " layer(s) on the last stage"

@@ -90,27 +90,12 @@
 #include <utility>
 #include <vector>
 
+#include "dist/pipeline.h"
 #include "memory/ledger.h"
 #include "nn/transformer.h"
+#include "train/config.h"
 
 namespace tally::train {
-
-// The checks of a run's layout flags that tally train and tally plan share, in the same
-// words: what one refuses, the other refuses alike. (The pipeline's flags have theirs in
-// dist::check_pipeline, the tensor-parallel splits theirs in the model's layout.)
-struct LayoutFlags {
-  int64_t world = 1;  // ranks
-  int tp = 1, pp = 1;
-  bool sequence_parallel = false;  // --sp
-  int64_t seq_len = 64;
-  int zero = 0;
-  bool bf16 = false;  // --dtype bf16
-  bool chunked_loss = false;
-  std::string device = "cpu";  // --device, as given
-};
-void check_layout_flags(const LayoutFlags& f);
-// Whether `text` names a device as --device takes it: cpu, cuda or cuda:N.
-bool is_device_name(const std::string& text);
 
 struct PlanInput {
   nn::TransformerConfig model;
@@ -124,12 +109,12 @@ struct PlanInput {
   int64_t loss_chunk_rows = 0;  // --chunked-loss: rows per chunk of the fused head and loss (0: off)
   // --device: on a GPU the plan counts cuBLASLt's workspace and leaves the validation
   // loader's host buffers out (a GPU's evaluation copies them one batch at a time).
-  std::string device = "cpu";
+  Device device = Device::cpu();
   nn::Recompute recompute = nn::Recompute::None;  // --recompute (see below)
   // The pipeline (--pp, --pp-schedule, --virtual-stages, --pp-last-stage-layers); world =
   // dp x tp x pp.
   int pp = 1;
-  std::string pp_schedule = "1f1b";
+  dist::PipelineSchedule pp_schedule = dist::PipelineSchedule::OneFOneB;
   int virtual_stages = 1;
   int64_t pp_last_stage_layers = 0;
 };
@@ -152,6 +137,8 @@ struct MemoryPlan {
 };
 
 MemoryPlan plan_memory(const PlanInput& input);
+// The plan's input for a run of `config` on `world` ranks (`validates`: it has --val-data).
+PlanInput plan_input(const TrainConfig& config, const nn::TransformerConfig& model, int64_t world, bool validates);
 // Parameters of a config (padded vocabulary rows included), from the same formulas.
 int64_t parameter_count(const nn::TransformerConfig& c);
 std::vector<int64_t> unit_numels(const nn::TransformerConfig& c);

@@ -1,0 +1,245 @@
+#include "dist/step_engine.h"
+
+#include <optional>
+
+#include "autograd/grad_mode.h"
+#include "ops/ops.h"
+#include "runtime/backend.h"
+#include "runtime/profiler.h"
+
+namespace tally::dist {
+
+namespace profiler = runtime::profiler;
+
+StepEngine::StepEngine(const World& world, const EngineConfig& config, const FillWeights& fill)
+    : world_(world), config_(config), model_parallel_(world.tp() * world.pp() > 1) {
+  check_pipeline(config.pp_schedule, world.pp(), config.virtual_stages, config.microbatches, config.model.n_layer,
+                 config.pp_last_stage_layers);
+  build_model(fill);
+  build_optimizer();
+  if (pipeline_)
+    in_flight_bound_ = pipeline_in_flight_bound(config.pp_schedule, world.pp(), world.pp_rank(), config.microbatches,
+                                                config.virtual_stages);
+}
+
+StepEngine::~StepEngine() {
+  if (model_) model_->set_residency(nullptr);
+}
+
+nn::ModelShard StepEngine::shard_of(int pp_rank, int tp_rank) const {
+  if (!model_parallel_) return {};
+  return pipeline_shard(config_.model.n_layer, world_.pp(), pp_rank, config_.virtual_stages, world_.tp(), tp_rank,
+                        config_.pp_last_stage_layers);
+}
+
+// The model, built without the blocks the run does not keep whole: ZeRO-2 keeps gradient
+// shards of its own, ZeRO-3 its parameters too. ZeRO-3's optimizer binds the parameters
+// and takes each rank's part of the weights as they are read or drawn, one whole
+// parameter at a time: no rank ever holds the whole model. Then tensor parallelism,
+// recomputation, the device and the pipeline.
+void StepEngine::build_model(const FillWeights& fill) {
+  const nn::Blocks blocks = config_.zero < 2    ? nn::Blocks::ParametersAndGradients
+                            : config_.zero == 2 ? nn::Blocks::Parameters
+                                                : nn::Blocks::None;
+  model_ = std::make_unique<nn::Transformer>(config_.model, shard_of(world_.pp_rank(), world_.tp_rank()), blocks);
+  if (config_.zero == 3) {
+    zero_ = std::make_unique<ZeroOptimizer>(model_->params(), config_.adamw, world_.dp_group(), 3);
+    model_->set_residency(zero_.get());
+  }
+  fill(*model_);
+  // Set-up's peak: the shard's parameters and gradients, and one whole parameter beside
+  // them.
+  if (model_parallel_) setup_peak_ = runtime::ledger(config_.device).stats().peak_allocated;
+  if (world_.tp() > 1) {
+    tensor_parallel_ = std::make_unique<TensorParallel>(world_.tp_group(), config_.sequence_parallel);
+    model_->set_tensor_parallel(tensor_parallel_.get());
+  }
+  model_->set_recompute(config_.recompute);
+  model_->move_to(config_.device);  // built and loaded on the host; trained where --device says
+  if (world_.pp() > 1)
+    pipeline_ = std::make_unique<PipelineStage>(*model_, world_.pp_group(), config_.pp_schedule, config_.virtual_stages);
+}
+
+// AdamW over the whole block, or ZeRO over the data-parallel group (ZeRO-3's is made
+// with the model); then what the optimizer's state must come before (the bf16 copy, as
+// the plan orders the parts) and the gradients' reduction.
+void StepEngine::build_optimizer() {
+  if (config_.zero == 0) adamw_ = std::make_unique<optim::AdamW>(model_->params(), config_.adamw);
+  else if (!zero_) zero_ = std::make_unique<ZeroOptimizer>(model_->params(), config_.adamw, world_.dp_group(), config_.zero);
+  // ZeRO-2/3's set-up peak: ZeRO-2's parameter block and shards, just made; ZeRO-3's
+  // shards and the one whole parameter it read or drew at a time.
+  if (config_.zero >= 2) setup_peak_ = runtime::ledger(config_.device).stats().peak_allocated;
+  if (zero_ && zero_->stage() >= 2) model_->set_residency(zero_.get());
+  model_->set_matmul_dtype(config_.matmul_dtype);
+  model_->set_loss_chunk_rows(config_.chunked_loss ? nn::Transformer::default_loss_chunk_rows(config_.model.padded_vocab_size)
+                                                   : 0);
+  // Plain data parallel and ZeRO-1 average full gradients with bucketed all-reduces.
+  if (config_.zero <= 1 && world_.dp() > 1)
+    all_reduce_ = std::make_unique<GradientAllReduce>(model_->params(), world_.dp_group(), config_.bucket_bytes);
+  // One process's gradients are final once backward has written them, so their norm is
+  // summed during the step's last backward, each gradient while it is still in cache
+  // (optim/grad_norm.h). Data parallel's change once more, in the all-reduce. On a GPU
+  // each gradient's sum would be a wait for the device in the middle of backward.
+  if (!model_parallel_ && !zero_ && world_.dp() == 1 && config_.device.is_cpu())
+    backward_norm_ = std::make_unique<optim::BackwardGradientNorm>(model_->params());
+}
+
+optim::Optimizer& StepEngine::optimizer() {
+  return adamw_ ? static_cast<optim::Optimizer&>(*adamw_) : static_cast<optim::Optimizer&>(*zero_);
+}
+
+// A batch's tokens on the training device (the loader fills host buffers): the tensor
+// itself when it is there already.
+Tensor StepEngine::on_device(const Tensor& t) const {
+  if (t.device() == config_.device) return t;
+  Tensor moved = Tensor::empty(t.shape(), t.dtype(), config_.device, current_owner("microbatch_tokens"));
+  moved.copy_(t);
+  return moved;
+}
+
+double StepEngine::forward_backward(int64_t step, data::TokenLoader& loader, sanitizer::Sanitizer& sanitizer) {
+  const int64_t tp_bytes_before = world_.tp_group().stats().payload_bytes;
+  const double local = pipeline_ ? run_pipeline(step, loader, sanitizer) : run_microbatches(step, loader, sanitizer);
+  tp_payload_bytes_ = world_.tp_group().stats().payload_bytes - tp_bytes_before;
+  const double total = world_.dp_group().all_reduce_scalar(local, ReduceOp::Sum);
+  return total / static_cast<double>(config_.microbatches * world_.dp());
+}
+
+// Microbatches one after another, each forward then backward: the loader's buffers are
+// read in place (each microbatch's backward runs before the next is read).
+double StepEngine::run_microbatches(int64_t step, data::TokenLoader& loader, sanitizer::Sanitizer& sanitizer) {
+  const int64_t N = config_.microbatches, D = world_.dp();
+  double loss_sum = 0;
+  for (int64_t mb = 0; mb < N; ++mb) {
+    sanitizer.begin_microbatch(mb);
+    const bool last = mb + 1 == N;
+    {
+      const data::Batch& batch = loader.batch_at(step, mb * D + world_.dp_rank(), N * D);
+      std::optional<profiler::PhaseScope> phase(std::in_place, "forward");
+      Tensor loss = model_->forward(on_device(batch.inputs), on_device(batch.targets)).loss;
+      // At the end of the first forward the live set is exactly model states + loader
+      // buffers + saved activations (measured; the plan predicts it).
+      if (live_after_forward_ == 0) live_after_forward_ = runtime::ledger(config_.device).stats().allocated;
+      loss_sum += loss.item();  // R4: only the number escapes the microbatch
+      phase.emplace("backward");
+      if (last && all_reduce_) all_reduce_->arm();  // reduce while the last backward runs
+      if (last && backward_norm_) backward_norm_->arm();
+      (N * D == 1 ? loss : ops::scale(loss, 1.0 / static_cast<double>(N * D))).backward();
+    }
+    if (zero_) zero_->finish_microbatch();
+    sanitizer.end_microbatch();
+  }
+  return loss_sum;
+}
+
+// A pipeline stage's schedule. The loader's buffers are refilled per call, so each
+// microbatch keeps its own copy (the embedding and the loss save them for backward,
+// which runs later).
+double StepEngine::run_pipeline(int64_t step, data::TokenLoader& loader, sanitizer::Sanitizer& sanitizer) {
+  const int64_t N = config_.microbatches, D = world_.dp();
+  auto batch_of = [&](int64_t mb) {
+    const data::Batch& b = loader.batch_at(step, mb * D + world_.dp_rank(), N * D);
+    auto own = [&](const Tensor& t) {
+      Tensor copy = Tensor::empty(t.shape(), t.dtype(), config_.device, current_owner("microbatch_tokens"));
+      copy.copy_(t);
+      return copy;
+    };
+    return std::pair<Tensor, Tensor>{own(b.inputs), own(b.targets)};
+  };
+  // Data parallel overlaps its all-reduce with the step's last backward, which under
+  // gpipe and 1f1b finishes every parameter of the stage; interleaved chunks finish at
+  // different times, so their reduction starts after the pipeline.
+  profiler::PhaseScope phase("pipeline");
+  const double loss_sum = pipeline_->run(N, batch_of, 1.0 / static_cast<double>(N * D), sanitizer, [&] {
+    if (all_reduce_ && config_.virtual_stages == 1) all_reduce_->arm();
+  });
+  if (all_reduce_ && config_.virtual_stages > 1) all_reduce_->arm();
+  TALLY_CHECK(pipeline_->last().max_in_flight <= in_flight_bound_, "pipeline stage ", world_.pp_rank(), " held ",
+              pipeline_->last().max_in_flight, " microbatches at once; the ",
+              pipeline_schedule_name(config_.pp_schedule), " schedule needs ", in_flight_bound_);
+  return world_.pp_group().all_reduce_scalar(loss_sum, ReduceOp::Sum);  // the last stage's
+}
+
+void StepEngine::finalize_grads() {
+  if (all_reduce_) all_reduce_->finish();
+  if (!model_parallel_) return;
+  // The tied embedding's two copies (first and last stage) take the sum of their
+  // gradients; under sequence parallelism each rank's replicated parameters saw only its
+  // slice of the sequence, so their gradients are summed over the group.
+  sum_tied_embedding_gradients(*model_, world_.pp_group());
+  if (tensor_parallel_ && config_.sequence_parallel) sum_replicated_gradients(*model_, world_.tp_group());
+}
+
+// The norm each layout can take cheapest: a shard's squares summed over its groups; ZeRO's
+// from the shards; one process's summed during the last backward; a GPU's in one pass
+// over the gradient block (one wait for the device); else per parameter after backward.
+double StepEngine::grad_norm() {
+  profiler::PhaseScope phase("grad_norm");
+  if (model_parallel_) return model_parallel_gradient_norm(*model_, world_);
+  if (zero_) return zero_->gradient_norm();
+  if (backward_norm_) return backward_norm_->finish();
+  if (!config_.device.is_cpu()) return optim::block_gradient_norm(model_->params());
+  return optim::gradient_norm(model_->params());
+}
+
+void StepEngine::optimizer_step(double lr, double grad_scale) {
+  profiler::PhaseScope phase("optimizer");
+  autograd::NoGradGuard no_grad;
+  OwnerScope scope("optimizer");
+  if (zero_) return zero_->step(lr, grad_scale);
+  adamw_->step(lr, grad_scale);
+  model_->params().discard_grads();  // the next step's backward writes them afresh: no zeroing pass
+}
+
+void StepEngine::synchronize() {
+  if (!config_.device.is_cpu()) runtime::backend(config_.device).default_stream().synchronize();
+}
+
+double StepEngine::evaluate(const data::Batch& b) {
+  // to() is the tensor itself on the model's own device (the CPU's loader buffers on the CPU).
+  if (pipeline_) return pipeline_->evaluate(b.inputs, b.targets);
+  return model_->forward(b.inputs.to(model_->device()), b.targets.to(model_->device())).loss.item();
+}
+
+int64_t StepEngine::model_state_bytes() const {
+  const int64_t P = model_->num_parameters();  // this rank's (its shard's under --tp/--pp)
+  return (zero_ ? zero_->footprint().total() : 16 * P) + (config_.matmul_dtype == DType::BF16 ? 2 * P : 0);
+}
+
+std::string StepEngine::model_state_formula() const {
+  const int z = config_.zero;
+  std::string formula = z == 0 ? "16P" : z == 1 ? "8P + 8P/D" : z == 2 ? "4P + 12P/D" : "16P/D";
+  if (config_.matmul_dtype == DType::BF16) formula += " + 2P (bf16 copy)";
+  return formula;
+}
+
+const PipelineStepStats* StepEngine::pipeline_stats() const { return pipeline_ ? &pipeline_->last() : nullptr; }
+const ReductionStats* StepEngine::all_reduce_stats() const { return all_reduce_ ? &all_reduce_->last() : nullptr; }
+
+std::vector<std::string> StepEngine::describe() const {
+  std::vector<std::string> lines;
+  const int TP = world_.tp(), PP = world_.pp();
+  const int64_t D = world_.dp();
+  if (model_parallel_) {
+    std::string parts;
+    if (TP > 1) parts = "tensor parallel " + std::to_string(TP) + (config_.sequence_parallel ? " with sequence parallel" : "");
+    if (TP > 1 && PP > 1) parts += ", ";
+    if (PP > 1)
+      parts += "pipeline " + std::to_string(PP) + " stages, " + pipeline_schedule_name(config_.pp_schedule) +
+               (config_.virtual_stages > 1 ? " x " + std::to_string(config_.virtual_stages) + " chunks" : "");
+    lines.push_back("model parallel: " + parts + ", recompute " + nn::recompute_name(config_.recompute) +
+                    "; this rank holds " + std::to_string(model_->num_parameters()) + " of the " +
+                    std::to_string(nn::Transformer::layout_only(config_.model).num_parameters()) + " parameters");
+  }
+  std::string reduction;
+  if (config_.zero)
+    reduction = "ZeRO stage " + std::to_string(config_.zero) + (D == 1 ? " over 1 data-parallel rank: nothing sharded" : "");
+  else if (D > 1)
+    reduction = "bucketed all-reduce of " + std::to_string(all_reduce_->buckets().size()) + " buckets";
+  else
+    reduction = model_parallel_ ? "no data parallel" : "one process";
+  lines.push_back("parallel: " + world_.describe() + ", " + reduction);
+  return lines;
+}
+
+}  // namespace tally::dist
