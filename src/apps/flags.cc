@@ -70,7 +70,7 @@ void add_model_flags(CLI::App& t, train::TrainConfig& c) {
   auto* hf = t.add_option("--init-from", c.model.init_from,
                           "Start from a HuggingFace model: a directory (config.json + model.safetensors or shards) or a "
                           "GPT-2 model.safetensors");
-  // One source for the model: a preset named beside a file was ignored without a word.
+  // One source for the model: a preset named beside a file is refused, not ignored.
   preset->excludes(file)->excludes(hf);
   file->excludes(hf);
 }

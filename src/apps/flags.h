@@ -12,8 +12,8 @@
 
 namespace tally::apps {
 
-// A seed: an integer in 0 .. 2^64 - 1 (CLI11 would take "-1" as 2^64 - 1, and clamps a
-// value past 2^64 - 1 to it, so two seeds drew the same samples).
+// A seed: an integer in 0 .. 2^64 - 1 (CLI11 alone takes "-1" as 2^64 - 1 and clamps a
+// value past 2^64 - 1 to it, so two different seeds would draw the same samples).
 extern const CLI::Validator kNonNegativeInteger;
 // A count of at least one (ranks, stages).
 extern const CLI::Validator kPositiveInteger;

@@ -1,8 +1,8 @@
 // JSON read from files: tokenizers, HuggingFace configs and indexes, safetensors headers,
 // checkpoint recipes, step logs, memory traces. nlohmann parses any depth without
 // recursing, but copying, comparing or printing a value recurses once a level: a 120 KB
-// encoder.json of '[' overflowed the stack (a segfault, not an error) wherever a loader
-// copied the value or printed it in its message. Every such file is parsed here, its
+// encoder.json of '[' overflows the stack (a segfault, not an error) wherever a loader
+// copies the value or prints it in its message. Every such file is parsed here, its
 // nesting bounded: none of them nests deeper than a handful of levels.
 #pragma once
 #include <functional>

@@ -41,7 +41,7 @@ class TokenShard {
   // size) or -1, and a fingerprint of the tokens: the sum over positions of a hash of
   // (first_position + position, token), so that shards read one after another add up to
   // their concatenation's. Ranks compare it: a rank whose shards hold other tokens of the
-  // same count trained on them without a word.
+  // same count would otherwise train on them without a word.
   struct Scan {
     int64_t first_at_or_above = -1;
     uint64_t fingerprint = 0;

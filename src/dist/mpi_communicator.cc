@@ -374,11 +374,11 @@ void initialize() {
   // OpenMPI's collectives malloc a temporary as large as their message on every call
   // (reduce_scatter_block's default algorithm: the whole input, on rank 0) and free it at
   // the end. glibc gives a freed block above its mmap threshold back to the kernel and
-  // trims the heap's free top above its trim threshold, so every call faulted its
-  // temporary's pages in again: ZeRO-2 at dp 2 (GPT-2 124M, one 28 MB layer unit per
-  // reduce-scatter) took 800k page faults on rank 0 in 8 steps and ran 2.38 s a step,
-  // against 2.20 s with these two settings (bench/RESULTS.md). Blocks up to 32 MiB (the
-  // largest mmap threshold glibc takes) now come from the heap, and up to 256 MiB of the
+  // trims the heap's free top above its trim threshold, so by default every call faults
+  // its temporary's pages in again: for ZeRO-2 at dp 2 (GPT-2 124M, one 28 MB layer unit
+  // per reduce-scatter) that is about 100k page faults a step on rank 0 and 8% of the
+  // step's time (bench/RESULTS.md). With these two settings blocks up to 32 MiB (the
+  // largest mmap threshold glibc takes) come from the heap, and up to 256 MiB of the
   // heap's free top stays mapped, so a temporary's pages are faulted in once. Larger
   // temporaries (a unit above 32 MiB) are still mapped and unmapped per call. Memory
   // outside the ledger either way: library scratch, not tensors.

@@ -10,8 +10,8 @@
 //
 // Activations and their gradients move between neighbouring stages by point-to-point
 // sends and receives, posted asynchronously. A received activation enters the stage's
-// graph as a fresh leaf that requires grad and is never an op's output (seed 000's fix,
-// by construction); its gradient is copied into a send buffer right after that
+// graph as a fresh leaf that requires grad and is never an op's output, by construction
+// (R1: leaf xor interior); its gradient is copied into a send buffer right after that
 // microbatch's backward, and the leaf, its gradient and the chunk's output are dropped
 // before the microbatch ends, so the sanitizer's boundary sees nothing of it survive.
 #pragma once
@@ -76,8 +76,8 @@ void sum_tied_embedding_gradients(nn::Transformer& model, Communicator& pp_group
 // How a stage turns a received activation into its chunk's input, and what becomes of
 // that input after its microbatch's backward. This class is the stage's own rule: a
 // fresh leaf that requires grad, let go after the backward. Tests derive from it to
-// re-enact the seed bugs in a real pipeline (an input kept to the end of the step; a
-// receive that is an op's output and a leaf at once) and show they are caught.
+// break that rule in a real pipeline (an input kept to the end of the step; a receive
+// that is an op's output and a leaf at once) and show that each break is caught.
 class ReceivedInputs {
  public:
   virtual ~ReceivedInputs() = default;

@@ -21,7 +21,7 @@ std::unique_ptr<World> World::self() {
 std::unique_ptr<World> World::create(const ParallelConfig& c) {
   TALLY_CHECK(c.dp >= 0, "--dp must be >= 0 (0: the world size / (tp * pp)), got ", c.dp);
   TALLY_CHECK(c.tp >= 1 && c.pp >= 1, "--tp and --pp must be >= 1, got ", c.tp, " and ", c.pp);
-  // Bounded so that products of the three are int64s (an int wrapped: tp x pp = 2^32 was 0).
+  // Bounded so that the product of the three fits an int64 (as ints, tp x pp = 2^32 wraps to 0).
   for (auto [flag, value] : {std::pair{"--dp", c.dp}, {"--tp", c.tp}, {"--pp", c.pp}})
     TALLY_CHECK(value <= kMaxRanksPerDimension, flag, " ", value, ": each of --dp, --tp and --pp must be at most ",
                 kMaxRanksPerDimension);
@@ -39,7 +39,7 @@ std::unique_ptr<World> World::create(const ParallelConfig& c) {
   const int tp = c.tp, pp = c.pp;
   const int64_t tp_pp = int64_t{tp} * pp;
   // Without --dp the data-parallel ranks are what the world leaves: it must be a multiple
-  // of tp x pp (saying "--dp 0 x ... = 0 processes" named a flag the user never gave).
+  // of tp x pp (the error names the world size, not a --dp the user did not give).
   TALLY_CHECK(c.dp > 0 || w->size_ % tp_pp == 0, "mpirun started ", w->size_, " processes, not a multiple of --tp ",
               tp, " x --pp ", pp, " = ", tp_pp, " (each data-parallel rank needs tp x pp processes)");
   const int dp = c.dp > 0 ? c.dp : static_cast<int>(w->size_ / tp_pp);

@@ -108,8 +108,8 @@ void validate_from(const nn::TransformerConfig& c, const std::string& path) {
 std::string model_type(const HfSource& src) {
   if (src.config_path.empty()) {
     // A bare model.safetensors is GPT-2's, whose shape is all in its weights. LLaMA's heads,
-    // rotary and norms are not: without its config.json it was read as a GPT-2 and refused
-    // for a missing 'wte.weight'.
+    // rotary and norms are not: its weights without a config.json are refused as LLaMA's,
+    // not read as a GPT-2 (whose loader would only say 'wte.weight' is missing).
     for (const std::string& shard : src.shards)
       TALLY_CHECK(!index_safetensors(shard).has("model.embed_tokens.weight"), "HuggingFace model '", shard,
                   "' holds LLaMA's tensors (model.embed_tokens.weight) but no config.json beside it: LLaMA's heads, "
@@ -196,8 +196,8 @@ struct SafetensorsShards {
   explicit SafetensorsShards(const HfSource& src) {
     for (const std::string& shard : src.shards) {
       files.push_back(index_safetensors(shard));  // the header: shapes, no weights
-      // One tensor in two files is refused: GPT-2's loader took the first file's, LLaMA's
-      // the last's, each without a word.
+      // One tensor in two files is refused: whichever copy a loader took, the other would
+      // be passed over without a word.
       for (const std::string& name : files.back().order) {
         const auto [it, first] = file_of.emplace(name, files.size() - 1);
         TALLY_CHECK(first, "HuggingFace model: tensor '", name, "' is in both '", files[it->second].path, "' and '",
@@ -246,7 +246,7 @@ nn::TransformerConfig gpt2_config(const HfSource& src) {
   if (!src.config_path.empty()) {
     c.n_head = integer(read_config(src.config_path), "n_head", src.config_path);
   } else if (it != metadata.end()) {
-    // The whole string: std::stoll read "4abc" as 4.
+    // The whole string: std::stoll reads "4abc" as 4.
     const std::string& text = it->second;
     const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), c.n_head);
     TALLY_CHECK(error == std::errc() && end == text.data() + text.size() && c.n_head > 0, "HuggingFace GPT-2 file '",
@@ -485,8 +485,8 @@ std::vector<std::string> hf_files_read(const std::string& path) {
 }
 
 // LLaMA's config.json against its weights' headers, before a model is built from it: the
-// layer count, vocabulary and width were the config's alone, so another model's config
-// built that model (20,000 layers took 28 s to find its tensors missing).
+// layer count, vocabulary and width are the config's alone, so another model's config
+// would build that model, and find its tensors missing only once built (slowly, when large).
 void check_llama_config_against_weights(const nn::TransformerConfig& c, const HfSource& src) {
   const SafetensorsShards f(src);
   const std::string& path = src.config_path;

@@ -17,10 +17,10 @@ namespace tally::io {
 namespace {
 constexpr int32_t kGpt2Magic = 20240326, kLlamaMagic = 20240803;
 // Header slots llm.c leaves unused (it reads ints 0..15): tally marks the files it writes and
-// stores a CRC-32 of the weights' bytes, checked at load, and (since the "tly2" mark) one of
+// stores a CRC-32 of the weights' bytes, checked at load, and (with the "tly2" mark) one of
 // the header itself, its two checksum slots read as zero: a flipped bit in the head count or
-// a LLaMA double changed the model a file described without changing its size, and the
-// weights' checksum did not see it. Files from elsewhere lack the mark; a mark a bit or two
+// a LLaMA double changes the model a file describes without changing its size, and the
+// weights' checksum does not see it. Files from elsewhere lack the mark; a mark a bit or two
 // away from either of tally's is a flipped one (the file is corrupt), not a foreign file.
 constexpr int kChecksumMarkSlot = 250, kChecksumSlot = 251, kHeaderChecksumSlot = 252;
 constexpr int32_t kChecksumMark = 0x79616C74;        // "tlay": the weights' checksum

@@ -65,8 +65,8 @@ std::string format_bytes(int64_t bytes) {
 
 namespace {
 // JSON text written straight to the file in 1 MiB pieces. A trace holds every alloc and free
-// of the run: as one nlohmann document it took ~4 KB of memory per event (a 9-key object
-// each), tens of GB for a long run, at the very end of it.
+// of the run: as one nlohmann document it would take ~4 KB of memory per event (a 9-key
+// object each), tens of GB for a long run, at the very end of it.
 class JsonStream {
  public:
   JsonStream(const std::string& path, const char* what) : file_(path, what) { buffer_.reserve(kFlushBytes + 4096); }
@@ -163,7 +163,7 @@ MemoryTrace read_memory_trace(const std::string& path) {
   try {
     // Parsed from the stream, keeping only the tally_memory section: the Perfetto counters
     // beside it (a JSON object of every category an event) are for other tools, and read
-    // into a document they took ~8 bytes of memory a byte of file.
+    // into a document they would take ~8 bytes of memory a byte of file.
     const nlohmann::json doc = parse_json_keeping_syntax_errors(
         in, "memory trace '" + path + "'", [](const std::string& key) { return key == "tally_memory"; });
     TALLY_CHECK(doc.is_object() && doc.contains("tally_memory"), "memory trace '", path,
@@ -175,7 +175,7 @@ MemoryTrace read_memory_trace(const std::string& path) {
     for (const auto& part : t.at("plan")) trace.plan.emplace_back(part.at(0).get<std::string>(), part.at(1).get<int64_t>());
     for (const auto& e : t.at("events")) {
       TALLY_CHECK(e.is_array() && e.size() == 8, "memory trace '", path, "': an event is not an array of 8 numbers");
-      // A time, then integers (get<int64_t> read 1.7 bytes as 1); byte counts within what an
+      // A time, then integers (get<int64_t> reads 1.7 bytes as 1); byte counts within what an
       // allocation can be (2^62), so the sums the report makes cannot overflow.
       bool integers = e[0].is_number();
       for (size_t k = 1; k < 8; ++k) integers = integers && e[k].is_number_integer();
@@ -186,7 +186,7 @@ MemoryTrace read_memory_trace(const std::string& path) {
       ev.delta = e[1].get<int64_t>();
       TALLY_CHECK(ev.delta >= -(int64_t{1} << 62) && ev.delta <= (int64_t{1} << 62), "memory trace '", path, "': event ",
                   trace.events.size(), " moves ", ev.delta, " bytes, more than an allocation can hold (2^62)");
-      const int64_t c = e[2].get<int64_t>();  // (read as an int, 2^32 + 3 was 3)
+      const int64_t c = e[2].get<int64_t>();  // (read as an int, 2^32 + 3 would be 3)
       const int64_t o = e[3].get<int64_t>();
       TALLY_CHECK(c >= 0 && c < kNumCategories && o >= 0 && o < static_cast<int64_t>(names.size()), "memory trace '", path,
                   "': an event names category ", c, " or owner ", o, ", which do not exist");
@@ -194,8 +194,8 @@ MemoryTrace read_memory_trace(const std::string& path) {
       ev.name = names[static_cast<size_t>(o)];
       ev.step = e[4].get<int64_t>();
       ev.microbatch = e[5].get<int64_t>();
-      // Within what a run can reach: an edited 1e300 us or step 2^63 - 1 drew the axis as
-      // "-9223372036854775808 ms" and "step -9223372036854775808".
+      // Within what a run can reach: an edited 1e300 us or step 2^63 - 1 would draw the axis
+      // as "-9223372036854775808 ms" and "step -9223372036854775808".
       constexpr double kMaxTimeUs = 1e15;  // 31 years
       constexpr int64_t kMaxStep = int64_t{1} << 40;
       TALLY_CHECK(std::isfinite(ev.time_us) && std::abs(ev.time_us) <= kMaxTimeUs, "memory trace '", path, "': event ",
@@ -471,7 +471,7 @@ std::string diff_memory_traces(const MemoryTrace& a, const MemoryTrace& b) {
   const auto pa = profile(a.events, last_a), pb = profile(b.events, last_b);
   // Runs of different lengths are compared over the steps both have, and not over the
   // shorter one's last step, which also holds the end of its run: the longer one's extra
-  // steps, and its end falling elsewhere, listed every owner.
+  // steps, and its end falling elsewhere, would list every owner.
   std::string out;
   int64_t compared_to = std::max(last_a, last_b);
   if (last_a != last_b) {
@@ -529,7 +529,7 @@ std::string diff_memory_traces(const MemoryTrace& a, const MemoryTrace& b) {
   out += "owners that differ (largest change first): owner, most held in A -> in B, change, first step that differs "
          "(counted from 1; 0 is the set-up)\n";
   for (const Row& r : rows) {
-    // A std::string row: a fixed buffer cut a long owner's name, and its sizes, off.
+    // A std::string row: a fixed buffer would cut a long owner's name, and its sizes, off.
     const std::string owner = r.owner.empty() ? std::string("(unnamed)") : r.owner;
     char sizes[160];
     std::snprintf(sizes, sizeof sizes, " %12s -> %-12s %s%s, first in step %lld\n", format_bytes(r.peak_a).c_str(),

@@ -62,7 +62,7 @@ class ParameterStore {
   // refers to the blocks: the model is built and loaded on the host, then moved.
   void move_to(Device device);
   // Where and in what dtype the parameters are, also while ZeRO-3 has released the block
-  // (reading them from the block then dereferenced nothing: validation and samples crashed).
+  // (kept here: the released block has no bytes to read them from).
   Device device() const { return device_; }
   DType dtype() const { return dtype_; }
 
@@ -121,8 +121,8 @@ class ParameterStore {
 
  private:
   std::vector<ParameterSpec> specs_;
-  // name -> index: index_of was a scan, and a loader asks it once a tensor, so a LLaMA
-  // config of 20,000 layers took 28 s to find its weights missing.
+  // name -> index, for index_of: a loader asks it once a tensor, so a scan would make
+  // loading quadratic in the number of parameters.
   std::unordered_map<std::string, size_t> index_by_name_;
   std::vector<ParameterUnit> units_;
   std::vector<int64_t> offsets_;

@@ -258,9 +258,9 @@ void Sanitizer::end_step() {
     baseline_live_ = b.live_non_persistent;
     // S1 through a persistent tag: persistent bytes (model states) are flat once a step has
     // made them (optimizer moments, in the first). A parameter's gradient is tagged
-    // persistent when made; set aside (set_grad(None)) and kept, it kept its tag and grew
-    // unseen. From the second step on, growth names the persistent allocations this step
-    // made that are still alive.
+    // persistent when made and keeps its tag when set aside (set_grad(None)) and kept, so
+    // only this check sees it grow. From the second step on, growth names the persistent
+    // allocations this step made that are still alive.
     const int64_t persistent = b.allocated - b.live_non_persistent;
     if (baseline_persistent_ >= 0 && !warming_up && persistent > baseline_persistent_) {
       std::vector<LiveAllocation> made;

@@ -115,7 +115,7 @@ void TrainConfig::validate_settings() const {
   validate_batch(*this);
   validate_optimizer(optimizer);
   validate_outputs(*this);
-  // (At least a byte: a smaller bucket truncated to 0 bytes. At most a TiB, so its size in
+  // (At least a byte: a smaller bucket would truncate to 0 bytes. At most a TiB, so its size in
   // bytes is an int64: past any use for one all-reduce.)
   TALLY_CHECK(parallel.bucket_mb * (1 << 20) >= 1 && parallel.bucket_mb <= 1048576,
               "--bucket-mb must be from one byte (2^-20) to 1048576 MiB, got ", parallel.bucket_mb);

@@ -253,8 +253,8 @@ MemoryPlan plan_steps(const PlanInput& in) {
     layer.push_back({std::string("MLP pre-GELU") + (bf16 ? " (bf16)" : ""), BT, 4 * C / TP, hidden_bytes});
     layer.push_back({std::string("MLP post-GELU") + (bf16 ? " (bf16)" : ""), BT, 4 * C / TP, hidden_bytes});
   }
-  // Their sizes grow with the flags: an overflow names them (it read "plan: activations:
-  // 639999999999936 x 50304 overflows" for --batch-size 9999999999999).
+  // Their sizes grow with the flags: an overflow names the flags (--batch-size, --seq-len),
+  // not only the product that overflows.
   const std::string activations_context = "plan: the activations of --batch-size " + std::to_string(B) + " x --seq-len " +
                                    std::to_string(T) + " tokens a microbatch";
   int64_t layer_bytes = 0;  // one layer's saved activations of one microbatch
@@ -742,9 +742,8 @@ MemoryPlan plan_steps(const PlanInput& in) {
     // ZeRO-2/3's end of backward: the embeddings unit's gradient is final last (the token
     // embedding's scatter is backward's last op), and its staging (D c) and the piece it is
     // reduce-scattered into (c) live beside the loss and what every such moment holds. With
-    // few activations, or on one rank (where c is the whole unit), that moment is the peak
-    // (a one-process --zero 2 run measured 8% over the plan). ZeRO-3 also holds a tied
-    // embedding gathered from the head's backward to the embedding's.
+    // few activations, or on one rank (where c is the whole unit), that moment is the peak.
+    // ZeRO-3 also holds a tied embedding gathered from the head's backward to the embedding's.
     if (in.zero >= 2) {
       Parts held = {{"loss", in.grad_accum * D > 1 ? 2 * kFloat : kFloat},
                     {"gradient staging (embeddings, whole unit), at the end of backward", padded(embed)},

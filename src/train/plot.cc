@@ -46,7 +46,7 @@ RunCurve read_run_log(const std::string& path, const std::string& name) {
     TALLY_CHECK(j.is_object() && j.contains("step") && j["step"].is_number() && j.contains("loss") && j["loss"].is_number(),
                 "plot: log '", path, "' line ", n, " has no numeric \"step\" and \"loss\" (is it a tally --log-json file?)");
     // A whole number a double holds exactly (the axis is drawn in doubles): get<int64_t>
-    // read 1.5 as 1, and 1e300 was undefined.
+    // reads 1.5 as 1, and 1e300 is out of its range (undefined behaviour).
     const nlohmann::json& step_json = j["step"];
     constexpr double kLargestStep = 9007199254740992.0;  // 2^53
     TALLY_CHECK(step_json.is_number_integer() && step_json.get<double>() >= 0 && step_json.get<double>() < kLargestStep,
@@ -109,8 +109,8 @@ std::vector<double> smooth(const std::vector<double>& values, double weight) {
 namespace {
 
 // About `count` round tick values (1, 2 or 5 times a power of ten) covering [lo, hi];
-// whole numbers only for an axis of whole numbers (steps: a 4-step run's ticks were
-// 1, 1.5, 2, ..., printed as 1, 2, 2, 2, ...).
+// whole numbers only for an axis of whole numbers (steps: a 4-step run's ticks would
+// otherwise be 1, 1.5, 2, ..., printed as 1, 2, 2, 2, ...).
 std::vector<double> nice_ticks(double lo, double hi, int count, bool whole_numbers = false) {
   if (!(hi > lo)) hi = lo + 1;
   const double raw = (hi - lo) / count;

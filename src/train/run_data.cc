@@ -22,7 +22,7 @@ RunData::RunData(const TrainConfig& c, const dist::World& world, const nn::Trans
 
 // The data each rank reads (a path may differ between machines; what it holds may not).
 // The tokens themselves, not only their count: a node holding another subset of shards of
-// one size (llm.c's are all 100M tokens), or a stale copy, trained on them unseen.
+// one size (llm.c's are all 100M tokens), or a stale copy, would train on them unseen.
 void RunData::check_ranks_read_the_same_tokens(const dist::World& world) const {
   check_ranks_agree(world, {{"--train-data's token count", std::to_string(train_.total_tokens())},
                             {"--val-data's token count", val_ ? std::to_string(val_->total_tokens()) : "none"},

@@ -106,8 +106,8 @@ void RunSetup::take_out_dir() {
 }
 
 // The files the run writes besides its checkpoints, checked now (not when the run has
-// trained): none may be an input (a log written over the training shard destroyed it, and
-// the loader's mapping of it crashed the run).
+// trained): none may be an input (a log written over a training shard would destroy it
+// while the loader maps it).
 void RunSetup::check_outputs() const {
   const std::string& log = c_.metrics.log_json;
   const bool log_is_stream = !log.empty() && io::is_stream(log);

@@ -32,9 +32,9 @@ class CpuMemory final : public memory::SystemMemory {
   // parameter, gradient and Adam blocks, the logits) is aligned to 2 MiB and asked to be
   // backed by transparent huge pages, as PyTorch does under THP_MEM_ALLOC_ENABLE: a
   // training step sweeps a gigabyte or more of them, and with 4 KiB pages that overflows
-  // the TLB. Measured on Zen 4 (bench/RESULTS.md, fifteenth session): W1's median step
-  // 1.6% faster (12 of 16 alternating rounds); its best steps, W1-bf16 and W3 the same
-  // within the noise; peak RSS +6 MB. Only whole pages: rounding a block up would put bytes in
+  // the TLB. On Zen 4 (bench/RESULTS.md) W1's median step is 1.6% faster with huge pages
+  // (12 of 16 alternating rounds); its best steps, W1-bf16 and W3 are the same within the noise;
+  // peak RSS is 6 MB more. Only whole pages: rounding a block up would put bytes in
   // RSS that the ledger does not count. Where the kernel's THP setting is "never" the
   // advice changes nothing; TALLY_HUGE_PAGES=0 turns it off.
   void* allocate(int64_t bytes) override {

@@ -168,7 +168,7 @@ void primitive_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Te
 // inner-product primitives: the weight gradient dW = dy^T x (the "TN" case) and the input
 // gradient dx = dy W ("NN"). With plain layouts oneDNN 2.6 runs them on its jit bf16 GEMM
 // (gemm:jit), which on Zen 4 (AVX-512 BF16, no AMX) beats the matmul primitive's brgemm
-// into an fp32 C: weight gradients 4-13% faster (the head's at 256 tokens 53.6 -> 46.7 ms),
+// into an fp32 C: weight gradients 4-13% faster (the head's at 256 tokens 46.7 against 53.6 ms),
 // input gradients -1% to +11% (bench/gemm_layouts.cc, section 5). Into a bf16 C it does
 // not (the MLP's dx, 2.97 against 3.04 ms), nor for the forward, so those stay on brgemm.
 // Where the matmul primitive runs bf16 on AMX (1000-1340 GFLOP/s on the Intel VMs, against
@@ -237,9 +237,9 @@ struct Bf16Operand {
 // sgemm: tiles of A (mc x kc) and B (kc x nc) are widened into this thread's workspace
 // (at most 3.75 MiB: a 256 x 768 and a 768 x 1024 tile; kernel-private like oneDNN's own
 // scratchpad) and multiplied, C accumulating over K. A K tile of 768 (a whole GPT-2
-// projection's) rather than 256 took W1's bf16 step on an AVX2 EPYC from 1.83-1.86 s to
-// 1.70-1.82 s: fewer passes of sgemm over C. Inside an OpenMP region (attention's tiles) it runs on the calling
-// thread, as sgemm does there.
+// projection's) rather than 256 makes fewer passes of sgemm over C (W1's bf16 step on an
+// AVX2 EPYC: 1.70-1.82 s against 1.83-1.86 s). Inside an OpenMP region (attention's
+// tiles) it runs on the calling thread, as sgemm does there.
 void widened_bf16_gemm(int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand a, Bf16Operand b, float beta,
                        float* c, int64_t ldc) {
   constexpr int64_t mc = 256, nc = 1024, kc = 768;
@@ -250,7 +250,8 @@ void widened_bf16_gemm(int64_t M, int64_t N, int64_t K, float alpha, Bf16Operand
   // Widens rows x cols of `src` into `dst` in the order `src` stores them, so the reads are
   // contiguous: row-major (row stride cols) when its rows are, else column-major (column
   // stride rows), which sgemm is told to read transposed. (A transposed weight read row by
-  // row was a strided gather, and the forward's GEMMs ran at two thirds of the backward's.)
+  // row would be a strided gather, and the forward's GEMMs would run at two thirds of the
+  // backward's rate.)
   // Returns whether the tile is column-major.
   auto widen = [](Bf16Operand src, int64_t rows, int64_t cols, float* dst) {
     const bool column_major = src.cols != 1 && src.rows == 1;
@@ -318,7 +319,7 @@ void widened_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tens
   // A bf16 C: blocks of up to 1024 x 1024 accumulate in fp32 (this thread's workspace, at
   // most 4 MiB) and are rounded once. A block as tall as widened_bf16_gemm's row tiles allow
   // widens each B tile once per block, and keeps its sgemm calls at full height (64-row
-  // blocks of the whole width ran the forward's GEMMs at half the fp32 rate).
+  // blocks of the whole width would run the forward's GEMMs at half the fp32 rate).
   constexpr int64_t block_rows = 1024, block_cols = 1024;
   thread_local std::vector<float> tile;
   tile.resize(static_cast<size_t>(std::min(block_rows, M) * std::min(block_cols, N)));
@@ -560,8 +561,8 @@ void tile_gemm_bf16(bool transpose_a, bool transpose_b, int64_t m, int64_t n, in
   using dnnl::memory;
   const dnnl::engine& engine = cpu_engine();
   // A tile's primitive with its arguments, made once: each call only points the memory
-  // objects at its operands (creating them and the argument map per call was ~4% of a
-  // bf16 attention's time, in malloc and free).
+  // objects at its operands (creating them and the argument map per call would be ~4% of
+  // a bf16 attention's time, in malloc and free).
   struct Tile {
     dnnl::matmul primitive;
     size_t scratchpad_bytes;
@@ -624,7 +625,7 @@ namespace {
 double measure_gemm_peak(DType dtype) {
   // A square GEMM large enough to reach steady state; the best of 20 repetitions (about
   // 0.2 s): on a shared machine a neighbour's burst can slow a handful of them, and with 5
-  // the probe read a third below the rate the training GEMMs then ran at. bf16: bf16
+  // the probe can read a third below the rate the training GEMMs then run at. bf16: bf16
   // operands into an fp32 result, as mixed precision runs its GEMMs.
   const int64_t n = 1024;
   CategoryScope scope(Category::Workspace);

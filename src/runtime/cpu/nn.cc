@@ -181,8 +181,8 @@ namespace {
 // GELU's tanh form at v, and its derivative:
 //   gelu(v) = 0.5 v (1 + t),  gelu'(v) = 0.5 (1 + t) + 0.5 v (1 - t^2) s (1 + 3 * 0.044715 v^2),
 //   t = tanh(s (v + 0.044715 v^3)).
-// (The logistic form v sigma(2u), one exp and one division, ran no faster once its far-left
-// sigma, which underflows to denormals, had to be taken as 0 for a finite slope.)
+// (The logistic form v sigma(2u), one exp and one division, runs no faster once its far-left
+// sigma, which underflows to denormals, is taken as 0 for a finite slope.)
 template <class T> inline T gelu_tanh(T v) {
   const T s = static_cast<T>(0.7978845608028654);
   return vtanh(s * (v + T(0.044715) * v * v * v));

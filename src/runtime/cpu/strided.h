@@ -48,7 +48,7 @@ template <size_t N> Rows<N> coalesce(const Shape& shape, const std::array<Shape,
 // over every element, as runs of n along the innermost (coalesced) dimension. Runs are
 // independent; they run in parallel when the work is large enough. A long row is cut into
 // pieces of kPiece elements: a contiguous tensor coalesces into a single row, and uncut it
-// would run on one thread (every residual add, fill and copy of a step did).
+// would run on one thread (as every residual add, fill and copy of a step would).
 template <size_t N, class Body>
 void for_each_row(const Shape& shape, const std::array<Shape, N>& strides, Body&& body) {
   Rows<N> r = coalesce<N>(shape, strides);

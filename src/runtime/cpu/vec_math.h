@@ -65,7 +65,7 @@ inline void widen_bf16(const BFloat16* src, float* dst, int64_t n) {
 // exp(r) by a degree-6 minimax polynomial; 2^n assembled in the exponent bits.
 inline float vexp(float x_in) {
   // Clamped where 2^n stays a normal float: n = round(x / ln2) in [-126, 127], so the top
-  // is 127.5 ln2 (exp = 2.4e38; at 88.7, n = 128 made infinity). (std::fmin/fmax are libm
+  // is 127.5 ln2 (exp = 2.4e38; at 88.7, n = 128 would make infinity). (std::fmin/fmax are libm
   // calls: no SIMD.) Below the bottom the result is 0: the true value is at most 1.2e-38
   // there, and exp(-inf), a masked score, must be exactly 0, not exp(-87.3).
   const float x = std::min(std::max(x_in, -87.3f), 88.37626f);
@@ -82,8 +82,9 @@ inline float vexp(float x_in) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  // 2^n, or 0 below the clamp: a mask on its bits, not a branch or a select, which GCC did
-  // not vectorize ("control flow in loop": exp_shifted 0.9 -> 7.6 ns a value on AVX2).
+  // 2^n, or 0 below the clamp: a mask on its bits, not a branch or a select, which GCC does
+  // not vectorize ("control flow in loop": exp_shifted would take 7.6 ns a value on AVX2,
+  // not 0.9).
   const int32_t keep = -static_cast<int32_t>(x_in >= -87.3f);  // all ones, or 0 (NaN: p stays NaN)
   const int32_t bits = ((ni + 127) << 23) & keep;
   return p * std::bit_cast<float>(bits);
@@ -124,8 +125,8 @@ inline __m512 vexp16(__m512 x) {
 // Softmax's numerators: e_c = scale exp(x[c] - shift) for c < n, written to `out` (may be
 // x itself) and/or, rounded to bf16, to `rounded` (either may be null); returns the sum of
 // the e_c in fp32, before any rounding. One pass: the exponential, the sum and the
-// rounding of each 16 values in registers (attention's score tiles went through three:
-// exp and sum, then a rounding pass reading them back). A scale of 1 multiplies exactly.
+// rounding of each 16 values in registers, not two passes (exp and sum, then a rounding
+// pass reading them back). A scale of 1 multiplies exactly.
 inline float exp_shifted(const float* x, float shift, int64_t n, float* out, BFloat16* rounded, float scale = 1.0f) {
   int64_t c = 0;
   float sum = 0;
@@ -154,8 +155,8 @@ inline float exp_shifted(const float* x, float shift, int64_t n, float* out, BFl
   // Sixteen running sums, one per lane, combined in order at the end, as the AVX-512 loop
   // above keeps them: the sum is the same whichever outputs are written, and the loop is
   // a SIMD one (with the null checks inside and one scalar `sum +=`, which GCC may not
-  // reassociate, it stayed scalar, and on an AVX2 CPU the bf16 cross-entropy backward and
-  // attention's softmax spent most of their time here). out[c] may be x[c]: each lane
+  // reassociate, it would stay scalar, and on an AVX2 CPU the bf16 cross-entropy backward
+  // and attention's softmax would spend most of their time here). out[c] may be x[c]: each lane
   // reads its element before writing it.
   constexpr int64_t kLanes = 16;
   float lane_sums[kLanes] = {};
@@ -194,9 +195,10 @@ inline double vtanh(double x) { return std::tanh(x); }
 
 // The first x of SiLU's x sigmoid(x), held at -88.38 below it: there vexp(-x) stops at
 // 2.4e38 (its clamp), so sigmoid(x) stays 4e-39 and x sigmoid(x) would grow with |x|
-// (silu(-1e38) read -0.42) where the true value is 0; held, it is at most 3.7e-37 (the true
-// |x| e^x is below 2e-37 from x = -89 on). A max keeps the callers' loops vectorized (a
-// conditional around the sigmoid did not: SwiGLU forward 0.5 -> 4.4 ms on llama3-d6).
+// (silu(-1e38) would read -0.42) where the true value is 0; held, it is at most 3.7e-37 (the
+// true |x| e^x is below 2e-37 from x = -89 on). A max keeps the callers' loops vectorized (a
+// conditional around the sigmoid does not: SwiGLU's forward on llama3-d6 would take 4.4 ms,
+// not 0.5).
 // fp64's exp has no clamp: x as it is.
 inline float silu_arg(float x) { return std::max(x, -88.37626f); }
 inline double silu_arg(double x) { return x; }
@@ -204,11 +206,10 @@ inline double silu_arg(double x) { return x; }
 // max(init, x[0], ..., x[n-1]), vectorized. A running `m = std::max(m, x[j])` stays scalar
 // without -ffast-math (GCC may not reassociate a max that has to honour NaN and signed
 // zeros), and it is a chain of dependent 3-4 cycle max instructions: over a 50k-entry
-// logits row that was most of the cross-entropy forward. fp32 with AVX-512 (both machine
+// logits row that would be most of the cross-entropy forward. fp32 with AVX-512 (both machine
 // kinds) runs one vmaxps per 16 values, the last partial 16 under a mask. Elsewhere
 // sixteen independent lanes, combined at the end: GCC may keep them in 16 scalar
-// registers (it did in attention's softmax, 16 vmaxss per 16 values, 7 ms of W3's
-// forward; perf annotate), still free of the dependency chain.
+// registers (16 vmaxss per 16 values), still free of the dependency chain.
 // A NaN in x is skipped, as std::max(m, NaN) skips it.
 template <class T> inline T row_max(const T* x, int64_t n, T init) {
 #if defined(__AVX512F__)

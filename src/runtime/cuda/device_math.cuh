@@ -195,7 +195,7 @@ namespace tally::runtime::cuda {
 // column sums (sum_into, the norms' weight gradients). A block takes 32 columns; its 16
 // rows of threads each add every 16th slice, then one thread adds the 16 sums in order, so
 // the result does not depend on timing. (A thread per column adding all slices in turn
-// left the GPU with a few hundred threads each waiting on hundreds of dependent loads.)
+// would leave the GPU with a few hundred threads each waiting on hundreds of dependent loads.)
 constexpr int kSliceLanes = 16;
 template <class Acc, class Out>
 __global__ void sum_slices_kernel(Out* out, const Acc* partial, int64_t slices, int64_t cols) {
