@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The main job, from a fresh Debian machine: install dependencies, build the `tally`
 # program, tokenize the default English corpus (Debian's fortune cookies) with GPT-2's BPE,
-# train a small GPT-2 on the CPU for about seven minutes, and print a sample from it.
+# print the run's memory plan, train a small GPT-2 on the CPU for about seven minutes with
+# the memory sanitizer in strict mode (any growth of live memory is an error), and print
+# the measured peak beside the plan, the memory report's path and a sample.
 #
 # The recipe below was chosen for a 2-core machine: it is the lowest validation loss we
 # reached within a 10-minute budget (README, "Getting started"). Every knob can be
@@ -38,15 +40,20 @@ fi
 mkdir -p "$OUT"
 rm -f "$OUT/log.jsonl"   # a fresh run: its log and plot start empty, and --overwrite replaces
                          # the checkpoints an earlier quickstart left in $OUT
-build/tally train \
-  --model "$MODEL" \
-  --train-data "$corpus/fortunes_train.bin" --val-data "$corpus/fortunes_val.bin" \
-  --tokenizer "$corpus" \
-  --batch-size "$BATCH" --seq-len "$SEQ_LEN" --steps "$STEPS" \
-  --lr "$LR" --warmup-steps "$WARMUP" --lr-schedule cosine --min-lr-frac 0.1 \
-  --val-every "$VAL_EVERY" --val-batches 16 --sample-every -1 \
-  --save-every "$STEPS" --out-dir "$OUT" --overwrite \
-  --log-json "$OUT/log.jsonl" --sanitize warn
+run=(--model "$MODEL"
+     --train-data "$corpus/fortunes_train.bin" --val-data "$corpus/fortunes_val.bin"
+     --tokenizer "$corpus"
+     --batch-size "$BATCH" --seq-len "$SEQ_LEN" --steps "$STEPS"
+     --lr "$LR" --warmup-steps "$WARMUP" --lr-schedule cosine --min-lr-frac 0.1
+     --val-every "$VAL_EVERY" --val-batches 16 --sample-every -1
+     --save-every "$STEPS" --out-dir "$OUT" --overwrite
+     --log-json "$OUT/log.jsonl" --sanitize strict --mem-trace "$OUT/memory.html")
+
+# The peak this run will need, before it starts: `tally plan` takes the same command line.
+echo "plan: build/tally plan <the train command's flags>"
+build/tally plan "${run[@]}" | sed -n '1,2p'
+echo
+build/tally train "${run[@]}"
 
 # The sample, from the checkpoint just written (the same command works on any checkpoint).
 echo

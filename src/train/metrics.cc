@@ -2,6 +2,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -235,6 +236,7 @@ void Metrics::measure_memory(StepMetrics& m) {
   m.rank_predicted_peak_bytes = rank_planned_peaks_;
   for (int64_t p : rank_planned_peaks_) m.predicted_peak_bytes = std::max(m.predicted_peak_bytes, p);
   m.peak_rss_bytes = max_over_ranks(world_, memory::peak_rss_bytes());
+  run_peak_ = std::max(run_peak_, m.peak_bytes);
 }
 
 void Metrics::measure_pipeline(StepMetrics& m) {
@@ -352,6 +354,10 @@ void Metrics::finish(int64_t steps_run, const std::string& last_checkpoint) {
   if (!c_.metrics.log_json.empty()) summary += "; log " + c_.metrics.log_json;
   if (!plot_is_anothers_) summary += "; plot " + plot_path_;
   log(summary);
+  const int64_t planned = *std::max_element(rank_planned_peaks_.begin(), rank_planned_peaks_.end());
+  log(fmt("memory: the run's peak %s (its largest step peak%s), planned before it started %s: %+.2f%%",
+          format_bytes(run_peak_).c_str(), world_.size() > 1 ? ", largest over ranks" : "", format_bytes(planned).c_str(),
+          100.0 * static_cast<double>(run_peak_ - planned) / static_cast<double>(std::max<int64_t>(planned, 1))));
 }
 
 }  // namespace tally::train

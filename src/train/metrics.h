@@ -78,8 +78,8 @@ class Metrics {
   bool has_best_val() const;
   double best_val() const { return best_val_; }
   int64_t best_val_step() const { return best_val_step_; }
-  // The summary line (steps, time, tokens, best validation, where the files are), and the
-  // plot once more.
+  // The summary lines (steps, time, tokens, best validation, where the files are; the
+  // run's peak memory against the plan), and the plot once more.
   void finish(int64_t steps_run, const std::string& last_checkpoint);
 
  private:
@@ -112,6 +112,7 @@ class Metrics {
   int64_t tokens_seen_ = 0;
   std::chrono::steady_clock::time_point run_start_, step_start_;
   int64_t start_step_ = 0;
+  int64_t run_peak_ = 0;  // the largest step peak of the run (largest over ranks)
   memory::Stats rank_stats_;
   StepMetrics last_;
   nlohmann::json row_;
