@@ -77,12 +77,15 @@ def mib(b):
 
 def write_block(results_path, block, heading):
     """Puts the lines `block` (its first and last lines the begin and end markers) in place of
-    the text between those markers in results_path, or at its end under `heading` the first
-    time; prints the block."""
+    the text between those markers in results_path, or the first time under `heading` at the
+    end of its "Current results" (before "## History"), or at its end; prints the block."""
     begin, end = block[0], block[-1]
     text = open(results_path).read()
     if begin in text and end in text:
         text = text[:text.index(begin)] + "\n".join(block) + text[text.index(end) + len(end):]
+    elif "\n## History" in text:
+        at = text.index("\n## History")
+        text = text[:at].rstrip("\n") + f"\n\n### {heading}\n\n" + "\n".join(block) + "\n" + text[at:]
     else:
         text = text.rstrip("\n") + f"\n\n## {heading}\n\n" + "\n".join(block) + "\n"
     open(results_path, "w").write(text)
