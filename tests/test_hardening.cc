@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -19,6 +20,7 @@
 
 #include "core/atomic_file.h"
 #include "core/checked.h"
+#include "core/json_input.h"
 #include "data/loader.h"
 #include "data/token_shard.h"
 #include "data/tokenizer.h"
@@ -143,6 +145,32 @@ TEST(Hardening, DeeplyNestedJsonIsRefusedNamingTheFileNotACrash) {
 }
 
 // nlohmann's get<std::vector<int64_t>> truncates a float: "shape":[2.9] loaded as [2].
+// The depth bound was a parse callback, and nlohmann's callback parser scans a container's
+// members after each value it closes: reading was quadratic in an array's objects (a 1.9 MB
+// safetensors header of {} took 57 s, a 100 MB memory trace over an hour). The reader is
+// linear: two million empty objects (6 MB) read in well under the time the quadratic
+// reader took for a third as many.
+TEST(Hardening, JsonIsReadInTimeLinearInItsValues) {
+  const int64_t n = 2000000;
+  std::string header = "{\"junk\":[";
+  header.reserve(static_cast<size_t>(3 * n + 16));
+  for (int64_t i = 0; i < n; ++i) header += i ? ",{}" : "{}";
+  header += "]}";
+  const auto start = std::chrono::steady_clock::now();
+  const nlohmann::json parsed = parse_json(header, "probe");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_EQ(parsed["junk"].size(), static_cast<size_t>(n));
+  EXPECT_LT(seconds, 30.0) << "reading JSON must be linear in its values";
+  // The same file as a safetensors header is refused for what it holds, naming the file.
+  std::string file(8, '\0');
+  const uint64_t len = header.size();
+  std::memcpy(file.data(), &len, 8);
+  const std::string path = test::temp_path("junk_header.safetensors");
+  test::write_all(path, file + header);
+  const std::string msg = message_of<Error>([&] { io::read_safetensors(path); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+}
+
 TEST(Hardening, SafetensorsShapesAndOffsetsMustBeIntegersNotFloats) {
   auto write_header = [](const std::string& name, const std::string& header, int64_t data_bytes) {
     std::string file(8, '\0');

@@ -1,6 +1,8 @@
 #include "core/json_input.h"
 
 #include <istream>
+#include <utility>
+#include <vector>
 
 #include "core/error.h"
 
@@ -9,24 +11,109 @@ namespace tally {
 namespace {
 struct TooDeep {};
 
-// The callback sees each value as it starts, at its depth: deeper than the bound, the parse
-// stops there, before anything that deep is built. A top-level key `keep_key` refuses is
-// skipped with its value.
-nlohmann::json::parser_callback_t bounded(const std::function<bool(const std::string&)>& keep_key) {
-  return [&keep_key](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-    if (depth > kMaxJsonDepth) throw TooDeep{};
-    return !(keep_key && depth == 1 && event == nlohmann::json::parse_event_t::key &&
-             !keep_key(parsed.get<std::string>()));
-  };
-}
+// A DOM builder over nlohmann's SAX events, linear in the input: each value is placed once
+// in its parent, nothing already built is revisited. A container that would open deeper
+// than kMaxJsonDepth stops the parse before anything that deep is built. A top-level key
+// that `keep_key` refuses is skipped with its value, which is never built.
+class BoundedBuilder {
+ public:
+  using json = nlohmann::json;
+
+  explicit BoundedBuilder(const std::function<bool(const std::string&)>& keep_key) : keep_key_(keep_key) {}
+
+  json take() { return std::move(root_); }
+
+  bool null() { return scalar(json(nullptr)); }
+  bool boolean(bool v) { return scalar(json(v)); }
+  bool number_integer(json::number_integer_t v) { return scalar(json(v)); }
+  bool number_unsigned(json::number_unsigned_t v) { return scalar(json(v)); }
+  bool number_float(json::number_float_t v, const std::string&) { return scalar(json(v)); }
+  bool string(std::string& v) { return scalar(json(std::move(v))); }
+  bool binary(json::binary_t& v) { return scalar(json::binary(std::move(v))); }
+
+  bool start_object(std::size_t) { return open(json::object()); }
+  bool start_array(std::size_t) { return open(json::array()); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+
+  bool key(std::string& k) {
+    if (skipped_depth_ > 0) return true;
+    if (keep_key_ && stack_.size() == 1 && !keep_key_(k)) {
+      skipping_value_ = true;
+      return true;
+    }
+    slot_ = &(*stack_.back())[k];
+    return true;
+  }
+
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) {
+    if (const auto* syntax = dynamic_cast<const json::parse_error*>(&e)) throw *syntax;
+    if (const auto* range = dynamic_cast<const json::out_of_range*>(&e)) throw *range;
+    TALLY_FAIL("invalid JSON: ", e.what());
+  }
+
+ private:
+  size_t depth() const { return stack_.size() + static_cast<size_t>(skipped_depth_); }
+
+  // Where the next value goes: the root, the end of the open array, or the open key's slot.
+  json* place(json value) {
+    if (stack_.empty()) {
+      root_ = std::move(value);
+      return &root_;
+    }
+    json& parent = *stack_.back();
+    if (parent.is_array()) {
+      parent.push_back(std::move(value));
+      return &parent.back();
+    }
+    *slot_ = std::move(value);
+    return slot_;
+  }
+
+  bool scalar(json value) {
+    if (skipped_depth_ > 0) return true;
+    if (skipping_value_) {
+      skipping_value_ = false;
+      return true;
+    }
+    place(std::move(value));
+    return true;
+  }
+
+  bool open(json empty) {
+    if (depth() + 1 > static_cast<size_t>(kMaxJsonDepth)) throw TooDeep{};
+    if (skipped_depth_ > 0 || skipping_value_) {
+      skipping_value_ = false;
+      ++skipped_depth_;
+      return true;
+    }
+    stack_.push_back(place(std::move(empty)));
+    return true;
+  }
+
+  bool close() {
+    if (skipped_depth_ > 0) --skipped_depth_;
+    else stack_.pop_back();
+    return true;
+  }
+
+  const std::function<bool(const std::string&)>& keep_key_;
+  json root_;
+  std::vector<json*> stack_;  // the open containers, outermost first
+  json* slot_ = nullptr;      // the open object's member the next value fills
+  bool skipping_value_ = false;
+  int skipped_depth_ = 0;  // containers open inside a skipped value
+};
 
 template <class Input>
 nlohmann::json parse_bounded(Input&& input, const std::string& what, const std::function<bool(const std::string&)>& keep_key) {
+  BoundedBuilder builder(keep_key);
   try {
-    return nlohmann::json::parse(std::forward<Input>(input), bounded(keep_key));
+    nlohmann::json::sax_parse(std::forward<Input>(input), &builder);
   } catch (const TooDeep&) {
     TALLY_FAIL(what, ": JSON nested deeper than ", kMaxJsonDepth, " levels; no file tally reads nests that deep");
   }
+  return builder.take();
 }
 }  // namespace
 
