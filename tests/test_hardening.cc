@@ -566,6 +566,33 @@ TEST(Hardening, ChecksumsTurnBitRotIntoAClearError) {
   }
 }
 
+// llm.c's header holds its sizes and LLaMA's rope_theta as 32-bit integers: a model whose
+// values do not fit was written anyway (max_position_embeddings 4294967360 became maxT 64,
+// rope_theta 1e12 INT_MIN). What the format cannot hold is refused, and nothing is written.
+TEST(Hardening, AModelWhoseValuesDoNotFitLlmcsHeaderIsRefusedNotTruncated) {
+  struct Case {
+    const char* field;
+    std::function<void(nn::TransformerConfig&)> set;
+  };
+  const std::vector<Case> cases = {{"max_seq_len", [](nn::TransformerConfig& c) { c.max_seq_len = 4294967360LL; }},
+                                   {"rope_theta", [](nn::TransformerConfig& c) { c.rope_theta = 1e12; }}};
+  for (const Case& k : cases) {
+    nn::TransformerConfig config = nn::TransformerConfig::preset("llama3-d1");
+    config.vocab_size = 97;
+    config.padded_vocab_size = 128;
+    k.set(config);
+    const nn::Transformer model = nn::Transformer::layout_only(config);
+    const std::string path = test::temp_path(std::string("unfit_") + k.field + ".bin");
+    fs::remove(path);
+    const std::string msg = message_of<Error>(
+        [&] { io::save_llmc(path, model, [&](size_t i) { return Tensor::zeros(model.params().spec(i).shape); }, false); });
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    EXPECT_NE(msg.find(std::string(k.field) + " "), std::string::npos) << msg;
+    EXPECT_NE(msg.find("does not fit llm.c's header"), std::string::npos) << msg;
+    EXPECT_FALSE(fs::exists(path)) << k.field;
+  }
+}
+
 // model.bin's checksum covered its weights, not its header: one flipped bit in the head
 // count (12 -> 8 still divides the width, and the file's size does not depend on it), in a
 // LLaMA double (rope_theta, norm_eps) or in the checksum's own mark (which turned the check

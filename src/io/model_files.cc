@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <limits>
 
 #include "autograd/grad_mode.h"
 #include "core/atomic_file.h"
@@ -281,33 +282,46 @@ void save_llmc(const std::string& path, const nn::Transformer& model, bool bf16)
   save_llmc(path, model, [&](size_t i) { return model.params()[i].detach(); }, bf16);
 }
 
+namespace {
+// A value for an int32 slot of llm.c's header, refused (naming the file and the field) when
+// the slot cannot hold it: truncated, the file would describe another model.
+int32_t header_int(const std::string& path, const char* field, double value) {
+  TALLY_CHECK(value >= std::numeric_limits<int32_t>::min() && value <= std::numeric_limits<int32_t>::max(),
+              "model file '", path, "': ", field, " ", value,
+              " does not fit llm.c's header, which holds it as a 32-bit integer; save this model as HuggingFace "
+              "safetensors instead");
+  return static_cast<int32_t>(value);
+}
+}  // namespace
+
 void save_llmc(const std::string& path, const nn::Transformer& model, const std::function<Tensor(size_t)>& values,
                bool bf16) {
   const auto& c = model.config();
   Header h;
   std::memset(h.ints, 0, sizeof h.ints);
   h.ints[1] = bf16 ? 5 : 3;
-  h.ints[2] = static_cast<int32_t>(c.max_seq_len);
-  h.ints[3] = static_cast<int32_t>(c.vocab_size);
-  h.ints[4] = static_cast<int32_t>(c.n_layer);
-  h.ints[5] = static_cast<int32_t>(c.n_head);
+  h.ints[2] = header_int(path, "max_seq_len", static_cast<double>(c.max_seq_len));
+  h.ints[3] = header_int(path, "vocab_size", static_cast<double>(c.vocab_size));
+  h.ints[4] = header_int(path, "n_layer", static_cast<double>(c.n_layer));
+  h.ints[5] = header_int(path, "n_head", static_cast<double>(c.n_head));
   if (c.is_llama()) {
     // train_llama3.py's header, truncations included, and the exact values beside it.
     h.ints[0] = kLlamaMagic;
-    h.ints[6] = static_cast<int32_t>(c.n_kv_head);
-    h.ints[7] = static_cast<int32_t>(c.n_embd);
-    h.ints[8] = static_cast<int32_t>(c.ffn_dim_multiplier);
-    h.ints[9] = static_cast<int32_t>(c.multiple_of);
+    h.ints[6] = header_int(path, "n_kv_head", static_cast<double>(c.n_kv_head));
+    h.ints[7] = header_int(path, "n_embd", static_cast<double>(c.n_embd));
+    h.ints[8] = header_int(path, "ffn_dim_multiplier", c.ffn_dim_multiplier);
+    h.ints[9] = header_int(path, "multiple_of", static_cast<double>(c.multiple_of));
     h.ints[10] = static_cast<int32_t>(c.norm_eps);
-    h.ints[11] = static_cast<int32_t>(c.rope_theta);
+    h.ints[11] = header_int(path, "rope_theta", c.rope_theta);
     h.ints[12] = c.rope_factor > 0 ? 1 : 0;
     h.ints[13] = 4;  // max_gen_batch_size, train_llama3.py's default
     h.ints[14] = 3;  // version "3.1"
     h.ints[15] = 1;
     h.ints[kExactMarkSlot] = kExactMark;
-    h.ints[kFfnSlot] = static_cast<int32_t>(c.ffn_hidden);
+    h.ints[kFfnSlot] = header_int(path, "ffn_hidden", static_cast<double>(c.ffn_hidden));
     h.ints[kTiedSlot] = c.tie_embeddings ? 1 : 0;
-    h.ints[kOriginalContextSlot] = static_cast<int32_t>(c.rope_original_max_position);
+    h.ints[kOriginalContextSlot] =
+        header_int(path, "rope_original_max_position", static_cast<double>(c.rope_original_max_position));
     put_double(h, kEpsSlot, c.norm_eps);
     put_double(h, kThetaSlot, c.rope_theta);
     put_double(h, kFactorSlot, c.rope_factor);
@@ -316,8 +330,8 @@ void save_llmc(const std::string& path, const nn::Transformer& model, const std:
     put_double(h, kMultiplierSlot, c.ffn_dim_multiplier);
   } else {
     h.ints[0] = kGpt2Magic;
-    h.ints[6] = static_cast<int32_t>(c.n_embd);
-    h.ints[7] = static_cast<int32_t>(c.padded_vocab_size);
+    h.ints[6] = header_int(path, "n_embd", static_cast<double>(c.n_embd));
+    h.ints[7] = header_int(path, "padded_vocab_size", static_cast<double>(c.padded_vocab_size));
     h.ints[kExactMarkSlot] = kGpt2EpsMark;
     put_double(h, kEpsSlot, c.norm_eps);
   }
