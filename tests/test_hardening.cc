@@ -566,6 +566,25 @@ TEST(Hardening, ChecksumsTurnBitRotIntoAClearError) {
   }
 }
 
+// A state.bin's version field is outside its checksum; set back from 4 to 2 it turned the
+// CRC and the recipe/history checks off, and corrupted moments resumed with rc 0.
+TEST(Hardening, AStateWhoseVersionWasSetBackIsRefusedNotReadWithoutItsChecks) {
+  SavedAtStep2 saved = save_at_step_2(2);
+  saved.resume.batch.steps = 3;
+  const std::string path = saved.dir + "/state.bin";
+  const std::string good = test::read_all(path);
+  for (const int32_t older : {3, 2, 1}) {
+    std::string edited = good;
+    std::memcpy(edited.data() + 4, &older, 4);
+    edited[edited.size() - 7] ^= 0x10;  // and a moment corrupted
+    test::write_all(path, edited);
+    const std::string msg = message_of<Error>([&] { train::run_training(saved.resume); });
+    EXPECT_NE(msg.find("the version field is corrupt"), std::string::npos) << older << ": " << msg;
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  }
+  test::write_all(path, good);
+}
+
 // llm.c's header holds its sizes and LLaMA's rope_theta as 32-bit integers: a model whose
 // values do not fit was written anyway (max_position_embeddings 4294967360 became maxT 64,
 // rope_theta 1e12 INT_MIN). What the format cannot hold is refused, and nothing is written.

@@ -570,6 +570,12 @@ TrainingState load_checkpoint_state(const std::string& dir, const nn::Transforme
   TALLY_CHECK(h.magic == kStateMagic, "training state '", path, "': magic ", h.magic, ", expected ", kStateMagic);
   TALLY_CHECK(h.version >= 1 && h.version <= kStateVersion, "training state '", path, "': version ", h.version,
               ", expected 1 to ", kStateVersion);
+  // Each version zero-fills the header fields of later ones: a checksum in an older version's
+  // header means the version field itself was changed, which would skip the checks.
+  TALLY_CHECK((h.version >= 3 || h.crc == 0) && (h.version >= 4 || (h.recipe_crc == 0 && h.history_crc == 0)),
+              "training state '", path, "': version ", h.version, " stores no ",
+              h.version >= 3 ? "recipe or history checksum" : "checksum", ", yet its header holds one: the version "
+              "field is corrupt (expected ", kStateVersion, " for a state with checksums)");
   Crc32 crc;
   const uint32_t stored_crc = h.crc;
   // (Older versions stored no checksum; theirs is computed all the same, for content_crc.)
