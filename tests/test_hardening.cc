@@ -585,6 +585,26 @@ TEST(Hardening, AStateWhoseVersionWasSetBackIsRefusedNotReadWithoutItsChecks) {
   test::write_all(path, good);
 }
 
+// A killed run's temporaries beside its log (the writability probe, an unfinished rewrite)
+// are removed by the next run that writes that log; a live process's are kept.
+TEST(Hardening, AKilledRunsTemporariesBesideItsLogAreRemovedByTheNextRun) {
+  const std::string dir = test::temp_path("abandoned_temporaries");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string log = dir + "/log.jsonl";
+  // A pid no process has: beyond the kernel's pid_max.
+  const std::string dead = std::to_string(1 << 23);
+  const std::string live = std::to_string(::getpid());
+  for (const std::string& name : std::vector<std::string>{"log.jsonl.tmp.probe." + dead, "log.jsonl.tmp." + dead + ".0", "log.jsonl.tmp",
+                                  "log.jsonl.tmp." + live + ".7", "log.jsonl.notes"})
+    test::write_all(dir + "/" + name, "x");
+  io::check_output_file("--log-json", log, {});
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"log.jsonl.notes", "log.jsonl.tmp." + live + ".7"}));
+}
+
 // llm.c's header holds its sizes and LLaMA's rope_theta as 32-bit integers: a model whose
 // values do not fit was written anyway (max_position_embeddings 4294967360 became maxT 64,
 // rope_theta 1e12 INT_MIN). What the format cannot hold is refused, and nothing is written.

@@ -402,22 +402,6 @@ std::string resolve_checkpoint(const std::string& path) {
   return dir;
 }
 
-namespace {
-// Whether `name` is an AtomicFile temporary of `file` ("<file>.tmp.<pid>.<n>", or an older
-// tally's "<file>.tmp") whose writer is gone. A live writer's is left alone: another run
-// finishing into the same directory may be about to rename it into place.
-bool abandoned_temporary(const std::string& name, const std::string& file) {
-  const std::string prefix = file + ".tmp";
-  if (!name.starts_with(prefix)) return false;
-  if (name.size() == prefix.size()) return true;
-  if (name[prefix.size()] != '.') return false;
-  char* end = nullptr;
-  const long pid = std::strtol(name.c_str() + prefix.size() + 1, &end, 10);
-  if (pid <= 0 || *end != '.') return true;  // not a name AtomicFile makes: a leftover
-  return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
-}
-}  // namespace
-
 OutDirLock OutDirLock::try_take(const std::string& out_dir) {
   const std::string path = (fs::path(out_dir) / ".tally.lock").string();
   OutDirLock lock;

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include "core/error.h"
@@ -66,6 +67,32 @@ std::FILE* open_stream(const std::string& flag, const std::string& path) {
   return file;
 }
 
+bool abandoned_temporary(const std::string& name, const std::string& file) {
+  const std::string prefix = file + ".tmp";
+  if (!name.starts_with(prefix)) return false;
+  if (name.size() == prefix.size()) return true;
+  if (name[prefix.size()] != '.') return false;
+  const char* pid_text = name.c_str() + prefix.size() + 1;
+  const bool probe = std::strncmp(pid_text, "probe.", 6) == 0;
+  if (probe) pid_text += 6;
+  char* end = nullptr;
+  const long pid = std::strtol(pid_text, &end, 10);
+  if (pid <= 0 || *end != (probe ? '\0' : '.')) return true;  // not a name tally makes: a leftover
+  return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+
+void remove_abandoned_temporaries(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path target(path);
+  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  const std::string file = target.filename().string();
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name != file && abandoned_temporary(name, file) && it->is_regular_file(ec)) fs::remove(it->path(), ec);
+  }
+}
+
 void check_output_file(const std::string& flag, const std::string& path,
                        const std::vector<std::pair<std::string, std::string>>& inputs, OutputKind kind) {
   namespace fs = std::filesystem;
@@ -89,6 +116,7 @@ void check_output_file(const std::string& flag, const std::string& path,
                   "': writing it would destroy the input; choose another path");
   const std::string dir = fs::path(path).parent_path().string();
   create_directories_for(flag, path, dir);
+  remove_abandoned_temporaries(path);
   // A file this process can make beside it (a temporary, as core/atomic_file.h makes one).
   const std::string probe = path + ".tmp.probe." + std::to_string(::getpid());
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);

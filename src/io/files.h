@@ -40,6 +40,15 @@ enum class OutputKind { File, FileOrStream };
 // the command: `inputs` are (flag, file) pairs, the files the command reads (writing a log
 // over the training data would destroy it). Its directory is created, and must take a
 // new file: one is made there and removed.
+// Whether `name`, in the directory of `file`, is a temporary of `file` that no live process
+// writes: "<file>.tmp", or "<file>.tmp.<pid>.<n>" / "<file>.tmp.probe.<pid>" (what
+// core/atomic_file.h and check_output_file make) of a process that has ended. A live
+// writer's is left alone: another run finishing into the same directory may be about to
+// rename it into place.
+bool abandoned_temporary(const std::string& name, const std::string& file);
+// Removes the abandoned temporaries of `path` beside it (a killed run's).
+void remove_abandoned_temporaries(const std::string& path);
+
 void check_output_file(const std::string& flag, const std::string& path,
                        const std::vector<std::pair<std::string, std::string>>& inputs,
                        OutputKind kind = OutputKind::File);
