@@ -406,7 +406,39 @@ TEST(Llama3Tokenizer, RefusesAnotherPreTokenizerNamingTheFile) {
     "pre_tokenizer": {"type": "Whitespace"}, "added_tokens": []})");
   const std::string msg = message_of<tally::Error>([&] { Tokenizer::load_path(dir); });
   EXPECT_NE(msg.find(dir + "/tokenizer.json"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("not LLaMA-3's regex"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("does not split on LLaMA-3's regex"), std::string::npos) << msg;
+}
+
+// The regex must be the Split's own pattern, as a regex: the same text elsewhere in the
+// pre-tokenizer, or as a literal String pattern, is another pre-tokenizer.
+TEST(Llama3Tokenizer, RefusesLlamasRegexOutsideTheSplitsRegexPattern) {
+  const std::string regex =
+      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+      "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+  const std::string quoted = nlohmann::json(regex).dump();
+  const std::string byte_level =
+      R"({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false})";
+  const std::string elsewhere = R"({"type": "Split", "pattern": {"Regex": "\\s+"}, "note": )" + quoted +
+                                R"(, "behavior": "Isolated", "invert": false})";
+  const std::string literal =
+      R"({"type": "Split", "pattern": {"String": )" + quoted + R"(}, "behavior": "Isolated", "invert": false})";
+  for (const std::string& split : {elsewhere, literal}) {
+    const std::string dir = scratch_dir();
+    write_all(dir + "/tokenizer.json", R"({"model": {"type": "BPE", "vocab": {}, "merges": []},
+      "pre_tokenizer": {"type": "Sequence", "pretokenizers": [)" + split + ", " + byte_level +
+                                           R"(]}, "added_tokens": []})");
+    const std::string msg = message_of<tally::Error>([&] { Tokenizer::load_path(dir); });
+    EXPECT_NE(msg.find(dir + "/tokenizer.json"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("does not split on LLaMA-3's regex"), std::string::npos) << msg;
+  }
+}
+
+TEST(Llama3Tokenizer, AFieldOfTheWrongJsonTypeIsNamedWithTheFile) {
+  const std::string dir = scratch_dir();
+  write_all(dir + "/tokenizer.json", R"({"model": {"type": 5, "vocab": {}, "merges": []}, "added_tokens": []})");
+  const std::string msg = message_of<tally::Error>([&] { Tokenizer::load_path(dir); });
+  EXPECT_NE(msg.find(dir + "/tokenizer.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("expected a BPE model"), std::string::npos) << msg;
 }
 
 // HuggingFace's BPE (and tiktoken, which LLaMA-3's tokenizer came from) merges one pair at a

@@ -669,6 +669,14 @@ Tokenizer Tokenizer::load(const std::string& encoder_json_path, const std::strin
 }
 
 Tokenizer Tokenizer::load_llama3(const std::string& path) {
+  try {
+    return load_llama3_json(path);
+  } catch (const nlohmann::json::exception& e) {  // a value of another JSON type than the one read
+    TALLY_FAIL("LLaMA-3 tokenizer.json '", path, "': ", e.what());
+  }
+}
+
+Tokenizer Tokenizer::load_llama3_json(const std::string& path) {
   Tokenizer tok;
   Impl& m = *tok.impl_;
   m.llama3 = true;
@@ -681,7 +689,7 @@ Tokenizer Tokenizer::load_llama3(const std::string& path) {
   TALLY_CHECK(j.is_object() && j.contains("model") && j["model"].is_object(), what, ": expected a HuggingFace tokenizer "
               "with a \"model\" object");
   const auto& model = j["model"];
-  TALLY_CHECK(model.value("type", "") == "BPE" && model.contains("vocab") && model["vocab"].is_object() &&
+  TALLY_CHECK(model.contains("type") && model["type"] == "BPE" && model.contains("vocab") && model["vocab"].is_object() &&
                   model.contains("merges") && model["merges"].is_array(),
               what, ": expected a BPE model with \"vocab\" and \"merges\"");
   // Options of HuggingFace's BPE that LLaMA-3's file leaves off and tally does not implement.
@@ -702,17 +710,20 @@ Tokenizer Tokenizer::load_llama3(const std::string& path) {
   const std::string expected_regex =
       "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
       "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-  const nlohmann::json pre = j.value("pre_tokenizer", nlohmann::json());
-  const std::string dump = pre.dump();
-  TALLY_CHECK(dump.find(nlohmann::json(expected_regex).dump()) != std::string::npos, what,
-              ": its pre-tokenizer is not LLaMA-3's regex (found ", excerpt(dump), ")");
-  // ... and the rest of what happens to text before BPE must be LLaMA-3's too: no normalizer,
-  // the regex's pieces kept whole ("Isolated"), then bytes mapped without a prefix space or a
-  // second (GPT-2) regex. A file that differs encodes differently from what it describes.
   const auto field = [](const nlohmann::json& o, const char* key) {
     return o.is_object() && o.contains(key) ? o[key] : nlohmann::json();
   };
+  const nlohmann::json pre = field(j, "pre_tokenizer");
+  const std::string dump = pre.dump();
   const nlohmann::json steps = field(pre, "pretokenizers");
+  const nlohmann::json split = steps.is_array() && !steps.empty() ? steps[0] : nlohmann::json();
+  const nlohmann::json expected_pattern = {{"Regex", expected_regex}};
+  TALLY_CHECK(field(split, "pattern") == expected_pattern, what,
+              ": its pre-tokenizer does not split on LLaMA-3's regex: expected a first step whose pattern is "
+              "{\"Regex\": <LLaMA-3's regex>}; found ", excerpt(dump));
+  // ... and the rest of what happens to text before BPE must be LLaMA-3's too: no normalizer,
+  // the regex's pieces kept whole ("Isolated"), then bytes mapped without a prefix space or a
+  // second (GPT-2) regex. A file that differs encodes differently from what it describes.
   const bool llama3_pre = field(pre, "type") == "Sequence" && steps.is_array() && steps.size() == 2 &&
                           field(steps[0], "type") == "Split" && field(steps[0], "behavior") == "Isolated" &&
                           field(steps[0], "invert") == false && field(steps[1], "type") == "ByteLevel" &&

@@ -85,6 +85,7 @@ class Tokenizer {
   bool can_encode() const;  // false for load_llmc tokenizers
 
  private:
+  static Tokenizer load_llama3_json(const std::string& tokenizer_json_path);
   Tokenizer();
   struct Impl;
   std::unique_ptr<Impl> impl_;
