@@ -707,6 +707,36 @@ TEST(Launch, AKillAtEveryCrashPointOfACheckpointLosesNothing) {
   EXPECT_FALSE(std::filesystem::exists(out + "/step_00000006.old"));
 }
 
+// Resuming from an older checkpoint than `latest` cut the log back to that step at once; a
+// kill before the resumed run's first save left `latest` at step 8 and the log without rows
+// 5-8, and `--resume out` then found the run complete: the rows were gone for good. The
+// log keeps the rows `latest` vouches for until the resumed run commits its own.
+TEST(Launch, AResumeFromAnOlderCheckpointKilledBeforeItsFirstSaveLosesNoLogRows) {
+  const std::string data = test::write_random_shard("older_resume.bin", 20000, 97, 5);
+  const std::string out = test::temp_path("older_resume");
+  std::filesystem::remove_all(out);
+  auto command = [&](const std::string& crash, const std::string& resume) {
+    return train_command(crash.empty() ? "" : "env TALLY_CRASH_POINT=" + crash, data,
+                         "--save-every 4 --out-dir " + out + " --log-json " + out + "/log.jsonl" +
+                             (resume.empty() ? "" : " --resume " + resume),
+                         8);
+  };
+  ASSERT_EQ(run(command("", "")).exit_code, 0);
+  const std::vector<int64_t> all_steps = {1, 2, 3, 4, 5, 6, 7, 8};
+  const std::string rows = test::read_all(out + "/log.jsonl");
+  ASSERT_EQ(test::log_steps(out + "/log.jsonl"), all_steps);
+  const Outcome killed = run(command("row:6", out + "/step_00000004"));
+  ASSERT_EQ(killed.exit_code, 137) << killed.output;
+  EXPECT_EQ(test::read_all(out + "/log.jsonl"), rows) << "the rows `latest` (step 8) vouches for";
+  const Outcome again = run(command("", out));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_EQ(test::read_all(out + "/log.jsonl"), rows);
+  // Resumed from step 4 to the end, the log is that run's history: steps 5-8 once each.
+  const Outcome branch = run(command("", out + "/step_00000004"));
+  ASSERT_EQ(branch.exit_code, 0) << branch.output;
+  EXPECT_EQ(test::log_steps(out + "/log.jsonl"), all_steps);
+}
+
 // LLaMA-3 as a user runs it: tokenize with LLaMA-3's tokenizer.json (<|begin_of_text|>
 // before each document, uint32 shards), train, sample from the out-dir with a prompt,
 // export to HuggingFace and sample from that directory: the same greedy text.

@@ -330,6 +330,11 @@ void Metrics::sync_logs() {
   if (rank_json_log_) rank_json_log_->sync();
 }
 
+void Metrics::commit_logs() {
+  if (json_log_) json_log_->commit();
+  if (rank_json_log_) rank_json_log_->commit();
+}
+
 bool Metrics::has_best_val() const { return std::isfinite(best_val_); }
 
 void Metrics::write_plot() const {
@@ -340,6 +345,7 @@ void Metrics::write_plot() const {
 
 void Metrics::finish(int64_t steps_run, const std::string& last_checkpoint) {
   if (steps_run == 0) return;
+  commit_logs();
   write_plot();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start_).count();
   const int64_t tokens = steps_run * tokens_per_step_;

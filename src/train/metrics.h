@@ -71,7 +71,8 @@ class Metrics {
   // The step's JSONL row, written before the step's checkpoint: a checkpointed step always
   // has its row.
   void write_row();
-  void sync_logs();  // before a checkpoint: the rows so far survive a crash
+  void sync_logs();    // before a checkpoint: the rows so far survive a crash
+  void commit_logs();  // after a checkpoint, and at the end: this run's history is the log's
 
   const RunCurve& curve() const { return curve_; }
   // The run's lowest validation loss so far (a resumed one's included), and its step.

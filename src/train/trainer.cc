@@ -118,6 +118,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const O
     if (checkpointer.saves_at(m.step, last)) {
       metrics.sync_logs();
       checkpointer.save(m.step, metrics.curve(), evaluator.sample_rng());
+      metrics.commit_logs();
     }
     if (sample_error) std::rethrow_exception(sample_error);
     result.history.push_back(m);
