@@ -158,6 +158,25 @@ TEST(MemoryTools, ATraceRoundTripsEveryEventAndThePlan) {
     const std::string bad = test::message_of<Error>([&] { memory::read_memory_trace(path); });
     EXPECT_NE(bad.find(expected), std::string::npos) << bad;
   }
+  // Each event within 2^62, but together past what the report's sums hold; a plan whose
+  // parts overflow; and the owner table after the events (read as the stream goes) is fine.
+  const std::string quarter = std::to_string(int64_t{1} << 61);
+  for (const auto& [body, expected] :
+       {std::pair{R"("owners": ["a"], "plan": [], "events": [[1.0, )" + quarter + ", 0, 0, 0, 0, 1, 0], [2.0, -" + quarter +
+                      ", 0, 0, 0, 0, 1, 0], [3.0, 8, 0, 0, 0, 0, 2, 0]]",
+                  std::string("past 2^62")},
+        std::pair{std::string(R"("owners": ["a"], "events": [], "plan": [["x", 4611686018427387904], ["y", 1]])"),
+                  std::string("plan part \"y\"")},
+        std::pair{std::string(R"("plan": [], "events": [[1.0, 8, 0, 1, 0, 0, 1, 0]], "owners": ["a"])"),
+                  std::string("names owner 1, which does not exist")}}) {
+    test::write_all(path, R"({"tally_memory": {"version": 1, )" + body + "}}");
+    const std::string bad = test::message_of<Error>([&] { memory::read_memory_trace(path); });
+    EXPECT_NE(bad.find(expected), std::string::npos) << bad;
+  }
+  test::write_all(path, R"({"tally_memory": {"version": 1, "plan": [], "events": [[1.0, 8, 0, 0, 0, 0, 1, 0]], "owners": ["a"]}})");
+  const memory::MemoryTrace later = memory::read_memory_trace(path);
+  ASSERT_EQ(later.events.size(), 1u);
+  EXPECT_EQ(name_of(later.events[0].name), "a");
   memory::write_chrome_trace(path, events, 1 << 20, {{"parameters", 123}, {"activations", 456}});
   // A trace cut short (a copy that did not finish): said so, not "a --log-json file".
   const std::string whole = test::read_all(path);

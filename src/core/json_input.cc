@@ -1,5 +1,6 @@
 #include "core/json_input.h"
 
+#include <algorithm>
 #include <istream>
 #include <utility>
 #include <vector>
@@ -20,6 +21,11 @@ class BoundedBuilder {
   using json = nlohmann::json;
 
   explicit BoundedBuilder(const std::function<bool(const std::string&)>& keep_key) : keep_key_(keep_key) {}
+  // The elements of the array at `path` (its keys from the top) go to `sink` one by one, as
+  // each is complete, and are not kept.
+  BoundedBuilder(const std::function<bool(const std::string&)>& keep_key, std::vector<std::string> path,
+                 const std::function<void(json&&)>& sink)
+      : keep_key_(keep_key), streamed_path_(std::move(path)), sink_(&sink) {}
 
   json take() { return std::move(root_); }
 
@@ -43,6 +49,7 @@ class BoundedBuilder {
       return true;
     }
     slot_ = &(*stack_.back())[k];
+    if (sink_ && stack_.size() <= streamed_path_.size()) open_keys_.resize(stack_.size() - 1), open_keys_.push_back(k);
     return true;
   }
 
@@ -76,7 +83,8 @@ class BoundedBuilder {
       skipping_value_ = false;
       return true;
     }
-    place(std::move(value));
+    if (streamed_ && stack_.back() == streamed_) (*sink_)(std::move(value));
+    else place(std::move(value));
     return true;
   }
 
@@ -87,27 +95,42 @@ class BoundedBuilder {
       ++skipped_depth_;
       return true;
     }
+    const bool array = empty.is_array();
     stack_.push_back(place(std::move(empty)));
+    if (sink_ && !streamed_ && array && stack_.size() == streamed_path_.size() + 1 &&
+        std::equal(streamed_path_.begin(), streamed_path_.end(), open_keys_.begin(), open_keys_.end()))
+      streamed_ = stack_.back();
     return true;
   }
 
   bool close() {
-    if (skipped_depth_ > 0) --skipped_depth_;
-    else stack_.pop_back();
+    if (skipped_depth_ > 0) {
+      --skipped_depth_;
+      return true;
+    }
+    stack_.pop_back();
+    if (streamed_ && !stack_.empty() && stack_.back() == streamed_) {
+      auto& elements = streamed_->get_ref<json::array_t&>();
+      (*sink_)(std::move(elements.back()));
+      elements.pop_back();
+    }
     return true;
   }
 
-  const std::function<bool(const std::string&)>& keep_key_;
+  const std::function<bool(const std::string&)> keep_key_;
   json root_;
   std::vector<json*> stack_;  // the open containers, outermost first
   json* slot_ = nullptr;      // the open object's member the next value fills
   bool skipping_value_ = false;
   int skipped_depth_ = 0;  // containers open inside a skipped value
+  std::vector<std::string> streamed_path_;
+  const std::function<void(json&&)>* sink_ = nullptr;
+  std::vector<std::string> open_keys_;  // the keys of the open objects' members, from the top
+  json* streamed_ = nullptr;            // the array whose elements go to sink_, once open
 };
 
 template <class Input>
-nlohmann::json parse_bounded(Input&& input, const std::string& what, const std::function<bool(const std::string&)>& keep_key) {
-  BoundedBuilder builder(keep_key);
+nlohmann::json parse_bounded(Input&& input, const std::string& what, BoundedBuilder&& builder) {
   try {
     nlohmann::json::sax_parse(std::forward<Input>(input), &builder);
   } catch (const TooDeep&) {
@@ -118,12 +141,19 @@ nlohmann::json parse_bounded(Input&& input, const std::string& what, const std::
 }  // namespace
 
 nlohmann::json parse_json_keeping_syntax_errors(std::string_view text, const std::string& what) {
-  return parse_bounded(text, what, {});
+  return parse_bounded(text, what, BoundedBuilder({}));
 }
 
 nlohmann::json parse_json_keeping_syntax_errors(std::istream& in, const std::string& what,
                                                 const std::function<bool(const std::string&)>& keep_key) {
-  return parse_bounded(in, what, keep_key);
+  return parse_bounded(in, what, BoundedBuilder(keep_key));
+}
+
+nlohmann::json parse_json_keeping_syntax_errors(std::istream& in, const std::string& what,
+                                                const std::function<bool(const std::string&)>& keep_key,
+                                                const std::vector<std::string>& streamed_array,
+                                                const std::function<void(nlohmann::json&&)>& on_element) {
+  return parse_bounded(in, what, BoundedBuilder(keep_key, streamed_array, on_element));
 }
 
 nlohmann::json parse_json(std::string_view text, const std::string& what) {

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace tally {
 
@@ -27,5 +28,12 @@ nlohmann::json parse_json_keeping_syntax_errors(std::string_view text, const std
 // skipped as they are read, never built.
 nlohmann::json parse_json_keeping_syntax_errors(std::istream& in, const std::string& what,
                                                 const std::function<bool(const std::string&)>& keep_key);
+// The same, with the elements of the array at `streamed_array` (its keys from the top, as
+// {"tally_memory", "events"}) handed to `on_element` one at a time as each is read, and
+// left out of the document: memory stays that of one element, not of the array.
+nlohmann::json parse_json_keeping_syntax_errors(std::istream& in, const std::string& what,
+                                                const std::function<bool(const std::string&)>& keep_key,
+                                                const std::vector<std::string>& streamed_array,
+                                                const std::function<void(nlohmann::json&&)>& on_element);
 
 }  // namespace tally

@@ -156,6 +156,55 @@ void write_chrome_trace(const std::string& path, const std::vector<MemoryEvent>&
   out.commit();
 }
 
+
+namespace {
+// One event of a trace: [time_us, delta, category, owner, step, microbatch, id, retag].
+// The owner's index goes to `owner_of` (the table may come after the events); `moved`
+// sums the bytes moved, which must stay within 2^62.
+MemoryEvent read_event(const nlohmann::json& e, const std::string& path, size_t index, std::vector<int64_t>* owner_of,
+                       int64_t* moved) {
+  TALLY_CHECK(e.is_array() && e.size() == 8, "memory trace '", path, "': event ", index, " is not an array of 8 numbers");
+  // A time, then integers (get<int64_t> reads 1.7 bytes as 1).
+  bool integers = e[0].is_number();
+  for (size_t k = 1; k < 8; ++k) integers = integers && e[k].is_number_integer();
+  TALLY_CHECK(integers, "memory trace '", path, "': event ", index, " is ", e.dump(), ", expected a time and 7 integers");
+  MemoryEvent ev;
+  ev.time_us = e[0].get<double>();
+  ev.delta = e[1].get<int64_t>();
+  // Byte counts within what an allocation can be, and all of them together within 2^62,
+  // so the sums the report makes (by owner, by category, over time) cannot overflow.
+  constexpr int64_t kMaxBytes = int64_t{1} << 62;
+  TALLY_CHECK(ev.delta >= -kMaxBytes && ev.delta <= kMaxBytes, "memory trace '", path, "': event ", index, " moves ",
+              ev.delta, " bytes, more than an allocation can hold (2^62)");
+  TALLY_CHECK((ev.delta < 0 ? -ev.delta : ev.delta) <= kMaxBytes - *moved, "memory trace '", path, "': event ", index,
+              " moves ", ev.delta, " bytes, which takes the bytes the trace moves past 2^62: the file is corrupt");
+  *moved += ev.delta < 0 ? -ev.delta : ev.delta;
+  const int64_t c = e[2].get<int64_t>();  // (read as an int, 2^32 + 3 would be 3)
+  const int64_t o = e[3].get<int64_t>();
+  TALLY_CHECK(c >= 0 && c < kNumCategories && o >= 0, "memory trace '", path, "': event ", index, " names category ", c,
+              " or owner ", o, ", which do not exist");
+  ev.category = static_cast<Category>(c);
+  owner_of->push_back(o);
+  ev.step = e[4].get<int64_t>();
+  ev.microbatch = e[5].get<int64_t>();
+  // Within what a run can reach: an edited 1e300 us or step 2^63 - 1 would draw the axis
+  // as "-9223372036854775808 ms" and "step -9223372036854775808".
+  constexpr double kMaxTimeUs = 1e15;  // 31 years
+  constexpr int64_t kMaxStep = int64_t{1} << 40;
+  TALLY_CHECK(std::isfinite(ev.time_us) && std::abs(ev.time_us) <= kMaxTimeUs, "memory trace '", path, "': event ", index,
+              " is at time ", e[0].dump(), " us, expected a finite time within 1e15 us");
+  TALLY_CHECK(ev.step >= -1 && ev.step <= kMaxStep && ev.microbatch >= kBetweenSteps && ev.microbatch <= kMaxStep,
+              "memory trace '", path, "': event ", index, " is in step ", ev.step, ", microbatch ", ev.microbatch,
+              ", expected steps from -1 (none) and microbatches from -2 (between steps) up to 2^40");
+  ev.id = e[6].get<uint64_t>();
+  const int64_t retag = e[7].get<int64_t>();
+  TALLY_CHECK(retag == 0 || retag == 1, "memory trace '", path, "': event ", index, " has retag flag ", retag,
+              ", expected 0 or 1");
+  ev.retag = retag == 1;
+  return ev;
+}
+}  // namespace
+
 MemoryTrace read_memory_trace(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   TALLY_CHECK(in.good(), "memory trace '", path, "': cannot open");
@@ -164,51 +213,35 @@ MemoryTrace read_memory_trace(const std::string& path) {
     // Parsed from the stream, keeping only the tally_memory section: the Perfetto counters
     // beside it (a JSON object of every category an event) are for other tools, and read
     // into a document they would take ~8 bytes of memory a byte of file.
+    // The events are read one at a time as the stream goes (a 3M-event trace is ~1 GB as a
+    // document, ~170 MB as events); their owners are looked up once the table is read.
+    std::vector<int64_t> owner_of;
+    int64_t moved = 0;  // the sum of |delta|: bounded, no sum the report makes can overflow
+    const std::function<void(nlohmann::json&&)> on_event = [&](nlohmann::json&& e) {
+      trace.events.push_back(read_event(e, path, trace.events.size(), &owner_of, &moved));
+    };
     const nlohmann::json doc = parse_json_keeping_syntax_errors(
-        in, "memory trace '" + path + "'", [](const std::string& key) { return key == "tally_memory"; });
+        in, "memory trace '" + path + "'", [](const std::string& key) { return key == "tally_memory"; },
+        {"tally_memory", "events"}, on_event);
     TALLY_CHECK(doc.is_object() && doc.contains("tally_memory"), "memory trace '", path,
                 "': no tally_memory section (write it with `tally train --mem-trace F.json`)");
     const auto& t = doc["tally_memory"];
     TALLY_CHECK(t.value("version", 0) == 1, "memory trace '", path, "': version ", t.value("version", 0), ", expected 1");
+    TALLY_CHECK(t.contains("events"), "memory trace '", path, "': no events");
     std::vector<NameId> names;
     for (const auto& o : t.at("owners")) names.push_back(intern_name(o.get<std::string>()));
-    for (const auto& part : t.at("plan")) trace.plan.emplace_back(part.at(0).get<std::string>(), part.at(1).get<int64_t>());
-    for (const auto& e : t.at("events")) {
-      TALLY_CHECK(e.is_array() && e.size() == 8, "memory trace '", path, "': an event is not an array of 8 numbers");
-      // A time, then integers (get<int64_t> reads 1.7 bytes as 1); byte counts within what an
-      // allocation can be (2^62), so the sums the report makes cannot overflow.
-      bool integers = e[0].is_number();
-      for (size_t k = 1; k < 8; ++k) integers = integers && e[k].is_number_integer();
-      TALLY_CHECK(integers, "memory trace '", path, "': event ", trace.events.size(), " is ", e.dump(),
-                  ", expected a time and 7 integers");
-      MemoryEvent ev;
-      ev.time_us = e[0].get<double>();
-      ev.delta = e[1].get<int64_t>();
-      TALLY_CHECK(ev.delta >= -(int64_t{1} << 62) && ev.delta <= (int64_t{1} << 62), "memory trace '", path, "': event ",
-                  trace.events.size(), " moves ", ev.delta, " bytes, more than an allocation can hold (2^62)");
-      const int64_t c = e[2].get<int64_t>();  // (read as an int, 2^32 + 3 would be 3)
-      const int64_t o = e[3].get<int64_t>();
-      TALLY_CHECK(c >= 0 && c < kNumCategories && o >= 0 && o < static_cast<int64_t>(names.size()), "memory trace '", path,
-                  "': an event names category ", c, " or owner ", o, ", which do not exist");
-      ev.category = static_cast<Category>(c);
-      ev.name = names[static_cast<size_t>(o)];
-      ev.step = e[4].get<int64_t>();
-      ev.microbatch = e[5].get<int64_t>();
-      // Within what a run can reach: an edited 1e300 us or step 2^63 - 1 would draw the axis
-      // as "-9223372036854775808 ms" and "step -9223372036854775808".
-      constexpr double kMaxTimeUs = 1e15;  // 31 years
-      constexpr int64_t kMaxStep = int64_t{1} << 40;
-      TALLY_CHECK(std::isfinite(ev.time_us) && std::abs(ev.time_us) <= kMaxTimeUs, "memory trace '", path, "': event ",
-                  trace.events.size(), " is at time ", e[0].dump(), " us, expected a finite time within 1e15 us");
-      TALLY_CHECK(ev.step >= -1 && ev.step <= kMaxStep && ev.microbatch >= kBetweenSteps && ev.microbatch <= kMaxStep,
-                  "memory trace '", path, "': event ", trace.events.size(), " is in step ", ev.step, ", microbatch ",
-                  ev.microbatch, ", expected steps from -1 (none) and microbatches from -2 (between steps) up to 2^40");
-      ev.id = e[6].get<uint64_t>();
-      const int64_t retag = e[7].get<int64_t>();
-      TALLY_CHECK(retag == 0 || retag == 1, "memory trace '", path, "': event ", trace.events.size(), " has retag flag ",
-                  retag, ", expected 0 or 1");
-      ev.retag = retag == 1;
-      trace.events.push_back(ev);
+    int64_t planned = 0;
+    for (const auto& part : t.at("plan")) {
+      const int64_t bytes = part.at(1).get<int64_t>();
+      TALLY_CHECK(bytes >= 0 && bytes <= (int64_t{1} << 62) - planned, "memory trace '", path, "': plan part ",
+                  part.at(0).dump(), " of ", bytes, " bytes: the parts must be sizes that sum within 2^62");
+      planned += bytes;
+      trace.plan.emplace_back(part.at(0).get<std::string>(), bytes);
+    }
+    for (size_t i = 0; i < trace.events.size(); ++i) {
+      TALLY_CHECK(owner_of[i] < static_cast<int64_t>(names.size()), "memory trace '", path, "': event ", i,
+                  " names owner ", owner_of[i], ", which does not exist");
+      trace.events[i].name = names[static_cast<size_t>(owner_of[i])];
     }
   } catch (const nlohmann::json::parse_error& e) {
     // Say what the file is when it is one of tally's own others: a report page, a step log.
