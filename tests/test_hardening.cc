@@ -209,6 +209,16 @@ TEST(Hardening, FlagsWhoseProductWrapsAreRefusedBeforeAnythingRuns) {
   EXPECT_NE(msg.find("--batch-size x --seq-len x --grad-accum"), std::string::npos) << msg;
 }
 
+// Meta's SwiGLU rounding, (hidden + multiple_of - 1) / multiple_of, wrapped for a
+// multiple_of near 2^63 (a LLaMA config's value).
+TEST(Hardening, ASwigluWidthThatOverflowsIsRefusedNotWrapped) {
+  const std::string msg = message_of<Error>([] { nn::llama_ffn_hidden(64, std::numeric_limits<int64_t>::max(), 0); });
+  EXPECT_NE(msg.find("multiple_of"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("overflows a 64-bit size"), std::string::npos) << msg;
+  EXPECT_NE(message_of<Error>([] { nn::llama_ffn_hidden(64, 256, 1e300); }).find("ffn_dim_multiplier"), std::string::npos);
+  EXPECT_EQ(nn::llama_ffn_hidden(4096, 1024, 1.3), 14336);  // LLaMA-3.1 8B
+}
+
 TEST(Hardening, ThreadsOutsideTheSaneRangeAreRefused) {
   train::TrainConfig c = tiny_config(test::write_random_shard("t.bin", 1000, 97, 1));
   c.compute.threads = 100000;
@@ -435,6 +445,10 @@ TEST(Hardening, BadNumbersInFlagsAreRefused) {
       // ... and an eps below fp32's normal range was 0 there: 0/0 on a gradient that is zero.
       {[](auto& c) { c.optimizer.eps = 1e-50; }, "--eps 1e-50 is below fp32's smallest normal number"},
       {[](auto& c) { c.model.file.clear(), c.model.preset = "d99999999999999999999"; }, "--model d99999999999999999999: depth"},
+      // The run's token count (steps x tokens a step) wrapped: 2^58 steps of 32 tokens.
+      {[](auto& c) { c.batch.steps = int64_t{1} << 58; }, "the run's tokens, --steps x --batch-size"},
+      // One forward a token, the text held whole: a trillion tokens never ended.
+      {[](auto& c) { c.sampling.tokens = 1'000'000'000'000; }, "--sample-tokens must be in 0..1000000"},
   };
   for (const Case& k : cases) {
     train::TrainConfig c = tiny_config(data);

@@ -328,6 +328,15 @@ TEST(Launch, SwitchValuesAreHonouredAndSeedsOutOfRangeRefused) {
         << o.output;
   }
   EXPECT_EQ(run(unseeded + " --seed 18446744073709551615").exit_code, 0);
+  // Any integer flag: CLI11 alone clamped a number past its type to the type's largest.
+  const Outcome steps = run(train_command("", test::fixture_path("gpt2_tiny.bin"), "--steps 99999999999999999999"));
+  EXPECT_NE(steps.exit_code, 0);
+  EXPECT_NE(steps.output.find("--steps: out of range: expected an integer from -9223372036854775808 to "
+                              "9223372036854775807, got 99999999999999999999"),
+            std::string::npos)
+      << steps.output;
+  const Outcome count = run(unseeded + " --count 9999999999999999999999");
+  EXPECT_NE(count.output.find("--count: out of range"), std::string::npos) << count.output;
 }
 
 TEST(Launch, SamplingWithASmallerTokenizerWarnsAndShowsTheIdsItLacks) {

@@ -63,11 +63,11 @@ CLI::Option* add_choice(CLI::App& app, const std::string& flag, T& field, Choice
 }
 
 void add_model_flags(CLI::App& t, train::TrainConfig& c) {
-  auto* preset = t.add_option("--model", c.model.preset, kModelHelp)->capture_default_str();
-  auto* file = t.add_option("--model-file", c.model.file,
+  auto* preset = add_value(t, "--model", c.model.preset, kModelHelp)->capture_default_str();
+  auto* file = add_value(t, "--model-file", c.model.file,
                             "Start from an llm.c model file (.bin, GPT-2 or LLaMA-3); tally plan also takes a checkpoint "
                             "or a training --out-dir, for its model's shape");
-  auto* hf = t.add_option("--init-from", c.model.init_from,
+  auto* hf = add_value(t, "--init-from", c.model.init_from,
                           "Start from a HuggingFace model: a directory (config.json + model.safetensors or shards) or a "
                           "GPT-2 model.safetensors");
   // One source for the model: a preset named beside a file is refused, not ignored.
@@ -76,53 +76,53 @@ void add_model_flags(CLI::App& t, train::TrainConfig& c) {
 }
 
 void add_data_flags(CLI::App& t, train::TrainConfig& c) {
-  t.add_option("--train-data", c.data.train, "Glob of training token shards (llm.c's format; `tally tokenize` writes them)");
-  t.add_option("--val-data", c.data.val, "Glob of validation token shards");
-  t.add_option("--tokenizer", c.data.tokenizer, kTokenizerHelp);
+  add_value(t, "--train-data", c.data.train, "Glob of training token shards (llm.c's format; `tally tokenize` writes them)");
+  add_value(t, "--val-data", c.data.val, "Glob of validation token shards");
+  add_value(t, "--tokenizer", c.data.tokenizer, kTokenizerHelp);
   t.add_flag("--shuffle", c.data.shuffle,
              "Read the training data as sequences of --seq-len + 1 tokens in a new random order on every pass over it "
              "(seeded by --seed); without it, batches follow the files' order, the same on every pass");
-  t.add_option("--batch-size", c.batch.batch_size, "Sequences per microbatch (B)")->capture_default_str();
-  t.add_option("--seq-len", c.batch.seq_len, "Tokens per sequence (T)")->capture_default_str();
-  t.add_option("--grad-accum", c.batch.grad_accum, "Microbatches per step on each data-parallel rank")->capture_default_str();
-  t.add_option("--steps", c.batch.steps, "Optimizer steps")->capture_default_str();
+  add_value(t, "--batch-size", c.batch.batch_size, "Sequences per microbatch (B)")->capture_default_str();
+  add_value(t, "--seq-len", c.batch.seq_len, "Tokens per sequence (T)")->capture_default_str();
+  add_value(t, "--grad-accum", c.batch.grad_accum, "Microbatches per step on each data-parallel rank")->capture_default_str();
+  add_value(t, "--steps", c.batch.steps, "Optimizer steps")->capture_default_str();
 }
 
 void add_optimizer_flags(CLI::App& t, train::TrainConfig& c) {
   train::OptimizerConfig& o = c.optimizer;
-  t.add_option("--lr", o.lr, "Peak learning rate")->capture_default_str();
-  t.add_option("--warmup-steps", o.warmup_steps, "Linear warmup steps")->capture_default_str();
+  add_value(t, "--lr", o.lr, "Peak learning rate")->capture_default_str();
+  add_value(t, "--warmup-steps", o.warmup_steps, "Linear warmup steps")->capture_default_str();
   add_choice<train::LrSchedule>(t, "--lr-schedule", o.schedule,
                                 {{"constant", train::LrSchedule::Constant}, {"cosine", train::LrSchedule::Cosine}},
                                 "The learning rate after the warm-up");
-  t.add_option("--min-lr-frac", o.min_lr_frac, "Learning rate of the last step as a fraction of --lr (cosine)")->capture_default_str();
-  t.add_option("--weight-decay", o.weight_decay, "Decoupled weight decay on 2-D weights")->capture_default_str();
-  t.add_option("--beta1", o.beta1, "AdamW's decay of the gradient's running mean")->capture_default_str();
-  t.add_option("--beta2", o.beta2, "AdamW's decay of the squared gradient's running mean")->capture_default_str();
-  t.add_option("--eps", o.eps, "AdamW's epsilon, added to the root of the second moment")->capture_default_str();
-  t.add_option("--grad-clip", o.grad_clip, "Clip the global gradient norm (0 = off)")->capture_default_str();
-  t.add_option("--seed", c.seed, "Seed of the weights' initialization (without --model-file) and of the samples")
+  add_value(t, "--min-lr-frac", o.min_lr_frac, "Learning rate of the last step as a fraction of --lr (cosine)")->capture_default_str();
+  add_value(t, "--weight-decay", o.weight_decay, "Decoupled weight decay on 2-D weights")->capture_default_str();
+  add_value(t, "--beta1", o.beta1, "AdamW's decay of the gradient's running mean")->capture_default_str();
+  add_value(t, "--beta2", o.beta2, "AdamW's decay of the squared gradient's running mean")->capture_default_str();
+  add_value(t, "--eps", o.eps, "AdamW's epsilon, added to the root of the second moment")->capture_default_str();
+  add_value(t, "--grad-clip", o.grad_clip, "Clip the global gradient norm (0 = off)")->capture_default_str();
+  add_value(t, "--seed", c.seed, "Seed of the weights' initialization (without --model-file) and of the samples")
       ->check(kNonNegativeInteger)
       ->capture_default_str();
 }
 
 void add_evaluation_flags(CLI::App& t, train::TrainConfig& c) {
-  t.add_option("--val-every", c.validation.every, "Validate every N steps (and at the end)")->capture_default_str();
-  t.add_option("--val-batches", c.validation.batches, "Batches per validation")->capture_default_str();
+  add_value(t, "--val-every", c.validation.every, "Validate every N steps (and at the end)")->capture_default_str();
+  add_value(t, "--val-batches", c.validation.batches, "Batches per validation")->capture_default_str();
   train::SamplingConfig& s = c.sampling;
-  t.add_option("--sample-every", s.every, "Print a sample every N steps (and at the end; -1 never)")->capture_default_str();
-  t.add_option("--sample-tokens", s.tokens, "Tokens per sample")->capture_default_str();
-  t.add_option("--temperature", s.temperature, "Temperature of the printed samples (0 = greedy)")->capture_default_str();
-  t.add_option("--top-k", s.top_k, "The printed samples draw from the K likeliest tokens (0 = all)")->capture_default_str();
+  add_value(t, "--sample-every", s.every, "Print a sample every N steps (and at the end; -1 never)")->capture_default_str();
+  add_value(t, "--sample-tokens", s.tokens, "Tokens per sample")->capture_default_str();
+  add_value(t, "--temperature", s.temperature, "Temperature of the printed samples (0 = greedy)")->capture_default_str();
+  add_value(t, "--top-k", s.top_k, "The printed samples draw from the K likeliest tokens (0 = all)")->capture_default_str();
 }
 
 void add_output_flags(CLI::App& t, train::TrainConfig& c) {
   train::CheckpointConfig& k = c.checkpoint;
-  t.add_option("--save-every", k.save_every, "Checkpoint every N steps (and at the end; 0 = never)")->capture_default_str();
-  t.add_option("--keep-last", k.keep_last, "Keep only the newest N checkpoints: each save removes the older ones "
+  add_value(t, "--save-every", k.save_every, "Checkpoint every N steps (and at the end; 0 = never)")->capture_default_str();
+  add_value(t, "--keep-last", k.keep_last, "Keep only the newest N checkpoints: each save removes the older ones "
                "(0 = keep every one)")->capture_default_str();
-  t.add_option("--out-dir", k.out_dir, "Where checkpoints and the loss plot go")->capture_default_str();
-  t.add_option("--resume", k.resume, "Resume from a checkpoint directory (or an --out-dir with 'latest'), with its "
+  add_value(t, "--out-dir", k.out_dir, "Where checkpoints and the loss plot go")->capture_default_str();
+  add_value(t, "--resume", k.resume, "Resume from a checkpoint directory (or an --out-dir with 'latest'), with its "
                "weights; a --model, --model-file or --init-from beside it only names the model, which must be the "
                "checkpoint's");
   t.add_flag("--overwrite", k.overwrite,
@@ -130,7 +130,7 @@ void add_output_flags(CLI::App& t, train::TrainConfig& c) {
              "run is refused when it saves)");
   t.add_flag("--allow-recipe-change", k.allow_recipe_change,
              "Resume even if batch shape, schedule or optimizer differ from the checkpoint's run");
-  t.add_option("--log-json", c.metrics.log_json, "Write one JSON object per step to this file: a new run starts it "
+  add_value(t, "--log-json", c.metrics.log_json, "Write one JSON object per step to this file: a new run starts it "
                "empty, a --resume keeps its rows up to the checkpoint's step and appends");
   t.add_flag("--log-json-all-ranks", c.metrics.log_json_all_ranks, "Also write <log-json>.rank<R> on every rank");
   t.add_flag("--quiet", c.metrics.quiet, "Print nothing but warnings and errors (no start-up, step or summary lines)");
@@ -138,30 +138,30 @@ void add_output_flags(CLI::App& t, train::TrainConfig& c) {
   add_choice<SanitizeMode>(t, "--sanitize", c.memory.sanitize,
                            {{"off", SanitizeMode::Off}, {"warn", SanitizeMode::Warn}, {"strict", SanitizeMode::Strict}},
                            "Memory sanitizer: growth of live memory or a surviving graph is reported, or an error");
-  t.add_option("--mem-trace", c.memory.trace, "Write the memory history: a Perfetto/Chrome trace (.json) or an HTML "
+  add_value(t, "--mem-trace", c.memory.trace, "Write the memory history: a Perfetto/Chrome trace (.json) or an HTML "
                "report with a plot (.html)");
 }
 
 void add_parallel_flags(CLI::App& t, train::TrainConfig& c) {
   train::ParallelismConfig& p = c.parallel;
-  t.add_option("--dp", p.dp, "Data-parallel ranks (0 = world size / (tp x pp)); launch with mpirun -np N")->capture_default_str();
-  t.add_option("--tp", p.tp, "Tensor-parallel ranks: heads, MLP width and vocabulary split over them (Megatron)")
+  add_value(t, "--dp", p.dp, "Data-parallel ranks (0 = world size / (tp x pp)); launch with mpirun -np N")->capture_default_str();
+  add_value(t, "--tp", p.tp, "Tensor-parallel ranks: heads, MLP width and vocabulary split over them (Megatron)")
       ->check(kPositiveInteger)->capture_default_str();
   t.add_flag("--sp", p.sequence_parallel, "Sequence parallel: norms and residuals sharded along the sequence over the --tp group");
-  t.add_option("--pp", p.pp, "Pipeline-parallel stages: the layers split into P stages")->check(kPositiveInteger)->capture_default_str();
+  add_value(t, "--pp", p.pp, "Pipeline-parallel stages: the layers split into P stages")->check(kPositiveInteger)->capture_default_str();
   using dist::PipelineSchedule;
   add_choice<PipelineSchedule>(t, "--pp-schedule", p.pp_schedule,
                                {{"gpipe", PipelineSchedule::GPipe}, {"1f1b", PipelineSchedule::OneFOneB},
                                 {"interleaved", PipelineSchedule::Interleaved}},
                                "Pipeline schedule (1f1b needs --grad-accum >= --pp)");
-  t.add_option("--virtual-stages", p.virtual_stages, "Model chunks per pipeline rank (--pp-schedule interleaved)")
+  add_value(t, "--virtual-stages", p.virtual_stages, "Model chunks per pipeline rank (--pp-schedule interleaved)")
       ->check(kPositiveInteger)->capture_default_str();
-  t.add_option("--pp-last-stage-layers", p.pp_last_stage_layers,
+  add_value(t, "--pp-last-stage-layers", p.pp_last_stage_layers,
                "Layers of the last pipeline stage, beside the head (0: split evenly); the rest are spread evenly")
       ->check(kNonNegativeInteger)->capture_default_str();
-  t.add_option("--zero", p.zero, "ZeRO stage over the data-parallel group: 0 (off), 1 (optimizer state), 2 (+ gradients), "
+  add_value(t, "--zero", p.zero, "ZeRO stage over the data-parallel group: 0 (off), 1 (optimizer state), 2 (+ gradients), "
                "3 (+ parameters)")->check(CLI::Range(0, 3))->capture_default_str();
-  t.add_option("--bucket-mb", p.bucket_mb, "Gradient all-reduce bucket size in MiB (data parallel, ZeRO-1)")->capture_default_str();
+  add_value(t, "--bucket-mb", p.bucket_mb, "Gradient all-reduce bucket size in MiB (data parallel, ZeRO-1)")->capture_default_str();
 }
 
 void add_compute_flags(CLI::App& t, train::TrainConfig& c) {
@@ -185,7 +185,7 @@ void add_compute_flags(CLI::App& t, train::TrainConfig& c) {
   t.add_flag("--chunked-loss", k.chunked_loss,
              "Fuse the LM head with the loss in chunks of rows, so the (batch x seq, vocab) logits are never all "
              "in memory (one more head GEMM per microbatch)");
-  t.add_option("--threads", k.threads, "CPU threads (0 = all)")->capture_default_str();
+  add_value(t, "--threads", k.threads, "CPU threads (0 = all)")->capture_default_str();
   t.add_flag("--profile-ops", k.profile_ops,
              "Time every kernel: after each step line, where each phase's time went (and in the --log-json row)");
 }

@@ -8,6 +8,11 @@
 #pragma once
 #include <CLI/CLI.hpp>
 
+#include <charconv>
+#include <limits>
+#include <string>
+#include <type_traits>
+
 #include "train/config.h"
 
 namespace tally::apps {
@@ -17,6 +22,32 @@ namespace tally::apps {
 extern const CLI::Validator kNonNegativeInteger;
 // A count of at least one (ranks, stages).
 extern const CLI::Validator kPositiveInteger;
+
+// An integer within its type's range, sign and all: CLI11 alone clamps a number out of
+// range (--steps 99999999999999999999 became 2^63 - 1) without a word.
+template <class T> CLI::Validator integer_in_range() {
+  return CLI::Validator(
+      [](std::string& value) {
+        T parsed{};
+        const char* end = value.data() + value.size();
+        const auto [stop, error] = std::from_chars(value.data(), end, parsed);
+        if (error == std::errc() && stop == end) return std::string();
+        const bool range = error == std::errc::result_out_of_range;
+        return std::string(range ? "out of range: expected an integer from " : "expected an integer from ") +
+               std::to_string(std::numeric_limits<T>::min()) + " to " + std::to_string(std::numeric_limits<T>::max()) +
+               ", got " + value;
+      },
+      "");
+}
+
+// An option into `field`; an integer field's value must fit it.
+template <class T>
+CLI::Option* add_value(CLI::App& app, const std::string& flag, T& field, const std::string& help = "") {
+  CLI::Option* option = app.add_option(flag, field, help);
+  if constexpr (std::is_same_v<T, uint64_t>) option->check(kNonNegativeInteger);
+  else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) option->check(integer_in_range<T>());
+  return option;
+}
 
 inline constexpr const char* kModelHelp =
     "Preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, dN (GPT-2 of depth N, width 64N; N in 1..64); llama3.2-1b, "

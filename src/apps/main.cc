@@ -75,7 +75,8 @@ std::unique_ptr<nn::Transformer> load_model(const std::string& path, std::string
 
 int run_sample(const SampleArgs& a) {
   TALLY_CHECK(a.count >= 1, "--count must be at least 1, got ", a.count);
-  TALLY_CHECK(a.tokens >= 0, "--tokens must be >= 0, got ", a.tokens);
+  TALLY_CHECK(a.tokens >= 0 && a.tokens <= train::kMaxSampleTokens, "--tokens must be in 0..", train::kMaxSampleTokens,
+              ", got ", a.tokens);
   TALLY_CHECK(std::isfinite(a.temperature) && a.temperature >= 0, "--temperature must be a finite number >= 0 (0: greedy), got ",
               a.temperature);
   TALLY_CHECK(a.top_k >= 0, "--top-k must be >= 0 (0: no truncation), got ", a.top_k);
@@ -387,52 +388,52 @@ namespace {
 
 void add_sample(CLI::App& app, SampleArgs& sa) {
   auto* s = app.add_subcommand("sample", "Generate text from a GPT-2 or LLaMA-3 model (KV-cached decoding)");
-  s->add_option("--model-file", sa.model_file,
+  apps::add_value(*s, "--model-file", sa.model_file,
                  "An llm.c model (.bin), a checkpoint directory, a training --out-dir (its latest checkpoint), or a "
                  "HuggingFace model directory")
       ->required();
-  s->add_option("--tokenizer", sa.tokenizer, apps::kTokenizerHelp);
-  s->add_option("--prompt", sa.prompt, "Text to continue (needs a tokenizer that encodes)");
-  s->add_option("--tokens", sa.tokens, "Most tokens to generate per sample")->capture_default_str();
-  s->add_option("--count", sa.count, "Samples to draw, each from the prompt")->capture_default_str();
+  apps::add_value(*s, "--tokenizer", sa.tokenizer, apps::kTokenizerHelp);
+  apps::add_value(*s, "--prompt", sa.prompt, "Text to continue (needs a tokenizer that encodes)");
+  apps::add_value(*s, "--tokens", sa.tokens, "Most tokens to generate per sample")->capture_default_str();
+  apps::add_value(*s, "--count", sa.count, "Samples to draw, each from the prompt")->capture_default_str();
   // A value given to either switch counts (CLI11 passes --flag=false as -1).
   auto* stop = s->add_flag("--stop-at-eot", [&sa](int64_t on) { sa.stop_at_eot = on > 0; },
                            "End a sample at the end of text or the next document's start (the default)");
   s->add_flag("--no-stop-at-eot", [&sa](int64_t on) { sa.stop_at_eot = on <= 0; },
               "Keep generating past the end of text or the next document's start (by default a sample ends there)")
       ->excludes(stop);
-  s->add_option("--temperature", sa.temperature, "0 = greedy")->capture_default_str();
-  s->add_option("--top-k", sa.top_k, "0 = no truncation")->capture_default_str();
-  s->add_option("--top-p", sa.top_p, "Nucleus: keep the likeliest tokens up to this probability mass (1 = all)")
+  apps::add_value(*s, "--temperature", sa.temperature, "0 = greedy")->capture_default_str();
+  apps::add_value(*s, "--top-k", sa.top_k, "0 = no truncation")->capture_default_str();
+  apps::add_value(*s, "--top-p", sa.top_p, "Nucleus: keep the likeliest tokens up to this probability mass (1 = all)")
       ->capture_default_str();
-  s->add_option("--seed", sa.seed, "Seed of the draws")->check(apps::kNonNegativeInteger)->capture_default_str();
-  s->add_option("--threads", sa.threads, "CPU threads (0 = all)")->capture_default_str();
+  apps::add_value(*s, "--seed", sa.seed, "Seed of the draws")->check(apps::kNonNegativeInteger)->capture_default_str();
+  apps::add_value(*s, "--threads", sa.threads, "CPU threads (0 = all)")->capture_default_str();
 }
 
 void add_tokenize(CLI::App& app, TokenizeArgs& ta) {
   auto* k = app.add_subcommand("tokenize", "Turn text files into llm.c token shards (GPT-2 or LLaMA-3)");
-  k->add_option("--tokenizer", ta.tokenizer, "A directory with tokenizer.json (LLaMA-3) or encoder.json + vocab.bpe (GPT-2)")
+  apps::add_value(*k, "--tokenizer", ta.tokenizer, "A directory with tokenizer.json (LLaMA-3) or encoder.json + vocab.bpe (GPT-2)")
       ->required();
-  k->add_option("--out", ta.out_prefix, "Output prefix: writes <prefix>_train.bin and <prefix>_val.bin")->required();
-  k->add_option("--val-fraction", ta.val_fraction, "Share of tokens for validation, taken from the end: whole documents "
+  apps::add_value(*k, "--out", ta.out_prefix, "Output prefix: writes <prefix>_train.bin and <prefix>_val.bin")->required();
+  apps::add_value(*k, "--val-fraction", ta.val_fraction, "Share of tokens for validation, taken from the end: whole documents "
                 "where they come within a quarter of it, else the boundary document is cut")
       ->capture_default_str();
-  k->add_option("--separator", ta.separator, "A line that separates documents inside a file (e.g. % in fortune files)");
-  k->add_option("--shuffle-seed", ta.shuffle_seed, "Shuffle the documents with this seed before the split (0: keep their order)")
+  apps::add_value(*k, "--separator", ta.separator, "A line that separates documents inside a file (e.g. % in fortune files)");
+  apps::add_value(*k, "--shuffle-seed", ta.shuffle_seed, "Shuffle the documents with this seed before the split (0: keep their order)")
       ->check(apps::kNonNegativeInteger)
       ->capture_default_str();
-  k->add_option("inputs", ta.inputs, "Text files")->required()->check(CLI::ExistingFile);
+  apps::add_value(*k, "inputs", ta.inputs, "Text files")->required()->check(CLI::ExistingFile);
 }
 
 void add_export(CLI::App& app, ExportArgs& ea) {
   auto* x = app.add_subcommand("export", "Write a model in another format: a HuggingFace directory or an llm.c file");
-  x->add_option("--model-file", ea.model_file,
+  apps::add_value(*x, "--model-file", ea.model_file,
                 "An llm.c model (.bin), a checkpoint directory, a training --out-dir, or a HuggingFace model directory")
       ->required();
-  x->add_option("--format", ea.format, "hf (config.json + model.safetensors) or llmc (.bin)")
+  apps::add_value(*x, "--format", ea.format, "hf (config.json + model.safetensors) or llmc (.bin)")
       ->check(CLI::IsMember({"hf", "llmc"}))
       ->capture_default_str();
-  x->add_option("-o,--out", ea.out, "The directory (hf) or file (llmc) to write")->required();
+  apps::add_value(*x, "-o,--out", ea.out, "The directory (hf) or file (llmc) to write")->required();
   x->add_flag("--bf16", ea.bf16, "Write bf16 weights (rounded to nearest even) instead of fp32");
 }
 
@@ -442,11 +443,11 @@ std::pair<CLI::App*, CLI::App*> add_memory(CLI::App& app, MemoryArgs& ma) {
   mem->require_subcommand(1);
   auto* mr = mem->add_subcommand("report", "Draw a trace as a self-contained HTML page: live bytes by category and owner, "
                                            "step bands, who holds the peak, the plan beside it");
-  mr->add_option("trace", ma.trace, "A trace (.json) from --mem-trace")->required()->check(CLI::ExistingFile);
-  mr->add_option("-o,--out", ma.out, "The HTML page to write")->capture_default_str();
+  apps::add_value(*mr, "trace", ma.trace, "A trace (.json) from --mem-trace")->required()->check(CLI::ExistingFile);
+  apps::add_value(*mr, "-o,--out", ma.out, "The HTML page to write")->capture_default_str();
   auto* md = mem->add_subcommand("diff", "Which owners held more or less in trace B than in A, and from which step");
-  md->add_option("a", ma.trace, "Trace A (.json)")->required()->check(CLI::ExistingFile);
-  md->add_option("b", ma.other, "Trace B (.json)")->required()->check(CLI::ExistingFile);
+  apps::add_value(*md, "a", ma.trace, "Trace A (.json)")->required()->check(CLI::ExistingFile);
+  apps::add_value(*md, "b", ma.other, "Trace B (.json)")->required()->check(CLI::ExistingFile);
   return {mr, md};
 }
 
@@ -454,16 +455,16 @@ void add_plan(CLI::App& app, PlanArgs& pl) {
   auto* q = app.add_subcommand("plan", "Predict every rank's memory peak and its parts for a training run, without "
                                        "running it: give it `tally train`'s command line");
   apps::add_run_flags(*q, pl.run);
-  q->add_option("--world", pl.world, "Ranks the job would run on (mpirun -np; 0 = --dp x --tp x --pp)")->capture_default_str();
+  apps::add_value(*q, "--world", pl.world, "Ranks the job would run on (mpirun -np; 0 = --dp x --tp x --pp)")->capture_default_str();
   q->add_flag("--val", pl.val, "The run validates (as --val-data says): count its loader's buffers");
   q->add_flag("--json", pl.json, "Print the plan as JSON");
 }
 
 void add_plot(CLI::App& app, PlotArgs& pa) {
   auto* p = app.add_subcommand("plot", "Draw the loss curves of one or more runs (their --log-json files) into one SVG");
-  p->add_option("logs", pa.logs, "Logs written by `tally train --log-json`")->required()->check(CLI::ExistingFile);
-  p->add_option("-o,--out", pa.out, "The SVG to write")->capture_default_str();
-  p->add_option("--title", pa.title, "The plot's title")->capture_default_str();
+  apps::add_value(*p, "logs", pa.logs, "Logs written by `tally train --log-json`")->required()->check(CLI::ExistingFile);
+  apps::add_value(*p, "-o,--out", pa.out, "The SVG to write")->capture_default_str();
+  apps::add_value(*p, "--title", pa.title, "The plot's title")->capture_default_str();
 }
 
 // Under mpirun every rank runs this; a rank that fails ends the whole job (never a hang

@@ -6,6 +6,7 @@
 #include "autograd/checkpoint.h"
 #include "autograd/function.h"
 #include "autograd/grad_mode.h"
+#include "core/checked.h"
 #include "core/owner.h"
 #include "ops/ops.h"
 
@@ -49,9 +50,15 @@ void TransformerConfig::validate() const {
 
 int64_t llama_ffn_hidden(int64_t n_embd, int64_t multiple_of, double ffn_dim_multiplier) {
   TALLY_CHECK(multiple_of >= 1, "model: multiple_of must be >= 1, got ", multiple_of);
-  int64_t hidden = 2 * (4 * n_embd) / 3;  // int(2 * hidden_dim / 3)
-  if (ffn_dim_multiplier > 0) hidden = static_cast<int64_t>(ffn_dim_multiplier * static_cast<double>(hidden));
-  return multiple_of * ((hidden + multiple_of - 1) / multiple_of);
+  int64_t hidden = checked_mul(n_embd, 8, "model: 2 x (4 x n_embd)") / 3;  // int(2 * hidden_dim / 3)
+  if (ffn_dim_multiplier > 0) {
+    const double scaled = ffn_dim_multiplier * static_cast<double>(hidden);
+    TALLY_CHECK(scaled < 0x1p62, "model: ffn_dim_multiplier ", ffn_dim_multiplier, " x ", hidden,
+                " overflows a 64-bit size");
+    hidden = static_cast<int64_t>(scaled);
+  }
+  const int64_t rounded_up = checked_add(hidden, multiple_of - 1, "model: the SwiGLU width rounded up to multiple_of");
+  return checked_mul(multiple_of, rounded_up / multiple_of, "model: the SwiGLU width rounded up to multiple_of");
 }
 
 void settle_llama_ffn_rounding(TransformerConfig& c) {

@@ -10,6 +10,7 @@
 #include "io/hf_files.h"
 #include "io/model_files.h"
 #include "runtime/backend.h"
+#include "train/sampler.h"
 
 namespace tally::train {
 
@@ -46,6 +47,8 @@ void validate_batch(const TrainConfig& c) {
   // Sizes derived from flags are checked before anything is allocated: B x T x N tokens per
   // step, and the loader reads B x T + 1 tokens per microbatch.
   checked_product({b.batch_size, b.seq_len, b.grad_accum, 8}, "--batch-size x --seq-len x --grad-accum");
+  checked_product({b.steps, b.batch_size, b.seq_len, b.grad_accum, c.parallel.dp},
+                  "the run's tokens, --steps x --batch-size x --seq-len x --grad-accum x --dp");
 }
 
 void validate_optimizer(const OptimizerConfig& o) {
@@ -96,6 +99,8 @@ void validate_outputs(const TrainConfig& c) {
               "--sample-tokens tokens every ", s.every, " steps, and --sample-tokens is 0; give it a length, or "
               "--sample-every -1 for none");
   TALLY_CHECK(s.top_k >= 0, "--top-k must be >= 0 (0: no truncation), got ", s.top_k);
+  TALLY_CHECK(s.tokens >= 0 && s.tokens <= kMaxSampleTokens, "--sample-tokens must be in 0..", kMaxSampleTokens,
+              ", got ", s.tokens);
   TALLY_CHECK(c.compute.threads >= 0 && c.compute.threads <= kMaxThreads, "--threads must be in 0..", kMaxThreads,
               " (0: all cores), got ", c.compute.threads);
 }

@@ -12,6 +12,10 @@
 
 namespace tally::train {
 
+// The longest sample: one forward a token, and the text held whole (a million tokens is
+// hours of generation on a CPU and a few MB of ids).
+inline constexpr int64_t kMaxSampleTokens = 1'000'000;
+
 struct SampleOptions {
   int64_t tokens = 64;
   double temperature = 1.0;  // 0: greedy
