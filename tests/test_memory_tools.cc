@@ -3,15 +3,19 @@
 // owners, and `tally memory diff` names the owners that grew and the first step they did.
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <map>
 
 #include <nlohmann/json.hpp>
 
+#include <sys/resource.h>
+
 #include "memory/report.h"
 #include "runtime/backend.h"
 #include "support.h"
+#include "train/memory_trace.h"
 #include "train/trainer.h"
 
 using namespace tally;
@@ -84,6 +88,36 @@ TEST(MemoryTools, ARunThatFailsStillWritesItsTraceUpToTheFailure) {
   int64_t last_step = -1;
   for (const memory::MemoryEvent& e : trace.events) last_step = std::max(last_step, e.step);
   EXPECT_GE(last_step, 1) << "the trace reaches into the steps";
+}
+
+// On a full disk the end-of-run write failed, and the failure handler then wrote the trace
+// again from the history the first write had taken: a valid trace of 0 events, announced
+// as "the memory trace of the run up to its failure". A trace is written once.
+TEST(MemoryTools, ATraceThatFailsToWriteIsNotReplacedByAnEmptyOne) {
+  const std::string path = test::temp_path("full_disk.json");
+  fs::remove(path);
+  const std::unique_ptr<dist::World> world = dist::World::create({1, 1, 1});
+  // As on a full disk: no file may grow past 4 KB (a write past it fails with EFBIG).
+  std::signal(SIGXFSZ, SIG_IGN);
+  rlimit unlimited{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &unlimited), 0);
+  const rlimit small{4096, unlimited.rlim_max};
+  std::string failure;
+  testing::internal::CaptureStderr();
+  try {
+    train::MemoryTrace trace(path, Device::cpu(), *world);
+    std::vector<Tensor> kept;
+    for (int i = 0; i < 1000; ++i) kept.push_back(Tensor::zeros({16}));
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+    trace.write_at_end(true);
+  } catch (const Error& e) {
+    failure = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &unlimited);
+  const std::string said = testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(failure.empty()) << "the write past the limit must fail";
+  EXPECT_EQ(said.find("up to its failure"), std::string::npos) << said;
+  EXPECT_FALSE(fs::exists(path)) << "no trace, rather than an empty one";
 }
 
 // An edited trace with a time or step no run reaches drew "-9223372036854775808 ms" and
