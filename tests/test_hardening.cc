@@ -407,6 +407,46 @@ TEST(Hardening, AHuggingFaceTensorInTwoShardsOrALlamaWithoutItsConfigIsRefused) 
   EXPECT_NE(why.find("holds LLaMA's tensors (model.embed_tokens.weight) but no config.json"), std::string::npos) << why;
 }
 
+// The index's weight_map was read only for its file names: a tensor it put in another
+// shard, or a model.safetensors beside it (which loaders disagree about), loaded without a
+// word; a config.json that is a broken link was taken as no config at all.
+TEST(Hardening, AHuggingFaceIndexThatDisagreesWithItsShardsOrABrokenConfigLinkIsRefused) {
+  const std::string dir = test::temp_path("hf_index_moved");
+  fs::remove_all(dir);
+  fs::copy(test::fixture_path("llama3_tiny_hf"), dir);
+  const std::string index_path = dir + "/model.safetensors.index.json";
+  nlohmann::json index = nlohmann::json::parse(test::read_all(index_path));
+  const std::string first = "model-00001-of-00002.safetensors", second = "model-00002-of-00002.safetensors";
+  ASSERT_EQ(index["weight_map"]["model.embed_tokens.weight"], first);
+  index["weight_map"]["model.embed_tokens.weight"] = second;
+  test::write_all(index_path, index.dump());
+  std::string msg = message_of<Error>([&] { io::read_hf_config(dir); });
+  EXPECT_NE(msg.find("maps tensor 'model.embed_tokens.weight' to '" + dir + "/" + second + "', but it is in '" + dir +
+                     "/" + first + "'"),
+            std::string::npos) << msg;
+  index["weight_map"].erase("model.embed_tokens.weight");
+  test::write_all(index_path, index.dump());
+  msg = message_of<Error>([&] { io::read_hf_config(dir); });
+  EXPECT_NE(msg.find("does not list tensor 'model.embed_tokens.weight'"), std::string::npos) << msg;
+
+  const std::string both = test::temp_path("hf_index_and_single");
+  fs::remove_all(both);
+  fs::copy(test::fixture_path("llama3_tiny_hf"), both);
+  fs::copy_file(both + "/" + first, both + "/model.safetensors");
+  msg = message_of<Error>([&] { io::read_hf_config(both); });
+  EXPECT_NE(msg.find("has both model.safetensors and model.safetensors.index.json"), std::string::npos) << msg;
+
+  const std::string linked = test::temp_path("hf_config_link");
+  fs::remove_all(linked);
+  fs::copy(test::fixture_path("llama3_tiny_hf"), linked);
+  fs::remove(linked + "/config.json");
+  fs::create_symlink(linked + "/gone.json", linked + "/config.json");
+  msg = message_of<Error>([&] { io::read_hf_config(linked); });
+  EXPECT_NE(msg.find("HuggingFace config '" + linked + "/config.json' is a link to '" + linked + "/gone.json', which "
+                     "does not exist"),
+            std::string::npos) << msg;
+}
+
 TEST(Hardening, ATruncatedVocabBpeIsRefusedNamingATokenNoMergeMakes) {
   const std::string dir = test::temp_path("tok");
   fs::create_directories(dir);

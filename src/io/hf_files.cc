@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -29,27 +30,51 @@ using json = nlohmann::json;
 struct HfSource {
   std::string config_path;
   std::vector<std::string> shards;
+  std::string index_path;                              // the index, when sharded
+  std::map<std::string, std::string> file_of_tensor;  // the index's weight_map: tensor -> shard path
 };
+
+// Whether `p` is there, a link included: a link to nothing is there and broken, not absent
+// (the model would otherwise be read without the config it names).
+bool present(const fs::path& p, const char* what) {
+  std::error_code ec;
+  const fs::file_status link = fs::symlink_status(p, ec);
+  if (!fs::exists(link)) return false;
+  TALLY_CHECK(!fs::is_symlink(link) || fs::exists(p, ec), what, " '", p.string(), "' is a link to '",
+              fs::read_symlink(p, ec).string(), "', which does not exist");
+  return true;
+}
+
+// The shards a model.safetensors.index.json names, and where it says each tensor is.
+void read_index(const fs::path& index, HfSource& src) {
+  const fs::path dir = index.parent_path();
+  src.index_path = index.string();
+  const json j = parse_json(read_file(index.string()), "HuggingFace index '" + index.string() + "'");
+  TALLY_CHECK(j.contains("weight_map") && j["weight_map"].is_object(), "HuggingFace index '", index.string(),
+              "' has no weight_map object");
+  std::set<std::string> files;
+  for (auto& [name, file] : j["weight_map"].items()) {
+    TALLY_CHECK(file.is_string() && file.get<std::string>().find('/') == std::string::npos, "HuggingFace index '",
+                index.string(), "': tensor '", name, "' maps to ", file.dump(), ", expected a file name beside it");
+    files.insert(file.get<std::string>());
+    src.file_of_tensor.emplace(name, (dir / file.get<std::string>()).string());
+  }
+  for (const std::string& f : files) src.shards.push_back((dir / f).string());
+}
 
 HfSource locate(const std::string& path) {
   HfSource src;
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
     const fs::path dir(path);
-    if (fs::exists(dir / "config.json")) src.config_path = (dir / "config.json").string();
+    if (present(dir / "config.json", "HuggingFace config")) src.config_path = (dir / "config.json").string();
     const fs::path index = dir / "model.safetensors.index.json";
-    if (fs::exists(index)) {
-      const json j = parse_json(read_file(index.string()), "HuggingFace index '" + index.string() + "'");
-      TALLY_CHECK(j.contains("weight_map") && j["weight_map"].is_object(), "HuggingFace index '", index.string(),
-                  "' has no weight_map object");
-      std::set<std::string> files;
-      for (auto& [name, file] : j["weight_map"].items()) {
-        TALLY_CHECK(file.is_string() && file.get<std::string>().find('/') == std::string::npos, "HuggingFace index '",
-                    index.string(), "': tensor '", name, "' maps to ", file.dump(), ", expected a file name beside it");
-        files.insert(file.get<std::string>());
-      }
-      for (const std::string& f : files) src.shards.push_back((dir / f).string());
-    } else if (fs::exists(dir / "model.safetensors")) {
+    const bool single = present(dir / "model.safetensors", "HuggingFace model");
+    if (present(index, "HuggingFace index")) {
+      TALLY_CHECK(!single, "HuggingFace model directory '", path, "' has both model.safetensors and "
+                  "model.safetensors.index.json: which one is the model is not said; remove the other");
+      read_index(index, src);
+    } else if (single) {
       src.shards.push_back((dir / "model.safetensors").string());
     }
     TALLY_CHECK(!src.shards.empty(), "HuggingFace model directory '", path,
@@ -58,7 +83,7 @@ HfSource locate(const std::string& path) {
     TALLY_CHECK(fs::is_regular_file(path, ec), "HuggingFace model '", path,
                 "' does not exist (expected a model directory or a model.safetensors file)");
     const fs::path beside = fs::path(path).parent_path() / "config.json";
-    if (fs::exists(beside)) src.config_path = beside.string();
+    if (present(beside, "HuggingFace config")) src.config_path = beside.string();
     src.shards.push_back(path);
   }
   return src;
@@ -205,6 +230,21 @@ struct SafetensorsShards {
       }
     }
     path = src.shards.at(0) + (src.shards.size() > 1 ? " (and " + std::to_string(src.shards.size() - 1) + " more shards)" : "");
+    if (!src.index_path.empty()) check_against_index(src);
+  }
+  // The index says where each tensor is: a tensor in another shard than it names, or in no
+  // entry of it, means the index and the shards are of different saves.
+  void check_against_index(const HfSource& src) const {
+    for (const auto& [name, file] : src.file_of_tensor) {
+      const auto it = file_of.find(name);
+      TALLY_CHECK(it != file_of.end(), "HuggingFace index '", src.index_path, "' maps tensor '", name, "' to '", file,
+                  "', which does not hold it");
+      TALLY_CHECK(files[it->second].path == file, "HuggingFace index '", src.index_path, "' maps tensor '", name,
+                  "' to '", file, "', but it is in '", files[it->second].path, "'");
+    }
+    for (const auto& [name, index] : file_of)
+      TALLY_CHECK(src.file_of_tensor.count(name), "HuggingFace index '", src.index_path, "' does not list tensor '",
+                  name, "' of '", files[index].path, "'");
   }
   const SafetensorsFile& file(const std::string& key) const { return files.at(file_of.at(key)); }
   const SafetensorsFile::Entry& entry(const std::string& key) const { return file(key).entry(key); }
@@ -608,7 +648,9 @@ void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
   if (fs::exists(index)) {
     std::vector<std::string> shards;
     try {
-      shards = locate(dir).shards;
+      HfSource earlier;
+      read_index(index, earlier);
+      shards = earlier.shards;
     } catch (const Error&) {
       // An unreadable index: it names nothing to remove, but still shadows the new file.
     }
