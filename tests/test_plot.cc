@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 
 #include "support.h"
@@ -187,6 +188,22 @@ TEST(Plot, ReadingALogNamesTheFileAndLineOfABadRow) {
 
 // Ticks over a range whose values a double cannot step through (2^60 apart by 1000) stop
 // instead of looping forever.
+// Losses of +-1e308 (a run that diverged, or an edited log) made the range between them
+// overflow, and every coordinate of the page was written as "nan". Values past 1e300 are
+// gaps, as NaN is; the rest of the curve is drawn in a finite frame.
+TEST(Plot, LossesAtTheEdgeOfADoubleLeaveGapsNotNanCoordinates) {
+  train::RunCurve r = fake_run("diverged", 10.8, 5, 30, 10);
+  r.loss[3] = 1e308, r.loss[4] = -1e308, r.loss[5] = std::numeric_limits<double>::infinity();
+  r.lr[6] = 1e308;
+  r.add_val(31, -1e308);
+  const std::string svg = train::render_loss_svg({r});
+  EXPECT_EQ(svg.find("nan"), std::string::npos);
+  EXPECT_EQ(svg.find("inf"), std::string::npos);
+  EXPECT_EQ(count(svg, "class='val-point"), 3u) << "the three finite validation losses";
+  const std::vector<double> smoothed = train::smooth(r.loss);
+  EXPECT_TRUE(std::isfinite(smoothed.back()) && smoothed.back() < 20) << "a gap does not poison the average";
+}
+
 TEST(Plot, StepsFarApartAtTheEdgeOfADoubleStillDrawAFewTicks) {
   train::RunCurve run;
   run.add_step(int64_t{1} << 52, 2.0, 0.0, 0);

@@ -94,11 +94,19 @@ RunCurve curve_from_json(const std::string& text, const std::string& what) {
   return run;
 }
 
+// Whether a value can be drawn: a number not past 1e300, so that a range between two of them
+// (1e308 - -1e308 overflows) and every coordinate stay finite. Others are gaps, as NaN is.
+static bool plottable(double v) { return std::isfinite(v) && std::abs(v) <= 1e300; }
+
 std::vector<double> smooth(const std::vector<double>& values, double weight) {
   std::vector<double> out;
   out.reserve(values.size());
   double average = 0, norm = 0;
   for (double v : values) {
+    if (!plottable(v)) {  // a gap, which the average passes over
+      out.push_back(v);
+      continue;
+    }
     average = weight * average + (1 - weight) * v;
     norm = weight * norm + (1 - weight);
     out.push_back(average / norm);
@@ -174,11 +182,11 @@ Frame frame_of(const std::vector<RunCurve>& runs) {
     for (size_t i = 0; i < r.steps.size(); ++i) {
       s0 = std::min(s0, static_cast<double>(r.steps[i]));
       s1 = std::max(s1, static_cast<double>(r.steps[i]));
-      if (std::isfinite(r.loss[i])) l0 = std::min(l0, r.loss[i]), l1 = std::max(l1, r.loss[i]);
-      lr1 = std::max(lr1, r.lr[i]);
+      if (plottable(r.loss[i])) l0 = std::min(l0, r.loss[i]), l1 = std::max(l1, r.loss[i]);
+      if (plottable(r.lr[i])) lr1 = std::max(lr1, r.lr[i]);
     }
     for (auto& [step, v] : r.val)
-      if (std::isfinite(v)) l0 = std::min(l0, v), l1 = std::max(l1, v);
+      if (plottable(v)) l0 = std::min(l0, v), l1 = std::max(l1, v);
   }
   if (s1 <= s0) s1 = s0 + 1;
   if (!(l1 > l0)) l1 = l0 + 1;
@@ -254,12 +262,14 @@ std::string draw_run(const Frame& f, const RunCurve& r, size_t k, const std::str
   std::vector<std::pair<double, double>> raw, smoothed, lr, val;
   const std::vector<double> s = smooth(r.loss);
   for (size_t i = 0; i < r.steps.size(); ++i) {
-    if (!std::isfinite(r.loss[i])) continue;
-    raw.emplace_back(f.X(static_cast<double>(r.steps[i])), f.Y(r.loss[i]));
-    smoothed.emplace_back(f.X(static_cast<double>(r.steps[i])), f.Y(s[i]));
-    lr.emplace_back(f.X(static_cast<double>(r.steps[i])), f.YR(r.lr[i]));
+    const double x = f.X(static_cast<double>(r.steps[i]));
+    if (plottable(r.lr[i])) lr.emplace_back(x, f.YR(r.lr[i]));
+    if (!plottable(r.loss[i])) continue;
+    raw.emplace_back(x, f.Y(r.loss[i]));
+    if (plottable(s[i])) smoothed.emplace_back(x, f.Y(s[i]));
   }
-  for (auto& [step, v] : r.val) val.emplace_back(f.X(static_cast<double>(step)), f.Y(v));
+  for (auto& [step, v] : r.val)
+    if (plottable(v)) val.emplace_back(f.X(static_cast<double>(step)), f.Y(v));
   const std::string run = "run-" + std::to_string(k) + "' stroke='" + colour;
   std::string svg = polyline(lr, "class='lr " + run + "' stroke-width='1' stroke-dasharray='5 4' opacity='0.6'");
   svg += polyline(raw, "class='train-raw " + run + "' stroke-width='1' opacity='0.25'");

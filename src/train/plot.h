@@ -36,6 +36,7 @@ RunCurve curve_from_json(const std::string& text, const std::string& what);
 
 // The training loss smoothed by an exponential moving average (bias-corrected, so the first
 // points are not pulled toward zero), as TensorBoard smooths: `weight` of the past.
+// Values past 1e300, infinities and NaN are gaps: passed over, and kept as they are.
 std::vector<double> smooth(const std::vector<double>& values, double weight = 0.9);
 
 std::string render_loss_svg(const std::vector<RunCurve>& runs, const std::string& title = "training loss");
