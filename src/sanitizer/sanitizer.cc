@@ -245,12 +245,15 @@ void Sanitizer::end_step() {
     for (Device d : devices_)
       for (LiveAllocation& a : runtime::ledger(d).live())
         if (born_here(a, d) && born_this_step(a)) survivors.push_back(std::move(a));
-    if (!survivors.empty() && !warming_up) {
+    // Growth is more live bytes than the previous step ended with: a buffer re-made each step
+    // in place of one of the same size (a moving average written out of place) is not.
+    const bool grew = b.live_non_persistent > baseline_live_;
+    if (grew && !survivors.empty() && !warming_up) {
       report_allocations(survivors, where,
                          "born in this step (or since the previous one) that are not persistent; live non-persistent "
                          "memory went " +
                              format_bytes(baseline_live_) + " -> " + format_bytes(b.live_non_persistent));
-    } else if (b.live_non_persistent > baseline_live_ && !warming_up) {
+    } else if (grew && !warming_up) {
       report(IssueKind::Growth, "live non-persistent memory grew by " +
                                     format_bytes(b.live_non_persistent - baseline_live_) + " at " + where +
                                     " without a new allocation surviving (an allocation became non-persistent)");
