@@ -719,6 +719,29 @@ TEST(SanitizerBoundaries, NodesRecordedBetweenStepsAreChecked) {
   EXPECT_TRUE(reported(s, IssueKind::LiveGraph, "held by tensor 'eval_loss'"));
 }
 
+// An evaluation with gradients on after the last training step kept its graph (73,732 B)
+// with 0 issues: no later step start checked it. The run's end does.
+TEST(SanitizerBoundaries, AGraphKeptAfterTheLastStepIsCheckedAtTheRunsEnd) {
+  TinyMlp mlp;
+  Recorder s;
+  s.begin_step(0);
+  s.end_step();
+  Tensor kept_eval = ops::mean(mlp.forward(batch(8, 32, 0))).set_name("final_eval_loss");
+  s.end_run();
+  EXPECT_TRUE(reported(s, IssueKind::LiveGraph, "recorded after its last step"))
+      << (s.issues().empty() ? "" : s.issues()[0].message);
+  EXPECT_TRUE(reported(s, IssueKind::LiveGraph, "held by tensor 'final_eval_loss'"));
+  Recorder clean;
+  clean.begin_step(0);
+  clean.end_step();
+  {
+    autograd::NoGradGuard no_grad;
+    kept_eval = ops::mean(mlp.forward(batch(8, 32, 0)));
+  }
+  clean.end_run();
+  EXPECT_TRUE(clean.issues().empty()) << clean.issues()[0].message;
+}
+
 TEST(SanitizerBoundaries, TheFirstBoundaryListsOnlyWhatWasBornAfterTheSanitizerStarted) {
   Tensor before = Tensor::zeros({1000}).set_name("made_before");
   Recorder s;

@@ -192,6 +192,12 @@ void Sanitizer::begin_step(int64_t step) {
   Clock::set(step, -1);
 }
 
+void Sanitizer::end_run() {
+  if (!active()) return;
+  auto after = surviving_nodes(previous_step_, kBetweenSteps);
+  if (!after.empty()) report_nodes(after, "the end of the run", "recorded after its last step");
+}
+
 void Sanitizer::begin_microbatch(int64_t id) {
   TALLY_CHECK(id >= 0, "sanitizer: microbatch ids are >= 0, got ", id);
   in_flight_.insert(id);

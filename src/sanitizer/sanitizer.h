@@ -79,6 +79,9 @@ class Sanitizer : private autograd::EngineObserver {
   // Step boundaries. begin_step resets peak statistics so each step's peak is its own.
   void begin_step(int64_t step);
   void end_step();
+  // The run is over: a graph recorded after the last step (an evaluation with gradients on)
+  // must be gone too, as it must be by the next step's start.
+  void end_run();
   // Starts or resumes microbatch `id` of the current step; it stays in flight until
   // end_microbatch(id).
   void begin_microbatch(int64_t id);

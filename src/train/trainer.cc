@@ -126,6 +126,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const O
     result.steps_run++;
     if (on_step) on_step(m);
   }
+  sanitizer.end_run();
   result.boundaries = sanitizer.boundaries();
   if (metrics.has_best_val()) result.best_val_loss = metrics.best_val(), result.best_val_step = metrics.best_val_step();
   metrics.finish(result.steps_run, checkpointer.last());
