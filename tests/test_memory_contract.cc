@@ -706,6 +706,38 @@ TEST(SanitizerCycles, ALeafHookCapturingItsOwnLeafIsNamed) {
   EXPECT_EQ(s.issues().size(), 1u) << "gone once the hook is removed";
 }
 
+// A hook registered on a parameter every microbatch and never removed piled up (3, 6, 9
+// hooks) with 0 issues: its bytes are small and made before the step. The count of live
+// hooks is growth too, named with the tensor they are on; removing them is clean.
+TEST(SanitizerParameters, HooksRegisteredEveryMicrobatchAndNeverRemovedAreGrowth) {
+  TinyMlp mlp;
+  Recorder s;
+  std::vector<HookHandle> handles;
+  for (int64_t step = 0; step < 3; ++step) {
+    s.begin_step(step);
+    for (int64_t mb = 0; mb < 3; ++mb) {
+      s.begin_microbatch(mb);
+      handles.push_back(mlp.w1.register_hook([](const Tensor& g) { return g; }));
+      ops::mean(mlp.forward(batch(4, 32, static_cast<uint64_t>(mb)))).backward();
+      s.end_microbatch();
+    }
+    mlp.sgd(0.01);
+    s.end_step();
+  }
+  EXPECT_TRUE(reported(s, IssueKind::Growth, "gradient hooks alive went")) << (s.issues().empty() ? "" : s.issues()[0].message);
+  EXPECT_TRUE(reported(s, IssueKind::Growth, "on float32[32,32] 'mlp.w1'"));
+  Recorder clean;
+  for (int64_t step = 0; step < 3; ++step) {
+    clean.begin_step(step);
+    for (HookHandle& h : handles) h.remove();
+    handles.push_back(mlp.w1.register_hook([](const Tensor& g) { return g; }));
+    ops::mean(mlp.forward(batch(4, 32, 0))).backward();
+    mlp.sgd(0.01);
+    clean.end_step();
+  }
+  EXPECT_TRUE(clean.issues().empty()) << clean.issues()[0].message;
+}
+
 // ------------------------------------------------------------------ boundaries
 TEST(SanitizerBoundaries, NodesRecordedBetweenStepsAreChecked) {
   TinyMlp mlp;

@@ -16,19 +16,30 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>
+#include <vector>
 
 namespace tally {
 
 class Tensor;
 
+// Every hook alive is counted, with the tensor it was registered on: hooks registered each
+// step or microbatch and never removed pile up, and the sanitizer reports that as growth.
 class GradHook {
  public:
-  virtual ~GradHook() = default;
+  GradHook();
+  virtual ~GradHook();
+  GradHook(const GradHook&) = delete;
+  GradHook& operator=(const GradHook&) = delete;
+  std::string target;  // the tensor it hooks ("float32[64] 'w'"), set when registered
   virtual Tensor operator()(const Tensor& grad) const = 0;
   // The callable's object representation: where by-value captures live.
   virtual std::span<const std::byte> captured_bytes() const = 0;
 };
+
+// The tensors the live hooks are registered on, one entry a hook.
+std::vector<std::string> live_hook_targets();
 
 // The hook for a callable of type F (defined in core/tensor.h, where Tensor is complete).
 template <class F> class GradHookOf;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
+#include <unordered_set>
 
 #include "core/checked.h"
 #include "core/device_hooks.h"
@@ -289,9 +291,40 @@ bool bytes_hold_tensor(std::span<const std::byte> bytes, const Tensor& t) {
   return false;
 }
 
+namespace {
+// Never destroyed: a hook held by a static object may outlive any other static.
+std::mutex& hooks_mutex() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+std::unordered_set<const GradHook*>& live_hooks() {
+  static auto* hooks = new std::unordered_set<const GradHook*>;
+  return *hooks;
+}
+}  // namespace
+
+GradHook::GradHook() {
+  std::lock_guard<std::mutex> lock(hooks_mutex());
+  live_hooks().insert(this);
+}
+
+GradHook::~GradHook() {
+  std::lock_guard<std::mutex> lock(hooks_mutex());
+  live_hooks().erase(this);
+}
+
+std::vector<std::string> live_hook_targets() {
+  std::lock_guard<std::mutex> lock(hooks_mutex());
+  std::vector<std::string> out;
+  out.reserve(live_hooks().size());
+  for (const GradHook* h : live_hooks()) out.push_back(h->target);
+  return out;
+}
+
 HookHandle Tensor::add_hook(std::unique_ptr<GradHook> hook) const {
   TALLY_CHECK(defined() && requires_grad(), "register_hook on ", str(), " which does not require grad");
   auto entry = std::make_shared<HookEntry>();
+  hook->target = str();
   entry->captures_own_tensor = bytes_hold_tensor(hook->captured_bytes(), *this);
   entry->hook = std::move(hook);
   HookHandle handle(entry);
@@ -311,6 +344,7 @@ HookHandle Tensor::add_post_accumulate_hook(std::unique_ptr<GradHook> hook) cons
   TALLY_CHECK(leaf, "register_post_accumulate_hook on ", defined() ? str() : "an undefined tensor",
               ", which is not a leaf that requires grad (only a leaf accumulates a gradient)");
   auto entry = std::make_shared<HookEntry>();
+  hook->target = str();
   entry->captures_own_tensor = bytes_hold_tensor(hook->captured_bytes(), *this);
   entry->hook = std::move(hook);
   HookHandle handle(entry);

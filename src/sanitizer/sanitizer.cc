@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <sstream>
 
 #include "autograd/cycles.h"
@@ -192,6 +193,27 @@ void Sanitizer::begin_step(int64_t step) {
   Clock::set(step, -1);
 }
 
+// S1 for hooks: a hook registered every step or microbatch and never removed holds its
+// captures and runs once more each backward; its count grows where its bytes may not.
+void Sanitizer::check_hooks(const std::string& where, bool warming_up) {
+  const std::vector<std::string> targets = live_hook_targets();
+  const int64_t count = static_cast<int64_t>(targets.size());
+  if (baseline_hooks_ >= 0 && !warming_up && count > baseline_hooks_) {
+    std::map<std::string, int64_t> per_tensor;
+    for (const std::string& t : targets) ++per_tensor[t];
+    std::vector<std::pair<std::string, int64_t>> most(per_tensor.begin(), per_tensor.end());
+    std::sort(most.begin(), most.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    std::string named;
+    for (size_t i = 0; i < most.size() && i < 3; ++i)
+      named += (i ? ", " : "") + std::to_string(most[i].second) + " on " + most[i].first;
+    report(IssueKind::Growth, "gradient hooks alive went " + std::to_string(baseline_hooks_) + " -> " +
+                                  std::to_string(count) + " at " + where + " (" + named +
+                                  "): a hook registered every step or microbatch and never removed; keep the "
+                                  "HookHandle register_hook returns and remove() it");
+  }
+  baseline_hooks_ = count;
+}
+
 void Sanitizer::end_run() {
   if (!active()) return;
   auto after = surviving_nodes(previous_step_, kBetweenSteps);
@@ -284,6 +306,7 @@ void Sanitizer::end_step() {
       else report(IssueKind::Growth, "at " + where + " " + growth + ", without a persistent allocation of this step alive");
     }
     baseline_persistent_ = persistent;
+    check_hooks(where, warming_up);
   }
   boundaries_.push_back(b);
   ++steps_ended_;

@@ -98,6 +98,7 @@ class Sanitizer : private autograd::EngineObserver {
   void report(IssueKind kind, const std::string& message);
 
  private:
+  void check_hooks(const std::string& where, bool warming_up);
   void backward_begins(const std::vector<Tensor>& roots) override;  // S3
 
   bool active() const { return mode_ != SanitizeMode::Off; }
@@ -122,6 +123,7 @@ class Sanitizer : private autograd::EngineObserver {
   std::set<int64_t> in_flight_;
   int64_t baseline_live_ = 0;
   int64_t baseline_persistent_ = -1;  // live persistent bytes at the last step's end (-1: none ended)
+  int64_t baseline_hooks_ = -1;  // gradient hooks alive at the previous step's end (-1: none ended yet)
   std::vector<Issue> issues_;
   std::vector<Boundary> boundaries_;
   std::function<void(const Issue&)> printer_;
