@@ -102,7 +102,6 @@ void add_optimizer_flags(CLI::App& t, train::TrainConfig& c) {
   add_value(t, "--eps", o.eps, "AdamW's epsilon, added to the root of the second moment")->capture_default_str();
   add_value(t, "--grad-clip", o.grad_clip, "Clip the global gradient norm (0 = off)")->capture_default_str();
   add_value(t, "--seed", c.seed, "Seed of the weights' initialization (without --model-file) and of the samples")
-      ->check(kNonNegativeInteger)
       ->capture_default_str();
 }
 

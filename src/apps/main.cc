@@ -389,8 +389,8 @@ namespace {
 void add_sample(CLI::App& app, SampleArgs& sa) {
   auto* s = app.add_subcommand("sample", "Generate text from a GPT-2 or LLaMA-3 model (KV-cached decoding)");
   apps::add_value(*s, "--model-file", sa.model_file,
-                 "An llm.c model (.bin), a checkpoint directory, a training --out-dir (its latest checkpoint), or a "
-                 "HuggingFace model directory")
+                       "An llm.c model (.bin), a checkpoint directory, a training --out-dir (its latest checkpoint), or a "
+                       "HuggingFace model directory")
       ->required();
   apps::add_value(*s, "--tokenizer", sa.tokenizer, apps::kTokenizerHelp);
   apps::add_value(*s, "--prompt", sa.prompt, "Text to continue (needs a tokenizer that encodes)");
@@ -406,7 +406,7 @@ void add_sample(CLI::App& app, SampleArgs& sa) {
   apps::add_value(*s, "--top-k", sa.top_k, "0 = no truncation")->capture_default_str();
   apps::add_value(*s, "--top-p", sa.top_p, "Nucleus: keep the likeliest tokens up to this probability mass (1 = all)")
       ->capture_default_str();
-  apps::add_value(*s, "--seed", sa.seed, "Seed of the draws")->check(apps::kNonNegativeInteger)->capture_default_str();
+  apps::add_value(*s, "--seed", sa.seed, "Seed of the draws")->capture_default_str();
   apps::add_value(*s, "--threads", sa.threads, "CPU threads (0 = all)")->capture_default_str();
 }
 
@@ -416,11 +416,10 @@ void add_tokenize(CLI::App& app, TokenizeArgs& ta) {
       ->required();
   apps::add_value(*k, "--out", ta.out_prefix, "Output prefix: writes <prefix>_train.bin and <prefix>_val.bin")->required();
   apps::add_value(*k, "--val-fraction", ta.val_fraction, "Share of tokens for validation, taken from the end: whole documents "
-                "where they come within a quarter of it, else the boundary document is cut")
+                      "where they come within a quarter of it, else the boundary document is cut")
       ->capture_default_str();
   apps::add_value(*k, "--separator", ta.separator, "A line that separates documents inside a file (e.g. % in fortune files)");
   apps::add_value(*k, "--shuffle-seed", ta.shuffle_seed, "Shuffle the documents with this seed before the split (0: keep their order)")
-      ->check(apps::kNonNegativeInteger)
       ->capture_default_str();
   apps::add_value(*k, "inputs", ta.inputs, "Text files")->required()->check(CLI::ExistingFile);
 }
@@ -428,7 +427,7 @@ void add_tokenize(CLI::App& app, TokenizeArgs& ta) {
 void add_export(CLI::App& app, ExportArgs& ea) {
   auto* x = app.add_subcommand("export", "Write a model in another format: a HuggingFace directory or an llm.c file");
   apps::add_value(*x, "--model-file", ea.model_file,
-                "An llm.c model (.bin), a checkpoint directory, a training --out-dir, or a HuggingFace model directory")
+                      "An llm.c model (.bin), a checkpoint directory, a training --out-dir, or a HuggingFace model directory")
       ->required();
   apps::add_value(*x, "--format", ea.format, "hf (config.json + model.safetensors) or llmc (.bin)")
       ->check(CLI::IsMember({"hf", "llmc"}))
