@@ -1,7 +1,6 @@
 #include "io/checkpoint.h"
 
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>

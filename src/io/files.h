@@ -33,13 +33,6 @@ std::FILE* open_stream(const std::string& flag, const std::string& path);
 // report), or also a stream (a log written row by row).
 enum class OutputKind { File, FileOrStream };
 
-// Checks the path of a file a command will write, before any work is done, so a bad one
-// fails now and not after training. `path` must not name a directory (nor end in '/',
-// which only a directory can), an existing special file, a stream unless `kind` takes
-// one (a stream is then written as it is, and nothing else is checked), or an input of
-// the command: `inputs` are (flag, file) pairs, the files the command reads (writing a log
-// over the training data would destroy it). Its directory is created, and must take a
-// new file: one is made there and removed.
 // Whether `name`, in the directory of `file`, is a temporary of `file` that no live process
 // writes: "<file>.tmp", or "<file>.tmp.<pid>.<n>" / "<file>.tmp.probe.<pid>" (what
 // core/atomic_file.h and check_output_file make) of a process that has ended. A live
@@ -49,6 +42,13 @@ bool abandoned_temporary(const std::string& name, const std::string& file);
 // Removes the abandoned temporaries of `path` beside it (a killed run's).
 void remove_abandoned_temporaries(const std::string& path);
 
+// Checks the path of a file a command will write, before any work is done, so a bad one
+// fails now and not after training. `path` must not name a directory (nor end in '/',
+// which only a directory can), an existing special file, a stream unless `kind` takes
+// one (a stream is then written as it is, and nothing else is checked), or an input of
+// the command: `inputs` are (flag, file) pairs, the files the command reads (writing a log
+// over the training data would destroy it). Its directory is created, and must take a
+// new file: one is made there and removed.
 void check_output_file(const std::string& flag, const std::string& path,
                        const std::vector<std::pair<std::string, std::string>>& inputs,
                        OutputKind kind = OutputKind::File);
