@@ -321,12 +321,20 @@ std::vector<std::string> live_hook_targets() {
   return out;
 }
 
+namespace {
+// The list entry of `hook`, registered on `t`.
+std::shared_ptr<HookEntry> hook_entry(std::unique_ptr<GradHook> hook, const Tensor& t) {
+  auto entry = std::make_shared<HookEntry>();
+  hook->target = t.str();
+  entry->captures_own_tensor = bytes_hold_tensor(hook->captured_bytes(), t);
+  entry->hook = std::move(hook);
+  return entry;
+}
+}  // namespace
+
 HookHandle Tensor::add_hook(std::unique_ptr<GradHook> hook) const {
   TALLY_CHECK(defined() && requires_grad(), "register_hook on ", str(), " which does not require grad");
-  auto entry = std::make_shared<HookEntry>();
-  hook->target = str();
-  entry->captures_own_tensor = bytes_hold_tensor(hook->captured_bytes(), *this);
-  entry->hook = std::move(hook);
+  auto entry = hook_entry(std::move(hook), *this);
   HookHandle handle(entry);
   if (auto* leaf = std::get_if<autograd::LeafState>(&impl_->autograd_)) {
     std::erase_if(leaf->hooks, [](const std::shared_ptr<HookEntry>& e) { return !e->hook; });
@@ -343,10 +351,7 @@ HookHandle Tensor::add_post_accumulate_hook(std::unique_ptr<GradHook> hook) cons
   auto* leaf = defined() ? std::get_if<autograd::LeafState>(&impl_->autograd_) : nullptr;
   TALLY_CHECK(leaf, "register_post_accumulate_hook on ", defined() ? str() : "an undefined tensor",
               ", which is not a leaf that requires grad (only a leaf accumulates a gradient)");
-  auto entry = std::make_shared<HookEntry>();
-  hook->target = str();
-  entry->captures_own_tensor = bytes_hold_tensor(hook->captured_bytes(), *this);
-  entry->hook = std::move(hook);
+  auto entry = hook_entry(std::move(hook), *this);
   HookHandle handle(entry);
   std::erase_if(leaf->post_accumulate_hooks, [](const std::shared_ptr<HookEntry>& e) { return !e->hook; });
   leaf->post_accumulate_hooks.push_back(std::move(entry));
