@@ -156,7 +156,6 @@ void write_chrome_trace(const std::string& path, const std::vector<MemoryEvent>&
   out.commit();
 }
 
-
 namespace {
 // One event of a trace: [time_us, delta, category, owner, step, microbatch, id, retag].
 // The owner's index goes to `owner_of` (the table may come after the events); `moved`

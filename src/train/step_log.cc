@@ -29,17 +29,21 @@ StepLog::StepLog(std::string path, int64_t resumed_step) : path_(std::move(path)
   TALLY_CHECK(!fs::is_directory(path_), "--log-json '", path_, "': is a directory, expected a file path");
   if (resumed_step > 0 && fs::exists(path_)) {
     bool superseded = false;
-    kept_ = rows_up_to(resumed_step, &superseded);
+    std::string kept = rows_up_to(resumed_step, &superseded);
     if (superseded) {
       // Rows of steps after the checkpoint belong to the history `latest` may still name:
       // they stay on disk until this run's own history is committed (commit()).
       deferred_ = true;
+      kept_ = std::move(kept);
       return;
     }
-    rewrite(kept_);  // drops a torn last line
-    kept_.clear();
+    rewrite(kept);  // drops a torn last line
   }
-  file_ = std::fopen(path_.c_str(), resumed_step > 0 ? "a" : "w");
+  open(resumed_step > 0 ? "a" : "w");
+}
+
+void StepLog::open(const char* mode) {
+  file_ = std::fopen(path_.c_str(), mode);
   TALLY_CHECK(file_, "--log-json: cannot write '", path_, "': ", std::strerror(errno));
 }
 
@@ -75,8 +79,7 @@ void StepLog::commit() {
   kept_.clear();
   held_.clear();
   deferred_ = false;
-  file_ = std::fopen(path_.c_str(), "a");
-  TALLY_CHECK(file_, "--log-json: cannot write '", path_, "': ", std::strerror(errno));
+  open("a");
 }
 
 StepLog::~StepLog() {

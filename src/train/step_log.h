@@ -36,11 +36,12 @@ class StepLog {
   const std::string& path() const { return path_; }
 
  private:
-  std::string path_;
-  bool stream_ = false;
   std::string rows_up_to(int64_t step, bool* superseded) const;
   void rewrite(const std::string& text) const;
+  void open(const char* mode);
 
+  std::string path_;
+  bool stream_ = false;
   std::FILE* file_ = nullptr;
   bool deferred_ = false;  // rows of a superseded history are on disk: this run's are held
   std::string kept_;       // the rows up to the resumed step, while deferred
