@@ -129,11 +129,6 @@ class Context {
 // (and only then should an op save anything).
 bool needs_graph(const std::vector<Tensor>& inputs);
 
-// Wires `node` to `inputs` (next edges, each with the input's metadata) and marks
-// `outputs` interior tensors of it.
-void connect(Node& node, const std::shared_ptr<Node>& self, const std::vector<Tensor>& inputs,
-             const std::vector<Tensor>& outputs);
-
 // Refuses a context whose own bytes hold one of its node's outputs (a plain Tensor
 // member): the reference cycle node -> context -> output -> node.
 void check_context_holds_no_output(std::span<const std::byte> context, const char* op,

@@ -135,10 +135,22 @@ std::vector<NodeInfo> live_nodes();
 uint64_t next_sequence_nr();
 size_t live_node_count();
 
+// Wires `node` to `inputs` (next edges, each with the input's metadata) and marks
+// `outputs` interior tensors of it (declared here, where StateAccess names it a friend).
+void connect(Node& node, const std::shared_ptr<Node>& self, const std::vector<Tensor>& inputs,
+             const std::vector<Tensor>& outputs);
+
 namespace detail {
 // The only code that changes a tensor's autograd state (R1 is enforced here and in
-// Tensor's own leaf methods). Internal to autograd and the ops that record graphs.
+// Tensor's own leaf methods). Its accessors are private to the autograd code named below,
+// so user code cannot reset a tensor's state (`state(t) = LeafState{}` does not compile).
 struct StateAccess {
+ private:
+  friend class tally::autograd::AccumulateGrad;
+  friend class tally::autograd::Context;
+  friend Edge tally::autograd::gradient_edge(const Tensor& t);
+  friend void tally::autograd::connect(Node& node, const std::shared_ptr<Node>& self,
+                                       const std::vector<Tensor>& inputs, const std::vector<Tensor>& outputs);
   static AutogradState& state(const Tensor& t) { return t.impl()->autograd_; }
   static AutogradState& state(TensorImpl& impl) { return impl.autograd_; }
 };
