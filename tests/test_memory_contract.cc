@@ -379,6 +379,49 @@ TEST(Seed004ReleasedStorage, DroppingOnlyTheRegistryHandleIsReportedWithTheViewH
   EXPECT_TRUE(reported(s, IssueKind::Growth, "held by 'h.0.w(view)'"));
 }
 
+// ZeRO-3 through the public API: a parameter is released after its forward and
+// re-gathered before its backward. copy_ into it bumps its version, so the backward's
+// saved weight refuses it; restore_ is the re-gather the engine itself uses.
+TEST(Seed004ReleasedStorage, AParameterReleasedAndRestoredThroughTheApiRunsItsBackward) {
+  TinyMlp mlp(16);
+  const std::vector<float> values = mlp.w1.to_vector<float>();
+  const Tensor shards = Tensor::from_vector(values, mlp.w1.shape());
+  const Tensor x = test::random_tensor({4, 16}, 3, DType::F32);
+  const auto gathered = [] { return make_owner(Category::Communication, "zero3.gathered(mlp.w1)"); };
+  const auto forward = [&] { return ops::sum(ops::matmul(x, ops::transpose(mlp.w1, 0, 1))); };
+  {
+    Tensor loss = forward();
+    mlp.w1.storage().release("zero3.release(mlp.w1)");
+    EXPECT_THROW(mlp.w1.copy_(shards), Error) << "a released storage has no bytes to copy into";
+    mlp.w1.storage().reacquire(gathered());
+    mlp.w1.copy_(shards);
+    EXPECT_THROW(loss.backward(), Error) << "copy_ is a modification: the saved weight refuses it";
+  }
+  mlp.w1.set_grad(Tensor());
+  Sanitizer s(SanitizeMode::Strict);
+  for (int64_t step = 0; step < 4; ++step) {
+    s.begin_step(step);
+    s.begin_microbatch(0);
+    if (mlp.w1.storage().released()) mlp.w1.restore_(shards, gathered());
+    Tensor loss = forward();
+    mlp.w1.storage().release("zero3.release(mlp.w1)");
+    mlp.w1.restore_(shards, gathered());
+    EXPECT_EQ(mlp.w1.to_vector<float>(), values);
+    loss.backward();
+    loss = Tensor();
+    mlp.w1.storage().release("zero3.release(mlp.w1)");
+    s.end_microbatch(0);
+    mlp.w1.set_grad(Tensor());
+    s.end_step();
+  }
+  mlp.w1.restore_(shards, gathered());
+  EXPECT_THROW(mlp.w1.restore_(shards, gathered()), Error) << "restore_ is for a released storage";
+  Tensor flat = Tensor::zeros({32});
+  Tensor half = flat.slice(0, 0, 16);
+  flat.storage().release("zero3.release(flat)");
+  EXPECT_THROW(half.restore_(Tensor::zeros({16}), gathered()), Error) << "a slice cannot re-gather the whole storage";
+}
+
 // ------------------------------------------------------------------ sanitizer mechanics
 TEST(Sanitizer, StrictModeThrowsOnGrowth) {
   Sanitizer s(SanitizeMode::Strict);

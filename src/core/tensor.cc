@@ -192,6 +192,19 @@ void Tensor::copy_(const Tensor& src) const {
   storage().bump_version();
 }
 
+void Tensor::restore_(const Tensor& values, const OwnerTag& owner) const {
+  TALLY_CHECK(values.defined(), "restore_ into ", str(), " from an undefined tensor");
+  TALLY_CHECK(storage().released(), "restore_ into ", str(),
+              ": its storage holds its bytes (restore_ re-gathers a released storage; copy_ writes a live one)");
+  TALLY_CHECK(offset() == 0 && is_contiguous() && nbytes() == storage().nbytes(), "restore_ into ", str(),
+              ": it views part of a storage of ", storage().nbytes(),
+              " bytes; only a tensor viewing its whole storage can be re-gathered");
+  TALLY_CHECK(values.shape() == shape() && values.dtype() == dtype(), "restore_ into ", str(), " from ", values.str(),
+              ": shape and dtype must match");
+  storage().reacquire(owner);
+  copy_hooks(device(), values.device()).copy(*this, values);
+}
+
 void Tensor::fill_(double value) const {
   device_hooks(device()).fill(*this, value);
   storage().bump_version();

@@ -99,6 +99,12 @@ class Tensor {
   Tensor to(DType dtype) const;
   Tensor to(Device device) const;  // differentiable; this tensor itself when already there
   void copy_(const Tensor& src) const;
+  // Re-gathers a tensor whose storage was released (R6), as ZeRO-3 does: gives the
+  // storage its bytes back, owned by `owner`, and fills them with `values` (the values it
+  // held when released, e.g. gathered from shards). Unlike copy_ it does not bump the
+  // version, so tensors saved for backward from it stay valid. The tensor must view its
+  // whole storage (one released parameter, not a slice of a flat buffer).
+  void restore_(const Tensor& values, const OwnerTag& owner) const;
   void fill_(double value) const;
   void zero_() const { fill_(0.0); }
 
