@@ -52,15 +52,13 @@ class ReferenceGraph {
           keep_alive_.push_back(std::move(leaf));
         }
       scan(v.node->context_bytes(), "context member", out);
-      for (const auto& h : v.node->pre_hooks())
-        if (h->hook) scan(h->hook->captured_bytes(), "hook capture", out);
+      for (const auto& h : v.node->pre_hooks()) hook_links(*h, out);
     } else {
       const auto& state = v.tensor->autograd();
       if (auto* in = std::get_if<InteriorState>(&state)) out.push_back({{in->grad_fn.get(), nullptr}, nullptr});
       if (auto* leaf = std::get_if<LeafState>(&state))
         for (const auto* list : {&leaf->hooks, &leaf->post_accumulate_hooks})
-          for (const auto& h : *list)
-            if (h->hook) scan(h->hook->captured_bytes(), "hook capture", out);
+          for (const auto& h : *list) hook_links(*h, out);
     }
     return out;
   }
@@ -78,15 +76,42 @@ class ReferenceGraph {
  private:
   // A tensor held by value shows as its handle's two words; the first (the TensorImpl
   // address) finds the candidate, bytes_hold_tensor confirms the whole handle.
-  void scan(std::span<const std::byte> bytes, const char* how, std::vector<Link>& out) const {
-    for (size_t i = 0; i + sizeof(Tensor) <= bytes.size(); i += alignof(void*)) {
-      const void* word;
-      std::memcpy(&word, bytes.data() + i, sizeof word);
-      auto it = live_.find(word);
-      if (it == live_.end()) continue;
-      Tensor candidate(std::const_pointer_cast<TensorImpl>(it->second));
-      if (bytes_hold_tensor(bytes.subspan(i, sizeof(Tensor)), candidate)) out.push_back({{nullptr, it->second.get()}, how});
-    }
+  // Containers among the bytes are followed one level (for_each_handle_span); one counts
+  // only when every element is an undefined Tensor or a live one.
+  void scan(std::span<const std::byte> object, const char* how, std::vector<Link>& out) const {
+    for_each_handle_span(object, [&](std::span<const std::byte> bytes, bool container) {
+      const size_t before = out.size();
+      const size_t stride = container ? sizeof(Tensor) : alignof(void*);
+      for (size_t i = 0; i + sizeof(Tensor) <= bytes.size(); i += stride) {
+        const void* word;
+        std::memcpy(&word, bytes.data() + i, sizeof word);
+        auto it = live_.find(word);
+        const bool live = it != live_.end() &&
+                          bytes_hold_tensor(bytes.subspan(i, sizeof(Tensor)),
+                                            Tensor(std::const_pointer_cast<TensorImpl>(it->second)));
+        if (live) {
+          out.push_back({{nullptr, it->second.get()}, how});
+        } else if (container && word != nullptr) {
+          out.resize(before);  // not a vector of live tensors
+          return;
+        }
+      }
+    });
+  }
+
+  // A hook's captures found in its bytes, and the tensor it is registered on when it holds
+  // that one where no scan sees (found at registration: a std::function's heap storage).
+  void hook_links(const HookEntry& h, std::vector<Link>& out) const {
+    if (!h.hook) return;
+    const size_t before = out.size();
+    scan(h.hook->captured_bytes(), "hook capture", out);
+    if (!h.captures_own_tensor) return;
+    auto own = h.registered_on.lock();
+    if (!own) return;
+    for (size_t i = before; i < out.size(); ++i)
+      if (out[i].to.tensor == own.get()) return;
+    out.push_back({{nullptr, own.get()}, "hook capture"});
+    keep_alive_.push_back(std::move(own));
   }
 
   // Keep every tensor the walk may look at alive while it runs.

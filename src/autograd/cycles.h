@@ -7,8 +7,10 @@
 // Tensors held as plain members of a context, or captured by value in a hook, are found
 // by scanning those objects' bytes for the address of a live tensor (the way
 // LeakSanitizer scans memory for pointers); only addresses of tensors that are alive
-// right now are followed, so the scan never touches anything else. Tensors reached only
-// through a container member (a std::vector<Tensor> in a context) are not seen.
+// right now are followed. A container member (a std::vector<Tensor>) is followed one
+// level, through a copy of the memory it delimits (for_each_handle_span). A hook that
+// holds its own tensor where no scan sees (a std::function keeps its captures on the
+// heap) is found when registered, by copying the callable (GradHook::holds).
 #pragma once
 #include <string>
 #include <vector>

@@ -121,9 +121,10 @@ void connect(Node& node, const std::shared_ptr<Node>& self, const std::vector<Te
 void check_context_holds_no_output(std::span<const std::byte> context, const char* op,
                                    const std::vector<Tensor>& outputs) {
   for (const Tensor& out : outputs) {
-    if (bytes_hold_tensor(context, out)) {
+    if (bytes_reach_tensor(context, out)) {
       TALLY_FAIL("op '", op, "' keeps its own output ", out.str(),
-                 " in its context as a plain Tensor member: that is a reference cycle (node -> context -> "
+                 " in its context as a plain Tensor member (or in a container member): that is a reference cycle "
+                 "(node -> context -> "
                  "output -> node) that outlives any graph never run backward (memory contract R2). Keep it with "
                  "ctx.save_for_backward() or ctx.keep(), which store it without its graph");
     }

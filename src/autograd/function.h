@@ -33,6 +33,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "autograd/grad_mode.h"
@@ -134,6 +135,14 @@ bool needs_graph(const std::vector<Tensor>& inputs);
 void check_context_holds_no_output(std::span<const std::byte> context, const char* op,
                                    const std::vector<Tensor>& outputs);
 
+// The bytes of a Function's own context members, after the Context base: the base holds
+// only saved tensors, stored detached (they cannot form a cycle). A member that can hold
+// a tensor handle is pointer-aligned, so it starts at or past sizeof(Context).
+template <class C> std::span<const std::byte> own_members(const C& ctx) {
+  static_assert(std::is_base_of_v<Context, C>);
+  return std::span<const std::byte>(reinterpret_cast<const std::byte*>(&ctx), sizeof(C)).subspan(sizeof(Context));
+}
+
 template <class Fn> class FunctionNode final : public Node {
  public:
   FunctionNode(std::unique_ptr<typename Fn::Context> ctx, uint32_t num_outputs)
@@ -154,7 +163,7 @@ template <class Fn> class FunctionNode final : public Node {
   const Context* context() const override { return ctx_.get(); }
   std::span<const std::byte> context_bytes() const override {
     if (!ctx_) return {};
-    return {reinterpret_cast<const std::byte*>(ctx_.get()), sizeof(typename Fn::Context)};
+    return own_members(*ctx_);
   }
 
  private:
@@ -167,8 +176,7 @@ template <class Fn>
 std::shared_ptr<Node> record(std::unique_ptr<typename Fn::Context> ctx, const std::vector<Tensor>& inputs,
                              const std::vector<Tensor>& outputs) {
   if (!needs_graph(inputs)) return nullptr;
-  check_context_holds_no_output({reinterpret_cast<const std::byte*>(ctx.get()), sizeof(typename Fn::Context)},
-                                Fn::kName, outputs);
+  check_context_holds_no_output(own_members(*ctx), Fn::kName, outputs);
   ctx->bind(Fn::kName, inputs);
   auto node = std::make_shared<FunctionNode<Fn>>(std::move(ctx), static_cast<uint32_t>(outputs.size()));
   connect(*node, node, inputs, outputs);
@@ -181,8 +189,7 @@ std::shared_ptr<Node> record(std::unique_ptr<typename Fn::Context> ctx, const st
 template <class Fn>
 std::shared_ptr<Node> record_source(std::unique_ptr<typename Fn::Context> ctx, const std::vector<Tensor>& outputs) {
   if (!grad_enabled()) return nullptr;
-  check_context_holds_no_output({reinterpret_cast<const std::byte*>(ctx.get()), sizeof(typename Fn::Context)},
-                                Fn::kName, outputs);
+  check_context_holds_no_output(own_members(*ctx), Fn::kName, outputs);
   ctx->bind(Fn::kName, {});
   auto node = std::make_shared<FunctionNode<Fn>>(std::move(ctx), static_cast<uint32_t>(outputs.size()));
   connect(*node, node, {}, outputs);

@@ -6,6 +6,9 @@
 #include <mutex>
 #include <unordered_set>
 
+#include <sys/uio.h>
+#include <unistd.h>
+
 #include "core/checked.h"
 #include "core/device_hooks.h"
 #include "core/tensor_methods.h"
@@ -305,6 +308,54 @@ bool bytes_hold_tensor(std::span<const std::byte> bytes, const Tensor& t) {
 }
 
 namespace {
+// Copies `n` bytes of this process's memory at `address` into `out` when all of them are
+// readable: process_vm_readv fails (EFAULT) where a plain read would fault.
+bool read_own_memory(uintptr_t address, size_t n, std::vector<std::byte>& out) {
+  out.resize(n);
+  iovec local{out.data(), n};
+  iovec remote{reinterpret_cast<void*>(address), n};
+  return process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == static_cast<ssize_t>(n);
+}
+}  // namespace
+
+namespace {
+// Whether each 16-byte slot of `bytes` could be a Tensor: both words null (an undefined
+// one), or both non-null and pointer-aligned.
+bool all_handle_shaped(std::span<const std::byte> bytes) {
+  for (size_t i = 0; i + sizeof(Tensor) <= bytes.size(); i += sizeof(Tensor)) {
+    uintptr_t w[2];
+    std::memcpy(w, bytes.data() + i, sizeof w);
+    const bool null = w[0] == 0 && w[1] == 0;
+    const bool pointers = w[0] != 0 && w[1] != 0 && w[0] % alignof(void*) == 0 && w[1] % alignof(void*) == 0;
+    if (!null && !pointers) return false;
+  }
+  return true;
+}
+}  // namespace
+
+void for_each_handle_span(std::span<const std::byte> bytes, const HandleSpanVisitor& visit) {
+  constexpr uintptr_t kMaxContainerBytes = uintptr_t{1} << 16;
+  visit(bytes, false);
+  std::vector<std::byte> copy;
+  for (size_t i = 0; i + 3 * sizeof(uintptr_t) <= bytes.size(); i += alignof(void*)) {
+    uintptr_t begin, end, capacity;  // a std::vector's three words
+    std::memcpy(&begin, bytes.data() + i, sizeof begin);
+    std::memcpy(&end, bytes.data() + i + sizeof begin, sizeof end);
+    std::memcpy(&capacity, bytes.data() + i + 2 * sizeof begin, sizeof capacity);
+    if (begin == 0 || begin % 16 != 0 || end <= begin || capacity < end || capacity - begin > kMaxContainerBytes ||
+        (end - begin) % sizeof(Tensor) != 0 || (capacity - begin) % sizeof(Tensor) != 0)
+      continue;
+    if (read_own_memory(begin, end - begin, copy) && all_handle_shaped(copy)) visit(copy, true);
+  }
+}
+
+bool bytes_reach_tensor(std::span<const std::byte> bytes, const Tensor& t) {
+  bool found = false;
+  for_each_handle_span(bytes, [&](std::span<const std::byte> span, bool) { found = found || bytes_hold_tensor(span, t); });
+  return found;
+}
+
+namespace {
 // Never destroyed: a hook held by a static object may outlive any other static.
 std::mutex& hooks_mutex() {
   static auto* m = new std::mutex;
@@ -334,12 +385,21 @@ std::vector<std::string> live_hook_targets() {
   return out;
 }
 
+std::vector<std::string> hooks_holding(const Tensor& t) {
+  std::lock_guard<std::mutex> lock(hooks_mutex());
+  std::vector<std::string> out;
+  for (const GradHook* h : live_hooks())
+    if (h->holds(t)) out.push_back(h->target);
+  return out;
+}
+
 namespace {
 // The list entry of `hook`, registered on `t`.
 std::shared_ptr<HookEntry> hook_entry(std::unique_ptr<GradHook> hook, const Tensor& t) {
   auto entry = std::make_shared<HookEntry>();
   hook->target = t.str();
-  entry->captures_own_tensor = bytes_hold_tensor(hook->captured_bytes(), t);
+  entry->captures_own_tensor = hook->holds(t);
+  entry->registered_on = t.impl_ptr();
   entry->hook = std::move(hook);
   return entry;
 }

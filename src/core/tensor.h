@@ -15,8 +15,10 @@
 // it, so R1 (leaf xor interior) cannot be bypassed through a public accessor.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
@@ -155,6 +157,7 @@ class Tensor {
  private:
   HookHandle add_hook(std::unique_ptr<GradHook> hook) const;
   HookHandle add_post_accumulate_hook(std::unique_ptr<GradHook> hook) const;
+  template <class F> friend class GradHookOf;
   std::shared_ptr<TensorImpl> impl_;
 };
 
@@ -165,6 +168,7 @@ template <class F> class GradHookOf final : public GradHook {
   std::span<const std::byte> captured_bytes() const override {
     return {reinterpret_cast<const std::byte*>(&f_), sizeof(F)};
   }
+  bool holds(const Tensor& t) const override;
 
  private:
   F f_;
@@ -230,6 +234,28 @@ class TensorImpl : public std::enable_shared_from_this<TensorImpl> {
 // the tensor's address (one past a neighbouring buffer, say) is not mistaken for a
 // reference. Used to find tensors kept in contexts and hooks (memory contract S3).
 bool bytes_hold_tensor(std::span<const std::byte> bytes, const Tensor& t);
+
+// The spans a scan for tensor handles held by an object looks in: the object's bytes
+// (visited with container = false), and the elements of each std::vector<Tensor> among
+// them (container = true, a copy): three adjacent words begin <= end <= capacity, begin
+// 16-byte aligned, whole Tensor slots up to 64 KiB, all of it readable memory in which
+// every slot is shaped as a handle (two null words, or two aligned pointers). Containers
+// inside containers are not followed.
+using HandleSpanVisitor = std::function<void(std::span<const std::byte> bytes, bool container)>;
+void for_each_handle_span(std::span<const std::byte> bytes, const HandleSpanVisitor& visit);
+// Whether `bytes` hold a handle of `t` in any of those spans.
+bool bytes_reach_tensor(std::span<const std::byte> bytes, const Tensor& t);
+
+template <class F> bool GradHookOf<F>::holds(const Tensor& t) const {
+  if (!t.defined()) return false;
+  if (bytes_reach_tensor(captured_bytes(), t)) return true;
+  if constexpr (std::is_copy_constructible_v<F>) {
+    const long before = t.impl_.use_count();
+    const F copy(f_);
+    return t.impl_.use_count() > before;
+  }
+  return false;
+}
 
 // Makes a tensor viewing `base`'s storage with new geometry and no autograd state.
 Tensor make_view(const Tensor& base, Shape shape, Shape strides, int64_t offset);

@@ -33,16 +33,33 @@ std::string tensor_label(const TensorImpl& v) {
          shape_str(v.shape());
 }
 
-// Live tensors (over every device's ledger) whose grad_fn is `node`.
-std::vector<std::string> tensors_holding(const autograd::Node* node, const std::vector<Device>& devices) {
-  std::vector<std::string> out;
+// ", captured by a gradient hook on 'w'" for each live hook holding `view`.
+std::string hook_captures(const std::shared_ptr<const TensorImpl>& view) {
+  std::string out;
+  for (const std::string& target : hooks_holding(Tensor(std::const_pointer_cast<TensorImpl>(view))))
+    out += ", captured by a gradient hook registered on " + target;
+  return out;
+}
+
+struct Holders {
+  std::vector<std::string> lines;
+  bool by_hook = false;  // some holder is captured by a hook
+};
+
+// Live tensors (over every device's ledger) whose grad_fn is `node`, and the hooks that
+// capture them.
+Holders tensors_holding(const autograd::Node* node, const std::vector<Device>& devices) {
+  Holders out;
   for (Device d : devices) {
     for (const LiveAllocation& a : runtime::ledger(d).live()) {
       auto storage = a.storage.lock();
       if (!storage) continue;
       for (const auto& v : storage->views()) {
-        if (auto* st = std::get_if<autograd::InteriorState>(&v->autograd()); st && st->grad_fn.get() == node)
-          out.push_back("tensor " + tensor_label(*v) + " (storage owner '" + a.owner.name_str() + "')");
+        auto* st = std::get_if<autograd::InteriorState>(&v->autograd());
+        if (!st || st->grad_fn.get() != node) continue;
+        const std::string hooks = hook_captures(v);
+        out.by_hook = out.by_hook || !hooks.empty();
+        out.lines.push_back("tensor " + tensor_label(*v) + " (storage owner '" + a.owner.name_str() + "')" + hooks);
       }
     }
   }
@@ -147,9 +164,12 @@ void Sanitizer::report_nodes(const std::vector<autograd::NodeInfo>& nodes, const
       for (const std::string& c : cycles) os << "\n        kept alive by a reference cycle: " << c;
       continue;
     }
-    std::vector<std::string> holders = tensors_holding(n.node.get(), devices_);
-    for (const std::string& h : holders) os << "\n        held by " << h;
-    if (!holders.empty())
+    const Holders holders = tensors_holding(n.node.get(), devices_);
+    for (const std::string& h : holders.lines) os << "\n        held by " << h;
+    if (holders.by_hook)
+      os << "\n        (a hook outlives the graph it captured: remove it with the HookHandle register_hook "
+            "returns, or capture a detached copy)";
+    else if (!holders.lines.empty())
       os << "\n        (a graph-carrying tensor kept past its backward: keep a number or a detached copy, R4)";
   }
   report(IssueKind::LiveGraph, os.str());
@@ -324,7 +344,7 @@ std::vector<std::string> storage_holders(const Storage& storage) {
     if (auto* in = std::get_if<autograd::InteriorState>(&v->autograd()))
       role = std::string("output of ") + in->grad_fn->name() +
              (in->grad_fn->module_path().empty() ? "" : " [" + in->grad_fn->module_path() + "]");
-    out.push_back(tensor_label(*v) + " offset " + std::to_string(v->offset()) + ", " + role);
+    out.push_back(tensor_label(*v) + " offset " + std::to_string(v->offset()) + ", " + role + hook_captures(v));
   }
   return out;
 }
