@@ -839,6 +839,32 @@ TEST(SanitizerCycles, AGraphKeptByAHookOnAParameterNamesTheHook) {
   EXPECT_EQ(autograd::live_node_count(), 0u);
 }
 
+// Allocations and graph nodes made on a worker thread carried step -1 and no owner: only
+// the byte count caught them. The process's clock and the thread's own name reach them.
+TEST(SanitizerThreads, AWorkersGraphKeptPastItsMicrobatchIsNamedWithItsThreadAndBirth) {
+  TinyMlp mlp;
+  Recorder s;
+  Tensor kept, scaled;
+  s.begin_step(0);
+  s.begin_microbatch(0);
+  std::thread worker([&] {
+    kept = mlp.forward(batch(8, 32, 0)).set_name("from_worker");
+    scaled = ops::scale(mlp.w1, 2.0);
+  });
+  worker.join();
+  s.end_microbatch(0);
+  EXPECT_TRUE(reported(s, IssueKind::LiveGraph, "[mlp] born step 0 microbatch 0"))
+      << (s.issues().empty() ? "" : s.issues()[0].message);
+  EXPECT_TRUE(reported(s, IssueKind::Growth, "'from_worker'"));
+  bool thread_named = false;
+  for (const memory::LiveAllocation& a : runtime::ledger().live())
+    thread_named = thread_named || (a.owner.name_str().rfind("thread ", 0) == 0 && a.owner.step == 0 &&
+                                    a.owner.microbatch == 0);
+  EXPECT_TRUE(thread_named) << "outside an owner scope, a worker names what it allocates for itself";
+  kept = scaled = Tensor();
+  s.end_step();
+}
+
 // A hook registered on a parameter every microbatch and never removed piled up (3, 6, 9
 // hooks) with 0 issues: its bytes are small and made before the step. The count of live
 // hooks is growth too, named with the tensor they are on; removing them is clean.

@@ -1,8 +1,10 @@
 #include "core/owner.h"
 
+#include <atomic>
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 
 namespace tally {
@@ -26,6 +28,7 @@ InternTable& table() {
 // microbatch.
 thread_local int64_t t_step = -1;
 thread_local int64_t t_microbatch = -1;
+thread_local bool t_own_clock = false;  // this thread has set its clock
 thread_local std::string t_module_path;
 thread_local NameId t_module_path_id = 0;
 thread_local Category t_category = Category::Activation;
@@ -56,6 +59,40 @@ NameId suffixed(NameId path, const char* what) {
     std::memcpy(e.what, what, len + 1);
   }
   return id;
+}
+
+// The process's clock: what the thread that last set a clock is working on. A thread that
+// set none (a worker that a run started) reads it, so what it allocates and records is
+// stamped with the step and microbatch it happens in.
+struct ProcessClock {
+  std::mutex mutex;
+  int64_t step = -1;
+  int64_t microbatch = -1;
+};
+ProcessClock& process_clock() {
+  static auto* c = new ProcessClock();  // never destroyed: threads may outlive statics
+  return *c;
+}
+
+struct ClockValue {
+  int64_t step, microbatch;
+};
+ClockValue clock_now() {
+  if (t_own_clock) return {t_step, t_microbatch};
+  ProcessClock& c = process_clock();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return {c.step, c.microbatch};
+}
+
+// Allocations on a thread other than the main one, outside any owner scope of its own,
+// are named for the thread ("thread 2", "thread 2:matmul"): foreign, yet traceable.
+const std::thread::id g_main_thread = std::this_thread::get_id();  // static init runs on main
+std::atomic<int> g_next_thread_number{1};
+thread_local NameId t_thread_name = 0;
+NameId path_or_thread_name() {
+  if (t_module_path_id != 0 || std::this_thread::get_id() == g_main_thread) return t_module_path_id;
+  if (t_thread_name == 0) t_thread_name = intern_name("thread " + std::to_string(g_next_thread_number++));
+  return t_thread_name;
 }
 
 }  // namespace
@@ -93,11 +130,16 @@ const std::string& name_of(NameId id) {
   return id < t.names.size() ? t.names[id] : t.names[0];
 }
 
-int64_t Clock::step() { return t_step; }
-int64_t Clock::microbatch() { return t_microbatch; }
+int64_t Clock::step() { return clock_now().step; }
+int64_t Clock::microbatch() { return clock_now().microbatch; }
 void Clock::set(int64_t step, int64_t microbatch) {
   t_step = step;
   t_microbatch = microbatch;
+  t_own_clock = true;
+  ProcessClock& c = process_clock();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.step = step;
+  c.microbatch = microbatch;
 }
 
 OwnerScope::OwnerScope(std::string_view component)
@@ -125,14 +167,16 @@ CategoryScope::CategoryScope(Category c) : previous_(t_category) { t_category = 
 CategoryScope::~CategoryScope() { t_category = previous_; }
 
 const std::string& current_module_path() { return t_module_path; }
-NameId current_module_path_id() { return t_module_path_id; }
+NameId current_module_path_id() { return path_or_thread_name(); }
 
 OwnerTag current_owner(const char* what) {
   OwnerTag tag;
   tag.category = t_category;
-  tag.name = (what && *what) ? suffixed(t_module_path_id, what) : t_module_path_id;
-  tag.step = t_step;
-  tag.microbatch = t_microbatch;
+  const NameId path = path_or_thread_name();
+  tag.name = (what && *what) ? suffixed(path, what) : path;
+  const ClockValue now = clock_now();
+  tag.step = now.step;
+  tag.microbatch = now.microbatch;
   return tag;
 }
 
@@ -140,8 +184,9 @@ OwnerTag make_owner(Category category, std::string_view name, bool persistent) {
   OwnerTag tag;
   tag.category = category;
   tag.name = intern_name(name);
-  tag.step = t_step;
-  tag.microbatch = t_microbatch;
+  const ClockValue now = clock_now();
+  tag.step = now.step;
+  tag.microbatch = now.microbatch;
   tag.persistent = persistent;
   return tag;
 }

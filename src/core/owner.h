@@ -8,7 +8,10 @@
 // Names are interned: a tag holds a 32-bit NameId, so tagging an allocation copies no
 // string. The clock is per thread and is set explicitly by whoever runs a schedule
 // (sanitizer::Sanitizer::begin_microbatch): a pipeline running F0 F1 B0 B1 tags each
-// allocation and graph node with the microbatch it really belongs to.
+// allocation and graph node with the microbatch it really belongs to. A thread that has
+// set no clock of its own (a worker a run starts) reads the process's: the one last set
+// by any thread. Outside any owner scope of its own, a thread other than the main one
+// names what it allocates for itself ("thread 2:matmul").
 #pragma once
 #include <cstdint>
 #include <string>
