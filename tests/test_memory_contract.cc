@@ -865,6 +865,31 @@ TEST(SanitizerThreads, AWorkersGraphKeptPastItsMicrobatchIsNamedWithItsThreadAnd
   s.end_step();
 }
 
+// Permanent cycles left at exit went unreported: LeakSanitizer sees them reachable
+// through the graph census. The exit check (on in sanitizer builds) names them.
+TEST(SanitizerExit, AReferenceCycleLeftAtExitEndsTheProcessNamingIt) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        setenv("TALLY_EXIT_GRAPH_CHECK", "1", 1);
+        TinyMlp mlp;
+        Tensor h = mlp.forward(batch(8, 32, 0)).set_name("h");
+        h.register_hook([h](const Tensor& g) { return g; });
+        h = Tensor();
+        std::exit(0);
+      },
+      testing::ExitedWithCode(23), "alive at exit.*\\(hook capture\\) tensor 'h'");
+  EXPECT_EXIT(
+      {
+        setenv("TALLY_EXIT_GRAPH_CHECK", "1", 1);
+        TinyMlp mlp;
+        const Tensor held = mlp.forward(batch(8, 32, 0));  // std::exit does not unwind: alive at exit
+        std::exit(0);
+      },
+      testing::ExitedWithCode(0), "")
+      << "a graph something still holds is not a cycle (LeakSanitizer judges what holds it)";
+}
+
 // A hook registered on a parameter every microbatch and never removed piled up (3, 6, 9
 // hooks) with 0 issues: its bytes are small and made before the step. The count of live
 // hooks is growth too, named with the tensor they are on; removing them is clean.

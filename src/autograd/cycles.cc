@@ -185,6 +185,12 @@ std::vector<std::string> find_cycles_through(const Node& node) {
   return cycles_from({v}, &v);
 }
 
+std::vector<std::string> find_cycles_from(const std::vector<const Node*>& nodes) {
+  std::vector<Vertex> starts;
+  for (const Node* n : nodes) starts.push_back({n, nullptr});
+  return cycles_from(starts);
+}
+
 std::vector<std::string> find_cycles_through(const TensorImpl& tensor) {
   Vertex v{nullptr, &tensor};
   return cycles_from({v}, &v);

@@ -28,5 +28,7 @@ std::vector<std::string> find_cycles(const std::vector<Tensor>& roots);
 std::vector<std::string> find_cycles_through(const Node& node);
 // The cycles through a tensor (a leaf kept alive by a hook capturing it).
 std::vector<std::string> find_cycles_through(const TensorImpl& tensor);
+// Every cycle reachable from any of `nodes`, each once.
+std::vector<std::string> find_cycles_from(const std::vector<const Node*>& nodes);
 
 }  // namespace tally::autograd

@@ -1,8 +1,12 @@
 #include "autograd/node.h"
 
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
+#include <string>
 
+#include "autograd/cycles.h"
 #include "autograd/function.h"
 #include "autograd/grad_mode.h"
 #include "runtime/backend.h"
@@ -11,6 +15,7 @@ namespace tally::autograd {
 
 namespace {
 std::atomic<uint64_t> g_next_sequence_nr{0};
+void check_graph_at_exit();
 }  // namespace
 
 // The census: every live node, as an intrusive doubly linked list. Guarded by a mutex;
@@ -21,7 +26,8 @@ struct Census {
   size_t count = 0;
 
   static Census& get() {
-    static auto* c = new Census();  // never destroyed: nodes may die during static destruction
+    // Never destroyed: nodes may die during static destruction.
+    static auto* c = (std::atexit(check_graph_at_exit), new Census());
     return *c;
   }
   void add(Node* n) {
@@ -81,6 +87,39 @@ Node::~Node() {
   }
   unregister();
 }
+
+namespace {
+// Whether graph nodes alive at exit are checked for reference cycles: in sanitizer
+// builds, and wherever TALLY_EXIT_GRAPH_CHECK=1 (=0 turns it off).
+bool exit_check_enabled() {
+  if (const char* v = std::getenv("TALLY_EXIT_GRAPH_CHECK"); v && *v) return std::string(v) != "0";
+#if defined(__SANITIZE_ADDRESS__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// A cycle left at exit is a leak LeakSanitizer cannot report: the census, and the ledger
+// through each storage's views, reach every node and tensor in it. It ends the process
+// with LeakSanitizer's exit code, naming the cycles.
+void check_graph_at_exit() {
+  if (!exit_check_enabled() || live_node_count() == 0) return;
+  const std::vector<NodeInfo> nodes = live_nodes();
+  std::vector<const Node*> starts;
+  for (const NodeInfo& n : nodes) starts.push_back(n.node.get());
+  const std::vector<std::string> cycles = find_cycles_from(starts);
+  if (cycles.empty()) return;
+  std::string report;
+  for (size_t i = 0; i < cycles.size() && i < 12; ++i) report += "\n    " + cycles[i];
+  if (cycles.size() > 12) report += "\n    ... and " + std::to_string(cycles.size() - 12) + " more";
+  std::fprintf(stderr,
+               "tally: %zu autograd node(s) are alive at exit, and %zu reference cycle(s) among them keep graphs "
+               "that nothing can free (LeakSanitizer cannot report these: tally's census reaches them):%s\n",
+               nodes.size(), cycles.size(), report.c_str());
+  std::_Exit(23);
+}
+}  // namespace
 
 void Node::unregister() { Census::get().remove(this); }
 
