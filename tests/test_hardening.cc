@@ -382,6 +382,29 @@ TEST(Hardening, HuggingFaceConfigsThatContradictTheWeightsOrTheModelAreRefusedNa
   }
 }
 
+// A LLaMA config.json with vocab_size 1e11 beside weights without model.embed_tokens.weight
+// built a model of that size before looking: "out of memory" instead of the missing tensor.
+TEST(Hardening, ALlamaConfigBesideWeightsWithoutTheEmbeddingNamesTheMissingTensor) {
+  const std::string dir = test::temp_path("hf_no_embedding");
+  fs::remove_all(dir);
+  fs::copy(test::fixture_path("llama3_tiny_hf"), dir);
+  const std::string first = dir + "/model-00001-of-00002.safetensors";
+  const io::SafetensorsFile a = io::read_safetensors(first);
+  std::vector<std::pair<std::string, Tensor>> kept;
+  for (const std::string& name : a.order)
+    if (name != "model.embed_tokens.weight") kept.emplace_back(name, a.at(name));
+  io::write_safetensors(first, kept, {});
+  nlohmann::json index = nlohmann::json::parse(test::read_all(dir + "/model.safetensors.index.json"));
+  index["weight_map"].erase("model.embed_tokens.weight");
+  test::write_all(dir + "/model.safetensors.index.json", index.dump());
+  nlohmann::json config = nlohmann::json::parse(test::read_all(dir + "/config.json"));
+  config["vocab_size"] = 100000000000;
+  test::write_all(dir + "/config.json", config.dump());
+  const std::string msg = message_of<Error>([&] { io::read_hf_config(dir); });
+  EXPECT_NE(msg.find("have no model.embed_tokens.weight"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("out of memory"), std::string::npos) << msg;
+}
+
 // A tensor in two shards was taken from one without a word: GPT-2's loader kept the first
 // file's, LLaMA's the last's. And a LLaMA directory without its config.json was read as a
 // GPT-2 model, refused for a missing 'wte.weight'.

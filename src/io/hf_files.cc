@@ -534,11 +534,11 @@ void check_llama_config_against_weights(const nn::TransformerConfig& c, const Hf
   while (f.file_of.count("model.layers." + std::to_string(L) + ".input_layernorm.weight")) ++L;
   TALLY_CHECK(c.n_layer == L, "HuggingFace config '", path, "': \"num_hidden_layers\" is ", c.n_layer,
               " but the weights have ", L, " layers (model.layers.N.input_layernorm.weight)");
-  if (f.file_of.count("model.embed_tokens.weight")) {
-    const Shape& embed = f.entry("model.embed_tokens.weight").shape;
-    TALLY_CHECK(embed == Shape({c.vocab_size, c.n_embd}), "HuggingFace config '", path, "': \"vocab_size\" ",
-                c.vocab_size, " and \"hidden_size\" ", c.n_embd, " but model.embed_tokens.weight is ", shape_str(embed));
-  }
+  TALLY_CHECK(f.file_of.count("model.embed_tokens.weight"), "HuggingFace config '", path,
+              "' is a LLaMA's, but its weights ('", f.path, "') have no model.embed_tokens.weight");
+  const Shape& embed = f.entry("model.embed_tokens.weight").shape;
+  TALLY_CHECK(embed == Shape({c.vocab_size, c.n_embd}), "HuggingFace config '", path, "': \"vocab_size\" ",
+              c.vocab_size, " and \"hidden_size\" ", c.n_embd, " but model.embed_tokens.weight is ", shape_str(embed));
 }
 
 nn::TransformerConfig read_hf_config(const std::string& path) {
