@@ -662,6 +662,24 @@ TEST(Hardening, AStateWhoseVersionWasSetBackIsRefusedNotReadWithoutItsChecks) {
   test::write_all(path, good);
 }
 
+// A version-2 state carries no record of the run's steps (history.json came with version
+// 4); resumed with a new --log-json, the record was looked for in that log, which the run
+// had just created empty: "plot: log ... has no steps".
+TEST(Hardening, AVersion2StateResumesWithANewLogAndItsPlotStartsAtTheResumedStep) {
+  SavedAtStep2 saved = save_at_step_2(4);
+  saved.resume.metrics.log_json = test::temp_path("version2_new_log.jsonl");
+  fs::remove(saved.resume.metrics.log_json);
+  const std::string path = saved.dir + "/state.bin";
+  std::string state = test::read_all(path);
+  const int32_t version = 2;
+  std::memcpy(state.data() + 4, &version, 4);
+  std::memset(state.data() + 64, 0, 12);  // no checksums: version 2 stored none
+  test::write_all(path, state);
+  fs::remove(saved.dir + "/history.json");
+  ASSERT_NO_THROW(train::run_training(saved.resume));
+  EXPECT_EQ(test::log_steps(saved.resume.metrics.log_json), (std::vector<int64_t>{3, 4}));
+}
+
 // A killed run's temporaries beside its log (the writability probe, an unfinished rewrite)
 // are removed by the next run that writes that log; a live process's are kept.
 TEST(Hardening, AKilledRunsTemporariesBesideItsLogAreRemovedByTheNextRun) {

@@ -130,8 +130,14 @@ void Metrics::take_record(int64_t start_step, const std::string& resume_dir, con
   if (start_step == 0) return;
   RunCurve earlier;
   const std::string& path = c_.metrics.log_json;
+  std::error_code ec;
   if (!resumed_history.empty()) earlier = curve_from_json(resumed_history, resume_dir + "/history.json");
-  else if (world_.is_root() && !path.empty() && !log_is_stream_ && fs::exists(path)) earlier = read_run_log(path, "");
+  else if (world_.is_root() && !path.empty() && !log_is_stream_ && fs::file_size(path, ec) > 0 && !ec)
+    earlier = read_run_log(path, "");
+  else if (world_.is_root())
+    log("loss plot: the checkpoint '" + resume_dir + "' holds no record of steps 1-" + std::to_string(start_step) +
+        " (its state predates history.json) and no log of them was given: the plot starts at step " +
+        std::to_string(start_step + 1));
   for (size_t i = 0; i < earlier.steps.size() && earlier.steps[i] <= start_step; ++i)
     curve_.add_step(earlier.steps[i], earlier.loss[i], earlier.lr[i], earlier.tokens[i]);
   for (auto& [step, v] : earlier.val)
