@@ -84,6 +84,38 @@ std::string gpt2_token_of(const std::string& bytes) {
   return s;
 }
 
+std::string small_llama3_tokenizer_json() {
+  // GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the others are
+  // U+0100 onwards in byte order.
+  auto byte_char = [](int b) {
+    const auto printable = [](int c) { return (c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || (c >= 0xAE && c <= 0xFF); };
+    int shifted = 0;
+    for (int c = 0; c < b; ++c) shifted += !printable(c);
+    const uint32_t cp = printable(b) ? static_cast<uint32_t>(b) : 256u + static_cast<uint32_t>(shifted);
+    std::string s;
+    if (cp < 0x80) s += static_cast<char>(cp);
+    else s += static_cast<char>(0xC0 | (cp >> 6)), s += static_cast<char>(0x80 | (cp & 0x3F));
+    return s;
+  };
+  nlohmann::json vocab = nlohmann::json::object();
+  for (int b = 0; b < 256; ++b) vocab[byte_char(b)] = b;
+  vocab["bc"] = 256;
+  vocab["bcb"] = 257;
+  const std::string regex =
+      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+      "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+  const nlohmann::json file = {{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"bc b", "b c"}}, {"ignore_merges", true}}},
+          {"pre_tokenizer",
+           {{"type", "Sequence"},
+            {"pretokenizers",
+             {{{"type", "Split"}, {"pattern", {{"Regex", regex}}}, {"behavior", "Isolated"}, {"invert", false}},
+              {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}}}}}},
+          {"normalizer", nullptr},
+          {"added_tokens",
+           {{{"id", 258}, {"content", "<|begin_of_text|>"}}, {{"id", 259}, {"content", "<|end_of_text|>"}}}}};
+  return file.dump();
+}
+
 TinyTokenizerFiles write_tiny_gpt2_tokenizer(const std::string& dir,
                                              const std::vector<std::pair<std::string, std::string>>& merges) {
   nlohmann::json enc = nlohmann::json::object();

@@ -35,6 +35,10 @@ void write_all(const std::string& path, const std::string& data);
 // Whether an AtomicFile temporary of `path` ("<path>.tmp...") lies beside it.
 bool has_temporaries(const std::string& path);
 
+// A small tokenizer.json laid out as LLaMA-3's: the 256 byte tokens (id = byte value), "bc"
+// (256) and "bcb" (257), merges "bc b" (rank 0) and "b c" (rank 1), and the two special
+// tokens (258, 259).
+std::string small_llama3_tokenizer_json();
 // GPT-2 tokenizer files written by hand: OpenAI's byte -> printable code point mapping as
 // UTF-8 (`gpt2_byte_token`, `gpt2_token_of` for a byte string), and a tiny vocabulary
 // (the 256 bytes, each merge's result, <|endoftext|>) as <dir>/encoder.json and vocab.bpe.

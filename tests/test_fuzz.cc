@@ -1,6 +1,7 @@
 // A deterministic mutation fuzzer over every file type tally reads: a valid file is mutated
 // (bit flips, interesting bytes and header integers, truncation, growth, deleted and
-// duplicated spans, huge numbers in text) and handed to the reader. A reader may accept the
+// duplicated spans; in text, huge numbers and a span repeated 200,000 times) and handed to
+// the reader. A reader may accept the
 // file or refuse it with an error that starts with "tally:"; anything else fails the test:
 // another exception (std::bad_alloc, a bare std::out_of_range), a crash or a sanitizer
 // report (the suite also runs under ASan+UBSan), or a hang (over 10 s for one file).
@@ -24,8 +25,11 @@
 #include "data/token_shard.h"
 #include "data/tokenizer.h"
 #include "io/checkpoint.h"
+#include "io/hf_files.h"
 #include "io/model_files.h"
 #include "io/safetensors.h"
+#include "memory/report.h"
+#include "nn/transformer.h"
 #include "optim/adamw.h"
 #include "support.h"
 #include "train/plot.h"
@@ -45,7 +49,7 @@ std::string mutate(std::string s, Rng& rng, bool text) {
   auto pick = [&](uint64_t n) { return n == 0 ? uint64_t{0} : rng.next_u64() % n; };
   const int rounds = 1 + static_cast<int>(pick(3));
   for (int r = 0; r < rounds; ++r) {
-    switch (pick(text ? 8 : 7)) {
+    switch (pick(text ? 9 : 7)) {
       case 0:  // one bit
         if (!s.empty()) s[pick(s.size())] ^= static_cast<char>(1u << pick(8));
         break;
@@ -89,6 +93,16 @@ std::string mutate(std::string s, Rng& rng, bool text) {
         const size_t from = pick(s.size() + 1);
         const size_t at = s.find_first_of("0123456789", from);
         if (at != std::string::npos) s.replace(at, 1, numbers[pick(sizeof numbers / sizeof numbers[0])]);
+        break;
+      }
+      case 8: {  // text: a short span repeated 200,000 times (`{},{},...`: a reader must stay linear)
+        if (s.empty()) break;
+        const size_t at = pick(s.size()), n = 1 + pick(std::min<size_t>(8, s.size() - at));
+        const std::string span = s.substr(at, n);
+        std::string many;
+        many.reserve(span.size() * 200000);
+        for (int k = 0; k < 200000; ++k) many += span;
+        s.insert(at, many);
         break;
       }
     }
@@ -211,4 +225,46 @@ TEST(Fuzz, LlmcTokenizerFiles) {
     for (int i = 0; i < tok.vocab_size(); i += 7) ids.push_back(i);
     (void)tok.decode(ids);
   });
+}
+
+TEST(Fuzz, MemoryTraces) {
+  train::TrainConfig c = test::tiny_train_config(test::write_random_shard("trace_data.bin", 3000, 97, 1));
+  c.batch.steps = 1;
+  c.memory.trace = test::temp_path("fuzz_trace.json");
+  train::run_training(c);
+  const std::string original = test::read_all(c.memory.trace);
+  const std::string path = test::temp_path("trace.json");
+  fuzz("memory trace", original, path, true, [&] {
+    const memory::MemoryTrace trace = memory::read_memory_trace(path);
+    (void)memory::diff_memory_traces(trace, trace);
+  });
+}
+
+TEST(Fuzz, HfTokenizerJson) {
+  const std::string dir = test::temp_path("fuzz_tokenizer_json");
+  fs::create_directories(dir);
+  const std::string path = dir + "/tokenizer.json";
+  fuzz("tokenizer.json", test::small_llama3_tokenizer_json(), path, true, [&] {
+    data::Tokenizer tok = data::Tokenizer::load_path(dir);
+    (void)tok.decode(tok.encode("bcbc <|end_of_text|> abc"));
+  });
+}
+
+// A HuggingFace directory as save_pretrained writes a sharded model (the LLaMA fixture):
+// config.json, two shards and model.safetensors.index.json. The config and the index are
+// fuzzed.
+TEST(Fuzz, HfConfigAndShardIndex) {
+  const std::string dir = test::temp_path("fuzz_hf");
+  fs::remove_all(dir);
+  fs::copy(test::fixture_path("llama3_tiny_hf"), dir);
+  auto load = [&] {
+    nn::Transformer m(io::read_hf_config(dir));
+    io::load_hf(dir, m);
+  };
+  ASSERT_NO_THROW(load());
+  const std::string config = test::read_all(dir + "/config.json");
+  const std::string index = test::read_all(dir + "/model.safetensors.index.json");
+  fuzz("config.json", config, dir + "/config.json", true, load);
+  test::write_all(dir + "/config.json", config);
+  fuzz("model.safetensors.index.json", index, dir + "/model.safetensors.index.json", true, load);
 }

@@ -448,39 +448,8 @@ TEST(Llama3Tokenizer, AFieldOfTheWrongJsonTypeIsNamedWithTheFile) {
 // (rank 1 is "Ġ" + "ĠĠĠ"). A small file with one such merge: rank 0 joins "bc" + "b", rank 1
 // makes "bc". In "bcbc", HuggingFace merges the first "b c", then "bc b" (rank 0) before the
 // second "b c": "bcb" "c". Merging every "b c" first would give "bc" "bc".
-// A small tokenizer.json laid out as LLaMA-3's: the 256 byte tokens (id = byte value), "bc"
-// (256) and "bcb" (257), merges "bc b" (rank 0) and "b c" (rank 1), and the two special
-// tokens (258, 259).
-nlohmann::json small_llama3_tokenizer() {
-  // GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the others are
-  // U+0100 onwards in byte order.
-  auto byte_char = [](int b) {
-    const auto printable = [](int c) { return (c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || (c >= 0xAE && c <= 0xFF); };
-    int shifted = 0;
-    for (int c = 0; c < b; ++c) shifted += !printable(c);
-    const uint32_t cp = printable(b) ? static_cast<uint32_t>(b) : 256u + static_cast<uint32_t>(shifted);
-    std::string s;
-    if (cp < 0x80) s += static_cast<char>(cp);
-    else s += static_cast<char>(0xC0 | (cp >> 6)), s += static_cast<char>(0x80 | (cp & 0x3F));
-    return s;
-  };
-  nlohmann::json vocab = nlohmann::json::object();
-  for (int b = 0; b < 256; ++b) vocab[byte_char(b)] = b;
-  vocab["bc"] = 256;
-  vocab["bcb"] = 257;
-  const std::string regex =
-      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-      "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-  return {{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"bc b", "b c"}}, {"ignore_merges", true}}},
-          {"pre_tokenizer",
-           {{"type", "Sequence"},
-            {"pretokenizers",
-             {{{"type", "Split"}, {"pattern", {{"Regex", regex}}}, {"behavior", "Isolated"}, {"invert", false}},
-              {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}}}}}},
-          {"normalizer", nullptr},
-          {"added_tokens",
-           {{{"id", 258}, {"content", "<|begin_of_text|>"}}, {{"id", 259}, {"content", "<|end_of_text|>"}}}}};
-}
+// The tokenizer.json of test::small_llama3_tokenizer_json, to change.
+nlohmann::json small_llama3_tokenizer() { return nlohmann::json::parse(tally::test::small_llama3_tokenizer_json()); }
 
 TEST(Llama3Tokenizer, MergesTheLeftmostLowestRankedPairOneAtATimeAsHuggingFaceDoes) {
   const nlohmann::json file = small_llama3_tokenizer();
