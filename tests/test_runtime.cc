@@ -608,8 +608,25 @@ TEST(AsanPoisoning, ReadingPastATensorsBytesFails) {
 
 TEST(AsanPoisoning, AReusedBlockIsAddressableAgainUpToItsNewSize) {
   { Tensor t = Tensor::zeros({60}); }
+  { Tensor after = Tensor::empty({memory::CachingAllocator::kQuarantineBytes / 4}); }  // ends its quarantine
   Tensor u = Tensor::zeros({60});  // the same cached block
   EXPECT_EQ(u.data<float>()[59], 0.f);
+}
+
+// A stale pointer into a released storage was caught only while its block stayed
+// cached: once a tensor of the same size took it, the read returned that tensor's bytes.
+TEST(AsanPoisoning, AReleasedBlockIsQuarantinedSoAStalePointerNeverReadsTheNextTensor) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        Tensor t = Tensor::zeros({64});
+        const float* stale = t.data<float>();
+        t.storage().release("zero3.release(t)");
+        Tensor next = Tensor::ones({64});  // the same size class
+        volatile float v = stale[3];
+        (void)v;
+      },
+      "use-after-poison");
 }
 #else
 TEST(AsanPoisoning, OnlyInAddressSanitizerBuilds) { GTEST_SKIP() << "built without -DTALLY_SANITIZE=ON"; }

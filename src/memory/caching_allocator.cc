@@ -138,7 +138,21 @@ void CachingAllocator::free(const Allocation& a) {
   if (!a.ptr) return;
   const size_t index = class_index(a.capacity);
   if (index >= free_blocks_.size()) free_blocks_.resize(index + 1);
+#ifdef TALLY_ASAN
+  if (system_->host_accessible()) return quarantine(a.ptr, index);
+#endif
   free_blocks_[index].push_back(a.ptr);
+}
+
+void CachingAllocator::quarantine(void* ptr, size_t index) {
+  quarantine_.push_back({ptr, index});
+  quarantined_bytes_ += block_bytes(class_capacity(index));
+  while (quarantined_bytes_ > kQuarantineBytes) {
+    const Quarantined oldest = quarantine_.front();
+    quarantine_.pop_front();
+    quarantined_bytes_ -= block_bytes(class_capacity(oldest.index));
+    free_blocks_[oldest.index].push_back(oldest.ptr);
+  }
 }
 
 OwnerTag CachingAllocator::owner(const Allocation& a) const {
@@ -156,6 +170,9 @@ void CachingAllocator::empty_cache() {
   std::vector<std::vector<void*>> blocks;
   {
     std::lock_guard<std::mutex> lock(ledger_.mutex_);
+    for (const Quarantined& q : quarantine_) free_blocks_[q.index].push_back(q.ptr);
+    quarantine_.clear();
+    quarantined_bytes_ = 0;
     blocks.swap(free_blocks_);
   }
   int64_t returned = 0;

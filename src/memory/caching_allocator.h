@@ -12,9 +12,13 @@
 // Under AddressSanitizer (TALLY_SANITIZE builds) the allocator poisons what no tensor
 // may touch: a cached block, and the slack between a tensor's bytes and its block's end.
 // A use-after-free through a stale pointer into a cached block, or a kernel reading past
-// the end of a tensor, then fails the ASan run instead of reading recycled memory.
+// the end of a tensor, then fails the ASan run instead of reading recycled memory. A
+// freed or released block is also quarantined there, as ASan's own allocator does: it
+// is reused only once kQuarantineBytes of blocks freed after it have been, so a stale
+// pointer does not silently read the tensor that took its block next.
 #pragma once
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -55,13 +59,25 @@ class CachingAllocator final : public Allocator {
   Ledger& ledger() { return ledger_; }
   const Ledger& ledger() const { return ledger_; }
 
+  // Under AddressSanitizer: how many bytes of freed blocks wait before any is reused.
+  static constexpr int64_t kQuarantineBytes = int64_t{64} << 20;
+
  private:
   void poison(void* ptr, int64_t bytes) const;
   void unpoison(void* ptr, int64_t bytes) const;
 
+  struct Quarantined {
+    void* ptr;
+    size_t index;  // its size class
+  };
+  // Under AddressSanitizer a freed block waits here, oldest first, before its free list.
+  void quarantine(void* ptr, size_t index);
+
   std::unique_ptr<SystemMemory> system_;  // owning
-  Ledger ledger_;                         // owning; its mutex also guards free_blocks_
+  Ledger ledger_;                         // owning; its mutex also guards free_blocks_ and quarantine_
   std::vector<std::vector<void*>> free_blocks_;  // by size-class index
+  std::deque<Quarantined> quarantine_;
+  int64_t quarantined_bytes_ = 0;
 };
 
 }  // namespace tally::memory
