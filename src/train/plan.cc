@@ -167,6 +167,25 @@ PlanInput plan_input(const TrainConfig& c, const nn::TransformerConfig& model, i
 }
 
 namespace {
+// The microbatches of a step the plan walks the schedule's actions for. 1F1B and
+// interleaved 1F1B are periodic once warm: every stage holds at most P*V microbatch chunks,
+// each steady round repeats the one before, and a chunk's accumulators and gradients are
+// in their lasting state after its first backward. So a step of N is planned as one of
+// min(N, 4*P*V) (a multiple of P, as interleaving needs): warm-up, several steady rounds
+// and the cool-down, the moments every longer step has. GPipe holds all N at once, so it
+// walks all of them, up to a bound past which the walk itself would be the memory hog.
+int64_t walked_microbatches(dist::PipelineSchedule schedule, int64_t stages, int virtual_stages,
+                            int64_t microbatches) {
+  constexpr int64_t kMostGpipeMicrobatches = int64_t{1} << 20;
+  if (schedule == dist::PipelineSchedule::GPipe) {
+    TALLY_CHECK(microbatches <= kMostGpipeMicrobatches, "plan: --pp-schedule gpipe holds all ", microbatches,
+                " microbatches of a step in flight (--grad-accum); the plan walks each, up to ", kMostGpipeMicrobatches,
+                " (1f1b and interleaved hold at most --pp x --virtual-stages and plan any number)");
+    return microbatches;
+  }
+  return std::min(microbatches, 4 * stages * virtual_stages);
+}
+
 MemoryPlan plan_steps(const PlanInput& in) {
   const auto& c = in.model;
   c.validate();
@@ -436,8 +455,9 @@ MemoryPlan plan_steps(const PlanInput& in) {
         const nn::ModelShard::Chunk& ch = shard.chunks[static_cast<size_t>(a.chunk)];
         return a.forward ? !ch.embed : !ch.head;
       };
-      const std::vector<dist::PipelineAction> actions =
-          dist::pipeline_actions(schedule, static_cast<int>(PP), stage, in.grad_accum, in.virtual_stages);
+      const std::vector<dist::PipelineAction> actions = dist::pipeline_actions(
+          schedule, static_cast<int>(PP), stage, walked_microbatches(schedule, PP, in.virtual_stages, in.grad_accum),
+          in.virtual_stages);
       // (microbatch, chunk) -> its saved bytes, and whether another microbatch of the same
       // chunk was in flight when its forward ran (then its parameters' accumulators are
       // older than its graph).
