@@ -64,8 +64,7 @@ struct Census {
 Node::Node(uint32_t num_outputs)
     : num_outputs_(num_outputs),
       sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)),
-      birth_step_(Clock::step()),
-      birth_microbatch_(Clock::microbatch()),
+      birth_(Clock::now()),
       module_path_(current_module_path_id()) {
   Census::get().add(this);
 }

@@ -73,8 +73,8 @@ class Node : public std::enable_shared_from_this<Node> {
   void clear_edges() { next_edges_.clear(); }
 
   uint64_t sequence_nr() const { return sequence_nr_; }
-  int64_t birth_step() const { return birth_step_; }
-  int64_t birth_microbatch() const { return birth_microbatch_; }
+  int64_t birth_step() const { return birth_.step; }
+  int64_t birth_microbatch() const { return birth_.microbatch; }
   const std::string& module_path() const { return name_of(module_path_); }
 
   // Hooks on the gradient of forward output `entry->output_nr` (an interior tensor's
@@ -88,8 +88,7 @@ class Node : public std::enable_shared_from_this<Node> {
   uint32_t num_outputs_;
   std::vector<Edge> next_edges_;
   uint64_t sequence_nr_;
-  int64_t birth_step_;
-  int64_t birth_microbatch_;
+  Clock::Reading birth_;
   NameId module_path_;
   std::vector<std::shared_ptr<HookEntry>> pre_hooks_;  // owning
   // The census is an intrusive list: registering a node allocates nothing.

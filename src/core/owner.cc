@@ -74,16 +74,6 @@ ProcessClock& process_clock() {
   return *c;
 }
 
-struct ClockValue {
-  int64_t step, microbatch;
-};
-ClockValue clock_now() {
-  if (t_own_clock) return {t_step, t_microbatch};
-  ProcessClock& c = process_clock();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  return {c.step, c.microbatch};
-}
-
 // Allocations on a thread other than the main one, outside any owner scope of its own,
 // are named for the thread ("thread 2", "thread 2:matmul"): foreign, yet traceable.
 const std::thread::id g_main_thread = std::this_thread::get_id();  // static init runs on main
@@ -130,8 +120,12 @@ const std::string& name_of(NameId id) {
   return id < t.names.size() ? t.names[id] : t.names[0];
 }
 
-int64_t Clock::step() { return clock_now().step; }
-int64_t Clock::microbatch() { return clock_now().microbatch; }
+Clock::Reading Clock::now() {
+  if (t_own_clock) return {t_step, t_microbatch};
+  ProcessClock& c = process_clock();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return {c.step, c.microbatch};
+}
 void Clock::set(int64_t step, int64_t microbatch) {
   t_step = step;
   t_microbatch = microbatch;
@@ -174,7 +168,7 @@ OwnerTag current_owner(const char* what) {
   tag.category = t_category;
   const NameId path = path_or_thread_name();
   tag.name = (what && *what) ? suffixed(path, what) : path;
-  const ClockValue now = clock_now();
+  const Clock::Reading now = Clock::now();
   tag.step = now.step;
   tag.microbatch = now.microbatch;
   return tag;
@@ -184,7 +178,7 @@ OwnerTag make_owner(Category category, std::string_view name, bool persistent) {
   OwnerTag tag;
   tag.category = category;
   tag.name = intern_name(name);
-  const ClockValue now = clock_now();
+  const Clock::Reading now = Clock::now();
   tag.step = now.step;
   tag.microbatch = now.microbatch;
   tag.persistent = persistent;

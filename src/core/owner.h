@@ -58,8 +58,13 @@ struct OwnerTag {
 // ---- the clock: the (step, microbatch) this thread is working on
 inline constexpr int64_t kBetweenSteps = -2;  // microbatch value after end_step, before the next begin_step
 struct Clock {
-  static int64_t step();
-  static int64_t microbatch();
+  struct Reading {
+    int64_t step = -1;
+    int64_t microbatch = -1;
+  };
+  // Both halves read at once: a worker reading the process's clock never sees a new step
+  // with the previous step's microbatch.
+  static Reading now();
   static void set(int64_t step, int64_t microbatch);
 };
 

@@ -369,12 +369,8 @@ Tensor Transformer::norm(const Tensor& x, size_t weight, size_t bias) const {
 KvCache Transformer::make_kv_cache(int64_t batch, int64_t capacity) const {
   TALLY_CHECK(batch >= 1 && capacity >= 1 && capacity <= config_.max_seq_len, "KV cache: ", batch, " sequences of ",
               capacity, " tokens; the model's maximum is ", config_.max_seq_len);
-  OwnerTag tag;
-  tag.category = Category::Workspace;
-  tag.persistent = true;  // lives across the decoding steps by design
-  tag.name = intern_name("kv_cache");
-  tag.step = Clock::step();  // when it is made, as every allocation is stamped
-  tag.microbatch = Clock::microbatch();
+  // Persistent: it lives across the decoding steps by design.
+  const OwnerTag tag = make_owner(Category::Workspace, "kv_cache", /*persistent=*/true);
   KvCache cache;
   const Shape shape = {batch, capacity, config_.n_kv_head, config_.head_dim()};
   for (int64_t l = 0; l < config_.n_layer; ++l) {

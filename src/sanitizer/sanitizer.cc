@@ -97,8 +97,7 @@ const char* issue_kind_name(IssueKind k) {
 Sanitizer::Sanitizer(SanitizeMode mode, std::vector<Device> devices)
     : mode_(mode),
       devices_(std::move(devices)),
-      previous_clock_step_(Clock::step()),
-      previous_clock_microbatch_(Clock::microbatch()) {
+      previous_clock_(Clock::now()) {
   for (Device d : devices_) first_id_.push_back(runtime::ledger(d).last_id());
   first_node_ = autograd::next_sequence_nr();
   Clock::set(-1, kBetweenSteps);
@@ -107,7 +106,7 @@ Sanitizer::Sanitizer(SanitizeMode mode, std::vector<Device> devices)
   for (Device d : devices_) baseline_live_ += runtime::ledger(d).stats().live_non_persistent;
 }
 
-Sanitizer::~Sanitizer() { Clock::set(previous_clock_step_, previous_clock_microbatch_); }
+Sanitizer::~Sanitizer() { Clock::set(previous_clock_.step, previous_clock_.microbatch); }
 
 void Sanitizer::report(IssueKind kind, const std::string& message) {
   Issue issue{kind, std::string("tally sanitizer: ") + issue_kind_name(kind) + ": " + message};

@@ -128,7 +128,7 @@ class Sanitizer : private autograd::EngineObserver {
   std::vector<Boundary> boundaries_;
   std::function<void(const Issue&)> printer_;
   std::optional<autograd::ObserverRegistration> registration_;
-  int64_t previous_clock_step_ = -1, previous_clock_microbatch_ = -1;
+  Clock::Reading previous_clock_;
 };
 
 // S4: one line per tensor that still views `storage`: its name, shape, autograd role.
