@@ -120,15 +120,18 @@ void connect(Node& node, const std::shared_ptr<Node>& self, const std::vector<Te
 
 void check_context_holds_no_output(std::span<const std::byte> context, const char* op,
                                    const std::vector<Tensor>& outputs) {
-  for (const Tensor& out : outputs) {
-    if (bytes_reach_tensor(context, out)) {
-      TALLY_FAIL("op '", op, "' keeps its own output ", out.str(),
-                 " in its context as a plain Tensor member (or in a container member): that is a reference cycle "
-                 "(node -> context -> "
-                 "output -> node) that outlives any graph never run backward (memory contract R2). Keep it with "
-                 "ctx.save_for_backward() or ctx.keep(), which store it without its graph");
-    }
-  }
+  // One walk over the context and its containers, every output looked for in each span;
+  // the first output kept is named.
+  size_t kept = outputs.size();
+  for_each_handle_span(context, [&](std::span<const std::byte> span, bool) {
+    for (size_t i = 0; i < kept; ++i)
+      if (bytes_hold_tensor(span, outputs[i])) kept = i;
+  });
+  if (kept < outputs.size())
+    TALLY_FAIL("op '", op, "' keeps its own output ", outputs[kept].str(),
+               " in its context as a plain Tensor member (or in a container member): that is a reference cycle "
+               "(node -> context -> output -> node) that outlives any graph never run backward (memory contract R2). "
+               "Keep it with ctx.save_for_backward() or ctx.keep(), which store it without its graph");
 }
 
 

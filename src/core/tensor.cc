@@ -316,9 +316,7 @@ bool read_own_memory(uintptr_t address, size_t n, std::vector<std::byte>& out) {
   iovec remote{reinterpret_cast<void*>(address), n};
   return process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == static_cast<ssize_t>(n);
 }
-}  // namespace
 
-namespace {
 // Whether each 16-byte slot of `bytes` could be a Tensor: both words null (an undefined
 // one), or both non-null and pointer-aligned.
 bool all_handle_shaped(std::span<const std::byte> bytes) {
