@@ -631,3 +631,59 @@ TEST(AsanPoisoning, AReleasedBlockIsQuarantinedSoAStalePointerNeverReadsTheNextT
 #else
 TEST(AsanPoisoning, OnlyInAddressSanitizerBuilds) { GTEST_SKIP() << "built without -DTALLY_SANITIZE=ON"; }
 #endif
+
+// The meta device (core/device.h): shapes and ledger records without bytes.
+TEST(MetaDevice, AllocatesThroughItsLedgerAsTheCpuWouldAndHoldsNoBytes) {
+  const Device meta = Device::meta();
+  EXPECT_EQ(meta.str(), "meta(cpu)");
+  EXPECT_EQ(meta.runs_as(), DeviceType::CPU);
+  memory::Ledger& ledger = runtime::ledger(meta);
+  EXPECT_NE(&ledger, &runtime::ledger(Device::cpu()));
+  const int64_t before = ledger.stats().allocated;
+  {
+    Tensor t = Tensor::empty({3, 1000}, DType::F32, meta, make_owner(Category::Activation, "test.meta"));
+    EXPECT_EQ(ledger.stats().allocated - before, 12000);
+    EXPECT_EQ(t.device(), meta);
+    EXPECT_EQ(t.storage().owner().name_str(), "test.meta");
+    try {
+      (void)t.data<float>();
+      FAIL() << "a meta tensor handed out a pointer";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("meta(cpu) device, which holds no bytes"), std::string::npos) << e.what();
+    }
+    // Kernels compute nothing; a value read out of the device is zero.
+    t.fill_(3.0);
+    Tensor y = ops::gelu(t);
+    EXPECT_EQ(y.shape(), (Shape{3, 1000}));
+    EXPECT_EQ(y.device(), meta);
+    EXPECT_EQ(ops::sum(y).item(), 0.0);
+    EXPECT_EQ(Tensor::empty({2}, DType::F32, meta).to(Device::cpu()).to_vector<float>(), (std::vector<float>{0.f, 0.f}));
+  }
+  EXPECT_EQ(ledger.stats().allocated, before);
+}
+
+// A GEMM's dense copies of strided operands are scratch the CPU's kernel allocates; the
+// meta device makes the same, so a dry run's peak counts them.
+TEST(MetaDevice, AGemmMakesTheDenseCopiesTheCpusKernelMakes) {
+  auto gemm_scratch = [](Device device, DType dtype, bool strided_a, bool strided_b) {
+    memory::Ledger& ledger = runtime::ledger(device);
+    Tensor a = Tensor::zeros({64, 96}, dtype, device), b = Tensor::zeros({96, 80}, dtype, device);
+    Tensor c = Tensor::zeros({32, 40}, DType::F32, device);
+    // Every other column: a view neither row- nor column-major.
+    Tensor va = strided_a ? a.slice(1, 0, 96, 2).slice(0, 0, 32) : a.slice(0, 0, 32).slice(1, 0, 48);
+    Tensor vb = strided_b ? b.slice(1, 0, 80, 2).slice(0, 0, 48) : b.slice(0, 0, 48).slice(1, 0, 40);
+    const int64_t live = ledger.stats().allocated;
+    ledger.reset_peaks();
+    runtime::backend(device).gemm(va, false, vb, false, c);
+    return ledger.stats().peak_allocated - live;
+  };
+  for (DType dtype : {DType::F32, DType::BF16})
+    for (bool sa : {false, true})
+      for (bool sb : {false, true}) {
+        const int64_t cpu = gemm_scratch(Device::cpu(), dtype, sa, sb);
+        EXPECT_EQ(gemm_scratch(Device::meta(), dtype, sa, sb), cpu) << dtype_name(dtype) << " " << sa << sb;
+        if (dtype == DType::F32 && (sa || sb)) {
+          EXPECT_GT(cpu, 0) << "the CPU copies a strided operand";
+        }
+      }
+}

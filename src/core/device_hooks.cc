@@ -10,8 +10,8 @@ namespace tally {
 namespace {
 // One factory per device type, written by the runtime's registration at start-up
 // (runtime::install_backends, which ops::install calls).
-std::array<std::atomic<DeviceHooksFactory>, 2>& factories() {
-  static std::array<std::atomic<DeviceHooksFactory>, 2> f{};
+std::array<std::atomic<DeviceHooksFactory>, kDeviceTypes>& factories() {
+  static std::array<std::atomic<DeviceHooksFactory>, kDeviceTypes> f{};
   return f;
 }
 }  // namespace
@@ -23,8 +23,8 @@ void register_device_hooks(DeviceType type, DeviceHooksFactory factory) {
 DeviceHooks& device_hooks(Device device) {
   DeviceHooksFactory f = factories()[static_cast<size_t>(device.type)].load(std::memory_order_acquire);
   TALLY_CHECK(f, "device ", device.str(), ": no backend is registered for it (",
-              device.is_cpu() ? "tally::ops::install() registers the built-in backends: call it first thing in main"
-                              : "this build of tally has no CUDA backend; configure with -DTALLY_CUDA=ON",
+              device.is_cuda() ? "this build of tally has no CUDA backend; configure with -DTALLY_CUDA=ON"
+                               : "tally::ops::install() registers the built-in backends: call it first thing in main",
               ")");
   DeviceHooks* hooks = f(device.index);
   TALLY_CHECK(hooks, "device ", device.str(), " is not available on this machine");

@@ -47,7 +47,9 @@ Storage::~Storage() {
   if (!released_) allocator_->free(allocation_);
 }
 
-void Storage::fail_released(const std::string& user) const {
+void Storage::fail_no_bytes(const std::string& user) const {
+  TALLY_CHECK(released_, "tensor '", user.empty() ? "<unnamed>" : user, "' is on the ", device_.str(),
+              " device, which holds no bytes (it plans memory: its kernels read and write nothing)");
   TALLY_FAIL("tensor '", user.empty() ? "<unnamed>" : user, "' uses a storage of ", nbytes_,
              " bytes that was released by '", released_by_,
              "'; its bytes are back in the allocator, so this view must not be used "

@@ -38,10 +38,10 @@ class Storage : public std::enable_shared_from_this<Storage> {
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
-  // Pointer to the bytes; throws if the storage was released. `user` names the tensor
-  // asking, for the error message.
+  // Pointer to the bytes; throws if the storage was released or is the meta device's,
+  // which has none. `user` names the tensor asking, for the error message.
   void* data(const std::string& user = "") const {
-    if (released_) fail_released(user);
+    if (released_ || device_.is_meta()) fail_no_bytes(user);
     return allocation_.ptr;
   }
   int64_t nbytes() const { return nbytes_; }
@@ -81,7 +81,7 @@ class Storage : public std::enable_shared_from_this<Storage> {
   void remove_view(const TensorImpl* view);
 
  private:
-  [[noreturn]] void fail_released(const std::string& user) const;
+  [[noreturn]] void fail_no_bytes(const std::string& user) const;
   // An activation's bytes become saved_for_backward while a save refers to them (mutex_ held).
   void tag_saved_activation();
 

@@ -147,6 +147,14 @@ double Tensor::item() const {
 
 template <class T> std::vector<T> Tensor::to_vector() const {
   Tensor src = *this;
+  // A meta tensor reads as zeros, after the host copy the device it stands in for would
+  // make (on the meta device itself when that is the CPU: the copy is the run's memory).
+  if (device().is_meta()) {
+    const bool copies = device().runs_as() != DeviceType::CPU || dtype() != DTypeOf<T>::value || !is_contiguous();
+    if (copies && device().runs_as() == DeviceType::CPU)
+      Tensor::empty(shape(), DTypeOf<T>::value, device(), current_owner("to_vector"));
+    return std::vector<T>(static_cast<size_t>(numel()), T{});
+  }
   if (!device().is_cpu() || dtype() != DTypeOf<T>::value || !is_contiguous()) {
     Tensor tmp = Tensor::empty(shape(), DTypeOf<T>::value, Device::cpu(), current_owner("to_vector"));
     copy_hooks(Device::cpu(), device()).copy(tmp, *this);

@@ -12,8 +12,8 @@ struct Registration {
   std::atomic<BackendFactory> factory{nullptr};
   std::atomic<DeviceCounter> count{nullptr};
 };
-std::array<Registration, 2>& registry() {
-  static std::array<Registration, 2> r;
+std::array<Registration, kDeviceTypes>& registry() {
+  static std::array<Registration, kDeviceTypes> r;
   return r;
 }
 std::atomic<Backend*> g_cpu{nullptr};  // the hot path: most ops run on the CPU backend
@@ -24,17 +24,27 @@ DeviceHooks* hooks_of(int index, DeviceType type) {
 }
 DeviceHooks* cpu_hooks(int index) { return hooks_of(index, DeviceType::CPU); }
 DeviceHooks* cuda_hooks(int index) { return hooks_of(index, DeviceType::CUDA); }
+DeviceHooks* meta_hooks(int index) { return hooks_of(index, DeviceType::Meta); }
+DeviceHooksFactory hooks_factory(DeviceType type) {
+  switch (type) {
+    case DeviceType::CPU: return cpu_hooks;
+    case DeviceType::CUDA: return cuda_hooks;
+    case DeviceType::Meta: return meta_hooks;
+  }
+  return nullptr;
+}
 }  // namespace
 
 void register_backend(DeviceType type, BackendFactory factory, DeviceCounter count) {
   Registration& r = registry()[static_cast<size_t>(type)];
   r.factory.store(factory, std::memory_order_release);
   r.count.store(count, std::memory_order_release);
-  register_device_hooks(type, type == DeviceType::CPU ? cpu_hooks : cuda_hooks);
+  register_device_hooks(type, hooks_factory(type));
 }
 
 void install_backends() {
   register_cpu_backend();
+  register_meta_backend();
 #ifdef TALLY_CUDA
   register_cuda_backend();
 #endif
@@ -51,7 +61,7 @@ Backend& backend(Device device) {
               ")");
   Backend* b = f(device.index);
   TALLY_CHECK(b, "device ", device.str(), " is not available (", device_count(device.type), " ",
-              device.is_cpu() ? "CPU" : "CUDA", " device(s) visible)");
+              device.is_cpu() ? "CPU" : device.is_cuda() ? "CUDA" : "meta", " device(s) visible)");
   if (device.is_cpu()) g_cpu.store(b, std::memory_order_release);
   return *b;
 }

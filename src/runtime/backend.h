@@ -144,8 +144,10 @@ void register_backend(DeviceType type, BackendFactory factory, DeviceCounter cou
 // with it (runtime/cuda). Done once at start-up, by ops::install.
 void install_backends();
 void register_cpu_backend();   // runtime/cpu/cpu_backend.cc
+void register_meta_backend();  // runtime/meta/meta_backend.cc
 void register_cuda_backend();  // runtime/cuda/cuda_backend.cc (TALLY_CUDA builds)
-// Number of devices of `type` this process can use (CPU: 1).
+// Number of devices of `type` this process can use (CPU: 1; meta: 2, standing in for the
+// CPU and for CUDA).
 int device_count(DeviceType type);
 // Bytes the GEMM library of a device of this type keeps for itself once the first GEMM
 // runs (a persistent allocation the ledger shows; the memory plan counts it), known

@@ -33,6 +33,11 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
 // convert) the caller writes the bias into C first and accumulates onto it.
 bool gemm_adds_bias(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, const Tensor& c,
                     const Tensor& bias);
+// The operands gemm() copies dense before it multiplies (each a gemm_copy the size of the
+// operand, alive until it returns): a strided view, or one oneDNN's inner product does not
+// take. What a dry run on the meta device allocates in their place.
+std::vector<Tensor> gemm_dense_copies(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
+                                      const Tensor& c, float alpha, float beta, const Tensor& bias);
 // C (m x n, row-major, fp32) = alpha op(A) op(B) + beta C for row-major bf16 tiles, on
 // one thread: for kernels that thread themselves (attention's tiles, from inside their
 // OpenMP regions). Pass dense tiles (lda, ldb, ldc equal to their row widths): oneDNN 2.6

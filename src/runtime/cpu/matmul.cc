@@ -367,21 +367,25 @@ DenseMatrix dense_matrix(const Tensor& t, bool transpose) {
   return {};
 }
 
-// Runs C = op(A) B on an inner-product primitive and returns true, or returns false where
-// that pass does not apply (C not a dense fp32 matrix, B transposed, the CPU has
-// AMX, oneDNN would not pick its GEMM). Any other view of A or B is copied dense first, so
-// a matrix product's bits do not depend on its operands' strides.
-bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
+struct InnerProduct {
+  InnerProductPass pass = InnerProductPass::BackwardData;
+  dnnl::primitive primitive;  // null where oneDNN would not run it on its GEMM
+  dnnl::memory::desc a, b, c;
+};
+
+// The inner-product primitive that runs C = op(A) B, or one whose primitive is null where
+// that pass does not apply (see inner_product_gemm).
+InnerProduct find_inner_product(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c) {
   if (a.dtype() != DType::BF16 || c.dtype() != DType::F32 || c.strides()[0] != c.shape()[1])
-    return false;
-  if (matmul_runs_bf16_on_amx()) return false;
+    return {};
+  if (matmul_runs_bf16_on_amx()) return {};
   // Whether the logical operand is a stored dense matrix's transpose (a view that is not
   // dense is copied as it is viewed, which is not transposed).
   auto stored_transposed = [](const Tensor& t, bool transpose) {
     const DenseMatrix d = dense_matrix(t, transpose);
     return d.dense ? d.transposed : transpose;
   };
-  if (stored_transposed(b, tb)) return false;  // x W^T, a forward: the matmul primitive's
+  if (stored_transposed(b, tb)) return {};  // x W^T, a forward: the matmul primitive's
   const InnerProductPass pass =
       stored_transposed(a, ta) ? InnerProductPass::BackwardWeights : InnerProductPass::BackwardData;
   // C (M, N) = op(A) (M, K) B (K, N).
@@ -389,11 +393,7 @@ bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
   using dnnl::memory;
   using tag = memory::format_tag;
   const dnnl::engine& engine = cpu_engine();
-  static dnnl::stream stream(engine);
-  struct Cached {
-    dnnl::primitive primitive;  // null where oneDNN would not run it on its GEMM
-    memory::desc a, b, c;
-  };
+  using Cached = InnerProduct;
   using Key = std::array<int64_t, 4>;
   static std::mutex mutex;
   static std::map<Key, Cached> cache;
@@ -404,6 +404,7 @@ bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
     const auto bf16 = memory::data_type::bf16;
     const auto f32 = memory::data_type::f32;
     Cached made;
+    made.pass = pass;
     // In the inner product's terms: tokens, out (OC) and in (IC) features.
     const int64_t tokens = pass == InnerProductPass::BackwardWeights ? K : M;
     const int64_t out = pass == InnerProductPass::BackwardWeights ? M : K;
@@ -417,27 +418,38 @@ bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
         const memory::desc dw({out, in}, f32, tag::ab);
         const auto pd = dnnl::inner_product_backward_weights::primitive_desc(
             dnnl::inner_product_backward_weights::desc(x, dw, dy), engine, hint);
-        if (on_jit_gemm(pd)) made = {dnnl::inner_product_backward_weights(pd), dy, x, dw};
+        if (on_jit_gemm(pd)) made = {pass, dnnl::inner_product_backward_weights(pd), dy, x, dw};
       } else {
         // dx (tokens, in) = dy W: A is dy, B is W stored (out, in).
         const memory::desc dx({tokens, in}, f32, tag::ab);
         const auto pd = dnnl::inner_product_backward_data::primitive_desc(
             dnnl::inner_product_backward_data::desc(dx, w, dy), engine, hint);
-        if (on_jit_gemm(pd)) made = {dnnl::inner_product_backward_data(pd), dy, w, dx};
+        if (on_jit_gemm(pd)) made = {pass, dnnl::inner_product_backward_data(pd), dy, w, dx};
       }
     } catch (const dnnl::error&) {
-      made = Cached{};  // a shape oneDNN's inner product refuses: the matmul primitive runs it
+      made = Cached();  // a shape oneDNN's inner product refuses: the matmul primitive runs it
+      made.pass = pass;
     }
     if (cache.size() >= 512) cache.clear();
     it = cache.emplace(key, made).first;
   }
-  const Cached k = it->second;
-  lock.unlock();
+  return it->second;
+}
+
+// Runs C = op(A) B on an inner-product primitive and returns true, or returns false where
+// that pass does not apply (C not a dense fp32 matrix, B transposed, the CPU has
+// AMX, oneDNN would not pick its GEMM). Any other view of A or B is copied dense first, so
+// a matrix product's bits do not depend on its operands' strides.
+bool inner_product_gemm(Tensor a, bool ta, Tensor b, bool tb, const Tensor& c) {
+  const InnerProduct k = find_inner_product(a, ta, b, tb, c);
   if (!k.primitive) return false;
+  using dnnl::memory;
+  const dnnl::engine& engine = cpu_engine();
+  static dnnl::stream stream(engine);
   for (Tensor* t : {&a, &b})
     if (!dense_matrix(*t, false).dense) *t = dense_copy(*t);
   memory am(k.a, engine, a.raw_data()), bm(k.b, engine, b.raw_data()), cm(k.c, engine, c.raw_data());
-  if (pass == InnerProductPass::BackwardWeights)
+  if (k.pass == InnerProductPass::BackwardWeights)
     k.primitive.execute(stream, {{DNNL_ARG_DIFF_DST, am}, {DNNL_ARG_SRC, bm}, {DNNL_ARG_DIFF_WEIGHTS, cm}});
   else
     k.primitive.execute(stream, {{DNNL_ARG_DIFF_DST, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DIFF_SRC, cm}});
@@ -539,6 +551,21 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
     default: TALLY_FAIL("matmul: dtype ", dtype_name(c.dtype()), " is not supported on CPU (float32, bfloat16, float64)");
   }
   c.storage().bump_version();
+}
+
+std::vector<Tensor> gemm_dense_copies(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
+                                      const Tensor& c, float alpha, float beta, const Tensor& bias) {
+  const int64_t M = c.shape()[0], N = c.shape()[1], K = transpose_a ? a.shape()[0] : a.shape()[1];
+  if (M == 0 || N == 0 || K == 0) return {};
+  const bool bf16_operands = a.dtype() == DType::BF16 && b.dtype() == DType::BF16;
+  if (bf16_operands && bf16_gemm_widened()) return {};
+  std::vector<Tensor> copies;
+  const bool inner_product = gemm_on_matmul_primitive(a, transpose_a, b, transpose_b, c) && alpha == 1.f &&
+                             beta == 0.f && !bias.defined() &&
+                             find_inner_product(a, transpose_a, b, transpose_b, c).primitive;
+  for (const Tensor* t : {&a, &b})
+    if (inner_product ? !dense_matrix(*t, false).dense : layout_of(*t) == Layout::Strided) copies.push_back(*t);
+  return copies;
 }
 
 // A bf16 tile GEMM for kernels that run their own OpenMP threads (attention), on the
