@@ -17,6 +17,7 @@
 #include "nn/init.h"
 #include "nn/llmc_layout.h"
 #include "runtime/backend.h"
+#include "train/dry_run.h"
 #include "train/plan.h"
 #include "train/trainer.h"
 
@@ -142,10 +143,16 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
           << s.model << (s.bf16 ? " bf16" : "") << " recompute " << s.recompute;
     }
     EXPECT_EQ(r.history.back().predicted_peak_bytes, planned);
+    const std::string what = s.model + " B" + std::to_string(s.batch) + " T" + std::to_string(s.seq) + " accum " +
+                             std::to_string(s.accum) + (s.bf16 ? " bf16" : "") + (s.chunked ? " chunked loss" : "") +
+                             " recompute " + s.recompute;
     // The plan is exact here: every allocation alive at the peak has a term.
-    EXPECT_EQ(measured, planned) << s.model << " B" << s.batch << " T" << s.seq
-                                 << " accum " << s.accum << (s.bf16 ? " bf16" : "") << (s.chunked ? " chunked loss" : "")
-                                 << " recompute " << s.recompute;
+    EXPECT_EQ(measured, planned) << what;
+    // And the dry run on the meta device, the real step on shapes alone, measures it too.
+    const train::DryRun dry = train::dry_run(c, mc, s.val);
+    ASSERT_EQ(dry.steps.size(), 2u) << what;
+    EXPECT_EQ(dry.steps.back().peak_bytes, measured) << what;
+    EXPECT_EQ(dry.steps.front().peak_bytes, r.history.front().peak_bytes) << what;
   }
 }
 
@@ -218,6 +225,35 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForZeroInOneProcess) {
       EXPECT_TRUE(plan.notes.empty()) << what << ": " << plan.notes.front();
     }
   }
+}
+
+// What the dry run does not stand in for yet, it names rather than planning it wrong.
+TEST(Plan, TheDryRunNamesTheLayoutsItDoesNotStandInFor) {
+  train::TrainConfig c;
+  c.model.preset = "d1";
+  const nn::TransformerConfig mc = nn::TransformerConfig::preset("d1");
+  auto refusal = [&] {
+    try {
+      train::dry_run(c, mc, false);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(ran)");
+  };
+  c.parallel.tp = 2;
+  EXPECT_NE(refusal().find("the dry run stands in for one process: --dp 0 --tp 2 --pp 1"), std::string::npos) << refusal();
+  c.parallel.tp = 1;
+  c.parallel.zero = 2;
+  EXPECT_NE(refusal().find("the dry run does not stand in for ZeRO yet (--zero 2)"), std::string::npos) << refusal();
+  c.parallel.zero = 0;
+  c.compute.device = Device::cuda();
+  EXPECT_NE(refusal().find("the dry run stands in for the CPU, not --device cuda:0"), std::string::npos) << refusal();
+  // And it leaves nothing behind on the meta device.
+  c.compute.device = Device::cpu();
+  c.batch.batch_size = 1;
+  c.batch.seq_len = 8;
+  train::dry_run(c, mc, true);
+  EXPECT_EQ(runtime::ledger(Device::meta()).stats().allocated, 0);
 }
 
 TEST(Plan, PartsAddUpAndFollowTheirFormulas) {

@@ -6,6 +6,13 @@
 
 namespace tally::data {
 
+// Reused for every batch: the loader never grows.
+Batch batch_buffers(int64_t batch_size, int64_t seq_len, Device device) {
+  auto owner = [](const char* n) { return make_owner(Category::Data, n, /*persistent=*/true); };
+  return {Tensor::empty({batch_size, seq_len}, DType::I32, device, owner("loader.inputs")),
+          Tensor::empty({batch_size, seq_len}, DType::I32, device, owner("loader.targets"))};
+}
+
 TokenLoader::TokenLoader(const std::string& pattern, int64_t batch_size, int64_t seq_len, int64_t vocab_size,
                          const std::string& split)
     : B_(batch_size), T_(seq_len), vocab_(vocab_size) {
@@ -26,10 +33,7 @@ TokenLoader::TokenLoader(const std::string& pattern, int64_t batch_size, int64_t
   }
   TALLY_CHECK(total_ >= B_ * T_ + 1, split, " '", pattern, "' holds ", total_, " tokens; one batch of ", B_, "x", T_,
               " needs ", B_ * T_ + 1);
-  // Persistent, owner-tagged buffers reused for every batch: the loader never grows.
-  auto owner = [](const char* n) { return make_owner(Category::Data, n, /*persistent=*/true); };
-  batch_.inputs = Tensor::empty({B_, T_}, DType::I32, Device::cpu(), owner("loader.inputs"));
-  batch_.targets = Tensor::empty({B_, T_}, DType::I32, Device::cpu(), owner("loader.targets"));
+  batch_ = batch_buffers(B_, T_, Device::cpu());
   window_.resize(static_cast<size_t>(B_ * T_ + 1));
 }
 

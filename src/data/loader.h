@@ -25,7 +25,31 @@ struct Batch {
   Tensor targets;  // (B, T) int32
 };
 
-class TokenLoader {
+// Where a step's batches come from: the loader's two persistent (B, T) buffers, filled
+// for microbatch `microbatch` of step `step`, or from data position `first_token`.
+class BatchSource {
+ public:
+  virtual ~BatchSource() = default;
+  virtual const Batch& batch_at(int64_t step, int64_t microbatch, int64_t microbatches_per_step) = 0;
+  virtual const Batch& batch_from(int64_t first_token) = 0;
+};
+
+// The two persistent, owner-tagged (B, T) buffers a loader fills for every batch.
+Batch batch_buffers(int64_t batch_size, int64_t seq_len, Device device);
+
+// A dry run's batches (the meta device's): the loader's buffers, with shapes and no tokens.
+class ShapeOnlyBatches final : public BatchSource {
+ public:
+  ShapeOnlyBatches(int64_t batch_size, int64_t seq_len, Device device)
+      : batch_(batch_buffers(batch_size, seq_len, device)) {}
+  const Batch& batch_at(int64_t, int64_t, int64_t) override { return batch_; }
+  const Batch& batch_from(int64_t) override { return batch_; }
+
+ private:
+  Batch batch_;
+};
+
+class TokenLoader final : public BatchSource {
  public:
   // `pattern` is a glob; every matching shard is opened and validated now, every token
   // included (one outside the vocabulary is reported before the first step, naming the
@@ -37,10 +61,10 @@ class TokenLoader {
   void shuffle_sequences(uint64_t seed);
 
   // Fills and returns the loader's two persistent buffers (no allocation per batch).
-  const Batch& batch_at(int64_t step, int64_t microbatch, int64_t microbatches_per_step);
+  const Batch& batch_at(int64_t step, int64_t microbatch, int64_t microbatches_per_step) override;
   // The batch of B*T + 1 consecutive tokens from data position `first_token` (validation
   // walks 0, B*T, 2*B*T, ...).
-  const Batch& batch_from(int64_t first_token);
+  const Batch& batch_from(int64_t first_token) override;
 
   int64_t total_tokens() const { return total_; }
   // A fingerprint of every token in order (TokenShard::Scan): ranks compare it.

@@ -41,7 +41,10 @@ void StepEngine::build_model(const FillWeights& fill) {
   const nn::Blocks blocks = config_.zero < 2    ? nn::Blocks::ParametersAndGradients
                             : config_.zero == 2 ? nn::Blocks::Parameters
                                                 : nn::Blocks::None;
-  model_ = std::make_unique<nn::Transformer>(config_.model, shard_of(world_.pp_rank(), world_.tp_rank()), blocks);
+  // Built on the host (a dry run: on the meta device, which fills nothing).
+  const Device built_on = config_.device.is_meta() ? config_.device : Device::cpu();
+  model_ = std::make_unique<nn::Transformer>(config_.model, shard_of(world_.pp_rank(), world_.tp_rank()), blocks,
+                                             built_on);
   if (config_.zero == 3) {
     zero_ = std::make_unique<ZeroOptimizer>(model_->params(), config_.adamw, world_.dp_group(), 3);
     model_->set_residency(zero_.get());
@@ -80,7 +83,7 @@ void StepEngine::build_optimizer() {
   // summed during the step's last backward, each gradient while it is still in cache
   // (optim/grad_norm.h). Data parallel's change once more, in the all-reduce. On a GPU
   // each gradient's sum would be a wait for the device in the middle of backward.
-  if (!model_parallel_ && !zero_ && world_.dp() == 1 && config_.device.is_cpu())
+  if (!model_parallel_ && !zero_ && world_.dp() == 1 && config_.device.runs_as() == DeviceType::CPU)
     backward_norm_ = std::make_unique<optim::BackwardGradientNorm>(model_->params());
 }
 
@@ -97,7 +100,7 @@ Tensor StepEngine::on_device(const Tensor& t) const {
   return moved;
 }
 
-double StepEngine::forward_backward(int64_t step, data::TokenLoader& loader, sanitizer::Sanitizer& sanitizer) {
+double StepEngine::forward_backward(int64_t step, data::BatchSource& loader, sanitizer::Sanitizer& sanitizer) {
   const int64_t tp_bytes_before = world_.tp_group().stats().payload_bytes;
   const double local = pipeline_ ? run_pipeline(step, loader, sanitizer) : run_microbatches(step, loader, sanitizer);
   tp_payload_bytes_ = world_.tp_group().stats().payload_bytes - tp_bytes_before;
@@ -107,7 +110,7 @@ double StepEngine::forward_backward(int64_t step, data::TokenLoader& loader, san
 
 // Microbatches one after another, each forward then backward: the loader's buffers are
 // read in place (each microbatch's backward runs before the next is read).
-double StepEngine::run_microbatches(int64_t step, data::TokenLoader& loader, sanitizer::Sanitizer& sanitizer) {
+double StepEngine::run_microbatches(int64_t step, data::BatchSource& loader, sanitizer::Sanitizer& sanitizer) {
   const int64_t N = config_.microbatches, D = world_.dp();
   double loss_sum = 0;
   for (int64_t mb = 0; mb < N; ++mb) {
@@ -135,7 +138,7 @@ double StepEngine::run_microbatches(int64_t step, data::TokenLoader& loader, san
 // A pipeline stage's schedule. The loader's buffers are refilled per call, so each
 // microbatch keeps its own copy (the embedding and the loss save them for backward,
 // which runs later).
-double StepEngine::run_pipeline(int64_t step, data::TokenLoader& loader, sanitizer::Sanitizer& sanitizer) {
+double StepEngine::run_pipeline(int64_t step, data::BatchSource& loader, sanitizer::Sanitizer& sanitizer) {
   const int64_t N = config_.microbatches, D = world_.dp();
   auto batch_of = [&](int64_t mb) {
     const data::Batch& b = loader.batch_at(step, mb * D + world_.dp_rank(), N * D);
@@ -178,7 +181,7 @@ double StepEngine::grad_norm() {
   if (model_parallel_) return model_parallel_gradient_norm(*model_, world_);
   if (zero_) return zero_->gradient_norm();
   if (backward_norm_) return backward_norm_->finish();
-  if (!config_.device.is_cpu()) return optim::block_gradient_norm(model_->params());
+  if (config_.device.runs_as() != DeviceType::CPU) return optim::block_gradient_norm(model_->params());
   return optim::gradient_norm(model_->params());
 }
 
@@ -192,7 +195,7 @@ void StepEngine::optimizer_step(double lr, double grad_scale) {
 }
 
 void StepEngine::synchronize() {
-  if (!config_.device.is_cpu()) runtime::backend(config_.device).default_stream().synchronize();
+  if (config_.device.runs_as() != DeviceType::CPU) runtime::backend(config_.device).default_stream().synchronize();
 }
 
 double StepEngine::evaluate(const data::Batch& b) {

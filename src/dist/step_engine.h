@@ -78,7 +78,7 @@ class StepEngine {
   // Forward and backward of this rank's microbatches of step `step`, each loss scaled by
   // 1 / (N x D) so that the gradients sum to the global batch's mean. Returns the mean
   // loss of the global batch (the same on every rank).
-  double forward_backward(int64_t step, data::TokenLoader& loader, sanitizer::Sanitizer& sanitizer);
+  double forward_backward(int64_t step, data::BatchSource& loader, sanitizer::Sanitizer& sanitizer);
   // Completes the step's gradients: the all-reduce's last buckets, the tied embedding's
   // two copies, the replicated parameters' sequence-parallel sums.
   void finalize_grads();
@@ -120,8 +120,8 @@ class StepEngine {
   void build_model(const FillWeights& fill);
   void build_optimizer();
   Tensor on_device(const Tensor& t) const;
-  double run_microbatches(int64_t step, data::TokenLoader& loader, sanitizer::Sanitizer& sanitizer);
-  double run_pipeline(int64_t step, data::TokenLoader& loader, sanitizer::Sanitizer& sanitizer);
+  double run_microbatches(int64_t step, data::BatchSource& loader, sanitizer::Sanitizer& sanitizer);
+  double run_pipeline(int64_t step, data::BatchSource& loader, sanitizer::Sanitizer& sanitizer);
 
   const World& world_;
   EngineConfig config_;

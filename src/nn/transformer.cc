@@ -184,9 +184,9 @@ size_t Transformer::declare(const std::string& name, Shape shape, bool decay, Tp
   return i;
 }
 
-Transformer::Transformer(const TransformerConfig& config, ModelShard shard, Blocks blocks)
+Transformer::Transformer(const TransformerConfig& config, ModelShard shard, Blocks blocks, Device device)
     : Transformer(config, std::move(shard), LayoutOnly{}) {
-  params_.allocate(DType::F32, Device::cpu(), blocks);
+  params_.allocate(DType::F32, device, blocks);
   if (config_.is_llama()) {
     // A model constant beside the parameters: persistent, owned by the model.
     OwnerTag tag;
@@ -194,7 +194,8 @@ Transformer::Transformer(const TransformerConfig& config, ModelShard shard, Bloc
     tag.persistent = true;
     tag.name = intern_name("rope.inv_freq");
     std::vector<double> freqs = rope_inv_freq(config_);
-    inv_freq_ = Tensor::empty({static_cast<int64_t>(freqs.size())}, DType::F32, Device::cpu(), tag);
+    inv_freq_ = Tensor::empty({static_cast<int64_t>(freqs.size())}, DType::F32, device, tag);
+    if (device.is_meta()) return;
     float* d = inv_freq_.data<float>();
     for (size_t i = 0; i < freqs.size(); ++i) d[i] = static_cast<float>(freqs[i]);
   }

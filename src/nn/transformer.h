@@ -129,9 +129,11 @@ class Transformer {
   // blocks `blocks` names (nn/parameters.h): both for training with the model's own
   // gradients; the parameters only for sampling, export, a source to cut a shard from and
   // ZeRO-2; none for ZeRO-3, whose optimizer binds the parameters and is the model's
-  // residency before its values are filled (nn::fill_whole_parameters).
+  // residency before its values are filled (nn::fill_whole_parameters). Built on the host,
+  // where a file or an initializer fills it (move_to takes it to its device), or on the
+  // meta device for a dry run, which fills nothing.
   explicit Transformer(const TransformerConfig& config, ModelShard shard = {},
-                       Blocks blocks = Blocks::ParametersAndGradients);
+                       Blocks blocks = Blocks::ParametersAndGradients, Device device = Device::cpu());
   // The parameters' names, shapes, units and splits only, nothing allocated: what another
   // rank's shard holds (checkpoints gather and scatter by it).
   static Transformer layout_only(const TransformerConfig& config, ModelShard shard = {});

@@ -19,6 +19,9 @@ namespace tally::train {
 
 using Settings = std::vector<std::pair<std::string, std::string>>;
 
+// The step engine's configuration for a run of `config` on a model of shape `model`.
+dist::EngineConfig engine_config(const TrainConfig& config, const nn::TransformerConfig& model);
+
 // Every rank must run the same job. A setting that differs between ranks (a wrapper
 // script, another copy of the data on one machine) would make collectives of different
 // sizes or counts, which MPI turns into corrupt memory or a hang, or would silently train

@@ -19,27 +19,6 @@ namespace tally::train {
 
 namespace {
 
-dist::EngineConfig engine_config(const TrainConfig& c, const nn::TransformerConfig& model) {
-  dist::EngineConfig e;
-  e.model = model;
-  e.microbatches = c.batch.grad_accum;
-  e.zero = c.parallel.zero;
-  e.bucket_bytes = static_cast<int64_t>(c.parallel.bucket_mb * (1 << 20));
-  e.sequence_parallel = c.parallel.sequence_parallel;
-  e.pp_schedule = c.parallel.pp_schedule;
-  e.virtual_stages = c.parallel.virtual_stages;
-  e.pp_last_stage_layers = c.parallel.pp_last_stage_layers;
-  e.recompute = c.compute.recompute;
-  e.matmul_dtype = c.compute.dtype;
-  e.chunked_loss = c.compute.chunked_loss;
-  e.device = c.compute.device;
-  e.adamw.beta1 = c.optimizer.beta1;
-  e.adamw.beta2 = c.optimizer.beta2;
-  e.adamw.eps = c.optimizer.eps;
-  e.adamw.weight_decay = c.optimizer.weight_decay;
-  return e;
-}
-
 // A non-finite loss or gradient would silently turn every parameter into NaN.
 void check_finite(int64_t step, double loss, double norm) {
   TALLY_CHECK(std::isfinite(loss) && std::isfinite(norm), "step ", step + 1, ": loss ", loss, ", gradient norm ", norm,

@@ -1,0 +1,107 @@
+#include "train/dry_run.h"
+
+#include <algorithm>
+
+#include "data/loader.h"
+#include "dist/step_engine.h"
+#include "optim/adamw.h"
+#include "runtime/backend.h"
+#include "sanitizer/sanitizer.h"
+#include "memory/report.h"
+#include "train/plan.h"
+#include "train/run_setup.h"
+
+namespace tally::train {
+
+namespace {
+
+// What the dry run stands in for today: one process on the CPU, without ZeRO (whose
+// optimizer reads its shards on the host).
+void check_stands_in_for(const TrainConfig& c) {
+  const ParallelismConfig& p = c.parallel;
+  TALLY_CHECK(std::max(p.dp, 1) * p.tp * p.pp == 1, "the dry run stands in for one process: --dp ", p.dp, " --tp ",
+              p.tp, " --pp ", p.pp, " is a layout of several ranks");
+  TALLY_CHECK(p.zero == 0, "the dry run does not stand in for ZeRO yet (--zero ", p.zero, ")");
+  TALLY_CHECK(c.compute.device.is_cpu(), "the dry run stands in for the CPU, not --device ", c.compute.device.str());
+}
+
+// One step as the trainer runs it (train/trainer.cc), its peak and who held it.
+DryRunStep run_step(int64_t step, const TrainConfig& c, dist::StepEngine& engine, data::BatchSource& batches,
+                    memory::Ledger& ledger) {
+  sanitizer::Sanitizer off(sanitizer::SanitizeMode::Off, {engine.model().device()});
+  ledger.reset_peaks();
+  off.begin_step(step);
+  engine.forward_backward(step, batches, off);
+  engine.finalize_grads();
+  const double norm = engine.grad_norm();
+  engine.optimizer_step(learning_rate(c.optimizer, c.batch.steps, step), optim::clip_scale(norm, c.optimizer.grad_clip));
+  off.end_step();
+  engine.synchronize();
+  return {ledger.stats().peak_allocated, ledger.peak_owners()};
+}
+
+}  // namespace
+
+bool dry_run_stands_in_for(const TrainConfig& c, int64_t world) {
+  return world == 1 && c.parallel.zero == 0 && c.compute.device.is_cpu();
+}
+
+int64_t DryRun::peak_bytes() const {
+  int64_t peak = 0;
+  for (const DryRunStep& s : steps) peak = std::max(peak, s.peak_bytes);
+  return peak;
+}
+
+DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bool validates) {
+  check_stands_in_for(config);
+  TrainConfig c = config;
+  c.compute.device = Device::meta(config.compute.device.type);
+  memory::Ledger& ledger = runtime::ledger(c.compute.device);
+  TALLY_CHECK(ledger.stats().allocated == 0, "a dry run is under way in this process already (",
+              ledger.stats().allocated, " bytes live on ", c.compute.device.str(), ")");
+  ledger.reset_peaks();
+  ledger.track_peak_owners(true);
+  std::unique_ptr<dist::World> world = dist::World::create({1, 1, 1});
+  DryRun run;
+  {
+    dist::StepEngine engine(*world, engine_config(c, model), [](nn::Transformer&) {});
+    // The loader's buffers, as RunData opens them after the engine: training's, and
+    // validation's when the run validates.
+    data::ShapeOnlyBatches train(c.batch.batch_size, c.batch.seq_len, c.compute.device);
+    std::unique_ptr<data::ShapeOnlyBatches> val;
+    if (validates) val = std::make_unique<data::ShapeOnlyBatches>(c.batch.batch_size, c.batch.seq_len, c.compute.device);
+    run.setup_peak_bytes = ledger.stats().peak_allocated;
+    for (int64_t step = 0; step < std::min<int64_t>(2, c.batch.steps); ++step)
+      run.steps.push_back(run_step(step, c, engine, train, ledger));
+  }
+  ledger.track_peak_owners(false);
+  return run;
+}
+
+std::string dry_run_text(const DryRun& run) {
+  std::string out = "dry run (the real steps on the meta device):";
+  size_t peak_step = 0;
+  for (size_t s = 0; s < run.steps.size(); ++s) {
+    out += (s ? ", step " : " step ") + std::to_string(s + 1) + " " + memory::format_bytes(run.steps[s].peak_bytes);
+    if (run.steps[s].peak_bytes > run.steps[peak_step].peak_bytes) peak_step = s;
+  }
+  out += "\n";
+  if (run.steps.empty()) return out;
+  const std::vector<memory::OwnerBytes>& owners = run.steps[peak_step].at_peak;
+  std::vector<std::pair<std::string, int64_t>> kinds;
+  for (const memory::OwnerBytes& o : owners) {
+    const std::string kind = memory_kind(o.category);
+    auto it = std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == kind; });
+    if (it == kinds.end()) kinds.emplace_back(kind, o.bytes);
+    else it->second += o.bytes;
+  }
+  std::sort(kinds.begin(), kinds.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  out += "  at step " + std::to_string(peak_step + 1) + "'s peak:";
+  for (size_t k = 0; k < kinds.size(); ++k) out += (k ? ", " : " ") + kinds[k].first + " " + memory::format_bytes(kinds[k].second);
+  out += "\n  largest owners:";
+  for (size_t i = 0; i < std::min<size_t>(5, owners.size()); ++i)
+    out += (i ? ", " : " ") + name_of(owners[i].name) + " " + memory::format_bytes(owners[i].bytes);
+  return out + "\n";
+}
+
+}  // namespace tally::train

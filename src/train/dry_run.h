@@ -1,0 +1,48 @@
+// A dry run of a training run: the trainer's own step engine, model and optimizer run the
+// run's steps on the meta device (core/device.h), on shapes alone, and the meta device's
+// ledger records every allocation they make, in the order the real run makes them, with
+// the same owners. Its peaks are the real run's, by construction rather than by formula:
+// a feature the step gains is planned as soon as it runs.
+//
+// What runs: set-up (the model shard, its optimizer, the loader's buffers), then steps 0
+// and 1 (the first optimizer step and a steady one), each as the trainer runs it:
+// forward and backward of every microbatch, the gradients' reduction, their norm, the
+// update. It stands in for one process on the CPU (--device cpu, no --dp/--tp/--pp, no
+// --zero).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "memory/ledger.h"
+#include "nn/transformer.h"
+#include "train/config.h"
+
+namespace tally::train {
+
+struct DryRunStep {
+  int64_t peak_bytes = 0;                  // the ledger's peak over the step
+  std::vector<memory::OwnerBytes> at_peak;  // who held the bytes at that moment, largest first
+};
+
+struct DryRun {
+  int64_t setup_peak_bytes = 0;  // building the model, its optimizer and the loader
+  std::vector<DryRunStep> steps;  // steps 0 and 1
+  // The run's peak: the largest step's.
+  int64_t peak_bytes() const;
+};
+
+// Runs `config`'s first two steps of `model` on the meta device (`validates`: the run has
+// a validation loader, whose buffers live through it). Throws naming what it does not
+// stand in for yet (a layout of several ranks, a GPU).
+DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bool validates);
+
+// Whether the dry run stands in for a run of `config` on `world` ranks (today: one process
+// on the CPU, without ZeRO).
+bool dry_run_stands_in_for(const TrainConfig& config, int64_t world);
+
+// The dry run as `tally plan` prints it: each step's peak, and at the run's peak the bytes
+// of each kind of memory and the largest owners.
+std::string dry_run_text(const DryRun& run);
+
+}  // namespace tally::train
