@@ -671,6 +671,29 @@ TEST(Launch, PlanForAGpuRunCountsTheLibraryWorkspace) {
   EXPECT_NE(bad.output.find("expected cpu, cuda or cuda:N, got 'tpu'"), std::string::npos) << bad.output;
 }
 
+// One process on the CPU: the plan also dry-runs the steps on the meta device, and the two
+// agree (the formulas and the real step's allocations).
+TEST(Launch, PlanOfOneProcessDryRunsItsStepsOnTheMetaDevice) {
+  for (const std::string flags : {"--model d2 --batch-size 2 --seq-len 32 --val", "--model llama3-d1 --batch-size 1 "
+                                  "--seq-len 16 --dtype bf16 --recompute full --grad-accum 2"}) {
+    const Outcome json = run(std::string(TALLY_CLI) + " plan " + flags + " --json");
+    ASSERT_EQ(json.exit_code, 0) << json.output;
+    const nlohmann::json j = nlohmann::json::parse(json.output);
+    ASSERT_TRUE(j.contains("dry_run")) << json.output;
+    EXPECT_EQ(j["dry_run"]["peak_bytes"].get<int64_t>(), j["ranks"][0]["predicted_peak_bytes"].get<int64_t>()) << flags;
+    EXPECT_EQ(j["dry_run"]["step_peak_bytes"].size(), 2u);
+    EXPECT_TRUE(j["dry_run"]["at_peak"].contains("loader.inputs")) << json.output;
+    const Outcome text = run(std::string(TALLY_CLI) + " plan " + flags);
+    ASSERT_EQ(text.exit_code, 0) << text.output;
+    EXPECT_NE(text.output.find("dry run (the real steps on the meta device): step 1 "), std::string::npos) << text.output;
+    EXPECT_NE(text.output.find("largest owners: "), std::string::npos) << text.output;
+  }
+  // A layout of several ranks is planned by the formulas alone (the dry run does not stand in for it yet).
+  const Outcome dp = run(std::string(TALLY_CLI) + " plan --model d2 --world 2 --json");
+  ASSERT_EQ(dp.exit_code, 0) << dp.output;
+  EXPECT_FALSE(nlohmann::json::parse(dp.output).contains("dry_run"));
+}
+
 TEST(Launch, AKillAtEveryCrashPointOfACheckpointLosesNothing) {
   // The narrow windows random kills rarely hit, hit on purpose (core/crash_point.h): right
   // after a step's log row, after its checkpoint files are written, after the step directory

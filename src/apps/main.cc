@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "core/checked.h"
@@ -23,6 +24,7 @@
 #include "nn/transformer.h"
 #include "ops/install.h"
 #include "apps/flags.h"
+#include "train/dry_run.h"
 #include "train/plan.h"
 #include "train/plot.h"
 #include "train/sampler.h"
@@ -155,7 +157,11 @@ int run_plan(const PlanArgs& a) {
               " is not --world ", world);
   const train::PlanInput in = train::plan_input(c, model, world, a.val || !c.data.val.empty());
   const train::MemoryPlan plan = train::plan_memory(in);
-  std::printf("%s\n", a.json ? train::plan_json(plan).c_str() : train::plan_text(plan, in).c_str());
+  // Where it can (one process on the CPU), the dry run also runs the steps on the meta device.
+  std::optional<train::DryRun> dry;
+  if (train::dry_run_stands_in_for(c, world)) dry = train::dry_run(c, model, a.val || !c.data.val.empty());
+  if (a.json) std::printf("%s\n", train::plan_json(plan, dry ? &*dry : nullptr).c_str());
+  else std::printf("%s\n%s", train::plan_text(plan, in).c_str(), dry ? train::dry_run_text(*dry).c_str() : "");
   return 0;
 }
 

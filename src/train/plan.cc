@@ -12,6 +12,7 @@
 #include "memory/report.h"
 #include "nn/llmc_layout.h"
 #include "runtime/backend.h"
+#include "train/dry_run.h"
 
 namespace tally::train {
 
@@ -910,7 +911,7 @@ std::string explain_peak(const std::vector<std::pair<std::string, int64_t>>& pla
   return out;
 }
 
-std::string plan_json(const MemoryPlan& plan) {
+std::string plan_json(const MemoryPlan& plan, const DryRun* dry_run) {
   nlohmann::json ranks = nlohmann::json::array();
   for (const RankPlan& r : plan.ranks) {
     nlohmann::json parts = nlohmann::json::object();
@@ -921,7 +922,19 @@ std::string plan_json(const MemoryPlan& plan) {
   }
   nlohmann::json activations = nlohmann::json::object();
   for (const auto& [kind, bytes] : plan.activations_by_kind) activations[kind] = bytes;
-  return nlohmann::json{{"ranks", ranks}, {"activations", activations}, {"notes", plan.notes}}.dump(2);
+  nlohmann::json out{{"ranks", ranks}, {"activations", activations}, {"notes", plan.notes}};
+  if (dry_run) {
+    nlohmann::json steps = nlohmann::json::array(), at_peak = nlohmann::json::object();
+    const DryRunStep* peak = nullptr;
+    for (const DryRunStep& s : dry_run->steps) {
+      steps.push_back(s.peak_bytes);
+      if (!peak || s.peak_bytes > peak->peak_bytes) peak = &s;
+    }
+    if (peak)
+      for (const memory::OwnerBytes& o : peak->at_peak) at_peak[name_of(o.name)] = at_peak.value(name_of(o.name), int64_t{0}) + o.bytes;
+    out["dry_run"] = {{"step_peak_bytes", steps}, {"peak_bytes", dry_run->peak_bytes()}, {"at_peak", at_peak}};
+  }
+  return out.dump(2);
 }
 
 }  // namespace tally::train

@@ -143,8 +143,11 @@ PlanInput plan_input(const TrainConfig& config, const nn::TransformerConfig& mod
 int64_t parameter_count(const nn::TransformerConfig& c);
 std::vector<int64_t> unit_numels(const nn::TransformerConfig& c);
 std::string plan_text(const MemoryPlan& plan, const PlanInput& input);
-// {"ranks": [{"rank": 0, "stage": 0, "predicted_peak_bytes": N, "parts": {...}}, ...], "activations": {...}}
-std::string plan_json(const MemoryPlan& plan);
+// {"ranks": [{"rank": 0, "stage": 0, "predicted_peak_bytes": N, "parts": {...}}, ...], "activations": {...}},
+// and with a dry run (train/dry_run.h) "dry_run": {"step_peak_bytes": [...], "peak_bytes": N,
+// "at_peak": {owner: bytes}}.
+struct DryRun;
+std::string plan_json(const MemoryPlan& plan, const DryRun* dry_run = nullptr);
 
 // The kind of memory a plan part or a ledger category is: parameters, gradients,
 // optimizer state, activations (activations, saved tensors, workspaces, the loss),
