@@ -150,8 +150,7 @@ template <class T> std::vector<T> Tensor::to_vector() const {
   // A meta tensor reads as zeros, after the host copy the device it stands in for would
   // make (on the meta device itself when that is the CPU: the copy is the run's memory).
   if (device().is_meta()) {
-    const bool copies = device().runs_as() != DeviceType::CPU || dtype() != DTypeOf<T>::value || !is_contiguous();
-    if (copies && device().runs_as() == DeviceType::CPU)
+    if (device().runs_as() == DeviceType::CPU && (dtype() != DTypeOf<T>::value || !is_contiguous()))
       Tensor::empty(shape(), DTypeOf<T>::value, device(), current_owner("to_vector"));
     return std::vector<T>(static_cast<size_t>(numel()), T{});
   }

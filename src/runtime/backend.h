@@ -146,8 +146,8 @@ void install_backends();
 void register_cpu_backend();   // runtime/cpu/cpu_backend.cc
 void register_meta_backend();  // runtime/meta/meta_backend.cc
 void register_cuda_backend();  // runtime/cuda/cuda_backend.cc (TALLY_CUDA builds)
-// Number of devices of `type` this process can use (CPU: 1; meta: 2, standing in for the
-// CPU and for CUDA).
+// Number of devices of `type` this process can use (CPU: 1; meta: 1, standing in for the
+// CPU).
 int device_count(DeviceType type);
 // Bytes the GEMM library of a device of this type keeps for itself once the first GEMM
 // runs (a persistent allocation the ledger shows; the memory plan counts it), known

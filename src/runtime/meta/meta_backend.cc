@@ -6,7 +6,6 @@
 // It stands in for the CPU. (A CUDA stand-in would mirror the CUDA kernels' scratch and
 // cuBLASLt's workspace; until it does, meta(cuda) is not available.)
 #include <atomic>
-#include <mutex>
 
 #include "runtime/backend.h"
 #include "runtime/cpu/kernels.h"
