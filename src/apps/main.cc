@@ -155,11 +155,12 @@ int run_plan(const PlanArgs& a) {
   // (plan_memory checks that --world is a multiple of --tp x --pp.)
   TALLY_CHECK(p.dp == 0 || p.dp * model_parallel == world, "--dp ", p.dp, " x --tp ", p.tp, " x --pp ", p.pp,
               " is not --world ", world);
-  const train::PlanInput in = train::plan_input(c, model, world, a.val || !c.data.val.empty());
+  const bool validates = a.val || !c.data.val.empty();
+  const train::PlanInput in = train::plan_input(c, model, world, validates);
   const train::MemoryPlan plan = train::plan_memory(in);
   // Where it can (one process on the CPU), the dry run also runs the steps on the meta device.
   std::optional<train::DryRun> dry;
-  if (train::dry_run_stands_in_for(c, world)) dry = train::dry_run(c, model, a.val || !c.data.val.empty());
+  if (train::dry_run_refusal(c, world).empty()) dry = train::dry_run(c, model, validates);
   if (a.json) std::printf("%s\n", train::plan_json(plan, dry ? &*dry : nullptr).c_str());
   else std::printf("%s\n%s", train::plan_text(plan, in).c_str(), dry ? train::dry_run_text(*dry).c_str() : "");
   return 0;

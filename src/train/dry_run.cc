@@ -15,16 +15,6 @@ namespace tally::train {
 
 namespace {
 
-// What the dry run stands in for today: one process on the CPU, without ZeRO (whose
-// optimizer reads its shards on the host).
-void check_stands_in_for(const TrainConfig& c) {
-  const ParallelismConfig& p = c.parallel;
-  TALLY_CHECK(std::max(p.dp, 1) * p.tp * p.pp == 1, "the dry run stands in for one process: --dp ", p.dp, " --tp ",
-              p.tp, " --pp ", p.pp, " is a layout of several ranks");
-  TALLY_CHECK(p.zero == 0, "the dry run does not stand in for ZeRO yet (--zero ", p.zero, ")");
-  TALLY_CHECK(c.compute.device.is_cpu(), "the dry run stands in for the CPU, not --device ", c.compute.device.str());
-}
-
 // One step as the trainer runs it (train/trainer.cc), its peak and who held it.
 DryRunStep run_step(int64_t step, const TrainConfig& c, dist::StepEngine& engine, data::BatchSource& batches,
                     memory::Ledger& ledger) {
@@ -42,8 +32,14 @@ DryRunStep run_step(int64_t step, const TrainConfig& c, dist::StepEngine& engine
 
 }  // namespace
 
-bool dry_run_stands_in_for(const TrainConfig& c, int64_t world) {
-  return world == 1 && c.parallel.zero == 0 && c.compute.device.is_cpu();
+std::string dry_run_refusal(const TrainConfig& c, int64_t world) {
+  const ParallelismConfig& p = c.parallel;
+  if (world != 1)
+    return "the dry run stands in for one process: --dp " + std::to_string(p.dp) + " --tp " + std::to_string(p.tp) +
+           " --pp " + std::to_string(p.pp) + " is a layout of several ranks";
+  if (p.zero != 0) return "the dry run does not stand in for ZeRO yet (--zero " + std::to_string(p.zero) + ")";
+  if (!c.compute.device.is_cpu()) return "the dry run stands in for the CPU, not --device " + c.compute.device.str();
+  return "";
 }
 
 int64_t DryRun::peak_bytes() const {
@@ -53,7 +49,9 @@ int64_t DryRun::peak_bytes() const {
 }
 
 DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bool validates) {
-  check_stands_in_for(config);
+  const ParallelismConfig& p = config.parallel;
+  const std::string refusal = dry_run_refusal(config, int64_t{std::max(p.dp, 1)} * p.tp * p.pp);
+  TALLY_CHECK(refusal.empty(), refusal);
   TrainConfig c = config;
   c.compute.device = Device::meta(config.compute.device.type);
   memory::Ledger& ledger = runtime::ledger(c.compute.device);

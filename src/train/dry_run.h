@@ -37,9 +37,10 @@ struct DryRun {
 // stand in for yet (a layout of several ranks, a GPU).
 DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bool validates);
 
-// Whether the dry run stands in for a run of `config` on `world` ranks (today: one process
-// on the CPU, without ZeRO).
-bool dry_run_stands_in_for(const TrainConfig& config, int64_t world);
+// Why the dry run does not stand in for a run of `config` on `world` ranks, or "" when it
+// does (today: one process on the CPU, without ZeRO, whose optimizer reads its shards on
+// the host).
+std::string dry_run_refusal(const TrainConfig& config, int64_t world);
 
 // The dry run as `tally plan` prints it: each step's peak, and at the run's peak the bytes
 // of each kind of memory and the largest owners.
