@@ -641,7 +641,7 @@ TEST(Zero, Stage3IsBuiltFromItsSourceOneWholeParameterAtATime) {
   for (const nn::TransformerConfig& config : {gpt2, llama}) {
     nn::Transformer whole(config);
     nn::init_weights(whole, 7);
-    const std::string family = config.is_llama() ? "llama" : "gpt2";
+    const std::string family = config.llama_architecture() ? "llama" : "gpt2";
     const std::string fp32_file = shared_path(family + ".bin"), bf16_file = shared_path(family + "_bf16.bin"),
                       hf_dir = shared_path(family + "_hf");
     if (world().is_root()) {
@@ -653,7 +653,7 @@ TEST(Zero, Stage3IsBuiltFromItsSourceOneWholeParameterAtATime) {
     nn::Transformer whole_bf16(config, {}, nn::Blocks::Parameters);
     io::load_llmc(bf16_file, whole_bf16);
     const auto [shards, largest] = zero3_shards_and_largest_parameter(config);
-    const int64_t rotary = config.is_llama() ? config.head_dim() / 2 * 4 : 0;
+    const int64_t rotary = config.llama_architecture() ? config.head_dim() / 2 * 4 : 0;
     const std::vector<std::pair<std::string, std::function<void(nn::Transformer&)>>> sources = {
         {"drawn", [](nn::Transformer& m) { nn::init_weights(m, 7); }},
         {"fp32 llm.c file", [&](nn::Transformer& m) { io::load_llmc(fp32_file, m); }},

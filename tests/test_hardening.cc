@@ -743,7 +743,7 @@ TEST(Hardening, ABitFlippedInAModelFileHeaderIsACorruptFileNotAnotherModel) {
     nn::TransformerConfig config = nn::TransformerConfig::preset(preset);
     config.n_embd = 96;  // 4 heads of 24: one bit more (0x08) makes 12 heads of 8, as plausible
     config.n_head = 4;
-    config.n_kv_head = config.is_llama() ? 2 : 4;
+    config.n_kv_head = config.llama_architecture() ? 2 : 4;
     config.vocab_size = 97;  // small files
     config.padded_vocab_size = 128;
     nn::Transformer model(config);
@@ -758,7 +758,7 @@ TEST(Hardening, ABitFlippedInAModelFileHeaderIsACorruptFileNotAnotherModel) {
     };
     std::vector<Flip> flips = {{"the head count", 5 * 4, 0x08}, {"the checksum mark", 250 * 4, 0x01},
                                {"the checksum mark's top byte", 250 * 4 + 3, 0x80}};
-    if (config.is_llama()) flips.push_back({"rope_theta", 236 * 4 + 6, 0x01});
+    if (config.llama_architecture()) flips.push_back({"rope_theta", 236 * 4 + 6, 0x01});
     for (const Flip& f : flips) {
       const std::string rotten = flipped(path, f.byte, f.bit);
       const std::string msg = message_of<Error>([&] {

@@ -526,7 +526,7 @@ TEST(Plan, AShardIsBuiltOneWholeParameterAtATimeWithTheWholeModelsValues) {
       const int64_t before = ledger.stats().allocated;
       nn::Transformer drawn(config, shard);
       nn::init_weights(drawn, 7);
-      const int64_t rotary = config.is_llama() ? config.head_dim() / 2 * 4 : 0;
+      const int64_t rotary = config.llama_architecture() ? config.head_dim() / 2 * 4 : 0;
       const int64_t scratch = nn::whole_parameter_scratch_bytes(drawn);
       EXPECT_EQ(ledger.stats().peak_allocated - before, 8 * drawn.num_parameters() + rotary + scratch) << what;
       if (l[3] > 1) EXPECT_GT(scratch, 0) << what;

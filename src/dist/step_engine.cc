@@ -167,10 +167,10 @@ void StepEngine::finalize_grads() {
   if (all_reduce_) all_reduce_->finish();
   if (!model_parallel_) return;
   // The tied embedding's two copies (first and last stage) take the sum of their
-  // gradients; under sequence parallelism each rank's replicated parameters saw only its
-  // slice of the sequence, so their gradients are summed over the group.
+  // gradients; weights shared by the heads, and under sequence parallelism every replicated
+  // parameter, saw only part of the work on each rank, so their gradients are summed.
   sum_tied_embedding_gradients(*model_, world_.pp_group());
-  if (tensor_parallel_ && config_.sequence_parallel) sum_replicated_gradients(*model_, world_.tp_group());
+  if (tensor_parallel_) sum_replicated_gradients(*model_, world_.tp_group(), config_.sequence_parallel);
 }
 
 // The norm each layout can take cheapest: a shard's squares summed over its groups; ZeRO's

@@ -294,13 +294,14 @@ Tensor TensorParallel::vocab_parallel_cross_entropy(const Tensor& logits_shard, 
   return loss;
 }
 
-void sum_replicated_gradients(nn::Transformer& model, Communicator& tp_group) {
+void sum_replicated_gradients(nn::Transformer& model, Communicator& tp_group, bool sequence_parallel) {
   if (tp_group.size() == 1) return;
   const nn::ParameterStore& params = model.params();
   std::vector<Tensor> grads;
   int64_t total = 0;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (model.tp_split(i) != nn::TpSplit::Replicated) continue;
+    const nn::TpSplit split = model.tp_split(i);
+    if (split != nn::TpSplit::SharedByHeads && !(sequence_parallel && split == nn::TpSplit::Replicated)) continue;
     grads.push_back(params[i].grad());
     TALLY_CHECK(grads.back().defined(), "internal: parameter ", params.spec(i).name, " has no gradient");
     total += grads.back().numel();
@@ -326,7 +327,8 @@ double model_parallel_gradient_norm(const nn::Transformer& model, const World& w
   std::vector<Tensor> counted;
   for (size_t i = 0; i < params.size(); ++i) {
     if (model.is_tied_head_copy(i)) continue;
-    if (model.tp_split(i) == nn::TpSplit::Replicated && world.tp_rank() != 0) continue;
+    const nn::TpSplit split = model.tp_split(i);
+    if ((split == nn::TpSplit::Replicated || split == nn::TpSplit::SharedByHeads) && world.tp_rank() != 0) continue;
     counted.push_back(params[i].grad());
   }
   const double norm = counted.empty() ? 0.0 : ops::global_norm(counted);

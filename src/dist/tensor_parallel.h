@@ -39,10 +39,11 @@ class TensorParallel final : public nn::TensorParallelOps {
   bool sequence_parallel_;
 };
 
-// Sequence parallel: every replicated parameter (norms, row-parallel biases, the position
-// table) saw only this rank's slice of the sequence, so its gradient is summed over the
-// tensor-parallel group (one all-reduce of all of them, packed).
-void sum_replicated_gradients(nn::Transformer& model, Communicator& tp_group);
+// Sums over the tensor-parallel group (one all-reduce, packed) the gradients that are partial
+// on each rank: a weight shared by every head (Qwen3's q/k norms) saw only this rank's heads,
+// and under sequence parallel every replicated parameter (norms, row-parallel biases, the
+// position table) saw only this rank's slice of the sequence.
+void sum_replicated_gradients(nn::Transformer& model, Communicator& tp_group, bool sequence_parallel);
 
 // The gradient norm of the whole model from its shards: each rank's squares, replicated
 // parameters counted on tensor-parallel rank 0 only and a tied head's copy not at all,

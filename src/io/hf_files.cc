@@ -145,15 +145,18 @@ std::string model_type(const HfSource& src) {
   TALLY_CHECK(j.contains("model_type") && j["model_type"].is_string(), "HuggingFace config '", src.config_path,
               "' has no \"model_type\"");
   const std::string type = j["model_type"].get<std::string>();
-  TALLY_CHECK(type == "gpt2" || type == "llama", "HuggingFace config '", src.config_path, "': model_type '", type,
-              "' is not supported (expected gpt2 or llama)");
+  TALLY_CHECK(type == "gpt2" || type == "llama" || type == "qwen2" || type == "qwen3", "HuggingFace config '",
+              src.config_path, "': model_type '", type, "' is not supported (expected gpt2, llama, qwen2 or qwen3)");
   return type;
 }
 
-nn::TransformerConfig llama_config(const std::string& path) {
+// LLaMA's architecture as config.json describes it: LLaMA-3 ("llama"), Qwen2.5 ("qwen2":
+// biases on q, k and v, always) or Qwen3 ("qwen3": q/k norms, an explicit head_dim).
+nn::TransformerConfig llama_config(const std::string& path, const std::string& type) {
+  using Family = nn::TransformerConfig::Family;
   json j = read_config(path);
   nn::TransformerConfig c;
-  c.family = nn::TransformerConfig::Family::Llama3;
+  c.family = type == "qwen2" ? Family::Qwen2 : type == "qwen3" ? Family::Qwen3 : Family::Llama3;
   c.n_embd = integer(j, "hidden_size", path);
   c.ffn_hidden = integer(j, "intermediate_size", path);
   c.n_layer = integer(j, "num_hidden_layers", path);
@@ -170,16 +173,32 @@ nn::TransformerConfig llama_config(const std::string& path) {
   c.rope_theta = number(j, "rope_theta", path, 10000.0);
   c.tie_embeddings = j.contains("tie_word_embeddings") && j["tie_word_embeddings"].is_boolean() &&
                      j["tie_word_embeddings"].get<bool>();
-  TALLY_CHECK(c.n_head > 0 && c.n_embd % c.n_head == 0, "HuggingFace config '", path, "': ", c.n_head,
-              " heads do not divide hidden_size ", c.n_embd);
-  if (j.contains("head_dim") && !j["head_dim"].is_null())
-    TALLY_CHECK(integer(j, "head_dim", path) == c.n_embd / c.n_head, "HuggingFace config '", path, "': head_dim ",
-                j["head_dim"].dump(), " differs from hidden_size / num_attention_heads = ", c.n_embd / c.n_head,
-                " (tally's model has one head width)");
+  const bool has_head_dim = j.contains("head_dim") && !j["head_dim"].is_null();
+  if (c.family == Family::Qwen3) {
+    // Qwen3's heads are head_dim wide whatever hidden_size / num_attention_heads is.
+    TALLY_CHECK(c.n_head > 0 && (has_head_dim || c.n_embd % c.n_head == 0), "HuggingFace config '", path,
+                "': no head_dim and ", c.n_head, " heads do not divide hidden_size ", c.n_embd);
+    c.head_width = has_head_dim ? integer(j, "head_dim", path) : c.n_embd / c.n_head;
+  } else {
+    TALLY_CHECK(c.n_head > 0 && c.n_embd % c.n_head == 0, "HuggingFace config '", path, "': ", c.n_head,
+                " heads do not divide hidden_size ", c.n_embd);
+    if (has_head_dim)
+      TALLY_CHECK(integer(j, "head_dim", path) == c.n_embd / c.n_head, "HuggingFace config '", path, "': head_dim ",
+                  j["head_dim"].dump(), " differs from hidden_size / num_attention_heads = ", c.n_embd / c.n_head,
+                  " (", type, "'s heads are hidden_size / num_attention_heads wide)");
+  }
+  // Qwen2's q/k/v biases are its architecture's, whatever the config says; LLaMA-3 and
+  // Qwen3 have none.
   for (const char* bias : {"attention_bias", "mlp_bias"})
-    TALLY_CHECK(!j.contains(bias) || !j[bias].is_boolean() || !j[bias].get<bool>(), "HuggingFace config '", path,
-                "': ", bias, " is true; LLaMA-3 has no biases and tally's model none");
+    TALLY_CHECK(c.family == Family::Qwen2 || !j.contains(bias) || !j[bias].is_boolean() || !j[bias].get<bool>(),
+                "HuggingFace config '", path, "': ", bias, " is true; ", type,
+                " as tally builds it (and as published) has no such biases");
+  TALLY_CHECK(!j.contains("use_sliding_window") || !j["use_sliding_window"].is_boolean() ||
+                  !j["use_sliding_window"].get<bool>(),
+              "HuggingFace config '", path, "': use_sliding_window is true; tally's attention is full causal attention");
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+    TALLY_CHECK(c.family == Family::Llama3, "HuggingFace config '", path, "': rope_scaling ", j["rope_scaling"].dump(),
+                " is not supported for ", type, " (tally scales rotary frequencies as LLaMA-3.1 does only)");
     const json& r = j["rope_scaling"];
     // rope_type is the newer key; type the older one.
     TALLY_CHECK(r.is_object(), "HuggingFace config '", path, "': rope_scaling is ", r.dump(), ", expected an object");
@@ -368,6 +387,7 @@ std::map<std::string, LlamaTarget> llama_targets(const nn::Transformer& model) {
   const auto& c = model.config();
   const auto& p = model.params();
   const int64_t C = c.n_embd, KVD = c.kv_dim(), V = c.vocab_size, F = c.ffn_dim();
+  const int64_t Q = c.q_dim(), D = c.head_dim();
   std::map<std::string, LlamaTarget> t;
   t["model.embed_tokens.weight"] = {p.index_of("wte"), 0, V};
   if (!c.tie_embeddings) t["lm_head.weight"] = {p.index_of("lm_head"), 0, V};
@@ -376,9 +396,20 @@ std::map<std::string, LlamaTarget> llama_targets(const nn::Transformer& model) {
     const std::string hf = "model.layers." + std::to_string(l) + ".", h = "h." + std::to_string(l) + ".";
     const size_t qkv = p.index_of(h + "attn.c_attn.weight");
     t[hf + "input_layernorm.weight"] = {p.index_of(h + "ln_1.weight"), 0, C};
-    t[hf + "self_attn.q_proj.weight"] = {qkv, 0, C, c.n_head};
-    t[hf + "self_attn.k_proj.weight"] = {qkv, C, KVD, c.n_kv_head};
-    t[hf + "self_attn.v_proj.weight"] = {qkv, C + KVD, KVD};
+    t[hf + "self_attn.q_proj.weight"] = {qkv, 0, Q, c.n_head};
+    t[hf + "self_attn.k_proj.weight"] = {qkv, Q, KVD, c.n_kv_head};
+    t[hf + "self_attn.v_proj.weight"] = {qkv, Q + KVD, KVD};
+    if (c.has_qkv_bias()) {
+      const size_t qkvb = p.index_of(h + "attn.c_attn.bias");
+      t[hf + "self_attn.q_proj.bias"] = {qkvb, 0, Q, c.n_head};
+      t[hf + "self_attn.k_proj.bias"] = {qkvb, Q, KVD, c.n_kv_head};
+      t[hf + "self_attn.v_proj.bias"] = {qkvb, Q + KVD, KVD};
+    }
+    if (c.has_qk_norm()) {
+      // One weight over a head's D channels, which rotary pairs as q's and k's are.
+      t[hf + "self_attn.q_norm.weight"] = {p.index_of(h + "attn.q_norm.weight"), 0, D, 1};
+      t[hf + "self_attn.k_norm.weight"] = {p.index_of(h + "attn.k_norm.weight"), 0, D, 1};
+    }
     t[hf + "self_attn.o_proj.weight"] = {p.index_of(h + "attn.c_proj.weight"), 0, C};
     t[hf + "post_attention_layernorm.weight"] = {p.index_of(h + "ln_2.weight"), 0, C};
     t[hf + "mlp.gate_proj.weight"] = {p.index_of(h + "mlp.c_fc2.weight"), 0, F};
@@ -388,15 +419,16 @@ std::map<std::string, LlamaTarget> llama_targets(const nn::Transformer& model) {
   return t;
 }
 
-// The rows of `rows_view` (heads * D, C) in Meta's order read from HF's: head h's row
-// 2i + r is HF's row r * D/2 + i.
+// The rows of a tensor laid out along the heads ((heads * D, C) weights, (heads * D)
+// biases and norm weights) in Meta's order read from HF's: head h's row 2i + r is HF's
+// row r * D/2 + i; and back.
 Tensor meta_rows_from_hf(const Tensor& hf, int64_t heads) {
-  const int64_t rows = hf.shape()[0], cols = hf.shape()[1], half = rows / heads / 2;
-  return hf.view({heads, 2, half, cols}).transpose(1, 2).reshape({rows, cols});
+  const int64_t rows = hf.shape()[0], cols = hf.dim() == 2 ? hf.shape()[1] : 1, half = rows / heads / 2;
+  return hf.view({heads, 2, half, cols}).transpose(1, 2).reshape(hf.shape());
 }
 Tensor hf_rows_from_meta(const Tensor& meta, int64_t heads) {
-  const int64_t rows = meta.shape()[0], cols = meta.shape()[1], half = rows / heads / 2;
-  return meta.view({heads, half, 2, cols}).transpose(1, 2).reshape({rows, cols});
+  const int64_t rows = meta.shape()[0], cols = meta.dim() == 2 ? meta.shape()[1] : 1, half = rows / heads / 2;
+  return meta.view({heads, half, 2, cols}).transpose(1, 2).reshape(meta.shape());
 }
 
 // Called with each whole parameter once it is filled (load_hf's checksums).
@@ -423,7 +455,7 @@ void load_llama(const HfSource& src, nn::Transformer& model, const WholeParamete
         // store its head. Anything else is a tensor this config does not explain.
         if (name.find("rotary_emb.inv_freq") != std::string::npos || (name == "lm_head.weight" && c.tie_embeddings))
           continue;
-        TALLY_FAIL("HuggingFace LLaMA file '", shard.path, "': unexpected tensor '", name, "' for ", c.describe(),
+        TALLY_FAIL("HuggingFace ", c.family_name(), " file '", shard.path, "': unexpected tensor '", name, "' for ", c.describe(),
                    " (config.json and the weights disagree)");
       }
       const LlamaTarget& t = it->second;
@@ -435,7 +467,7 @@ void load_llama(const HfSource& src, nn::Transformer& model, const WholeParamete
     }
   }
   for (const auto& [name, t] : targets)
-    TALLY_CHECK(found.count(name), "HuggingFace LLaMA model '", f.path, "': tensor '", name, "' is missing");
+    TALLY_CHECK(found.count(name), "HuggingFace ", c.family_name(), " model '", f.path, "': tensor '", name, "' is missing");
   nn::fill_whole_parameters(model, [&](const nn::LlmcTensor&, size_t index, const nn::ParameterSpec& spec, const Tensor& target) {
     if (!target.defined()) return;
     // The files hold the first vocab_size rows of the embedding and head; the padding rows
@@ -535,7 +567,7 @@ void check_llama_config_against_weights(const nn::TransformerConfig& c, const Hf
   TALLY_CHECK(c.n_layer == L, "HuggingFace config '", path, "': \"num_hidden_layers\" is ", c.n_layer,
               " but the weights have ", L, " layers (model.layers.N.input_layernorm.weight)");
   TALLY_CHECK(f.file_of.count("model.embed_tokens.weight"), "HuggingFace config '", path,
-              "' is a LLaMA's, but its weights ('", f.path, "') have no model.embed_tokens.weight");
+              "' is a ", c.family_name(), " config, but its weights ('", f.path, "') have no model.embed_tokens.weight");
   const Shape& embed = f.entry("model.embed_tokens.weight").shape;
   TALLY_CHECK(embed == Shape({c.vocab_size, c.n_embd}), "HuggingFace config '", path, "': \"vocab_size\" ",
               c.vocab_size, " and \"hidden_size\" ", c.n_embd, " but model.embed_tokens.weight is ", shape_str(embed));
@@ -543,17 +575,20 @@ void check_llama_config_against_weights(const nn::TransformerConfig& c, const Hf
 
 nn::TransformerConfig read_hf_config(const std::string& path) {
   HfSource src = locate(path);
-  if (model_type(src) != "llama") return gpt2_config(src);
-  const nn::TransformerConfig c = llama_config(src.config_path);
+  const std::string type = model_type(src);
+  if (type == "gpt2") return gpt2_config(src);
+  const nn::TransformerConfig c = llama_config(src.config_path, type);
   check_llama_config_against_weights(c, src);
   return c;
 }
 
 void load_hf(const std::string& path, nn::Transformer& model, std::vector<int64_t>* crc_of_each) {
   HfSource src = locate(path);
-  const bool llama = model_type(src) == "llama";
-  TALLY_CHECK(llama == model.config().is_llama(), "HuggingFace model '", path, "' is ", llama ? "llama" : "gpt2",
-              " but the model is ", model.config().describe());
+  const std::string type = model_type(src);
+  const bool llama = type != "gpt2";
+  const std::string family = type == "llama" ? "llama3" : type;
+  TALLY_CHECK(family == model.config().family_name(), "HuggingFace model '", path, "' is ", type, " but the model is ",
+              model.config().describe());
   autograd::NoGradGuard no_grad;
   if (crc_of_each) crc_of_each->assign(nn::Transformer::layout_only(model.config()).params().size(), -1);
   const WholeParameterRecord record = [&](size_t index, const Tensor& filled) {
@@ -576,14 +611,16 @@ void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
     tensors.emplace_back(name, bf16 ? t.to(DType::BF16) : t.contiguous());
   };
   json config;
-  if (c.is_llama()) {
+  if (c.llama_architecture()) {
     // The inverse of load_llama, tensor for tensor.
     for (const auto& [name, t] : llama_targets(model)) {
       Tensor rows = p[t.param].slice(0, t.row0, t.row0 + t.rows).detach();
       add(name, t.heads ? hf_rows_from_meta(rows, t.heads) : rows);
     }
-    config = {{"architectures", {"LlamaForCausalLM"}},
-              {"model_type", "llama"},
+    using Family = nn::TransformerConfig::Family;
+    const bool llama3 = c.family == Family::Llama3;
+    config = {{"architectures", {llama3 ? "LlamaForCausalLM" : c.family == Family::Qwen2 ? "Qwen2ForCausalLM" : "Qwen3ForCausalLM"}},
+              {"model_type", llama3 ? "llama" : c.family_name()},
               {"hidden_act", "silu"},
               {"hidden_size", c.n_embd},
               {"intermediate_size", c.ffn_hidden},
@@ -597,16 +634,26 @@ void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
               {"rope_theta", c.rope_theta},
               {"rope_scaling", nullptr},
               {"tie_word_embeddings", c.tie_embeddings},
-              {"attention_bias", false},
-              {"mlp_bias", false},
-              {"torch_dtype", bf16 ? "bfloat16" : "float32"},
-              // Meta's names (params.json): how intermediate_size was rounded, for llm.c's header.
-              {"multiple_of", c.multiple_of},
-              {"ffn_dim_multiplier", c.ffn_dim_multiplier}};
+              {"torch_dtype", bf16 ? "bfloat16" : "float32"}};
+    if (c.family == Family::Qwen2) {
+      config["use_sliding_window"] = false;  // Qwen2's q/k/v biases are implied by its model_type
+    } else {
+      config["attention_bias"] = false;
+      config["mlp_bias"] = false;
+    }
+    if (c.family == Family::Qwen3) config["use_sliding_window"] = false;
+    // Meta's names (params.json): how intermediate_size was rounded, for llm.c's header.
+    if (llama3) {
+      config["multiple_of"] = c.multiple_of;
+      config["ffn_dim_multiplier"] = c.ffn_dim_multiplier;
+    }
+    // Qwen's base models begin and end a document with <|endoftext|> (151643).
+    constexpr int64_t kQwenEndOfText = 151643;
+    if (!llama3 && c.vocab_size > kQwenEndOfText) config["bos_token_id"] = config["eos_token_id"] = kQwenEndOfText;
     // LLaMA-3's tokenizer (the one tally's LLaMA models read) begins and ends a text with
     // <|begin_of_text|> and <|end_of_text|>; without these transformers' generate() falls
     // back to LlamaConfig's defaults, 1 and 2, ordinary tokens of this vocabulary.
-    if (c.vocab_size > data::kLlama3EndOfText) {
+    if (llama3 && c.vocab_size > data::kLlama3EndOfText) {
       config["bos_token_id"] = data::kLlama3BeginOfText;
       config["eos_token_id"] = data::kLlama3EndOfText;
     }

@@ -17,6 +17,9 @@ namespace tally::io {
 
 namespace {
 constexpr int32_t kGpt2Magic = 20240326, kLlamaMagic = 20240803;
+// Qwen2/Qwen3 in llm.c's LLaMA layout: a magic of tally's own, so that llm.c, which has no
+// q/k/v biases or q/k norms, refuses the file instead of misreading it.
+constexpr int32_t kQwenMagic = 20261202;
 // Header slots llm.c leaves unused (it reads ints 0..15): tally marks the files it writes and
 // stores a CRC-32 of the weights' bytes, checked at load, and (with the "tly2" mark) one of
 // the header itself, its two checksum slots read as zero: a flipped bit in the head count or
@@ -30,6 +33,7 @@ constexpr int32_t kHeaderChecksumMark = 0x32796C74;  // "tly2": the weights' and
 constexpr int kExactMarkSlot = 230, kFfnSlot = 231, kTiedSlot = 232, kOriginalContextSlot = 233;
 constexpr int kEpsSlot = 234, kThetaSlot = 236, kFactorSlot = 238, kLowSlot = 240, kHighSlot = 242,
               kMultiplierSlot = 244;  // doubles: two int32 slots each
+constexpr int kFamilySlot = 246, kHeadWidthSlot = 247;  // Qwen files: the family, Qwen3's head width
 constexpr int32_t kExactMark = 0x33616C6C;  // "lla3"
 // GPT-2: its LayerNorm eps (1e-5 in every GPT-2, but a HuggingFace config may say another),
 // a double in kEpsSlot, marked so. llm.c's files have neither: 1e-5.
@@ -110,8 +114,19 @@ int64_t ffn_from_size(nn::TransformerConfig c, const Header& h, const std::strin
 }
 
 nn::TransformerConfig llama_config(Header& h, const std::string& path) {
+  using Family = nn::TransformerConfig::Family;
   nn::TransformerConfig c;
-  c.family = nn::TransformerConfig::Family::Llama3;
+  c.family = Family::Llama3;
+  if (h.ints[0] == kQwenMagic) {
+    const int32_t family = h.ints[kFamilySlot];
+    TALLY_CHECK(h.ints[kExactMarkSlot] == kExactMark &&
+                    (family == static_cast<int32_t>(Family::Qwen2) || family == static_cast<int32_t>(Family::Qwen3)),
+                "model file '", path, "': a Qwen file (magic ", kQwenMagic, ") whose header names family ", family,
+                ", expected ", static_cast<int32_t>(Family::Qwen2), " (qwen2) or ", static_cast<int32_t>(Family::Qwen3),
+                " (qwen3): the file is corrupt");
+    c.family = static_cast<Family>(family);
+    c.head_width = h.ints[kHeadWidthSlot];
+  }
   c.max_seq_len = h.ints[2];
   c.vocab_size = h.ints[3];
   c.n_layer = h.ints[4];
@@ -119,10 +134,11 @@ nn::TransformerConfig llama_config(Header& h, const std::string& path) {
   c.n_kv_head = h.ints[6];
   c.n_embd = h.ints[7];
   TALLY_CHECK(c.max_seq_len > 0 && c.vocab_size > 0 && c.n_layer > 0 && c.n_head > 0 && c.n_kv_head > 0 &&
-                  c.n_embd > 0 && c.n_embd % c.n_head == 0 && c.n_head % c.n_kv_head == 0 && c.n_embd <= (1 << 20) &&
-                  c.vocab_size <= (1 << 24),
-              "model file '", path, "': implausible LLaMA header (maxT ", c.max_seq_len, ", V ", c.vocab_size, ", L ",
-              c.n_layer, ", heads ", c.n_head, ", kv heads ", c.n_kv_head, ", C ", c.n_embd, ")");
+                  c.n_embd > 0 && c.n_head % c.n_kv_head == 0 && c.n_embd <= (1 << 20) && c.vocab_size <= (1 << 24) &&
+                  (c.head_width == 0 ? c.n_embd % c.n_head == 0 : c.head_width > 0 && c.head_width <= (1 << 12)),
+              "model file '", path, "': implausible ", c.family_name(), " header (maxT ", c.max_seq_len, ", V ",
+              c.vocab_size, ", L ", c.n_layer, ", heads ", c.n_head, ", kv heads ", c.n_kv_head, ", C ", c.n_embd,
+              ", head width ", c.head_width, ")");
   c.padded_vocab_size = (c.vocab_size + 127) / 128 * 128;
   c.tie_embeddings = false;  // llm.c's files always hold lm_head
   if (h.ints[kExactMarkSlot] == kExactMark) {
@@ -182,15 +198,16 @@ nn::TransformerConfig read_llmc_config(const std::string& path) {
   Header h = read_header(path, in);
   // A safetensors file starts with its header's length (8 bytes) and then '{'.
   const bool safetensors = (h.ints[2] & 0xff) == '{';
-  TALLY_CHECK(h.ints[0] == kGpt2Magic || h.ints[0] == kLlamaMagic, "model file '", path, "': ",
+  TALLY_CHECK(h.ints[0] == kGpt2Magic || h.ints[0] == kLlamaMagic || h.ints[0] == kQwenMagic, "model file '", path, "': ",
               safetensors ? "a HuggingFace safetensors file, not an llm.c model: give its directory (`tally train "
                             "--init-from DIR`; `tally sample` and `export` take the directory as --model-file)"
                           : "magic " + std::to_string(h.ints[0]) + ", expected " + std::to_string(kGpt2Magic) +
-                                " (an llm.c GPT-2 checkpoint) or " + std::to_string(kLlamaMagic) + " (LLaMA-3)");
+                                " (an llm.c GPT-2 checkpoint), " + std::to_string(kLlamaMagic) + " (LLaMA-3) or " +
+                                std::to_string(kQwenMagic) + " (Qwen, as tally writes it)");
   TALLY_CHECK(h.ints[1] == 3 || h.ints[1] == 5, "model file '", path, "': version ", h.ints[1],
               ", expected 3 (fp32) or 5 (bf16)");
   nn::TransformerConfig c;
-  if (h.ints[0] == kLlamaMagic) {
+  if (h.ints[0] == kLlamaMagic || h.ints[0] == kQwenMagic) {
     c = llama_config(h, path);
   } else {
     c.max_seq_len = h.ints[2];
@@ -220,13 +237,14 @@ nn::TransformerConfig read_llmc_config(const std::string& path) {
 uint32_t load_llmc(const std::string& path, nn::Transformer& model) {
   nn::TransformerConfig c = read_llmc_config(path);
   const auto& m = model.config();
-  TALLY_CHECK(c.family == m.family && c.n_layer == m.n_layer && c.n_embd == m.n_embd && c.n_head == m.n_head &&
+  TALLY_CHECK(c.family == m.family && c.head_width == m.head_width && c.n_layer == m.n_layer && c.n_embd == m.n_embd &&
+                  c.n_head == m.n_head &&
                   c.n_kv_head == m.n_kv_head && c.ffn_dim() == m.ffn_dim() && c.vocab_size == m.vocab_size &&
                   c.padded_vocab_size == m.padded_vocab_size && c.max_seq_len == m.max_seq_len,
               "model file '", path, "' holds ", c.describe(), " but the model is ", m.describe());
   std::ifstream in;
   Header h = read_header(path, in);
-  if (h.ints[0] == kLlamaMagic) llama_config(h, path);  // settles data_offset
+  if (h.ints[0] == kLlamaMagic || h.ints[0] == kQwenMagic) llama_config(h, path);  // settles data_offset
   in.seekg(h.data_offset);
   // The file stacks each kind over layers; read each layer's slice straight into its
   // parameter (a whole model's parameters are contiguous; a vocabulary-row tensor fills
@@ -304,9 +322,9 @@ void save_llmc(const std::string& path, const nn::Transformer& model, const std:
   h.ints[3] = header_int(path, "vocab_size", static_cast<double>(c.vocab_size));
   h.ints[4] = header_int(path, "n_layer", static_cast<double>(c.n_layer));
   h.ints[5] = header_int(path, "n_head", static_cast<double>(c.n_head));
-  if (c.is_llama()) {
+  if (c.llama_architecture()) {
     // train_llama3.py's header, truncations included, and the exact values beside it.
-    h.ints[0] = kLlamaMagic;
+    h.ints[0] = c.family == nn::TransformerConfig::Family::Llama3 ? kLlamaMagic : kQwenMagic;
     h.ints[6] = header_int(path, "n_kv_head", static_cast<double>(c.n_kv_head));
     h.ints[7] = header_int(path, "n_embd", static_cast<double>(c.n_embd));
     h.ints[8] = header_int(path, "ffn_dim_multiplier", c.ffn_dim_multiplier);
@@ -328,6 +346,10 @@ void save_llmc(const std::string& path, const nn::Transformer& model, const std:
     put_double(h, kLowSlot, c.rope_low_freq_factor);
     put_double(h, kHighSlot, c.rope_high_freq_factor);
     put_double(h, kMultiplierSlot, c.ffn_dim_multiplier);
+    if (h.ints[0] == kQwenMagic) {
+      h.ints[kFamilySlot] = static_cast<int32_t>(c.family);
+      h.ints[kHeadWidthSlot] = header_int(path, "head_dim", static_cast<double>(c.head_width));
+    }
   } else {
     h.ints[0] = kGpt2Magic;
     h.ints[6] = header_int(path, "n_embd", static_cast<double>(c.n_embd));

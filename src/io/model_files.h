@@ -13,6 +13,11 @@
 //     the exact values in header slots llm.c leaves unused (230..245), so its own files
 //     read back exactly (tied head included). A GPT-2 file tally writes carries its
 //     LayerNorm eps there too (llm.c's: 1e-5, GPT-2's own).
+//   Qwen2 / Qwen3 (.bin, tally's own): magic 20261202 (llm.c has no such model and refuses
+//     it), LLaMA-3's header with the exact values, the family (slot 246: 2 = qwen2,
+//     3 = qwen3) and Qwen3's head width (slot 247); LLaMA-3's tensors with Qwen2's q/k/v
+//     biases (qkvb, (L, qkv rows)) after qkvw, or Qwen3's q and k norms (qnormw, knormw,
+//     (L, head width)) there.
 //   HuggingFace files: io/hf_files.h.
 #pragma once
 #include <functional>

@@ -17,7 +17,9 @@ void init_weights(Transformer& model, uint64_t seed) {
     if (!drawn.insert(index).second) return;
     const std::string& name = spec.name;
     const int64_t n = shape_numel(spec.shape);
-    const bool is_norm_weight = name.find("ln_") != std::string::npos && name.find(".weight") != std::string::npos;
+    // The norms' weights (ln_1, ln_2, ln_f; Qwen3's attn.q_norm, attn.k_norm) start at 1.
+    const bool is_norm_weight = (name.find("ln_") != std::string::npos || name.find("_norm.") != std::string::npos) &&
+                                name.find(".weight") != std::string::npos;
     const bool is_bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
     if (is_norm_weight || is_bias) {
       if (target.defined()) target.fill_(is_norm_weight ? 1.f : 0.f);

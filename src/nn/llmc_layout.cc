@@ -10,13 +10,17 @@ namespace tally::nn {
 
 std::vector<std::pair<std::string, Shape>> llmc_tensor_layout(const TransformerConfig& c) {
   const int64_t L = c.n_layer, C = c.n_embd, Vp = c.padded_vocab_size, T = c.max_seq_len, F = c.ffn_dim();
-  if (c.is_llama()) {
+  if (c.llama_architecture()) {
     // llm.c's train_llama3.py order; c_fc is the up projection (Meta's w3), c_fc2 the
-    // gate (w1). Embedding and head hold vocab_size rows (unpadded).
-    const int64_t V = c.vocab_size;
-    return {{"wte", {V, C}},          {"ln1w", {L, C}},       {"qkvw", {L, c.qkv_dim(), C}}, {"attprojw", {L, C, C}},
-            {"ln2w", {L, C}},          {"fcw", {L, F, C}},     {"fcw2", {L, F, C}},           {"fcprojw", {L, C, F}},
-            {"lnfw", {C}},             {"lm_head", {V, C}}};
+    // gate (w1). Embedding and head hold vocab_size rows (unpadded). Qwen2's q/k/v biases
+    // follow the q/k/v weights, Qwen3's q/k norms follow those.
+    const int64_t V = c.vocab_size, D = c.head_dim();
+    std::vector<std::pair<std::string, Shape>> layout = {{"wte", {V, C}}, {"ln1w", {L, C}}, {"qkvw", {L, c.qkv_dim(), C}}};
+    if (c.has_qkv_bias()) layout.push_back({"qkvb", {L, c.qkv_dim()}});
+    if (c.has_qk_norm()) layout.insert(layout.end(), {{"qnormw", {L, D}}, {"knormw", {L, D}}});
+    layout.insert(layout.end(), {{"attprojw", {L, C, c.q_dim()}}, {"ln2w", {L, C}}, {"fcw", {L, F, C}},
+                                 {"fcw2", {L, F, C}}, {"fcprojw", {L, C, F}}, {"lnfw", {C}}, {"lm_head", {V, C}}});
+    return layout;
   }
   return {{"wte", {Vp, C}},         {"wpe", {T, C}},        {"ln1w", {L, C}},         {"ln1b", {L, C}},
           {"qkvw", {L, 3 * C, C}}, {"qkvb", {L, 3 * C}},  {"attprojw", {L, C, C}},  {"attprojb", {L, C}},
@@ -34,7 +38,7 @@ std::vector<LlmcTensor> llmc_tensors(const Transformer& model) {
       {"qkvb", "attn.c_attn.bias"},    {"attprojw", "attn.c_proj.weight"}, {"attprojb", "attn.c_proj.bias"},
       {"ln2w", "ln_2.weight"},         {"ln2b", "ln_2.bias"},         {"fcw", "mlp.c_fc.weight"},
       {"fcb", "mlp.c_fc.bias"},        {"fcw2", "mlp.c_fc2.weight"},  {"fcprojw", "mlp.c_proj.weight"},
-      {"fcprojb", "mlp.c_proj.bias"}};
+      {"fcprojb", "mlp.c_proj.bias"},  {"qnormw", "attn.q_norm.weight"}, {"knormw", "attn.k_norm.weight"}};
   static const std::unordered_map<std::string, std::string> whole = {
       {"wte", "wte"}, {"wpe", "wpe"}, {"lnfw", "ln_f.weight"}, {"lnfb", "ln_f.bias"}};
   std::vector<LlmcTensor> out;
@@ -45,7 +49,7 @@ std::vector<LlmcTensor> llmc_tensors(const Transformer& model) {
       t.vocab_rows = true;
     } else if (auto it = whole.find(name); it != whole.end()) {
       t.params = {params.index_of(it->second)};
-      t.vocab_rows = name == "wte" && c.is_llama();
+      t.vocab_rows = name == "wte" && c.llama_architecture();
     } else {
       const std::string& suffix = per_layer.at(name);
       for (int64_t l = 0; l < c.n_layer; ++l) t.params.push_back(params.index_of("h." + std::to_string(l) + "." + suffix));

@@ -12,26 +12,39 @@
 
 namespace tally::nn {
 
+const char* TransformerConfig::family_name() const {
+  switch (family) {
+    case Family::Gpt2: return "gpt2";
+    case Family::Llama3: return "llama3";
+    case Family::Qwen2: return "qwen2";
+    case Family::Qwen3: return "qwen3";
+  }
+  return "?";
+}
+
 std::string TransformerConfig::describe() const {
   std::ostringstream os;
-  os << (is_llama() ? "llama3" : "gpt2") << " L=" << n_layer << " H=" << n_head;
+  os << family_name() << " L=" << n_layer << " H=" << n_head;
   if (n_kv_head != n_head) os << " KV=" << n_kv_head;
+  if (head_width > 0) os << " D=" << head_width;
   os << " C=" << n_embd;
-  if (is_llama()) os << " F=" << ffn_hidden;
+  if (llama_architecture()) os << " F=" << ffn_hidden;
   os << " V=" << vocab_size << " (padded " << padded_vocab_size << ") maxT=" << max_seq_len;
-  if (is_llama() && !tie_embeddings) os << " untied";
+  if (llama_architecture() && !tie_embeddings) os << " untied";
   return os.str();
 }
 
 void TransformerConfig::validate() const {
   TALLY_CHECK(n_layer >= 1 && n_head >= 1 && n_embd >= 1 && vocab_size >= 1 && max_seq_len >= 1,
               "model: implausible shape ", describe());
-  TALLY_CHECK(n_embd % n_head == 0, "model: n_embd ", n_embd, " is not divisible by n_head ", n_head);
+  TALLY_CHECK(head_width >= 0 && (head_width == 0 || has_qk_norm()), "model: a head width of its own (", head_width,
+              ") is Qwen3's; ", family_name(), "'s heads are n_embd / n_head wide");
+  TALLY_CHECK(head_width > 0 || n_embd % n_head == 0, "model: n_embd ", n_embd, " is not divisible by n_head ", n_head);
   TALLY_CHECK(n_kv_head >= 1 && n_head % n_kv_head == 0, "model: n_head ", n_head, " is not a multiple of n_kv_head ",
               n_kv_head);
   TALLY_CHECK(padded_vocab_size >= vocab_size, "model: padded vocab ", padded_vocab_size, " < vocab ", vocab_size);
   TALLY_CHECK(std::isfinite(norm_eps) && norm_eps > 0, "model: the norm's epsilon must be positive, got ", norm_eps);
-  if (is_llama()) {
+  if (llama_architecture()) {
     TALLY_CHECK(head_dim() % 2 == 0, "model: rotary embeddings need an even head dimension, got ", head_dim());
     TALLY_CHECK(ffn_hidden >= 1, "model: the SwiGLU width (ffn_hidden) must be set, got ", ffn_hidden);
     TALLY_CHECK(rope_theta > 0, "model: rope_theta must be positive, got ", rope_theta);
@@ -96,6 +109,16 @@ std::vector<double> rope_inv_freq(const TransformerConfig& c) {
   return freqs;
 }
 
+namespace {
+// depth heads sharing half as many key/value heads (grouped-query attention, as LLaMA-3's
+// and Qwen's own sizes do); for an odd depth the largest divisor up to half of it.
+int64_t grouped_kv_heads(int64_t depth) {
+  int64_t kv_heads = std::max<int64_t>(1, depth / 2);
+  while (depth % kv_heads != 0) --kv_heads;
+  return kv_heads;
+}
+}  // namespace
+
 TransformerConfig TransformerConfig::preset(const std::string& name) {
   TransformerConfig c;
   auto set = [&](int64_t L, int64_t H, int64_t C) {
@@ -123,6 +146,23 @@ TransformerConfig TransformerConfig::preset(const std::string& name) {
     c.tie_embeddings = tied;
     c.max_seq_len = max_seq_len;
   };
+  // Qwen's shared shape: the 151,936-token vocabulary (152,064 for Qwen2.5-7B), theta
+  // 1e6, eps 1e-6, no rotary scaling, the MLP width as config.json gives it.
+  auto qwen = [&](Family family, int64_t L, int64_t H, int64_t KV, int64_t C, int64_t F, int64_t head_width,
+                  int64_t vocab, bool tied, int64_t max_seq_len) {
+    c.family = family;
+    set(L, H, C);
+    c.n_kv_head = KV;
+    c.head_width = head_width;
+    c.vocab_size = c.padded_vocab_size = vocab;
+    c.ffn_hidden = F;
+    settle_llama_ffn_rounding(c);
+    c.norm_eps = 1e-6;
+    c.rope_theta = 1e6;
+    c.rope_factor = 0;
+    c.tie_embeddings = tied;
+    c.max_seq_len = max_seq_len;
+  };
   auto depth_of = [&](const std::string& digits) {
     // At most three digits: std::stoll would throw a bare "stoll" on a 20-digit depth.
     const int64_t depth = !digits.empty() && digits.size() <= 3 && digits.find_first_not_of("0123456789") == std::string::npos
@@ -138,27 +178,34 @@ TransformerConfig TransformerConfig::preset(const std::string& name) {
   else if (name == "llama3.2-1b") llama(16, 32, 8, 2048, 256, 1.5, 32, true, 131072);
   else if (name == "llama3.2-3b") llama(28, 24, 8, 3072, 256, 1.0, 32, true, 131072);
   else if (name == "llama3.1-8b") llama(32, 32, 8, 4096, 1024, 1.3, 8, false, 131072);
+  else if (name == "qwen2.5-0.5b") qwen(Family::Qwen2, 24, 14, 2, 896, 4864, 0, 151936, true, 32768);
+  else if (name == "qwen2.5-1.5b") qwen(Family::Qwen2, 28, 12, 2, 1536, 8960, 0, 151936, true, 32768);
+  else if (name == "qwen2.5-7b") qwen(Family::Qwen2, 28, 28, 4, 3584, 18944, 0, 152064, false, 32768);
+  else if (name == "qwen3-0.6b") qwen(Family::Qwen3, 28, 16, 8, 1024, 3072, 128, 151936, true, 40960);
+  else if (name == "qwen3-8b") qwen(Family::Qwen3, 36, 32, 8, 4096, 12288, 128, 151936, false, 40960);
   else if (name.rfind("llama3-d", 0) == 0) {
-    // depth heads sharing half as many key/value heads (grouped-query attention, as
-    // LLaMA-3's own sizes do); for an odd depth the largest divisor up to half of it.
     const int64_t depth = depth_of(name.substr(8));
-    int64_t kv_heads = std::max<int64_t>(1, depth / 2);
-    while (depth % kv_heads != 0) --kv_heads;
-    llama(depth, depth, kv_heads, 64 * depth, 256, 0, 8, true, 8192);
+    llama(depth, depth, grouped_kv_heads(depth), 64 * depth, 256, 0, 8, true, 8192);
+  } else if (name.rfind("qwen2.5-d", 0) == 0 || name.rfind("qwen3-d", 0) == 0) {
+    const bool qwen3 = name[4] == '3';
+    const int64_t depth = depth_of(name.substr(qwen3 ? 7 : 9));
+    qwen(qwen3 ? Family::Qwen3 : Family::Qwen2, depth, depth, grouped_kv_heads(depth), 64 * depth, 3 * 64 * depth,
+         qwen3 ? 128 : 0, 151936, true, 8192);
   } else if (name.size() >= 2 && name[0] == 'd' && name.find_first_not_of("0123456789", 1) == std::string::npos) {
     const int64_t depth = depth_of(name.substr(1));
     set(depth, depth, 64 * depth);
   } else {
     std::string all;
     for (const auto& n : preset_names()) all += (all.empty() ? "" : ", ") + n;
-    TALLY_FAIL("--model: unknown preset '", name, "'; expected one of ", all, " (or dN / llama3-dN for any depth N)");
+    TALLY_FAIL("--model: unknown preset '", name, "'; expected one of ", all, " (or dN, llama3-dN, qwen2.5-dN, qwen3-dN for any depth N)");
   }
   return c;
 }
 
 std::vector<std::string> TransformerConfig::preset_names() {
   return {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "d2", "d4", "d6", "d12", "d24",
-          "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "llama3-d2", "llama3-d4", "llama3-d6"};
+          "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "llama3-d2", "llama3-d4", "llama3-d6",
+          "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b", "qwen2.5-d2", "qwen3-d2"};
 }
 
 Recompute parse_recompute(const std::string& text) {
@@ -187,7 +234,7 @@ size_t Transformer::declare(const std::string& name, Shape shape, bool decay, Tp
 Transformer::Transformer(const TransformerConfig& config, ModelShard shard, Blocks blocks, Device device)
     : Transformer(config, std::move(shard), LayoutOnly{}) {
   params_.allocate(DType::F32, device, blocks);
-  if (config_.is_llama()) {
+  if (config_.llama_architecture()) {
     // A model constant beside the parameters: persistent, owned by the model.
     OwnerTag tag;
     tag.category = Category::Other;
@@ -222,7 +269,7 @@ Transformer::Transformer(const TransformerConfig& config, ModelShard shard, Layo
 void Transformer::declare_parameters() {
   const auto& c = config_;
   c.validate();
-  const bool llama = c.is_llama();
+  const bool llama = c.llama_architecture();
   const int64_t L = c.n_layer, C = c.n_embd, F = c.ffn_dim(), D = c.head_dim();
   if (shard_.chunks.empty()) shard_.chunks.push_back({0, L, true, true});
   // The shard's shape: every split must divide, every chunk be a range of layers.
@@ -240,9 +287,12 @@ void Transformer::declare_parameters() {
   const int64_t Hl = c.n_head / tp, KVl = c.n_kv_head / tp, Fl = F / tp, Vl = c.padded_vocab_size / tp;
   const int64_t qkv_local = (Hl + 2 * KVl) * D;
   layers_.resize(static_cast<size_t>(L));
-  // LLaMA has no biases: their slots stay kAbsent.
+  // LLaMA's architecture has no biases (Qwen2 but those of q, k and v): their slots stay kAbsent.
   auto bias = [&](const std::string& name, int64_t n, TpSplit split) {
     return llama ? kAbsent : declare(name, {n}, false, split);
+  };
+  auto qk_norm = [&](const std::string& name) {
+    return c.has_qk_norm() ? declare(name, {D}, false, TpSplit::SharedByHeads) : kAbsent;
   };
   // Units in forward order: the embeddings, each layer, the final norm (and an untied
   // head) (parameters.h).
@@ -259,7 +309,9 @@ void Transformer::declare_parameters() {
       p.ln1w = declare(h + "ln_1.weight", {C}, false, TpSplit::Replicated);
       p.ln1b = bias(h + "ln_1.bias", C, TpSplit::Replicated);
       p.qkvw = declare(h + "attn.c_attn.weight", {qkv_local, C}, true, TpSplit::QkvRows);
-      p.qkvb = bias(h + "attn.c_attn.bias", qkv_local, TpSplit::QkvRows);
+      p.qkvb = c.has_qkv_bias() ? declare(h + "attn.c_attn.bias", {qkv_local}, false, TpSplit::QkvRows) : kAbsent;
+      p.qnormw = qk_norm(h + "attn.q_norm.weight");
+      p.knormw = qk_norm(h + "attn.k_norm.weight");
       p.attprojw = declare(h + "attn.c_proj.weight", {C, Hl * D}, true, TpSplit::Columns);
       p.attprojb = bias(h + "attn.c_proj.bias", C, TpSplit::Replicated);
       p.ln2w = declare(h + "ln_2.weight", {C}, false, TpSplit::Replicated);
@@ -295,7 +347,8 @@ std::vector<std::pair<Tensor, Tensor>> Transformer::shard_regions(size_t i, cons
   const int64_t D = c.head_dim(), Hl = c.n_head / shard_.tp, KVl = c.n_kv_head / shard_.tp;
   auto rows = [](const Tensor& t, int64_t begin, int64_t n) { return t.slice(0, begin, begin + n); };
   switch (splits_[i]) {
-    case TpSplit::Replicated: return {{whole, local}};
+    case TpSplit::Replicated:
+    case TpSplit::SharedByHeads: return {{whole, local}};
     case TpSplit::Rows: {
       const int64_t n = local.shape()[0];
       return {{rows(whole, r * n, n), local}};
@@ -308,8 +361,8 @@ std::vector<std::pair<Tensor, Tensor>> Transformer::shard_regions(size_t i, cons
       // [q of my heads | k of my kv heads | v of my kv heads] within [q | k | v].
       const int64_t q = Hl * D, kv = KVl * D;
       return {{rows(whole, r * q, q), rows(local, 0, q)},
-              {rows(whole, c.n_embd + r * kv, kv), rows(local, q, kv)},
-              {rows(whole, c.n_embd + c.kv_dim() + r * kv, kv), rows(local, q + kv, kv)}};
+              {rows(whole, c.q_dim() + r * kv, kv), rows(local, q, kv)},
+              {rows(whole, c.q_dim() + c.kv_dim() + r * kv, kv), rows(local, q + kv, kv)}};
     }
   }
   return {};
@@ -363,7 +416,7 @@ Tensor Transformer::border(const Tensor& x, const std::vector<size_t>& units, bo
 }
 
 Tensor Transformer::norm(const Tensor& x, size_t weight, size_t bias) const {
-  return config_.is_llama() ? ops::rmsnorm(x, params_[weight], config_.norm_eps)
+  return config_.llama_architecture() ? ops::rmsnorm(x, params_[weight], config_.norm_eps)
                             : ops::layernorm(x, params_[weight], params_[bias], config_.norm_eps);
 }
 
@@ -448,7 +501,7 @@ Tensor Transformer::embed(const Tensor& tokens, int64_t start) const {
     Tensor partial = tp_ops_->vocab_parallel_embedding(params_[wte_], tokens, vocab_start());
     x = tp_ops_->out_of_row_parallel(partial);
   }
-  if (!c.is_llama()) {
+  if (!c.llama_architecture()) {
     // This rank's positions: all T, or its slice of the sequence.
     const int64_t T = x.shape()[1];
     const int64_t first = start + (tp_ops_ && tp_ops_->sequence_parallel() ? tp_ops_->rank() * T : 0);
@@ -540,7 +593,13 @@ Tensor Transformer::layer_body(int64_t l, const Tensor& input, int64_t start, Kv
     Tensor qkv = linear(h, p.qkvw, p.qkvb);                      // (B,T,(H+2KV)*D)
     std::vector<Tensor> parts = ops::split(qkv, {H * D, KV * D, KV * D}, 2);           // strided views
     Tensor q = parts[0].view({B, T, H, D}), k = parts[1].view({B, T, KV, D}), v = parts[2].view({B, T, KV, D});
-    if (c.is_llama()) {
+    if (c.has_qk_norm()) {
+      // Each head's q and k normalized over its D channels (one weight for all heads),
+      // before rotary: new tensors, so qkv itself is not kept for their backward.
+      q = ops::rmsnorm(q, params_[p.qnormw], c.norm_eps);
+      k = ops::rmsnorm(k, params_[p.knormw], c.norm_eps);
+    }
+    if (c.llama_architecture()) {
       q = ops::rotary(q, inv_freq_, start);
       k = ops::rotary(k, inv_freq_, start);
       // v's own copy: saving the view would keep all of qkv alive until backward. (Mixed
@@ -569,7 +628,7 @@ Tensor Transformer::layer_body(int64_t l, const Tensor& input, int64_t start, Kv
     // projections write it rounded, SwiGLU or GELU reads and writes bf16, the output
     // projection takes it as its operand, and their gradients are bf16 too. (The widest
     // activations: half the bytes saved, and no fp32 copy or rounding pass either way.)
-    if (c.is_llama()) {
+    if (c.llama_architecture()) {
       Tensor gate = linear(h, p.fc2w, kAbsent, matmul_dtype_);
       Tensor up = linear(h, p.fcw, kAbsent, matmul_dtype_);
       f = ops::swiglu(gate, up);
@@ -626,7 +685,7 @@ void Transformer::head(const Tensor& input, const Tensor& targets, bool return_l
 double Transformer::flops_per_token(int64_t seq_len) const {
   const auto& c = config_;
   const int64_t whole = shard_.whole() ? num_parameters() : layout_only(c).num_parameters();
-  return 6.0 * static_cast<double>(whole) + 6.0 * static_cast<double>(c.n_layer * c.n_embd * seq_len);
+  return 6.0 * static_cast<double>(whole) + 6.0 * static_cast<double>(c.n_layer * c.q_dim() * seq_len);
 }
 
 }  // namespace tally::nn

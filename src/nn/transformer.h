@@ -1,12 +1,18 @@
-// One decoder-only transformer definition for GPT-2 and LLaMA-3. Both are pre-norm
-// residual stacks with a fused qkv projection and causal attention; the family picks
-//                 GPT-2                          LLaMA-3
-//   positions     learned table (wpe)            rotary (rope_theta, 3.1 scaling)
+// One decoder-only transformer definition for GPT-2, LLaMA-3, Qwen2 (Qwen2.5) and Qwen3.
+// All are pre-norm residual stacks with a fused qkv projection and causal attention; the
+// family picks
+//                 GPT-2                          LLaMA's architecture (LLaMA-3, Qwen2, Qwen3)
+//   positions     learned table (wpe)            rotary (rope_theta; LLaMA-3.1's scaling)
 //   norms         LayerNorm with bias            RMSNorm, no bias
 //   attention     n_head heads                   grouped-query: n_kv_head kv heads
-//   MLP           GELU(tanh), width 4C, biases   SwiGLU, Meta's width, no biases
-//   LM head       tied to wte                    lm_head, or tied (3.2 1B/3B)
-// Parameters carry llm.c's names for both (h.L.attn.c_attn.weight ...; LLaMA adds
+//   MLP           GELU(tanh), width 4C, biases   SwiGLU of ffn_hidden, no biases
+//   LM head       tied to wte                    lm_head, or tied
+// and the Qwen families add to LLaMA's:
+//   Qwen2         biases on the q, k and v projections (c_attn.bias)
+//   Qwen3         RMSNorm over each head's D channels of q and of k (attn.q_norm.weight,
+//                 attn.k_norm.weight, D each, shared by the heads) before rotary; a head
+//                 width of its own (head_width), so that H*D may differ from C
+// Parameters carry llm.c's names for all (h.L.attn.c_attn.weight ...; LLaMA adds
 // h.L.mlp.c_fc2.weight, the gate, and lm_head) and are kept layer by layer
 // (parameters.h). The model is its parameters and its forward: the llm.c file layout
 // (and filling a shard in its order) is nn/llmc_layout.h's, the initialization
@@ -23,7 +29,7 @@
 namespace tally::nn {
 
 struct TransformerConfig {
-  enum class Family { Gpt2, Llama3 };
+  enum class Family { Gpt2 = 0, Llama3 = 1, Qwen2 = 2, Qwen3 = 3 };  // the values are stored in model files
   Family family = Family::Gpt2;
   int64_t max_seq_len = 1024;
   int64_t vocab_size = 50257;
@@ -33,7 +39,10 @@ struct TransformerConfig {
   int64_t n_kv_head = 12;
   int64_t n_embd = 768;
   double norm_eps = 1e-5;
-  // ---- LLaMA-3 only
+  // A head's width D; 0: n_embd / n_head. Only Qwen3 sets its own (Qwen3-0.6B: 16 heads of
+  // 128 over a width of 1024).
+  int64_t head_width = 0;
+  // ---- LLaMA's architecture only
   int64_t ffn_hidden = 0;          // the SwiGLU width (Meta: llama_ffn_hidden below)
   int64_t multiple_of = 256;       // kept for llm.c's header: how ffn_hidden was rounded
   double ffn_dim_multiplier = 0;   // ditto (0: none)
@@ -45,11 +54,16 @@ struct TransformerConfig {
   int64_t rope_original_max_position = 8192;
   bool tie_embeddings = true;      // GPT-2 always; LLaMA-3.2 1B/3B tie, 3.1 8B does not
 
-  bool is_llama() const { return family == Family::Llama3; }
-  int64_t head_dim() const { return n_embd / n_head; }
+  // LLaMA's architecture (rotary, RMSNorm, SwiGLU), which the Qwen families build on.
+  bool llama_architecture() const { return family != Family::Gpt2; }
+  bool has_qkv_bias() const { return family == Family::Gpt2 || family == Family::Qwen2; }
+  bool has_qk_norm() const { return family == Family::Qwen3; }
+  const char* family_name() const;  // "gpt2", "llama3", "qwen2", "qwen3"
+  int64_t head_dim() const { return head_width > 0 ? head_width : n_embd / n_head; }
+  int64_t q_dim() const { return n_head * head_dim(); }
   int64_t kv_dim() const { return n_kv_head * head_dim(); }
-  int64_t qkv_dim() const { return n_embd + 2 * kv_dim(); }
-  int64_t ffn_dim() const { return is_llama() ? ffn_hidden : 4 * n_embd; }
+  int64_t qkv_dim() const { return q_dim() + 2 * kv_dim(); }
+  int64_t ffn_dim() const { return llama_architecture() ? ffn_hidden : 4 * n_embd; }
   std::string describe() const;
   // Checks the shape is buildable; names the field that is not.
   void validate() const;
@@ -59,6 +73,11 @@ struct TransformerConfig {
   // LLaMA-3: llama3.2-1b, llama3.2-3b, llama3.1-8b (Meta's shapes), and llama3-dN: N
   // layers of width 64*N, N heads, N/2 kv heads (at least 1), the 128,256-token
   // vocabulary, tied embeddings.
+  // Qwen: qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen3-0.6b, qwen3-8b (the hub's
+  // config.json shapes), and qwen2.5-dN / qwen3-dN: llama3-dN's layers, heads, kv heads
+  // and width 64*N with Qwen's 151,936-token vocabulary, an MLP 3x the width (Qwen3's
+  // ratio), theta 1e6, eps 1e-6, tied embeddings; qwen3-dN's heads are 128 wide, twice
+  // 64*N / N, as Qwen3-0.6B's are twice its hidden_size / num_attention_heads.
   static TransformerConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
 };
@@ -121,6 +140,9 @@ enum class TpSplit {
   Rows,        // rows tp_rank*n/tp .. : column-parallel weights and biases, vocabulary
   Columns,     // columns likewise: row-parallel weights
   QkvRows,     // the fused qkv: this rank's block of q rows, of k rows and of v rows
+  // Every rank holds all of it, but its gradient is a sum over the heads, which the ranks
+  // split: summed over the tensor-parallel group (Qwen3's q_norm and k_norm).
+  SharedByHeads,
 };
 
 class Transformer {
@@ -257,14 +279,14 @@ class Transformer {
   bool tied_head_copy_ = false;
   size_t embed_unit_ = 0, final_unit_ = 0;
   ParameterResidency* residency_ = nullptr;  // non-owning
-  Tensor inv_freq_;  // rotary frequencies (LLaMA), in the parameters' dtype
+  Tensor inv_freq_;  // rotary frequencies (LLaMA's architecture), in the parameters' dtype
   // Parameter indices (kAbsent where the family has none). Each layer's parameters are
   // one unit of the block (parameters.h); every weight is its own leaf.
   static constexpr size_t kAbsent = static_cast<size_t>(-1);
   size_t wte_ = 0, wpe_ = kAbsent, lnfw_ = 0, lnfb_ = kAbsent, lm_head_ = kAbsent;
   struct Layer {
-    size_t ln1w = kAbsent, ln1b = kAbsent, qkvw = kAbsent, qkvb = kAbsent, attprojw = kAbsent, attprojb = kAbsent,
-           ln2w = kAbsent, ln2b = kAbsent, fcw = kAbsent, fcb = kAbsent, fc2w = kAbsent, fcprojw = kAbsent,
+    size_t ln1w = kAbsent, ln1b = kAbsent, qkvw = kAbsent, qkvb = kAbsent, qnormw = kAbsent, knormw = kAbsent,
+           attprojw = kAbsent, attprojb = kAbsent, ln2w = kAbsent, ln2b = kAbsent, fcw = kAbsent, fcb = kAbsent, fc2w = kAbsent, fcprojw = kAbsent,
            fcprojb = kAbsent;
     size_t unit = kAbsent;  // kAbsent: a layer of another rank's chunk
   };

@@ -27,24 +27,26 @@ constexpr const char* kBf16CopyPart = "parameters' bf16 copy (mixed precision)";
 // (and an untied head) (nn/parameters.h).
 //   GPT-2 layer: two norms (2C each), qkv (3C^2 + 3C), the attention projection (C^2 + C),
 //     the MLP (4C^2 + 4C and 4C^2 + C): 12C^2 + 13C.
-//   LLaMA layer: two RMSNorms (C each), qkv ((C + 2 KV D) C), the attention projection
-//     (C^2), gate, up and down (3 C F): no biases.
+//   LLaMA layer: two RMSNorms (C each), qkv ((H D + 2 KV D) C), the attention projection
+//     (C H D), gate, up and down (3 C F): no biases. Qwen2 adds the q/k/v biases
+//     (H D + 2 KV D), Qwen3 the q and k norms (D each).
 std::vector<int64_t> unit_numels(const nn::TransformerConfig& c) {
   const int64_t C = c.n_embd, Vp = c.padded_vocab_size;
   std::vector<int64_t> units;
   const int64_t token_table = checked_mul(Vp, C, "plan: wte");
   int64_t layer;
-  if (c.is_llama()) {
+  if (c.llama_architecture()) {
     units.push_back(token_table);
-    layer = checked_add(checked_add(checked_mul(c.qkv_dim() + C, C, "plan: attention"),
+    const int64_t extras = 2 * C + (c.has_qkv_bias() ? c.qkv_dim() : 0) + (c.has_qk_norm() ? 2 * c.head_dim() : 0);
+    layer = checked_add(checked_add(checked_mul(c.qkv_dim() + c.q_dim(), C, "plan: attention"),
                                     checked_product({3, C, c.ffn_dim()}, "plan: MLP"), "plan: layer"),
-                        2 * C, "plan: layer");
+                        extras, "plan: layer");
   } else {
     units.push_back(checked_add(token_table, checked_mul(c.max_seq_len, C, "plan: wpe"), "plan: embeddings"));
     layer = checked_add(checked_product({12, C, C}, "plan: layer"), 13 * C, "plan: layer");
   }
   for (int64_t l = 0; l < c.n_layer; ++l) units.push_back(layer);
-  units.push_back((c.is_llama() ? C : 2 * C) + (c.tie_embeddings ? 0 : token_table));
+  units.push_back((c.llama_architecture() ? C : 2 * C) + (c.tie_embeddings ? 0 : token_table));
   return units;
 }
 
@@ -95,7 +97,7 @@ MemoryPlan plan_steps(const PlanInput& in);
 // one tensor at a time, each a piece of a parameter, into the scratch or the parameter).
 MemoryPlan plan_memory(const PlanInput& in) {
   MemoryPlan plan = plan_steps(in);
-  const int64_t rotary = in.model.is_llama() ? in.model.head_dim() / 2 * 4 : 0;  // LLaMA's constant, alive throughout
+  const int64_t rotary = in.model.llama_architecture() ? in.model.head_dim() / 2 * 4 : 0;  // LLaMA's constant, alive throughout
   if (in.zero >= 2) {
     // ZeRO-2/3 (data parallel only). ZeRO-2 builds the model's parameter block without a
     // gradient block (4P) and reads the weights into it, then allocates the rank's moment
@@ -247,10 +249,10 @@ MemoryPlan plan_steps(const PlanInput& in) {
   // output projection both save (so selective recomputation keeps it too), and its
   // log-sum-exp, which selective recomputation makes again in backward.
   auto attention_outputs = [&] {
-    layer.push_back({bf16 ? "attention output (bf16)" : "attention output", BT, C / TP, proj_bytes});
+    layer.push_back({bf16 ? "attention output (bf16)" : "attention output", BT, c.q_dim() / TP, proj_bytes});
     if (!selective) layer.push_back({"attention log-sum-exp", BT, H / TP, kFloat});
   };
-  if (c.is_llama()) {
+  if (c.llama_architecture()) {
     // q and k leave rotary as new tensors and v is copied out of the fused projection (in
     // fp32, or by the bf16 attention's rounding), so the (B,T,C+2KV*D) projection itself
     // is freed within the layer.
@@ -259,7 +261,11 @@ MemoryPlan plan_steps(const PlanInput& in) {
     layer.push_back({std::string("RMSNorm outputs") + proj + gathered, BT, (bf16 ? 3 : 2) * C, proj_bytes});
     layer.push_back({"RMSNorm rstd", sp_rows, 2, kFloat});
     layer.push_back({std::string("q and k after rotary, v") + (bf16 ? " (attention's bf16 copies)" : ""), BT,
-                     (C + 2 * KVD) / TP, proj_bytes});
+                     (c.q_dim() + 2 * KVD) / TP, proj_bytes});
+    if (c.has_qk_norm()) {
+      layer.push_back({"q and k before their norms", BT, (c.q_dim() + KVD) / TP, kFloat});
+      layer.push_back({"q and k norms' rstd", BT, (c.n_head + c.n_kv_head) / TP, kFloat});
+    }
     attention_outputs();
     layer.push_back({std::string("MLP gate and up") + (bf16 ? " (bf16)" : ""), BT, 2 * F / TP, hidden_bytes});
     layer.push_back({std::string("MLP SwiGLU output") + (bf16 ? " (bf16)" : ""), BT, F / TP, hidden_bytes});
@@ -292,7 +298,7 @@ MemoryPlan plan_steps(const PlanInput& in) {
   }
   act("head: last residual", sp_rows, C);
   act(std::string("head: final norm output") + proj + gathered, BT, C, proj_bytes);
-  act(c.is_llama() ? "head: final RMSNorm rstd" : "head: final norm mean and rstd", sp_rows, c.is_llama() ? 1 : 2);
+  act(c.llama_architecture() ? "head: final RMSNorm rstd" : "head: final norm mean and rstd", sp_rows, c.llama_architecture() ? 1 : 2);
   const int64_t chunk = std::min(in.loss_chunk_rows, BT);
   // Under bf16 the head writes bf16 logits (as autocast's linear does), and their gradient
   // is bf16 too: the GEMMs' operand, with no rounded copy.
@@ -337,7 +343,7 @@ MemoryPlan plan_steps(const PlanInput& in) {
   auto bytes_of = [](int64_t rows, int64_t columns, int64_t per_element) {
     return checked_product({rows, columns, per_element}, "plan");
   };
-  const int64_t mlp_width = c.is_llama() ? c.ffn_dim() / TP : 4 * C / TP;
+  const int64_t mlp_width = c.llama_architecture() ? c.ffn_dim() / TP : 4 * C / TP;
   // GPT-2's output-projection bias gradient (C floats): in one process the projection sums
   // it itself, beside its input's gradient. Tensor parallel, the bias is added after the
   // all-reduce and its gradient summed by the add's backward, then handed to the bias's
@@ -346,12 +352,12 @@ MemoryPlan plan_steps(const PlanInput& in) {
   // pipeline stage with microbatches in flight) only after the rest of the chunk, so
   // there the sum stays live (C floats more; not under full recomputation, whose
   // recomputed graph makes its own).
-  const int64_t tp_bias_gradient = TP > 1 && !c.is_llama() && !full ? C * kFloat : 0;
+  const int64_t tp_bias_gradient = TP > 1 && !c.llama_architecture() && !full ? C * kFloat : 0;
   const int64_t activation_backward = sum({bytes_of(BT, mlp_width, hidden_bytes - proj_bytes),
-                                           bytes_of(BT, (c.is_llama() ? 2 : 1) * mlp_width, hidden_bytes)});
+                                           bytes_of(BT, (c.llama_architecture() ? 2 : 1) * mlp_width, hidden_bytes)});
   // `gradients_written`: the backward's parameter gradients already hold a sum (see above).
   auto mlp_backward = [&](bool gradients_written) {
-    const int64_t bias_gradient_sum = TP == 1 && !c.is_llama() && gradients_written && in.zero < 2 ? C * kFloat : 0;
+    const int64_t bias_gradient_sum = TP == 1 && !c.llama_architecture() && gradients_written && in.zero < 2 ? C * kFloat : 0;
     const int64_t projection_backward = sum({in.sequence_parallel ? bytes_of(BT, C, kFloat) : 0,
                                              bytes_of(BT, mlp_width, hidden_bytes),
                                              std::max(bf16 ? bytes_of(BT, C, 2) : 0, bias_gradient_sum)});
@@ -366,7 +372,7 @@ MemoryPlan plan_steps(const PlanInput& in) {
   // under --sp), which the projections keep only as bf16 copies (the MLP's hidden layer is
   // bf16 and saved as it is).
   const int64_t row_parallel = in.sequence_parallel      ? sum({bytes_of(BT, 2 * C, kFloat), bytes_of(sp_rows, C, kFloat)})
-                               : TP > 1 && !c.is_llama() ? bytes_of(BT, 3 * C, kFloat)
+                               : TP > 1 && !c.llama_architecture() ? bytes_of(BT, 3 * C, kFloat)
                                                          : bytes_of(BT, 2 * C, kFloat);
   const int64_t mlp_forward = sum({row_parallel, bf16 ? bytes_of(BT, C, kFloat) : 0});
   // Tensor parallel, after the loss's backward: its saved logits and log-sum-exp are freed
@@ -442,7 +448,7 @@ MemoryPlan plan_steps(const PlanInput& in) {
            bytes_of(in.zero == 1 ? stage_sizes.pieces : Ps, 2, kFloat)},
           {"loader buffers", loader}};
       if (bf16) states.emplace_back(kBf16CopyPart, bytes_of(Ps, 1, 2));
-      if (c.is_llama()) states.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
+      if (c.llama_architecture()) states.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
       int64_t fixed = 0;
       for (const auto& [name, b] : states) fixed = checked_add(fixed, b, "plan");
 
@@ -594,7 +600,7 @@ MemoryPlan plan_steps(const PlanInput& in) {
     if (bf16) rp.parts.emplace_back(kBf16CopyPart, 2 * P);
     if (library_workspace > 0) rp.parts.emplace_back("GEMM library workspace (cuBLASLt)", library_workspace);
     // LLaMA's rotary frequencies, a model constant (D/2 floats).
-    if (c.is_llama()) rp.parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
+    if (c.llama_architecture()) rp.parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
     // ZeRO-2/3 at the start of backward: the head's units (the final norm, and the tied
     // embedding, whose gradient is final only at the end of backward) have their gradient
     // staging buffers, whole units, reduce-scattered when complete.
@@ -744,7 +750,7 @@ MemoryPlan plan_steps(const PlanInput& in) {
       parts.emplace_back("loader buffers", loader);
       if (bf16) parts.emplace_back(kBf16CopyPart, 2 * P);
       if (library_workspace > 0) parts.emplace_back("GEMM library workspace (cuBLASLt)", library_workspace);
-      if (c.is_llama()) parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
+      if (c.llama_architecture()) parts.emplace_back("model constants (rotary frequencies)", c.head_dim() / 2 * kFloat);
       parts.insert(parts.end(), held.begin(), held.end());
       int64_t total = 0;
       for (const auto& [name, bytes] : parts) total = checked_add(total, bytes, "plan");

@@ -121,9 +121,14 @@ std::string decode_known(const data::Tokenizer& tok, const std::vector<int32_t>&
 DocumentBounds document_bounds(const nn::TransformerConfig& config, const data::Tokenizer* tok) {
   // A LLaMA model's bounds come from a LLaMA-3 tokenizer, not from an llm.c .bin, which
   // only decodes and names one token (its end of text).
-  if (tok && (tok->is_llama3() || !config.is_llama())) return {tok->document_separator_id(), tok->stop_ids()};
-  if (config.is_llama() && config.vocab_size == data::kLlama3VocabSize)
+  using Family = nn::TransformerConfig::Family;
+  if (tok && (tok->is_llama3() || !config.llama_architecture())) return {tok->document_separator_id(), tok->stop_ids()};
+  if (config.family == Family::Llama3 && config.vocab_size == data::kLlama3VocabSize)
     return {data::kLlama3BeginOfText, {data::kLlama3EndOfText, data::kLlama3BeginOfText}};
+  // Qwen's vocabulary: <|endoftext|> separates documents; <|im_end|> ends a chat turn.
+  constexpr int32_t kQwenEndOfText = 151643, kQwenImEnd = 151645;
+  if ((config.family == Family::Qwen2 || config.family == Family::Qwen3) && config.vocab_size > kQwenImEnd)
+    return {kQwenEndOfText, {kQwenEndOfText, kQwenImEnd}};
   const auto last = static_cast<int32_t>(config.vocab_size - 1);
   return {last, {last}};
 }
