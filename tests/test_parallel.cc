@@ -50,42 +50,48 @@ namespace {
 dist::World* g_world = nullptr;
 int world_size() { return g_world->size(); }
 
-nn::TransformerConfig tiny_model(bool llama) {
+using Family = nn::TransformerConfig::Family;
+
+// Four layers of width 32, 4 heads; LLaMA's architecture with 2 kv heads, an untied head,
+// Qwen2's q/k/v biases, or Qwen3's q/k norms and heads 16 wide (not 32 / 4).
+nn::TransformerConfig tiny_model(Family family) {
   nn::TransformerConfig c;
   c.n_layer = 4;
   c.n_head = 4;
-  c.n_kv_head = llama ? 2 : 4;
+  c.n_kv_head = family == Family::Gpt2 ? 4 : 2;
   c.n_embd = 32;
   c.vocab_size = 97;
   c.padded_vocab_size = 128;
   c.max_seq_len = 64;
-  if (llama) {
-    c.family = nn::TransformerConfig::Family::Llama3;
+  if (family != Family::Gpt2) {
+    c.family = family;
     c.ffn_hidden = 64;
     c.rope_theta = 10000;
     c.tie_embeddings = false;
+    if (family == Family::Qwen3) c.head_width = 16;
   }
   return c;
 }
+std::string family_of(Family family) { return tiny_model(family).family_name(); }
 
 // Each rank writes its own copy (same seed, same bytes): no shared directory needed.
-std::string tiny_model_file(bool llama) {
-  static std::map<bool, std::string> paths;
-  auto it = paths.find(llama);
+std::string tiny_model_file(Family family) {
+  static std::map<Family, std::string> paths;
+  auto it = paths.find(family);
   if (it != paths.end()) return it->second;
-  nn::Transformer model(tiny_model(llama));
+  nn::Transformer model(tiny_model(family));
   nn::init_weights(model, 7);
-  const std::string path = test::temp_path(std::string(llama ? "llama" : "gpt2") + "_4layer_rank" +
+  const std::string path = test::temp_path(family_of(family) + "_4layer_rank" +
                                            std::to_string(g_world->rank()) + ".bin");
   io::save_llmc(path, model);
-  return paths[llama] = path;
+  return paths[family] = path;
 }
 
-train::TrainConfig base_config(bool llama) {
+train::TrainConfig base_config(Family family) {
   static const std::string data = test::write_random_shard("parallel_train_rank" + std::to_string(g_world->rank()) + ".bin",
                                                            40000, 97, 11);
   train::TrainConfig c = test::tiny_train_config(data);
-  c.model.file = tiny_model_file(llama);
+  c.model.file = tiny_model_file(family);
   c.batch.steps = 10;
   c.optimizer.lr = 3e-3;
   c.optimizer.warmup_steps = 2;
@@ -127,12 +133,12 @@ struct Layout {
 
 // One process, the same global batch: dp x N microbatches per step. Cached per model and
 // precision.
-const train::TrainResult& one_process(bool llama, int64_t microbatches, const std::string& dtype = "fp32") {
-  static std::map<std::tuple<bool, int64_t, std::string>, train::TrainResult> cache;
-  auto key = std::make_tuple(llama, microbatches, dtype);
+const train::TrainResult& one_process(Family family, int64_t microbatches, const std::string& dtype = "fp32") {
+  static std::map<std::tuple<Family, int64_t, std::string>, train::TrainResult> cache;
+  auto key = std::make_tuple(family, microbatches, dtype);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  train::TrainConfig c = base_config(llama);
+  train::TrainConfig c = base_config(family);
   c.batch.grad_accum = microbatches;
   c.compute.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
   std::unique_ptr<dist::World> self = dist::World::self();
@@ -153,20 +159,20 @@ void expect_flat(const train::TrainResult& r, const std::string& what) {
 
 // `dtype` "bf16" runs both sides in mixed precision; `chunked_loss` fuses the head and the
 // loss on the sharded side only (one process keeps the plain head: the same math).
-void expect_matches_one_process(const Layout& l, bool llama, const std::string& recompute,
+void expect_matches_one_process(const Layout& l, Family family, const std::string& recompute,
                                 const std::string& dtype = "fp32", bool chunked_loss = false) {
   if (l.world() != world_size()) GTEST_SKIP() << l.name() << "needs " << l.world() << " ranks";
   const int64_t N = l.pp > 1 ? 4 : 2;  // per data-parallel rank; 1F1B over 4 stages needs 4
-  const train::TrainResult& want = one_process(llama, N * l.dp, dtype);
+  const train::TrainResult& want = one_process(family, N * l.dp, dtype);
   std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
-  train::TrainConfig c = l.apply(base_config(llama));
+  train::TrainConfig c = l.apply(base_config(family));
   c.compute.recompute = nn::parse_recompute(recompute);
   c.batch.grad_accum = N;
   c.memory.sanitize = sanitizer::SanitizeMode::Strict;
   c.compute.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
   c.compute.chunked_loss = chunked_loss;
   const train::TrainResult got = train::run_training(c, *world);
-  const std::string what = (llama ? "llama " : "gpt2 ") + l.name() + "recompute " + recompute + " " + dtype +
+  const std::string what = family_of(family) + " " + l.name() + "recompute " + recompute + " " + dtype +
                            (chunked_loss ? " chunked loss" : "");
   ASSERT_EQ(got.history.size(), want.history.size()) << what;
   // bf16: the GEMMs read the master weights rounded to bf16. Once fp32 accumulation order
@@ -174,9 +180,16 @@ void expect_matches_one_process(const Layout& l, bool llama, const std::string& 
   // differs by a bf16 ulp (2^-8 relative), so later steps agree to ~2e-5 (measured on tp2),
   // not to fp32's 1e-6; 1e-4 still catches a wrong split (1e-2 and worse).
   const double rtol = dtype == "bf16" ? 1e-4 : 1e-5;
-  for (size_t s = 0; s < got.history.size(); ++s)
+  // The gradient norm too: AdamW's update hardly moves when a gradient is off by a factor
+  // (a sum over the group that was not taken), the norm does. Under bf16 the norm follows
+  // the weights' bf16 ulps more closely than the loss (6.2e-4 apart at llama tp2's step 7).
+  const double norm_rtol = dtype == "bf16" ? 2e-3 : 1e-5;
+  for (size_t s = 0; s < got.history.size(); ++s) {
     EXPECT_NEAR(got.history[s].loss, want.history[s].loss, rtol * std::abs(want.history[s].loss))
         << what << ": loss at step " << s + 1;
+    EXPECT_NEAR(got.history[s].grad_norm, want.history[s].grad_norm, norm_rtol * std::abs(want.history[s].grad_norm))
+        << what << ": gradient norm at step " << s + 1;
+  }
   // The first loss is the same model on the same data: equal to rounding.
   EXPECT_NEAR(got.history[0].loss, want.history[0].loss, 1e-6 * std::abs(want.history[0].loss)) << what;
   expect_flat(got, what);
@@ -211,11 +224,25 @@ const std::vector<Layout>& layouts() {
 class EveryLayout : public ::testing::TestWithParam<size_t> {};
 
 TEST_P(EveryLayout, Gpt2MatchesOneProcessWithFlatMemory) {
-  for (const char* recompute : {"none", "full"}) expect_matches_one_process(layouts()[GetParam()], false, recompute);
+  for (const char* recompute : {"none", "full"}) expect_matches_one_process(layouts()[GetParam()], Family::Gpt2, recompute);
 }
 
 TEST_P(EveryLayout, LlamaMatchesOneProcessWithFlatMemory) {
-  for (const char* recompute : {"none", "selective"}) expect_matches_one_process(layouts()[GetParam()], true, recompute);
+  for (const char* recompute : {"none", "selective"}) expect_matches_one_process(layouts()[GetParam()], Family::Llama3, recompute);
+}
+
+// Qwen2's q/k/v biases split with their rows; Qwen3's q/k norm weights are shared by the
+// heads that the tensor-parallel ranks split, so their gradients are summed over the group.
+TEST(QwenLayouts, MatchOneProcessWithFlatMemory) {
+  const std::vector<Layout> some = {{1, 2, 1}, {1, 2, 1, "1f1b", 1, true}, {1, 2, 2, "1f1b"}, {2, 2, 2, "1f1b", 1, true, 1}};
+  bool ran = false;
+  for (const Layout& l : some) {
+    if (l.world() != world_size()) continue;
+    ran = true;
+    expect_matches_one_process(l, Family::Qwen2, "none");
+    expect_matches_one_process(l, Family::Qwen3, "selective");
+  }
+  if (!ran) GTEST_SKIP() << "no Qwen layout for " << world_size() << " ranks";
 }
 
 // Mixed precision through tensor and pipeline parallel: the projections round the same
@@ -227,8 +254,8 @@ TEST(Bf16Layouts, MatchOneProcessWithFlatMemory) {
   for (const Layout& l : some) {
     if (l.world() != world_size()) continue;
     ran = true;
-    expect_matches_one_process(l, false, "none", "bf16", /*chunked_loss=*/l.tp == 1);
-    expect_matches_one_process(l, true, "none", "bf16", /*chunked_loss=*/l.tp == 1);
+    expect_matches_one_process(l, Family::Gpt2, "none", "bf16", /*chunked_loss=*/l.tp == 1);
+    expect_matches_one_process(l, Family::Llama3, "none", "bf16", /*chunked_loss=*/l.tp == 1);
   }
   if (!ran) GTEST_SKIP() << "no bf16 layout for " << world_size() << " ranks";
 }
@@ -242,7 +269,7 @@ TEST(Bf16Pipeline, TheHeadStagePeaksAtTheLossForwardAsPlanned) {
   if (world_size() != 2) GTEST_SKIP() << "pp2 runs on 2 ranks";
   for (bool chunked : {false, true}) {
     std::unique_ptr<dist::World> world = dist::World::create({1, 1, 2});
-    train::TrainConfig c = Layout{1, 1, 2}.apply(base_config(false));
+    train::TrainConfig c = Layout{1, 1, 2}.apply(base_config(Family::Gpt2));
     c.model.file.clear();
     c.model.preset = "d2";
     c.batch.batch_size = 4;  // 256 tokens: the logits (25 MiB) outweigh the tied embedding's exchange (4 MiB)
@@ -401,13 +428,13 @@ TEST(ParallelCheckpoints, ASavedShardedRunResumesExactlyAndInOneProcess) {
                                        {2, 2, 2, "1f1b", 1, false, 1}};
   for (const Layout& l : layouts) {
     if (l.world() != world_size()) continue;
-    for (bool llama : {false, true}) {
-      const std::string what = (llama ? "llama " : "gpt2 ") + l.name();
+    for (Family family : {Family::Gpt2, Family::Llama3}) {
+      const std::string what = family_of(family) + " " + l.name();
       std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
-      train::TrainConfig c = l.apply(base_config(llama));
+      train::TrainConfig c = l.apply(base_config(family));
       c.batch.grad_accum = l.pp > 1 ? 2 : 1;
       c.checkpoint.save_every = 5;
-      c.checkpoint.out_dir = shared_dir(std::string(llama ? "llama_" : "gpt2_") + std::to_string(l.dp) + std::to_string(l.tp) +
+      c.checkpoint.out_dir = shared_dir(family_of(family) + "_" + std::to_string(l.dp) + std::to_string(l.tp) +
                              std::to_string(l.pp));
       const train::TrainResult full = train::run_training(c, *world);
       ASSERT_EQ(full.history.size(), 10u) << what;
@@ -443,25 +470,24 @@ TEST(ParallelInit, HuggingFaceWeightsLoadIntoEveryShardAsIntoOneProcess) {
   const std::vector<Layout> layouts = {{1, 1, 2}, {1, 2, 1}, {2, 1, 1, "1f1b", 1, false, 3}, {1, 2, 2}, {2, 2, 2}};
   for (const Layout& l : layouts) {
     if (l.world() != world_size()) continue;
-    for (bool llama : {false, true}) {
-      const std::string what = (llama ? "llama " : "gpt2 ") + l.name();
-      const std::string hf = test::temp_path(std::string(llama ? "llama" : "gpt2") + "_hf_rank" +
-                                             std::to_string(g_world->rank()));
+    for (Family family : {Family::Gpt2, Family::Llama3, Family::Qwen2, Family::Qwen3}) {
+      const std::string what = family_of(family) + " " + l.name();
+      const std::string hf = test::temp_path(family_of(family) + "_hf_rank" + std::to_string(g_world->rank()));
       {
-        nn::Transformer m(io::read_llmc_config(tiny_model_file(llama)));
-        io::load_llmc(tiny_model_file(llama), m);
+        nn::Transformer m(io::read_llmc_config(tiny_model_file(family)));
+        io::load_llmc(tiny_model_file(family), m);
         io::save_hf(hf, m);
       }
       const int64_t N = l.pp > 1 ? 4 : 2;
       std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
-      train::TrainConfig c = l.apply(base_config(llama));
+      train::TrainConfig c = l.apply(base_config(family));
       c.model.file.clear();
       c.model.init_from = hf;
       c.batch.grad_accum = N;
       c.batch.steps = 1;
       const train::TrainResult got = train::run_training(c, *world);
       ASSERT_EQ(got.history.size(), 1u) << what;
-      const double want = one_process(llama, N * l.dp).history[0].loss;
+      const double want = one_process(family, N * l.dp).history[0].loss;
       EXPECT_NEAR(got.history[0].loss, want, 1e-6 * std::abs(want)) << what;
     }
   }
@@ -481,7 +507,7 @@ TEST(ParallelCheckpoints, RankZeroWritesTheWholeModelOnePieceAtATime) {
     if (l.world() != world_size()) continue;
     for (int family = 0; family < 3; ++family) {
       const bool llama = family > 0;
-      nn::TransformerConfig config = tiny_model(llama);
+      nn::TransformerConfig config = tiny_model(llama ? Family::Llama3 : Family::Gpt2);
       config.tie_embeddings = family != 1;  // GPT-2 tied, LLaMA untied, LLaMA tied
       const std::string what = (llama ? "llama " : "gpt2 ") + std::string(config.tie_embeddings ? "tied " : "untied ") + l.name();
       std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
@@ -557,7 +583,7 @@ TEST(PipelineMemory, EachStageHoldsWhatItsScheduleNeedsWithinFivePercent) {
   std::map<std::string, std::vector<int64_t>> peaks;
   for (const char* schedule : {"gpipe", "1f1b", "1f1b half"}) {
     std::unique_ptr<dist::World> world = dist::World::create({1, 1, P});
-    train::TrainConfig c = base_config(false);
+    train::TrainConfig c = base_config(Family::Gpt2);
     c.parallel.pp = P;
     c.parallel.pp_schedule = std::string(schedule).substr(0, 5) == "gpipe" ? dist::PipelineSchedule::GPipe
                                                                           : dist::PipelineSchedule::OneFOneB;
@@ -568,9 +594,9 @@ TEST(PipelineMemory, EachStageHoldsWhatItsScheduleNeedsWithinFivePercent) {
   // 1F1B holds P - s microbatches whatever N is: its peaks do not move with N (a buffer
   // kept per microbatch, such as a gradient on its way back, would show here).
   EXPECT_EQ(peaks["1f1b"], peaks["1f1b half"]);
-  train::TrainConfig c = base_config(false);
+  train::TrainConfig c = base_config(Family::Gpt2);
   train::PlanInput in;
-  in.model = tiny_model(false);
+  in.model = tiny_model(Family::Gpt2);
   in.batch_size = c.batch.batch_size;
   in.seq_len = c.batch.seq_len;
   const train::MemoryPlan plan = train::plan_memory(in);
@@ -613,7 +639,7 @@ struct TwoStages {
   std::unique_ptr<nn::Transformer> model;
   std::unique_ptr<dist::PipelineStage> stage;
   explicit TwoStages(dist::ReceivedInputs* received = nullptr) {
-    nn::Transformer full(tiny_model(false));
+    nn::Transformer full(tiny_model(Family::Gpt2));
     nn::init_weights(full, 7);
     model = std::make_unique<nn::Transformer>(full.config(), dist::pipeline_shard(4, 2, world->pp_rank(), 1, 1, 0));
     nn::load_shard_from(*model, full);

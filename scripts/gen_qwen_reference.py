@@ -1,0 +1,312 @@
+#!/usr/bin/python3
+"""Generate tiny Qwen2 (Qwen2.5) and Qwen3 models plus PyTorch reference logits, gradients
+and training losses for tally's Qwen tests.
+
+Outputs (paths relative to the repo root), for FAMILY in qwen2, qwen3:
+  tests/fixtures/FAMILY_tiny_hf/              the model as HuggingFace stores it: config.json
+                                              and model.safetensors (qwen2), or two shards
+                                              and model.safetensors.index.json (qwen3)
+  tests/fixtures/FAMILY_tiny_ref.safetensors  batch, step-0 logits/loss, the gradient of every
+                                              tensor under its HuggingFace name, two 10-step
+                                              AdamW loss curves
+Regenerate with
+    /usr/bin/python3 scripts/gen_qwen_reference.py
+
+The models are written out by hand in fp32 in HuggingFace's own formulation
+(transformers' modeling_qwen2.py / modeling_qwen3.py): separate q, k and v projections
+(with biases for Qwen2), Qwen3's RMSNorm over each head's head_dim channels of q and of k
+(one weight shared by the heads) before the rotary embedding, rotary on rotate_half's
+halves, grouped-query attention by repeat_kv, SwiGLU MLP, RMSNorm computed in fp32, the head
+tied to the embedding (Qwen2) or not (Qwen3). The shapes are tiny but keep every feature
+live: 2 kv heads for 4 query heads; a vocabulary (97) that is not a multiple of 128; for
+Qwen3 a head_dim (16) that is not hidden_size / num_attention_heads (8), so the attention
+is 64 wide in a 32-wide model; biases and norm weights drawn away from 0 and 1.
+"""
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import safetensors_io  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIX = os.path.join(REPO, "tests", "fixtures")
+
+MAX_T, V, L, NH, NKV, C, FFN = 64, 97, 2, 4, 2, 32, 64
+NORM_EPS = 1e-6
+ROPE_THETA = 1000000.0
+B, T = 4, 16
+STEPS = 10
+INIT_STD = 0.02
+NOISE_STD = 0.02
+RUN1 = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+RUN2 = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, clip=1.0)
+
+FAMILIES = {
+    # family: (head_dim, q/k/v biases, q/k norms, tied head, seed, sharded)
+    "qwen2": dict(head_dim=C // NH, bias=True, qk_norm=False, tied=True, seed=47, sharded=False),
+    "qwen3": dict(head_dim=16, bias=False, qk_norm=True, tied=False, seed=53, sharded=True),
+}
+
+torch.set_default_dtype(torch.float32)
+torch.set_num_threads(1)
+
+
+class RMSNorm(nn.Module):
+    """Qwen2RMSNorm / Qwen3RMSNorm: the mean of squares in fp32, then the weight."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_cos_sin(t, head_dim):
+    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.outer(torch.arange(t, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()  # (T, head_dim)
+
+
+def repeat_kv(x, n_rep):
+    """(B, KV, T, D) -> (B, KV * n_rep, T, D): query head h reads kv head h // n_rep."""
+    b, kv, t, d = x.shape
+    return x[:, :, None, :, :].expand(b, kv, n_rep, t, d).reshape(b, kv * n_rep, t, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.d = f["head_dim"]
+        self.q_proj = nn.Linear(C, NH * self.d, bias=f["bias"])
+        self.k_proj = nn.Linear(C, NKV * self.d, bias=f["bias"])
+        self.v_proj = nn.Linear(C, NKV * self.d, bias=f["bias"])
+        self.o_proj = nn.Linear(NH * self.d, C, bias=False)
+        self.qk_norm = f["qk_norm"]
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.d)
+            self.k_norm = RMSNorm(self.d)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, NH, self.d)
+        k = self.k_proj(x).view(b, t, NKV, self.d)
+        v = self.v_proj(x).view(b, t, NKV, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k, v = repeat_kv(k, NH // NKV), repeat_kv(v, NH // NKV)
+        att = (q @ k.transpose(-2, -1)) * self.d ** -0.5
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, NH * self.d)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = nn.Linear(C, FFN, bias=False)
+        self.up_proj = nn.Linear(C, FFN, bias=False)
+        self.down_proj = nn.Linear(FFN, C, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.input_layernorm = RMSNorm(C)
+        self.self_attn = Attention(f)
+        self.post_attention_layernorm = RMSNorm(C)
+        self.mlp = MLP()
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(V, C)
+        self.layers = nn.ModuleList([DecoderLayer(f) for _ in range(L)])
+        self.norm = RMSNorm(C)
+
+
+class QwenForCausalLM(nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+        self.model = Body(f)
+        self.tied = f["tied"]
+        if not self.tied:
+            self.lm_head = nn.Linear(C, V, bias=False)
+
+    def forward(self, idx, targets=None):
+        x = self.model.embed_tokens(idx)
+        cos, sin = rotary_cos_sin(idx.shape[1], self.f["head_dim"])
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        h = self.model.norm(x)
+        logits = h @ (self.model.embed_tokens.weight if self.tied else self.lm_head.weight).T
+        loss = None if targets is None else F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+        return logits, loss
+
+
+def init_weights(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0).add_(torch.randn_like(p) * NOISE_STD)
+            elif name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+                p.normal_(0.0, INIT_STD / math.sqrt(2 * L))
+            else:  # weights and the q/k/v biases
+                p.normal_(0.0, INIT_STD)
+
+
+def state_numpy(model, use_grad=False):
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.grad if use_grad else p
+        out[name] = t.detach().numpy().astype(np.float32, copy=True)
+    return out
+
+
+def write_hf(family, f, state, directory):
+    os.makedirs(directory, exist_ok=True)
+    for old in os.listdir(directory):
+        os.remove(os.path.join(directory, old))
+    names = list(state)
+    if f["sharded"]:
+        half = len(names) // 2
+        shards = [names[:half], names[half:]]
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            safetensors_io.save(os.path.join(directory, fname), {n: state[n] for n in shard}, {"format": "pt"})
+            for n in shard:
+                weight_map[n] = fname
+                total += state[n].nbytes
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as out:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, out, indent=2)
+    else:
+        safetensors_io.save(os.path.join(directory, "model.safetensors"), state, {"format": "pt"})
+    config = {
+        "architectures": ["Qwen2ForCausalLM" if family == "qwen2" else "Qwen3ForCausalLM"],
+        "model_type": family, "hidden_act": "silu", "hidden_size": C, "intermediate_size": FFN,
+        "num_attention_heads": NH, "num_key_value_heads": NKV, "num_hidden_layers": L,
+        "vocab_size": V, "max_position_embeddings": MAX_T, "rms_norm_eps": NORM_EPS, "rope_theta": ROPE_THETA,
+        "rope_scaling": None, "tie_word_embeddings": f["tied"], "torch_dtype": "float32",
+        "use_sliding_window": False, "sliding_window": MAX_T, "max_window_layers": L,
+        "attention_dropout": 0.0, "initializer_range": INIT_STD, "use_cache": True,
+        "bos_token_id": 0, "eos_token_id": 1,
+    }
+    if family == "qwen3":
+        config.update({"head_dim": f["head_dim"], "attention_bias": False})
+    with open(os.path.join(directory, "config.json"), "w") as out:
+        json.dump(config, out, indent=2)
+
+
+def train(f, init_state, x, y, cfg, decay_2d_only, clip):
+    model = QwenForCausalLM(f)
+    model.load_state_dict(init_state)
+    params = list(model.parameters())
+    if decay_2d_only:
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg["weight_decay"]},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    else:
+        groups = [{"params": params, "weight_decay": cfg["weight_decay"]}]
+    opt = torch.optim.AdamW(groups, lr=cfg["lr"], betas=cfg["betas"], eps=cfg["eps"])
+    losses, norms = [], []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+        else:
+            norms.append(float(torch.norm(torch.stack([p.grad.norm() for p in params]))))
+        opt.step()
+    return np.array(losses, dtype=np.float32), np.array(norms, dtype=np.float32)
+
+
+def generate(family):
+    f = FAMILIES[family]
+    torch.manual_seed(f["seed"])
+    model = QwenForCausalLM(f)
+    init_weights(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    seq = torch.randint(0, V, (B, T + 1), dtype=torch.int64)
+    x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    model.zero_grad(set_to_none=True)
+    logits, loss = model(x, y)
+    loss.backward()
+    grads = state_numpy(model, use_grad=True)
+    state = state_numpy(model)
+    hf_dir = os.path.join(FIX, f"{family}_tiny_hf")
+    write_hf(family, f, state, hf_dir)
+
+    init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    losses, _ = train(f, init_state, x, y, RUN1, decay_2d_only=False, clip=None)
+    assert losses[0] == np.float32(loss.item())
+    losses_wd2d, norms2 = train(f, init_state, x, y, RUN2, decay_2d_only=True, clip=RUN2["clip"])
+
+    tensors = {
+        "x": x.numpy().astype(np.int32), "y": y.numpy().astype(np.int32),
+        "logits": logits.detach().numpy().astype(np.float32),
+        "loss": np.array(loss.item(), dtype=np.float32),
+        "losses": losses, "losses_wd2d": losses_wd2d, "grad_norms_wd2d": norms2,
+    }
+    for name, g in grads.items():
+        tensors["grad." + name] = g
+    metadata = {
+        "generator": "scripts/gen_qwen_reference.py", "family": family, "torch_version": torch.__version__,
+        "torch_seed": str(f["seed"]), "max_seq_len": str(MAX_T), "vocab_size": str(V), "num_layers": str(L),
+        "num_heads": str(NH), "num_kv_heads": str(NKV), "head_dim": str(f["head_dim"]), "channels": str(C),
+        "ffn_hidden": str(FFN), "norm_eps": str(NORM_EPS), "rope_theta": str(ROPE_THETA),
+        "batch_size": str(B), "seq_len": str(T), "num_params": str(n_params), "tied_lm_head": str(f["tied"]).lower(),
+        "grad names": "HuggingFace's (a tied head's gradient is in model.embed_tokens.weight)",
+        "losses.optimizer": "torch.optim.AdamW, wd on all parameters, no clipping",
+        "losses.lr": str(RUN1["lr"]), "losses.weight_decay": str(RUN1["weight_decay"]),
+        "losses_wd2d.optimizer": "torch.optim.AdamW, wd on 2-D weights, clip_grad_norm_ 1.0",
+        "losses_wd2d.lr": str(RUN2["lr"]), "losses_wd2d.weight_decay": str(RUN2["weight_decay"]),
+        "losses_wd2d.betas": "0.9,0.95",
+    }
+    ref_path = os.path.join(FIX, f"{family}_tiny_ref.safetensors")
+    safetensors_io.save(ref_path, tensors, metadata)
+    safetensors_io.roundtrip_check(ref_path, tensors, metadata)
+    print(f"{family}: params {n_params}, loss {loss.item():.6f} (ln V = {math.log(V):.6f})")
+    print("  losses      :", losses)
+    print("  losses_wd2d :", losses_wd2d, "pre-clip norms", norms2)
+
+
+def main():
+    os.makedirs(FIX, exist_ok=True)
+    for family in FAMILIES:
+        generate(family)
+
+
+if __name__ == "__main__":
+    main()
