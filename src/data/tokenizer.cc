@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "core/json_input.h"
 #include "data/unicode_tables.h"
+#include <utf8proc.h>
 
 namespace tally::data {
 namespace {
@@ -204,9 +205,10 @@ std::size_t contraction_at(std::string_view text, std::size_t i) {
   return 0;
 }
 
-// LLaMA-3's pre-tokenization (tokenizer.h), alternative by alternative, leftmost first.
+// LLaMA-3's pre-tokenization (tokenizer.h), alternative by alternative, leftmost first;
+// Qwen's is the same regex with \p{N} for \p{N}{1,3}: `max_digits` numbers a piece.
 template <class Emit>
-void split_llama3(std::string_view text, Emit&& emit) {
+void split_llama3(std::string_view text, int max_digits, Emit&& emit) {
   const std::size_t n = text.size();
   std::size_t i = 0;
   auto run_of = [&](std::size_t k, CharClass cls) {
@@ -238,10 +240,10 @@ void split_llama3(std::string_view text, Emit&& emit) {
       i = k;
       continue;
     }
-    // \p{N}{1,3}
+    // \p{N}{1,3} (Qwen: \p{N})
     if (c0.cls == CharClass::kNumber) {
       std::size_t k = i;
-      for (int count = 0; count < 3 && k < n; ++count) {
+      for (int count = 0; count < max_digits && k < n; ++count) {
         const CharInfo c = char_at(text, k);
         if (c.cls != CharClass::kNumber) break;
         k += c.len;
@@ -331,6 +333,21 @@ std::string replace_invalid_utf8(std::string_view text) {
   return out;
 }
 
+// Valid UTF-8 in Unicode's normalization form C (utf8proc's composition, as HuggingFace's
+// NFC normalizer). ASCII is its own NFC: it passes untouched.
+std::string nfc(const std::string& valid_utf8) {
+  if (std::all_of(valid_utf8.begin(), valid_utf8.end(), [](char c) { return static_cast<unsigned char>(c) < 0x80; }))
+    return valid_utf8;
+  utf8proc_uint8_t* composed = nullptr;
+  const utf8proc_ssize_t n =
+      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(valid_utf8.data()), static_cast<utf8proc_ssize_t>(valid_utf8.size()),
+                   &composed, static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
+  TALLY_CHECK(n >= 0, "tokenizer: Unicode normalization (NFC) failed: ", utf8proc_errmsg(n));
+  std::string out(reinterpret_cast<const char*>(composed), static_cast<std::size_t>(n));
+  std::free(composed);
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // OpenAI's bytes_to_unicode(): printable Latin-1 bytes map to themselves, the other 68 bytes
 // to U+0100.. in byte order, so every token string in encoder.json / vocab.bpe is printable.
@@ -399,8 +416,11 @@ struct Tokenizer::Impl {
   std::vector<std::string> id_to_bytes;
   int32_t eot = kGpt2Eot;
   int32_t separator = kGpt2Eot;  // written before each document
+  int32_t turn_end = -1;          // Qwen's <|im_end|>: a chat turn's end, where a sample stops
   bool can_encode = false;
   bool llama3 = false;
+  bool qwen = false;  // Qwen2.5's / Qwen3's tokenizer.json: NFC first, digits one by one
+  bool from_tokenizer_json() const { return llama3 || qwen; }
   // LLaMA-3: every token's bytes, for the whole-piece lookup done before merging when the
   // file's BPE sets ignore_merges (LLaMA-3's does; HuggingFace's default is off).
   std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>> whole;
@@ -468,7 +488,7 @@ struct Tokenizer::Impl {
   // bpe_simple, or bpe_heap for long pieces when the ranks are well ordered and the rules agree.
   // (LLaMA-3's ranks are not: its rank 1 joins "Ġ" and "ĠĠĠ", which a later merge makes.)
   void bpe(std::string_view piece, std::vector<int32_t>& out) const {
-    if (llama3 || (piece.size() >= kHeapBpeMinBytes && ranks_well_ordered))
+    if (from_tokenizer_json() || (piece.size() >= kHeapBpeMinBytes && ranks_well_ordered))
       bpe_heap(piece, out);
     else
       bpe_simple(piece, out);
@@ -668,23 +688,22 @@ Tokenizer Tokenizer::load(const std::string& encoder_json_path, const std::strin
   return tok;
 }
 
-Tokenizer Tokenizer::load_llama3(const std::string& path) {
+Tokenizer Tokenizer::load_tokenizer_json(const std::string& path) {
   try {
-    return load_llama3_json(path);
+    return load_tokenizer_json_unchecked(path);
   } catch (const nlohmann::json::exception& e) {  // a value of another JSON type than the one read
-    TALLY_FAIL("LLaMA-3 tokenizer.json '", path, "': ", e.what());
+    TALLY_FAIL("tokenizer.json '", path, "': ", e.what());
   }
 }
 
-Tokenizer Tokenizer::load_llama3_json(const std::string& path) {
+Tokenizer Tokenizer::load_tokenizer_json_unchecked(const std::string& path) {
   Tokenizer tok;
   Impl& m = *tok.impl_;
-  m.llama3 = true;
-  const std::string what = "LLaMA-3 tokenizer.json '" + path + "'";
-  nlohmann::json j = parse_json(read_file(path, "LLaMA-3 tokenizer.json"), what);
+  const std::string what = "tokenizer.json '" + path + "'";
+  nlohmann::json j = parse_json(read_file(path, "tokenizer.json"), what);
   // GPT-2's encoder.json (token -> id) is JSON too: named alone, it is named as such.
   TALLY_CHECK(!(j.is_object() && !j.contains("model") && !j.empty() && j.begin()->is_number_integer()), "tokenizer '",
-              path, "' is GPT-2's encoder.json (token -> id), not a LLaMA-3 tokenizer.json: pass the directory that "
+              path, "' is GPT-2's encoder.json (token -> id), not a HuggingFace tokenizer.json: pass the directory that "
               "holds it and vocab.bpe");
   TALLY_CHECK(j.is_object() && j.contains("model") && j["model"].is_object(), what, ": expected a HuggingFace tokenizer "
               "with a \"model\" object");
@@ -692,11 +711,11 @@ Tokenizer Tokenizer::load_llama3_json(const std::string& path) {
   TALLY_CHECK(model.contains("type") && model["type"] == "BPE" && model.contains("vocab") && model["vocab"].is_object() &&
                   model.contains("merges") && model["merges"].is_array(),
               what, ": expected a BPE model with \"vocab\" and \"merges\"");
-  // Options of HuggingFace's BPE that LLaMA-3's file leaves off and tally does not implement.
+  // Options of HuggingFace's BPE that LLaMA-3's and Qwen's files leave off and tally does not implement.
   for (const char* option : {"byte_fallback", "continuing_subword_prefix", "end_of_word_suffix", "dropout"}) {
     const nlohmann::json& v = model.contains(option) ? model[option] : nlohmann::json();
     TALLY_CHECK(v.is_null() || v == false || v == "" || v == 0, what, ": its BPE model sets ", option, " to ",
-                excerpt(v.dump()), "; LLaMA-3's does not, and tally implements no such option");
+                excerpt(v.dump()), "; LLaMA-3's and Qwen's do not, and tally implements no such option");
   }
   // ignore_merges: a piece that is a token is that token, before any merge (true in
   // LLaMA-3's file); off, or absent as in files made before tokenizers 0.19, merges alone.
@@ -706,10 +725,12 @@ Tokenizer Tokenizer::load_llama3_json(const std::string& path) {
                 excerpt(ignore.dump()));
     m.ignore_merges = ignore.get<bool>();
   }
-  // The pre-tokenizer must be LLaMA-3's: this class implements that regex and no other.
-  const std::string expected_regex =
-      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-      "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+  // The pre-tokenizer must be LLaMA-3's or Qwen's: this class implements those regexes and
+  // no other. Qwen's numbers a piece digit by digit.
+  const auto regex = [](const char* digits) {
+    return std::string("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|") + digits +
+           "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+  };
   const auto field = [](const nlohmann::json& o, const char* key) {
     return o.is_object() && o.contains(key) ? o[key] : nlohmann::json();
   };
@@ -717,10 +738,12 @@ Tokenizer Tokenizer::load_llama3_json(const std::string& path) {
   const std::string dump = pre.dump();
   const nlohmann::json steps = field(pre, "pretokenizers");
   const nlohmann::json split = steps.is_array() && !steps.empty() ? steps[0] : nlohmann::json();
-  const nlohmann::json expected_pattern = {{"Regex", expected_regex}};
-  TALLY_CHECK(field(split, "pattern") == expected_pattern, what,
-              ": its pre-tokenizer does not split on LLaMA-3's regex: expected a first step whose pattern is "
-              "{\"Regex\": <LLaMA-3's regex>}; found ", excerpt(dump));
+  m.llama3 = field(split, "pattern") == nlohmann::json{{"Regex", regex("\\p{N}{1,3}")}};
+  m.qwen = field(split, "pattern") == nlohmann::json{{"Regex", regex("\\p{N}")}};
+  TALLY_CHECK(m.llama3 || m.qwen, what,
+              ": its pre-tokenizer does not split on LLaMA-3's regex or Qwen's: expected a first step whose pattern "
+              "is {\"Regex\": <LLaMA-3's regex>} or Qwen's (\\p{N} for \\p{N}{1,3}); found ", excerpt(dump));
+  const char* family = m.llama3 ? "LLaMA-3" : "Qwen";
   // ... and the rest of what happens to text before BPE must be LLaMA-3's too: no normalizer,
   // the regex's pieces kept whole ("Isolated"), then bytes mapped without a prefix space or a
   // second (GPT-2) regex. A file that differs encodes differently from what it describes.
@@ -728,11 +751,18 @@ Tokenizer Tokenizer::load_llama3_json(const std::string& path) {
                           field(steps[0], "type") == "Split" && field(steps[0], "behavior") == "Isolated" &&
                           field(steps[0], "invert") == false && field(steps[1], "type") == "ByteLevel" &&
                           field(steps[1], "add_prefix_space") == false && field(steps[1], "use_regex") == false;
-  TALLY_CHECK(llama3_pre, what, ": its pre-tokenizer is not LLaMA-3's: expected a Sequence of a Split on its regex "
+  TALLY_CHECK(llama3_pre, what, ": its pre-tokenizer is not ", family, "'s: expected a Sequence of a Split on its regex "
               "(behavior Isolated, not inverted) and a ByteLevel with add_prefix_space and use_regex false; found ",
               excerpt(dump));
-  TALLY_CHECK(field(j, "normalizer").is_null(), what, ": it has a normalizer (", excerpt(field(j, "normalizer").dump()),
-              "); LLaMA-3's has none, and tally applies none");
+  // LLaMA-3 normalizes nothing; Qwen composes the text (NFC) first.
+  const nlohmann::json normalizer = field(j, "normalizer");
+  if (m.llama3)
+    TALLY_CHECK(normalizer.is_null(), what, ": it has a normalizer (", excerpt(normalizer.dump()),
+                "); LLaMA-3's has none, and tally applies none");
+  const bool nfc_normalizer = normalizer == nlohmann::json{{"type", "NFC"}};
+  if (m.qwen)
+    TALLY_CHECK(nfc_normalizer, what, ": its normalizer is ", excerpt(normalizer.dump()),
+                "; Qwen's is {\"type\": \"NFC\"}, the one tally applies");
   // Ids: the vocabulary's, then the added (special) tokens, dense from 0.
   const auto& vocab = model["vocab"];
   const auto& added = j.value("added_tokens", nlohmann::json::array());
@@ -760,7 +790,7 @@ Tokenizer Tokenizer::load_llama3_json(const std::string& path) {
     bytes_to_id.emplace(bytes, id);
   }
   std::vector<int32_t> specials;
-  m.eot = m.separator = -1;
+  m.eot = m.separator = m.turn_end = -1;
   for (const auto& t : added) {
     TALLY_CHECK(t.is_object() && t.contains("content") && t["content"].is_string() && t.contains("id"), what,
                 ": an added token is not {\"id\", \"content\"}: ", excerpt(t.dump()));
@@ -768,10 +798,15 @@ Tokenizer Tokenizer::load_llama3_json(const std::string& path) {
     const int32_t id = set_id(t["id"], content);
     m.id_to_bytes[id] = content;  // decoded as its text
     specials.push_back(id);
-    if (content == "<|begin_of_text|>") m.separator = id;
-    if (content == "<|end_of_text|>") m.eot = id;
+    if (m.llama3 && content == "<|begin_of_text|>") m.separator = id;
+    if (m.llama3 && content == "<|end_of_text|>") m.eot = id;
+    if (m.qwen && content == "<|endoftext|>") m.eot = m.separator = id;
+    if (m.qwen && content == "<|im_end|>") m.turn_end = id;
   }
-  TALLY_CHECK(m.separator >= 0 && m.eot >= 0, what, ": expected the special tokens <|begin_of_text|> and <|end_of_text|>");
+  if (m.llama3)
+    TALLY_CHECK(m.separator >= 0 && m.eot >= 0, what, ": expected the special tokens <|begin_of_text|> and <|end_of_text|>");
+  else
+    TALLY_CHECK(m.eot >= 0 && m.turn_end >= 0, what, ": expected the special tokens <|endoftext|> and <|im_end|>");
   for (std::size_t id = 0; id < n; ++id) TALLY_CHECK(seen[id], what, ": no token has id ", id, " (ids must be dense)");
   m.set_byte_ids(bytes_to_id, what);
   // Merges in rank order: "a b" strings (older files) or ["a", "b"] pairs (newer ones).
@@ -813,12 +848,12 @@ Tokenizer Tokenizer::load_path(const std::string& path) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
     const fs::path dir(path);
-    if (fs::exists(dir / "tokenizer.json")) return load_llama3((dir / "tokenizer.json").string());
+    if (fs::exists(dir / "tokenizer.json")) return load_tokenizer_json((dir / "tokenizer.json").string());
     TALLY_CHECK(fs::exists(dir / "encoder.json") && fs::exists(dir / "vocab.bpe"), "tokenizer directory '", path,
-                "' holds neither tokenizer.json (LLaMA-3) nor encoder.json + vocab.bpe (GPT-2)");
+                "' holds neither tokenizer.json (LLaMA-3, Qwen) nor encoder.json + vocab.bpe (GPT-2)");
     return load((dir / "encoder.json").string(), (dir / "vocab.bpe").string());
   }
-  if (fs::path(path).extension() == ".json") return load_llama3(path);
+  if (fs::path(path).extension() == ".json") return load_tokenizer_json(path);
   return load_llmc(path);
 }
 
@@ -871,12 +906,13 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
                            "' has no BPE merges and can only decode; load encoder.json + vocab.bpe to encode");
   std::vector<int32_t> out;
   out.reserve(text.size() / 3);
-  if (!m.llama3) {
+  if (!m.from_tokenizer_json()) {
     split_gpt2(text, [&](std::string_view piece) { m.encode_piece(piece, out); });
     return out;
   }
-  const std::string valid = replace_invalid_utf8(text);
-  split_llama3(valid, [&](std::string_view piece) {
+  std::string valid = replace_invalid_utf8(text);
+  if (m.qwen) valid = nfc(valid);
+  split_llama3(valid, m.qwen ? 1 : 3, [&](std::string_view piece) {
     if (m.ignore_merges) {  // a piece that is a token is that token
       const auto it = m.whole.find(piece);
       if (it != m.whole.end()) return out.push_back(it->second);
@@ -909,10 +945,12 @@ int Tokenizer::vocab_size() const { return static_cast<int>(impl_->id_to_bytes.s
 int Tokenizer::eot_id() const { return impl_->eot; }
 int Tokenizer::document_separator_id() const { return impl_->llama3 ? impl_->separator : impl_->eot; }
 std::vector<int32_t> Tokenizer::stop_ids() const {
-  if (!impl_->llama3) return {impl_->eot};
-  return {impl_->eot, impl_->separator};
+  if (impl_->llama3) return {impl_->eot, impl_->separator};
+  if (impl_->qwen) return {impl_->eot, impl_->turn_end};
+  return {impl_->eot};
 }
 bool Tokenizer::is_llama3() const { return impl_->llama3; }
+bool Tokenizer::is_qwen() const { return impl_->qwen; }
 bool Tokenizer::can_encode() const { return impl_->can_encode; }
 
 }  // namespace tally::data

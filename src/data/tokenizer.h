@@ -1,13 +1,16 @@
-// Byte-level BPE tokenizers: GPT-2's, byte-exact with OpenAI's encoder.py, and LLaMA-3's,
+// Byte-level BPE tokenizers: GPT-2's, byte-exact with OpenAI's encoder.py; LLaMA-3's,
 // read from HuggingFace's tokenizer.json (128,000 merge-ranked tokens, 256 special tokens),
-// byte-exact with Meta's tiktoken tokenizer. Both share the byte alphabet and the BPE; they
-// differ in the pre-tokenization regex, and LLaMA-3 looks a whole piece up before merging
-// (tokenizer.json's ignore_merges, tiktoken's behaviour). LLaMA-3's regex:
+// byte-exact with Meta's tiktoken tokenizer; and Qwen's (Qwen2.5's and Qwen3's
+// tokenizer.json: 151,643 tokens, 26 added ones). All share the byte alphabet and the BPE;
+// they differ in the pre-tokenization regex, and LLaMA-3 looks a whole piece up before
+// merging (tokenizer.json's ignore_merges, tiktoken's behaviour). LLaMA-3's regex:
 //   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
 //   \s*[\r\n]+|\s+(?!\S)|\s+
-// also implemented by hand over UTF-8. Text that is not valid UTF-8 is, for LLaMA-3, first
-// decoded as Python's errors="replace" and JavaScript's TextDecoder do: each maximal invalid
-// subsequence becomes U+FFFD (Meta's tokenizer takes a str, so the bytes are gone).
+// also implemented by hand over UTF-8; Qwen's is the same with \p{N} for \p{N}{1,3} (a
+// number is a piece per digit), after the text is put in Unicode's normalization form C
+// (utf8proc). Text that is not valid UTF-8 is, for both, first decoded as Python's
+// errors="replace" and JavaScript's TextDecoder do: each maximal invalid subsequence becomes
+// U+FFFD (HuggingFace's and Meta's tokenizers take a str, so the bytes are gone).
 //
 // GPT-2's pipeline of encode():
 // Pipeline of encode():
@@ -19,7 +22,8 @@
 // Tokens are kept as raw bytes internally: OpenAI's byte -> printable-unicode mapping is only
 // undone once, when encoder.json / vocab.bpe are read.
 //
-// Special tokens ("<|endoftext|>", "<|begin_of_text|>") inside the text are NOT special:
+// Special and added tokens ("<|endoftext|>", "<|begin_of_text|>", Qwen's "<think>") inside
+// the text are NOT special:
 // like GPT-2's encode() and tiktoken's encode_ordinary() they are tokenized as ordinary
 // text. Insert document_separator_id() yourself where a document boundary is wanted.
 //
@@ -53,11 +57,12 @@ class Tokenizer {
   // and that many raw bytes. Version 1 has no eot field; eot is then 50256.
   static Tokenizer load_llmc(const std::string& tokenizer_bin_path);
 
-  // Loads LLaMA-3's tokenizer.json (HuggingFace's format: model.vocab, model.merges as
-  // "a b" strings or [a, b] pairs, added_tokens), checking its pre-tokenizer is LLaMA-3's.
-  static Tokenizer load_llama3(const std::string& tokenizer_json_path);
+  // Loads LLaMA-3's or Qwen's tokenizer.json (HuggingFace's format: model.vocab,
+  // model.merges as "a b" strings or [a, b] pairs, added_tokens), telling them apart by their
+  // pre-tokenizer and checking the rest of the pipeline is that family's.
+  static Tokenizer load_tokenizer_json(const std::string& tokenizer_json_path);
 
-  // Whatever `path` holds: a directory with tokenizer.json (LLaMA-3) or encoder.json +
+  // Whatever `path` holds: a directory with tokenizer.json (LLaMA-3, Qwen) or encoder.json +
   // vocab.bpe (GPT-2), a tokenizer.json file, or an llm.c tokenizer .bin.
   static Tokenizer load_path(const std::string& path);
 
@@ -75,17 +80,19 @@ class Tokenizer {
   std::string decode_token(int32_t id) const;
 
   int vocab_size() const;
-  int eot_id() const;  // GPT-2's <|endoftext|>, LLaMA-3's <|end_of_text|>
-  // The token tally writes before each document: GPT-2's <|endoftext|> (llm.c's
+  int eot_id() const;  // GPT-2's and Qwen's <|endoftext|>, LLaMA-3's <|end_of_text|>
+  // The token tally writes before each document: GPT-2's and Qwen's <|endoftext|> (llm.c's
   // convention), LLaMA-3's <|begin_of_text|>.
   int document_separator_id() const;
-  // Tokens that end a generated sample: the end of text and the document separator.
+  // Tokens that end a generated sample: the end of text and the document separator (Qwen:
+  // <|endoftext|> and <|im_end|>, a chat turn's end).
   std::vector<int32_t> stop_ids() const;
   bool is_llama3() const;
+  bool is_qwen() const;
   bool can_encode() const;  // false for load_llmc tokenizers
 
  private:
-  static Tokenizer load_llama3_json(const std::string& tokenizer_json_path);
+  static Tokenizer load_tokenizer_json_unchecked(const std::string& tokenizer_json_path);
   Tokenizer();
   struct Impl;
   std::unique_ptr<Impl> impl_;

@@ -98,7 +98,10 @@ void check_tokenizer_for_model(const data::Tokenizer& tok, const std::string& to
   const std::string named = model.empty() ? "" : " '" + model + "'";
   TALLY_CHECK(tok.vocab_size() <= model_vocab, "--tokenizer '", tokenizer, "' has ", tok.vocab_size(),
               " tokens but the model", named, " only ", model_vocab, ": it is not this model's tokenizer");
-  if (warn && tok.vocab_size() < model_vocab)
+  // Qwen's models round the vocabulary up past the tokenizer's 151,669 tokens (151,936, and
+  // 152,064 for Qwen2.5-7B): the rows past it are the models' own padding.
+  const bool qwen_padding = tok.is_qwen() && (model_vocab == 151936 || model_vocab == 152064);
+  if (warn && tok.vocab_size() < model_vocab && !qwen_padding)
     std::fprintf(stderr, "tally: warning: --tokenizer '%s' has %lld tokens and the model%s %lld: is it this model's "
                  "tokenizer? (ids it lacks cannot be shown as text)\n", tokenizer.c_str(),
                  static_cast<long long>(tok.vocab_size()), named.c_str(), static_cast<long long>(model_vocab));
@@ -119,10 +122,11 @@ std::string decode_known(const data::Tokenizer& tok, const std::vector<int32_t>&
 }
 
 DocumentBounds document_bounds(const nn::TransformerConfig& config, const data::Tokenizer* tok) {
-  // A LLaMA model's bounds come from a LLaMA-3 tokenizer, not from an llm.c .bin, which
-  // only decodes and names one token (its end of text).
+  // A LLaMA or Qwen model's bounds come from its tokenizer.json, not from an llm.c .bin,
+  // which only decodes and names one token (its end of text).
   using Family = nn::TransformerConfig::Family;
-  if (tok && (tok->is_llama3() || !config.llama_architecture())) return {tok->document_separator_id(), tok->stop_ids()};
+  if (tok && (tok->is_llama3() || tok->is_qwen() || !config.llama_architecture()))
+    return {tok->document_separator_id(), tok->stop_ids()};
   if (config.family == Family::Llama3 && config.vocab_size == data::kLlama3VocabSize)
     return {data::kLlama3BeginOfText, {data::kLlama3EndOfText, data::kLlama3BeginOfText}};
   // Qwen's vocabulary: <|endoftext|> separates documents; <|im_end|> ends a chat turn.
