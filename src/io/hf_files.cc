@@ -1,6 +1,7 @@
 #include "io/hf_files.h"
 
 #include <charconv>
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -145,9 +146,41 @@ std::string model_type(const HfSource& src) {
   TALLY_CHECK(j.contains("model_type") && j["model_type"].is_string(), "HuggingFace config '", src.config_path,
               "' has no \"model_type\"");
   const std::string type = j["model_type"].get<std::string>();
-  TALLY_CHECK(type == "gpt2" || type == "llama" || type == "qwen2" || type == "qwen3", "HuggingFace config '",
-              src.config_path, "': model_type '", type, "' is not supported (expected gpt2, llama, qwen2 or qwen3)");
+  TALLY_CHECK(type == "gpt2" || type == "llama" || type == "qwen2" || type == "qwen3" || type == "qwen3_moe",
+              "HuggingFace config '", src.config_path, "': model_type '", type,
+              "' is not supported (expected gpt2, llama, qwen2, qwen3 or qwen3_moe)");
   return type;
+}
+
+// Qwen3-MoE's experts from its config.json (HuggingFace's Qwen3MoeConfig defaults where a
+// key is absent: norm_topk_prob false, decoder_sparse_step 1, no mlp_only_layers).
+void moe_config(const json& j, const std::string& path, nn::TransformerConfig& c) {
+  c.n_experts = integer(j, "num_experts", path);
+  c.experts_per_token = integer(j, "num_experts_per_tok", path);
+  c.moe_ffn_hidden = integer(j, "moe_intermediate_size", path);
+  c.decoder_sparse_step = integer(j, "decoder_sparse_step", path, 1);
+  const auto flag = [&](const char* key, bool fallback) {
+    if (!j.contains(key) || j[key].is_null()) return fallback;
+    TALLY_CHECK(j[key].is_boolean(), "HuggingFace config '", path, "': \"", key, "\" is ", j[key].dump(),
+                ", expected true or false");
+    return j[key].get<bool>();
+  };
+  c.norm_topk_prob = flag("norm_topk_prob", false);
+  TALLY_CHECK(!flag("output_router_logits", false), "HuggingFace config '", path,
+              "': output_router_logits is true, which adds HuggingFace's load-balancing loss to the objective; tally "
+              "does not compute that loss yet");
+  if (j.contains("mlp_only_layers") && !j["mlp_only_layers"].is_null()) {
+    TALLY_CHECK(j["mlp_only_layers"].is_array(), "HuggingFace config '", path, "': mlp_only_layers is ",
+                j["mlp_only_layers"].dump(), ", expected a list of layer indices");
+    for (const json& l : j["mlp_only_layers"]) {
+      TALLY_CHECK(l.is_number_integer(), "HuggingFace config '", path, "': mlp_only_layers holds ", l.dump(),
+                  ", expected layer indices");
+      c.mlp_only_layers.push_back(l.get<int64_t>());
+    }
+    // A set of layers: kept sorted, once each, as the model files store it.
+    std::sort(c.mlp_only_layers.begin(), c.mlp_only_layers.end());
+    c.mlp_only_layers.erase(std::unique(c.mlp_only_layers.begin(), c.mlp_only_layers.end()), c.mlp_only_layers.end());
+  }
 }
 
 // LLaMA's architecture as config.json describes it: LLaMA-3 ("llama"), Qwen2.5 ("qwen2":
@@ -156,7 +189,10 @@ nn::TransformerConfig llama_config(const std::string& path, const std::string& t
   using Family = nn::TransformerConfig::Family;
   json j = read_config(path);
   nn::TransformerConfig c;
-  c.family = type == "qwen2" ? Family::Qwen2 : type == "qwen3" ? Family::Qwen3 : Family::Llama3;
+  c.family = type == "qwen2"       ? Family::Qwen2
+             : type == "qwen3"     ? Family::Qwen3
+             : type == "qwen3_moe" ? Family::Qwen3Moe
+                                   : Family::Llama3;
   c.n_embd = integer(j, "hidden_size", path);
   c.ffn_hidden = integer(j, "intermediate_size", path);
   c.n_layer = integer(j, "num_hidden_layers", path);
@@ -174,7 +210,7 @@ nn::TransformerConfig llama_config(const std::string& path, const std::string& t
   c.tie_embeddings = j.contains("tie_word_embeddings") && j["tie_word_embeddings"].is_boolean() &&
                      j["tie_word_embeddings"].get<bool>();
   const bool has_head_dim = j.contains("head_dim") && !j["head_dim"].is_null();
-  if (c.family == Family::Qwen3) {
+  if (c.has_qk_norm()) {
     // Qwen3's heads are head_dim wide whatever hidden_size / num_attention_heads is.
     TALLY_CHECK(c.n_head > 0 && (has_head_dim || c.n_embd % c.n_head == 0), "HuggingFace config '", path,
                 "': no head_dim and ", c.n_head, " heads do not divide hidden_size ", c.n_embd);
@@ -193,6 +229,7 @@ nn::TransformerConfig llama_config(const std::string& path, const std::string& t
     TALLY_CHECK(c.family == Family::Qwen2 || !j.contains(bias) || !j[bias].is_boolean() || !j[bias].get<bool>(),
                 "HuggingFace config '", path, "': ", bias, " is true; ", type,
                 " as tally builds it (and as published) has no such biases");
+  if (c.family == Family::Qwen3Moe) moe_config(j, path, c);
   TALLY_CHECK(!j.contains("use_sliding_window") || !j["use_sliding_window"].is_boolean() ||
                   !j["use_sliding_window"].get<bool>(),
               "HuggingFace config '", path, "': use_sliding_window is true; tally's attention is full causal attention");
@@ -412,6 +449,17 @@ std::map<std::string, LlamaTarget> llama_targets(const nn::Transformer& model) {
     }
     t[hf + "self_attn.o_proj.weight"] = {p.index_of(h + "attn.c_proj.weight"), 0, C};
     t[hf + "post_attention_layernorm.weight"] = {p.index_of(h + "ln_2.weight"), 0, C};
+    if (c.sparse_layer(l)) {
+      // Qwen3-MoE: the router is HF's mlp.gate, each expert a dense MLP's three projections.
+      t[hf + "mlp.gate.weight"] = {p.index_of(h + "mlp.router.weight"), 0, c.n_experts};
+      for (int64_t e = 0; e < c.n_experts; ++e) {
+        const std::string x = "mlp.experts." + std::to_string(e) + ".";
+        t[hf + x + "gate_proj.weight"] = {p.index_of(h + x + "c_fc2.weight"), 0, c.moe_ffn_hidden};
+        t[hf + x + "up_proj.weight"] = {p.index_of(h + x + "c_fc.weight"), 0, c.moe_ffn_hidden};
+        t[hf + x + "down_proj.weight"] = {p.index_of(h + x + "c_proj.weight"), 0, C};
+      }
+      continue;
+    }
     t[hf + "mlp.gate_proj.weight"] = {p.index_of(h + "mlp.c_fc2.weight"), 0, F};
     t[hf + "mlp.up_proj.weight"] = {p.index_of(h + "mlp.c_fc.weight"), 0, F};
     t[hf + "mlp.down_proj.weight"] = {p.index_of(h + "mlp.c_proj.weight"), 0, C};
@@ -619,7 +667,11 @@ void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
     }
     using Family = nn::TransformerConfig::Family;
     const bool llama3 = c.family == Family::Llama3;
-    config = {{"architectures", {llama3 ? "LlamaForCausalLM" : c.family == Family::Qwen2 ? "Qwen2ForCausalLM" : "Qwen3ForCausalLM"}},
+    const char* architecture = llama3                       ? "LlamaForCausalLM"
+                               : c.family == Family::Qwen2    ? "Qwen2ForCausalLM"
+                               : c.family == Family::Qwen3    ? "Qwen3ForCausalLM"
+                                                              : "Qwen3MoeForCausalLM";
+    config = {{"architectures", {architecture}},
               {"model_type", llama3 ? "llama" : c.family_name()},
               {"hidden_act", "silu"},
               {"hidden_size", c.n_embd},
@@ -641,7 +693,16 @@ void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
       config["attention_bias"] = false;
       config["mlp_bias"] = false;
     }
-    if (c.family == Family::Qwen3) config["use_sliding_window"] = false;
+    if (c.has_qk_norm()) config["use_sliding_window"] = false;
+    if (c.n_experts > 0) {
+      config["num_experts"] = c.n_experts;
+      config["num_experts_per_tok"] = c.experts_per_token;
+      config["moe_intermediate_size"] = c.moe_ffn_hidden;
+      config["norm_topk_prob"] = c.norm_topk_prob;
+      config["decoder_sparse_step"] = c.decoder_sparse_step;
+      config["mlp_only_layers"] = c.mlp_only_layers;
+      config["output_router_logits"] = false;
+    }
     // Meta's names (params.json): how intermediate_size was rounded, for llm.c's header.
     if (llama3) {
       config["multiple_of"] = c.multiple_of;

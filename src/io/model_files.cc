@@ -1,6 +1,7 @@
 #include "io/model_files.h"
 
 #include <bit>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -34,6 +35,12 @@ constexpr int kExactMarkSlot = 230, kFfnSlot = 231, kTiedSlot = 232, kOriginalCo
 constexpr int kEpsSlot = 234, kThetaSlot = 236, kFactorSlot = 238, kLowSlot = 240, kHighSlot = 242,
               kMultiplierSlot = 244;  // doubles: two int32 slots each
 constexpr int kFamilySlot = 246, kHeadWidthSlot = 247;  // Qwen files: the family, Qwen3's head width
+// Qwen3-MoE's experts: their count, per token, width, sparse-layer step and renormalization.
+constexpr int kExpertsSlot = 248, kExpertsPerTokenSlot = 249, kExpertWidthSlot = 253, kSparseStepSlot = 254,
+              kNormTopKSlot = 255;
+// ... and its mlp_only_layers, one bit a layer (layer l: bit l % 32 of slot 64 + l / 32),
+// in slots llm.c does not read: up to 4096 layers.
+constexpr int kDenseLayerMaskSlot = 64, kDenseLayerMaskSlots = 128;
 constexpr int32_t kExactMark = 0x33616C6C;  // "lla3"
 // GPT-2: its LayerNorm eps (1e-5 in every GPT-2, but a HuggingFace config may say another),
 // a double in kEpsSlot, marked so. llm.c's files have neither: 1e-5.
@@ -119,13 +126,27 @@ nn::TransformerConfig llama_config(Header& h, const std::string& path) {
   c.family = Family::Llama3;
   if (h.ints[0] == kQwenMagic) {
     const int32_t family = h.ints[kFamilySlot];
-    TALLY_CHECK(h.ints[kExactMarkSlot] == kExactMark &&
-                    (family == static_cast<int32_t>(Family::Qwen2) || family == static_cast<int32_t>(Family::Qwen3)),
+    TALLY_CHECK(h.ints[kExactMarkSlot] == kExactMark && family >= static_cast<int32_t>(Family::Qwen2) &&
+                    family <= static_cast<int32_t>(Family::Qwen3Moe),
                 "model file '", path, "': a Qwen file (magic ", kQwenMagic, ") whose header names family ", family,
-                ", expected ", static_cast<int32_t>(Family::Qwen2), " (qwen2) or ", static_cast<int32_t>(Family::Qwen3),
-                " (qwen3): the file is corrupt");
+                ", expected ", static_cast<int32_t>(Family::Qwen2), " (qwen2), ", static_cast<int32_t>(Family::Qwen3),
+                " (qwen3) or ", static_cast<int32_t>(Family::Qwen3Moe), " (qwen3_moe): the file is corrupt");
     c.family = static_cast<Family>(family);
     c.head_width = h.ints[kHeadWidthSlot];
+    if (c.family == Family::Qwen3Moe) {
+      c.n_experts = h.ints[kExpertsSlot];
+      c.experts_per_token = h.ints[kExpertsPerTokenSlot];
+      c.moe_ffn_hidden = h.ints[kExpertWidthSlot];
+      c.decoder_sparse_step = h.ints[kSparseStepSlot];
+      c.norm_topk_prob = h.ints[kNormTopKSlot] != 0;
+      for (int64_t l = 0; l < std::min<int64_t>(c.n_layer, 32 * kDenseLayerMaskSlots); ++l)
+        if (static_cast<uint32_t>(h.ints[kDenseLayerMaskSlot + l / 32]) >> (l % 32) & 1u) c.mlp_only_layers.push_back(l);
+      TALLY_CHECK(c.n_experts >= 1 && c.n_experts <= (1 << 16) && c.experts_per_token >= 1 &&
+                      c.experts_per_token <= c.n_experts && c.moe_ffn_hidden >= 1 && c.decoder_sparse_step >= 1,
+                  "model file '", path, "': implausible experts in its header (", c.n_experts, " experts, ",
+                  c.experts_per_token, " per token, width ", c.moe_ffn_hidden, ", sparse step ", c.decoder_sparse_step,
+                  "): the file is corrupt");
+    }
   }
   c.max_seq_len = h.ints[2];
   c.vocab_size = h.ints[3];
@@ -238,7 +259,9 @@ uint32_t load_llmc(const std::string& path, nn::Transformer& model) {
   nn::TransformerConfig c = read_llmc_config(path);
   const auto& m = model.config();
   TALLY_CHECK(c.family == m.family && c.head_width == m.head_width && c.n_layer == m.n_layer && c.n_embd == m.n_embd &&
-                  c.n_head == m.n_head &&
+                  c.n_head == m.n_head && c.n_experts == m.n_experts && c.experts_per_token == m.experts_per_token &&
+                  c.moe_ffn_hidden == m.moe_ffn_hidden && c.norm_topk_prob == m.norm_topk_prob &&
+                  c.decoder_sparse_step == m.decoder_sparse_step && c.mlp_only_layers == m.mlp_only_layers &&
                   c.n_kv_head == m.n_kv_head && c.ffn_dim() == m.ffn_dim() && c.vocab_size == m.vocab_size &&
                   c.padded_vocab_size == m.padded_vocab_size && c.max_seq_len == m.max_seq_len,
               "model file '", path, "' holds ", c.describe(), " but the model is ", m.describe());
@@ -349,6 +372,20 @@ void save_llmc(const std::string& path, const nn::Transformer& model, const std:
     if (h.ints[0] == kQwenMagic) {
       h.ints[kFamilySlot] = static_cast<int32_t>(c.family);
       h.ints[kHeadWidthSlot] = header_int(path, "head_dim", static_cast<double>(c.head_width));
+    }
+    if (c.n_experts > 0) {
+      for (int64_t l : c.mlp_only_layers) {
+        TALLY_CHECK(l < 32 * kDenseLayerMaskSlots, "model file '", path, "': mlp_only_layers names layer ", l,
+                    "; the header holds layers below ", 32 * kDenseLayerMaskSlots, ": save this model as HuggingFace "
+                    "safetensors instead");
+        h.ints[kDenseLayerMaskSlot + l / 32] = static_cast<int32_t>(static_cast<uint32_t>(h.ints[kDenseLayerMaskSlot + l / 32]) |
+                                                                    (1u << (l % 32)));
+      }
+      h.ints[kExpertsSlot] = header_int(path, "num_experts", static_cast<double>(c.n_experts));
+      h.ints[kExpertsPerTokenSlot] = header_int(path, "num_experts_per_tok", static_cast<double>(c.experts_per_token));
+      h.ints[kExpertWidthSlot] = header_int(path, "moe_intermediate_size", static_cast<double>(c.moe_ffn_hidden));
+      h.ints[kSparseStepSlot] = header_int(path, "decoder_sparse_step", static_cast<double>(c.decoder_sparse_step));
+      h.ints[kNormTopKSlot] = c.norm_topk_prob ? 1 : 0;
     }
   } else {
     h.ints[0] = kGpt2Magic;

@@ -17,7 +17,11 @@
 //     it), LLaMA-3's header with the exact values, the family (slot 246: 2 = qwen2,
 //     3 = qwen3) and Qwen3's head width (slot 247); LLaMA-3's tensors with Qwen2's q/k/v
 //     biases (qkvb, (L, qkv rows)) after qkvw, or Qwen3's q and k norms (qnormw, knormw,
-//     (L, head width)) there.
+//     (L, head width)) there. Qwen3-MoE (family 4) adds its experts' shape in slots 248, 249
+//     and 253..255 (count, per token, width, sparse-layer step, renormalization) and its
+//     sparse layers' routerw (Ls, E, C) and expfcw, expfcw2, expfcprojw (Ls, E, ...) after
+//     ln2w (the dense layers' MLP kinds stacked over those layers only); mlp_only_layers is a
+//     bit mask in slots 64..191.
 //   HuggingFace files: io/hf_files.h.
 #pragma once
 #include <functional>

@@ -14,12 +14,22 @@ std::vector<std::pair<std::string, Shape>> llmc_tensor_layout(const TransformerC
     // llm.c's train_llama3.py order; c_fc is the up projection (Meta's w3), c_fc2 the
     // gate (w1). Embedding and head hold vocab_size rows (unpadded). Qwen2's q/k/v biases
     // follow the q/k/v weights, Qwen3's q/k norms follow those.
+    // Qwen3-MoE's sparse layers hold the router and the experts instead of the MLP: each
+    // kind is stacked over the layers that have it (dense, then sparse), the experts' over
+    // layers and experts.
     const int64_t V = c.vocab_size, D = c.head_dim();
+    int64_t sparse = 0;
+    for (int64_t l = 0; l < L; ++l) sparse += c.sparse_layer(l);
+    const int64_t dense = L - sparse, E = c.n_experts, Fe = c.moe_ffn_hidden;
     std::vector<std::pair<std::string, Shape>> layout = {{"wte", {V, C}}, {"ln1w", {L, C}}, {"qkvw", {L, c.qkv_dim(), C}}};
     if (c.has_qkv_bias()) layout.push_back({"qkvb", {L, c.qkv_dim()}});
     if (c.has_qk_norm()) layout.insert(layout.end(), {{"qnormw", {L, D}}, {"knormw", {L, D}}});
-    layout.insert(layout.end(), {{"attprojw", {L, C, c.q_dim()}}, {"ln2w", {L, C}}, {"fcw", {L, F, C}},
-                                 {"fcw2", {L, F, C}}, {"fcprojw", {L, C, F}}, {"lnfw", {C}}, {"lm_head", {V, C}}});
+    layout.insert(layout.end(), {{"attprojw", {L, C, c.q_dim()}}, {"ln2w", {L, C}}});
+    if (dense > 0) layout.insert(layout.end(), {{"fcw", {dense, F, C}}, {"fcw2", {dense, F, C}}, {"fcprojw", {dense, C, F}}});
+    if (sparse > 0)
+      layout.insert(layout.end(), {{"routerw", {sparse, E, C}}, {"expfcw", {sparse, E, Fe, C}},
+                                   {"expfcw2", {sparse, E, Fe, C}}, {"expfcprojw", {sparse, E, C, Fe}}});
+    layout.insert(layout.end(), {{"lnfw", {C}}, {"lm_head", {V, C}}});
     return layout;
   }
   return {{"wte", {Vp, C}},         {"wpe", {T, C}},        {"ln1w", {L, C}},         {"ln1b", {L, C}},
@@ -38,7 +48,11 @@ std::vector<LlmcTensor> llmc_tensors(const Transformer& model) {
       {"qkvb", "attn.c_attn.bias"},    {"attprojw", "attn.c_proj.weight"}, {"attprojb", "attn.c_proj.bias"},
       {"ln2w", "ln_2.weight"},         {"ln2b", "ln_2.bias"},         {"fcw", "mlp.c_fc.weight"},
       {"fcb", "mlp.c_fc.bias"},        {"fcw2", "mlp.c_fc2.weight"},  {"fcprojw", "mlp.c_proj.weight"},
-      {"fcprojb", "mlp.c_proj.bias"},  {"qnormw", "attn.q_norm.weight"}, {"knormw", "attn.k_norm.weight"}};
+      {"fcprojb", "mlp.c_proj.bias"},  {"qnormw", "attn.q_norm.weight"}, {"knormw", "attn.k_norm.weight"},
+      {"routerw", "mlp.router.weight"}};
+  // The experts' kinds, by the suffix of each expert's parameter names.
+  static const std::unordered_map<std::string, std::string> per_expert = {
+      {"expfcw", "c_fc.weight"}, {"expfcw2", "c_fc2.weight"}, {"expfcprojw", "c_proj.weight"}};
   static const std::unordered_map<std::string, std::string> whole = {
       {"wte", "wte"}, {"wpe", "wpe"}, {"lnfw", "ln_f.weight"}, {"lnfb", "ln_f.bias"}};
   std::vector<LlmcTensor> out;
@@ -50,9 +64,17 @@ std::vector<LlmcTensor> llmc_tensors(const Transformer& model) {
     } else if (auto it = whole.find(name); it != whole.end()) {
       t.params = {params.index_of(it->second)};
       t.vocab_rows = name == "wte" && c.llama_architecture();
+    } else if (auto ex = per_expert.find(name); ex != per_expert.end()) {
+      for (int64_t l = 0; l < c.n_layer; ++l)
+        for (int64_t e = 0; c.sparse_layer(l) && e < c.n_experts; ++e)
+          t.params.push_back(params.index_of("h." + std::to_string(l) + ".mlp.experts." + std::to_string(e) + "." + ex->second));
     } else {
+      // The MLP's kinds are the dense layers', the router the sparse layers'.
       const std::string& suffix = per_layer.at(name);
-      for (int64_t l = 0; l < c.n_layer; ++l) t.params.push_back(params.index_of("h." + std::to_string(l) + "." + suffix));
+      const bool mlp = suffix.rfind("mlp.", 0) == 0;
+      for (int64_t l = 0; l < c.n_layer; ++l)
+        if (!mlp || c.sparse_layer(l) == (name == "routerw"))
+          t.params.push_back(params.index_of("h." + std::to_string(l) + "." + suffix));
     }
     out.push_back(std::move(t));
   }

@@ -1,5 +1,6 @@
 #include "nn/transformer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -18,8 +19,14 @@ const char* TransformerConfig::family_name() const {
     case Family::Llama3: return "llama3";
     case Family::Qwen2: return "qwen2";
     case Family::Qwen3: return "qwen3";
+    case Family::Qwen3Moe: return "qwen3_moe";
   }
   return "?";
+}
+
+bool TransformerConfig::sparse_layer(int64_t l) const {
+  return n_experts > 0 && (l + 1) % decoder_sparse_step == 0 &&
+         std::find(mlp_only_layers.begin(), mlp_only_layers.end(), l) == mlp_only_layers.end();
 }
 
 std::string TransformerConfig::describe() const {
@@ -31,6 +38,7 @@ std::string TransformerConfig::describe() const {
   if (llama_architecture()) os << " F=" << ffn_hidden;
   os << " V=" << vocab_size << " (padded " << padded_vocab_size << ") maxT=" << max_seq_len;
   if (llama_architecture() && !tie_embeddings) os << " untied";
+  if (n_experts > 0) os << " experts=" << n_experts << " top" << experts_per_token << " Fe=" << moe_ffn_hidden;
   return os.str();
 }
 
@@ -58,6 +66,17 @@ void TransformerConfig::validate() const {
     TALLY_CHECK(n_kv_head == n_head, "model: GPT-2 has no grouped-query attention (n_kv_head ", n_kv_head,
                 " != n_head ", n_head, ")");
     TALLY_CHECK(tie_embeddings, "model: GPT-2's LM head is always tied to the token embedding");
+  }
+  TALLY_CHECK((family == Family::Qwen3Moe) == (n_experts > 0), "model: ",
+              n_experts > 0 ? "experts are Qwen3-MoE's; " : "Qwen3-MoE needs experts; ", family_name(), " with ", n_experts,
+              " experts");
+  if (n_experts > 0) {
+    TALLY_CHECK(experts_per_token >= 1 && experts_per_token <= n_experts, "model: ", experts_per_token,
+                " experts per token (num_experts_per_tok) out of ", n_experts, ", expected 1..", n_experts);
+    TALLY_CHECK(moe_ffn_hidden >= 1, "model: the experts' width (moe_intermediate_size) must be set, got ", moe_ffn_hidden);
+    TALLY_CHECK(decoder_sparse_step >= 1, "model: decoder_sparse_step must be >= 1, got ", decoder_sparse_step);
+    for (int64_t l : mlp_only_layers)
+      TALLY_CHECK(l >= 0 && l < n_layer, "model: mlp_only_layers names layer ", l, " of a ", n_layer, "-layer model");
   }
 }
 
@@ -183,6 +202,15 @@ TransformerConfig TransformerConfig::preset(const std::string& name) {
   else if (name == "qwen2.5-7b") qwen(Family::Qwen2, 28, 28, 4, 3584, 18944, 0, 152064, false, 32768);
   else if (name == "qwen3-0.6b") qwen(Family::Qwen3, 28, 16, 8, 1024, 3072, 128, 151936, true, 40960);
   else if (name == "qwen3-8b") qwen(Family::Qwen3, 36, 32, 8, 4096, 12288, 128, 151936, false, 40960);
+  else if (name == "qwen3-30b-a3b") {
+    qwen(Family::Qwen3Moe, 48, 32, 4, 2048, 6144, 128, 151936, false, 40960);
+    c.n_experts = 128, c.experts_per_token = 8, c.moe_ffn_hidden = 768;
+  } else if (name.rfind("qwen3-moe-d", 0) == 0) {
+    // qwen3-dN's attention, and 8 experts a layer of the width, 2 of them per token.
+    const int64_t depth = depth_of(name.substr(11));
+    qwen(Family::Qwen3Moe, depth, depth, grouped_kv_heads(depth), 64 * depth, 3 * 64 * depth, 128, 151936, true, 8192);
+    c.n_experts = 8, c.experts_per_token = 2, c.moe_ffn_hidden = 64 * depth;
+  }
   else if (name.rfind("llama3-d", 0) == 0) {
     const int64_t depth = depth_of(name.substr(8));
     llama(depth, depth, grouped_kv_heads(depth), 64 * depth, 256, 0, 8, true, 8192);
@@ -197,7 +225,8 @@ TransformerConfig TransformerConfig::preset(const std::string& name) {
   } else {
     std::string all;
     for (const auto& n : preset_names()) all += (all.empty() ? "" : ", ") + n;
-    TALLY_FAIL("--model: unknown preset '", name, "'; expected one of ", all, " (or dN, llama3-dN, qwen2.5-dN, qwen3-dN for any depth N)");
+    TALLY_FAIL("--model: unknown preset '", name, "'; expected one of ", all,
+               " (or dN, llama3-dN, qwen2.5-dN, qwen3-dN, qwen3-moe-dN for any depth N)");
   }
   return c;
 }
@@ -205,7 +234,8 @@ TransformerConfig TransformerConfig::preset(const std::string& name) {
 std::vector<std::string> TransformerConfig::preset_names() {
   return {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "d2", "d4", "d6", "d12", "d24",
           "llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "llama3-d2", "llama3-d4", "llama3-d6",
-          "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b", "qwen2.5-d2", "qwen3-d2"};
+          "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b", "qwen2.5-d2", "qwen3-d2",
+          "qwen3-30b-a3b", "qwen3-moe-d2"};
 }
 
 Recompute parse_recompute(const std::string& text) {
@@ -279,6 +309,8 @@ void Transformer::declare_parameters() {
   TALLY_CHECK(c.n_head % tp == 0 && c.n_kv_head % tp == 0, "--tp ", tp, ": the model's ", c.n_head, " query heads and ",
               c.n_kv_head, " key/value heads must both divide into ", tp, " ranks");
   TALLY_CHECK(F % tp == 0, "--tp ", tp, ": the MLP width ", F, " must divide into ", tp, " ranks");
+  TALLY_CHECK(c.n_experts == 0 || tp == 1, "--tp ", tp, ": tensor parallel over experts is not supported yet (",
+              c.describe(), "); use --pp or --dp");
   TALLY_CHECK(c.padded_vocab_size % tp == 0, "--tp ", tp, ": the padded vocabulary ", c.padded_vocab_size,
               " must divide into ", tp, " ranks");
   for (const auto& ch : shard_.chunks)
@@ -316,6 +348,19 @@ void Transformer::declare_parameters() {
       p.attprojb = bias(h + "attn.c_proj.bias", C, TpSplit::Replicated);
       p.ln2w = declare(h + "ln_2.weight", {C}, false, TpSplit::Replicated);
       p.ln2b = bias(h + "ln_2.bias", C, TpSplit::Replicated);
+      if (c.sparse_layer(l)) {
+        // The router, then each expert's up, gate and down (a dense MLP's names under
+        // mlp.experts.E).
+        p.routerw = declare(h + "mlp.router.weight", {c.n_experts, C}, true, TpSplit::Replicated);
+        const int64_t Fe = c.moe_ffn_hidden;
+        for (int64_t e = 0; e < c.n_experts; ++e) {
+          const std::string x = h + "mlp.experts." + std::to_string(e) + ".";
+          p.expert_up.push_back(declare(x + "c_fc.weight", {Fe, C}, true, TpSplit::Rows));
+          p.expert_gate.push_back(declare(x + "c_fc2.weight", {Fe, C}, true, TpSplit::Rows));
+          p.expert_down.push_back(declare(x + "c_proj.weight", {C, Fe}, true, TpSplit::Columns));
+        }
+        continue;
+      }
       p.fcw = declare(h + "mlp.c_fc.weight", {Fl, C}, true, TpSplit::Rows);
       p.fcb = bias(h + "mlp.c_fc.bias", Fl, TpSplit::Rows);
       p.fc2w = llama ? declare(h + "mlp.c_fc2.weight", {Fl, C}, true, TpSplit::Rows) : kAbsent;
@@ -622,6 +667,7 @@ Tensor Transformer::layer_body(int64_t l, const Tensor& input, int64_t start, Kv
   {
     OwnerScope scope("mlp");
     Tensor h = norm(x, p.ln2w, p.ln2b);
+    if (p.routerw != kAbsent) return ops::add(x, experts(h, p));
     if (tp_ops_) h = tp_ops_->into_column_parallel(h);
     Tensor f;
     // Under bf16 the hidden layer stays bf16 end to end, as autocast runs it: the
@@ -684,7 +730,10 @@ void Transformer::head(const Tensor& input, const Tensor& targets, bool return_l
 
 double Transformer::flops_per_token(int64_t seq_len) const {
   const auto& c = config_;
-  const int64_t whole = shard_.whole() ? num_parameters() : layout_only(c).num_parameters();
+  int64_t whole = shard_.whole() ? num_parameters() : layout_only(c).num_parameters();
+  // A token runs k of a sparse layer's E experts: the others' weights do no work for it.
+  for (int64_t l = 0; l < c.n_layer; ++l)
+    if (c.sparse_layer(l)) whole -= (c.n_experts - c.experts_per_token) * 3 * c.n_embd * c.moe_ffn_hidden;
   return 6.0 * static_cast<double>(whole) + 6.0 * static_cast<double>(c.n_layer * c.q_dim() * seq_len);
 }
 

@@ -29,7 +29,7 @@
 namespace tally::nn {
 
 struct TransformerConfig {
-  enum class Family { Gpt2 = 0, Llama3 = 1, Qwen2 = 2, Qwen3 = 3 };  // the values are stored in model files
+  enum class Family { Gpt2 = 0, Llama3 = 1, Qwen2 = 2, Qwen3 = 3, Qwen3Moe = 4 };  // the values are stored in model files
   Family family = Family::Gpt2;
   int64_t max_seq_len = 1024;
   int64_t vocab_size = 50257;
@@ -53,12 +53,21 @@ struct TransformerConfig {
   double rope_factor = 0, rope_low_freq_factor = 1, rope_high_freq_factor = 4;
   int64_t rope_original_max_position = 8192;
   bool tie_embeddings = true;      // GPT-2 always; LLaMA-3.2 1B/3B tie, 3.1 8B does not
+  // ---- Qwen3-MoE's sparse MLP (n_experts 0: every layer's MLP is dense)
+  int64_t n_experts = 0;            // num_experts
+  int64_t experts_per_token = 0;    // num_experts_per_tok (top-k)
+  int64_t moe_ffn_hidden = 0;       // moe_intermediate_size: each expert's SwiGLU width
+  bool norm_topk_prob = true;       // the k routing weights renormalized to sum to 1
+  int64_t decoder_sparse_step = 1;  // layer l is sparse when (l + 1) % step == 0 ...
+  std::vector<int64_t> mlp_only_layers;  // ... and it is not listed here
 
   // LLaMA's architecture (rotary, RMSNorm, SwiGLU), which the Qwen families build on.
   bool llama_architecture() const { return family != Family::Gpt2; }
   bool has_qkv_bias() const { return family == Family::Gpt2 || family == Family::Qwen2; }
-  bool has_qk_norm() const { return family == Family::Qwen3; }
-  const char* family_name() const;  // "gpt2", "llama3", "qwen2", "qwen3"
+  bool has_qk_norm() const { return family == Family::Qwen3 || family == Family::Qwen3Moe; }
+  // Whether layer l's MLP is the experts' (HuggingFace's Qwen3-MoE rule).
+  bool sparse_layer(int64_t l) const;
+  const char* family_name() const;  // "gpt2", "llama3", "qwen2", "qwen3", "qwen3_moe"
   int64_t head_dim() const { return head_width > 0 ? head_width : n_embd / n_head; }
   int64_t q_dim() const { return n_head * head_dim(); }
   int64_t kv_dim() const { return n_kv_head * head_dim(); }
@@ -288,9 +297,15 @@ class Transformer {
     size_t ln1w = kAbsent, ln1b = kAbsent, qkvw = kAbsent, qkvb = kAbsent, qnormw = kAbsent, knormw = kAbsent,
            attprojw = kAbsent, attprojb = kAbsent, ln2w = kAbsent, ln2b = kAbsent, fcw = kAbsent, fcb = kAbsent, fc2w = kAbsent, fcprojw = kAbsent,
            fcprojb = kAbsent;
+    // A sparse layer's MLP: the router (E, C) and each expert's up, gate and down.
+    size_t routerw = kAbsent;
+    std::vector<size_t> expert_up, expert_gate, expert_down;
     size_t unit = kAbsent;  // kAbsent: a layer of another rank's chunk
   };
   std::vector<Layer> layers_;  // indexed by the global layer
+  // A sparse layer's MLP on h (B, T, C): routed to its top-k experts, their outputs summed
+  // with the routing weights (nn/experts.cc).
+  Tensor experts(const Tensor& h, const Layer& p) const;
 };
 
 }  // namespace tally::nn

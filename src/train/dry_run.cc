@@ -59,8 +59,16 @@ DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bo
               ledger.stats().allocated, " bytes live on ", c.compute.device.str(), ")");
   ledger.reset_peaks();
   ledger.track_peak_owners(true);
-  std::unique_ptr<dist::World> world = dist::World::create({1, 1, 1});
+  // A world of this process alone (a run under mpirun plans one rank of its own), and
+  // the clock put back afterwards: the steps it runs are not the real run's.
+  std::unique_ptr<dist::World> world = dist::World::self();
+  const Clock::Reading clock = Clock::now();
   DryRun run;
+  if (model.n_experts > 0)
+    run.bound = "experts' routing at the balanced bound: each of the " + std::to_string(model.n_experts) +
+                " experts takes 1/" + std::to_string(model.n_experts) + " of the tokens' " +
+                std::to_string(model.experts_per_token) + " choices (a real run's imbalance moves rows between the "
+                "experts' GEMMs)";
   {
     dist::StepEngine engine(*world, engine_config(c, model), [](nn::Transformer&) {});
     // The loader's buffers, as RunData opens them after the engine: training's, and
@@ -73,6 +81,7 @@ DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bo
       run.steps.push_back(run_step(step, c, engine, train, ledger));
   }
   ledger.track_peak_owners(false);
+  Clock::set(clock.step, clock.microbatch);
   return run;
 }
 
@@ -84,6 +93,7 @@ std::string dry_run_text(const DryRun& run) {
     if (run.steps[s].peak_bytes > run.steps[peak_step].peak_bytes) peak_step = s;
   }
   out += "\n";
+  if (!run.bound.empty()) out += "  planned at a declared bound: " + run.bound + "\n";
   if (run.steps.empty()) return out;
   const std::vector<memory::OwnerBytes>& owners = run.steps[peak_step].at_peak;
   std::vector<std::pair<std::string, int64_t>> kinds;

@@ -28,6 +28,9 @@ struct DryRunStep {
 struct DryRun {
   int64_t setup_peak_bytes = 0;  // building the model, its optimizer and the loader
   std::vector<DryRunStep> steps;  // steps 0 and 1
+  // What stands in for the data where the step depends on it: "" or, for experts, the
+  // routing it planned at (nn/experts.cc).
+  std::string bound;
   // The run's peak: the largest step's.
   int64_t peak_bytes() const;
 };

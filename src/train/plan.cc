@@ -34,18 +34,24 @@ std::vector<int64_t> unit_numels(const nn::TransformerConfig& c) {
   const int64_t C = c.n_embd, Vp = c.padded_vocab_size;
   std::vector<int64_t> units;
   const int64_t token_table = checked_mul(Vp, C, "plan: wte");
-  int64_t layer;
+  int64_t layer, sparse_layer = 0;
   if (c.llama_architecture()) {
     units.push_back(token_table);
     const int64_t extras = 2 * C + (c.has_qkv_bias() ? c.qkv_dim() : 0) + (c.has_qk_norm() ? 2 * c.head_dim() : 0);
-    layer = checked_add(checked_add(checked_mul(c.qkv_dim() + c.q_dim(), C, "plan: attention"),
-                                    checked_product({3, C, c.ffn_dim()}, "plan: MLP"), "plan: layer"),
-                        extras, "plan: layer");
+    const int64_t attention = checked_add(checked_mul(c.qkv_dim() + c.q_dim(), C, "plan: attention"), extras, "plan: layer");
+    layer = checked_add(attention, checked_product({3, C, c.ffn_dim()}, "plan: MLP"), "plan: layer");
+    // Qwen3-MoE's sparse layers: the router (E C) and E experts (3 C Fe each) for the MLP.
+    if (c.n_experts > 0)
+      sparse_layer = checked_add(attention,
+                                 checked_add(checked_mul(c.n_experts, C, "plan: router"),
+                                             checked_product({c.n_experts, 3, C, c.moe_ffn_hidden}, "plan: experts"),
+                                             "plan: layer"),
+                                 "plan: layer");
   } else {
     units.push_back(checked_add(token_table, checked_mul(c.max_seq_len, C, "plan: wpe"), "plan: embeddings"));
     layer = checked_add(checked_product({12, C, C}, "plan: layer"), 13 * C, "plan: layer");
   }
-  for (int64_t l = 0; l < c.n_layer; ++l) units.push_back(layer);
+  for (int64_t l = 0; l < c.n_layer; ++l) units.push_back(c.sparse_layer(l) ? sparse_layer : layer);
   units.push_back((c.llama_architecture() ? C : 2 * C) + (c.tie_embeddings ? 0 : token_table));
   return units;
 }
@@ -939,6 +945,7 @@ std::string plan_json(const MemoryPlan& plan, const DryRun* dry_run) {
     if (peak)
       for (const memory::OwnerBytes& o : peak->at_peak) at_peak[name_of(o.name)] = at_peak.value(name_of(o.name), int64_t{0}) + o.bytes;
     out["dry_run"] = {{"step_peak_bytes", steps}, {"peak_bytes", dry_run->peak_bytes()}, {"at_peak", at_peak}};
+    if (!dry_run->bound.empty()) out["dry_run"]["bound"] = dry_run->bound;
   }
   return out.dump(2);
 }

@@ -1,0 +1,125 @@
+// A sparse layer's MLP (Qwen3-MoE, as HuggingFace's Qwen3MoeSparseMoeBlock computes it):
+//   probs   = softmax(h W_router^T)              (N, E), fp32
+//   top-k   = the k largest probabilities of each token, their experts e_1..e_k
+//   weights = those k probabilities, renormalized to sum to 1 when norm_topk_prob
+//   out     = sum_j weights_j * expert_{e_j}(h),  expert(x) = W_down (silu(W_gate x) * W_up x)
+// Dropless: every token reaches its k experts. The N*k (token, slot) pairs are grouped by
+// expert, so each expert runs one GEMM over its tokens' rows (a grouped GEMM as a loop over
+// the experts), and the outputs return to their tokens by the inverse grouping. The
+// gradient reaches h through the experts and through the routing weights (the router); the
+// choice of experts itself has none, as in HuggingFace's.
+//
+// Routing reads the probabilities on the host. On the meta device (the dry run) there are
+// none: tokens are routed round-robin, every expert taking N*k/E of them (the balanced
+// bound; a real run's imbalance can only move bytes between experts' GEMMs, whose
+// activations are the same N*k rows in all).
+#include <numeric>
+
+#include "core/error.h"
+#include "core/owner.h"
+#include "nn/transformer.h"
+#include "ops/ops.h"
+
+namespace tally::nn {
+namespace {
+
+// Where each (token, slot) pair goes: `expert` (N, k), the pairs grouped by expert
+// (`grouped`: pair indices n*k + j, each expert's in token order), and each expert's count.
+struct Routing {
+  Tensor expert;        // (N, k) int64, for gathering the routing weights
+  Tensor grouped_token;  // (N*k) int64: the token of each grouped pair
+  Tensor grouped_pair;   // (N*k) int64: the pair each grouped row is
+  Tensor pair_position;  // (N*k) int64: where pair n*k + j sits among the grouped rows
+  std::vector<int64_t> count;  // (E)
+};
+
+Tensor index_tensor(const std::vector<int64_t>& values, const Shape& shape, Device device) {
+  Tensor t = Tensor::empty(shape, DType::I64, device, make_owner(Category::Activation, "moe.routing"));
+  if (!device.is_meta()) std::copy(values.begin(), values.end(), t.data<int64_t>());
+  return t;
+}
+
+// Each token's k most probable experts, largest first (ties to the lower index, as
+// torch.topk on the CPU), or on the meta device the balanced round-robin.
+std::vector<int64_t> top_k_experts(const Tensor& probs, int64_t k) {
+  const int64_t N = probs.shape()[0], E = probs.shape()[1];
+  std::vector<int64_t> chosen(static_cast<size_t>(N * k));
+  if (probs.device().is_meta()) {
+    for (int64_t i = 0; i < N * k; ++i) chosen[static_cast<size_t>(i)] = i % E;
+    return chosen;
+  }
+  TALLY_CHECK(probs.device().is_cpu() && probs.dtype() == DType::F32 && probs.is_contiguous(),
+              "experts: routing runs on the CPU's fp32 probabilities; got ", probs.str());
+  const float* p = probs.data<float>();
+  std::vector<int64_t> order(static_cast<size_t>(E));
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = p + n * E;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+    std::copy(order.begin(), order.begin() + k, chosen.begin() + n * k);
+  }
+  return chosen;
+}
+
+Routing route(const Tensor& probs, int64_t k) {
+  const int64_t N = probs.shape()[0], E = probs.shape()[1];
+  const std::vector<int64_t> chosen = top_k_experts(probs, k);
+  Routing r;
+  r.count.assign(static_cast<size_t>(E), 0);
+  for (int64_t e : chosen) ++r.count[static_cast<size_t>(e)];
+  std::vector<int64_t> offset(static_cast<size_t>(E), 0);
+  for (int64_t e = 1; e < E; ++e) offset[e] = offset[e - 1] + r.count[e - 1];
+  std::vector<int64_t> token(static_cast<size_t>(N * k)), pair(static_cast<size_t>(N * k)),
+      position(static_cast<size_t>(N * k));
+  for (int64_t i = 0; i < N * k; ++i) {
+    const int64_t at = offset[chosen[i]]++;
+    token[at] = i / k;
+    pair[at] = i;
+    position[i] = at;
+  }
+  const Device d = probs.device();
+  r.expert = index_tensor(chosen, {N, k}, d);
+  r.grouped_token = index_tensor(token, {N * k}, d);
+  r.grouped_pair = index_tensor(pair, {N * k}, d);
+  r.pair_position = index_tensor(position, {N * k}, d);
+  return r;
+}
+
+}  // namespace
+
+Tensor Transformer::experts(const Tensor& h, const Layer& p) const {
+  const auto& c = config_;
+  const int64_t B = h.shape()[0], T = h.shape()[1], C = c.n_embd, k = c.experts_per_token, N = B * T;
+  TALLY_CHECK(!h.device().is_cuda(), "experts: Qwen3-MoE's sparse layers run on the CPU only so far (got ", h.str(), ")");
+  const Tensor x = ops::reshape(h, {N, C});
+  Tensor probs;
+  {
+    OwnerScope scope("router");
+    probs = ops::softmax(linear(x, p.routerw, kAbsent));  // (N, E)
+  }
+  const Routing r = route(probs, k);
+  Tensor weights = ops::gather(probs, 1, r.expert);  // (N, k)
+  if (c.norm_topk_prob) weights = ops::div(weights, ops::sum(weights, {1}, true));
+  // Each expert's tokens, one block of rows each, through its SwiGLU MLP.
+  const Tensor rows = ops::embedding(x, r.grouped_token);  // (N*k, C)
+  std::vector<Tensor> outputs;
+  int64_t begin = 0;
+  for (int64_t e = 0; e < c.n_experts; ++e) {
+    const int64_t n = r.count[static_cast<size_t>(e)];
+    if (n == 0) continue;
+    OwnerScope scope("experts." + std::to_string(e));
+    const Tensor in = ops::slice(rows, 0, begin, begin + n);
+    const Tensor gate = linear(in, p.expert_gate[static_cast<size_t>(e)], kAbsent, matmul_dtype_);
+    const Tensor up = linear(in, p.expert_up[static_cast<size_t>(e)], kAbsent, matmul_dtype_);
+    outputs.push_back(linear(ops::swiglu(gate, up), p.expert_down[static_cast<size_t>(e)], kAbsent));
+    begin += n;
+  }
+  // Weighted by their routing weights, back in (token, slot) order, summed over the slots.
+  const Tensor grouped_weight = ops::embedding(ops::reshape(weights, {N * k, 1}), r.grouped_pair);  // (N*k, 1)
+  const Tensor weighted = ops::mul(ops::cat(outputs, 0), grouped_weight);
+  const Tensor by_pair = ops::embedding(weighted, r.pair_position);  // (N*k, C)
+  return ops::reshape(ops::sum(ops::reshape(by_pair, {N, k, C}), {1}), {B, T, C});
+}
+
+}  // namespace tally::nn
