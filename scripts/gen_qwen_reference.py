@@ -1,8 +1,8 @@
 #!/usr/bin/python3
-"""Generate tiny Qwen2 (Qwen2.5) and Qwen3 models plus PyTorch reference logits, gradients
-and training losses for tally's Qwen tests.
+"""Generate tiny Qwen2 (Qwen2.5), Qwen3 and Qwen3-MoE models plus PyTorch reference logits,
+gradients and training losses for tally's Qwen tests.
 
-Outputs (paths relative to the repo root), for FAMILY in qwen2, qwen3:
+Outputs (paths relative to the repo root), for FAMILY in qwen2, qwen3, qwen3_moe:
   tests/fixtures/FAMILY_tiny_hf/              the model as HuggingFace stores it: config.json
                                               and model.safetensors (qwen2), or two shards
                                               and model.safetensors.index.json (qwen3)
@@ -21,6 +21,11 @@ tied to the embedding (Qwen2) or not (Qwen3). The shapes are tiny but keep every
 live: 2 kv heads for 4 query heads; a vocabulary (97) that is not a multiple of 128; for
 Qwen3 a head_dim (16) that is not hidden_size / num_attention_heads (8), so the attention
 is 64 wide in a 32-wide model; biases and norm weights drawn away from 0 and 1.
+
+Qwen3-MoE is Qwen3 with modeling_qwen3_moe.py's sparse block: a router (mlp.gate, no bias),
+softmax in fp32 over the experts, top-k, renormalized when norm_topk_prob, each expert a
+SwiGLU MLP of moe_intermediate_size, outputs summed with the routing weights. Here 3 layers,
+4 experts of width 16, 2 per token, and mlp_only_layers [1]: the middle layer is dense.
 """
 import json
 import math
@@ -52,6 +57,9 @@ FAMILIES = {
     # family: (head_dim, q/k/v biases, q/k norms, tied head, seed, sharded)
     "qwen2": dict(head_dim=C // NH, bias=True, qk_norm=False, tied=True, seed=47, sharded=False),
     "qwen3": dict(head_dim=16, bias=False, qk_norm=True, tied=False, seed=53, sharded=True),
+    "qwen3_moe": dict(head_dim=16, bias=False, qk_norm=True, tied=False, seed=59, sharded=True, layers=3,
+                      moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                               decoder_sparse_step=1, mlp_only_layers=[1])),
 }
 
 torch.set_default_dtype(torch.float32)
@@ -122,23 +130,59 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self):
+    def __init__(self, width=FFN):
         super().__init__()
-        self.gate_proj = nn.Linear(C, FFN, bias=False)
-        self.up_proj = nn.Linear(C, FFN, bias=False)
-        self.down_proj = nn.Linear(FFN, C, bias=False)
+        self.gate_proj = nn.Linear(C, width, bias=False)
+        self.up_proj = nn.Linear(C, width, bias=False)
+        self.down_proj = nn.Linear(width, C, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class SparseMoeBlock(nn.Module):
+    """Qwen3MoeSparseMoeBlock: route each token to its top-k experts."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = (moe["num_experts"], moe["num_experts_per_tok"],
+                                                             moe["norm_topk_prob"])
+        self.gate = nn.Linear(C, self.num_experts, bias=False)
+        self.experts = nn.ModuleList([MLP(moe["moe_intermediate_size"]) for _ in range(self.num_experts)])
+
+    def forward(self, x):
+        b, t, c = x.shape
+        h = x.reshape(-1, c)
+        router_logits = self.gate(h)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(h.dtype)
+        final = torch.zeros_like(h)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)  # (E, k, N)
+        for e in range(self.num_experts):
+            idx, top_x = torch.where(expert_mask[e])
+            if top_x.numel() == 0:
+                continue
+            out = self.experts[e](h[top_x]) * routing_weights[top_x, idx, None]
+            final.index_add_(0, top_x, out.to(h.dtype))
+        return final.reshape(b, t, c)
+
+
+def sparse_layer(f, layer_idx):
+    moe = f.get("moe")
+    return (moe is not None and layer_idx not in moe["mlp_only_layers"] and moe["num_experts"] > 0
+            and (layer_idx + 1) % moe["decoder_sparse_step"] == 0)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, f):
+    def __init__(self, f, layer_idx):
         super().__init__()
         self.input_layernorm = RMSNorm(C)
         self.self_attn = Attention(f)
         self.post_attention_layernorm = RMSNorm(C)
-        self.mlp = MLP()
+        self.mlp = SparseMoeBlock(f["moe"]) if sparse_layer(f, layer_idx) else MLP()
 
     def forward(self, x, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -149,7 +193,7 @@ class Body(nn.Module):
     def __init__(self, f):
         super().__init__()
         self.embed_tokens = nn.Embedding(V, C)
-        self.layers = nn.ModuleList([DecoderLayer(f) for _ in range(L)])
+        self.layers = nn.ModuleList([DecoderLayer(f, l) for l in range(f.get("layers", L))])
         self.norm = RMSNorm(C)
 
 
@@ -211,18 +255,22 @@ def write_hf(family, f, state, directory):
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, out, indent=2)
     else:
         safetensors_io.save(os.path.join(directory, "model.safetensors"), state, {"format": "pt"})
+    architecture = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
     config = {
-        "architectures": ["Qwen2ForCausalLM" if family == "qwen2" else "Qwen3ForCausalLM"],
+        "architectures": [architecture[family]],
         "model_type": family, "hidden_act": "silu", "hidden_size": C, "intermediate_size": FFN,
-        "num_attention_heads": NH, "num_key_value_heads": NKV, "num_hidden_layers": L,
+        "num_attention_heads": NH, "num_key_value_heads": NKV, "num_hidden_layers": f.get("layers", L),
         "vocab_size": V, "max_position_embeddings": MAX_T, "rms_norm_eps": NORM_EPS, "rope_theta": ROPE_THETA,
         "rope_scaling": None, "tie_word_embeddings": f["tied"], "torch_dtype": "float32",
         "use_sliding_window": False, "sliding_window": MAX_T, "max_window_layers": L,
         "attention_dropout": 0.0, "initializer_range": INIT_STD, "use_cache": True,
         "bos_token_id": 0, "eos_token_id": 1,
     }
-    if family == "qwen3":
+    if family != "qwen2":
         config.update({"head_dim": f["head_dim"], "attention_bias": False})
+    if "moe" in f:
+        config.update(f["moe"])
+        config.update({"output_router_logits": False, "router_aux_loss_coef": 0.001})
     with open(os.path.join(directory, "config.json"), "w") as out:
         json.dump(config, out, indent=2)
 
@@ -283,7 +331,7 @@ def generate(family):
         tensors["grad." + name] = g
     metadata = {
         "generator": "scripts/gen_qwen_reference.py", "family": family, "torch_version": torch.__version__,
-        "torch_seed": str(f["seed"]), "max_seq_len": str(MAX_T), "vocab_size": str(V), "num_layers": str(L),
+        "torch_seed": str(f["seed"]), "max_seq_len": str(MAX_T), "vocab_size": str(V), "num_layers": str(f.get("layers", L)),
         "num_heads": str(NH), "num_kv_heads": str(NKV), "head_dim": str(f["head_dim"]), "channels": str(C),
         "ffn_hidden": str(FFN), "norm_eps": str(NORM_EPS), "rope_theta": str(ROPE_THETA),
         "batch_size": str(B), "seq_len": str(T), "num_params": str(n_params), "tied_lm_head": str(f["tied"]).lower(),

@@ -53,7 +53,8 @@ int world_size() { return g_world->size(); }
 using Family = nn::TransformerConfig::Family;
 
 // Four layers of width 32, 4 heads; LLaMA's architecture with 2 kv heads, an untied head,
-// Qwen2's q/k/v biases, or Qwen3's q/k norms and heads 16 wide (not 32 / 4).
+// Qwen2's q/k/v biases, Qwen3's q/k norms and heads 16 wide (not 32 / 4), or Qwen3-MoE's
+// experts besides.
 nn::TransformerConfig tiny_model(Family family) {
   nn::TransformerConfig c;
   c.n_layer = 4;
@@ -68,7 +69,13 @@ nn::TransformerConfig tiny_model(Family family) {
     c.ffn_hidden = 64;
     c.rope_theta = 10000;
     c.tie_embeddings = false;
-    if (family == Family::Qwen3) c.head_width = 16;
+    if (family == Family::Qwen3 || family == Family::Qwen3Moe) c.head_width = 16;
+    if (family == Family::Qwen3Moe) {  // 4 experts of 16, 2 a token; layer 1 dense
+      c.n_experts = 4;
+      c.experts_per_token = 2;
+      c.moe_ffn_hidden = 16;
+      c.mlp_only_layers = {1};
+    }
   }
   return c;
 }
@@ -193,6 +200,7 @@ void expect_matches_one_process(const Layout& l, Family family, const std::strin
   // The first loss is the same model on the same data: equal to rounding.
   EXPECT_NEAR(got.history[0].loss, want.history[0].loss, 1e-6 * std::abs(want.history[0].loss)) << what;
   expect_flat(got, what);
+  if (family == Family::Qwen3Moe) return;  // the plan's formulas have no experts (the dry run has)
   // The memory plan (train/plan.h): every rank's measured peak is its planned one to the
   // byte, in every layout.
   const train::StepMetrics& last = got.history.back();
@@ -243,6 +251,20 @@ TEST(QwenLayouts, MatchOneProcessWithFlatMemory) {
     expect_matches_one_process(l, Family::Qwen3, "selective");
   }
   if (!ran) GTEST_SKIP() << "no Qwen layout for " << world_size() << " ranks";
+}
+
+// Qwen3-MoE's routing is a function of each token's hidden state: pipeline stages, data
+// parallel ranks (ZeRO-1 too) and recomputation route every token as one process does.
+TEST(QwenLayouts, MoeMatchesOneProcessWithFlatMemory) {
+  const std::vector<Layout> some = {{1, 1, 2, "1f1b"}, {2, 1, 1, "1f1b", 1, false, 1}, {2, 1, 2, "1f1b", 1, false, 1},
+                                    {1, 1, 4, "1f1b"}};
+  bool ran = false;
+  for (const Layout& l : some) {
+    if (l.world() != world_size()) continue;
+    ran = true;
+    for (const char* recompute : {"none", "full"}) expect_matches_one_process(l, Family::Qwen3Moe, recompute);
+  }
+  if (!ran) GTEST_SKIP() << "no MoE layout for " << world_size() << " ranks";
 }
 
 // Mixed precision through tensor and pipeline parallel: the projections round the same
