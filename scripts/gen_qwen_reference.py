@@ -26,6 +26,9 @@ Qwen3-MoE is Qwen3 with modeling_qwen3_moe.py's sparse block: a router (mlp.gate
 softmax in fp32 over the experts, top-k, renormalized when norm_topk_prob, each expert a
 SwiGLU MLP of moe_intermediate_size, outputs summed with the routing weights. Here 3 layers,
 4 experts of width 16, 2 per token, and mlp_only_layers [1]: the middle layer is dense.
+Its file also holds the same step-0 quantities and AdamW run with HuggingFace's
+load-balancing loss added (output_router_logits, load_balancing_loss_func over both sparse
+layers' router logits together, times AUX_COEF).
 """
 import json
 import math
@@ -51,6 +54,7 @@ STEPS = 10
 INIT_STD = 0.02
 NOISE_STD = 0.02
 RUN1 = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+AUX_COEF = 0.05  # router_aux_loss_coef of the aux_ quantities (large enough to move the gradients)
 RUN2 = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, clip=1.0)
 
 FAMILIES = {
@@ -148,12 +152,14 @@ class SparseMoeBlock(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = (moe["num_experts"], moe["num_experts_per_tok"],
                                                              moe["norm_topk_prob"])
         self.gate = nn.Linear(C, self.num_experts, bias=False)
+        self.router_logits = None  # the last forward's, for the load-balancing loss
         self.experts = nn.ModuleList([MLP(moe["moe_intermediate_size"]) for _ in range(self.num_experts)])
 
     def forward(self, x):
         b, t, c = x.shape
         h = x.reshape(-1, c)
         router_logits = self.gate(h)
+        self.router_logits = router_logits
         routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
         routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -206,7 +212,7 @@ class QwenForCausalLM(nn.Module):
         if not self.tied:
             self.lm_head = nn.Linear(C, V, bias=False)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, aux_coef=0.0):
         x = self.model.embed_tokens(idx)
         cos, sin = rotary_cos_sin(idx.shape[1], self.f["head_dim"])
         for layer in self.model.layers:
@@ -214,7 +220,23 @@ class QwenForCausalLM(nn.Module):
         h = self.model.norm(x)
         logits = h @ (self.model.embed_tokens.weight if self.tied else self.lm_head.weight).T
         loss = None if targets is None else F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+        self.aux_loss = None
+        if aux_coef > 0:
+            gate_logits = [l.mlp.router_logits for l in self.model.layers if isinstance(l.mlp, SparseMoeBlock)]
+            self.aux_loss = load_balancing_loss(gate_logits, self.f["moe"]["num_experts"], self.f["moe"]["num_experts_per_tok"])
+            loss = loss + aux_coef * self.aux_loss
         return logits, loss
+
+
+def load_balancing_loss(gate_logits, num_experts, top_k):
+    """transformers' load_balancing_loss_func without an attention mask."""
+    concatenated = torch.cat(gate_logits, dim=0)
+    routing_weights = F.softmax(concatenated, dim=-1)
+    _, selected_experts = torch.topk(routing_weights, top_k, dim=-1)
+    expert_mask = F.one_hot(selected_experts, num_experts)
+    tokens_per_expert = torch.mean(expert_mask.float(), dim=0)
+    router_prob_per_expert = torch.mean(routing_weights, dim=0)
+    return torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0)) * num_experts
 
 
 def init_weights(model):
@@ -275,7 +297,7 @@ def write_hf(family, f, state, directory):
         json.dump(config, out, indent=2)
 
 
-def train(f, init_state, x, y, cfg, decay_2d_only, clip):
+def train(f, init_state, x, y, cfg, decay_2d_only, clip, aux_coef=0.0):
     model = QwenForCausalLM(f)
     model.load_state_dict(init_state)
     params = list(model.parameters())
@@ -288,7 +310,7 @@ def train(f, init_state, x, y, cfg, decay_2d_only, clip):
     losses, norms = [], []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
-        _, loss = model(x, y)
+        _, loss = model(x, y, aux_coef)
         loss.backward()
         losses.append(loss.item())
         if clip is not None:
@@ -329,6 +351,15 @@ def generate(family):
     }
     for name, g in grads.items():
         tensors["grad." + name] = g
+    if "moe" in f:
+        model.zero_grad(set_to_none=True)
+        _, aux_total = model(x, y, AUX_COEF)
+        aux_total.backward()
+        tensors["aux_loss"] = np.array(model.aux_loss.item(), dtype=np.float32)
+        tensors["aux_total_loss"] = np.array(aux_total.item(), dtype=np.float32)
+        for name, g in state_numpy(model, use_grad=True).items():
+            tensors["aux_grad." + name] = g
+        tensors["aux_losses"], _ = train(f, init_state, x, y, RUN1, decay_2d_only=False, clip=None, aux_coef=AUX_COEF)
     metadata = {
         "generator": "scripts/gen_qwen_reference.py", "family": family, "torch_version": torch.__version__,
         "torch_seed": str(f["seed"]), "max_seq_len": str(MAX_T), "vocab_size": str(V), "num_layers": str(f.get("layers", L)),
@@ -342,6 +373,8 @@ def generate(family):
         "losses_wd2d.lr": str(RUN2["lr"]), "losses_wd2d.weight_decay": str(RUN2["weight_decay"]),
         "losses_wd2d.betas": "0.9,0.95",
     }
+    if "moe" in f:
+        metadata.update({"aux_coef": str(AUX_COEF), "aux_losses.optimizer": "as losses, with the load-balancing loss"})
     ref_path = os.path.join(FIX, f"{family}_tiny_ref.safetensors")
     safetensors_io.save(ref_path, tensors, metadata)
     safetensors_io.roundtrip_check(ref_path, tensors, metadata)

@@ -287,15 +287,6 @@ TEST(QwenFiles, ConfigsTallyCannotBuildAreRefusedNamingTheField) {
   EXPECT_NE(msg.find("attention_bias"), std::string::npos) << msg;
   msg = refusal("\"model_type\": \"qwen3\"", "\"model_type\": \"qwen3_next\"");
   EXPECT_NE(msg.find("qwen3_next"), std::string::npos) << msg;
-  // An MoE config asking for HuggingFace's load-balancing loss, which tally does not add yet.
-  const std::string dir = test::temp_path("qwen_moe_refused");
-  fs::remove_all(dir);
-  fs::copy(hf_dir("qwen3_moe"), dir);
-  std::string text = test::read_all(dir + "/config.json");
-  text.replace(text.find("\"output_router_logits\": false"), 29, "\"output_router_logits\": true");
-  test::write_all(dir + "/config.json", text);
-  msg = test::message_of<Error>([&] { io::read_hf_config(dir); });
-  EXPECT_NE(msg.find("output_router_logits"), std::string::npos) << msg;
 }
 
 TEST_P(QwenFamily, TrainsFromItsHuggingFaceFilesWithFlatMemoryAndTheDryRunsPeak) {
@@ -369,4 +360,87 @@ TEST(QwenPlan, TheDryRunSaysWhichRoutingItPlannedAt) {
   EXPECT_NE(train::dry_run_text(dry).find("planned at a declared bound"), std::string::npos);
   const train::DryRun dense = train::dry_run(c, io::read_hf_config(hf_dir("qwen3")), false);
   EXPECT_TRUE(dense.bound.empty()) << dense.bound;
+}
+
+namespace {
+// The MoE fixture with HuggingFace's load-balancing loss on (output_router_logits), at the
+// reference's coefficient.
+std::string moe_with_router_loss() {
+  const std::string dir = test::temp_path("qwen_moe_aux");
+  fs::remove_all(dir);
+  fs::copy(hf_dir("qwen3_moe"), dir);
+  std::string text = test::read_all(dir + "/config.json");
+  const std::string off = "\"output_router_logits\": false", coef = "\"router_aux_loss_coef\": 0.001";
+  text.replace(text.find(off), off.size(), "\"output_router_logits\": true");
+  text.replace(text.find(coef), coef.size(), "\"router_aux_loss_coef\": " + ref("qwen3_moe").metadata.at("aux_coef"));
+  test::write_all(dir + "/config.json", text);
+  return dir;
+}
+}  // namespace
+
+TEST(QwenMoe, TheLoadBalancingLossAndItsGradientsMatchHuggingFaces) {
+  const std::string dir = moe_with_router_loss();
+  nn::Transformer m(io::read_hf_config(dir));
+  io::load_hf(dir, m);
+  EXPECT_DOUBLE_EQ(m.config().router_aux_loss_coef, std::stod(ref("qwen3_moe").metadata.at("aux_coef")));
+  const io::SafetensorsFile reference = ref("qwen3_moe");
+  nn::ForwardResult r = m.forward(reference.at("x"), reference.at("y"));
+  ASSERT_TRUE(r.aux_loss.defined());
+  EXPECT_NEAR(r.aux_loss.item(), reference.at("aux_loss").item(), 1e-6);
+  EXPECT_NEAR(r.loss.item(), reference.at("aux_total_loss").item(), 1e-5);
+  r.aux_loss = Tensor();
+  r.loss.backward();
+  io::SafetensorsFile grads = exported_gradients(m, "qwen_moe_aux_grads");
+  for (const std::string& name : grads.order) {
+    test::Diff d = test::compare(grads.at(name), reference.at("aux_grad." + name));
+    EXPECT_LT(d.max_abs / std::max(d.ref_scale, 1e-30), 1e-4) << "gradient of " << name;
+  }
+  // Ten AdamW steps with it in the objective.
+  nn::Transformer t(io::read_hf_config(dir));
+  io::load_hf(dir, t);
+  optim::AdamW opt(t.params(), {0.9, 0.999, 1e-8, 0.01, /*decay_all=*/true});
+  const auto expected = reference.at("aux_losses").to_vector<double>();
+  for (int i = 0; i < 10; ++i) {
+    Tensor loss = t.forward(reference.at("x"), reference.at("y")).loss;
+    EXPECT_NEAR(loss.item(), expected[i], 1e-5) << "step " << i;
+    loss.backward();
+    opt.step(1e-3, 1.0);
+    t.params().zero_grad();
+  }
+  // Exported, the config says so, and a .bin keeps the coefficient.
+  const std::string out = test::temp_path("qwen_moe_aux_export");
+  io::save_hf(out, m);
+  EXPECT_DOUBLE_EQ(io::read_hf_config(out).router_aux_loss_coef, m.config().router_aux_loss_coef);
+  const std::string bin = test::temp_path("qwen_moe_aux.bin");
+  io::save_llmc(bin, m);
+  EXPECT_DOUBLE_EQ(io::read_llmc_config(bin).router_aux_loss_coef, m.config().router_aux_loss_coef);
+}
+
+TEST(QwenMoe, TheTrainerLogsTheObjectiveItsCrossEntropyAndTheRouterLoss) {
+  train::TrainConfig c = test::tiny_train_config(test::write_random_shard("qwen_moe_aux.bin", 20000, 97, 5));
+  c.model.file.clear();
+  c.model.init_from = moe_with_router_loss();
+  c.batch.batch_size = 2;
+  c.batch.seq_len = 32;
+  c.batch.grad_accum = 2;
+  c.batch.steps = 3;
+  c.memory.sanitize = sanitizer::SanitizeMode::Strict;  // the records the head takes leave nothing behind
+  c.checkpoint.out_dir = test::temp_path("qwen_moe_aux_out");
+  c.metrics.log_json = test::temp_path("qwen_moe_aux.jsonl");
+  const train::TrainResult r = train::run_training(c);
+  ASSERT_EQ(r.history.size(), 3u);
+  // Balanced routing gives k (2); all tokens on k experts would give E (4).
+  for (const train::StepMetrics& m : r.history) {
+    EXPECT_GT(m.aux_loss, 1.5);
+    EXPECT_LT(m.aux_loss, 4.0);
+    EXPECT_LT(m.ce_loss, m.loss);
+  }
+  EXPECT_EQ(r.history[2].peak_bytes, r.history[1].peak_bytes);
+  const std::string rows = test::read_all(c.metrics.log_json);
+  EXPECT_NE(rows.find("\"aux_loss\""), std::string::npos) << rows;
+  EXPECT_NE(rows.find("\"ce_loss\""), std::string::npos) << rows;
+  // Where it is not supported yet, it says so.
+  c.compute.recompute = nn::Recompute::Full;
+  const std::string msg = test::message_of<Error>([&] { train::run_training(c); });
+  EXPECT_NE(msg.find("--recompute full"), std::string::npos) << msg;
 }

@@ -102,10 +102,14 @@ Tensor StepEngine::on_device(const Tensor& t) const {
 
 double StepEngine::forward_backward(int64_t step, data::BatchSource& loader, sanitizer::Sanitizer& sanitizer) {
   const int64_t tp_bytes_before = world_.tp_group().stats().payload_bytes;
+  aux_loss_sum_ = 0;
   const double local = pipeline_ ? run_pipeline(step, loader, sanitizer) : run_microbatches(step, loader, sanitizer);
   tp_payload_bytes_ = world_.tp_group().stats().payload_bytes - tp_bytes_before;
   const double total = world_.dp_group().all_reduce_scalar(local, ReduceOp::Sum);
-  return total / static_cast<double>(config_.microbatches * world_.dp());
+  const double count = static_cast<double>(config_.microbatches * world_.dp());
+  if (model_->config().router_aux_loss_coef > 0)
+    aux_loss_ = world_.dp_group().all_reduce_scalar(aux_loss_sum_, ReduceOp::Sum) / count;
+  return total / count;
 }
 
 // Microbatches one after another, each forward then backward: the loader's buffers are
@@ -119,7 +123,10 @@ double StepEngine::run_microbatches(int64_t step, data::BatchSource& loader, san
     {
       const data::Batch& batch = loader.batch_at(step, mb * D + world_.dp_rank(), N * D);
       std::optional<profiler::PhaseScope> phase(std::in_place, "forward");
-      Tensor loss = model_->forward(on_device(batch.inputs), on_device(batch.targets)).loss;
+      nn::ForwardResult result = model_->forward(on_device(batch.inputs), on_device(batch.targets));
+      Tensor loss = std::move(result.loss);
+      if (result.aux_loss.defined()) aux_loss_sum_ += result.aux_loss.item();  // its number only
+      result = nn::ForwardResult();
       // At the end of the first forward the live set is exactly model states + loader
       // buffers + saved activations (measured; the plan predicts it).
       if (live_after_forward_ == 0) live_after_forward_ = runtime::ledger(config_.device).stats().allocated;

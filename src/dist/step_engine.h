@@ -113,6 +113,9 @@ class StepEngine {
   const PipelineStepStats* pipeline_stats() const;  // null without a pipeline
   const ReductionStats* all_reduce_stats() const;   // null without the all-reduce
   int64_t tp_payload_bytes() const { return tp_payload_bytes_; }  // this step's, tensor parallel
+  // The last step's load-balancing loss (before its coefficient), averaged as the loss is;
+  // negative when the model adds none.
+  double aux_loss() const { return aux_loss_; }
   // The start-up lines that describe the layout ("parallel: ...").
   std::vector<std::string> describe() const;
 
@@ -137,6 +140,7 @@ class StepEngine {
   int64_t setup_peak_ = 0;
   int64_t live_after_forward_ = 0;
   int64_t tp_payload_bytes_ = 0;
+  double aux_loss_sum_ = 0, aux_loss_ = -1;
 };
 
 }  // namespace tally::dist

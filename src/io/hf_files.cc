@@ -166,9 +166,8 @@ void moe_config(const json& j, const std::string& path, nn::TransformerConfig& c
     return j[key].get<bool>();
   };
   c.norm_topk_prob = flag("norm_topk_prob", false);
-  TALLY_CHECK(!flag("output_router_logits", false), "HuggingFace config '", path,
-              "': output_router_logits is true, which adds HuggingFace's load-balancing loss to the objective; tally "
-              "does not compute that loss yet");
+  // output_router_logits: HuggingFace adds its load-balancing loss, times the coefficient.
+  if (flag("output_router_logits", false)) c.router_aux_loss_coef = number(j, "router_aux_loss_coef", path, 0.001);
   if (j.contains("mlp_only_layers") && !j["mlp_only_layers"].is_null()) {
     TALLY_CHECK(j["mlp_only_layers"].is_array(), "HuggingFace config '", path, "': mlp_only_layers is ",
                 j["mlp_only_layers"].dump(), ", expected a list of layer indices");
@@ -701,7 +700,8 @@ void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
       config["norm_topk_prob"] = c.norm_topk_prob;
       config["decoder_sparse_step"] = c.decoder_sparse_step;
       config["mlp_only_layers"] = c.mlp_only_layers;
-      config["output_router_logits"] = false;
+      config["output_router_logits"] = c.router_aux_loss_coef > 0;
+      if (c.router_aux_loss_coef > 0) config["router_aux_loss_coef"] = c.router_aux_loss_coef;
     }
     // Meta's names (params.json): how intermediate_size was rounded, for llm.c's header.
     if (llama3) {

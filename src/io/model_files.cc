@@ -41,6 +41,7 @@ constexpr int kExpertsSlot = 248, kExpertsPerTokenSlot = 249, kExpertWidthSlot =
 // ... and its mlp_only_layers, one bit a layer (layer l: bit l % 32 of slot 64 + l / 32),
 // in slots llm.c does not read: up to 4096 layers.
 constexpr int kDenseLayerMaskSlot = 64, kDenseLayerMaskSlots = 128;
+constexpr int kRouterLossSlot = 192;  // a double: router_aux_loss_coef (0: no load-balancing loss)
 constexpr int32_t kExactMark = 0x33616C6C;  // "lla3"
 // GPT-2: its LayerNorm eps (1e-5 in every GPT-2, but a HuggingFace config may say another),
 // a double in kEpsSlot, marked so. llm.c's files have neither: 1e-5.
@@ -139,6 +140,7 @@ nn::TransformerConfig llama_config(Header& h, const std::string& path) {
       c.moe_ffn_hidden = h.ints[kExpertWidthSlot];
       c.decoder_sparse_step = h.ints[kSparseStepSlot];
       c.norm_topk_prob = h.ints[kNormTopKSlot] != 0;
+      c.router_aux_loss_coef = get_double(h, kRouterLossSlot);
       for (int64_t l = 0; l < std::min<int64_t>(c.n_layer, 32 * kDenseLayerMaskSlots); ++l)
         if (static_cast<uint32_t>(h.ints[kDenseLayerMaskSlot + l / 32]) >> (l % 32) & 1u) c.mlp_only_layers.push_back(l);
       TALLY_CHECK(c.n_experts >= 1 && c.n_experts <= (1 << 16) && c.experts_per_token >= 1 &&
@@ -262,6 +264,7 @@ uint32_t load_llmc(const std::string& path, nn::Transformer& model) {
                   c.n_head == m.n_head && c.n_experts == m.n_experts && c.experts_per_token == m.experts_per_token &&
                   c.moe_ffn_hidden == m.moe_ffn_hidden && c.norm_topk_prob == m.norm_topk_prob &&
                   c.decoder_sparse_step == m.decoder_sparse_step && c.mlp_only_layers == m.mlp_only_layers &&
+                  c.router_aux_loss_coef == m.router_aux_loss_coef &&
                   c.n_kv_head == m.n_kv_head && c.ffn_dim() == m.ffn_dim() && c.vocab_size == m.vocab_size &&
                   c.padded_vocab_size == m.padded_vocab_size && c.max_seq_len == m.max_seq_len,
               "model file '", path, "' holds ", c.describe(), " but the model is ", m.describe());
@@ -386,6 +389,7 @@ void save_llmc(const std::string& path, const nn::Transformer& model, const std:
       h.ints[kExpertWidthSlot] = header_int(path, "moe_intermediate_size", static_cast<double>(c.moe_ffn_hidden));
       h.ints[kSparseStepSlot] = header_int(path, "decoder_sparse_step", static_cast<double>(c.decoder_sparse_step));
       h.ints[kNormTopKSlot] = c.norm_topk_prob ? 1 : 0;
+      put_double(h, kRouterLossSlot, c.router_aux_loss_coef);
     }
   } else {
     h.ints[0] = kGpt2Magic;

@@ -21,7 +21,7 @@
 //     and 253..255 (count, per token, width, sparse-layer step, renormalization) and its
 //     sparse layers' routerw (Ls, E, C) and expfcw, expfcw2, expfcprojw (Ls, E, ...) after
 //     ln2w (the dense layers' MLP kinds stacked over those layers only); mlp_only_layers is a
-//     bit mask in slots 64..191.
+//     bit mask in slots 64..191, router_aux_loss_coef a double in slots 192..193.
 //   HuggingFace files: io/hf_files.h.
 #pragma once
 #include <functional>

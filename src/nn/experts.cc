@@ -16,6 +16,7 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "autograd/grad_mode.h"
 #include "core/owner.h"
 #include "nn/transformer.h"
 #include "ops/ops.h"
@@ -99,6 +100,15 @@ Tensor Transformer::experts(const Tensor& h, const Layer& p) const {
     probs = ops::softmax(linear(x, p.routerw, kAbsent));  // (N, E)
   }
   const Routing r = route(probs, k);
+  if (c.router_aux_loss_coef > 0 && autograd::grad_enabled()) {
+    // The loss spans every sparse layer's tokens at once, so it is made at the head, in
+    // the forward that runs them all (not a pipeline's chunks, nor a recomputed layer).
+    TALLY_CHECK(shard_.chunks.size() == 1 && shard_.chunks[0].embed && shard_.chunks[0].head,
+                "the router's load-balancing loss (output_router_logits) is not supported under --pp yet");
+    TALLY_CHECK(recompute_ != Recompute::Full,
+                "the router's load-balancing loss (output_router_logits) is not supported under --recompute full yet");
+    router_records_.push_back({ops::sum(probs, {0}), r.count, N});
+  }
   Tensor weights = ops::gather(probs, 1, r.expert);  // (N, k)
   if (c.norm_topk_prob) weights = ops::div(weights, ops::sum(weights, {1}, true));
   // Each expert's tokens, one block of rows each, through its SwiGLU MLP.
@@ -120,6 +130,26 @@ Tensor Transformer::experts(const Tensor& h, const Layer& p) const {
   const Tensor weighted = ops::mul(ops::cat(outputs, 0), grouped_weight);
   const Tensor by_pair = ops::embedding(weighted, r.pair_position);  // (N*k, C)
   return ops::reshape(ops::sum(ops::reshape(by_pair, {N, k, C}), {1}), {B, T, C});
+}
+
+Tensor Transformer::take_router_loss() const {
+  if (router_records_.empty()) return Tensor();
+  // aux = E / R^2 * sum_e C_e S_e: C_e the choices of e, S_e the sum of its probabilities,
+  // both over all R rows of all sparse layers.
+  const int64_t E = config_.n_experts;
+  std::vector<float> count(static_cast<size_t>(E), 0.f);
+  int64_t rows = 0;
+  Tensor sum;
+  for (const RouterRecord& record : router_records_) {
+    for (int64_t e = 0; e < E; ++e) count[static_cast<size_t>(e)] += static_cast<float>(record.count[static_cast<size_t>(e)]);
+    rows += record.tokens;
+    sum = sum.defined() ? ops::add(sum, record.probability_sum) : record.probability_sum;
+  }
+  router_records_.clear();
+  Tensor counts = Tensor::empty({E}, DType::F32, sum.device(), make_owner(Category::Activation, "moe.router_counts"));
+  if (!counts.device().is_meta()) std::copy(count.begin(), count.end(), counts.data<float>());
+  const double R = static_cast<double>(rows);
+  return ops::scale(ops::sum(ops::mul(sum, counts)), static_cast<double>(E) / (R * R));
 }
 
 }  // namespace tally::nn

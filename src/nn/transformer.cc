@@ -75,6 +75,8 @@ void TransformerConfig::validate() const {
                 " experts per token (num_experts_per_tok) out of ", n_experts, ", expected 1..", n_experts);
     TALLY_CHECK(moe_ffn_hidden >= 1, "model: the experts' width (moe_intermediate_size) must be set, got ", moe_ffn_hidden);
     TALLY_CHECK(decoder_sparse_step >= 1, "model: decoder_sparse_step must be >= 1, got ", decoder_sparse_step);
+    TALLY_CHECK(std::isfinite(router_aux_loss_coef) && router_aux_loss_coef >= 0,
+                "model: router_aux_loss_coef must be a finite number >= 0, got ", router_aux_loss_coef);
     for (int64_t l : mlp_only_layers)
       TALLY_CHECK(l >= 0 && l < n_layer, "model: mlp_only_layers names layer ", l, " of a ", n_layer, "-layer model");
   }
@@ -723,6 +725,11 @@ void Transformer::head(const Tensor& input, const Tensor& targets, bool return_l
       // Returned logits are fp32 whatever the head wrote (under bf16: its values, widened).
       if (return_logits) result.logits = logits.dtype() == DType::F32 ? logits : logits.to(DType::F32);
     }
+  }
+  // The router's load-balancing loss joins the objective; without targets there is none.
+  if (Tensor aux = take_router_loss(); aux.defined() && result.loss.defined()) {
+    result.aux_loss = aux;
+    result.loss = ops::add(result.loss, ops::scale(aux, config_.router_aux_loss_coef));
   }
   if (result.loss.defined()) result.loss = acquired_in_backward(result.loss, units);
   leave(units);

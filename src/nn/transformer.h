@@ -60,6 +60,11 @@ struct TransformerConfig {
   bool norm_topk_prob = true;       // the k routing weights renormalized to sum to 1
   int64_t decoder_sparse_step = 1;  // layer l is sparse when (l + 1) % step == 0 ...
   std::vector<int64_t> mlp_only_layers;  // ... and it is not listed here
+  // HuggingFace's load-balancing loss (output_router_logits), times this, added to the
+  // objective; 0: none. Over all sparse layers' tokens together:
+  //   aux = E * sum_e f_e P_e, f_e = the share of the R*k choices that picked e,
+  //   P_e = the mean over the R rows of e's probability (R = sparse layers x tokens).
+  double router_aux_loss_coef = 0;
 
   // LLaMA's architecture (rotary, RMSNorm, SwiGLU), which the Qwen families build on.
   bool llama_architecture() const { return family != Family::Gpt2; }
@@ -112,7 +117,8 @@ struct KvCache {
 };
 
 struct ForwardResult {
-  Tensor loss;    // scalar mean cross-entropy (defined when targets were given)
+  Tensor loss;    // scalar mean cross-entropy (defined when targets were given), plus the router's loss
+  Tensor aux_loss;  // the load-balancing loss (before its coefficient), when the model adds one
   Tensor logits;  // (B, T, Vp) when asked for (sampling, parity tests)
   Tensor hidden;  // a pipeline chunk that is not the model's last: its output (B, T', C)
 };
@@ -306,6 +312,17 @@ class Transformer {
   // A sparse layer's MLP on h (B, T, C): routed to its top-k experts, their outputs summed
   // with the routing weights (nn/experts.cc).
   Tensor experts(const Tensor& h, const Layer& p) const;
+  // What the load-balancing loss needs of each sparse layer the forward ran: the sum of its
+  // probabilities over the tokens (E, with their graph), its choices per expert and its
+  // token count. Taken (and cleared) by the head.
+  struct RouterRecord {
+    Tensor probability_sum;
+    std::vector<int64_t> count;
+    int64_t tokens = 0;
+  };
+  mutable std::vector<RouterRecord> router_records_;
+  // The load-balancing loss of the records (undefined when there are none); clears them.
+  Tensor take_router_loss() const;
 };
 
 }  // namespace tally::nn

@@ -220,6 +220,8 @@ const StepMetrics& Metrics::end_step(int64_t step, double loss, double grad_norm
   }
   measure_memory(m);
   m.tp_payload_bytes = engine_.tp_payload_bytes();
+  m.aux_loss = engine_.aux_loss();
+  if (m.aux_loss >= 0) m.ce_loss = m.loss - engine_.model().config().router_aux_loss_coef * m.aux_loss;
   if (c_.compute.profile_ops) m.ops = profiler::take();
   measure_pipeline(m);
   tokens_seen_ += tokens_per_step_;
@@ -298,6 +300,10 @@ void Metrics::start_row(const StepMetrics& m) {
     j["pp_sent_bytes"] = m.pp_sent_bytes;
   }
   if (world_.tp() > 1) j["tp_payload_bytes"] = m.tp_payload_bytes;
+  if (m.aux_loss >= 0) {  // `loss` is the objective: the cross-entropy plus the router's loss times its coefficient
+    j["ce_loss"] = m.ce_loss;
+    j["aux_loss"] = m.aux_loss;
+  }
   if (c_.compute.profile_ops) {
     // {"forward": {"ms": 452.1, "kernels": {"gemm": {"ms": 301.2, "calls": 49, "gflop": 42.5}, ...}}, ...}
     nlohmann::json phases = nlohmann::json::object();
