@@ -51,3 +51,14 @@ begin_runs() {
 finish_runs() {  # finish_runs FINAL
   mv "$1.partial" "$1"
 }
+
+# alternate_with_torch PRESET PEER STEPS THREADS ROUNDS: builds tally, then times bench_w1 on
+# PRESET and the PyTorch script bench/PEER in turn, ROUNDS times, printing their JSON lines.
+alternate_with_torch() {
+  local preset="$1" peer="$2" steps="$3" threads="$4" rounds="$5" round
+  prepare_peers bench/bench_w1
+  for round in $(seq "$rounds"); do
+    OMP_NUM_THREADS="$threads" "$root/build/bench/bench_w1" "$steps" "$threads" "$preset"
+    OMP_NUM_THREADS="$threads" /usr/bin/python3 "$root/bench/$peer" "$steps" "$threads"
+  done
+}

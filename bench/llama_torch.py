@@ -5,10 +5,13 @@ steps. Meta's reference formulation (RMSNorm, complex rotary with LLaMA-3.1 scal
 grouped-query attention by repeating kv heads, SwiGLU), as tally's
 scripts/gen_llama3_reference.py checks it. Prints one JSON line.
 usage: llama_torch.py [steps=10] [threads=2]"""
-import json, math, resource, sys, time
+import math, os, sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_training  # noqa: E402
 
 V, L, H, KV, C, F_, B, T = 128256, 6, 6, 3, 384, 1024, 4, 64
 HD = C // H
@@ -66,59 +69,9 @@ class Block(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-class Llama(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.wte = nn.Embedding(V, C)
-        self.h = nn.ModuleList(Block() for _ in range(L))
-        self.ln_f = nn.Parameter(torch.ones(C))
-
-    def forward(self, idx, targets):
-        x = self.wte(idx)
-        for b in self.h:
-            x = b(x)
-        logits = rms(x, self.ln_f) @ self.wte.weight.t()  # tied head, as llama3-dN
-        return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
-
-
-def init(model):
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02 / math.sqrt(2 * L) if name.endswith(("c_proj.weight", "down.weight")) else 0.02)
-    return model
-
-
-def main():
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 10
-    threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = init(Llama())
-    params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    x = torch.randint(0, V, (B, T))
-    y = torch.randint(0, V, (B, T))
-    times = []
-    for s in range(steps + 2):
-        t0 = time.perf_counter()
-        loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # tally's step clips too
-        opt.step()
-        opt.zero_grad(set_to_none=True)  # PyTorch 2's default; tally discards its gradients too
-        dt = (time.perf_counter() - t0) * 1e3
-        if s >= 2:
-            times.append(dt)
-    times.sort()
-    median = times[len(times) // 2]
-    print(json.dumps({"system": "pytorch " + torch.__version__, "model": "llama3-d6", "ms_per_step": round(median, 1),
-                      "min_ms": round(times[0], 1), "tokens_per_s": round(B * T / (median / 1e3)),
-                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "params": params, "loss": round(loss.item(), 4), "threads": threads}))
+def Llama():  # the tied head, as tally's presets of this shape
+    return torch_training.TiedDecoder(Block, L, V, C, rms)
 
 
 if __name__ == "__main__":
-    main()
+    torch_training.run(Llama, L, ("c_proj.weight", "down.weight"), "llama3-d6", V, B, T)
