@@ -11,8 +11,8 @@
 //
 // Routing reads the probabilities on the host. On the meta device (the dry run) there are
 // none: tokens are routed round-robin, every expert taking N*k/E of them (the balanced
-// bound; a real run's imbalance can only move bytes between experts' GEMMs, whose
-// activations are the same N*k rows in all).
+// bound). The saved activations are N*k rows whatever the routing; a skewed one makes the
+// busiest expert's GEMMs, and the transients of its backward, larger than this bound's.
 #include <numeric>
 
 #include "core/error.h"

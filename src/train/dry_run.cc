@@ -67,8 +67,8 @@ DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bo
   if (model.n_experts > 0)
     run.bound = "experts' routing at the balanced bound: each of the " + std::to_string(model.n_experts) +
                 " experts takes 1/" + std::to_string(model.n_experts) + " of the tokens' " +
-                std::to_string(model.experts_per_token) + " choices (a real run's imbalance moves rows between the "
-                "experts' GEMMs)";
+                std::to_string(model.experts_per_token) + " choices (a skewed routing enlarges the busiest expert's "
+                "GEMMs and their transients)";
   {
     dist::StepEngine engine(*world, engine_config(c, model), [](nn::Transformer&) {});
     // The loader's buffers, as RunData opens them after the engine: training's, and
