@@ -434,11 +434,17 @@ TEST(QwenMoe, TheTrainerLogsTheObjectiveItsCrossEntropyAndTheRouterLoss) {
     EXPECT_GT(m.aux_loss, 1.5);
     EXPECT_LT(m.aux_loss, 4.0);
     EXPECT_LT(m.ce_loss, m.loss);
+    // Each sparse layer routes 2 x 32 tokens x 2 microbatches x k = 2: 256 choices over 4
+    // experts, a mean of 64.
+    EXPECT_LE(m.expert_load_min, 64);
+    EXPECT_GE(m.expert_load_max, 64);
+    EXPECT_LE(m.expert_load_max, 128) << "an expert takes a token once at most: 128 tokens";
   }
   EXPECT_EQ(r.history[2].peak_bytes, r.history[1].peak_bytes);
   const std::string rows = test::read_all(c.metrics.log_json);
   EXPECT_NE(rows.find("\"aux_loss\""), std::string::npos) << rows;
   EXPECT_NE(rows.find("\"ce_loss\""), std::string::npos) << rows;
+  EXPECT_NE(rows.find("\"expert_load\":{\"dropped\":0,\"max\""), std::string::npos) << rows;
   // Where it is not supported yet, it says so.
   c.compute.recompute = nn::Recompute::Full;
   const std::string msg = test::message_of<Error>([&] { train::run_training(c); });

@@ -1,5 +1,6 @@
 #include "dist/step_engine.h"
 
+#include <algorithm>
 #include <optional>
 
 #include "autograd/grad_mode.h"
@@ -109,7 +110,26 @@ double StepEngine::forward_backward(int64_t step, data::BatchSource& loader, san
   const double count = static_cast<double>(config_.microbatches * world_.dp());
   if (model_->config().router_aux_loss_coef > 0)
     aux_loss_ = world_.dp_group().all_reduce_scalar(aux_loss_sum_, ReduceOp::Sum) / count;
+  if (model_->config().n_experts > 0) reduce_expert_load();
   return total / count;
+}
+
+// Each rank counted its own tokens in its own stage's layers: summed over the data- and
+// pipeline-parallel groups, every rank holds the whole step's counts.
+void StepEngine::reduce_expert_load() {
+  const nn::TransformerConfig& c = model_->config();
+  int64_t sparse = 0;
+  for (int64_t l = 0; l < c.n_layer; ++l) sparse += c.sparse_layer(l);
+  std::vector<int64_t> local = model_->take_expert_load();
+  local.resize(static_cast<size_t>(sparse * c.n_experts), 0);
+  Tensor load = Tensor::empty({static_cast<int64_t>(local.size())}, DType::F64, Device::cpu(),
+                              make_owner(Category::Communication, "moe.expert_load"));
+  std::copy(local.begin(), local.end(), load.data<double>());
+  world_.dp_group().all_reduce(load);
+  world_.pp_group().all_reduce(load);
+  const double* d = load.data<double>();
+  const auto [lo, hi] = std::minmax_element(d, d + load.numel());
+  expert_load_ = {static_cast<int64_t>(*lo), static_cast<int64_t>(*hi), 0};
 }
 
 // Microbatches one after another, each forward then backward: the loader's buffers are

@@ -116,6 +116,13 @@ class StepEngine {
   // The last step's load-balancing loss (before its coefficient), averaged as the loss is;
   // negative when the model adds none.
   double aux_loss() const { return aux_loss_; }
+  // The last step's expert load over every rank's tokens: the fewest and the most choices
+  // one expert of one sparse layer took (-1 without experts), and those dropped (none:
+  // dispatch is dropless).
+  struct ExpertLoad {
+    int64_t min = -1, max = -1, dropped = 0;
+  };
+  const ExpertLoad& expert_load() const { return expert_load_; }
   // The start-up lines that describe the layout ("parallel: ...").
   std::vector<std::string> describe() const;
 
@@ -141,6 +148,8 @@ class StepEngine {
   int64_t live_after_forward_ = 0;
   int64_t tp_payload_bytes_ = 0;
   double aux_loss_sum_ = 0, aux_loss_ = -1;
+  ExpertLoad expert_load_;
+  void reduce_expert_load();
 };
 
 }  // namespace tally::dist

@@ -100,6 +100,7 @@ Tensor Transformer::experts(const Tensor& h, const Layer& p) const {
     probs = ops::softmax(linear(x, p.routerw, kAbsent));  // (N, E)
   }
   const Routing r = route(probs, k);
+  if (autograd::grad_enabled()) count_expert_load(r.count, p);
   if (c.router_aux_loss_coef > 0 && autograd::grad_enabled()) {
     // The loss spans every sparse layer's tokens at once, so it is made at the head, in
     // the forward that runs them all (not a pipeline's chunks, nor a recomputed layer).
@@ -130,6 +131,24 @@ Tensor Transformer::experts(const Tensor& h, const Layer& p) const {
   const Tensor weighted = ops::mul(ops::cat(outputs, 0), grouped_weight);
   const Tensor by_pair = ops::embedding(weighted, r.pair_position);  // (N*k, C)
   return ops::reshape(ops::sum(ops::reshape(by_pair, {N, k, C}), {1}), {B, T, C});
+}
+
+std::vector<int64_t> Transformer::take_expert_load() const {
+  std::vector<int64_t> load;
+  load.swap(expert_load_);
+  return load;
+}
+
+void Transformer::count_expert_load(const std::vector<int64_t>& count, const Layer& p) const {
+  const auto& c = config_;
+  int64_t sparse_before = 0, sparse = 0;
+  for (int64_t l = 0; l < c.n_layer; ++l) {
+    if (!c.sparse_layer(l)) continue;
+    if (&layers_[static_cast<size_t>(l)] == &p) sparse_before = sparse;
+    ++sparse;
+  }
+  expert_load_.resize(static_cast<size_t>(sparse * c.n_experts), 0);
+  for (int64_t e = 0; e < c.n_experts; ++e) expert_load_[static_cast<size_t>(sparse_before * c.n_experts + e)] += count[e];
 }
 
 Tensor Transformer::take_router_loss() const {

@@ -323,6 +323,17 @@ class Transformer {
   mutable std::vector<RouterRecord> router_records_;
   // The load-balancing loss of the records (undefined when there are none); clears them.
   Tensor take_router_loss() const;
+  // The choices each expert took since the last take_expert_load(), in forwards that
+  // train (with gradients; a recomputed layer counts once, in its recomputation).
+  mutable std::vector<int64_t> expert_load_;
+  void count_expert_load(const std::vector<int64_t>& count, const Layer& p) const;
+
+ public:
+  // (sparse layers x E) counts, layer-major over all of the model's sparse layers (zero
+  // for those of other ranks' chunks); clears them.
+  std::vector<int64_t> take_expert_load() const;
+
+ private:
 };
 
 }  // namespace tally::nn

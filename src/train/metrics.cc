@@ -221,6 +221,8 @@ const StepMetrics& Metrics::end_step(int64_t step, double loss, double grad_norm
   measure_memory(m);
   m.tp_payload_bytes = engine_.tp_payload_bytes();
   m.aux_loss = engine_.aux_loss();
+  m.expert_load_min = engine_.expert_load().min;
+  m.expert_load_max = engine_.expert_load().max;
   if (m.aux_loss >= 0) m.ce_loss = m.loss - engine_.model().config().router_aux_loss_coef * m.aux_loss;
   if (c_.compute.profile_ops) m.ops = profiler::take();
   measure_pipeline(m);
@@ -300,6 +302,8 @@ void Metrics::start_row(const StepMetrics& m) {
     j["pp_sent_bytes"] = m.pp_sent_bytes;
   }
   if (world_.tp() > 1) j["tp_payload_bytes"] = m.tp_payload_bytes;
+  if (m.expert_load_max >= 0)  // over the sparse layers' experts, every rank's tokens; dispatch drops none
+    j["expert_load"] = {{"min", m.expert_load_min}, {"max", m.expert_load_max}, {"dropped", 0}};
   if (m.aux_loss >= 0) {  // `loss` is the objective: the cross-entropy plus the router's loss times its coefficient
     j["ce_loss"] = m.ce_loss;
     j["aux_loss"] = m.aux_loss;
