@@ -148,7 +148,29 @@ TEST(World, ALayoutThatDoesNotMatchTheWorldIsRefusedNamingTheFlags) {
   m = test::message_of<Error>([] { dist::World::create({0, 65536, 65536}); });
   EXPECT_NE(m.find("not a multiple of --tp 65536 x --pp 65536 = 4294967296"), std::string::npos) << m;
   m = test::message_of<Error>([] { dist::World::create({2147483647, 2, 2147483647}); });
-  EXPECT_NE(m.find("--dp 2147483647: each of --dp, --tp and --pp must be at most 1048576"), std::string::npos) << m;
+  EXPECT_NE(m.find("--dp 2147483647: each of --dp, --tp, --cp and --pp must be at most 1048576"), std::string::npos) << m;
+  m = test::message_of<Error>([] { dist::World::create({0, 1, 1, 3}); });
+  EXPECT_NE(m.find("not a multiple of --tp 1 x --cp 3 x --pp 1 = 3"), std::string::npos) << m;
+}
+
+// tp-cp-dp-pp, as Megatron-Core: rank = dp_rank * C + cp_rank here (tp = pp = 1), and the
+// replica group holds all D x C ranks in that order.
+TEST(World, ContextParallelRanksSitBetweenTensorAndDataParallel) {
+  const int n = world().size();
+  if (n % 2 != 0) GTEST_SKIP() << "cp2 needs an even world";
+  std::unique_ptr<dist::World> w = dist::World::create({0, 1, 1, 2});
+  EXPECT_EQ(w->cp(), 2);
+  EXPECT_EQ(w->dp(), n / 2);
+  EXPECT_EQ(w->cp_rank(), w->rank() % 2);
+  EXPECT_EQ(w->dp_rank(), w->rank() / 2);
+  EXPECT_EQ(w->replicas(), n);
+  EXPECT_EQ(w->replica_rank(), w->rank());
+  EXPECT_EQ(w->replica_group().size(), n);
+  EXPECT_EQ(w->replica_group().rank(), w->rank());
+  // The context-parallel pair shares its data-parallel rank.
+  const std::vector<double> dp_ranks = w->cp_group().all_gather_scalar(w->dp_rank());
+  EXPECT_EQ(dp_ranks[0], dp_ranks[1]);
+  EXPECT_NE(w->describe().find("x cp 2"), std::string::npos) << w->describe();
 }
 
 TEST(Communicator, CollectivesMoveWhatTheyShould) {

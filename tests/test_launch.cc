@@ -645,6 +645,15 @@ TEST(Launch, PlanRefusesWhatTrainRefusesInTheSameWords) {
             std::string::npos);
   EXPECT_NE(run(plan + "--tp 2 --sp --seq-len 63").output.find("--sp: --seq-len 63 must divide into --tp 2 ranks"),
             std::string::npos);
+  EXPECT_NE(run(plan + "--cp 3 --seq-len 64").output.find("--cp 3: each sequence is cut into 2 x 3 chunks (rank r holds "
+                                                          "chunks r and 6-1-r), so --seq-len 64 must be a multiple of 6"),
+            std::string::npos);
+  EXPECT_NE(run(plan + "--world 6 --cp 4").output.find("--world 6 is not a multiple of --tp 1 x --cp 4 x --pp 1"),
+            std::string::npos);
+  // The formulas plan whole sequences: said, not passed off as context parallel's plan.
+  EXPECT_NE(run(plan + "--cp 2 --dp 2").output.find("note: context parallel: the formulas plan each of the --cp 2 "
+                                                    "ranks' activations as if it held whole sequences"),
+            std::string::npos);
   EXPECT_NE(run(plan + "--world 2 --device cuda").output.find("--device cuda:0 with 2 processes: multi-GPU training needs "
                                                               "the NCCL communicator"),
             std::string::npos);

@@ -114,7 +114,8 @@ struct Layout {
   bool sp = false;
   int zero = 0;  // over the data-parallel group
   int64_t last_stage_layers = 0;  // --pp-last-stage-layers
-  int world() const { return dp * tp * pp; }
+  int cp = 1;
+  int world() const { return dp * tp * pp * cp; }
   // `base` run in this layout.
   train::TrainConfig apply(train::TrainConfig c) const {
     c.parallel.dp = dp;
@@ -125,6 +126,7 @@ struct Layout {
     c.parallel.sequence_parallel = sp;
     c.parallel.zero = zero;
     c.parallel.pp_last_stage_layers = last_stage_layers;
+    c.parallel.cp = cp;
     return c;
   }
   std::string name() const {
@@ -134,6 +136,7 @@ struct Layout {
     if (pp > 1) n += "pp" + std::to_string(pp) + " " + schedule + (virtual_stages > 1 ? " V=" + std::to_string(virtual_stages) : "") + " ";
     if (zero > 0) n += "zero" + std::to_string(zero) + " ";
     if (last_stage_layers > 0) n += "last" + std::to_string(last_stage_layers) + " ";
+    if (cp > 1) n += "cp" + std::to_string(cp) + " ";
     return n;
   }
 };
@@ -171,7 +174,7 @@ void expect_matches_one_process(const Layout& l, Family family, const std::strin
   if (l.world() != world_size()) GTEST_SKIP() << l.name() << "needs " << l.world() << " ranks";
   const int64_t N = l.pp > 1 ? 4 : 2;  // per data-parallel rank; 1F1B over 4 stages needs 4
   const train::TrainResult& want = one_process(family, N * l.dp, dtype);
-  std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
+  std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp, l.cp});
   train::TrainConfig c = l.apply(base_config(family));
   c.compute.recompute = nn::parse_recompute(recompute);
   c.batch.grad_accum = N;
@@ -200,7 +203,8 @@ void expect_matches_one_process(const Layout& l, Family family, const std::strin
   // The first loss is the same model on the same data: equal to rounding.
   EXPECT_NEAR(got.history[0].loss, want.history[0].loss, 1e-6 * std::abs(want.history[0].loss)) << what;
   expect_flat(got, what);
-  if (family == Family::Qwen3Moe) return;  // the plan's formulas have no experts (the dry run has)
+  // The plan's formulas have no experts (the dry run has) and no context parallelism.
+  if (family == Family::Qwen3Moe || l.cp > 1) return;
   // The memory plan (train/plan.h): every rank's measured peak is its planned one to the
   // byte, in every layout.
   const train::StepMetrics& last = got.history.back();
@@ -265,6 +269,35 @@ TEST(QwenLayouts, MoeMatchesOneProcessWithFlatMemory) {
     for (const char* recompute : {"none", "full"}) expect_matches_one_process(l, Family::Qwen3Moe, recompute);
   }
   if (!ran) GTEST_SKIP() << "no MoE layout for " << world_size() << " ranks";
+}
+
+// Context parallel: each rank holds chunks r and 2C-1-r of every sequence, rotary angles
+// and GPT-2's position rows follow them, and attention runs over the gathered keys and
+// values with the causal mask at the chunks' own positions. A rank that took the wrong
+// chunk, position or mask offset, or a gradient of the keys summed to the wrong rank,
+// moves the first loss or the first gradient norm by far more than 1e-5.
+TEST(ContextParallelLayouts, MatchOneProcessWithFlatMemory) {
+  auto with_cp = [](Layout l, int cp) {
+    l.cp = cp;
+    return l;
+  };
+  const std::vector<Layout> some = {with_cp({}, 2),
+                                    with_cp({}, 4),
+                                    with_cp({1, 2, 1}, 2),
+                                    with_cp({1, 2, 1, "1f1b", 1, true}, 2),
+                                    with_cp({1, 1, 2, "1f1b"}, 2),
+                                    with_cp({2, 1, 1, "1f1b", 1, false, 2}, 2),
+                                    with_cp({2, 2, 1, "1f1b", 1, false, 1}, 2),
+                                    with_cp({2, 1, 1, "1f1b", 1, false, 2}, 4)};
+  bool ran = false;
+  for (const Layout& l : some) {
+    if (l.world() != world_size()) continue;
+    ran = true;
+    for (const char* recompute : {"none", "full"}) expect_matches_one_process(l, Family::Gpt2, recompute);
+    for (const char* recompute : {"none", "selective"}) expect_matches_one_process(l, Family::Llama3, recompute);
+    expect_matches_one_process(l, Family::Qwen3, "full");
+  }
+  if (!ran) GTEST_SKIP() << "no context-parallel layout for " << world_size() << " ranks";
 }
 
 // Mixed precision through tensor and pipeline parallel: the projections round the same

@@ -143,10 +143,13 @@ void add_output_flags(CLI::App& t, train::TrainConfig& c) {
 
 void add_parallel_flags(CLI::App& t, train::TrainConfig& c) {
   train::ParallelismConfig& p = c.parallel;
-  add_value(t, "--dp", p.dp, "Data-parallel ranks (0 = world size / (tp x pp)); launch with mpirun -np N")->capture_default_str();
+  add_value(t, "--dp", p.dp, "Data-parallel ranks (0 = world size / (tp x cp x pp)); launch with mpirun -np N")->capture_default_str();
   add_value(t, "--tp", p.tp, "Tensor-parallel ranks: heads, MLP width and vocabulary split over them (Megatron)")
       ->check(kPositiveInteger)->capture_default_str();
   t.add_flag("--sp", p.sequence_parallel, "Sequence parallel: norms and residuals sharded along the sequence over the --tp group");
+  add_value(t, "--cp", p.cp, "Context-parallel ranks: each sequence's tokens split over them, keys and values "
+               "all-gathered for attention (--seq-len a multiple of 2 x cp)")
+      ->check(kPositiveInteger)->capture_default_str();
   add_value(t, "--pp", p.pp, "Pipeline-parallel stages: the layers split into P stages")->check(kPositiveInteger)->capture_default_str();
   using dist::PipelineSchedule;
   add_choice<PipelineSchedule>(t, "--pp-schedule", p.pp_schedule,

@@ -148,13 +148,15 @@ int run_plan(const PlanArgs& a) {
               " exceeds the model's maximum sequence length ", model.max_seq_len);
   const train::ParallelismConfig& p = c.parallel;
   TALLY_CHECK(a.world >= 0 && p.dp >= 0, "--world and --dp must be >= 0, got --world ", a.world, " --dp ", p.dp);
-  // --world 0: the ranks --dp x --tp x --pp make (one data-parallel rank without --dp).
-  const int64_t model_parallel = checked_mul(p.tp, p.pp, "--tp x --pp");
-  const int64_t world = a.world > 0 ? a.world : checked_mul(std::max(p.dp, 1), model_parallel, "--dp x --tp x --pp");
+  // --world 0: the ranks --dp x --tp x --cp x --pp make (one data-parallel rank without --dp).
+  const int64_t model_parallel = checked_mul(checked_mul(p.tp, p.pp, "--tp x --pp"), p.cp, "--tp x --pp x --cp");
+  const int64_t world = a.world > 0 ? a.world : checked_mul(std::max(p.dp, 1), model_parallel, "--dp x --tp x --cp x --pp");
   TALLY_CHECK(world <= 1 << 20, "--world ", world, " is more ranks than the plan models (at most 2^20)");
   // (plan_memory checks that --world is a multiple of --tp x --pp.)
-  TALLY_CHECK(p.dp == 0 || p.dp * model_parallel == world, "--dp ", p.dp, " x --tp ", p.tp, " x --pp ", p.pp,
-              " is not --world ", world);
+  TALLY_CHECK(p.dp == 0 || p.dp * model_parallel == world, "--dp ", p.dp, " x --tp ", p.tp,
+              p.cp > 1 ? " x --cp " + std::to_string(p.cp) : std::string(), " x --pp ", p.pp, " is not --world ", world);
+  TALLY_CHECK(world % model_parallel == 0, "--world ", world, " is not a multiple of --tp ", p.tp, " x --cp ", p.cp,
+              " x --pp ", p.pp);
   const bool validates = a.val || !c.data.val.empty();
   const train::PlanInput in = train::plan_input(c, model, world, validates);
   const train::MemoryPlan plan = train::plan_memory(in);
@@ -480,7 +482,7 @@ int run_train(const CLI::App& command, train::TrainConfig& tc) {
   const auto [unused_flag, draws_none] = apps::unused_sample_flag(command, tc);
   std::unique_ptr<dist::World> world;
   try {
-    world = dist::World::create({tc.parallel.dp, tc.parallel.tp, tc.parallel.pp});
+    world = dist::World::create({tc.parallel.dp, tc.parallel.tp, tc.parallel.pp, tc.parallel.cp});
     TALLY_CHECK(unused_flag.empty(), unused_flag, " sets the samples a run prints, and ", draws_none, " draws none");
     train::run_training(tc, *world);
     return 0;

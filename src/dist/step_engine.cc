@@ -47,7 +47,7 @@ void StepEngine::build_model(const FillWeights& fill) {
   model_ = std::make_unique<nn::Transformer>(config_.model, shard_of(world_.pp_rank(), world_.tp_rank()), blocks,
                                              built_on);
   if (config_.zero == 3) {
-    zero_ = std::make_unique<ZeroOptimizer>(model_->params(), config_.adamw, world_.dp_group(), 3);
+    zero_ = std::make_unique<ZeroOptimizer>(model_->params(), config_.adamw, world_.replica_group(), 3);
     model_->set_residency(zero_.get());
   }
   fill(*model_);
@@ -57,6 +57,16 @@ void StepEngine::build_model(const FillWeights& fill) {
   if (world_.tp() > 1) {
     tensor_parallel_ = std::make_unique<TensorParallel>(world_.tp_group(), config_.sequence_parallel);
     model_->set_tensor_parallel(tensor_parallel_.get());
+  }
+  if (world_.cp() > 1) {
+    TALLY_CHECK(config_.device.runs_as() == DeviceType::CPU, "--cp ", world_.cp(),
+                ": context parallelism runs on the CPU (its collectives are MPI's); --device ", config_.device.str(),
+                " is not supported with it");
+    TALLY_CHECK(config_.model.router_aux_loss_coef == 0, "--cp ", world_.cp(),
+                ": the load-balancing loss is a function of every token's routing in the batch, and each rank sees only "
+                "its part of the sequences; train without it (router_aux_loss_coef 0) or without --cp");
+    context_parallel_ = std::make_unique<ContextParallel>(world_.cp_group());
+    model_->set_context_parallel(context_parallel_.get());
   }
   model_->set_recompute(config_.recompute);
   model_->move_to(config_.device);  // built and loaded on the host; trained where --device says
@@ -69,7 +79,7 @@ void StepEngine::build_model(const FillWeights& fill) {
 // the plan orders the parts) and the gradients' reduction.
 void StepEngine::build_optimizer() {
   if (config_.zero == 0) adamw_ = std::make_unique<optim::AdamW>(model_->params(), config_.adamw);
-  else if (!zero_) zero_ = std::make_unique<ZeroOptimizer>(model_->params(), config_.adamw, world_.dp_group(), config_.zero);
+  else if (!zero_) zero_ = std::make_unique<ZeroOptimizer>(model_->params(), config_.adamw, world_.replica_group(), config_.zero);
   // ZeRO-2/3's set-up peak: ZeRO-2's parameter block and shards, just made; ZeRO-3's
   // shards and the one whole parameter it read or drew at a time.
   if (config_.zero >= 2) setup_peak_ = runtime::ledger(config_.device).stats().peak_allocated;
@@ -78,13 +88,13 @@ void StepEngine::build_optimizer() {
   model_->set_loss_chunk_rows(config_.chunked_loss ? nn::Transformer::default_loss_chunk_rows(config_.model.padded_vocab_size)
                                                    : 0);
   // Plain data parallel and ZeRO-1 average full gradients with bucketed all-reduces.
-  if (config_.zero <= 1 && world_.dp() > 1)
-    all_reduce_ = std::make_unique<GradientAllReduce>(model_->params(), world_.dp_group(), config_.bucket_bytes);
+  if (config_.zero <= 1 && world_.replicas() > 1)
+    all_reduce_ = std::make_unique<GradientAllReduce>(model_->params(), world_.replica_group(), config_.bucket_bytes);
   // One process's gradients are final once backward has written them, so their norm is
   // summed during the step's last backward, each gradient while it is still in cache
   // (optim/grad_norm.h). Data parallel's change once more, in the all-reduce. On a GPU
   // each gradient's sum would be a wait for the device in the middle of backward.
-  if (!model_parallel_ && !zero_ && world_.dp() == 1 && config_.device.runs_as() == DeviceType::CPU)
+  if (!model_parallel_ && !zero_ && world_.replicas() == 1 && config_.device.runs_as() == DeviceType::CPU)
     backward_norm_ = std::make_unique<optim::BackwardGradientNorm>(model_->params());
 }
 
@@ -94,6 +104,10 @@ optim::Optimizer& StepEngine::optimizer() {
 
 // A batch's tokens on the training device (the loader fills host buffers): the tensor
 // itself when it is there already.
+Tensor StepEngine::local(const Tensor& t) const {
+  return on_device(context_parallel_ ? context_parallel_->local_tokens(t) : t);
+}
+
 Tensor StepEngine::on_device(const Tensor& t) const {
   if (t.device() == config_.device) return t;
   Tensor moved = Tensor::empty(t.shape(), t.dtype(), config_.device, current_owner("microbatch_tokens"));
@@ -106,16 +120,18 @@ double StepEngine::forward_backward(int64_t step, data::BatchSource& loader, san
   aux_loss_sum_ = 0;
   const double local = pipeline_ ? run_pipeline(step, loader, sanitizer) : run_microbatches(step, loader, sanitizer);
   tp_payload_bytes_ = world_.tp_group().stats().payload_bytes - tp_bytes_before;
-  const double total = world_.dp_group().all_reduce_scalar(local, ReduceOp::Sum);
-  const double count = static_cast<double>(config_.microbatches * world_.dp());
+
+  const double total = world_.replica_group().all_reduce_scalar(local, ReduceOp::Sum);
+  const double count = static_cast<double>(config_.microbatches * world_.replicas());
   if (model_->config().router_aux_loss_coef > 0)
-    aux_loss_ = world_.dp_group().all_reduce_scalar(aux_loss_sum_, ReduceOp::Sum) / count;
+    aux_loss_ = world_.replica_group().all_reduce_scalar(aux_loss_sum_, ReduceOp::Sum) / count;
   if (model_->config().n_experts > 0) reduce_expert_load();
   return total / count;
 }
 
-// Each rank counted its own tokens in its own stage's layers: summed over the data- and
-// pipeline-parallel groups, every rank holds the whole step's counts.
+// Each rank counted its own tokens in its own stage's layers: summed over the replicas
+// (data and context parallel) and the pipeline stages, every rank holds the whole step's
+// counts.
 void StepEngine::reduce_expert_load() {
   const nn::TransformerConfig& c = model_->config();
   int64_t sparse = 0;
@@ -125,7 +141,7 @@ void StepEngine::reduce_expert_load() {
   Tensor load = Tensor::empty({static_cast<int64_t>(local.size())}, DType::F64, Device::cpu(),
                               make_owner(Category::Communication, "moe.expert_load"));
   std::copy(local.begin(), local.end(), load.data<double>());
-  world_.dp_group().all_reduce(load);
+  world_.replica_group().all_reduce(load);
   world_.pp_group().all_reduce(load);
   const double* d = load.data<double>();
   const auto [lo, hi] = std::minmax_element(d, d + load.numel());
@@ -135,7 +151,7 @@ void StepEngine::reduce_expert_load() {
 // Microbatches one after another, each forward then backward: the loader's buffers are
 // read in place (each microbatch's backward runs before the next is read).
 double StepEngine::run_microbatches(int64_t step, data::BatchSource& loader, sanitizer::Sanitizer& sanitizer) {
-  const int64_t N = config_.microbatches, D = world_.dp();
+  const int64_t N = config_.microbatches, D = world_.dp(), replicas = world_.replicas();
   double loss_sum = 0;
   for (int64_t mb = 0; mb < N; ++mb) {
     sanitizer.begin_microbatch(mb);
@@ -143,7 +159,7 @@ double StepEngine::run_microbatches(int64_t step, data::BatchSource& loader, san
     {
       const data::Batch& batch = loader.batch_at(step, mb * D + world_.dp_rank(), N * D);
       std::optional<profiler::PhaseScope> phase(std::in_place, "forward");
-      nn::ForwardResult result = model_->forward(on_device(batch.inputs), on_device(batch.targets));
+      nn::ForwardResult result = model_->forward(local(batch.inputs), local(batch.targets));
       Tensor loss = std::move(result.loss);
       if (result.aux_loss.defined()) aux_loss_sum_ += result.aux_loss.item();  // its number only
       result = nn::ForwardResult();
@@ -154,7 +170,7 @@ double StepEngine::run_microbatches(int64_t step, data::BatchSource& loader, san
       phase.emplace("backward");
       if (last && all_reduce_) all_reduce_->arm();  // reduce while the last backward runs
       if (last && backward_norm_) backward_norm_->arm();
-      (N * D == 1 ? loss : ops::scale(loss, 1.0 / static_cast<double>(N * D))).backward();
+      (N * replicas == 1 ? loss : ops::scale(loss, 1.0 / static_cast<double>(N * replicas))).backward();
     }
     if (zero_) zero_->finish_microbatch();
     sanitizer.end_microbatch();
@@ -169,7 +185,9 @@ double StepEngine::run_pipeline(int64_t step, data::BatchSource& loader, sanitiz
   const int64_t N = config_.microbatches, D = world_.dp();
   auto batch_of = [&](int64_t mb) {
     const data::Batch& b = loader.batch_at(step, mb * D + world_.dp_rank(), N * D);
-    auto own = [&](const Tensor& t) {
+    auto own = [&](const Tensor& full) {
+      const Tensor t = context_parallel_ ? context_parallel_->local_tokens(full) : full;
+      if (context_parallel_ && t.device() == config_.device) return t;  // a copy of its own already
       Tensor copy = Tensor::empty(t.shape(), t.dtype(), config_.device, current_owner("microbatch_tokens"));
       copy.copy_(t);
       return copy;
@@ -180,7 +198,7 @@ double StepEngine::run_pipeline(int64_t step, data::BatchSource& loader, sanitiz
   // gpipe and 1f1b finishes every parameter of the stage; interleaved chunks finish at
   // different times, so their reduction starts after the pipeline.
   profiler::PhaseScope phase("pipeline");
-  const double loss_sum = pipeline_->run(N, batch_of, 1.0 / static_cast<double>(N * D), sanitizer, [&] {
+  const double loss_sum = pipeline_->run(N, batch_of, 1.0 / static_cast<double>(N * world_.replicas()), sanitizer, [&] {
     if (all_reduce_ && config_.virtual_stages == 1) all_reduce_->arm();
   });
   if (all_reduce_ && config_.virtual_stages > 1) all_reduce_->arm();
@@ -225,10 +243,14 @@ void StepEngine::synchronize() {
   if (config_.device.runs_as() != DeviceType::CPU) runtime::backend(config_.device).default_stream().synchronize();
 }
 
+// Every replica evaluates the same batch; context-parallel ranks each their own tokens of
+// it, whose mean losses average to the batch's.
 double StepEngine::evaluate(const data::Batch& b) {
-  // to() is the tensor itself on the model's own device (the CPU's loader buffers on the CPU).
-  if (pipeline_) return pipeline_->evaluate(b.inputs, b.targets);
-  return model_->forward(b.inputs.to(model_->device()), b.targets.to(model_->device())).loss.item();
+  const Tensor inputs = local(b.inputs), targets = local(b.targets);
+  const double loss =
+      pipeline_ ? pipeline_->evaluate(inputs, targets) : model_->forward(inputs, targets).loss.item();
+  if (!context_parallel_) return loss;
+  return world_.cp_group().all_reduce_scalar(loss, ReduceOp::Sum) / world_.cp();
 }
 
 int64_t StepEngine::model_state_bytes() const {
@@ -249,7 +271,7 @@ const ReductionStats* StepEngine::all_reduce_stats() const { return all_reduce_ 
 std::vector<std::string> StepEngine::describe() const {
   std::vector<std::string> lines;
   const int TP = world_.tp(), PP = world_.pp();
-  const int64_t D = world_.dp();
+  const int64_t D = world_.replicas();
   if (model_parallel_) {
     std::string parts;
     if (TP > 1) parts = "tensor parallel " + std::to_string(TP) + (config_.sequence_parallel ? " with sequence parallel" : "");
@@ -268,6 +290,10 @@ std::vector<std::string> StepEngine::describe() const {
     reduction = "bucketed all-reduce of " + std::to_string(all_reduce_->buckets().size()) + " buckets";
   else
     reduction = model_parallel_ ? "no data parallel" : "one process";
+  if (world_.cp() > 1)
+    reduction += "; context parallel " + std::to_string(world_.cp()) + ": each rank holds " +
+                 "2 of " + std::to_string(2 * world_.cp()) +
+                 " chunks of every sequence, keys and values all-gathered";
   lines.push_back("parallel: " + world_.describe() + ", " + reduction);
   return lines;
 }

@@ -23,7 +23,9 @@
 //
 // Data order: microbatch j of a step on data-parallel rank r reads what one process with
 // D x N microbatches a step reads as microbatch j*D + r, so a run on D ranks sees exactly
-// the batches of the one-process run with the same global batch.
+// the batches of the one-process run with the same global batch. The C context-parallel
+// ranks of one data-parallel rank read the same batches and keep their own tokens of them
+// (dist/context_parallel.h); gradients are averaged over all D x C replicas.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -32,6 +34,7 @@
 #include <vector>
 
 #include "data/loader.h"
+#include "dist/context_parallel.h"
 #include "dist/data_parallel.h"
 #include "dist/pipeline.h"
 #include "dist/tensor_parallel.h"
@@ -76,7 +79,7 @@ class StepEngine {
   const World& world() const { return world_; }
 
   // Forward and backward of this rank's microbatches of step `step`, each loss scaled by
-  // 1 / (N x D) so that the gradients sum to the global batch's mean. Returns the mean
+  // 1 / (N x D x C) so that the gradients sum to the global batch's mean. Returns the mean
   // loss of the global batch (the same on every rank).
   double forward_backward(int64_t step, data::BatchSource& loader, sanitizer::Sanitizer& sanitizer);
   // Completes the step's gradients: the all-reduce's last buckets, the tied embedding's
@@ -130,6 +133,9 @@ class StepEngine {
   void build_model(const FillWeights& fill);
   void build_optimizer();
   Tensor on_device(const Tensor& t) const;
+  // A batch's tokens or targets as this rank trains on them: its context-parallel local
+  // sequences, on the training device.
+  Tensor local(const Tensor& t) const;
   double run_microbatches(int64_t step, data::BatchSource& loader, sanitizer::Sanitizer& sanitizer);
   double run_pipeline(int64_t step, data::BatchSource& loader, sanitizer::Sanitizer& sanitizer);
 
@@ -140,6 +146,7 @@ class StepEngine {
   std::unique_ptr<ZeroOptimizer> zero_;
   std::unique_ptr<optim::AdamW> adamw_;
   std::unique_ptr<TensorParallel> tensor_parallel_;
+  std::unique_ptr<ContextParallel> context_parallel_;
   std::unique_ptr<PipelineStage> pipeline_;
   std::unique_ptr<GradientAllReduce> all_reduce_;
   std::unique_ptr<optim::BackwardGradientNorm> backward_norm_;

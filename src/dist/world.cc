@@ -15,19 +15,22 @@ std::unique_ptr<World> World::self() {
   w->dp_group_ = make_self_communicator("dp");
   w->tp_group_ = make_self_communicator("tp");
   w->pp_group_ = make_self_communicator("pp");
+  w->cp_group_ = make_self_communicator("cp");
   return w;
 }
 
 std::unique_ptr<World> World::create(const ParallelConfig& c) {
-  TALLY_CHECK(c.dp >= 0, "--dp must be >= 0 (0: the world size / (tp * pp)), got ", c.dp);
-  TALLY_CHECK(c.tp >= 1 && c.pp >= 1, "--tp and --pp must be >= 1, got ", c.tp, " and ", c.pp);
-  // Bounded so that the product of the three fits an int64 (as ints, tp x pp = 2^32 wraps to 0).
-  for (auto [flag, value] : {std::pair{"--dp", c.dp}, {"--tp", c.tp}, {"--pp", c.pp}})
-    TALLY_CHECK(value <= kMaxRanksPerDimension, flag, " ", value, ": each of --dp, --tp and --pp must be at most ",
+  TALLY_CHECK(c.dp >= 0, "--dp must be >= 0 (0: the world size / (tp * cp * pp)), got ", c.dp);
+  TALLY_CHECK(c.tp >= 1 && c.pp >= 1 && c.cp >= 1, "--tp, --cp and --pp must be >= 1, got ", c.tp, ", ", c.cp, " and ",
+              c.pp);
+  // Bounded so that the product of the four fits an int64 (as ints, tp x pp = 2^32 wraps to 0).
+  for (auto [flag, value] : {std::pair{"--dp", c.dp}, {"--tp", c.tp}, {"--pp", c.pp}, {"--cp", c.cp}})
+    TALLY_CHECK(value <= kMaxRanksPerDimension, flag, " ", value, ": each of --dp, --tp, --cp and --pp must be at most ",
                 kMaxRanksPerDimension);
+  const std::string cp_factor = c.cp > 1 ? " x --cp " + std::to_string(c.cp) : "";
   if (!mpi::launched_by_mpirun()) {
-    const int64_t needed = int64_t{std::max(c.dp, 1)} * c.tp * c.pp;
-    TALLY_CHECK(needed == 1, "--dp ", std::max(c.dp, 1), " x --tp ", c.tp, " x --pp ", c.pp, " needs ", needed,
+    const int64_t needed = int64_t{std::max(c.dp, 1)} * c.tp * c.pp * c.cp;
+    TALLY_CHECK(needed == 1, "--dp ", std::max(c.dp, 1), " x --tp ", c.tp, cp_factor, " x --pp ", c.pp, " needs ", needed,
                 " processes: launch with `mpirun -np ", needed, " tally train ...`");
     return self();
   }
@@ -36,30 +39,34 @@ std::unique_ptr<World> World::create(const ParallelConfig& c) {
   w->mpi_ = true;
   w->rank_ = mpi::world_rank();
   w->size_ = mpi::world_size();
-  const int tp = c.tp, pp = c.pp;
-  const int64_t tp_pp = int64_t{tp} * pp;
+  const int tp = c.tp, pp = c.pp, cp = c.cp;
+  const int64_t model_ranks = int64_t{tp} * pp * cp;
   // Without --dp the data-parallel ranks are what the world leaves: it must be a multiple
-  // of tp x pp (the error names the world size, not a --dp the user did not give).
-  TALLY_CHECK(c.dp > 0 || w->size_ % tp_pp == 0, "mpirun started ", w->size_, " processes, not a multiple of --tp ",
-              tp, " x --pp ", pp, " = ", tp_pp, " (each data-parallel rank needs tp x pp processes)");
-  const int dp = c.dp > 0 ? c.dp : static_cast<int>(w->size_ / tp_pp);
-  TALLY_CHECK(dp * tp_pp == w->size_, "--dp ", dp, " x --tp ", tp, " x --pp ", pp, " = ", dp * tp_pp,
-              " processes, but mpirun started ", w->size_, " (the product must equal the world size)");
+  // of tp x cp x pp (the error names the world size, not a --dp the user did not give).
+  TALLY_CHECK(c.dp > 0 || w->size_ % model_ranks == 0, "mpirun started ", w->size_, " processes, not a multiple of --tp ",
+              tp, cp_factor, " x --pp ", pp, " = ", model_ranks, " (each data-parallel rank needs that many processes)");
+  const int dp = c.dp > 0 ? c.dp : static_cast<int>(w->size_ / model_ranks);
+  TALLY_CHECK(dp * model_ranks == w->size_, "--dp ", dp, " x --tp ", tp, cp_factor, " x --pp ", pp, " = ",
+              dp * model_ranks, " processes, but mpirun started ", w->size_, " (the product must equal the world size)");
   w->dp_ = dp;
   w->tp_ = tp;
   w->pp_ = pp;
+  w->cp_ = cp;
   const int r = w->rank_;
-  const int tp_rank = r % tp, dp_rank = (r / tp) % dp, pp_rank = r / (tp * dp);
+  const int tp_rank = r % tp, cp_rank = (r / tp) % cp, dp_rank = (r / (tp * cp)) % dp, pp_rank = r / (tp * cp * dp);
+  // Each split's colour names the coordinates the group shares, its key orders the members.
   w->world_ = mpi::world("world");
-  w->dp_group_ = mpi::split(*w->world_, pp_rank * tp + tp_rank, dp_rank, "dp");
-  w->tp_group_ = mpi::split(*w->world_, pp_rank * dp + dp_rank, tp_rank, "tp");
-  w->pp_group_ = mpi::split(*w->world_, dp_rank * tp + tp_rank, pp_rank, "pp");
+  w->dp_group_ = mpi::split(*w->world_, (pp_rank * cp + cp_rank) * tp + tp_rank, dp_rank, "dp");
+  w->tp_group_ = mpi::split(*w->world_, (pp_rank * dp + dp_rank) * cp + cp_rank, tp_rank, "tp");
+  w->pp_group_ = mpi::split(*w->world_, (dp_rank * cp + cp_rank) * tp + tp_rank, pp_rank, "pp");
+  w->cp_group_ = mpi::split(*w->world_, (pp_rank * dp + dp_rank) * tp + tp_rank, cp_rank, "cp");
+  if (cp > 1) w->replica_group_ = mpi::split(*w->world_, pp_rank * tp + tp_rank, dp_rank * cp + cp_rank, "replicas");
   return w;
 }
 
 std::string World::describe() const {
   return std::to_string(size_) + (size_ == 1 ? " process" : " processes") + ": dp " + std::to_string(dp_) + " x tp " +
-         std::to_string(tp_) + " x pp " + std::to_string(pp_) + (mpi_ ? " (MPI)" : "");
+         std::to_string(tp_) + " x pp " + std::to_string(pp_) + (cp_ > 1 ? " x cp " + std::to_string(cp_) : "") + (mpi_ ? " (MPI)" : "");
 }
 
 namespace {

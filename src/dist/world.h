@@ -1,12 +1,19 @@
-// The processes of a job and how they are laid out: data, tensor and pipeline parallel.
+// The processes of a job and how they are laid out: data, tensor, context and pipeline
+// parallel.
 //
-// `mpirun -np W tally train --dp D --tp T --pp P` starts W processes; D * T * P must be W
-// (D defaults to W / (T * P)). Ranks are laid out as Megatron-LM lays them out: tensor
-// parallel fastest, then data parallel, then pipeline parallel,
-//   rank = pp_rank * (D * T) + dp_rank * T + tp_rank,
+// `mpirun -np W tally train --dp D --tp T --cp C --pp P` starts W processes; D * T * C * P
+// must be W (D defaults to W / (T * C * P)). Ranks are laid out as Megatron-Core lays them
+// out (tp-cp-dp-pp): tensor parallel fastest, then context, data and pipeline parallel,
+//   rank = pp_rank * (D * C * T) + dp_rank * (C * T) + cp_rank * T + tp_rank,
 // so the T ranks of a tensor-parallel group are neighbours (on one machine, where its
-// traffic is heaviest). Each rank belongs to one group of each kind, made with
-// MPI_Comm_split. A plain `tally train` is a world of one that never starts MPI.
+// traffic is heaviest), and the C ranks of a context-parallel group next. Each rank belongs
+// to one group of each kind, made with MPI_Comm_split.
+//
+// Replicas: the D * C ranks of one (pipeline stage, tensor-parallel rank) hold the same
+// parameters. The D data-parallel ranks read different batches; the C context-parallel
+// ranks of one batch read different tokens of its sequences. Gradients are averaged, and
+// ZeRO shards, over all D * C (the replica group); data is split over D.
+// A plain `tally train` is a world of one that never starts MPI.
 #pragma once
 #include <memory>
 #include <string>
@@ -16,9 +23,10 @@
 namespace tally::dist {
 
 struct ParallelConfig {
-  int dp = 0;  // 0: world size / (tp * pp)
+  int dp = 0;  // 0: world size / (tp * pp * cp)
   int tp = 1;
   int pp = 1;
+  int cp = 1;
 };
 
 // The most ranks along any one dimension (a million: past any machine MPI runs on).
@@ -39,16 +47,23 @@ class World {
   int dp() const { return dp_; }
   int tp() const { return tp_; }
   int pp() const { return pp_; }
+  int cp() const { return cp_; }
+  int replicas() const { return dp_ * cp_; }  // ranks holding the same parameters
   int dp_rank() const { return dp_group_->rank(); }
   int tp_rank() const { return tp_group_->rank(); }
   int pp_rank() const { return pp_group_->rank(); }
+  int cp_rank() const { return cp_group_->rank(); }
+  int replica_rank() const { return dp_rank() * cp_ + cp_rank(); }  // its rank in the replica group
 
   Communicator& world() const { return *world_; }
   Communicator& dp_group() const { return *dp_group_; }
   Communicator& tp_group() const { return *tp_group_; }
   Communicator& pp_group() const { return *pp_group_; }
+  Communicator& cp_group() const { return *cp_group_; }
+  // The D * C replicas of this rank's parameters (the data-parallel group when C is 1).
+  Communicator& replica_group() const { return cp_ == 1 ? *dp_group_ : *replica_group_; }
 
-  std::string describe() const;  // "4 processes: dp 4 x tp 1 x pp 1 (MPI)"
+  std::string describe() const;  // "4 processes: dp 4 x tp 1 x pp 1 (MPI)", "x cp C" when C > 1
 
   // Ends the whole job now, after printing "tally: rank R: <message>" on stderr: the other
   // ranks must not wait forever in a collective for a rank that failed.
@@ -61,9 +76,9 @@ class World {
 
  private:
   World() = default;
-  int rank_ = 0, size_ = 1, dp_ = 1, tp_ = 1, pp_ = 1;
+  int rank_ = 0, size_ = 1, dp_ = 1, tp_ = 1, pp_ = 1, cp_ = 1;
   bool mpi_ = false;
-  std::unique_ptr<Communicator> world_, dp_group_, tp_group_, pp_group_;  // owning
+  std::unique_ptr<Communicator> world_, dp_group_, tp_group_, pp_group_, cp_group_, replica_group_;  // owning
 };
 
 }  // namespace tally::dist

@@ -234,20 +234,20 @@ std::string write_checkpoint(const std::string& out_dir, const TrainingState& st
 
 constexpr int kGatherTag = 31000;  // above the pipeline's tags
 
-// A tensor/pipeline-parallel checkpoint, streamed to rank 0 one piece at a time. Data-
-// parallel rank 0 of every (stage, tp rank) sends its parameters in the model file's order
-// (llm.c's: each kind over the layers; a tied head's wte twice), then its moments unit by
-// unit, m then v. Rank 0 walks the whole model in the same orders, receives each piece
+// A tensor/pipeline-parallel checkpoint, streamed to rank 0 one piece at a time. Replica 0
+// (data- and context-parallel rank 0) of every (stage, tp rank) sends its parameters in the
+// model file's order (llm.c's: each kind over the layers; a tied head's wte twice), then its
+// moments unit by unit, m then v. Rank 0 walks the whole model in the same orders, receives each piece
 // from every rank that holds part of it, puts the whole parameter (or unit of moments)
 // together in one scratch tensor and writes it. Every rank's sends to rank 0 come in the
 // order rank 0 receives them, so nothing waits on anything but its own data; ZeRO-1's
-// moment gathers run unit by unit in the same order on every data-parallel rank.
+// moment gathers run unit by unit in the same order on every replica.
 std::string save_gathered_checkpoint(const std::string& out_dir, const nn::Transformer& model, optim::Optimizer& opt,
                                      const TrainingState& state, const dist::World& world, const ShardLayout& layout) {
   TALLY_CHECK(layout, "internal: a sharded model's checkpoint needs the shard layout");
   const nn::ParameterStore& params = model.params();
   dist::Communicator& comm = world.world();
-  const int D = world.dp(), T = world.tp(), P = world.pp();
+  const int D = world.replicas(), T = world.tp(), P = world.pp();
   const nn::Transformer whole = nn::Transformer::layout_only(model.config());
   const nn::ParameterStore& wp = whole.params();
   auto local_index = [](const nn::Transformer& shard) {
@@ -262,7 +262,7 @@ std::string save_gathered_checkpoint(const std::string& out_dir, const nn::Trans
   };
   autograd::NoGradGuard no_grad;
   if (!world.is_root()) {
-    const bool sender = world.dp_rank() == 0;
+    const bool sender = world.replica_rank() == 0;
     std::vector<std::shared_ptr<dist::Work>> sends;
     auto finish = [&] {
       for (auto& w : sends) w->wait();
@@ -285,7 +285,8 @@ std::string save_gathered_checkpoint(const std::string& out_dir, const nn::Trans
     comm.barrier();  // everyone returns once `latest` names the new checkpoint
     return (fs::path(out_dir) / step_dir_name(state.step)).string();
   }
-  // Rank 0: who holds what. Source (pp, tp) is data-parallel rank 0 of that group.
+  // Rank 0: who holds what. Source (pp, tp) is replica 0 of that group (data- and
+  // context-parallel rank 0).
   struct Holder {
     int source;
     std::shared_ptr<const nn::Transformer> shard;  // its layout

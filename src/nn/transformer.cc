@@ -502,7 +502,7 @@ ForwardResult Transformer::forward(const Tensor& tokens, const Tensor& targets, 
   }
   if (targets.defined())
     TALLY_CHECK(targets.shape() == tokens.shape(), "model: targets ", targets.str(), " do not match tokens ", tokens.str());
-  Tensor x = embed(tokens, start);
+  Tensor x = embed(tokens, start, cp_ops_ && !cache);
   for (int64_t l = 0; l < c.n_layer; ++l) x = layer(l, x, start, cache);
   if (cache) cache->length = start + T;
   ForwardResult result;
@@ -518,7 +518,7 @@ ForwardResult Transformer::forward_chunk(size_t chunk, const Tensor& input, cons
     TALLY_CHECK(input.dim() == 2, "model: the first chunk takes tokens (B, T), got ", input.str());
     TALLY_CHECK(input.shape()[1] <= config_.max_seq_len, "model: sequence length ", input.shape()[1],
                 " exceeds the model's maximum ", config_.max_seq_len);
-    x = embed(input, 0);
+    x = embed(input, 0, cp_ops_ != nullptr);
   } else {
     TALLY_CHECK(input.dim() == 3 && input.shape()[2] == config_.n_embd, "model: chunk ", chunk,
                 " takes the previous chunk's output (B, T, ", config_.n_embd, "), got ", input.str());
@@ -531,7 +531,7 @@ ForwardResult Transformer::forward_chunk(size_t chunk, const Tensor& input, cons
   return result;
 }
 
-Tensor Transformer::embed(const Tensor& tokens, int64_t start) const {
+Tensor Transformer::embed(const Tensor& tokens, int64_t start, bool split) const {
   const auto& c = config_;
   const std::vector<size_t> units{embed_unit()};
   OwnerScope scope("embed");
@@ -549,10 +549,20 @@ Tensor Transformer::embed(const Tensor& tokens, int64_t start) const {
     x = tp_ops_->out_of_row_parallel(partial);
   }
   if (!c.llama_architecture()) {
-    // This rank's positions: all T, or its slice of the sequence.
+    // This rank's positions: all T, or its slice of the sequence; under context
+    // parallelism the rows of its runs of positions.
     const int64_t T = x.shape()[1];
-    const int64_t first = start + (tp_ops_ && tp_ops_->sequence_parallel() ? tp_ops_->rank() * T : 0);
-    Tensor position_embedding = params_[wpe_].slice(0, first, first + T);
+    const int64_t first = tp_ops_ && tp_ops_->sequence_parallel() ? tp_ops_->rank() * T : 0;
+    Tensor position_embedding;
+    if (split) {
+      const int64_t local_length = T * (tp_ops_ && tp_ops_->sequence_parallel() ? tp_ops_->size() : 1);
+      std::vector<Tensor> rows;
+      for (const PositionRun& r : context_parallel_runs(cp_ops_->size(), cp_ops_->rank(), local_length, first, T))
+        rows.push_back(params_[wpe_].slice(0, r.global, r.global + r.length));
+      position_embedding = rows.size() == 1 ? rows[0] : ops::cat(rows, 0);
+    } else {
+      position_embedding = params_[wpe_].slice(0, start + first, start + first + T);
+    }
     x = ops::add(x, position_embedding);
   }
   x = acquired_in_backward(x, units);
@@ -596,6 +606,24 @@ Tensor Transformer::head_logits(const Tensor& x, size_t weight) const {
 Tensor Transformer::attention(const Tensor& q, const Tensor& k, const Tensor& v, bool recompute) const {
   if (matmul_dtype_ == DType::BF16) return ops::causal_attention_bf16(q, k, v, recompute);
   return ops::causal_attention(q, k, v, recompute);
+}
+
+Tensor Transformer::split_rotary(const Tensor& x) const {
+  std::vector<Tensor> parts;
+  for (const PositionRun& r : context_parallel_runs(cp_ops_->size(), cp_ops_->rank(), x.shape()[1], 0, x.shape()[1]))
+    parts.push_back(ops::rotary(x.slice(1, r.local, r.local + r.length), inv_freq_, r.global));
+  return ops::cat(parts, 1);
+}
+
+// Each run of local queries ends at global position g + n - 1 and sees the keys up to it:
+// the prefix 0 .. g + n - 1 of the whole sequence, with the causal mask aligned to its end.
+Tensor Transformer::split_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool recompute) const {
+  std::vector<Tensor> parts;
+  for (const PositionRun& r : context_parallel_runs(cp_ops_->size(), cp_ops_->rank(), q.shape()[1], 0, q.shape()[1])) {
+    const int64_t seen = r.global + r.length;
+    parts.push_back(attention(q.slice(1, r.local, r.local + r.length), k.slice(1, 0, seen), v.slice(1, 0, seen), recompute));
+  }
+  return ops::cat(parts, 1);
 }
 
 Tensor Transformer::row_linear(const Tensor& x, size_t weight, size_t bias) const {
@@ -646,12 +674,14 @@ Tensor Transformer::layer_body(int64_t l, const Tensor& input, int64_t start, Kv
       q = ops::rmsnorm(q, params_[p.qnormw], c.norm_eps);
       k = ops::rmsnorm(k, params_[p.knormw], c.norm_eps);
     }
+    const bool split = cp_ops_ && !cache;
     if (c.llama_architecture()) {
-      q = ops::rotary(q, inv_freq_, start);
-      k = ops::rotary(k, inv_freq_, start);
+      q = split ? split_rotary(q) : ops::rotary(q, inv_freq_, start);
+      k = split ? split_rotary(k) : ops::rotary(k, inv_freq_, start);
       // v's own copy: saving the view would keep all of qkv alive until backward. (Mixed
-      // precision's attention saves a bf16 copy of its own; a cache copies v in anyway.)
-      if (matmul_dtype_ != DType::BF16 && !cache) v = ops::contiguous(v);
+      // precision's attention saves a bf16 copy of its own; a cache copies v in anyway,
+      // and so does context parallelism's gather.)
+      if (matmul_dtype_ != DType::BF16 && !cache && !split) v = ops::contiguous(v);
     }
     if (cache) {
       // Append this call's keys and values, then attend over everything cached.
@@ -663,7 +693,16 @@ Tensor Transformer::layer_body(int64_t l, const Tensor& input, int64_t start, Kv
     // Selective recomputation: the attention core keeps only q, k, v (fp32 views of the
     // projection, or under bf16 its own bf16 copies) and runs its forward again in backward
     // for the output and log-sum-exp.
-    Tensor a = attention(q, k, v, recompute_ == Recompute::Selective).view({B, T, H * D});
+    const bool selective = recompute_ == Recompute::Selective;
+    Tensor a;
+    if (split) {
+      // The whole sequences' keys and values, gathered from the context-parallel group.
+      k = cp_ops_->gather_sequence(k);
+      v = cp_ops_->gather_sequence(v);
+      a = split_attention(q, k, v, selective).view({B, T, H * D});
+    } else {
+      a = attention(q, k, v, selective).view({B, T, H * D});
+    }
     x = ops::add(x, row_linear(a, p.attprojw, p.attprojb));
   }
   {

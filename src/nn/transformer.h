@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "nn/context_parallel.h"
 #include "nn/parameters.h"
 #include "nn/residency.h"
 #include "nn/tensor_parallel.h"
@@ -195,6 +196,11 @@ class Transformer {
   // Tensor parallel collectives (null without tensor parallelism). Not owned.
   void set_tensor_parallel(TensorParallelOps* ops) { tp_ops_ = ops; }
   TensorParallelOps* tensor_parallel() const { return tp_ops_; }
+  // Context parallel collectives (null without context parallelism). Not owned. With
+  // them, forward takes this rank's local sequences (nn/context_parallel.h) and attends
+  // over the whole ones; KV-cache decoding runs on whole sequences and leaves them out.
+  void set_context_parallel(ContextParallelOps* ops) { cp_ops_ = ops; }
+  ContextParallelOps* context_parallel() const { return cp_ops_; }
   // Mixed precision: with BF16 every projection (qkv, attention output, MLP, head) runs
   // its GEMMs in bf16 over a bf16 copy of the parameters that the store keeps current
   // (ParameterStore::enable_compute_copy, 2 bytes per parameter), and attention's tile
@@ -263,7 +269,8 @@ class Transformer {
   Tensor param(size_t index) const { return index == kAbsent ? Tensor() : params_[index]; }
   Tensor norm(const Tensor& x, size_t weight, size_t bias) const;
   size_t declare(const std::string& name, Shape shape, bool decay, TpSplit split);
-  Tensor embed(const Tensor& tokens, int64_t start) const;
+  // `split`: the tokens are this rank's context-parallel local sequences.
+  Tensor embed(const Tensor& tokens, int64_t start, bool split) const;
   Tensor layer(int64_t l, const Tensor& x, int64_t start, KvCache* cache) const;
   Tensor layer_body(int64_t l, const Tensor& x, int64_t start, KvCache* cache) const;
   void head(const Tensor& x, const Tensor& targets, bool return_logits, ForwardResult& result) const;
@@ -278,6 +285,10 @@ class Transformer {
   // Causal attention over q, k, v, its tile products in the matmul dtype; `recompute`:
   // its output is made again in backward (selective recomputation).
   Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool recompute) const;
+  // Context parallel: rotary over the local sequence's runs of positions, and attention of
+  // the local queries over the gathered whole-sequence keys and values.
+  Tensor split_rotary(const Tensor& x) const;
+  Tensor split_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool recompute) const;
 
   struct LayoutOnly {};
   Transformer(const TransformerConfig& config, ModelShard shard, LayoutOnly);
@@ -288,6 +299,7 @@ class Transformer {
   ParameterStore params_;
   std::vector<TpSplit> splits_;  // per parameter
   TensorParallelOps* tp_ops_ = nullptr;  // non-owning
+  ContextParallelOps* cp_ops_ = nullptr;  // non-owning
   Recompute recompute_ = Recompute::None;
   DType matmul_dtype_ = DType::F32;
   int64_t loss_chunk_rows_ = 0;

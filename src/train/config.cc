@@ -163,8 +163,14 @@ void check_layout_flags(const LayoutFlags& f) {
               ": ZeRO shards over data-parallel GPUs, which need the NCCL communicator tally does not have yet");
   TALLY_CHECK(!f.sequence_parallel || f.tp > 1, "--sp (sequence parallel) shards along the sequence over the "
               "tensor-parallel group: it needs --tp > 1");
-  TALLY_CHECK(!f.sequence_parallel || f.seq_len % f.tp == 0, "--sp: --seq-len ", f.seq_len, " must divide into --tp ",
-              f.tp, " ranks");
+  TALLY_CHECK(f.cp >= 1, "--cp must be >= 1, got ", f.cp);
+  TALLY_CHECK(f.seq_len % (2 * f.cp) == 0 || f.cp == 1, "--cp ", f.cp, ": each sequence is cut into 2 x ", f.cp,
+              " chunks (rank r holds chunks r and ", 2 * f.cp, "-1-r), so --seq-len ", f.seq_len,
+              " must be a multiple of ", 2 * f.cp);
+  TALLY_CHECK(!f.sequence_parallel || (f.seq_len / f.cp) % f.tp == 0, "--sp: --seq-len ", f.seq_len,
+              f.cp > 1 ? " / --cp " + std::to_string(f.cp) : std::string(), " must divide into --tp ", f.tp, " ranks");
+  TALLY_CHECK(f.cp == 1 || f.device.is_cpu(), "--cp ", f.cp, " with --device ", f.device.str(),
+              ": context parallelism's collectives are MPI's, on the CPU");
   TALLY_CHECK(f.tp * f.pp == 1 || f.zero <= 1, "--zero ", f.zero, " with --tp/--pp: the model is already sharded by "
               "tensor and pipeline parallelism; use --zero 1 (optimizer state sharded over the data-parallel group)");
   TALLY_CHECK(!f.bf16 || f.zero <= 2, "--dtype bf16 with --zero 3: the GEMMs read a bf16 copy of the whole parameter "
@@ -176,7 +182,7 @@ void check_layout_flags(const LayoutFlags& f) {
 void check_layout(const TrainConfig& c, int64_t world) {
   const ParallelismConfig& p = c.parallel;
   check_layout_flags({world, p.tp, p.pp, p.sequence_parallel, c.batch.seq_len, p.zero, c.compute.dtype == DType::BF16,
-                      c.compute.chunked_loss, c.compute.device});
+                      c.compute.chunked_loss, c.compute.device, p.cp});
 }
 
 std::vector<Device> sanitized_devices(Device training) {

@@ -60,12 +60,13 @@ struct OptimizerConfig {
   double grad_clip = 1.0;  // 0: off
 };
 
-// The parallel layout over MPI (launch with mpirun): data, tensor and pipeline parallel,
-// ZeRO over the data-parallel group.
+// The parallel layout over MPI (launch with mpirun): data, tensor, context and pipeline
+// parallel, ZeRO over the replicas (data x context parallel; dist/world.h).
 struct ParallelismConfig {
-  int dp = 0;  // 0: world size / (tp x pp)
+  int dp = 0;  // 0: world size / (tp x cp x pp)
   int tp = 1;
   int pp = 1;
+  int cp = 1;  // --cp: each sequence's tokens split over C ranks
   bool sequence_parallel = false;  // --sp: norms and residuals sharded along the sequence (needs --tp > 1)
   dist::PipelineSchedule pp_schedule = dist::PipelineSchedule::OneFOneB;
   int virtual_stages = 1;            // model chunks per pipeline rank (interleaved)
@@ -152,6 +153,7 @@ struct LayoutFlags {
   bool bf16 = false;  // --dtype bf16
   bool chunked_loss = false;
   Device device = Device::cpu();
+  int cp = 1;  // --cp
 };
 void check_layout_flags(const LayoutFlags& flags);
 void check_layout(const TrainConfig& config, int64_t world);

@@ -68,9 +68,10 @@ Metrics::Metrics(const TrainConfig& c, const dist::World& world, const dist::Ste
       start_step_(start_step) {
   const BatchConfig& b = c.batch;
   tokens_per_step_ = b.grad_accum * world.dp() * b.batch_size * b.seq_len;
-  // Each rank does its share of the model's work: 1/(tp x pp) of it under model parallelism.
+  // Each rank does its share of its batches' work: 1/(tp x pp) of it under model
+  // parallelism, 1/cp of each sequence under context parallelism.
   rank_step_flops_ = engine.model().flops_per_token(b.seq_len) * static_cast<double>(b.grad_accum * b.batch_size * b.seq_len) /
-                     static_cast<double>(world.tp() * world.pp());
+                     static_cast<double>(world.tp() * world.pp() * world.cp());
   log_is_stream_ = !c.metrics.log_json.empty() && io::is_stream(c.metrics.log_json);
   print_start();
   open_logs(start_step);
@@ -182,13 +183,13 @@ void Metrics::print_start() const {
   // for the start-up line to suggest otherwise). --bucket-mb sizes plain data parallel's
   // and ZeRO-1's all-reduce; a run without one says so.
   const int zero = c_.parallel.zero;
-  if (zero > 0 && world_.dp() == 1 && root)
+  if (zero > 0 && world_.replicas() == 1 && root)
     std::fprintf(stderr, "tally: warning: --zero %d shards the optimizer state over data-parallel ranks; this run has "
                  "one, so it saves nothing (launch more ranks with mpirun, or leave --zero out)\n", zero);
   if (c_.parallel.bucket_mb_given && !engine_.all_reduce_stats() && root)
     std::fprintf(stderr, "tally: warning: --bucket-mb %g sizes the buckets of data parallel's gradient all-reduce; this "
                  "run has %s, so it does nothing\n", c_.parallel.bucket_mb,
-                 world_.dp() == 1 ? "one data-parallel rank and no all-reduce"
+                 world_.replicas() == 1 ? "one data-parallel rank and no all-reduce"
                                   : "ZeRO stage 2 or 3, which reduce-scatters gradients instead");
   log(layout.back());
   const bool bf16 = c_.compute.dtype == DType::BF16;

@@ -30,9 +30,13 @@ PeakReport::PeakReport(const TrainConfig& c, const dist::World& world, const dis
   planned_peak_ = mine.predicted_peak_bytes;
   parts_ = mine.parts;
   notes_ = plan.notes;
-  // The formulas have no experts: a sparse model's plan is its dense part's, said so
-  // rather than warned about (tally plan's dry run runs the experts).
-  experts_unplanned_ = model.n_experts > 0;
+  // The formulas have no experts and no context parallelism: such a plan is said to
+  // leave them out rather than warned about (tally plan's dry run runs the experts).
+  if (model.n_experts > 0)
+    unplanned_ = "the plan's formulas leave the experts out; `tally plan` runs this step on the meta device, experts "
+                 "included";
+  else if (c.parallel.cp > 1)
+    unplanned_ = "the plan's formulas leave context parallelism out (they plan whole sequences on each rank)";
   // Who holds the peak, for the check against the plan after the second step.
   runtime::ledger(c.compute.device).track_peak_owners(true);
 }
@@ -75,9 +79,8 @@ void PeakReport::compare_with_plan(const StepMetrics& m, const memory::Stats& s)
   log(fmt("memory: planned peak %s (tally plan%s), measured %s: %+.2f%%", format_bytes(m.predicted_peak_bytes).c_str(),
           world_.size() > 1 ? "; the largest over ranks, each rank's own checked" : "", format_bytes(m.peak_bytes).c_str(),
           100.0 * off_max));
-  if (experts_unplanned_) {
-    log("memory: the plan's formulas leave the experts out; `tally plan` runs this step on the meta device, experts "
-        "included");
+  if (!unplanned_.empty()) {
+    log("memory: " + unplanned_);
     return;
   }
   const double off = static_cast<double>(s.peak_allocated - planned_peak_) / static_cast<double>(planned_peak_);
@@ -114,7 +117,7 @@ void PeakReport::report_setup(const StepMetrics& m, int64_t resume_peak) {
 }
 
 void PeakReport::report_data_parallel(const memory::Stats& s) const {
-  const int64_t D = world_.dp();
+  const int64_t D = world_.replicas();  // ZeRO shards over data x context parallel
   if (D == 1) return;
   const auto& st = s.allocated_by_category;
   const int64_t held = st[static_cast<int>(Category::Parameter)] + st[static_cast<int>(Category::Gradient)] +

@@ -49,7 +49,7 @@ class PeakReport {
   std::vector<std::string> notes_;  // where the plan said its peak moment may not hold
   int64_t predicted_setup_ = 0;
   int64_t setup_peak_ = 0, resume_peak_ = 0;
-  bool experts_unplanned_ = false;  // a sparse model: the formulas know its dense part only
+  std::string unplanned_;  // what the formulas leave out (experts, context parallel), or empty
 };
 
 }  // namespace tally::train

@@ -103,6 +103,11 @@ MemoryPlan plan_steps(const PlanInput& in);
 // one tensor at a time, each a piece of a parameter, into the scratch or the parameter).
 MemoryPlan plan_memory(const PlanInput& in) {
   MemoryPlan plan = plan_steps(in);
+  if (in.cp > 1)
+    plan.notes.push_back("context parallel: the formulas plan each of the --cp " + std::to_string(in.cp) +
+                         " ranks' activations as if it held whole sequences of " + std::to_string(in.seq_len) +
+                         " tokens; it holds " + std::to_string(in.seq_len / in.cp) +
+                         " of each and the whole sequences' keys and values");
   const int64_t rotary = in.model.llama_architecture() ? in.model.head_dim() / 2 * 4 : 0;  // LLaMA's constant, alive throughout
   if (in.zero >= 2) {
     // ZeRO-2/3 (data parallel only). ZeRO-2 builds the model's parameter block without a
@@ -172,6 +177,7 @@ PlanInput plan_input(const TrainConfig& c, const nn::TransformerConfig& model, i
   in.device = c.compute.device;  // (the plan counts what the device changes: the GEMM library's workspace, the loader)
   in.loss_chunk_rows = c.compute.chunked_loss ? nn::Transformer::default_loss_chunk_rows(model.padded_vocab_size) : 0;
   in.recompute = c.compute.recompute;
+  in.cp = c.parallel.cp;
   return in;
 }
 
@@ -202,7 +208,7 @@ MemoryPlan plan_steps(const PlanInput& in) {
   TALLY_CHECK(in.tp >= 1 && in.pp >= 1 && in.world % checked_mul(in.tp, in.pp, "plan: --tp x --pp") == 0, "plan: --world ", in.world,
               " is not a multiple of --tp ", in.tp, " x --pp ", in.pp);
   check_layout_flags({in.world, in.tp, in.pp, in.sequence_parallel, in.seq_len, in.zero, in.bf16, in.loss_chunk_rows > 0,
-                      in.device});
+                      in.device, in.cp});
   const int64_t TP = in.tp;
   // D: the data-parallel ranks, over which ZeRO shards and the loss is averaged.
   const int64_t PP = in.pp;

@@ -117,6 +117,10 @@ struct PlanInput {
   dist::PipelineSchedule pp_schedule = dist::PipelineSchedule::OneFOneB;
   int virtual_stages = 1;
   int64_t pp_last_stage_layers = 0;
+  // --cp: context-parallel ranks, counted among the world's replicas (ZeRO shards over
+  // them); the formulas plan each rank's activations as if it held whole sequences, and
+  // the plan says so in a note.
+  int cp = 1;
 };
 
 struct RankPlan {

@@ -204,8 +204,9 @@ void RunSetup::check_ranks_agree_on(const Settings& recipe) const {
   Settings settings = recipe;
   const std::pair<std::string, std::string> more[] = {
       {"the model", model_.describe()},
-      {"--tp x --pp x data-parallel ranks",
-       std::to_string(world_.tp()) + " x " + std::to_string(world_.pp()) + " x " + std::to_string(world_.dp())},
+      {"--tp x --pp x --cp x data-parallel ranks", std::to_string(world_.tp()) + " x " + std::to_string(world_.pp()) +
+                                                        " x " + std::to_string(world_.cp()) + " x " +
+                                                        std::to_string(world_.dp())},
       {"--grad-accum", std::to_string(c.batch.grad_accum)},
       {"--zero", std::to_string(p.zero)},
       {"--sp", p.sequence_parallel ? "on" : "off"},
