@@ -300,6 +300,62 @@ TEST(ContextParallelLayouts, MatchOneProcessWithFlatMemory) {
   if (!ran) GTEST_SKIP() << "no context-parallel layout for " << world_size() << " ranks";
 }
 
+// Seed 001 (docs/memory-contract.md): Fast-LLM's Qwen2.5-7B post-training, sequence-data
+// parallel 2 x ZeRO-2 x full recomputation with hundreds of microbatches a step, kept each
+// microbatch's loss for logging and grew 164 MiB a microbatch. Here on tiny shapes: cp2 x
+// dp2 on 4 ranks, ZeRO-2, full recompute, sequences of the model's whole length, 256
+// microbatches a step, each microbatch's loss kept as its value. Every microbatch boundary
+// of every rank has the same live bytes from the second on, and every step the same peak.
+train::TrainConfig seed001_config(int64_t microbatches) {
+  train::TrainConfig c = Layout{2, 1, 1, "1f1b", 1, false, 2}.apply(base_config(Family::Qwen2));
+  c.parallel.cp = 2;
+  c.compute.recompute = nn::Recompute::Full;
+  c.batch.batch_size = 1;
+  c.batch.seq_len = 64;  // the model's max_seq_len
+  c.batch.grad_accum = microbatches;
+  c.batch.steps = 3;
+  c.memory.sanitize = sanitizer::SanitizeMode::Strict;
+  return c;
+}
+
+TEST(Seed001OnContextParallel, KeptLossValuesStayFlatOverHundredsOfMicrobatches) {
+  if (world_size() != 4) GTEST_SKIP() << "cp2 x dp2 runs on 4 ranks";
+  std::unique_ptr<dist::World> world = dist::World::create({2, 1, 1, 2});
+  train::TrainConfig c = seed001_config(256);
+  std::vector<double> logged;  // what a logger keeps: each microbatch's value (R4)
+  c.on_microbatch_loss = [&](int64_t, const Tensor& loss) { logged.push_back(loss.item()); };
+  const train::TrainResult r = train::run_training(c, *world);
+  EXPECT_EQ(logged.size(), static_cast<size_t>(3 * 256));
+  int64_t live = -1;
+  size_t microbatch_boundaries = 0;
+  for (const sanitizer::Boundary& b : r.boundaries) {
+    ASSERT_EQ(b.live_nodes, 0u) << "step " << b.step << " microbatch " << b.microbatch;
+    if (b.microbatch < 0 || (b.step == 0 && b.microbatch == 0)) continue;
+    ++microbatch_boundaries;
+    if (live < 0) live = b.allocated;
+    ASSERT_EQ(b.allocated, live) << "rank " << world->rank() << ": live bytes at step " << b.step << " microbatch "
+                                 << b.microbatch;
+  }
+  EXPECT_EQ(microbatch_boundaries, size_t{3 * 256 - 1});
+  expect_flat(r, "seed 001 cp2 x dp2 zero2 full recompute");
+}
+
+// The bug itself: a logger that keeps the loss tensor keeps its graph's node past the
+// microbatch. The strict sanitizer stops every rank at the first microbatch's boundary and
+// names what survived.
+TEST(Seed001OnContextParallel, KeepingTheLossTensorIsCaughtAtTheNextBoundary) {
+  if (world_size() != 4) GTEST_SKIP() << "cp2 x dp2 runs on 4 ranks";
+  std::unique_ptr<dist::World> world = dist::World::create({2, 1, 1, 2});
+  train::TrainConfig c = seed001_config(8);
+  std::vector<Tensor> kept;
+  c.on_microbatch_loss = [&](int64_t, const Tensor& loss) { kept.push_back(loss); };
+  const std::string m = test::message_of<Error>([&] { train::run_training(c, *world); });
+  EXPECT_EQ(kept.size(), 1u) << "stopped at the first microbatch's boundary";
+  EXPECT_NE(m.find("microbatch 0"), std::string::npos) << m;
+  EXPECT_NE(m.find("live graph after backward"), std::string::npos) << m;
+  EXPECT_NE(m.find("storage owner 'head:loss'"), std::string::npos) << m;
+}
+
 // Mixed precision through tensor and pipeline parallel: the projections round the same
 // operands to bf16 whatever the split, so the first step agrees to rounding and later ones
 // within bf16's tolerance (above). The layouts without tp also fuse the head with the loss.

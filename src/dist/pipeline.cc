@@ -190,9 +190,9 @@ Tensor ReceivedInputs::input(const Tensor& received) {
 class PipelineStage::Step {
  public:
   Step(PipelineStage& stage, int64_t microbatches, const BatchFn& batch, double loss_scale,
-       sanitizer::Sanitizer& sanitizer, const std::function<void()>& before_last_backward)
+       sanitizer::Sanitizer& sanitizer, const std::function<void()>& before_last_backward, const LossHook& on_loss)
       : stage_(stage), batch_(batch), loss_scale_(loss_scale), sanitizer_(sanitizer),
-        before_last_backward_(before_last_backward),
+        before_last_backward_(before_last_backward), on_loss_(on_loss),
         actions_(pipeline_actions(stage.schedule_, stage.stages_, stage.stage_, microbatches, stage.virtual_stages_)) {
     for (size_t i = 0; i < actions_.size(); ++i)
       if (!actions_[i].forward) last_backward_ = i;
@@ -270,6 +270,7 @@ class PipelineStage::Step {
     nn::ForwardResult r = stage_.model_.forward_chunk(static_cast<size_t>(a.chunk), input, chunk(i).head ? targets : Tensor());
     if (chunk(i).head) {
       loss_sum_ += r.loss.item();
+      if (on_loss_) on_loss_(a.microbatch, r.loss);
       f.output = loss_scale_ == 1.0 ? r.loss : ops::scale(r.loss, loss_scale_);
     } else {
       f.output = r.hidden;
@@ -324,6 +325,7 @@ class PipelineStage::Step {
   double loss_scale_;
   sanitizer::Sanitizer& sanitizer_;
   const std::function<void()>& before_last_backward_;
+  const LossHook& on_loss_;
   const std::vector<PipelineAction> actions_;
   size_t last_backward_ = SIZE_MAX;
   std::pair<Tensor, Tensor> first_batch_;
@@ -341,10 +343,10 @@ ReceivedInputs& PipelineStage::received_inputs() {
 }
 
 double PipelineStage::run(int64_t N, const BatchFn& batch, double loss_scale, sanitizer::Sanitizer& sanitizer,
-                          const std::function<void()>& before_last_backward) {
+                          const std::function<void()>& before_last_backward, const LossHook& on_loss) {
   last_ = PipelineStepStats();
   const double begin = now_seconds();
-  const double loss_sum = Step(*this, N, batch, loss_scale, sanitizer, before_last_backward).run();
+  const double loss_sum = Step(*this, N, batch, loss_scale, sanitizer, before_last_backward, on_loss).run();
   last_.seconds = now_seconds() - begin;
   return loss_sum;
 }

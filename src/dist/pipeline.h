@@ -87,6 +87,13 @@ class ReceivedInputs {
 
 // Runs one stage's share of a step. Every rank of the pipeline group calls run() with the
 // same number of microbatches.
+// Called with each microbatch's loss after its forward and before its backward, on the
+// rank that computes it (for logging each microbatch's loss, as RL trainers do). The loss
+// still carries its graph: keep its value (item()) or a detached copy. Keeping the tensor
+// itself keeps its graph's node past the microbatch, the leak of docs/memory-contract.md's
+// seed 001, which the strict sanitizer reports at the microbatch's boundary.
+using LossHook = std::function<void(int64_t microbatch, const Tensor& loss)>;
+
 class PipelineStage {
  public:
   // `received` (not owned; null: the stage's own ReceivedInputs) decides what a received
@@ -99,9 +106,10 @@ class PipelineStage {
   // Runs forward and backward of N microbatches; each loss is scaled by `loss_scale`
   // before its backward. `before_last_backward` runs before the step's last backward
   // (data parallel arms its overlapped all-reduce there). Returns the sum of this rank's
-  // unscaled losses (0 on a stage without the head).
+  // unscaled losses (0 on a stage without the head). `on_loss` sees each loss on the stage
+// with the head.
   double run(int64_t microbatches, const BatchFn& batch, double loss_scale, sanitizer::Sanitizer& sanitizer,
-             const std::function<void()>& before_last_backward = {});
+             const std::function<void()>& before_last_backward = {}, const LossHook& on_loss = {});
   // A forward of one batch through the pipeline without a graph (evaluation); the loss
   // on every stage.
   double evaluate(const Tensor& tokens, const Tensor& targets);

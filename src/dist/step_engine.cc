@@ -163,6 +163,7 @@ double StepEngine::run_microbatches(int64_t step, data::BatchSource& loader, san
       Tensor loss = std::move(result.loss);
       if (result.aux_loss.defined()) aux_loss_sum_ += result.aux_loss.item();  // its number only
       result = nn::ForwardResult();
+      if (config_.on_microbatch_loss) config_.on_microbatch_loss(mb, loss);
       // At the end of the first forward the live set is exactly model states + loader
       // buffers + saved activations (measured; the plan predicts it).
       if (live_after_forward_ == 0) live_after_forward_ = runtime::ledger(config_.device).stats().allocated;
@@ -200,7 +201,7 @@ double StepEngine::run_pipeline(int64_t step, data::BatchSource& loader, sanitiz
   profiler::PhaseScope phase("pipeline");
   const double loss_sum = pipeline_->run(N, batch_of, 1.0 / static_cast<double>(N * world_.replicas()), sanitizer, [&] {
     if (all_reduce_ && config_.virtual_stages == 1) all_reduce_->arm();
-  });
+  }, config_.on_microbatch_loss);
   if (all_reduce_ && config_.virtual_stages > 1) all_reduce_->arm();
   TALLY_CHECK(pipeline_->last().max_in_flight <= in_flight_bound_, "pipeline stage ", world_.pp_rank(), " held ",
               pipeline_->last().max_in_flight, " microbatches at once; the ",

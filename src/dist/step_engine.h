@@ -61,6 +61,7 @@ struct EngineConfig {
   bool chunked_loss = false;
   Device device = Device::cpu();
   optim::AdamWConfig adamw;
+  LossHook on_microbatch_loss;  // sees each microbatch's loss (dist/pipeline.h); optional
 };
 
 class StepEngine {

@@ -133,6 +133,7 @@ struct TrainConfig {
   MemoryConfig memory;
   uint64_t seed = 1337;            // the weights' initialization, the shuffle and the samples
   bool return_parameters = false;  // fill TrainResult::parameters (tests)
+  dist::LossHook on_microbatch_loss;  // for a program that logs each microbatch's loss (dist/pipeline.h)
 
   // Every value in its range and the values consistent with each other; throws naming
   // the flag. (What needs the data, the model or the world is checked where they are.)

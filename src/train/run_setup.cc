@@ -22,6 +22,7 @@ dist::EngineConfig engine_config(const TrainConfig& c, const nn::TransformerConf
   dist::EngineConfig e;
   e.model = model;
   e.microbatches = c.batch.grad_accum;
+  e.on_microbatch_loss = c.on_microbatch_loss;
   e.zero = c.parallel.zero;
   e.bucket_bytes = static_cast<int64_t>(c.parallel.bucket_mb * (1 << 20));
   e.sequence_parallel = c.parallel.sequence_parallel;
