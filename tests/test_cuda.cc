@@ -357,6 +357,7 @@ train::TrainConfig gpu_run(const std::string& shard, const std::string& device, 
   c.metrics.quiet = true;
   c.sampling.every = -1;
   c.sampling.tokens = 0;
+  c.memory.keep_boundaries = true;
   c.compute.device = train::parse_device(device);
   c.compute.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
   c.checkpoint.out_dir = temp_path("cuda_run_" + model + device + dtype);

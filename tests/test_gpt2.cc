@@ -616,6 +616,7 @@ void expect_flat_under_strict_sanitizer(const std::string& model_file, int64_t s
   c.batch.steps = steps_env ? std::atoll(steps_env) : steps;
   c.batch.grad_accum = mb_env ? std::atoll(mb_env) : microbatches;
   c.memory.sanitize = sanitizer::SanitizeMode::Strict;
+  c.memory.keep_boundaries = true;
   c.compute.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
   c.compute.chunked_loss = chunked_loss;
   c.metrics.quiet = true;
@@ -637,6 +638,33 @@ void expect_flat_under_strict_sanitizer(const std::string& model_file, int64_t s
   EXPECT_EQ(steps_seen, static_cast<size_t>(c.batch.steps));
 }
 }  // namespace
+
+// Thousands of microbatches a step (seed 001's RL runs needed 4K+): every microbatch
+// boundary after the first has the same live bytes, and a run that is not asked for the
+// boundaries' record keeps none (it would grow with steps x microbatches).
+TEST(Trainer, AStepOf1024MicrobatchesKeepsEveryBoundaryFlatAndNoRecordOfThem) {
+  train::TrainConfig c = test::tiny_train_config(test::write_random_shard("many.bin", 20000, 97, 4));
+  c.batch.batch_size = 1;
+  c.batch.seq_len = 8;
+  c.batch.steps = 2;
+  c.batch.grad_accum = 1024;
+  c.memory.sanitize = sanitizer::SanitizeMode::Strict;
+  c.checkpoint.out_dir = test::temp_path("many_out_kept");
+  const train::TrainResult r = train::run_training(c);
+  int64_t live = -1;
+  size_t microbatches = 0;
+  for (const auto& b : r.boundaries) {
+    ASSERT_EQ(b.live_nodes, 0u);
+    if (b.microbatch < 0 || (b.step == 0 && b.microbatch == 0)) continue;
+    ++microbatches;
+    if (live < 0) live = b.allocated;
+    ASSERT_EQ(b.allocated, live) << "step " << b.step << " microbatch " << b.microbatch;
+  }
+  EXPECT_EQ(microbatches, size_t{2 * 1024 - 1});
+  c.memory.keep_boundaries = false;
+  c.checkpoint.out_dir = test::temp_path("many_out_not_kept");
+  EXPECT_TRUE(train::run_training(c).boundaries.empty());
+}
 
 TEST(Trainer, MemoryIsFlatAcrossStepsAndMicrobatchesUnderStrictSanitizer) {
   expect_flat_under_strict_sanitizer(test::fixture_path("gpt2_tiny.bin"), 200, 64);

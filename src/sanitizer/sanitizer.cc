@@ -276,7 +276,7 @@ void Sanitizer::end_microbatch(int64_t id) {
                          "of this microbatch that still carry graph state (activations, saved tensors, gradients of "
                          "leaves that are not registered parameters)");
   }
-  boundaries_.push_back(b);
+  if (keep_boundaries_) boundaries_.push_back(b);
 }
 
 void Sanitizer::end_step() {
@@ -327,7 +327,7 @@ void Sanitizer::end_step() {
     baseline_persistent_ = persistent;
     check_hooks(where, warming_up);
   }
-  boundaries_.push_back(b);
+  if (keep_boundaries_) boundaries_.push_back(b);
   ++steps_ended_;
   previous_step_ = step_;
   current_microbatch_ = -1;

@@ -90,7 +90,10 @@ class Sanitizer : private autograd::EngineObserver {
   void end_microbatch();  // the current one
 
   const std::vector<Issue>& issues() const { return issues_; }
+  // Every boundary's record, in order, while keep_boundaries is on (the default): one per
+  // microbatch and step, so a long run with many microbatches a step turns it off.
   const std::vector<Boundary>& boundaries() const { return boundaries_; }
+  void keep_boundaries(bool keep) { keep_boundaries_ = keep; }
   const std::set<int64_t>& in_flight() const { return in_flight_; }
   // Replaces the default printer (stderr) used in Warn mode.
   void set_printer(std::function<void(const Issue&)> printer) { printer_ = std::move(printer); }
@@ -126,6 +129,7 @@ class Sanitizer : private autograd::EngineObserver {
   int64_t baseline_hooks_ = -1;  // gradient hooks alive at the previous step's end (-1: none ended yet)
   std::vector<Issue> issues_;
   std::vector<Boundary> boundaries_;
+  bool keep_boundaries_ = true;
   std::function<void(const Issue&)> printer_;
   std::optional<autograd::ObserverRegistration> registration_;
   Clock::Reading previous_clock_;

@@ -72,6 +72,7 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const O
   Metrics metrics(c, world, engine, data, setup.model(), gemm_peak, peaks.rank_planned_peaks(), start,
                   setup.resume_dir(), checkpointer.resumed_history(), setup.continues());
   sanitizer::Sanitizer sanitizer(c.memory.sanitize, sanitized_devices(c.compute.device));
+  sanitizer.keep_boundaries(c.memory.keep_boundaries);
   runtime::profiler::enable(c.compute.profile_ops);
   setup.remove_earlier_checkpoints(c.metrics.quiet);
   if (start >= steps) say(c, world, "nothing to train: the run is at step " + std::to_string(start) + " of --steps " + std::to_string(steps));

@@ -34,7 +34,7 @@ struct TrainResult {
   int64_t best_val_step = 0;
   std::vector<StepMetrics> history;
   std::string last_checkpoint;
-  std::vector<sanitizer::Boundary> boundaries;  // the sanitizer's step/microbatch records (this rank)
+  std::vector<sanitizer::Boundary> boundaries;  // the sanitizer's step/microbatch records (this rank; memory.keep_boundaries)
   Tensor parameters;  // the final parameter block (gathered), when config.return_parameters
 };
 
