@@ -659,6 +659,28 @@ TEST(Launch, PlanRefusesWhatTrainRefusesInTheSameWords) {
             std::string::npos);
 }
 
+// Several ranks: the dry run stands in for the first rank of each pipeline stage, on
+// communicators that move nothing; context parallel is planned that way.
+TEST(Launch, PlanRunsTheDryRunForEachPipelineStage) {
+  const std::string plan = std::string(TALLY_CLI) + " plan --model d2 --world 4 --cp 2 --pp 2 --seq-len 64 --grad-accum 2";
+  const Outcome text = run(plan);
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_NE(text.output.find("dry run (the real steps on the meta device), rank 0 (pipeline stage 0): step 1"),
+            std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("dry run (the real steps on the meta device), rank 2 (pipeline stage 1): step 1"),
+            std::string::npos) << text.output;
+  const Outcome json = run(plan + " --json");
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  const nlohmann::json j = nlohmann::json::parse(json.output);
+  ASSERT_EQ(j.at("dry_runs").size(), 2u);
+  EXPECT_EQ(j["dry_runs"][1]["rank"], 2);
+  EXPECT_EQ(j["dry_runs"][1]["stage"], 1);
+  EXPECT_GT(j["dry_runs"][1]["peak_bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(j["dry_run"]["rank"], 0);
+  // ZeRO is not stood in for: the formulas alone, as before.
+  EXPECT_EQ(run(plan + " --zero 1").output.find("dry run"), std::string::npos);
+}
+
 // A GPU run planned on any machine: cuBLASLt's 32 MiB workspace is part of its peak (the
 // trainer's own plan had it, tally plan had no --device and came out 32 MiB low), and the
 // validation loader's host buffers are not.
@@ -697,10 +719,13 @@ TEST(Launch, PlanOfOneProcessDryRunsItsStepsOnTheMetaDevice) {
     EXPECT_NE(text.output.find("dry run (the real steps on the meta device): step 1 "), std::string::npos) << text.output;
     EXPECT_NE(text.output.find("largest owners: "), std::string::npos) << text.output;
   }
-  // A layout of several ranks is planned by the formulas alone (the dry run does not stand in for it yet).
+  // Data parallel: the dry run stands in for a rank (its all-reduce moves nothing) and
+  // agrees with the formulas there too.
   const Outcome dp = run(std::string(TALLY_CLI) + " plan --model d2 --world 2 --json");
   ASSERT_EQ(dp.exit_code, 0) << dp.output;
-  EXPECT_FALSE(nlohmann::json::parse(dp.output).contains("dry_run"));
+  const nlohmann::json j = nlohmann::json::parse(dp.output);
+  ASSERT_TRUE(j.contains("dry_run")) << dp.output;
+  EXPECT_EQ(j["dry_run"]["peak_bytes"].get<int64_t>(), j["ranks"][0]["predicted_peak_bytes"].get<int64_t>());
 }
 
 TEST(Launch, AKillAtEveryCrashPointOfACheckpointLosesNothing) {

@@ -232,16 +232,17 @@ TEST(Plan, TheDryRunNamesTheLayoutsItDoesNotStandInFor) {
   train::TrainConfig c;
   c.model.preset = "d1";
   const nn::TransformerConfig mc = nn::TransformerConfig::preset("d1");
-  auto refusal = [&] {
+  auto refusal = [&](int64_t world = 1) {
     try {
-      train::dry_run(c, mc, false);
+      train::dry_run(c, mc, false, world, 0);
     } catch (const Error& e) {
       return std::string(e.what());
     }
     return std::string("(ran)");
   };
   c.parallel.tp = 2;
-  EXPECT_NE(refusal().find("the dry run stands in for one process: --dp 0 --tp 2 --pp 1"), std::string::npos) << refusal();
+  EXPECT_NE(refusal(2).find("the dry run does not stand in for tensor parallel yet (--tp 2)"), std::string::npos)
+      << refusal(2);
   c.parallel.tp = 1;
   c.parallel.zero = 2;
   EXPECT_NE(refusal().find("the dry run does not stand in for ZeRO yet (--zero 2)"), std::string::npos) << refusal();

@@ -160,11 +160,17 @@ int run_plan(const PlanArgs& a) {
   const bool validates = a.val || !c.data.val.empty();
   const train::PlanInput in = train::plan_input(c, model, world, validates);
   const train::MemoryPlan plan = train::plan_memory(in);
-  // Where it can (one process on the CPU), the dry run also runs the steps on the meta device.
-  std::optional<train::DryRun> dry;
-  if (train::dry_run_refusal(c, world).empty()) dry = train::dry_run(c, model, validates);
-  if (a.json) std::printf("%s\n", train::plan_json(plan, dry ? &*dry : nullptr).c_str());
-  else std::printf("%s\n%s", train::plan_text(plan, in).c_str(), dry ? train::dry_run_text(*dry).c_str() : "");
+  // Where it can, the dry run also runs the steps on the meta device: once for each rank
+  // whose steps differ (each pipeline stage).
+  std::vector<train::DryRun> dry;
+  if (train::dry_run_refusal(c, world).empty())
+    for (int rank : train::dry_run_roles(c, world)) dry.push_back(train::dry_run(c, model, validates, world, rank));
+  if (a.json) {
+    std::printf("%s\n", train::plan_json(plan, dry).c_str());
+    return 0;
+  }
+  std::printf("%s\n", train::plan_text(plan, in).c_str());
+  for (const train::DryRun& d : dry) std::printf("%s", train::dry_run_text(d, world > 1).c_str());
   return 0;
 }
 

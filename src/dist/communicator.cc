@@ -80,6 +80,62 @@ class SelfCommunicator final : public Communicator {
   std::string name_;
   CommStats stats_;
 };
+// A completed operation that holds its tensors while its handle lives, as MPI's Work does
+// (a pipeline keeps a send's handle, and so its buffer, until its next send).
+class HeldWork final : public Work {
+ public:
+  explicit HeldWork(std::vector<Tensor> held) : held_(std::move(held)) {}
+  bool done() override { return true; }
+  void wait() override {}
+  double submitted() const override { return 0; }
+  double started() const override { return 0; }
+  double finished() const override { return 0; }
+
+ private:
+  std::vector<Tensor> held_;
+};
+
+// A stand-in for rank `rank` of a group of `size` in a dry run (train/dry_run.h): every
+// operation completes at once and moves nothing. Its tensors are the meta device's (no
+// bytes) or small host scalars whose values the dry run does not read; the buffers the
+// real group's callers make for it are made all the same, by those callers.
+class MetaCommunicator final : public Communicator {
+ public:
+  MetaCommunicator(std::string name, int size, int rank) : name_(std::move(name)), size_(size), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const override { return name_; }
+  std::shared_ptr<Work> all_reduce_async(const Tensor& t, ReduceOp) override { return done("all_reduce", t); }
+  std::shared_ptr<Work> reduce_scatter_async(const Tensor& out, const Tensor& in, ReduceOp) override {
+    TALLY_CHECK(in.numel() == out.numel() * size_, "reduce_scatter on ", name_, ": input ", in.str(), " for output ",
+                out.str(), " in a group of ", size_);
+    return done("reduce_scatter", in, out);
+  }
+  std::shared_ptr<Work> all_gather_async(const Tensor& out, const Tensor& in) override {
+    TALLY_CHECK(out.numel() == in.numel() * size_, "all_gather on ", name_, ": output ", out.str(), " for input ",
+                in.str(), " in a group of ", size_);
+    return done("all_gather", in, out);
+  }
+  std::shared_ptr<Work> broadcast_async(const Tensor& t, int) override { return done("broadcast", t); }
+  std::shared_ptr<Work> send_async(const Tensor& t, int, int) override { return done("send", t); }
+  std::shared_ptr<Work> recv_async(const Tensor& t, int, int) override { return done("recv", t); }
+  std::shared_ptr<Work> barrier_async() override { return std::make_shared<CompletedWork>(); }
+  CommStats stats() const override { return stats_; }
+
+ private:
+  std::shared_ptr<Work> done(const char* op, const Tensor& t, const Tensor& other = Tensor()) {
+    for (const Tensor* x : {&t, &other})
+      if (x->defined())
+        TALLY_CHECK(x->is_contiguous() && (x->device().is_meta() || x->device().is_cpu()), op, " on ", name_,
+                    ": tensor ", x->str(), " must be contiguous, on the meta device or the host");
+    stats_.operations++;
+    stats_.payload_bytes += t.nbytes();
+    return std::make_shared<HeldWork>(std::vector<Tensor>{t, other});
+  }
+  std::string name_;
+  int size_, rank_;
+  CommStats stats_;
+};
 }  // namespace
 
 void check_buffer(const char* op, const Tensor& t) {
@@ -130,6 +186,11 @@ std::vector<double> Communicator::all_gather_scalar(double value) {
 
 std::unique_ptr<Communicator> make_self_communicator(const std::string& name) {
   return std::make_unique<SelfCommunicator>(name);
+}
+
+std::unique_ptr<Communicator> make_meta_communicator(const std::string& name, int size, int rank) {
+  TALLY_CHECK(size >= 1 && rank >= 0 && rank < size, "internal: meta communicator ", name, " rank ", rank, " of ", size);
+  return std::make_unique<MetaCommunicator>(name, size, rank);
 }
 
 }  // namespace tally::dist

@@ -97,6 +97,9 @@ class Communicator {
 // The single-process communicator: a world of one. Every collective is the identity
 // (or a copy); point-to-point to anyone is an error.
 std::unique_ptr<Communicator> make_self_communicator(const std::string& name);
+// A dry run's stand-in for rank `rank` of a group of `size`: every operation completes at
+// once and moves nothing (its tensors are on the meta device).
+std::unique_ptr<Communicator> make_meta_communicator(const std::string& name, int size, int rank);
 
 // The MPI datatype-independent check every implementation makes: contiguous, defined,
 // on the CPU (until a device communicator exists).

@@ -50,11 +50,11 @@ Tensor ContextParallel::gathered(const Tensor& x) {
   Tensor in = x.is_contiguous() ? x : ops::contiguous(x);
   Shape block = x.shape();
   block.insert(block.begin(), n);
-  Tensor blocks = Tensor::empty(block, x.dtype(), Device::cpu(), make_owner(Category::Communication, "comm:cp_all_gather"));
+  Tensor blocks = Tensor::empty(block, x.dtype(), x.device(), make_owner(Category::Communication, "comm:cp_all_gather"));
   group_.all_gather(blocks, in);
   Shape whole = x.shape();
   whole[1] *= n;
-  Tensor out = Tensor::empty(whole, x.dtype(), Device::cpu(), current_owner("cp_all_gather"));
+  Tensor out = Tensor::empty(whole, x.dtype(), x.device(), current_owner("cp_all_gather"));
   Tensor out_chunks = out.view(chunked(whole, 2 * n));
   for (int s = 0; s < n; ++s) {
     Tensor local = block_of(blocks, s).view(chunked(x.shape(), 2));
@@ -71,13 +71,13 @@ Tensor ContextParallel::reduce_scattered(const Tensor& g) {
   local[1] /= n;
   Shape block = local;
   block.insert(block.begin(), n);
-  Tensor blocks = Tensor::empty(block, g.dtype(), Device::cpu(), make_owner(Category::Communication, "comm:cp_reduce_scatter"));
+  Tensor blocks = Tensor::empty(block, g.dtype(), g.device(), make_owner(Category::Communication, "comm:cp_reduce_scatter"));
   Tensor g_chunks = (g.is_contiguous() ? g : ops::contiguous(g)).view(chunked(g.shape(), 2 * n));
   for (int s = 0; s < n; ++s) {
     Tensor local_chunks = block_of(blocks, s).view(chunked(local, 2));
     for (int half = 0; half < 2; ++half) chunk(local_chunks, half).copy_(chunk(g_chunks, chunk_of(s, n, half)));
   }
-  Tensor out = Tensor::empty(local, g.dtype(), Device::cpu(), current_owner("cp_reduce_scatter"));
+  Tensor out = Tensor::empty(local, g.dtype(), g.device(), current_owner("cp_reduce_scatter"));
   group_.reduce_scatter(out, blocks);
   return out;
 }

@@ -242,10 +242,11 @@ class PipelineStage::Step {
     Posted p;
     if (a.forward) {
       OwnerScope scope("pp_recv");
-      p.buffer = Tensor::empty(activation_shape_, dtype, Device::cpu(), current_owner("activation"));
+      p.buffer = Tensor::empty(activation_shape_, dtype, stage_.model_.params().device(), current_owner("activation"));
       p.work = stage_.group_.recv_async(p.buffer, (g - 1 + stages()) % stages() % stage_.stages_, activation_tag(g - 1));
     } else {
-      p.buffer = Tensor::empty(activation_shape_, dtype, Device::cpu(), make_owner(Category::Communication, "comm:pp_recv_grad"));
+      p.buffer = Tensor::empty(activation_shape_, dtype, stage_.model_.params().device(),
+                               make_owner(Category::Communication, "comm:pp_recv_grad"));
       p.work = stage_.group_.recv_async(p.buffer, (g + 1) % stage_.stages_, gradient_tag(g));
     }
     posted_.emplace(i, std::move(p));
@@ -314,7 +315,7 @@ class PipelineStage::Step {
   void send_input_gradient(size_t i, const Tensor& input) {
     if (gradient_sent_) wait_timed(*gradient_sent_);
     gradient_sent_.reset();  // its buffer is freed before the next is made
-    Tensor out = Tensor::empty(input.shape(), input.dtype(), Device::cpu(), make_owner(Category::Communication, "comm:pp_send_grad"));
+    Tensor out = Tensor::empty(input.shape(), input.dtype(), input.device(), make_owner(Category::Communication, "comm:pp_send_grad"));
     out.copy_(input.grad());
     gradient_sent_ = stage_.group_.send_async(out, (global(i) - 1 + stages()) % stages() % stage_.stages_, gradient_tag(global(i) - 1));
     stage_.last_.bytes_sent += out.nbytes();
@@ -363,7 +364,7 @@ void sum_tied_embedding_gradients(nn::Transformer& model, Communicator& pp) {
   // of the whole (V, C) gradient (154 MB for GPT-2 124M).
   const Tensor flat = grad.reshape({-1});
   const int64_t n = flat.numel(), piece = std::min<int64_t>(n, int64_t{1} << 20);
-  Tensor theirs = Tensor::empty({piece}, grad.dtype(), Device::cpu(), make_owner(Category::Communication, "comm:embedding_group"));
+  Tensor theirs = Tensor::empty({piece}, grad.dtype(), grad.device(), make_owner(Category::Communication, "comm:embedding_group"));
   for (int64_t at = 0; at < n; at += piece) {
     const int64_t len = std::min(piece, n - at);
     Tensor mine = flat.slice(0, at, at + len), into = theirs.slice(0, 0, len);
@@ -387,7 +388,8 @@ double PipelineStage::evaluate(const Tensor& tokens, const Tensor& targets) {
     const int g = global_stage(v);
     Tensor input = tokens;
     if (!chunk.embed) {
-      input = Tensor::empty(act_shape, model_.params().dtype(), Device::cpu(), make_owner(Category::Communication, "comm:pp_eval"));
+      input = Tensor::empty(act_shape, model_.params().dtype(), model_.params().device(),
+                            make_owner(Category::Communication, "comm:pp_eval"));
       group_.recv(input, (g - 1 + S) % S % stages_, activation_tag(g - 1));
     }
     nn::ForwardResult r = model_.forward_chunk(static_cast<size_t>(v), input, chunk.head ? targets : Tensor());

@@ -19,6 +19,27 @@ std::unique_ptr<World> World::self() {
   return w;
 }
 
+std::unique_ptr<World> World::stand_in(const ParallelConfig& c, int size, int rank) {
+  const int64_t model_ranks = int64_t{c.tp} * c.pp * c.cp;
+  const int dp = c.dp > 0 ? c.dp : static_cast<int>(size / std::max<int64_t>(model_ranks, 1));
+  TALLY_CHECK(c.tp >= 1 && c.pp >= 1 && c.cp >= 1 && dp * model_ranks == size && rank >= 0 && rank < size,
+              "a stand-in for rank ", rank, " of ", size, ": --dp ", dp, " x --tp ", c.tp, " x --cp ", c.cp, " x --pp ",
+              c.pp, " is not the world size");
+  std::unique_ptr<World> w(new World());
+  w->rank_ = rank;
+  w->size_ = size;
+  w->dp_ = dp, w->tp_ = c.tp, w->pp_ = c.pp, w->cp_ = c.cp;
+  const int tp_rank = rank % c.tp, cp_rank = (rank / c.tp) % c.cp, dp_rank = (rank / (c.tp * c.cp)) % dp,
+            pp_rank = rank / (c.tp * c.cp * dp);
+  w->world_ = make_meta_communicator("world", size, rank);
+  w->dp_group_ = make_meta_communicator("dp", dp, dp_rank);
+  w->tp_group_ = make_meta_communicator("tp", c.tp, tp_rank);
+  w->pp_group_ = make_meta_communicator("pp", c.pp, pp_rank);
+  w->cp_group_ = make_meta_communicator("cp", c.cp, cp_rank);
+  if (c.cp > 1) w->replica_group_ = make_meta_communicator("replicas", dp * c.cp, dp_rank * c.cp + cp_rank);
+  return w;
+}
+
 std::unique_ptr<World> World::create(const ParallelConfig& c) {
   TALLY_CHECK(c.dp >= 0, "--dp must be >= 0 (0: the world size / (tp * cp * pp)), got ", c.dp);
   TALLY_CHECK(c.tp >= 1 && c.pp >= 1 && c.cp >= 1, "--tp, --cp and --pp must be >= 1, got ", c.tp, ", ", c.cp, " and ",

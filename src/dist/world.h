@@ -39,6 +39,9 @@ class World {
   static std::unique_ptr<World> create(const ParallelConfig& config);
   // A world of one (no MPI), whatever launched the process.
   static std::unique_ptr<World> self();
+  // A dry run's stand-in for rank `rank` of `config`'s layout over `size` ranks: the ranks,
+  // sizes and groups that rank has, on communicators that move nothing (no MPI).
+  static std::unique_ptr<World> stand_in(const ParallelConfig& config, int size, int rank);
 
   int rank() const { return rank_; }
   int size() const { return size_; }

@@ -185,6 +185,11 @@ bool Ledger::history_enabled() const {
   return history_enabled_;
 }
 
+bool Ledger::history_stacks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return history_stacks_;
+}
+
 std::vector<MemoryEvent> Ledger::history() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return history_;

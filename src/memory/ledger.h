@@ -94,6 +94,7 @@ class Ledger {
   // History: alloc/free events, optionally with native stacks.
   void enable_history(bool enabled, bool with_stacks = false);
   bool history_enabled() const;
+  bool history_stacks() const;  // whether the history records each allocation's stack
   std::vector<MemoryEvent> history() const;
   // Stops recording and hands the history over (no copy: it may be most of a long run's
   // host memory).

@@ -30,13 +30,30 @@ DryRunStep run_step(int64_t step, const TrainConfig& c, dist::StepEngine& engine
   return {ledger.stats().peak_allocated, ledger.peak_owners()};
 }
 
+// A --mem-trace run's host history is the real run's: the few host scalars the dry run's
+// collectives make stay out of it (their steps are the dry run's, not the run's).
+class HostHistoryPaused {
+ public:
+  HostHistoryPaused()
+      : host_(runtime::ledger(Device::cpu())), enabled_(host_.history_enabled()), stacks_(host_.history_stacks()) {
+    host_.enable_history(false);
+  }
+  ~HostHistoryPaused() { host_.enable_history(enabled_, stacks_); }
+  HostHistoryPaused(const HostHistoryPaused&) = delete;
+  HostHistoryPaused& operator=(const HostHistoryPaused&) = delete;
+
+ private:
+  memory::Ledger& host_;
+  bool enabled_, stacks_;
+};
+
 }  // namespace
 
 std::string dry_run_refusal(const TrainConfig& c, int64_t world) {
   const ParallelismConfig& p = c.parallel;
-  if (world != 1)
-    return "the dry run stands in for one process: --dp " + std::to_string(p.dp) + " --tp " + std::to_string(p.tp) +
-           " --pp " + std::to_string(p.pp) + " is a layout of several ranks";
+  if (world > 1 && p.tp > 1)
+    return "the dry run does not stand in for tensor parallel yet (--tp " + std::to_string(p.tp) +
+           "): its vocabulary-parallel embedding and loss compute on host data";
   if (p.zero != 0) return "the dry run does not stand in for ZeRO yet (--zero " + std::to_string(p.zero) + ")";
   if (!c.compute.device.is_cpu()) return "the dry run stands in for the CPU, not --device " + c.compute.device.str();
   return "";
@@ -48,9 +65,18 @@ int64_t DryRun::peak_bytes() const {
   return peak;
 }
 
-DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bool validates) {
+std::vector<int> dry_run_roles(const TrainConfig& c, int64_t world) {
+  const ParallelismConfig& p = c.parallel;
+  const int64_t per_stage = world / std::max(p.pp, 1);
+  std::vector<int> ranks;
+  for (int stage = 0; stage < p.pp; ++stage) ranks.push_back(static_cast<int>(stage * per_stage));
+  return ranks;
+}
+
+DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bool validates, int64_t world_size,
+               int rank) {
   const ParallelismConfig& p = config.parallel;
-  const std::string refusal = dry_run_refusal(config, int64_t{std::max(p.dp, 1)} * p.tp * p.pp);
+  const std::string refusal = dry_run_refusal(config, world_size);
   TALLY_CHECK(refusal.empty(), refusal);
   TrainConfig c = config;
   c.compute.device = Device::meta(config.compute.device.type);
@@ -59,11 +85,17 @@ DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bo
               ledger.stats().allocated, " bytes live on ", c.compute.device.str(), ")");
   ledger.reset_peaks();
   ledger.track_peak_owners(true);
-  // A world of this process alone (a run under mpirun plans one rank of its own), and
+  // A world that stands in for the rank (communicators that move nothing; one process: a
+  // world of this process alone, and a run under mpirun plans one rank of its own), and
   // the clock put back afterwards: the steps it runs are not the real run's.
-  std::unique_ptr<dist::World> world = dist::World::self();
+  std::unique_ptr<dist::World> world =
+      world_size == 1 ? dist::World::self()
+                      : dist::World::stand_in({p.dp, p.tp, p.pp, p.cp}, static_cast<int>(world_size), rank);
   const Clock::Reading clock = Clock::now();
+  const HostHistoryPaused host_history;
   DryRun run;
+  run.rank = rank;
+  run.stage = world->pp_rank();
   if (model.n_experts > 0)
     run.bound = "experts' routing at the balanced bound: each of the " + std::to_string(model.n_experts) +
                 " experts takes 1/" + std::to_string(model.n_experts) + " of the tokens' " +
@@ -85,8 +117,10 @@ DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bo
   return run;
 }
 
-std::string dry_run_text(const DryRun& run) {
-  std::string out = "dry run (the real steps on the meta device):";
+std::string dry_run_text(const DryRun& run, bool name_rank) {
+  std::string out = "dry run (the real steps on the meta device)";
+  if (name_rank) out += ", rank " + std::to_string(run.rank) + " (pipeline stage " + std::to_string(run.stage) + ")";
+  out += ":";
   size_t peak_step = 0;
   for (size_t s = 0; s < run.steps.size(); ++s) {
     out += (s ? ", step " : " step ") + std::to_string(s + 1) + " " + memory::format_bytes(run.steps[s].peak_bytes);

@@ -7,8 +7,10 @@
 // What runs: set-up (the model shard, its optimizer, the loader's buffers), then steps 0
 // and 1 (the first optimizer step and a steady one), each as the trainer runs it:
 // forward and backward of every microbatch, the gradients' reduction, their norm, the
-// update. It stands in for one process on the CPU (--device cpu, no --dp/--tp/--pp, no
-// --zero).
+// update. It stands in for one process on the CPU, or one rank of a layout of data,
+// context and pipeline parallel ranks on the CPU, whose collectives it makes on
+// communicators that move nothing (dist::World::stand_in): the buffers the rank's step
+// makes for them are made all the same. Not yet: --tp, --zero, a GPU.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -26,6 +28,7 @@ struct DryRunStep {
 };
 
 struct DryRun {
+  int rank = 0, stage = 0;  // the rank it stood in for, and its pipeline stage
   int64_t setup_peak_bytes = 0;  // building the model, its optimizer and the loader
   std::vector<DryRunStep> steps;  // steps 0 and 1
   // What stands in for the data where the step depends on it: "" or, for experts, the
@@ -38,15 +41,21 @@ struct DryRun {
 // Runs `config`'s first two steps of `model` on the meta device (`validates`: the run has
 // a validation loader, whose buffers live through it). Throws naming what it does not
 // stand in for yet (a layout of several ranks, a GPU).
-DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bool validates);
+// `world_size` > 1: it stands in for rank `rank` of the layout `config` gives that world.
+DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bool validates, int64_t world_size = 1,
+               int rank = 0);
+// The ranks whose steps differ in shape, one dry run each: the first rank of every pipeline
+// stage (the data- and context-parallel ranks of a stage make the same allocations).
+std::vector<int> dry_run_roles(const TrainConfig& config, int64_t world_size);
 
 // Why the dry run does not stand in for a run of `config` on `world` ranks, or "" when it
-// does (today: one process on the CPU, without ZeRO, whose optimizer reads its shards on
-// the host).
+// does (today: on the CPU, without ZeRO, whose optimizer reads its shards on the host, and
+// without tensor parallel over several ranks).
 std::string dry_run_refusal(const TrainConfig& config, int64_t world);
 
 // The dry run as `tally plan` prints it: each step's peak, and at the run's peak the bytes
 // of each kind of memory and the largest owners.
-std::string dry_run_text(const DryRun& run);
+// `name_rank`: say which rank it stood in for.
+std::string dry_run_text(const DryRun& run, bool name_rank = false);
 
 }  // namespace tally::train

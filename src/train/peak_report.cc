@@ -5,6 +5,7 @@
 
 #include "memory/report.h"
 #include "runtime/backend.h"
+#include "train/dry_run.h"
 
 namespace tally::train {
 
@@ -30,13 +31,23 @@ PeakReport::PeakReport(const TrainConfig& c, const dist::World& world, const dis
   planned_peak_ = mine.predicted_peak_bytes;
   parts_ = mine.parts;
   notes_ = plan.notes;
-  // The formulas have no experts and no context parallelism: such a plan is said to
-  // leave them out rather than warned about (tally plan's dry run runs the experts).
-  if (model.n_experts > 0)
+  // The formulas have no experts and no context parallelism. Context parallel's steps are
+  // planned by the dry run standing in for each rank (train/dry_run.h), its steady step's
+  // peak; where it cannot stand in, and for experts, the plan says what it leaves out
+  // rather than warn (tally plan's dry run runs the experts, at a declared routing bound).
+  if (model.n_experts > 0) {
     unplanned_ = "the plan's formulas leave the experts out; `tally plan` runs this step on the meta device, experts "
                  "included";
-  else if (c.parallel.cp > 1)
+  } else if (c.parallel.cp > 1 && dry_run_refusal(c, world.size()).empty()) {
+    const DryRun dry = dry_run(c, model, validates, world.size(), world.rank());
+    planned_peak_ = dry.steps.empty() ? 0 : dry.steps.back().peak_bytes;
+    rank_planned_peaks_.clear();
+    for (double p : world.world().all_gather_scalar(static_cast<double>(planned_peak_)))
+      rank_planned_peaks_.push_back(static_cast<int64_t>(p));
+    planned_by_ = "tally plan's dry run";
+  } else if (c.parallel.cp > 1) {
     unplanned_ = "the plan's formulas leave context parallelism out (they plan whole sequences on each rank)";
+  }
   // Who holds the peak, for the check against the plan after the second step.
   runtime::ledger(c.compute.device).track_peak_owners(true);
 }
@@ -76,9 +87,9 @@ void PeakReport::report(const StepMetrics& m, const memory::Stats& s, int64_t re
 void PeakReport::compare_with_plan(const StepMetrics& m, const memory::Stats& s) const {
   const double off_max = static_cast<double>(m.peak_bytes - m.predicted_peak_bytes) /
                          static_cast<double>(std::max<int64_t>(m.predicted_peak_bytes, 1));
-  log(fmt("memory: planned peak %s (tally plan%s), measured %s: %+.2f%%", format_bytes(m.predicted_peak_bytes).c_str(),
-          world_.size() > 1 ? "; the largest over ranks, each rank's own checked" : "", format_bytes(m.peak_bytes).c_str(),
-          100.0 * off_max));
+  log(fmt("memory: planned peak %s (%s%s), measured %s: %+.2f%%", format_bytes(m.predicted_peak_bytes).c_str(),
+          planned_by_.c_str(), world_.size() > 1 ? "; the largest over ranks, each rank's own checked" : "",
+          format_bytes(m.peak_bytes).c_str(), 100.0 * off_max));
   if (!unplanned_.empty()) {
     log("memory: " + unplanned_);
     return;

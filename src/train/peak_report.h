@@ -50,6 +50,7 @@ class PeakReport {
   int64_t predicted_setup_ = 0;
   int64_t setup_peak_ = 0, resume_peak_ = 0;
   std::string unplanned_;  // what the formulas leave out (experts, context parallel), or empty
+  std::string planned_by_ = "tally plan";  // the formulas, or the dry run
 };
 
 }  // namespace tally::train

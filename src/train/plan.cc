@@ -929,7 +929,24 @@ std::string explain_peak(const std::vector<std::pair<std::string, int64_t>>& pla
   return out;
 }
 
-std::string plan_json(const MemoryPlan& plan, const DryRun* dry_run) {
+namespace {
+nlohmann::json dry_run_json(const DryRun& dry_run) {
+  nlohmann::json steps = nlohmann::json::array(), at_peak = nlohmann::json::object();
+  const DryRunStep* peak = nullptr;
+  for (const DryRunStep& s : dry_run.steps) {
+    steps.push_back(s.peak_bytes);
+    if (!peak || s.peak_bytes > peak->peak_bytes) peak = &s;
+  }
+  if (peak)
+    for (const memory::OwnerBytes& o : peak->at_peak) at_peak[name_of(o.name)] = at_peak.value(name_of(o.name), int64_t{0}) + o.bytes;
+  nlohmann::json out{{"rank", dry_run.rank},     {"stage", dry_run.stage},        {"step_peak_bytes", steps},
+                     {"peak_bytes", dry_run.peak_bytes()}, {"at_peak", at_peak}};
+  if (!dry_run.bound.empty()) out["bound"] = dry_run.bound;
+  return out;
+}
+}  // namespace
+
+std::string plan_json(const MemoryPlan& plan, const std::vector<DryRun>& dry_runs) {
   nlohmann::json ranks = nlohmann::json::array();
   for (const RankPlan& r : plan.ranks) {
     nlohmann::json parts = nlohmann::json::object();
@@ -941,17 +958,12 @@ std::string plan_json(const MemoryPlan& plan, const DryRun* dry_run) {
   nlohmann::json activations = nlohmann::json::object();
   for (const auto& [kind, bytes] : plan.activations_by_kind) activations[kind] = bytes;
   nlohmann::json out{{"ranks", ranks}, {"activations", activations}, {"notes", plan.notes}};
-  if (dry_run) {
-    nlohmann::json steps = nlohmann::json::array(), at_peak = nlohmann::json::object();
-    const DryRunStep* peak = nullptr;
-    for (const DryRunStep& s : dry_run->steps) {
-      steps.push_back(s.peak_bytes);
-      if (!peak || s.peak_bytes > peak->peak_bytes) peak = &s;
-    }
-    if (peak)
-      for (const memory::OwnerBytes& o : peak->at_peak) at_peak[name_of(o.name)] = at_peak.value(name_of(o.name), int64_t{0}) + o.bytes;
-    out["dry_run"] = {{"step_peak_bytes", steps}, {"peak_bytes", dry_run->peak_bytes()}, {"at_peak", at_peak}};
-    if (!dry_run->bound.empty()) out["dry_run"]["bound"] = dry_run->bound;
+  // "dry_run": rank 0's; "dry_runs": one per pipeline stage (its first rank).
+  if (!dry_runs.empty()) out["dry_run"] = dry_run_json(dry_runs.front());
+  if (dry_runs.size() > 1) {
+    nlohmann::json all = nlohmann::json::array();
+    for (const DryRun& d : dry_runs) all.push_back(dry_run_json(d));
+    out["dry_runs"] = all;
   }
   return out.dump(2);
 }

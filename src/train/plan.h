@@ -151,7 +151,7 @@ std::string plan_text(const MemoryPlan& plan, const PlanInput& input);
 // and with a dry run (train/dry_run.h) "dry_run": {"step_peak_bytes": [...], "peak_bytes": N,
 // "at_peak": {owner: bytes}, "bound": what stood in for the data (experts' routing), when any}.
 struct DryRun;
-std::string plan_json(const MemoryPlan& plan, const DryRun* dry_run = nullptr);
+std::string plan_json(const MemoryPlan& plan, const std::vector<DryRun>& dry_runs = {});
 
 // The kind of memory a plan part or a ledger category is: parameters, gradients,
 // optimizer state, activations (activations, saved tensors, workspaces, the loss),
