@@ -134,8 +134,7 @@ double StepEngine::forward_backward(int64_t step, data::BatchSource& loader, san
 // counts.
 void StepEngine::reduce_expert_load() {
   const nn::TransformerConfig& c = model_->config();
-  int64_t sparse = 0;
-  for (int64_t l = 0; l < c.n_layer; ++l) sparse += c.sparse_layer(l);
+  const int64_t sparse = c.sparse_layer_count();
   std::vector<int64_t> local = model_->take_expert_load();
   local.resize(static_cast<size_t>(sparse * c.n_experts), 0);
   Tensor load = Tensor::empty({static_cast<int64_t>(local.size())}, DType::F64, Device::cpu(),

@@ -89,8 +89,9 @@ Routing route(const Tensor& probs, int64_t k) {
 
 }  // namespace
 
-Tensor Transformer::experts(const Tensor& h, const Layer& p) const {
+Tensor Transformer::experts(const Tensor& h, int64_t l) const {
   const auto& c = config_;
+  const Layer& p = layers_[static_cast<size_t>(l)];
   const int64_t B = h.shape()[0], T = h.shape()[1], C = c.n_embd, k = c.experts_per_token, N = B * T;
   TALLY_CHECK(!h.device().is_cuda(), "experts: Qwen3-MoE's sparse layers run on the CPU only so far (got ", h.str(), ")");
   const Tensor x = ops::reshape(h, {N, C});
@@ -100,7 +101,7 @@ Tensor Transformer::experts(const Tensor& h, const Layer& p) const {
     probs = ops::softmax(linear(x, p.routerw, kAbsent));  // (N, E)
   }
   const Routing r = route(probs, k);
-  if (autograd::grad_enabled()) count_expert_load(r.count, p);
+  if (autograd::grad_enabled()) count_expert_load(r.count, l);
   if (c.router_aux_loss_coef > 0 && autograd::grad_enabled()) {
     // The loss spans every sparse layer's tokens at once, so it is made at the head, in
     // the forward that runs them all (not a pipeline's chunks, nor a recomputed layer).
@@ -139,15 +140,10 @@ std::vector<int64_t> Transformer::take_expert_load() const {
   return load;
 }
 
-void Transformer::count_expert_load(const std::vector<int64_t>& count, const Layer& p) const {
+void Transformer::count_expert_load(const std::vector<int64_t>& count, int64_t l) const {
   const auto& c = config_;
-  int64_t sparse_before = 0, sparse = 0;
-  for (int64_t l = 0; l < c.n_layer; ++l) {
-    if (!c.sparse_layer(l)) continue;
-    if (&layers_[static_cast<size_t>(l)] == &p) sparse_before = sparse;
-    ++sparse;
-  }
-  expert_load_.resize(static_cast<size_t>(sparse * c.n_experts), 0);
+  const int64_t sparse_before = c.sparse_layers_before(l);
+  expert_load_.resize(static_cast<size_t>(c.sparse_layer_count() * c.n_experts), 0);
   for (int64_t e = 0; e < c.n_experts; ++e) expert_load_[static_cast<size_t>(sparse_before * c.n_experts + e)] += count[e];
 }
 

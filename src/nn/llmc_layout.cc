@@ -18,8 +18,7 @@ std::vector<std::pair<std::string, Shape>> llmc_tensor_layout(const TransformerC
     // kind is stacked over the layers that have it (dense, then sparse), the experts' over
     // layers and experts.
     const int64_t V = c.vocab_size, D = c.head_dim();
-    int64_t sparse = 0;
-    for (int64_t l = 0; l < L; ++l) sparse += c.sparse_layer(l);
+    const int64_t sparse = c.sparse_layer_count();
     const int64_t dense = L - sparse, E = c.n_experts, Fe = c.moe_ffn_hidden;
     std::vector<std::pair<std::string, Shape>> layout = {{"wte", {V, C}}, {"ln1w", {L, C}}, {"qkvw", {L, c.qkv_dim(), C}}};
     if (c.has_qkv_bias()) layout.push_back({"qkvb", {L, c.qkv_dim()}});

@@ -29,6 +29,12 @@ bool TransformerConfig::sparse_layer(int64_t l) const {
          std::find(mlp_only_layers.begin(), mlp_only_layers.end(), l) == mlp_only_layers.end();
 }
 
+int64_t TransformerConfig::sparse_layers_before(int64_t l) const {
+  int64_t sparse = 0;
+  for (int64_t i = 0; i < l; ++i) sparse += sparse_layer(i);
+  return sparse;
+}
+
 std::string TransformerConfig::describe() const {
   std::ostringstream os;
   os << family_name() << " L=" << n_layer << " H=" << n_head;
@@ -708,7 +714,7 @@ Tensor Transformer::layer_body(int64_t l, const Tensor& input, int64_t start, Kv
   {
     OwnerScope scope("mlp");
     Tensor h = norm(x, p.ln2w, p.ln2b);
-    if (p.routerw != kAbsent) return ops::add(x, experts(h, p));
+    if (p.routerw != kAbsent) return ops::add(x, experts(h, l));
     if (tp_ops_) h = tp_ops_->into_column_parallel(h);
     Tensor f;
     // Under bf16 the hidden layer stays bf16 end to end, as autocast runs it: the

@@ -73,6 +73,10 @@ struct TransformerConfig {
   bool has_qk_norm() const { return family == Family::Qwen3 || family == Family::Qwen3Moe; }
   // Whether layer l's MLP is the experts' (HuggingFace's Qwen3-MoE rule).
   bool sparse_layer(int64_t l) const;
+  // The sparse layers among layers 0 .. l-1 (a sparse layer's index among them), and all
+  // of them.
+  int64_t sparse_layers_before(int64_t l) const;
+  int64_t sparse_layer_count() const { return sparse_layers_before(n_layer); }
   const char* family_name() const;  // "gpt2", "llama3", "qwen2", "qwen3", "qwen3_moe"
   int64_t head_dim() const { return head_width > 0 ? head_width : n_embd / n_head; }
   int64_t q_dim() const { return n_head * head_dim(); }
@@ -321,9 +325,9 @@ class Transformer {
     size_t unit = kAbsent;  // kAbsent: a layer of another rank's chunk
   };
   std::vector<Layer> layers_;  // indexed by the global layer
-  // A sparse layer's MLP on h (B, T, C): routed to its top-k experts, their outputs summed
+  // Sparse layer l's MLP on h (B, T, C): routed to its top-k experts, their outputs summed
   // with the routing weights (nn/experts.cc).
-  Tensor experts(const Tensor& h, const Layer& p) const;
+  Tensor experts(const Tensor& h, int64_t l) const;
   // What the load-balancing loss needs of each sparse layer the forward ran: the sum of its
   // probabilities over the tokens (E, with their graph), its choices per expert and its
   // token count. Taken (and cleared) by the head.
@@ -338,7 +342,7 @@ class Transformer {
   // The choices each expert took since the last take_expert_load(), in forwards that
   // train (with gradients; a recomputed layer counts once, in its recomputation).
   mutable std::vector<int64_t> expert_load_;
-  void count_expert_load(const std::vector<int64_t>& count, const Layer& p) const;
+  void count_expert_load(const std::vector<int64_t>& count, int64_t l) const;
 
  public:
   // (sparse layers x E) counts, layer-major over all of the model's sparse layers (zero
