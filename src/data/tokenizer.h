@@ -44,6 +44,11 @@ namespace tally::data {
 // and end a text (what `tally tokenize` writes, and what a LLaMA export's config names).
 constexpr int64_t kLlama3VocabSize = 128256;
 constexpr int32_t kLlama3BeginOfText = 128000, kLlama3EndOfText = 128001;
+// Qwen's: <|endoftext|> separates (and begins and ends) documents, <|im_end|> ends a chat
+// turn. The models round the vocabulary up past the tokenizer's 151,669 tokens: 151,936
+// rows, 152,064 for Qwen2.5-7B.
+constexpr int32_t kQwenEndOfText = 151643, kQwenImEnd = 151645;
+constexpr int64_t kQwenVocabSize = 151936, kQwen25LargeVocabSize = 152064;
 
 class Tokenizer {
  public:

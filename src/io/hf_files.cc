@@ -708,9 +708,9 @@ void save_hf(const std::string& dir, const nn::Transformer& model, bool bf16) {
       config["multiple_of"] = c.multiple_of;
       config["ffn_dim_multiplier"] = c.ffn_dim_multiplier;
     }
-    // Qwen's base models begin and end a document with <|endoftext|> (151643).
-    constexpr int64_t kQwenEndOfText = 151643;
-    if (!llama3 && c.vocab_size > kQwenEndOfText) config["bos_token_id"] = config["eos_token_id"] = kQwenEndOfText;
+    // Qwen's base models begin and end a document with <|endoftext|>.
+    if (!llama3 && c.vocab_size > data::kQwenEndOfText)
+      config["bos_token_id"] = config["eos_token_id"] = data::kQwenEndOfText;
     // LLaMA-3's tokenizer (the one tally's LLaMA models read) begins and ends a text with
     // <|begin_of_text|> and <|end_of_text|>; without these transformers' generate() falls
     // back to LlamaConfig's defaults, 1 and 2, ordinary tokens of this vocabulary.

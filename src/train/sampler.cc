@@ -98,9 +98,10 @@ void check_tokenizer_for_model(const data::Tokenizer& tok, const std::string& to
   const std::string named = model.empty() ? "" : " '" + model + "'";
   TALLY_CHECK(tok.vocab_size() <= model_vocab, "--tokenizer '", tokenizer, "' has ", tok.vocab_size(),
               " tokens but the model", named, " only ", model_vocab, ": it is not this model's tokenizer");
-  // Qwen's models round the vocabulary up past the tokenizer's 151,669 tokens (151,936, and
-  // 152,064 for Qwen2.5-7B): the rows past it are the models' own padding.
-  const bool qwen_padding = tok.is_qwen() && (model_vocab == 151936 || model_vocab == 152064);
+  // Qwen's models round the vocabulary up past the tokenizer's: the rows past it are the
+  // models' own padding.
+  const bool qwen_padding =
+      tok.is_qwen() && (model_vocab == data::kQwenVocabSize || model_vocab == data::kQwen25LargeVocabSize);
   if (warn && tok.vocab_size() < model_vocab && !qwen_padding)
     std::fprintf(stderr, "tally: warning: --tokenizer '%s' has %lld tokens and the model%s %lld: is it this model's "
                  "tokenizer? (ids it lacks cannot be shown as text)\n", tokenizer.c_str(),
@@ -129,10 +130,8 @@ DocumentBounds document_bounds(const nn::TransformerConfig& config, const data::
     return {tok->document_separator_id(), tok->stop_ids()};
   if (config.family == Family::Llama3 && config.vocab_size == data::kLlama3VocabSize)
     return {data::kLlama3BeginOfText, {data::kLlama3EndOfText, data::kLlama3BeginOfText}};
-  // Qwen's vocabulary: <|endoftext|> separates documents; <|im_end|> ends a chat turn.
-  constexpr int32_t kQwenEndOfText = 151643, kQwenImEnd = 151645;
-  if ((config.family == Family::Qwen2 || config.family == Family::Qwen3) && config.vocab_size > kQwenImEnd)
-    return {kQwenEndOfText, {kQwenEndOfText, kQwenImEnd}};
+  if ((config.family == Family::Qwen2 || config.family == Family::Qwen3) && config.vocab_size > data::kQwenImEnd)
+    return {data::kQwenEndOfText, {data::kQwenEndOfText, data::kQwenImEnd}};
   const auto last = static_cast<int32_t>(config.vocab_size - 1);
   return {last, {last}};
 }
