@@ -117,10 +117,13 @@ Tensor StepEngine::on_device(const Tensor& t) const {
 
 double StepEngine::forward_backward(int64_t step, data::BatchSource& loader, sanitizer::Sanitizer& sanitizer) {
   const int64_t tp_bytes_before = world_.tp_group().stats().payload_bytes;
+  const CommStats cp_before = world_.cp_group().stats();
   aux_loss_sum_ = 0;
   const double local = pipeline_ ? run_pipeline(step, loader, sanitizer) : run_microbatches(step, loader, sanitizer);
   tp_payload_bytes_ = world_.tp_group().stats().payload_bytes - tp_bytes_before;
-
+  const CommStats cp_after = world_.cp_group().stats();
+  cp_traffic_ = {cp_after.operations - cp_before.operations, cp_after.payload_bytes - cp_before.payload_bytes,
+                 cp_after.busy_seconds - cp_before.busy_seconds};
   const double total = world_.replica_group().all_reduce_scalar(local, ReduceOp::Sum);
   const double count = static_cast<double>(config_.microbatches * world_.replicas());
   if (model_->config().router_aux_loss_coef > 0)

@@ -117,6 +117,9 @@ class StepEngine {
   const PipelineStepStats* pipeline_stats() const;  // null without a pipeline
   const ReductionStats* all_reduce_stats() const;   // null without the all-reduce
   int64_t tp_payload_bytes() const { return tp_payload_bytes_; }  // this step's, tensor parallel
+  // This step's context-parallel collectives: bytes handed to them and seconds they ran
+  // (the all-gathers block attention: none of it is hidden behind compute).
+  const CommStats& cp_traffic() const { return cp_traffic_; }
   // The last step's load-balancing loss (before its coefficient), averaged as the loss is;
   // negative when the model adds none.
   double aux_loss() const { return aux_loss_; }
@@ -155,6 +158,7 @@ class StepEngine {
   int64_t setup_peak_ = 0;
   int64_t live_after_forward_ = 0;
   int64_t tp_payload_bytes_ = 0;
+  CommStats cp_traffic_;
   double aux_loss_sum_ = 0, aux_loss_ = -1;
   ExpertLoad expert_load_;
   void reduce_expert_load();

@@ -221,6 +221,8 @@ const StepMetrics& Metrics::end_step(int64_t step, double loss, double grad_norm
   }
   measure_memory(m);
   m.tp_payload_bytes = engine_.tp_payload_bytes();
+  m.cp_payload_bytes = engine_.cp_traffic().payload_bytes;
+  m.cp_comm_s = engine_.cp_traffic().busy_seconds;
   m.aux_loss = engine_.aux_loss();
   m.expert_load_min = engine_.expert_load().min;
   m.expert_load_max = engine_.expert_load().max;
@@ -303,6 +305,7 @@ void Metrics::start_row(const StepMetrics& m) {
     j["pp_sent_bytes"] = m.pp_sent_bytes;
   }
   if (world_.tp() > 1) j["tp_payload_bytes"] = m.tp_payload_bytes;
+  if (world_.cp() > 1) j["cp_payload_bytes"] = m.cp_payload_bytes, j["cp_comm_s"] = m.cp_comm_s;
   if (m.expert_load_max >= 0)  // over the sparse layers' experts, every rank's tokens; dispatch drops none
     j["expert_load"] = {{"min", m.expert_load_min}, {"max", m.expert_load_max}, {"dropped", 0}};
   if (m.aux_loss >= 0) {  // `loss` is the objective: the cross-entropy plus the router's loss times its coefficient

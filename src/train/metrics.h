@@ -41,6 +41,8 @@ struct StepMetrics {
   std::vector<double> rank_idle_frac;    // pipeline: that share on each rank
   int64_t max_in_flight = 0;             // pipeline: most microbatches one stage held at once (maximum over ranks)
   int64_t tp_payload_bytes = 0;          // tensor parallel: bytes handed to the tp group's collectives this step (rank 0)
+  int64_t cp_payload_bytes = 0;          // context parallel: bytes handed to the cp group's collectives this step (rank 0)
+  double cp_comm_s = 0;                  // context parallel: seconds those collectives ran (rank 0)
   double aux_loss = -1;                  // the router's load-balancing loss (negative: the model adds none)
   double ce_loss = 0;                    // with it: the cross-entropy part of `loss`
   int64_t expert_load_min = -1, expert_load_max = -1;  // choices one expert of one layer took (-1: no experts)
