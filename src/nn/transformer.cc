@@ -226,7 +226,7 @@ TransformerConfig TransformerConfig::preset(const std::string& name) {
     const bool qwen3 = name[4] == '3';
     const int64_t depth = depth_of(name.substr(qwen3 ? 7 : 9));
     qwen(qwen3 ? Family::Qwen3 : Family::Qwen2, depth, depth, grouped_kv_heads(depth), 64 * depth, 3 * 64 * depth,
-         qwen3 ? 128 : 0, 151936, true, 8192);
+         qwen3 ? 128 : 0, 151936, true, qwen3 ? 40960 : 32768);  // the families' context lengths
   } else if (name.size() >= 2 && name[0] == 'd' && name.find_first_not_of("0123456789", 1) == std::string::npos) {
     const int64_t depth = depth_of(name.substr(1));
     set(depth, depth, 64 * depth);
