@@ -303,6 +303,7 @@ TEST(ContextParallelLayouts, MatchOneProcessWithFlatMemory) {
                                     with_cp({1, 2, 1, "1f1b", 1, true}, 2),
                                     with_cp({1, 1, 2, "1f1b"}, 2),
                                     with_cp({2, 1, 1, "1f1b", 1, false, 2}, 2),
+                                    with_cp({2, 1, 1, "1f1b", 1, false, 3}, 2),
                                     with_cp({2, 2, 1, "1f1b", 1, false, 1}, 2),
                                     with_cp({2, 1, 1, "1f1b", 1, false, 2}, 4)};
   bool ran = false;

@@ -224,6 +224,11 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForZeroInOneProcess) {
     if (k.model == "gpt2_tiny.bin") {
       EXPECT_TRUE(plan.notes.empty()) << what << ": " << plan.notes.front();
     }
+    // The dry run stands in for ZeRO too (its shards, staging and gathers, no update math).
+    const train::DryRun dry = train::dry_run(c, mc, false);
+    ASSERT_EQ(dry.steps.size(), 2u) << what;
+    EXPECT_EQ(dry.steps.front().peak_bytes, r.history.front().peak_bytes) << what << ": the dry run's step 1";
+    EXPECT_EQ(dry.steps.back().peak_bytes, r.history.back().peak_bytes) << what << ": the dry run's step 2";
   }
 }
 
@@ -244,9 +249,6 @@ TEST(Plan, TheDryRunNamesTheLayoutsItDoesNotStandInFor) {
   EXPECT_NE(refusal(2).find("the dry run does not stand in for tensor parallel yet (--tp 2)"), std::string::npos)
       << refusal(2);
   c.parallel.tp = 1;
-  c.parallel.zero = 2;
-  EXPECT_NE(refusal().find("the dry run does not stand in for ZeRO yet (--zero 2)"), std::string::npos) << refusal();
-  c.parallel.zero = 0;
   c.compute.device = Device::cuda();
   EXPECT_NE(refusal().find("the dry run stands in for the CPU, not --device cuda:0"), std::string::npos) << refusal();
   // And it leaves nothing behind on the meta device.

@@ -282,12 +282,15 @@ double ZeroOptimizer::gradient_norm() {
 void ZeroOptimizer::step(double lr, double grad_scale) {
   ++t_;
   const optim::AdamWCoefficients k = optim::adamw_coefficients(config_, t_, lr, grad_scale);
-  float* m = m_.data<float>();
-  float* v = v_.data<float>();
-  float* p_full = stage_ < 3 ? params_.flat_params().data<float>() : nullptr;
-  float* p_shard = stage_ == 3 ? param_shard_.data<float>() : nullptr;
-  float* g_full = stage_ == 1 ? params_.flat_grads().data<float>() : nullptr;
-  float* g_shard = stage_ >= 2 ? grad_shard_.data<float>() : nullptr;
+  // On the meta device (a dry run) there are no values to update: the unit loop still
+  // makes the gathers' buffers the real step makes.
+  const bool values = !m_.device().is_meta();
+  float* m = values ? m_.data<float>() : nullptr;
+  float* v = values ? v_.data<float>() : nullptr;
+  float* p_full = values && stage_ < 3 ? params_.flat_params().data<float>() : nullptr;
+  float* p_shard = values && stage_ == 3 ? param_shard_.data<float>() : nullptr;
+  float* g_full = values && stage_ == 1 ? params_.flat_grads().data<float>() : nullptr;
+  float* g_shard = values && stage_ >= 2 ? grad_shard_.data<float>() : nullptr;
   // Unit by unit: this rank's pieces of the unit's parameters updated, then (stages 1 and
   // 2) the unit's all-gather started, so the wire carries unit u while AdamW updates unit
   // u + 1.
@@ -309,7 +312,7 @@ void ZeroOptimizer::step(double lr, double grad_scale) {
       for (int64_t c = a; c < b; c += kChunk)
         spans.push_back({c, std::min(kChunk, b - c), piece.local + (c - piece.own_begin), decay});
     }
-    {
+    if (values) {
       runtime::profiler::KernelScope scope("adamw");
 #pragma omp parallel for schedule(static)
       for (size_t s = 0; s < spans.size(); ++s) {

@@ -54,7 +54,6 @@ std::string dry_run_refusal(const TrainConfig& c, int64_t world) {
   if (world > 1 && p.tp > 1)
     return "the dry run does not stand in for tensor parallel yet (--tp " + std::to_string(p.tp) +
            "): its vocabulary-parallel embedding and loss compute on host data";
-  if (p.zero != 0) return "the dry run does not stand in for ZeRO yet (--zero " + std::to_string(p.zero) + ")";
   if (!c.compute.device.is_cpu()) return "the dry run stands in for the CPU, not --device " + c.compute.device.str();
   return "";
 }
@@ -79,18 +78,18 @@ DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bo
   const std::string refusal = dry_run_refusal(config, world_size);
   TALLY_CHECK(refusal.empty(), refusal);
   TrainConfig c = config;
+  c.on_microbatch_loss = nullptr;  // the run's own hook sees the run's losses, not these
   c.compute.device = Device::meta(config.compute.device.type);
   memory::Ledger& ledger = runtime::ledger(c.compute.device);
   TALLY_CHECK(ledger.stats().allocated == 0, "a dry run is under way in this process already (",
               ledger.stats().allocated, " bytes live on ", c.compute.device.str(), ")");
   ledger.reset_peaks();
   ledger.track_peak_owners(true);
-  // A world that stands in for the rank (communicators that move nothing; one process: a
-  // world of this process alone, and a run under mpirun plans one rank of its own), and
-  // the clock put back afterwards: the steps it runs are not the real run's.
+  // A world that stands in for the rank, on communicators that move nothing (a run under
+  // mpirun plans one rank of its own), and the clock put back afterwards: the steps it
+  // runs are not the real run's.
   std::unique_ptr<dist::World> world =
-      world_size == 1 ? dist::World::self()
-                      : dist::World::stand_in({p.dp, p.tp, p.pp, p.cp}, static_cast<int>(world_size), rank);
+      dist::World::stand_in({p.dp, p.tp, p.pp, p.cp}, static_cast<int>(world_size), rank);
   const Clock::Reading clock = Clock::now();
   const HostHistoryPaused host_history;
   DryRun run;

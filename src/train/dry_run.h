@@ -10,7 +10,8 @@
 // update. It stands in for one process on the CPU, or one rank of a layout of data,
 // context and pipeline parallel ranks on the CPU, whose collectives it makes on
 // communicators that move nothing (dist::World::stand_in): the buffers the rank's step
-// makes for them are made all the same. Not yet: --tp, --zero, a GPU.
+// makes for them are made all the same; ZeRO's shards, staging and gathers too. Not yet:
+// --tp over several ranks, a GPU.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -49,8 +50,7 @@ DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bo
 std::vector<int> dry_run_roles(const TrainConfig& config, int64_t world_size);
 
 // Why the dry run does not stand in for a run of `config` on `world` ranks, or "" when it
-// does (today: on the CPU, without ZeRO, whose optimizer reads its shards on the host, and
-// without tensor parallel over several ranks).
+// does (today: on the CPU, without tensor parallel over several ranks).
 std::string dry_run_refusal(const TrainConfig& config, int64_t world);
 
 // The dry run as `tally plan` prints it: each step's peak, and at the run's peak the bytes
