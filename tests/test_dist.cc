@@ -234,6 +234,31 @@ TEST(DataParallel, BucketsReduceWrittenGradientsAndDiscardedOnesAsZeros) {
   }
 }
 
+// Which parameters a backward reaches can differ between ranks (a mixture of experts'
+// expert that took no tokens on one rank), so the order in which buckets become final does
+// too; each communicator's collectives must still come in one order on every rank. Rank 0
+// reaches "a" only, the others "b" only: buckets start in their own order everywhere.
+TEST(DataParallel, BucketsStartInOneOrderWhateverEachRankReaches) {
+  dist::Communicator& g = world().dp_group();
+  const int n = g.size(), r = g.rank();
+  nn::ParameterStore s;
+  s.declare("a", {3}, true);
+  s.declare("b", {5}, true);
+  s.declare("c", {2}, true);
+  s.allocate();
+  s.flat_params().fill_(1.0);
+  dist::GradientAllReduce all_reduce(s, g, /*bucket_bytes=*/4);
+  ASSERT_EQ(all_reduce.buckets().size(), 3u);
+  s.discard_grads();
+  all_reduce.arm();
+  Tensor loss = ops::add(ops::sum(s[2]), ops::sum(r == 0 ? s[0] : s[1]));
+  loss.backward();
+  all_reduce.finish();
+  EXPECT_EQ(s[0].grad().to_vector<float>(), std::vector<float>(3, 1.f));
+  EXPECT_EQ(s[1].grad().to_vector<float>(), std::vector<float>(5, static_cast<float>(n - 1)));
+  EXPECT_EQ(s[2].grad().to_vector<float>(), std::vector<float>(2, static_cast<float>(n)));
+}
+
 TEST(Communicator, BuffersOfAnOperationInFlightAreHeldByItsHandle) {
   dist::Communicator& g = world().dp_group();
   const int64_t before = runtime::ledger().stats().allocated;

@@ -287,6 +287,40 @@ TEST(QwenLayouts, MoeMatchesOneProcessWithFlatMemory) {
   if (!ran) GTEST_SKIP() << "no MoE layout for " << world_size() << " ranks";
 }
 
+// A rank whose tokens chose none of an expert has no gradient for it when its backward
+// ends, so that expert's bucket (ZeRO-2: its layer's unit) starts after the backward. It
+// used to start in finish(), after the loss's all-reduce on the same group (ZeRO-2: after
+// the later units), while a rank whose tokens did choose it had started it first: the
+// ranks' collectives came in different orders (MPI read one all-reduce's bytes into
+// another's buffer: a crash within 10 steps of this run). ZeRO-3 is refused with experts
+// over data-parallel ranks: its gathers would meet such a late reduce-scatter.
+TEST(MoeDataParallel, RanksWhoseTokensSkipAnExpertReduceInTheSameOrder) {
+  if (world_size() != 2) GTEST_SKIP() << "dp2 runs on 2 ranks";
+  train::TrainConfig one = base_config(Family::Qwen3Moe);
+  one.batch.batch_size = 1;  // 32 tokens a microbatch: an expert some rank's tokens skip
+  one.batch.seq_len = 32;
+  one.batch.grad_accum = 8;
+  std::unique_ptr<dist::World> self = dist::World::self();
+  const train::TrainResult want = train::run_training(one, *self);
+  for (int zero = 0; zero <= 2; ++zero) {
+    std::unique_ptr<dist::World> world = dist::World::create({2, 1, 1});
+    train::TrainConfig c = Layout{2, 1, 1}.apply(one);
+    c.parallel.zero = zero;
+    c.batch.grad_accum = 4;
+    const train::TrainResult r = train::run_training(c, *world);
+    ASSERT_EQ(r.history.size(), want.history.size()) << "zero " << zero;
+    for (size_t s = 0; s < r.history.size(); ++s)
+      EXPECT_NEAR(r.history[s].loss, want.history[s].loss, 1e-5 * std::abs(want.history[s].loss))
+          << "zero " << zero << ": step " << s + 1;
+  }
+  std::unique_ptr<dist::World> world = dist::World::create({2, 1, 1});
+  train::TrainConfig c = Layout{2, 1, 1}.apply(one);
+  c.parallel.zero = 3;
+  c.batch.grad_accum = 4;
+  const std::string m = test::message_of<Error>([&] { train::run_training(c, *world); });
+  EXPECT_NE(m.find("--zero 3"), std::string::npos) << m;
+}
+
 // Context parallel: each rank holds chunks r and 2C-1-r of every sequence, rotary angles
 // and GPT-2's position rows follow them, and attention runs over the gathered keys and
 // values with the causal mask at the chunks' own positions. A rank that took the wrong

@@ -13,15 +13,17 @@ double now_seconds() {
 }
 }  // namespace
 
-std::vector<Bucket> make_buckets(const nn::ParameterStore& params, int64_t bucket_bytes) {
+std::vector<Bucket> make_buckets(const nn::ParameterStore& params, int64_t bucket_bytes, const std::vector<bool>& expert) {
   TALLY_CHECK(bucket_bytes > 0, "--bucket-mb must be positive");
+  auto is_expert = [&](size_t i) { return i < expert.size() && expert[i]; };
   std::vector<Bucket> out;
   size_t i = params.size();
   while (i > 0) {
     Bucket b;
     b.last = i;
+    b.experts = is_expert(i - 1);
     int64_t bytes = 0;
-    while (i > 0 && (bytes == 0 || bytes + params[i - 1].nbytes() <= bucket_bytes)) {
+    while (i > 0 && is_expert(i - 1) == b.experts && (bytes == 0 || bytes + params[i - 1].nbytes() <= bucket_bytes)) {
       bytes += params[i - 1].nbytes();
       --i;
     }
@@ -33,8 +35,12 @@ std::vector<Bucket> make_buckets(const nn::ParameterStore& params, int64_t bucke
   return out;
 }
 
-GradientAllReduce::GradientAllReduce(nn::ParameterStore& params, Communicator& group, int64_t bucket_bytes)
-    : params_(params), group_(group), buckets_(make_buckets(params, bucket_bytes)) {
+GradientAllReduce::GradientAllReduce(nn::ParameterStore& params, Communicator& group, int64_t bucket_bytes,
+                                     Communicator* expert_group, const std::vector<bool>& expert)
+    : params_(params),
+      group_(group),
+      expert_group_(expert_group),
+      buckets_(make_buckets(params, bucket_bytes, expert_group ? expert : std::vector<bool>{})) {
   TALLY_CHECK(params_.has_grad_block(), "data parallel all-reduce needs the gradient block");
   pending_.assign(buckets_.size(), 0);
   works_.resize(buckets_.size());
@@ -54,25 +60,38 @@ void GradientAllReduce::arm() {
   armed_at_ = now_seconds();
   for (size_t b = 0; b < buckets_.size(); ++b) pending_[b] = static_cast<int>(buckets_[b].last - buckets_[b].first);
   std::fill(works_.begin(), works_.end(), nullptr);
+  next_ = 0;
 }
 
+// Buckets start in their own order only: bucket b once it and every bucket before it are
+// final. Which gradients a backward reaches, and so the order buckets become final in,
+// can differ between ranks (an expert no token of one rank chose), and each
+// communicator's collectives must come in one order on all of them.
 void GradientAllReduce::gradient_final(size_t b) {
-  if (armed_ && --pending_[b] == 0) start(b);
+  if (!armed_ || --pending_[b] != 0) return;
+  while (next_ < buckets_.size() && pending_[next_] == 0) start(next_++);
 }
 
 void GradientAllReduce::start(size_t b) {
   const Bucket& bucket = buckets_[b];
-  works_[b] = group_.all_reduce_async(params_.grads_of(bucket.first, bucket.last), ReduceOp::Sum);
+  Communicator& group = bucket.experts ? *expert_group_ : group_;
+  works_[b] = group.all_reduce_async(params_.grads_of(bucket.first, bucket.last), ReduceOp::Sum);
 }
 
-void GradientAllReduce::finish() {
-  if (!armed_) return;
-  armed_ = false;
+void GradientAllReduce::start_rest() {
+  if (!armed_ || rest_started_) return;
+  rest_started_ = true;
   finished_at_ = now_seconds();
   // Buckets no gradient reached (unused parameters) still take part: every rank must run
   // the same collectives.
-  for (size_t b = 0; b < buckets_.size(); ++b)
-    if (!works_[b]) start(b);
+  while (next_ < buckets_.size()) start(next_++);
+}
+
+void GradientAllReduce::finish() {
+  start_rest();
+  if (!armed_) return;
+  armed_ = false;
+  rest_started_ = false;
   const Tensor& grads = params_.flat_grads();  // settles nothing: each bucket's start did
   ReductionStats s;
   s.buckets = static_cast<int>(buckets_.size());

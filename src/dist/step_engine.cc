@@ -42,6 +42,13 @@ void StepEngine::build_model(const FillWeights& fill) {
   const nn::Blocks blocks = config_.zero < 2    ? nn::Blocks::ParametersAndGradients
                             : config_.zero == 2 ? nn::Blocks::Parameters
                                                 : nn::Blocks::None;
+  // ZeRO-3 gathers units in the model's order while reduce-scatters wait for gradients, and
+  // which experts a rank's backward reaches depends on its tokens: the late reduce-scatter
+  // of a unit one rank's tokens left an expert of would meet another rank's gather.
+  TALLY_CHECK(config_.zero < 3 || config_.model.n_experts == 0 || world_.replicas() == 1, "--zero 3 with ",
+              config_.model.n_experts, " experts a sparse layer over ", world_.replicas(),
+              " data-parallel ranks is not supported yet (an expert some rank's tokens skip is reduced late); use "
+              "--zero 2 or lower");
   // Built on the host (a dry run: on the meta device, which fills nothing).
   const Device built_on = config_.device.is_meta() ? config_.device : Device::cpu();
   model_ = std::make_unique<nn::Transformer>(config_.model, shard_of(world_.pp_rank(), world_.tp_rank()), blocks,
@@ -174,6 +181,7 @@ double StepEngine::run_microbatches(int64_t step, data::BatchSource& loader, san
       if (last && all_reduce_) all_reduce_->arm();  // reduce while the last backward runs
       if (last && backward_norm_) backward_norm_->arm();
       (N * replicas == 1 ? loss : ops::scale(loss, 1.0 / static_cast<double>(N * replicas))).backward();
+      if (last && all_reduce_) all_reduce_->start_rest();  // before the loss's all-reduce on the same group
     }
     if (zero_) zero_->finish_microbatch();
     sanitizer.end_microbatch();
@@ -205,6 +213,7 @@ double StepEngine::run_pipeline(int64_t step, data::BatchSource& loader, sanitiz
     if (all_reduce_ && config_.virtual_stages == 1) all_reduce_->arm();
   }, config_.on_microbatch_loss);
   if (all_reduce_ && config_.virtual_stages > 1) all_reduce_->arm();
+  if (all_reduce_) all_reduce_->start_rest();  // before the loss's all-reduces
   TALLY_CHECK(pipeline_->last().max_in_flight <= in_flight_bound_, "pipeline stage ", world_.pp_rank(), " held ",
               pipeline_->last().max_in_flight, " microbatches at once; the ",
               pipeline_schedule_name(config_.pp_schedule), " schedule needs ", in_flight_bound_);

@@ -48,6 +48,7 @@ ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig conf
   m_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::OptimizerState, "zero.adamw.m"));
   v_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::OptimizerState, "zero.adamw.v"));
   staging_.resize(pieces_.size());
+  next_unit_ = staging_.size();
   if (stage_ >= 2)
     grad_shard_ = Tensor::zeros({local_numel_}, dt, dev, make_owner(Category::Gradient, "zero.gradients", true));
   if (stage_ == 3) {
@@ -220,7 +221,16 @@ void ZeroOptimizer::gradient_final(size_t param) {
     stage_gradients(u);
     if (g.defined()) params_[param].grad().copy_(g);
   }
-  if (--st.pending == 0) start_reduce(u);
+  if (--st.pending == 0) mark_final(u);
+}
+
+// Units start in descending order only (the order backward finishes them): unit u once
+// every unit after it started. Which gradients a backward reaches can differ between ranks
+// (an expert no token of one rank chose), and the group's collectives must come in one
+// order on all of them.
+void ZeroOptimizer::mark_final(size_t u) {
+  staging_[u].final = true;
+  while (next_unit_ > 0 && staging_[next_unit_ - 1].final) start_reduce(--next_unit_);
 }
 
 void ZeroOptimizer::start_reduce(size_t u) {
@@ -257,13 +267,15 @@ void ZeroOptimizer::absorb(size_t u) {
 void ZeroOptimizer::finish_microbatch() {
   if (stage_ < 2) return;
   // Every rank reduces every unit exactly once per microbatch, in the same order: the
-  // units backward did not reach are reduced now, in unit order.
-  for (size_t u = 0; u < staging_.size(); ++u)
-    if (!staging_[u].reduced) start_reduce(u);
+  // units not started yet (backward did not reach all of them) are reduced now, in the
+  // same descending order.
+  while (next_unit_ > 0) start_reduce(--next_unit_);
   for (size_t u = 0; u < staging_.size(); ++u) {
     absorb(u);
     staging_[u].reduced = false;
+    staging_[u].final = false;
   }
+  next_unit_ = staging_.size();
   in_flight_ = SIZE_MAX;
   if (stage_ == 3)
     for (size_t u = 0; u < gathered_.size(); ++u) release(u, false);

@@ -105,10 +105,13 @@ class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResiden
     int pending = 0;  // parameters whose gradient is not final yet
     bool active = false;   // the buffer is the parameters' .grad
     bool reduced = false;  // its reduce-scatter was started in this microbatch
+    bool final = false;    // every gradient of it is final in this microbatch
   };
 
   // Parameter `param`'s gradient is final in this backward (its post-accumulate hook).
   void gradient_final(size_t param);
+  // Unit `u` gets no more gradients in this microbatch: reduce it, after the units above.
+  void mark_final(size_t u);
   void stage_gradients(size_t unit);
   void start_reduce(size_t unit);
   void absorb(size_t unit);
@@ -139,6 +142,7 @@ class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResiden
   std::vector<std::shared_ptr<Work>> gathering_;   // stage 3: a gather in flight per unit
   std::vector<Staging> staging_;
   size_t in_flight_ = SIZE_MAX;  // the unit whose reduce-scatter was started last
+  size_t next_unit_ = 0;         // units [0, next_unit_) are not started in this microbatch
   std::vector<HookHandle> hooks_;  // stages 2, 3: a post-accumulate hook per parameter, removed with this
 };
 
