@@ -58,6 +58,12 @@ class SelfCommunicator final : public Communicator {
     TALLY_CHECK(root == 0, "broadcast on ", name_, " from rank ", root, " in a group of 1");
     return done(t.nbytes());
   }
+  std::shared_ptr<Work> all_to_all_async(const Tensor& out, const Tensor& in, const std::vector<int64_t>& send_counts,
+                                         const std::vector<int64_t>& recv_counts) override {
+    check_all_to_all(name_, 1, out, in, send_counts, recv_counts);
+    if (in.numel() > 0 && in.raw_data() != out.raw_data()) copy_bytes(out, in);
+    return done(in.nbytes());
+  }
   std::shared_ptr<Work> send_async(const Tensor&, int dst, int) override {
     TALLY_FAIL("send on ", name_, " to rank ", dst, ": a single-process group has no other rank");
   }
@@ -117,6 +123,11 @@ class MetaCommunicator final : public Communicator {
     return done("all_gather", in, out);
   }
   std::shared_ptr<Work> broadcast_async(const Tensor& t, int) override { return done("broadcast", t); }
+  std::shared_ptr<Work> all_to_all_async(const Tensor& out, const Tensor& in, const std::vector<int64_t>& send_counts,
+                                         const std::vector<int64_t>& recv_counts) override {
+    check_all_to_all(name_, size_, out, in, send_counts, recv_counts);
+    return done("all_to_all", in, out);
+  }
   std::shared_ptr<Work> send_async(const Tensor& t, int, int) override { return done("send", t); }
   std::shared_ptr<Work> recv_async(const Tensor& t, int, int) override { return done("recv", t); }
   std::shared_ptr<Work> barrier_async() override { return std::make_shared<CompletedWork>(); }
@@ -137,6 +148,38 @@ class MetaCommunicator final : public Communicator {
   CommStats stats_;
 };
 }  // namespace
+
+void check_all_to_all(const std::string& group, int size, const Tensor& out, const Tensor& in,
+                      const std::vector<int64_t>& send_counts, const std::vector<int64_t>& recv_counts) {
+  TALLY_CHECK(static_cast<int>(send_counts.size()) == size && static_cast<int>(recv_counts.size()) == size,
+              "all_to_all on ", group, ": ", send_counts.size(), " send and ", recv_counts.size(), " receive counts for ",
+              size, " ranks");
+  int64_t sent = 0, received = 0;
+  for (int r = 0; r < size; ++r) {
+    TALLY_CHECK(send_counts[static_cast<size_t>(r)] >= 0 && recv_counts[static_cast<size_t>(r)] >= 0, "all_to_all on ",
+                group, ": a negative count for rank ", r);
+    sent += send_counts[static_cast<size_t>(r)];
+    received += recv_counts[static_cast<size_t>(r)];
+  }
+  TALLY_CHECK(in.numel() == sent && out.numel() == received && in.dtype() == out.dtype(), "all_to_all on ", group,
+              ": input ", in.str(), " and output ", out.str(), " for counts that send ", sent, " and receive ", received,
+              " elements");
+  if (size == 1)
+    TALLY_CHECK(sent == received, "all_to_all on ", group, ": a group of 1 sends itself ", sent, " elements and expects ",
+                received);
+}
+
+std::vector<int64_t> Communicator::exchange_counts(const std::vector<int64_t>& counts) {
+  const int64_t n = size();
+  TALLY_CHECK(static_cast<int64_t>(counts.size()) == n, "exchange_counts on ", name(), ": ", counts.size(),
+              " counts for ", n, " ranks");
+  const OwnerTag tag = make_owner(Category::Communication, "comm:exchange_counts");
+  Tensor send = Tensor::empty({n}, DType::I64, Device::cpu(), tag), recv = Tensor::empty({n}, DType::I64, Device::cpu(), tag);
+  std::copy(counts.begin(), counts.end(), send.data<int64_t>());
+  const std::vector<int64_t> ones(static_cast<size_t>(n), 1);
+  all_to_all(recv, send, ones, ones);
+  return recv.to_vector<int64_t>();
+}
 
 void check_buffer(const char* op, const Tensor& t) {
   TALLY_CHECK(t.defined(), op, ": undefined tensor");

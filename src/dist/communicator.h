@@ -68,6 +68,13 @@ class Communicator {
   // `out` holds size() * in.numel() elements; block r is rank r's `in`.
   virtual std::shared_ptr<Work> all_gather_async(const Tensor& out, const Tensor& in) = 0;
   virtual std::shared_ptr<Work> broadcast_async(const Tensor& t, int root) = 0;
+  // Personalised exchange (MPI_Alltoallv): `in` holds, one block after another, the
+  // send_counts[r] elements for each rank r; `out` receives recv_counts[r] elements from
+  // each rank r, in rank order. Counts are elements, one per rank of the group, and must
+  // agree pairwise (what r sends s is what s expects from r): exchange the counts first.
+  virtual std::shared_ptr<Work> all_to_all_async(const Tensor& out, const Tensor& in,
+                                                 const std::vector<int64_t>& send_counts,
+                                                 const std::vector<int64_t>& recv_counts) = 0;
   virtual std::shared_ptr<Work> send_async(const Tensor& t, int dst, int tag = 0) = 0;
   virtual std::shared_ptr<Work> recv_async(const Tensor& t, int src, int tag = 0) = 0;
   virtual std::shared_ptr<Work> barrier_async() = 0;
@@ -83,11 +90,19 @@ class Communicator {
   void send(const Tensor& t, int dst, int tag = 0) { send_async(t, dst, tag)->wait(); }
   void recv(const Tensor& t, int src, int tag = 0) { recv_async(t, src, tag)->wait(); }
   void barrier() { barrier_async()->wait(); }
+  void all_to_all(const Tensor& out, const Tensor& in, const std::vector<int64_t>& send_counts,
+                  const std::vector<int64_t>& recv_counts) {
+    all_to_all_async(out, in, send_counts, recv_counts)->wait();
+  }
 
   // ---- uneven sizes, by padding every rank's block to the largest
   // Rank r contributes `in` (counts[r] elements); returns the concatenation of all ranks'
   // blocks (sum of counts elements).
   Tensor all_gather_uneven(const Tensor& in, const std::vector<int64_t>& counts);
+
+  // What each rank will send this one, given what this one sends each rank (`counts[r]`
+  // for rank r): the all-to-all of one int64 per pair that goes before an uneven exchange.
+  std::vector<int64_t> exchange_counts(const std::vector<int64_t>& counts);
 
   // ---- scalars, for metrics and agreement
   double all_reduce_scalar(double value, ReduceOp op);
@@ -104,5 +119,8 @@ std::unique_ptr<Communicator> make_meta_communicator(const std::string& name, in
 // The MPI datatype-independent check every implementation makes: contiguous, defined,
 // on the CPU (until a device communicator exists).
 void check_buffer(const char* op, const Tensor& t);
+// The counts and sizes of an all-to-all over a group of `size` (the error names `group`).
+void check_all_to_all(const std::string& group, int size, const Tensor& out, const Tensor& in,
+                      const std::vector<int64_t>& send_counts, const std::vector<int64_t>& recv_counts);
 
 }  // namespace tally::dist

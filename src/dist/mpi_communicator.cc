@@ -170,6 +170,33 @@ class MpiCommunicator final : public Communicator {
     return submit(t.nbytes(), {t}, [=, this] { check(MPI_Bcast(p, n, type, root, comm_), "broadcast"); });
   }
 
+  std::shared_ptr<Work> all_to_all_async(const Tensor& out, const Tensor& in, const std::vector<int64_t>& send_counts,
+                                         const std::vector<int64_t>& recv_counts) override {
+    check_buffer("all_to_all", out);
+    check_buffer("all_to_all", in);
+    check_all_to_all(name_, size_, out, in, send_counts, recv_counts);
+    const MPI_Datatype type = mpi_type(in.dtype(), "all_to_all");
+    // MPI_Alltoallv takes int counts and displacements: every offset must fit one.
+    auto ints = [&](const std::vector<int64_t>& counts, std::vector<int>& n, std::vector<int>& at) {
+      int64_t offset = 0;
+      for (int64_t c : counts) {
+        TALLY_CHECK(offset + c <= INT_MAX, "all_to_all on ", name_, ": ", offset + c,
+                    " elements, more than one MPI call carries (", INT_MAX, ")");
+        n.push_back(static_cast<int>(c));
+        at.push_back(static_cast<int>(offset));
+        offset += c;
+      }
+    };
+    std::vector<int> sn, sat, rn, rat;
+    ints(send_counts, sn, sat);
+    ints(recv_counts, rn, rat);
+    const void* src = in.raw_data();
+    void* dst = out.raw_data();
+    return submit(in.nbytes(), {out, in}, [=, this] {
+      check(MPI_Alltoallv(src, sn.data(), sat.data(), type, dst, rn.data(), rat.data(), type, comm_), "all_to_all");
+    });
+  }
+
   // Point-to-point operations are posted at once from the calling thread (MPI_Isend,
   // MPI_Irecv), not queued behind the worker's collectives: a pipeline's stages send and
   // receive in orders that differ between ranks, and a send queued behind a blocking
