@@ -2,6 +2,7 @@
 
 #include "autograd/engine.h"
 #include "autograd/function.h"
+#include "autograd/observer.h"
 
 namespace tally::autograd {
 
@@ -40,6 +41,7 @@ struct CheckpointFn {
         if (input_grads[i].defined()) input_grads[i].storage().retag(Category::Activation);
       }
     }
+    for (EngineObserver* o : engine_observers()) o->region_recomputed(detached);
     return input_grads;  // `detached`, their grads' other owners and `out` die here
   }
 };

@@ -17,6 +17,10 @@ class EngineObserver {
   virtual void backward_begins(const std::vector<Tensor>& roots) {}
   // After the last node ran (also when backward ends with an error).
   virtual void backward_ends() {}
+  // A recomputed region (autograd/checkpoint.h) has been differentiated: `inputs` are the
+  // detached copies it ran on, their gradients set (what a tool inspecting activation
+  // gradients reads). They die when the region's backward returns, unless kept.
+  virtual void region_recomputed(const std::vector<Tensor>& inputs) {}
 };
 
 // Registers an observer for as long as the registration lives.
