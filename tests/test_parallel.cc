@@ -27,6 +27,7 @@
 #include <set>
 #include <tuple>
 
+#include "autograd/observer.h"
 #include "dist/pipeline.h"
 #include "dist/world.h"
 #include "io/checkpoint.h"
@@ -116,6 +117,7 @@ struct Layout {
   int zero = 0;  // over the data-parallel group
   int64_t last_stage_layers = 0;  // --pp-last-stage-layers
   int cp = 1;
+  int ep = 1;  // within dp
   int world() const { return dp * tp * pp * cp; }
   // `base` run in this layout.
   train::TrainConfig apply(train::TrainConfig c) const {
@@ -128,6 +130,7 @@ struct Layout {
     c.parallel.zero = zero;
     c.parallel.pp_last_stage_layers = last_stage_layers;
     c.parallel.cp = cp;
+    c.parallel.ep = ep;
     return c;
   }
   std::string name() const {
@@ -138,6 +141,7 @@ struct Layout {
     if (zero > 0) n += "zero" + std::to_string(zero) + " ";
     if (last_stage_layers > 0) n += "last" + std::to_string(last_stage_layers) + " ";
     if (cp > 1) n += "cp" + std::to_string(cp) + " ";
+    if (ep > 1) n += "ep" + std::to_string(ep) + " ";
     return n;
   }
 };
@@ -156,7 +160,9 @@ const train::TrainResult& one_process(Family family, int64_t microbatches, const
   return cache[key] = train::run_training(c, *self);
 }
 
-void expect_flat(const train::TrainResult& r, const std::string& what) {
+// `peaks`: the peaks too (not for dropless expert parallel, whose exchanged rows follow the
+// routing).
+void expect_flat(const train::TrainResult& r, const std::string& what, bool peaks = true) {
   int64_t live = -1, peak = -1;
   for (const auto& b : r.boundaries) {
     ASSERT_EQ(b.live_nodes, 0u) << what;
@@ -164,27 +170,32 @@ void expect_flat(const train::TrainResult& r, const std::string& what) {
     if (b.microbatch >= 0 || b.step < 1) continue;
     if (live < 0) live = b.allocated, peak = b.peak_allocated;
     ASSERT_EQ(b.allocated, live) << what << ": live bytes at the end of step " << b.step + 1;
-    ASSERT_EQ(b.peak_allocated, peak) << what << ": peak of step " << b.step + 1;
+    if (peaks) {
+      ASSERT_EQ(b.peak_allocated, peak) << what << ": peak of step " << b.step + 1;
+    }
   }
 }
 
 // `dtype` "bf16" runs both sides in mixed precision; `chunked_loss` fuses the head and the
 // loss on the sharded side only (one process keeps the plain head: the same math).
+// `capacity`: the sharded side's --moe-capacity-factor (one process is dropless).
 void expect_matches_one_process(const Layout& l, Family family, const std::string& recompute,
-                                const std::string& dtype = "fp32", bool chunked_loss = false) {
+                                const std::string& dtype = "fp32", bool chunked_loss = false, double capacity = 0) {
   if (l.world() != world_size()) GTEST_SKIP() << l.name() << "needs " << l.world() << " ranks";
   const int64_t N = l.pp > 1 ? 4 : 2;  // per data-parallel rank; 1F1B over 4 stages needs 4
   const train::TrainResult& want = one_process(family, N * l.dp, dtype);
-  std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp, l.cp});
+  std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp, l.cp, l.ep});
   train::TrainConfig c = l.apply(base_config(family));
   c.compute.recompute = nn::parse_recompute(recompute);
   c.batch.grad_accum = N;
   c.memory.sanitize = sanitizer::SanitizeMode::Strict;
   c.compute.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
   c.compute.chunked_loss = chunked_loss;
+  c.compute.moe_capacity_factor = capacity;
   const train::TrainResult got = train::run_training(c, *world);
   const std::string what = family_of(family) + " " + l.name() + "recompute " + recompute + " " + dtype +
-                           (chunked_loss ? " chunked loss" : "");
+                           (chunked_loss ? " chunked loss" : "") +
+                           (capacity > 0 ? " capacity " + std::to_string(capacity) : "");
   ASSERT_EQ(got.history.size(), want.history.size()) << what;
   // bf16: the GEMMs read the master weights rounded to bf16. Once fp32 accumulation order
   // (another split, another sum) moves a weight across a rounding boundary, that operand
@@ -203,11 +214,24 @@ void expect_matches_one_process(const Layout& l, Family family, const std::strin
   }
   // The first loss is the same model on the same data: equal to rounding.
   EXPECT_NEAR(got.history[0].loss, want.history[0].loss, 1e-6 * std::abs(want.history[0].loss)) << what;
-  expect_flat(got, what);
+  expect_flat(got, what, l.ep == 1 || capacity > 0);
+  // At a capacity the all-to-alls' bytes are fixed: each sparse layer's forward exchanges
+  // its E counts (8 bytes each) and sends E x capacity rows of C floats twice (dispatch,
+  // combine), backward twice more; full recomputation runs the forward once more.
+  if (l.ep > 1 && capacity > 0 && l.pp == 1) {
+    const nn::TransformerConfig m = tiny_model(family);
+    const int64_t tokens = c.batch.batch_size * c.batch.seq_len;
+    const int64_t rows = m.n_experts * static_cast<int64_t>(std::ceil(capacity * tokens * m.experts_per_token / m.n_experts));
+    const int64_t forwards = recompute == "full" ? 2 : 1;
+    const int64_t per_layer = forwards * (m.n_experts * 8 + 2 * rows * m.n_embd * 4) + 2 * rows * m.n_embd * 4;
+    for (const train::StepMetrics& s : got.history)
+      EXPECT_EQ(s.ep_payload_bytes, N * m.sparse_layer_count() * per_layer) << what << ": all-to-all bytes of a step";
+  }
   // The dry run (train/dry_run.h) stands in for this rank on the meta device: its steps'
   // peaks are the measured ones to the byte, context parallel's too. (Experts route at a
   // declared bound there, and tensor parallel is not stood in for yet.)
-  if (family != Family::Qwen3Moe && train::dry_run_refusal(c, world_size()).empty()) {
+  // (Dropless experts route at a declared bound there; at a capacity, every shape is fixed.)
+  if ((family != Family::Qwen3Moe || capacity > 0) && train::dry_run_refusal(c, world_size()).empty()) {
     const train::DryRun dry = train::dry_run(c, train::model_config(c.model), false, world_size(), world->rank());
     ASSERT_EQ(dry.steps.size(), 2u) << what;
     const size_t me = static_cast<size_t>(world->rank());
@@ -285,6 +309,84 @@ TEST(QwenLayouts, MoeMatchesOneProcessWithFlatMemory) {
     for (const char* recompute : {"none", "full"}) expect_matches_one_process(l, Family::Qwen3Moe, recompute);
   }
   if (!ran) GTEST_SKIP() << "no MoE layout for " << world_size() << " ranks";
+}
+
+// Expert parallel: each rank of an expert-parallel group holds 4 / E of every sparse
+// layer's experts, and the tokens its ranks route go to their experts' rank and back by
+// all-to-all. A token sent to the wrong rank or expert, an output combined in the wrong
+// place, an expert gradient reduced over the wrong ranks or a norm missing another rank's
+// experts moves the first loss or gradient norm by far more than 1e-5.
+// Dropless, the rows a rank receives follow the routing, and so do its peaks (its live
+// bytes between microbatches do not); with a capacity of E / k (4 / 2: an expert takes up to
+// every token, so none is dropped) every shape is fixed and the peaks are flat too.
+TEST(ExpertParallelLayouts, MoeMatchesOneProcessWithFlatMemory) {
+  auto with_ep = [](Layout l, int ep) {
+    l.ep = ep;
+    return l;
+  };
+  const std::vector<Layout> some = {with_ep({2, 1, 1}, 2), with_ep({4, 1, 1}, 2), with_ep({4, 1, 1}, 4),
+                                    with_ep({2, 1, 2, "1f1b"}, 2)};
+  bool ran = false;
+  for (const Layout& l : some) {
+    if (l.world() != world_size()) continue;
+    ran = true;
+    for (const char* recompute : {"none", "full"}) {
+      expect_matches_one_process(l, Family::Qwen3Moe, recompute);
+      expect_matches_one_process(l, Family::Qwen3Moe, recompute, "fp32", false, /*capacity=*/2.0);
+    }
+  }
+  if (!ran) GTEST_SKIP() << "no expert-parallel layout for " << world_size() << " ranks";
+}
+
+// Seed 003 (verl's Megatron backend, Qwen3-30B-A3B with expert parallel): recomputation
+// kept each checkpointed layer's inputs and their gradients after backward. tally's
+// recomputed MoE layers, their dispatch and combine included, leave nothing behind over
+// 50 steps of 16 microbatches on every rank of --ep 2.
+train::TrainConfig seed003_config(int64_t steps) {
+  Layout l{2, 1, 1};
+  l.ep = 2;
+  train::TrainConfig c = l.apply(base_config(Family::Qwen3Moe));
+  c.compute.recompute = nn::Recompute::Full;
+  c.compute.moe_capacity_factor = 1.25;  // drops some pairs, and fixes every shape
+  c.batch.batch_size = 1;
+  c.batch.seq_len = 32;
+  c.batch.grad_accum = 16;
+  c.batch.steps = steps;
+  c.memory.sanitize = sanitizer::SanitizeMode::Strict;
+  return c;
+}
+
+TEST(Seed003OnExpertParallel, RecomputedMoeLayersLeaveNothingOverFiftyStepsOfSixteenMicrobatches) {
+  if (world_size() != 2) GTEST_SKIP() << "ep2 runs on 2 ranks";
+  std::unique_ptr<dist::World> world = dist::World::create({2, 1, 1, 1, 2});
+  const train::TrainResult r = train::run_training(seed003_config(50), *world);
+  ASSERT_EQ(r.history.size(), 50u);
+  expect_flat(r, "seed 003 ep2 full recompute");
+  int64_t dropped = 0;
+  for (const train::StepMetrics& m : r.history) dropped += m.expert_dropped;
+  EXPECT_GT(dropped, 0) << "capacity 1.25 drops pairs of the busiest experts";
+}
+
+// The bug itself: a gradient-inspection tool that keeps each recomputed region's inputs
+// (and so their gradients) keeps them past the microbatch; the strict sanitizer stops
+// every rank at the first microbatch's boundary, naming the owners that grew.
+TEST(Seed003OnExpertParallel, KeepingRecomputedInputsIsCaughtAtTheNextBoundary) {
+  if (world_size() != 2) GTEST_SKIP() << "ep2 runs on 2 ranks";
+  std::unique_ptr<dist::World> world = dist::World::create({2, 1, 1, 1, 2});
+  struct KeepsInputs : autograd::EngineObserver {
+    std::vector<Tensor> kept;
+    void region_recomputed(const std::vector<Tensor>& inputs) override {
+      kept.insert(kept.end(), inputs.begin(), inputs.end());
+    }
+  } keeper;
+  autograd::ObserverRegistration registration(keeper);
+  const std::string m = test::message_of<Error>([&] { train::run_training(seed003_config(2), *world); });
+  EXPECT_EQ(keeper.kept.size(), 4u) << "stopped after the first microbatch's four layers";
+  EXPECT_NE(m.find("microbatch 0"), std::string::npos) << m;
+  EXPECT_NE(m.find("still carry graph state"), std::string::npos) << m;
+  // The recomputed layers' inputs: the embedding's output, then each layer's output.
+  for (const char* owner : {"embed:embedding", "h.0.mlp:add", "h.1.mlp:add", "h.2.mlp:add"})
+    EXPECT_NE(m.find(owner), std::string::npos) << owner << " in: " << m;
 }
 
 // A rank whose tokens chose none of an expert has no gradient for it when its backward
@@ -625,6 +727,46 @@ TEST(ParallelCheckpoints, ASavedShardedRunResumesExactlyAndInOneProcess) {
   }
 }
 
+// Expert parallel: the ranks of an expert-parallel group each send rank 0 their own
+// experts (and their moments), which it writes into the whole model's files: resuming in
+// the same layout continues bit-exactly, and one process resumes it too.
+TEST(ParallelCheckpoints, ASavedExpertParallelRunResumesExactlyAndInOneProcess) {
+  auto with_ep = [](Layout l, int ep) {
+    l.ep = ep;
+    return l;
+  };
+  const std::vector<Layout> layouts = {with_ep({2, 1, 1}, 2), with_ep({4, 1, 1}, 4), with_ep({2, 1, 2, "1f1b"}, 2)};
+  for (const Layout& l : layouts) {
+    if (l.world() != world_size()) continue;
+    const std::string what = "qwen3_moe " + l.name();
+    std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp, l.cp, l.ep});
+    train::TrainConfig c = l.apply(base_config(Family::Qwen3Moe));
+    c.batch.grad_accum = l.pp > 1 ? 2 : 1;
+    c.checkpoint.save_every = 5;
+    c.checkpoint.out_dir = shared_dir("moe_" + std::to_string(l.dp) + std::to_string(l.pp) + std::to_string(l.ep));
+    const train::TrainResult full = train::run_training(c, *world);
+    ASSERT_EQ(full.history.size(), 10u) << what;
+    train::TrainConfig r = c;
+    r.checkpoint.resume = c.checkpoint.out_dir + "/step_00000005";
+    r.checkpoint.save_every = 0;
+    const train::TrainResult resumed = train::run_training(r, *world);
+    ASSERT_EQ(resumed.history.size(), 5u) << what;
+    for (size_t s = 0; s < 5; ++s)
+      EXPECT_EQ(resumed.history[s].loss, full.history[s + 5].loss) << what << ": resumed step " << s + 6;
+    train::TrainConfig one = r;
+    one.parallel.dp = one.parallel.pp = one.parallel.ep = 1;
+    one.batch.grad_accum = c.batch.grad_accum * l.dp;
+    one.checkpoint.out_dir = test::temp_path("one_process_moe_resume_rank" + std::to_string(g_world->rank()));
+    std::unique_ptr<dist::World> self = dist::World::self();
+    const train::TrainResult alone = train::run_training(one, *self);
+    ASSERT_EQ(alone.history.size(), 5u) << what;
+    for (size_t s = 0; s < 5; ++s)
+      EXPECT_NEAR(alone.history[s].loss, full.history[s + 5].loss, 1e-5 * std::abs(full.history[s + 5].loss))
+          << what << ": one process resumed, step " << s + 6;
+    world->world().barrier();
+  }
+}
+
 // --init-from reads HuggingFace files into each rank's shard, and the ranks compare what
 // they read parameter by parameter (a pipeline stage reads only its own): every layout
 // must load without a false alarm and start from the one-process model's loss.
@@ -673,10 +815,10 @@ TEST(ParallelCheckpoints, RankZeroWritesTheWholeModelOnePieceAtATime) {
       config.tie_embeddings = family != 1;  // GPT-2 tied, LLaMA untied, LLaMA tied
       const std::string what = (llama ? "llama " : "gpt2 ") + std::string(config.tie_embeddings ? "tied " : "untied ") + l.name();
       std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
-      auto layout = [&](int pp_rank, int tp_rank) {
+      auto layout = [&](int pp_rank, int tp_rank, int) {
         return dist::pipeline_shard(config.n_layer, l.pp, pp_rank, l.virtual_stages, l.tp, tp_rank, 0);
       };
-      nn::Transformer shard(config, layout(world->pp_rank(), world->tp_rank()));
+      nn::Transformer shard(config, layout(world->pp_rank(), world->tp_rank(), 0));
       nn::init_weights(shard, 7);
       // Moments the checkpoint can be checked by: m = the parameters, v = twice them.
       optim::AdamW opt(shard.params(), {});

@@ -150,6 +150,9 @@ void add_parallel_flags(CLI::App& t, train::TrainConfig& c) {
   add_value(t, "--cp", p.cp, "Context-parallel ranks: each sequence's tokens split over them, keys and values "
                "all-gathered for attention (--seq-len a multiple of 2 x cp)")
       ->check(kPositiveInteger)->capture_default_str();
+  add_value(t, "--ep", p.ep, "Expert-parallel ranks, within the data-parallel ones: each sparse layer's experts split "
+               "over them, tokens exchanged by all-to-all (must divide --dp)")
+      ->check(kPositiveInteger)->capture_default_str();
   add_value(t, "--pp", p.pp, "Pipeline-parallel stages: the layers split into P stages")->check(kPositiveInteger)->capture_default_str();
   using dist::PipelineSchedule;
   add_choice<PipelineSchedule>(t, "--pp-schedule", p.pp_schedule,
@@ -172,6 +175,11 @@ void add_compute_flags(CLI::App& t, train::TrainConfig& c) {
   add_choice<Recompute>(t, "--recompute", k.recompute,
                         {{"none", Recompute::None}, {"selective", Recompute::Selective}, {"full", Recompute::Full}},
                         "Activation recomputation: selective recomputes the attention core, full each layer");
+  add_value(t, "--moe-capacity-factor", k.moe_capacity_factor,
+            "Mixture of experts: each expert takes at most factor x tokens x k / experts of a microbatch's "
+            "(token, expert) pairs, the rest dropped and counted, every expert padded to it so that memory is "
+            "the same every step (0 = dropless; experts / k never drops)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
   add_choice<DType>(t, "--dtype", k.dtype, {{"fp32", DType::F32}, {"bf16", DType::BF16}},
                     "GEMM precision: bf16 is mixed precision (bf16 operands for the projections' and attention's "
                     "products; fp32 master weights, gradients, optimizer state, norms, softmax and loss)");

@@ -488,7 +488,7 @@ int run_train(const CLI::App& command, train::TrainConfig& tc) {
   const auto [unused_flag, draws_none] = apps::unused_sample_flag(command, tc);
   std::unique_ptr<dist::World> world;
   try {
-    world = dist::World::create({tc.parallel.dp, tc.parallel.tp, tc.parallel.pp, tc.parallel.cp});
+    world = dist::World::create({tc.parallel.dp, tc.parallel.tp, tc.parallel.pp, tc.parallel.cp, tc.parallel.ep});
     TALLY_CHECK(unused_flag.empty(), unused_flag, " sets the samples a run prints, and ", draws_none, " draws none");
     train::run_training(tc, *world);
     return 0;

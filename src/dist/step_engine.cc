@@ -13,7 +13,7 @@ namespace tally::dist {
 namespace profiler = runtime::profiler;
 
 StepEngine::StepEngine(const World& world, const EngineConfig& config, const FillWeights& fill)
-    : world_(world), config_(config), model_parallel_(world.tp() * world.pp() > 1) {
+    : world_(world), config_(config), model_parallel_(world.tp() * world.pp() * world.ep() > 1) {
   check_pipeline(config.pp_schedule, world.pp(), config.virtual_stages, config.microbatches, config.model.n_layer,
                  config.pp_last_stage_layers);
   build_model(fill);
@@ -27,10 +27,13 @@ StepEngine::~StepEngine() {
   if (model_) model_->set_residency(nullptr);
 }
 
-nn::ModelShard StepEngine::shard_of(int pp_rank, int tp_rank) const {
+nn::ModelShard StepEngine::shard_of(int pp_rank, int tp_rank, int ep_rank) const {
   if (!model_parallel_) return {};
-  return pipeline_shard(config_.model.n_layer, world_.pp(), pp_rank, config_.virtual_stages, world_.tp(), tp_rank,
-                        config_.pp_last_stage_layers);
+  nn::ModelShard shard = pipeline_shard(config_.model.n_layer, world_.pp(), pp_rank, config_.virtual_stages, world_.tp(),
+                                        tp_rank, config_.pp_last_stage_layers);
+  shard.ep = world_.ep();
+  shard.ep_rank = ep_rank;
+  return shard;
 }
 
 // The model, built without the blocks the run does not keep whole: ZeRO-2 keeps gradient
@@ -51,8 +54,8 @@ void StepEngine::build_model(const FillWeights& fill) {
               "--zero 2 or lower");
   // Built on the host (a dry run: on the meta device, which fills nothing).
   const Device built_on = config_.device.is_meta() ? config_.device : Device::cpu();
-  model_ = std::make_unique<nn::Transformer>(config_.model, shard_of(world_.pp_rank(), world_.tp_rank()), blocks,
-                                             built_on);
+  model_ = std::make_unique<nn::Transformer>(config_.model, shard_of(world_.pp_rank(), world_.tp_rank(), world_.ep_rank()),
+                                             blocks, built_on);
   if (config_.zero == 3) {
     zero_ = std::make_unique<ZeroOptimizer>(model_->params(), config_.adamw, world_.replica_group(), 3);
     model_->set_residency(zero_.get());
@@ -75,7 +78,12 @@ void StepEngine::build_model(const FillWeights& fill) {
     context_parallel_ = std::make_unique<ContextParallel>(world_.cp_group());
     model_->set_context_parallel(context_parallel_.get());
   }
+  if (world_.ep() > 1) {
+    expert_parallel_ = std::make_unique<ExpertParallel>(world_.ep_group());
+    model_->set_expert_parallel(expert_parallel_.get());
+  }
   model_->set_recompute(config_.recompute);
+  model_->set_expert_capacity_factor(config_.expert_capacity_factor);
   model_->move_to(config_.device);  // built and loaded on the host; trained where --device says
   if (world_.pp() > 1)
     pipeline_ = std::make_unique<PipelineStage>(*model_, world_.pp_group(), config_.pp_schedule, config_.virtual_stages);
@@ -95,8 +103,13 @@ void StepEngine::build_optimizer() {
   model_->set_loss_chunk_rows(config_.chunked_loss ? nn::Transformer::default_loss_chunk_rows(config_.model.padded_vocab_size)
                                                    : 0);
   // Plain data parallel and ZeRO-1 average full gradients with bucketed all-reduces.
-  if (config_.zero <= 1 && world_.replicas() > 1)
-    all_reduce_ = std::make_unique<GradientAllReduce>(model_->params(), world_.replica_group(), config_.bucket_bytes);
+  // Expert parallel: the experts' gradients over the ranks that hold the same experts.
+  if (config_.zero <= 1 && world_.replicas() > 1) {
+    std::vector<bool> expert(model_->params().size());
+    for (size_t i = 0; i < expert.size(); ++i) expert[i] = model_->is_expert(i);
+    all_reduce_ = std::make_unique<GradientAllReduce>(model_->params(), world_.replica_group(), config_.bucket_bytes,
+                                                      world_.ep() > 1 ? &world_.expert_replica_group() : nullptr, expert);
+  }
   // One process's gradients are final once backward has written them, so their norm is
   // summed during the step's last backward, each gradient while it is still in cache
   // (optim/grad_norm.h). Data parallel's change once more, in the all-reduce. On a GPU
@@ -124,13 +137,16 @@ Tensor StepEngine::on_device(const Tensor& t) const {
 
 double StepEngine::forward_backward(int64_t step, data::BatchSource& loader, sanitizer::Sanitizer& sanitizer) {
   const int64_t tp_bytes_before = world_.tp_group().stats().payload_bytes;
-  const CommStats cp_before = world_.cp_group().stats();
+  const CommStats cp_before = world_.cp_group().stats(), ep_before = world_.ep_group().stats();
   aux_loss_sum_ = 0;
   const double local = pipeline_ ? run_pipeline(step, loader, sanitizer) : run_microbatches(step, loader, sanitizer);
   tp_payload_bytes_ = world_.tp_group().stats().payload_bytes - tp_bytes_before;
   const CommStats cp_after = world_.cp_group().stats();
   cp_traffic_ = {cp_after.operations - cp_before.operations, cp_after.payload_bytes - cp_before.payload_bytes,
                  cp_after.busy_seconds - cp_before.busy_seconds};
+  const CommStats ep_after = world_.ep_group().stats();
+  ep_traffic_ = {ep_after.operations - ep_before.operations, ep_after.payload_bytes - ep_before.payload_bytes,
+                 ep_after.busy_seconds - ep_before.busy_seconds};
   const double total = world_.replica_group().all_reduce_scalar(local, ReduceOp::Sum);
   const double count = static_cast<double>(config_.microbatches * world_.replicas());
   if (model_->config().router_aux_loss_coef > 0)
@@ -147,14 +163,15 @@ void StepEngine::reduce_expert_load() {
   const int64_t sparse = c.sparse_layer_count();
   std::vector<int64_t> local = model_->take_expert_load();
   local.resize(static_cast<size_t>(sparse * c.n_experts), 0);
+  local.push_back(model_->take_dropped_pairs());  // last: the pairs dropped past capacity
   Tensor load = Tensor::empty({static_cast<int64_t>(local.size())}, DType::F64, Device::cpu(),
                               make_owner(Category::Communication, "moe.expert_load"));
   std::copy(local.begin(), local.end(), load.data<double>());
   world_.replica_group().all_reduce(load);
   world_.pp_group().all_reduce(load);
   const double* d = load.data<double>();
-  const auto [lo, hi] = std::minmax_element(d, d + load.numel());
-  expert_load_ = {static_cast<int64_t>(*lo), static_cast<int64_t>(*hi), 0};
+  const auto [lo, hi] = std::minmax_element(d, d + load.numel() - 1);
+  expert_load_ = {static_cast<int64_t>(*lo), static_cast<int64_t>(*hi), static_cast<int64_t>(d[load.numel() - 1])};
 }
 
 // Microbatches one after another, each forward then backward: the loader's buffers are
@@ -291,6 +308,10 @@ std::vector<std::string> StepEngine::describe() const {
     if (PP > 1)
       parts += "pipeline " + std::to_string(PP) + " stages, " + pipeline_schedule_name(config_.pp_schedule) +
                (config_.virtual_stages > 1 ? " x " + std::to_string(config_.virtual_stages) + " chunks" : "");
+    if (world_.ep() > 1)
+      parts += std::string(parts.empty() ? "" : ", ") + "expert parallel " + std::to_string(world_.ep()) + ": " +
+               std::to_string(model_->local_experts()) + " of " + std::to_string(config_.model.n_experts) +
+               " experts a layer here, tokens exchanged by all-to-all";
     lines.push_back("model parallel: " + parts + ", recompute " + nn::recompute_name(config_.recompute) +
                     "; this rank holds " + std::to_string(model_->num_parameters()) + " of the " +
                     std::to_string(nn::Transformer::layout_only(config_.model).num_parameters()) + " parameters");

@@ -36,6 +36,7 @@
 #include "data/loader.h"
 #include "dist/context_parallel.h"
 #include "dist/data_parallel.h"
+#include "dist/expert_parallel.h"
 #include "dist/pipeline.h"
 #include "dist/tensor_parallel.h"
 #include "dist/world.h"
@@ -57,6 +58,7 @@ struct EngineConfig {
   int virtual_stages = 1;
   int64_t pp_last_stage_layers = 0;
   nn::Recompute recompute = nn::Recompute::None;
+  double expert_capacity_factor = 0;  // nn::Transformer::set_expert_capacity_factor (0: dropless)
   DType matmul_dtype = DType::F32;
   bool chunked_loss = false;
   Device device = Device::cpu();
@@ -100,9 +102,9 @@ class StepEngine {
   // ---- what the run reports
   // Whether this rank holds the whole model (sampling runs on one).
   bool holds_whole_model() const { return !model_parallel_; }
-  // What the rank at (pipeline stage, tensor-parallel rank) holds (checkpoints put the
-  // whole model together from the shards).
-  nn::ModelShard shard_of(int pp_rank, int tp_rank) const;
+  // What the rank at (pipeline stage, tensor-parallel rank, expert-parallel rank) holds
+  // (checkpoints put the whole model together from the shards).
+  nn::ModelShard shard_of(int pp_rank, int tp_rank, int ep_rank) const;
   // The training device's peak during set-up: building and filling the shard, ZeRO-2/3's
   // sharding (0 when set-up holds no more than a step).
   int64_t setup_peak_bytes() const { return setup_peak_; }
@@ -117,6 +119,9 @@ class StepEngine {
   const PipelineStepStats* pipeline_stats() const;  // null without a pipeline
   const ReductionStats* all_reduce_stats() const;   // null without the all-reduce
   int64_t tp_payload_bytes() const { return tp_payload_bytes_; }  // this step's, tensor parallel
+  // This step's expert-parallel all-to-alls (dispatch, combine and their gradients, and
+  // the count exchanges): bytes handed to them and the seconds they ran.
+  const CommStats& ep_traffic() const { return ep_traffic_; }
   // This step's context-parallel collectives: bytes handed to them and seconds they ran
   // (the all-gathers block attention: none of it is hidden behind compute).
   const CommStats& cp_traffic() const { return cp_traffic_; }
@@ -124,8 +129,8 @@ class StepEngine {
   // negative when the model adds none.
   double aux_loss() const { return aux_loss_; }
   // The last step's expert load over every rank's tokens: the fewest and the most choices
-  // one expert of one sparse layer took (-1 without experts), and those dropped (none:
-  // dispatch is dropless).
+  // one expert of one sparse layer took (-1 without experts), and those dropped past the
+  // experts' capacity (none when dispatch is dropless).
   struct ExpertLoad {
     int64_t min = -1, max = -1, dropped = 0;
   };
@@ -145,12 +150,13 @@ class StepEngine {
 
   const World& world_;
   EngineConfig config_;
-  bool model_parallel_ = false;  // tp x pp > 1
+  bool model_parallel_ = false;  // tp x pp x ep > 1: a rank holds part of the model
   std::unique_ptr<nn::Transformer> model_;
   std::unique_ptr<ZeroOptimizer> zero_;
   std::unique_ptr<optim::AdamW> adamw_;
   std::unique_ptr<TensorParallel> tensor_parallel_;
   std::unique_ptr<ContextParallel> context_parallel_;
+  std::unique_ptr<ExpertParallel> expert_parallel_;
   std::unique_ptr<PipelineStage> pipeline_;
   std::unique_ptr<GradientAllReduce> all_reduce_;
   std::unique_ptr<optim::BackwardGradientNorm> backward_norm_;
@@ -158,7 +164,7 @@ class StepEngine {
   int64_t setup_peak_ = 0;
   int64_t live_after_forward_ = 0;
   int64_t tp_payload_bytes_ = 0;
-  CommStats cp_traffic_;
+  CommStats cp_traffic_, ep_traffic_;
   double aux_loss_sum_ = 0, aux_loss_ = -1;
   ExpertLoad expert_load_;
   void reduce_expert_load();

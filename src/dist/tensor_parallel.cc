@@ -324,15 +324,19 @@ void sum_replicated_gradients(nn::Transformer& model, Communicator& tp_group, bo
 
 double model_parallel_gradient_norm(const nn::Transformer& model, const World& world) {
   const nn::ParameterStore& params = model.params();
-  std::vector<Tensor> counted;
+  std::vector<Tensor> counted, experts;
   for (size_t i = 0; i < params.size(); ++i) {
     if (model.is_tied_head_copy(i)) continue;
     const nn::TpSplit split = model.tp_split(i);
     if ((split == nn::TpSplit::Replicated || split == nn::TpSplit::SharedByHeads) && world.tp_rank() != 0) continue;
-    counted.push_back(params[i].grad());
+    (model.is_expert(i) ? experts : counted).push_back(params[i].grad());
   }
-  const double norm = counted.empty() ? 0.0 : ops::global_norm(counted);
-  double squares = norm * norm;
+  auto squares_of = [](const std::vector<Tensor>& grads) {
+    const double norm = grads.empty() ? 0.0 : ops::global_norm(grads);
+    return norm * norm;
+  };
+  // Each expert-parallel rank holds its own experts: their squares are summed over the group.
+  double squares = squares_of(counted) + world.ep_group().all_reduce_scalar(squares_of(experts), ReduceOp::Sum);
   squares = world.tp_group().all_reduce_scalar(squares, ReduceOp::Sum);
   squares = world.pp_group().all_reduce_scalar(squares, ReduceOp::Sum);
   return std::sqrt(squares);

@@ -47,8 +47,9 @@ void sum_replicated_gradients(nn::Transformer& model, Communicator& tp_group, bo
 
 // The gradient norm of the whole model from its shards: each rank's squares, replicated
 // parameters counted on tensor-parallel rank 0 only and a tied head's copy not at all,
-// summed over the tensor- and pipeline-parallel groups (data-parallel replicas hold the
-// same reduced gradients and are not summed).
+// experts' summed over the expert-parallel group, all summed over the tensor- and
+// pipeline-parallel groups (data-parallel replicas hold the same reduced gradients and are
+// not summed).
 double model_parallel_gradient_norm(const nn::Transformer& model, const World& world);
 
 }  // namespace tally::dist

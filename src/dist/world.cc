@@ -16,6 +16,7 @@ std::unique_ptr<World> World::self() {
   w->tp_group_ = make_self_communicator("tp");
   w->pp_group_ = make_self_communicator("pp");
   w->cp_group_ = make_self_communicator("cp");
+  w->ep_group_ = make_self_communicator("ep");
   return w;
 }
 
@@ -37,6 +38,8 @@ std::unique_ptr<World> World::stand_in(const ParallelConfig& c, int size, int ra
   w->pp_group_ = make_meta_communicator("pp", c.pp, pp_rank);
   w->cp_group_ = make_meta_communicator("cp", c.cp, cp_rank);
   if (c.cp > 1) w->replica_group_ = make_meta_communicator("replicas", dp * c.cp, dp_rank * c.cp + cp_rank);
+  w->ep_ = c.ep;
+  w->make_expert_groups(true);
   return w;
 }
 
@@ -53,6 +56,8 @@ std::unique_ptr<World> World::create(const ParallelConfig& c) {
     const int64_t needed = int64_t{std::max(c.dp, 1)} * c.tp * c.pp * c.cp;
     TALLY_CHECK(needed == 1, "--dp ", std::max(c.dp, 1), " x --tp ", c.tp, cp_factor, " x --pp ", c.pp, " needs ", needed,
                 " processes: launch with `mpirun -np ", needed, " tally train ...`");
+    TALLY_CHECK(c.ep == 1, "--ep ", c.ep, " splits the experts over ", c.ep,
+                " data-parallel ranks: launch with `mpirun -np ", c.ep, " tally train ... --ep ", c.ep, "`");
     return self();
   }
   mpi::initialize();
@@ -82,12 +87,39 @@ std::unique_ptr<World> World::create(const ParallelConfig& c) {
   w->pp_group_ = mpi::split(*w->world_, (dp_rank * cp + cp_rank) * tp + tp_rank, pp_rank, "pp");
   w->cp_group_ = mpi::split(*w->world_, (pp_rank * dp + dp_rank) * tp + tp_rank, cp_rank, "cp");
   if (cp > 1) w->replica_group_ = mpi::split(*w->world_, pp_rank * tp + tp_rank, dp_rank * cp + cp_rank, "replicas");
+  w->ep_ = c.ep;
+  w->make_expert_groups(false);
   return w;
+}
+
+void World::make_expert_groups(bool meta) {
+  const int E = ep_;
+  TALLY_CHECK(E >= 1 && E <= kMaxRanksPerDimension, "--ep must be 1..", kMaxRanksPerDimension, ", got ", E);
+  TALLY_CHECK(E == 1 || cp_ == 1, "--ep ", E, " with --cp ", cp_, ": expert parallel is carved out of the data-parallel ",
+              "ranks and does not compose with context parallel yet");
+  TALLY_CHECK(dp_ % E == 0, "--ep ", E, ": expert parallel is carved out of the ", dp_,
+              " data-parallel ranks, so it must divide them (--dp ", dp_, ")");
+  if (E == 1) {
+    ep_group_ = make_self_communicator("ep");
+    return;
+  }
+  const int d = dp_rank(), ep_rank = d % E, replica = d / E;
+  if (meta) {
+    ep_group_ = make_meta_communicator("ep", E, ep_rank);
+    expert_replica_group_ = make_meta_communicator("expert_replicas", dp_ / E, replica);
+    return;
+  }
+  // Colours name what the members share: (stage, tp rank) and the block of E, or the
+  // expert shard.
+  const int shared = pp_rank() * tp_ + tp_rank();
+  ep_group_ = mpi::split(*world_, shared * (dp_ / E) + replica, ep_rank, "ep");
+  expert_replica_group_ = mpi::split(*world_, shared * E + ep_rank, replica, "expert_replicas");
 }
 
 std::string World::describe() const {
   return std::to_string(size_) + (size_ == 1 ? " process" : " processes") + ": dp " + std::to_string(dp_) + " x tp " +
-         std::to_string(tp_) + " x pp " + std::to_string(pp_) + (cp_ > 1 ? " x cp " + std::to_string(cp_) : "") + (mpi_ ? " (MPI)" : "");
+         std::to_string(tp_) + " x pp " + std::to_string(pp_) + (cp_ > 1 ? " x cp " + std::to_string(cp_) : "") +
+         (ep_ > 1 ? " (ep " + std::to_string(ep_) + " within dp)" : "") + (mpi_ ? " (MPI)" : "");
 }
 
 namespace {

@@ -13,6 +13,13 @@
 // parameters. The D data-parallel ranks read different batches; the C context-parallel
 // ranks of one batch read different tokens of its sequences. Gradients are averaged, and
 // ZeRO shards, over all D * C (the replica group); data is split over D.
+//
+// Expert parallel (--ep E) is carved out of the data-parallel ranks, as Megatron-Core
+// carves it: data-parallel rank d is expert-parallel rank d % E of the group of the E
+// neighbours d - d % E .. d - d % E + E - 1, which split a sparse layer's experts E ways
+// and exchange tokens by all-to-all. The D / E data-parallel ranks with the same d % E
+// hold the same experts (the expert replicas): expert gradients are averaged over them,
+// every other gradient over all D replicas. E must divide D; not with --cp.
 // A plain `tally train` is a world of one that never starts MPI.
 #pragma once
 #include <memory>
@@ -27,6 +34,7 @@ struct ParallelConfig {
   int tp = 1;
   int pp = 1;
   int cp = 1;
+  int ep = 1;  // expert parallel, within the data-parallel ranks
 };
 
 // The most ranks along any one dimension (a million: past any machine MPI runs on).
@@ -51,11 +59,13 @@ class World {
   int tp() const { return tp_; }
   int pp() const { return pp_; }
   int cp() const { return cp_; }
+  int ep() const { return ep_; }
   int replicas() const { return dp_ * cp_; }  // ranks holding the same parameters
   int dp_rank() const { return dp_group_->rank(); }
   int tp_rank() const { return tp_group_->rank(); }
   int pp_rank() const { return pp_group_->rank(); }
   int cp_rank() const { return cp_group_->rank(); }
+  int ep_rank() const { return ep_group().rank(); }
   int replica_rank() const { return dp_rank() * cp_ + cp_rank(); }  // its rank in the replica group
 
   Communicator& world() const { return *world_; }
@@ -65,6 +75,10 @@ class World {
   Communicator& cp_group() const { return *cp_group_; }
   // The D * C replicas of this rank's parameters (the data-parallel group when C is 1).
   Communicator& replica_group() const { return cp_ == 1 ? *dp_group_ : *replica_group_; }
+  // The E ranks that split the experts among them (this rank alone without --ep).
+  Communicator& ep_group() const { return *ep_group_; }
+  // The D / E ranks holding this rank's experts (the replica group without --ep).
+  Communicator& expert_replica_group() const { return ep_ == 1 ? replica_group() : *expert_replica_group_; }
 
   std::string describe() const;  // "4 processes: dp 4 x tp 1 x pp 1 (MPI)", "x cp C" when C > 1
 
@@ -79,9 +93,12 @@ class World {
 
  private:
   World() = default;
-  int rank_ = 0, size_ = 1, dp_ = 1, tp_ = 1, pp_ = 1, cp_ = 1;
+  // The ep group and the expert replicas, split out of the data-parallel ranks.
+  void make_expert_groups(bool meta);
+  int rank_ = 0, size_ = 1, dp_ = 1, tp_ = 1, pp_ = 1, cp_ = 1, ep_ = 1;
   bool mpi_ = false;
   std::unique_ptr<Communicator> world_, dp_group_, tp_group_, pp_group_, cp_group_, replica_group_;  // owning
+  std::unique_ptr<Communicator> ep_group_, expert_replica_group_;                                   // owning
 };
 
 }  // namespace tally::dist

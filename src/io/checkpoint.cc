@@ -234,8 +234,9 @@ std::string write_checkpoint(const std::string& out_dir, const TrainingState& st
 
 constexpr int kGatherTag = 31000;  // above the pipeline's tags
 
-// A tensor/pipeline-parallel checkpoint, streamed to rank 0 one piece at a time. Replica 0
-// (data- and context-parallel rank 0) of every (stage, tp rank) sends its parameters in the
+// A tensor/pipeline/expert-parallel checkpoint, streamed to rank 0 one piece at a time.
+// Replica 0 (data- and context-parallel rank 0) of every (stage, tp rank), and under --ep
+// data-parallel ranks 1 .. E-1 for their experts, sends its parameters in the
 // model file's order (llm.c's: each kind over the layers; a tied head's wte twice), then its
 // moments unit by unit, m then v. Rank 0 walks the whole model in the same orders, receives each piece
 // from every rank that holds part of it, puts the whole parameter (or unit of moments)
@@ -250,10 +251,15 @@ std::string save_gathered_checkpoint(const std::string& out_dir, const nn::Trans
   const int D = world.replicas(), T = world.tp(), P = world.pp();
   const nn::Transformer whole = nn::Transformer::layout_only(model.config());
   const nn::ParameterStore& wp = whole.params();
-  auto local_index = [](const nn::Transformer& shard) {
-    std::unordered_map<std::string, size_t> index;  // name -> parameter (a tied head's copy left out)
+  // What a shard sends: not a tied head's copy (its first's is sent), and beyond
+  // expert-parallel rank 0 only its experts (the rest is rank 0's too).
+  auto sends = [](const nn::Transformer& shard, size_t i) {
+    return !shard.is_tied_head_copy(i) && (shard.shard().ep_rank == 0 || shard.is_expert(i));
+  };
+  auto local_index = [&](const nn::Transformer& shard) {
+    std::unordered_map<std::string, size_t> index;  // name -> parameter it sends
     for (size_t i = 0; i < shard.params().size(); ++i)
-      if (!shard.is_tied_head_copy(i)) index.emplace(shard.params().spec(i).name, i);
+      if (sends(shard, i)) index.emplace(shard.params().spec(i).name, i);
     return index;
   };
   const auto mine = local_index(model);
@@ -262,24 +268,24 @@ std::string save_gathered_checkpoint(const std::string& out_dir, const nn::Trans
   };
   autograd::NoGradGuard no_grad;
   if (!world.is_root()) {
-    const bool sender = world.replica_rank() == 0;
-    std::vector<std::shared_ptr<dist::Work>> sends;
+    const bool sender = world.replica_rank() < world.ep();  // replica 0, and its expert-parallel group
+    std::vector<std::shared_ptr<dist::Work>> posted;
     auto finish = [&] {
-      for (auto& w : sends) w->wait();
-      sends.clear();
+      for (auto& w : posted) w->wait();
+      posted.clear();
     };
     if (sender)
       for (const nn::LlmcTensor& t : nn::llmc_tensors(whole))
         for (size_t w : t.params)
           if (auto it = mine.find(wp.spec(w).name); it != mine.end())
-            sends.push_back(comm.send_async(params[it->second].detach().contiguous(), 0, kGatherTag));
+            posted.push_back(comm.send_async(params[it->second].detach().contiguous(), 0, kGatherTag));
     finish();  // the parameters are the model's own: no copies held
     for (int which = 0; which < 2; ++which)
       for (size_t u = 0; u < params.num_units(); ++u) {
         const Tensor values = opt.moment_unit(which, u).contiguous();  // every data-parallel rank takes part
         if (!sender) continue;
         for (size_t i = params.unit(u).first; i < params.unit(u).last; ++i)
-          if (!model.is_tied_head_copy(i)) sends.push_back(comm.send_async(moment_piece(values, i).contiguous(), 0, kGatherTag));
+          if (sends(model, i)) posted.push_back(comm.send_async(moment_piece(values, i).contiguous(), 0, kGatherTag));
         finish();  // one unit's moments at a time
       }
     comm.barrier();  // everyone returns once `latest` names the new checkpoint
@@ -295,12 +301,13 @@ std::string save_gathered_checkpoint(const std::string& out_dir, const nn::Trans
   std::vector<std::shared_ptr<const nn::Transformer>> shards;
   std::unordered_map<std::string, std::vector<Holder>> holders;  // whole parameter name -> its pieces
   for (int pp = 0; pp < P; ++pp)
-    for (int tp = 0; tp < T; ++tp) {
-      const int source = pp * D * T + tp;
-      auto shard = std::make_shared<const nn::Transformer>(
-          nn::Transformer::layout_only(model.config(), source == 0 ? model.shard() : layout(pp, tp)));
-      for (const auto& [name, i] : local_index(*shard)) holders[name].push_back({source, shard, i});
-    }
+    for (int ep = 0; ep < world.ep(); ++ep)
+      for (int tp = 0; tp < T; ++tp) {
+        const int source = pp * D * T + ep * T + tp;  // data-parallel rank ep (no --cp with --ep)
+        auto shard = std::make_shared<const nn::Transformer>(
+            nn::Transformer::layout_only(model.config(), source == 0 ? model.shard() : layout(pp, tp, ep)));
+        for (const auto& [name, i] : local_index(*shard)) holders[name].push_back({source, shard, i});
+      }
   for (auto& [name, list] : holders)
     std::sort(list.begin(), list.end(), [](const Holder& a, const Holder& b) { return a.source < b.source; });
   // Fills `target` (whole parameter `name`'s shape) from its holders; `own(i)` is rank

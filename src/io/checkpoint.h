@@ -50,15 +50,16 @@ struct TrainingState {
   uint32_t content_crc = 0;
 };
 
-// What the rank at (pipeline stage, tensor-parallel rank) holds, for tensor- and
-// pipeline-parallel runs.
-using ShardLayout = std::function<nn::ModelShard(int pp_rank, int tp_rank)>;
+// What the rank at (pipeline stage, tensor-parallel rank, expert-parallel rank) holds, for
+// tensor-, pipeline- and expert-parallel runs.
+using ShardLayout = std::function<nn::ModelShard(int pp_rank, int tp_rank, int ep_rank)>;
 
 // Writes <out_dir>/step_<step>/ and points <out_dir>/latest at it. Returns the directory.
 // Collective over `world`; under ZeRO-3 every rank sends rank 0 its pieces of each
 // parameter in turn, so rank 0 holds one whole parameter at a time, the others nothing more.
-// A tensor- or pipeline-parallel model (a shard) is written as the whole model: data-
-// parallel rank 0 of every (stage, tp rank) sends its parameters and moments to rank 0,
+// A tensor-, pipeline- or expert-parallel model (a shard) is written as the whole model:
+// data-parallel rank 0 of every (stage, tp rank) sends its parameters and moments to rank 0
+// (under --ep, data-parallel rank e < E its experts too),
 // which puts them together and writes the same files one process would (so any layout,
 // one process included, resumes from them). They are streamed: rank 0 holds one whole
 // parameter, or one unit's moments, at a time beside its own shard (see checkpoint.cc).

@@ -13,6 +13,8 @@
 // none: tokens are routed round-robin, every expert taking N*k/E of them (the balanced
 // bound). The saved activations are N*k rows whatever the routing; a skewed one makes the
 // busiest expert's GEMMs, and the transients of its backward, larger than this bound's.
+#include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "core/error.h"
@@ -25,13 +27,20 @@ namespace tally::nn {
 namespace {
 
 // Where each (token, slot) pair goes: `expert` (N, k), the pairs grouped by expert
-// (`grouped`: pair indices n*k + j, each expert's in token order), and each expert's count.
+// (`grouped`: pair indices n*k + j, each expert's in token order), and each expert's rows.
+// Dropless, an expert's rows are its pairs. With a capacity of c rows, every expert has c
+// rows: its first c pairs in token order, then padding rows (token 0 at weight 0: they add
+// exact zeros and take no gradient); pairs past c are dropped (their slot adds zero).
+// Padding row index N*k stands for the zero weight, and grouped row `rows` for the zero
+// output a dropped pair reads.
 struct Routing {
   Tensor expert;        // (N, k) int64, for gathering the routing weights
-  Tensor grouped_token;  // (N*k) int64: the token of each grouped pair
-  Tensor grouped_pair;   // (N*k) int64: the pair each grouped row is
+  Tensor grouped_token;  // (rows) int64: the token of each grouped row
+  Tensor grouped_pair;   // (rows) int64: the pair each grouped row is (N*k: padding)
   Tensor pair_position;  // (N*k) int64: where pair n*k + j sits among the grouped rows
-  std::vector<int64_t> count;  // (E)
+  std::vector<int64_t> count;  // (E): each expert's rows
+  std::vector<int64_t> load;   // (E): each expert's pairs (count, dropless)
+  int64_t dropped = 0;         // pairs past their expert's capacity
 };
 
 Tensor index_tensor(const std::vector<int64_t>& values, const Shape& shape, Device device) {
@@ -63,28 +72,45 @@ std::vector<int64_t> top_k_experts(const Tensor& probs, int64_t k) {
   return chosen;
 }
 
-Routing route(const Tensor& probs, int64_t k) {
+// `capacity`: rows an expert takes (0: dropless).
+Routing route(const Tensor& probs, int64_t k, int64_t capacity) {
   const int64_t N = probs.shape()[0], E = probs.shape()[1];
   const std::vector<int64_t> chosen = top_k_experts(probs, k);
   Routing r;
-  r.count.assign(static_cast<size_t>(E), 0);
-  for (int64_t e : chosen) ++r.count[static_cast<size_t>(e)];
-  std::vector<int64_t> offset(static_cast<size_t>(E), 0);
+  r.load.assign(static_cast<size_t>(E), 0);
+  for (int64_t e : chosen) ++r.load[static_cast<size_t>(e)];
+  r.count = r.load;
+  if (capacity > 0) r.count.assign(static_cast<size_t>(E), capacity);
+  std::vector<int64_t> offset(static_cast<size_t>(E), 0), end(static_cast<size_t>(E));
   for (int64_t e = 1; e < E; ++e) offset[e] = offset[e - 1] + r.count[e - 1];
-  std::vector<int64_t> token(static_cast<size_t>(N * k)), pair(static_cast<size_t>(N * k)),
+  for (int64_t e = 0; e < E; ++e) end[e] = offset[e] + r.count[e];
+  const int64_t rows = offset[E - 1] + r.count[E - 1];
+  std::vector<int64_t> token(static_cast<size_t>(rows), 0), pair(static_cast<size_t>(rows), N * k),
       position(static_cast<size_t>(N * k));
   for (int64_t i = 0; i < N * k; ++i) {
-    const int64_t at = offset[chosen[i]]++;
+    const int64_t e = chosen[i];
+    if (offset[e] == end[e]) {  // past its expert's capacity
+      position[i] = rows;
+      ++r.dropped;
+      continue;
+    }
+    const int64_t at = offset[e]++;
     token[at] = i / k;
     pair[at] = i;
     position[i] = at;
   }
   const Device d = probs.device();
   r.expert = index_tensor(chosen, {N, k}, d);
-  r.grouped_token = index_tensor(token, {N * k}, d);
-  r.grouped_pair = index_tensor(pair, {N * k}, d);
+  r.grouped_token = index_tensor(token, {rows}, d);
+  r.grouped_pair = index_tensor(pair, {rows}, d);
   r.pair_position = index_tensor(position, {N * k}, d);
   return r;
+}
+
+// A zero row appended to `t` (n, w): what padding rows and dropped pairs read.
+Tensor with_zero_row(const Tensor& t) {
+  const Tensor zero = Tensor::zeros({1, t.shape()[1]}, t.dtype(), t.device(), make_owner(Category::Activation, "moe.capacity"));
+  return ops::cat({t, zero}, 0);
 }
 
 }  // namespace
@@ -93,6 +119,8 @@ Tensor Transformer::experts(const Tensor& h, int64_t l) const {
   const auto& c = config_;
   const Layer& p = layers_[static_cast<size_t>(l)];
   const int64_t B = h.shape()[0], T = h.shape()[1], C = c.n_embd, k = c.experts_per_token, N = B * T;
+  TALLY_CHECK(shard_.ep == 1 || ep_ops_, "internal: a shard of ", local_experts(), " of ", c.n_experts,
+              " experts runs without its expert-parallel group");
   TALLY_CHECK(!h.device().is_cuda(), "experts: Qwen3-MoE's sparse layers run on the CPU only so far (got ", h.str(), ")");
   const Tensor x = ops::reshape(h, {N, C});
   Tensor probs;
@@ -100,8 +128,9 @@ Tensor Transformer::experts(const Tensor& h, int64_t l) const {
     OwnerScope scope("router");
     probs = ops::softmax(linear(x, p.routerw, kAbsent));  // (N, E)
   }
-  const Routing r = route(probs, k);
-  if (autograd::grad_enabled()) count_expert_load(r.count, l);
+  const int64_t capacity = expert_capacity(N);
+  const Routing r = route(probs, k, capacity);
+  if (autograd::grad_enabled()) count_expert_load(r.load, r.dropped, l);
   if (c.router_aux_loss_coef > 0 && autograd::grad_enabled()) {
     // The loss spans every sparse layer's tokens at once, so it is made at the head, in
     // the forward that runs them all (not a pipeline's chunks, nor a recomputed layer).
@@ -109,29 +138,84 @@ Tensor Transformer::experts(const Tensor& h, int64_t l) const {
                 "the router's load-balancing loss (output_router_logits) is not supported under --pp yet");
     TALLY_CHECK(recompute_ != Recompute::Full,
                 "the router's load-balancing loss (output_router_logits) is not supported under --recompute full yet");
-    router_records_.push_back({ops::sum(probs, {0}), r.count, N});
+    router_records_.push_back({ops::sum(probs, {0}), r.load, N});
   }
   Tensor weights = ops::gather(probs, 1, r.expert);  // (N, k)
   if (c.norm_topk_prob) weights = ops::div(weights, ops::sum(weights, {1}, true));
-  // Each expert's tokens, one block of rows each, through its SwiGLU MLP.
-  const Tensor rows = ops::embedding(x, r.grouped_token);  // (N*k, C)
+  const Tensor rows = ops::embedding(x, r.grouped_token);  // (N*k, C), grouped by expert
+  const Tensor outputs = ep_ops_ ? expert_parallel_mlps(rows, r.count, l) : local_mlps(rows, r.count, l);
+  // Weighted by their routing weights, back in (token, slot) order, summed over the slots.
+  const Tensor pair_weights = ops::reshape(weights, {N * k, 1});
+  const Tensor grouped_weight = ops::embedding(capacity ? with_zero_row(pair_weights) : pair_weights, r.grouped_pair);
+  const Tensor weighted = ops::mul(outputs, grouped_weight);
+  const Tensor by_pair = ops::embedding(capacity ? with_zero_row(weighted) : weighted, r.pair_position);  // (N*k, C)
+  return ops::reshape(ops::sum(ops::reshape(by_pair, {N, k, C}), {1}), {B, T, C});
+}
+
+// This shard's experts over their blocks of `rows` (count[j] rows for local expert j, one
+// block after another), each its SwiGLU MLP: one GEMM per expert and projection.
+Tensor Transformer::local_mlps(const Tensor& rows, const std::vector<int64_t>& count, int64_t l) const {
+  const Layer& p = layers_[static_cast<size_t>(l)];
   std::vector<Tensor> outputs;
   int64_t begin = 0;
-  for (int64_t e = 0; e < c.n_experts; ++e) {
-    const int64_t n = r.count[static_cast<size_t>(e)];
+  for (size_t j = 0; j < count.size(); ++j) {
+    const int64_t n = count[j];
     if (n == 0) continue;
-    OwnerScope scope("experts." + std::to_string(e));
+    OwnerScope scope("experts." + std::to_string(first_expert() + static_cast<int64_t>(j)));
     const Tensor in = ops::slice(rows, 0, begin, begin + n);
-    const Tensor gate = linear(in, p.expert_gate[static_cast<size_t>(e)], kAbsent, matmul_dtype_);
-    const Tensor up = linear(in, p.expert_up[static_cast<size_t>(e)], kAbsent, matmul_dtype_);
-    outputs.push_back(linear(ops::swiglu(gate, up), p.expert_down[static_cast<size_t>(e)], kAbsent));
+    const Tensor gate = linear(in, p.expert_gate[j], kAbsent, matmul_dtype_);
+    const Tensor up = linear(in, p.expert_up[j], kAbsent, matmul_dtype_);
+    outputs.push_back(linear(ops::swiglu(gate, up), p.expert_down[j], kAbsent));
     begin += n;
   }
-  // Weighted by their routing weights, back in (token, slot) order, summed over the slots.
-  const Tensor grouped_weight = ops::embedding(ops::reshape(weights, {N * k, 1}), r.grouped_pair);  // (N*k, 1)
-  const Tensor weighted = ops::mul(ops::cat(outputs, 0), grouped_weight);
-  const Tensor by_pair = ops::embedding(weighted, r.pair_position);  // (N*k, C)
-  return ops::reshape(ops::sum(ops::reshape(by_pair, {N, k, C}), {1}), {B, T, C});
+  // A shard whose experts took no rows returns the empty rows themselves, with their graph.
+  return outputs.empty() ? rows : outputs.size() == 1 ? outputs[0] : ops::cat(outputs, 0);
+}
+
+// Expert parallel (nn/expert_parallel.h): the rows, grouped by expert and so by the rank
+// that holds it, go to their ranks; each rank regroups what it received (source by
+// source, each source's by expert) by expert, runs its experts, and sends the outputs
+// back the way they came. On the meta device (a dry run) every rank routes the balanced
+// bound alike, so each receives from every rank what it sends itself.
+Tensor Transformer::expert_parallel_mlps(const Tensor& rows, const std::vector<int64_t>& count, int64_t l) const {
+  const int S = ep_ops_->size();
+  const int64_t El = local_experts(), first = first_expert();
+  std::vector<int64_t> send_rows(static_cast<size_t>(S), 0);
+  for (int s = 0; s < S; ++s)
+    for (int64_t j = 0; j < El; ++j) send_rows[static_cast<size_t>(s)] += count[static_cast<size_t>(s * El + j)];
+  std::vector<int64_t> received(static_cast<size_t>(S * El));  // [source][local expert]
+  if (rows.device().is_meta()) {
+    for (int s = 0; s < S; ++s)
+      std::copy(count.begin() + first, count.begin() + first + El, received.begin() + s * El);
+  } else {
+    received = ep_ops_->exchange_counts(count);
+  }
+  std::vector<int64_t> recv_rows(static_cast<size_t>(S), 0), per_expert(static_cast<size_t>(El), 0);
+  for (int s = 0; s < S; ++s)
+    for (int64_t j = 0; j < El; ++j) {
+      recv_rows[static_cast<size_t>(s)] += received[static_cast<size_t>(s * El + j)];
+      per_expert[static_cast<size_t>(j)] += received[static_cast<size_t>(s * El + j)];
+    }
+  // Where each received row (source-major) goes among the rows grouped by expert.
+  int64_t total = 0;
+  for (int64_t n : recv_rows) total += n;
+  std::vector<int64_t> expert_start(static_cast<size_t>(El), 0);
+  for (int64_t j = 1; j < El; ++j) expert_start[j] = expert_start[j - 1] + per_expert[j - 1];
+  std::vector<int64_t> by_expert(static_cast<size_t>(total)), by_source(static_cast<size_t>(total));
+  int64_t at = 0;
+  for (int s = 0; s < S; ++s)
+    for (int64_t j = 0; j < El; ++j)
+      for (int64_t i = 0; i < received[static_cast<size_t>(s * El + j)]; ++i, ++at) {
+        const int64_t to = expert_start[j]++;
+        by_expert[to] = at;  // row `to` of the expert grouping is received row `at`
+        by_source[at] = to;
+      }
+  const Device d = rows.device();
+  const Tensor arrived = ep_ops_->exchange(rows, send_rows, recv_rows);
+  const Tensor grouped = S == 1 ? arrived : ops::embedding(arrived, index_tensor(by_expert, {total}, d));
+  const Tensor out = local_mlps(grouped, per_expert, l);
+  const Tensor back = S == 1 ? out : ops::embedding(out, index_tensor(by_source, {total}, d));
+  return ep_ops_->exchange(back, recv_rows, send_rows);
 }
 
 std::vector<int64_t> Transformer::take_expert_load() const {
@@ -140,8 +224,26 @@ std::vector<int64_t> Transformer::take_expert_load() const {
   return load;
 }
 
-void Transformer::count_expert_load(const std::vector<int64_t>& count, int64_t l) const {
+int64_t Transformer::expert_capacity(int64_t tokens) const {
+  if (capacity_factor_ <= 0) return 0;
+  const double pairs = static_cast<double>(tokens * config_.experts_per_token);
+  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(capacity_factor_ * pairs / static_cast<double>(config_.n_experts))));
+}
+
+void Transformer::set_expert_capacity_factor(double factor) {
+  TALLY_CHECK(factor == 0 || factor > 0, "--moe-capacity-factor must be 0 (dropless) or positive, got ", factor);
+  capacity_factor_ = factor;
+}
+
+int64_t Transformer::take_dropped_pairs() const {
+  const int64_t dropped = dropped_pairs_;
+  dropped_pairs_ = 0;
+  return dropped;
+}
+
+void Transformer::count_expert_load(const std::vector<int64_t>& count, int64_t dropped, int64_t l) const {
   const auto& c = config_;
+  dropped_pairs_ += dropped;
   const int64_t sparse_before = c.sparse_layers_before(l);
   expert_load_.resize(static_cast<size_t>(c.sparse_layer_count() * c.n_experts), 0);
   for (int64_t e = 0; e < c.n_experts; ++e) expert_load_[static_cast<size_t>(sparse_before * c.n_experts + e)] += count[e];

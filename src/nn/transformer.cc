@@ -262,6 +262,23 @@ const char* recompute_name(Recompute r) {
   return "?";
 }
 
+int64_t Transformer::local_experts() const { return config_.n_experts / shard_.ep; }
+int64_t Transformer::first_expert() const { return shard_.ep_rank * local_experts(); }
+
+void Transformer::set_expert_parallel(ExpertParallelOps* ops) {
+  TALLY_CHECK(!ops || (ops->size() == shard_.ep && ops->rank() == shard_.ep_rank), "model: an expert-parallel group's rank ",
+              ops ? ops->rank() : 0, " of ", ops ? ops->size() : 0, " for a shard built as rank ", shard_.ep_rank, " of ",
+              shard_.ep);
+  ep_ops_ = ops;
+}
+
+size_t Transformer::declare_expert(const std::string& name, Shape shape, TpSplit split) {
+  const size_t i = declare(name, std::move(shape), true, split);
+  expert_.resize(i + 1, false);
+  expert_[i] = true;
+  return i;
+}
+
 size_t Transformer::declare(const std::string& name, Shape shape, bool decay, TpSplit split) {
   const size_t i = params_.declare(name, std::move(shape), decay);
   splits_.resize(i + 1, TpSplit::Replicated);
@@ -319,6 +336,13 @@ void Transformer::declare_parameters() {
   TALLY_CHECK(F % tp == 0, "--tp ", tp, ": the MLP width ", F, " must divide into ", tp, " ranks");
   TALLY_CHECK(c.n_experts == 0 || tp == 1, "--tp ", tp, ": tensor parallel over experts is not supported yet (",
               c.describe(), "); use --pp or --dp");
+  TALLY_CHECK(shard_.ep >= 1 && shard_.ep_rank >= 0 && shard_.ep_rank < shard_.ep, "model shard: expert-parallel rank ",
+              shard_.ep_rank, " of ", shard_.ep);
+  TALLY_CHECK(shard_.ep == 1 || (c.n_experts > 0 && c.n_experts % shard_.ep == 0), "--ep ", shard_.ep,
+              c.n_experts > 0 ? ": the model's " + std::to_string(c.n_experts) + " experts a layer must divide into " +
+                                    std::to_string(shard_.ep) + " ranks"
+                              : ": expert parallel splits a mixture of experts' experts, and " + c.describe() +
+                                    " has none");
   TALLY_CHECK(c.padded_vocab_size % tp == 0, "--tp ", tp, ": the padded vocabulary ", c.padded_vocab_size,
               " must divide into ", tp, " ranks");
   for (const auto& ch : shard_.chunks)
@@ -361,11 +385,11 @@ void Transformer::declare_parameters() {
         // mlp.experts.E).
         p.routerw = declare(h + "mlp.router.weight", {c.n_experts, C}, true, TpSplit::Replicated);
         const int64_t Fe = c.moe_ffn_hidden;
-        for (int64_t e = 0; e < c.n_experts; ++e) {
+        for (int64_t e = first_expert(); e < first_expert() + local_experts(); ++e) {
           const std::string x = h + "mlp.experts." + std::to_string(e) + ".";
-          p.expert_up.push_back(declare(x + "c_fc.weight", {Fe, C}, true, TpSplit::Rows));
-          p.expert_gate.push_back(declare(x + "c_fc2.weight", {Fe, C}, true, TpSplit::Rows));
-          p.expert_down.push_back(declare(x + "c_proj.weight", {C, Fe}, true, TpSplit::Columns));
+          p.expert_up.push_back(declare_expert(x + "c_fc.weight", {Fe, C}, TpSplit::Rows));
+          p.expert_gate.push_back(declare_expert(x + "c_fc2.weight", {Fe, C}, TpSplit::Rows));
+          p.expert_down.push_back(declare_expert(x + "c_proj.weight", {C, Fe}, TpSplit::Columns));
         }
         continue;
       }

@@ -23,6 +23,7 @@
 
 #include "core/tensor.h"
 #include "nn/context_parallel.h"
+#include "nn/expert_parallel.h"
 #include "nn/parameters.h"
 #include "nn/residency.h"
 #include "nn/tensor_parallel.h"
@@ -137,6 +138,9 @@ struct ForwardResult {
 // Tensor parallel: the heads (q and kv), the MLP width and the padded vocabulary are
 // split `tp` ways (each must divide); norms, biases of row-parallel projections and the
 // position table are replicated.
+// Expert parallel: each sparse layer's experts are split `ep` ways (n_experts must
+// divide); rank ep_rank holds experts ep_rank * El .. ep_rank * El + El - 1 under their
+// global names, and everything else whole.
 struct ModelShard {
   struct Chunk {
     int64_t first_layer = 0, end_layer = 0;  // layers [first_layer, end_layer)
@@ -144,7 +148,8 @@ struct ModelShard {
   };
   std::vector<Chunk> chunks;  // empty: the whole model as one chunk
   int tp = 1, tp_rank = 0;
-  bool whole() const { return chunks.size() == 1 && chunks[0].embed && chunks[0].head && tp == 1; }
+  int ep = 1, ep_rank = 0;
+  bool whole() const { return chunks.size() == 1 && chunks[0].embed && chunks[0].head && tp == 1 && ep == 1; }
 };
 
 // Activation recomputation (Megatron's): none; selective, the attention core of each
@@ -193,6 +198,12 @@ class Transformer {
   // whole model's shape of that parameter, `local` this shard's.
   std::vector<std::pair<Tensor, Tensor>> shard_regions(size_t param, const Tensor& whole, const Tensor& local) const;
   TpSplit tp_split(size_t param) const { return splits_[param]; }
+  // Whether parameter `param` is an expert's (split over the expert-parallel group; the
+  // router is not).
+  bool is_expert(size_t param) const { return param < expert_.size() && expert_[param]; }
+  // The experts of a sparse layer this shard holds: [first_expert, first_expert + count).
+  int64_t first_expert() const;
+  int64_t local_experts() const;
   // The last pipeline chunk's copy of a tied wte (its gradient is summed with the first's).
   bool is_tied_head_copy(size_t param) const { return param == wte_ && tied_head_copy_; }
   int64_t vocab_start() const { return shard_.tp_rank * (config_.padded_vocab_size / shard_.tp); }
@@ -205,6 +216,10 @@ class Transformer {
   // over the whole ones; KV-cache decoding runs on whole sequences and leaves them out.
   void set_context_parallel(ContextParallelOps* ops) { cp_ops_ = ops; }
   ContextParallelOps* context_parallel() const { return cp_ops_; }
+  // Expert parallel exchanges (null without expert parallelism). Not owned. The shard
+  // must have been built for the group's size and rank.
+  void set_expert_parallel(ExpertParallelOps* ops);
+  ExpertParallelOps* expert_parallel() const { return ep_ops_; }
   // Mixed precision: with BF16 every projection (qkv, attention output, MLP, head) runs
   // its GEMMs in bf16 over a bf16 copy of the parameters that the store keeps current
   // (ParameterStore::enable_compute_copy, 2 bytes per parameter), and attention's tile
@@ -273,6 +288,7 @@ class Transformer {
   Tensor param(size_t index) const { return index == kAbsent ? Tensor() : params_[index]; }
   Tensor norm(const Tensor& x, size_t weight, size_t bias) const;
   size_t declare(const std::string& name, Shape shape, bool decay, TpSplit split);
+  size_t declare_expert(const std::string& name, Shape shape, TpSplit split);
   // `split`: the tokens are this rank's context-parallel local sequences.
   Tensor embed(const Tensor& tokens, int64_t start, bool split) const;
   Tensor layer(int64_t l, const Tensor& x, int64_t start, KvCache* cache) const;
@@ -302,8 +318,10 @@ class Transformer {
   ModelShard shard_;
   ParameterStore params_;
   std::vector<TpSplit> splits_;  // per parameter
+  std::vector<bool> expert_;     // per parameter: an expert's
   TensorParallelOps* tp_ops_ = nullptr;  // non-owning
   ContextParallelOps* cp_ops_ = nullptr;  // non-owning
+  ExpertParallelOps* ep_ops_ = nullptr;   // non-owning
   Recompute recompute_ = Recompute::None;
   DType matmul_dtype_ = DType::F32;
   int64_t loss_chunk_rows_ = 0;
@@ -319,7 +337,8 @@ class Transformer {
     size_t ln1w = kAbsent, ln1b = kAbsent, qkvw = kAbsent, qkvb = kAbsent, qnormw = kAbsent, knormw = kAbsent,
            attprojw = kAbsent, attprojb = kAbsent, ln2w = kAbsent, ln2b = kAbsent, fcw = kAbsent, fcb = kAbsent, fc2w = kAbsent, fcprojw = kAbsent,
            fcprojb = kAbsent;
-    // A sparse layer's MLP: the router (E, C) and each expert's up, gate and down.
+    // A sparse layer's MLP: the router (E, C) and each expert's up, gate and down (this
+    // shard's experts, first_expert() on).
     size_t routerw = kAbsent;
     std::vector<size_t> expert_up, expert_gate, expert_down;
     size_t unit = kAbsent;  // kAbsent: a layer of another rank's chunk
@@ -328,6 +347,11 @@ class Transformer {
   // Sparse layer l's MLP on h (B, T, C): routed to its top-k experts, their outputs summed
   // with the routing weights (nn/experts.cc).
   Tensor experts(const Tensor& h, int64_t l) const;
+  // The shard's experts over rows grouped by local expert (count[j] rows for expert j).
+  Tensor local_mlps(const Tensor& rows, const std::vector<int64_t>& count, int64_t l) const;
+  // The experts of every rank of the expert-parallel group over rows grouped by global
+  // expert (count[e] rows for expert e): dispatched, run and combined.
+  Tensor expert_parallel_mlps(const Tensor& rows, const std::vector<int64_t>& count, int64_t l) const;
   // What the load-balancing loss needs of each sparse layer the forward ran: the sum of its
   // probabilities over the tokens (E, with their graph), its choices per expert and its
   // token count. Taken (and cleared) by the head.
@@ -342,12 +366,26 @@ class Transformer {
   // The choices each expert took since the last take_expert_load(), in forwards that
   // train (with gradients; a recomputed layer counts once, in its recomputation).
   mutable std::vector<int64_t> expert_load_;
-  void count_expert_load(const std::vector<int64_t>& count, int64_t l) const;
+  mutable int64_t dropped_pairs_ = 0;
+  void count_expert_load(const std::vector<int64_t>& count, int64_t dropped, int64_t l) const;
+  double capacity_factor_ = 0;
 
  public:
   // (sparse layers x E) counts, layer-major over all of the model's sparse layers (zero
   // for those of other ranks' chunks); clears them.
   std::vector<int64_t> take_expert_load() const;
+  // The (token, expert) pairs dropped past their expert's capacity since the last call.
+  int64_t take_dropped_pairs() const;
+  // Expert capacity (Switch Transformer's, GShard's): each expert of a sparse layer takes at
+  // most ceil(factor x tokens x k / E) of a microbatch's pairs on each rank, in token order;
+  // the rest are dropped (their slot adds nothing; the residual carries the token), and
+  // every expert's rows are padded to that capacity, so every shape, and so the memory of
+  // every step, is the same whatever the routing. 0 (the default): dropless, as
+  // HuggingFace's Qwen3-MoE. A factor of E / k never drops.
+  void set_expert_capacity_factor(double factor);
+  double expert_capacity_factor() const { return capacity_factor_; }
+  // Rows each expert takes of a microbatch of `tokens` tokens (0: dropless).
+  int64_t expert_capacity(int64_t tokens) const;
 
  private:
 };

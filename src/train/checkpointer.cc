@@ -57,14 +57,15 @@ Settings run_recipe(const TrainConfig& c, const dist::World& world) {
           {"--grad-clip", exact(o.grad_clip)},
           {"--seed", std::to_string(c.seed)},
           {"--shuffle", c.data.shuffle ? "on" : "off"},
-          {"--dtype", c.compute.dtype == DType::BF16 ? "bf16" : "fp32"}};
+          {"--dtype", c.compute.dtype == DType::BF16 ? "bf16" : "fp32"},
+          {"--moe-capacity-factor", exact(c.compute.moe_capacity_factor)}};
 }
 
 // Checkpoints older than saved recipes have none and compare equal. A setting added to
 // the recipe later is missing from the recipes saved before it, which ran with its old
 // behaviour: it compares as that value (--shuffle: off).
 std::string recipe_changes(const Settings& saved, const Settings& now) {
-  static const Settings added_later = {{"--shuffle", "off"}};
+  static const Settings added_later = {{"--shuffle", "off"}, {"--moe-capacity-factor", "0"}};
   std::string out;
   for (const auto& [name, value] : now) {
     const std::string* was = nullptr;
@@ -117,7 +118,9 @@ void Checkpointer::save(int64_t step, const RunCurve& curve, const Rng& sample_r
   ledger.reset_peaks();
   const int64_t live_before = ledger.stats().allocated;
   last_ = io::save_checkpoint(c_.checkpoint.out_dir, engine_.model(), engine_.optimizer(), st, world_,
-                              [this](int pp_rank, int tp_rank) { return engine_.shard_of(pp_rank, tp_rank); });
+                              [this](int pp_rank, int tp_rank, int ep_rank) {
+                                return engine_.shard_of(pp_rank, tp_rank, ep_rank);
+                              });
   const double held = world_.world().all_reduce_scalar(static_cast<double>(ledger.stats().peak_allocated - live_before),
                                                        dist::ReduceOp::Max);
   log(c_, world_, "saved " + last_ + " (writing held " + memory::format_bytes(static_cast<int64_t>(held)) +

@@ -171,6 +171,11 @@ void check_layout_flags(const LayoutFlags& f) {
               f.cp > 1 ? " / --cp " + std::to_string(f.cp) : std::string(), " must divide into --tp ", f.tp, " ranks");
   TALLY_CHECK(f.cp == 1 || f.device.is_cpu(), "--cp ", f.cp, " with --device ", f.device.str(),
               ": context parallelism's collectives are MPI's, on the CPU");
+  TALLY_CHECK(f.ep >= 1, "--ep must be >= 1, got ", f.ep);
+  TALLY_CHECK(f.ep == 1 || f.device.is_cpu(), "--ep ", f.ep, " with --device ", f.device.str(),
+              ": expert parallel's all-to-alls are MPI's, on the CPU");
+  TALLY_CHECK(f.ep == 1 || f.zero == 0, "--ep ", f.ep, " with --zero ", f.zero,
+              ": ZeRO over expert-parallel ranks is not supported yet (their experts differ); use --zero 0");
   TALLY_CHECK(f.tp * f.pp == 1 || f.zero <= 1, "--zero ", f.zero, " with --tp/--pp: the model is already sharded by "
               "tensor and pipeline parallelism; use --zero 1 (optimizer state sharded over the data-parallel group)");
   TALLY_CHECK(!f.bf16 || f.zero <= 2, "--dtype bf16 with --zero 3: the GEMMs read a bf16 copy of the whole parameter "
@@ -182,7 +187,7 @@ void check_layout_flags(const LayoutFlags& f) {
 void check_layout(const TrainConfig& c, int64_t world) {
   const ParallelismConfig& p = c.parallel;
   check_layout_flags({world, p.tp, p.pp, p.sequence_parallel, c.batch.seq_len, p.zero, c.compute.dtype == DType::BF16,
-                      c.compute.chunked_loss, c.compute.device, p.cp});
+                      c.compute.chunked_loss, c.compute.device, p.cp, p.ep});
 }
 
 std::vector<Device> sanitized_devices(Device training) {

@@ -67,6 +67,7 @@ struct ParallelismConfig {
   int tp = 1;
   int pp = 1;
   int cp = 1;  // --cp: each sequence's tokens split over C ranks
+  int ep = 1;  // --ep: each sparse layer's experts split over E of the data-parallel ranks
   bool sequence_parallel = false;  // --sp: norms and residuals sharded along the sequence (needs --tp > 1)
   dist::PipelineSchedule pp_schedule = dist::PipelineSchedule::OneFOneB;
   int virtual_stages = 1;            // model chunks per pipeline rank (interleaved)
@@ -82,6 +83,7 @@ struct ComputeConfig {
   DType dtype = DType::F32;       // --dtype: F32, or BF16 (mixed precision, the projections' GEMMs in bf16)
   bool chunked_loss = false;      // the head and the loss fused in chunks: the logits never all live
   nn::Recompute recompute = nn::Recompute::None;
+  double moe_capacity_factor = 0;  // --moe-capacity-factor: experts' capacity (0: dropless)
   int threads = 0;                // 0: OpenMP's default
   bool profile_ops = false;       // time every kernel; the step line and the JSONL row get the table
 };
@@ -159,6 +161,7 @@ struct LayoutFlags {
   bool chunked_loss = false;
   Device device = Device::cpu();
   int cp = 1;  // --cp
+  int ep = 1;  // --ep
 };
 void check_layout_flags(const LayoutFlags& flags);
 void check_layout(const TrainConfig& config, int64_t world);

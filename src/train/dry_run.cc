@@ -89,17 +89,19 @@ DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bo
   // mpirun plans one rank of its own), and the clock put back afterwards: the steps it
   // runs are not the real run's.
   std::unique_ptr<dist::World> world =
-      dist::World::stand_in({p.dp, p.tp, p.pp, p.cp}, static_cast<int>(world_size), rank);
+      dist::World::stand_in({p.dp, p.tp, p.pp, p.cp, p.ep}, static_cast<int>(world_size), rank);
   const Clock::Reading clock = Clock::now();
   const HostHistoryPaused host_history;
   DryRun run;
   run.rank = rank;
   run.stage = world->pp_rank();
-  if (model.n_experts > 0)
+  // At a capacity every expert takes its capacity's rows whatever the routing: exact.
+  if (model.n_experts > 0 && c.compute.moe_capacity_factor == 0)
     run.bound = "experts' routing at the balanced bound: each of the " + std::to_string(model.n_experts) +
                 " experts takes 1/" + std::to_string(model.n_experts) + " of the tokens' " +
                 std::to_string(model.experts_per_token) + " choices (a skewed routing enlarges the busiest expert's "
-                "GEMMs and their transients)";
+                "GEMMs and their transients" + (p.ep > 1 ? ", and under --ep the rows a rank receives" : "") +
+                "; --moe-capacity-factor fixes them)";
   {
     dist::StepEngine engine(*world, engine_config(c, model), [](nn::Transformer&) {});
     // The loader's buffers, as RunData opens them after the engine: training's, and

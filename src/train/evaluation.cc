@@ -44,7 +44,7 @@ std::exception_ptr Evaluator::sample(dist::StepEngine& engine, bool last) {
   const bool say = !c_.metrics.quiet && world_.is_root();
   if (!engine.holds_whole_model()) {
     if (last && say)
-      std::printf("sample: not drawn: sampling runs on a whole model, and this run's is split by --tp/--pp; %s\n",
+      std::printf("sample: not drawn: sampling runs on a whole model, and this run's is split by --tp/--pp/--ep; %s\n",
                   c_.checkpoint.save_every > 0
                       ? ("`tally sample --model-file " + c_.checkpoint.out_dir + "` draws from its checkpoints").c_str()
                       : "save checkpoints (--save-every) and `tally sample --model-file <out-dir>` draws from them");

@@ -223,9 +223,12 @@ const StepMetrics& Metrics::end_step(int64_t step, double loss, double grad_norm
   m.tp_payload_bytes = engine_.tp_payload_bytes();
   m.cp_payload_bytes = engine_.cp_traffic().payload_bytes;
   m.cp_comm_s = engine_.cp_traffic().busy_seconds;
+  m.ep_payload_bytes = engine_.ep_traffic().payload_bytes;
+  m.ep_comm_s = engine_.ep_traffic().busy_seconds;
   m.aux_loss = engine_.aux_loss();
   m.expert_load_min = engine_.expert_load().min;
   m.expert_load_max = engine_.expert_load().max;
+  m.expert_dropped = engine_.expert_load().dropped;
   if (m.aux_loss >= 0) m.ce_loss = m.loss - engine_.model().config().router_aux_loss_coef * m.aux_loss;
   if (c_.compute.profile_ops) m.ops = profiler::take();
   measure_pipeline(m);
@@ -306,8 +309,9 @@ void Metrics::start_row(const StepMetrics& m) {
   }
   if (world_.tp() > 1) j["tp_payload_bytes"] = m.tp_payload_bytes;
   if (world_.cp() > 1) j["cp_payload_bytes"] = m.cp_payload_bytes, j["cp_comm_s"] = m.cp_comm_s;
-  if (m.expert_load_max >= 0)  // over the sparse layers' experts, every rank's tokens; dispatch drops none
-    j["expert_load"] = {{"min", m.expert_load_min}, {"max", m.expert_load_max}, {"dropped", 0}};
+  if (world_.ep() > 1) j["ep_payload_bytes"] = m.ep_payload_bytes, j["ep_comm_s"] = m.ep_comm_s;
+  if (m.expert_load_max >= 0)  // over the sparse layers' experts, every rank's tokens
+    j["expert_load"] = {{"min", m.expert_load_min}, {"max", m.expert_load_max}, {"dropped", m.expert_dropped}};
   if (m.aux_loss >= 0) {  // `loss` is the objective: the cross-entropy plus the router's loss times its coefficient
     j["ce_loss"] = m.ce_loss;
     j["aux_loss"] = m.aux_loss;

@@ -47,7 +47,7 @@ void say(const TrainConfig& c, const dist::World& world, const std::string& line
 }  // namespace
 
 TrainResult run_training(const TrainConfig& c, const OnStep& on_step) {
-  std::unique_ptr<dist::World> world = dist::World::create({c.parallel.dp, c.parallel.tp, c.parallel.pp, c.parallel.cp});
+  std::unique_ptr<dist::World> world = dist::World::create({c.parallel.dp, c.parallel.tp, c.parallel.pp, c.parallel.cp, c.parallel.ep});
   return run_training(c, *world, on_step);
 }
 
