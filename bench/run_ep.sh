@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Expert parallel on this machine (one thread a rank, 2 ranks): qwen3-moe-d4 (4 sparse
+# layers of width 256, 8 experts of 256, 2 a token; Qwen's 151,936-token vocabulary,
+# --chunked-loss), B=4, T=64, 2 microbatches a rank, AdamW, fp32:
+#   dp2          every rank holds all 8 experts
+#   dp2 ep2      each rank holds 4; tokens dispatched and combined by MPI_Alltoallv
+#   dp2 ep2 cap  the same at --moe-capacity-factor 1.25 (every expert padded to 80 rows)
+# Per run: the step time (median and min of the steps after the first), tokens/s, every
+# rank's peak, the bytes rank 0 handed to the all-to-alls in a step against the formula
+#   microbatches x sparse layers x (8 E + 4 x rows x C x 4 bytes)
+# (rows: E x capacity at a capacity, exact; dropless N k, the balanced figure, since the
+# combine hands back the rows the rank received; dispatch and combine, forward and
+# backward; the count exchange first), the share of the step the all-to-alls ran, and the
+# pairs dropped. Prints one JSON line per run.   bench/run_ep.sh [steps]
+# (TALLY=path times another build of tally.)
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+steps="${1:-6}"
+tally="${TALLY:-$root/build/tally}"
+[ -x "$tally" ] || bash "$root/scripts/build.sh"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+python3 "$root/bench/random_shard.py" "$work/train.bin" 2000000  # step time does not depend on which tokens
+
+run() {  # run LABEL THEORY_ROWS -- FLAGS...
+  local label="$1" rows="$2"; shift 3
+  rm -rf "$work/out" "$work/log.jsonl"
+  mpirun --oversubscribe -np 2 "$tally" train --threads 1 --model qwen3-moe-d4 --batch-size 4 --seq-len 64 \
+      --grad-accum 2 --chunked-loss --steps "$steps" --lr 1e-4 --sample-every -1 --train-data "$work/train.bin" \
+      --out-dir "$work/out" --log-json "$work/log.jsonl" "$@" > "$work/stdout"
+  python3 - "$label" "$rows" "$work/log.jsonl" "$work/stdout" <<'PY'
+import json, re, sys
+label, rows, log, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+every = [json.loads(l) for l in open(log)]
+steady = every[1:]
+ms = sorted(r["ms"] for r in steady)
+median = ms[len(ms) // 2]
+per_step = every[1]["tokens"] - every[0]["tokens"]
+E, C, layers, microbatches = 8, 256, 4, 2
+res = {"run": label, "median_ms": round(median, 1), "min_ms": round(ms[0], 1),
+       "tokens_per_s": round(per_step / (median / 1000), 1), "rank_peak_bytes": steady[-1]["rank_peak_bytes"]}
+last = steady[-1]
+if "ep_payload_bytes" in last:
+    theory = microbatches * layers * (8 * E + 4 * rows * C * 4)
+    res.update(ep_payload_bytes=last["ep_payload_bytes"], theory_bytes=theory,
+               ep_comm_share=round(last["ep_comm_s"] / (last["ms"] / 1000), 3))
+if "expert_load" in last:
+    res["expert_load"] = last["expert_load"]
+m = re.search(r"GEMM peak (\d+) GFLOP/s", open(out).read())
+res["gemm_peak_gflops"] = int(m.group(1)) if m else None
+print(json.dumps(res))
+PY
+}
+
+N=$((4 * 64)) k=2 E=8
+cap=$(( (5 * N * k + 4 * E - 1) / (4 * E) ))  # ceil(1.25 N k / E)
+run "dp2" 0 -- --dp 2
+run "dp2 ep2" $((N * k)) -- --dp 2 --ep 2
+run "dp2 ep2 capacity 1.25" $((E * cap)) -- --dp 2 --ep 2 --moe-capacity-factor 1.25
