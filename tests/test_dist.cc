@@ -173,6 +173,28 @@ TEST(World, ContextParallelRanksSitBetweenTensorAndDataParallel) {
   EXPECT_NE(w->describe().find("x cp 2"), std::string::npos) << w->describe();
 }
 
+// Expert parallel within data parallel: data-parallel rank d is expert-parallel rank
+// d % E of its E neighbours; the ranks with the same d % E hold the same experts.
+TEST(World, ExpertParallelRanksAreDataParallelNeighbours) {
+  const int n = world().size();
+  if (n != 4) GTEST_SKIP() << "dp4 x ep2 runs on 4 ranks";
+  std::unique_ptr<dist::World> w = dist::World::create({4, 1, 1, 1, 2});
+  EXPECT_EQ(w->ep(), 2);
+  EXPECT_EQ(w->ep_rank(), w->dp_rank() % 2);
+  EXPECT_EQ(w->ep_group().size(), 2);
+  EXPECT_EQ(w->expert_replica_group().size(), 2);
+  EXPECT_EQ(w->expert_replica_group().rank(), w->dp_rank() / 2);
+  const std::vector<double> ep_peers = w->ep_group().all_gather_scalar(w->rank());
+  EXPECT_EQ(ep_peers, (std::vector<double>{static_cast<double>(w->rank() - w->rank() % 2),
+                                           static_cast<double>(w->rank() - w->rank() % 2 + 1)}));
+  const std::vector<double> holders = w->expert_replica_group().all_gather_scalar(w->rank());
+  EXPECT_EQ(holders, (std::vector<double>{static_cast<double>(w->rank() % 2), static_cast<double>(w->rank() % 2 + 2)}));
+  EXPECT_NE(w->describe().find("ep 2"), std::string::npos) << w->describe();
+  const std::string m = test::message_of<Error>([] { dist::World::create({4, 1, 1, 1, 3}); });
+  EXPECT_NE(m.find("--ep 3"), std::string::npos) << m;
+  EXPECT_NE(m.find("must divide"), std::string::npos) << m;
+}
+
 TEST(Communicator, CollectivesMoveWhatTheyShould) {
   dist::Communicator& g = world().dp_group();
   const int n = g.size(), r = g.rank();

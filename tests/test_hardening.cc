@@ -32,7 +32,9 @@
 #include "memory/report.h"
 #include "support.h"
 #include "nn/init.h"
+#include "dist/world.h"
 #include "train/checkpointer.h"
+#include "train/config.h"
 #include "train/plot.h"
 #include "train/step_log.h"
 #include "train/trainer.h"
@@ -1574,4 +1576,24 @@ TEST(Hardening, AFullDiskIsAnErrorNotATruncatedLog) {
     for (int i = 0; i < 10000; ++i) log.append(std::string(100, 'x'));  // past any stdio buffer
   });
   EXPECT_NE(msg.find("--log-json: writing '/dev/full' failed: No space left on device"), std::string::npos) << msg;
+}
+
+// Expert parallel composes with data and pipeline parallel and recomputation; what it does
+// not compose with yet is refused before anything starts, naming both flags.
+TEST(Hardening, ExpertParallelFlagsThatDoNotComposeAreRefusedNamingThem) {
+  train::LayoutFlags f;
+  f.world = 2;
+  f.ep = 2;
+  train::check_layout_flags(f);  // --dp 2 --ep 2: fine
+  f.zero = 1;
+  std::string m = test::message_of<Error>([&] { train::check_layout_flags(f); });
+  EXPECT_NE(m.find("--ep 2 with --zero 1"), std::string::npos) << m;
+  f.zero = 0;
+  f.ep = 0;
+  m = test::message_of<Error>([&] { train::check_layout_flags(f); });
+  EXPECT_NE(m.find("--ep must be >= 1"), std::string::npos) << m;
+  // One process: experts split over ranks need ranks.
+  m = test::message_of<Error>([] { dist::World::create({1, 1, 1, 1, 2}); });
+  EXPECT_NE(m.find("--ep 2"), std::string::npos) << m;
+  EXPECT_NE(m.find("mpirun -np 2"), std::string::npos) << m;
 }

@@ -99,19 +99,18 @@ void World::make_expert_groups(bool meta) {
               "ranks and does not compose with context parallel yet");
   TALLY_CHECK(dp_ % E == 0, "--ep ", E, ": expert parallel is carved out of the ", dp_,
               " data-parallel ranks, so it must divide them (--dp ", dp_, ")");
-  if (E == 1) {
-    ep_group_ = make_self_communicator("ep");
-    return;
-  }
   const int d = dp_rank(), ep_rank = d % E, replica = d / E;
   if (meta) {
     ep_group_ = make_meta_communicator("ep", E, ep_rank);
-    expert_replica_group_ = make_meta_communicator("expert_replicas", dp_ / E, replica);
+    if (E > 1) expert_replica_group_ = make_meta_communicator("expert_replicas", dp_ / E, replica);
     return;
   }
-  // Colours name what the members share: (stage, tp rank) and the block of E, or the
-  // expert shard.
-  const int shared = pp_rank() * tp_ + tp_rank();
+  // Colours name what the members share: (stage, cp rank, tp rank) and the block of E, or
+  // the expert shard. Split whatever E is (E = 1: groups of one, and the data-parallel
+  // group), so that every rank makes the same collective calls even when the ranks were
+  // started with different --ep: the settings check after set-up then names the flag, where
+  // a split only some ranks call would wait for ever.
+  const int shared = (pp_rank() * cp_ + cp_rank()) * tp_ + tp_rank();
   ep_group_ = mpi::split(*world_, shared * (dp_ / E) + replica, ep_rank, "ep");
   expert_replica_group_ = mpi::split(*world_, shared * E + ep_rank, replica, "expert_replicas");
 }

@@ -209,6 +209,7 @@ void RunSetup::check_ranks_agree_on(const Settings& recipe) const {
       {"--tp x --pp x --cp x data-parallel ranks", std::to_string(world_.tp()) + " x " + std::to_string(world_.pp()) +
                                                         " x " + std::to_string(world_.cp()) + " x " +
                                                         std::to_string(world_.dp())},
+      {"--ep", std::to_string(world_.ep())},  // the all-to-alls' groups and every shard's experts
       {"--grad-accum", std::to_string(c.batch.grad_accum)},
       {"--zero", std::to_string(p.zero)},
       {"--sp", p.sequence_parallel ? "on" : "off"},
