@@ -5,7 +5,10 @@
 //   out     = sum_j weights_j * expert_{e_j}(h),  expert(x) = W_down (silu(W_gate x) * W_up x)
 // Dropless: every token reaches its k experts. The N*k (token, slot) pairs are grouped by
 // expert, so each expert runs one GEMM over its tokens' rows (a grouped GEMM as a loop over
-// the experts), and the outputs return to their tokens by the inverse grouping. The
+// the experts), and the outputs return to their tokens by the inverse grouping. At a
+// capacity (set_expert_capacity_factor) every expert has the same rows, padded, and the
+// pairs past it are dropped. Under expert parallel the grouped rows travel to the rank that
+// holds their expert and back (expert_parallel_mlps; nn/expert_parallel.h). The
 // gradient reaches h through the experts and through the routing weights (the router); the
 // choice of experts itself has none, as in HuggingFace's.
 //
@@ -142,7 +145,7 @@ Tensor Transformer::experts(const Tensor& h, int64_t l) const {
   }
   Tensor weights = ops::gather(probs, 1, r.expert);  // (N, k)
   if (c.norm_topk_prob) weights = ops::div(weights, ops::sum(weights, {1}, true));
-  const Tensor rows = ops::embedding(x, r.grouped_token);  // (N*k, C), grouped by expert
+  const Tensor rows = ops::embedding(x, r.grouped_token);  // (rows, C), grouped by expert
   const Tensor outputs = ep_ops_ ? expert_parallel_mlps(rows, r.count, l) : local_mlps(rows, r.count, l);
   // Weighted by their routing weights, back in (token, slot) order, summed over the slots.
   const Tensor pair_weights = ops::reshape(weights, {N * k, 1});

@@ -31,22 +31,25 @@ PeakReport::PeakReport(const TrainConfig& c, const dist::World& world, const dis
   planned_peak_ = mine.predicted_peak_bytes;
   parts_ = mine.parts;
   notes_ = plan.notes;
-  // The formulas have no experts and no context parallelism. Context parallel's steps are
-  // planned by the dry run standing in for each rank (train/dry_run.h), its steady step's
-  // peak; where it cannot stand in, and for experts, the plan says what it leaves out
-  // rather than warn (tally plan's dry run runs the experts, at a declared routing bound).
-  if (model.n_experts > 0) {
+  // The formulas have no experts and no context parallelism. Context parallel's steps, and
+  // experts at a capacity (every shape fixed), are planned by the dry run standing in for
+  // each rank (train/dry_run.h), its steady step's peak; where it cannot stand in, and for
+  // dropless experts, the plan says what it leaves out rather than warn (tally plan's dry
+  // run runs dropless experts at a declared routing bound).
+  const bool dropless_experts = model.n_experts > 0 && c.compute.moe_capacity_factor == 0;
+  if (dropless_experts) {
     unplanned_ = "the plan's formulas leave the experts out; `tally plan` runs this step on the meta device, experts "
-                 "included";
-  } else if (c.parallel.cp > 1 && dry_run_refusal(c, world.size()).empty()) {
+                 "included (exact at a --moe-capacity-factor)";
+  } else if ((c.parallel.cp > 1 || model.n_experts > 0) && dry_run_refusal(c, world.size()).empty()) {
     const DryRun dry = dry_run(c, model, validates, world.size(), world.rank());
     planned_peak_ = dry.steps.empty() ? 0 : dry.steps.back().peak_bytes;
     rank_planned_peaks_.clear();
     for (double p : world.world().all_gather_scalar(static_cast<double>(planned_peak_)))
       rank_planned_peaks_.push_back(static_cast<int64_t>(p));
     planned_by_ = "tally plan's dry run";
-  } else if (c.parallel.cp > 1) {
-    unplanned_ = "the plan's formulas leave context parallelism out (they plan whole sequences on each rank)";
+  } else if (c.parallel.cp > 1 || model.n_experts > 0) {
+    unplanned_ = c.parallel.cp > 1 ? "the plan's formulas leave context parallelism out (they plan whole sequences on each rank)"
+                                   : "the plan's formulas leave the experts out";
   }
   // Who holds the peak, for the check against the plan after the second step.
   runtime::ledger(c.compute.device).track_peak_owners(true);
