@@ -146,6 +146,16 @@ struct Layout {
   }
 };
 
+// `l` with context or expert parallel.
+Layout with_cp(Layout l, int cp) {
+  l.cp = cp;
+  return l;
+}
+Layout with_ep(Layout l, int ep) {
+  l.ep = ep;
+  return l;
+}
+
 // One process, the same global batch: dp x N microbatches per step. Cached per model and
 // precision.
 const train::TrainResult& one_process(Family family, int64_t microbatches, const std::string& dtype = "fp32") {
@@ -321,10 +331,6 @@ TEST(QwenLayouts, MoeMatchesOneProcessWithFlatMemory) {
 // bytes between microbatches do not); with a capacity of E / k (4 / 2: an expert takes up to
 // every token, so none is dropped) every shape is fixed and the peaks are flat too.
 TEST(ExpertParallelLayouts, MoeMatchesOneProcessWithFlatMemory) {
-  auto with_ep = [](Layout l, int ep) {
-    l.ep = ep;
-    return l;
-  };
   const std::vector<Layout> some = {with_ep({2, 1, 1}, 2), with_ep({4, 1, 1}, 2), with_ep({4, 1, 1}, 4),
                                     with_ep({2, 1, 2, "1f1b"}, 2)};
   bool ran = false;
@@ -344,9 +350,7 @@ TEST(ExpertParallelLayouts, MoeMatchesOneProcessWithFlatMemory) {
 // recomputed MoE layers, their dispatch and combine included, leave nothing behind over
 // 50 steps of 16 microbatches on every rank of --ep 2.
 train::TrainConfig seed003_config(int64_t steps) {
-  Layout l{2, 1, 1};
-  l.ep = 2;
-  train::TrainConfig c = l.apply(base_config(Family::Qwen3Moe));
+  train::TrainConfig c = with_ep({2, 1, 1}, 2).apply(base_config(Family::Qwen3Moe));
   c.compute.recompute = nn::Recompute::Full;
   c.compute.moe_capacity_factor = 1.25;  // drops some pairs, and fixes every shape
   c.batch.batch_size = 1;
@@ -431,10 +435,6 @@ TEST(MoeDataParallel, RanksWhoseTokensSkipAnExpertReduceInTheSameOrder) {
 // chunk, position or mask offset, or a gradient of the keys summed to the wrong rank,
 // moves the first loss or the first gradient norm by far more than 1e-5.
 TEST(ContextParallelLayouts, MatchOneProcessWithFlatMemory) {
-  auto with_cp = [](Layout l, int cp) {
-    l.cp = cp;
-    return l;
-  };
   const std::vector<Layout> some = {with_cp({}, 2),
                                     with_cp({}, 4),
                                     with_cp({1, 2, 1}, 2),
@@ -686,6 +686,43 @@ std::string shared_dir(const std::string& name) {
 }
 }  // namespace
 
+namespace {
+// `family` in layout `l` for 10 steps, saving at step 5 into shared_dir(`out_name`): resuming
+// that checkpoint in the same layout repeats steps 6-10 bit-exactly, and one process with
+// the same global batch resumes it within fp32 rounding of the uninterrupted run.
+void expect_resumes_exactly_and_in_one_process(const Layout& l, Family family, const std::string& out_name) {
+  const std::string what = family_of(family) + " " + l.name();
+  std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp, l.cp, l.ep});
+  train::TrainConfig c = l.apply(base_config(family));
+  c.batch.grad_accum = l.pp > 1 ? 2 : 1;
+  c.checkpoint.save_every = 5;
+  c.checkpoint.out_dir = shared_dir(out_name);
+  const train::TrainResult full = train::run_training(c, *world);
+  ASSERT_EQ(full.history.size(), 10u) << what;
+  train::TrainConfig r = c;
+  r.checkpoint.resume = c.checkpoint.out_dir + "/step_00000005";
+  r.checkpoint.save_every = 0;
+  const train::TrainResult resumed = train::run_training(r, *world);
+  ASSERT_EQ(resumed.history.size(), 5u) << what;
+  for (size_t s = 0; s < 5; ++s)
+    EXPECT_EQ(resumed.history[s].loss, full.history[s + 5].loss) << what << ": resumed step " << s + 6;
+  // One process, the same global batch, from the same checkpoint.
+  train::TrainConfig one = r;
+  one.parallel.dp = one.parallel.tp = one.parallel.pp = one.parallel.ep = 1;
+  one.parallel.sequence_parallel = false;
+  one.parallel.zero = 0;
+  one.batch.grad_accum = c.batch.grad_accum * l.dp;
+  one.checkpoint.out_dir = test::temp_path("one_process_resume_rank" + std::to_string(g_world->rank()));
+  std::unique_ptr<dist::World> self = dist::World::self();
+  const train::TrainResult alone = train::run_training(one, *self);
+  ASSERT_EQ(alone.history.size(), 5u) << what;
+  for (size_t s = 0; s < 5; ++s)
+    EXPECT_NEAR(alone.history[s].loss, full.history[s + 5].loss, 1e-5 * std::abs(full.history[s + 5].loss))
+        << what << ": one process resumed, step " << s + 6;
+  world->world().barrier();  // rank 0 reads nothing more before the others are done
+}
+}  // namespace
+
 // A sharded run's checkpoint holds the whole model: resuming it in the same layout
 // continues bit-exactly, and one process resumes it too (within fp32 rounding of the
 // uninterrupted sharded run).
@@ -694,38 +731,9 @@ TEST(ParallelCheckpoints, ASavedShardedRunResumesExactlyAndInOneProcess) {
                                        {2, 2, 2, "1f1b", 1, false, 1}};
   for (const Layout& l : layouts) {
     if (l.world() != world_size()) continue;
-    for (Family family : {Family::Gpt2, Family::Llama3}) {
-      const std::string what = family_of(family) + " " + l.name();
-      std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp});
-      train::TrainConfig c = l.apply(base_config(family));
-      c.batch.grad_accum = l.pp > 1 ? 2 : 1;
-      c.checkpoint.save_every = 5;
-      c.checkpoint.out_dir = shared_dir(family_of(family) + "_" + std::to_string(l.dp) + std::to_string(l.tp) +
-                             std::to_string(l.pp));
-      const train::TrainResult full = train::run_training(c, *world);
-      ASSERT_EQ(full.history.size(), 10u) << what;
-      train::TrainConfig r = c;
-      r.checkpoint.resume = c.checkpoint.out_dir + "/step_00000005";
-      r.checkpoint.save_every = 0;
-      const train::TrainResult resumed = train::run_training(r, *world);
-      ASSERT_EQ(resumed.history.size(), 5u) << what;
-      for (size_t s = 0; s < 5; ++s)
-        EXPECT_EQ(resumed.history[s].loss, full.history[s + 5].loss) << what << ": resumed step " << s + 6;
-      // One process, the same global batch, from the same checkpoint.
-      train::TrainConfig one = r;
-      one.parallel.dp = one.parallel.tp = one.parallel.pp = 1;
-      one.parallel.sequence_parallel = false;
-      one.parallel.zero = 0;
-      one.batch.grad_accum = c.batch.grad_accum * l.dp;
-      one.checkpoint.out_dir = test::temp_path("one_process_resume_rank" + std::to_string(g_world->rank()));
-      std::unique_ptr<dist::World> self = dist::World::self();
-      const train::TrainResult alone = train::run_training(one, *self);
-      ASSERT_EQ(alone.history.size(), 5u) << what;
-      for (size_t s = 0; s < 5; ++s)
-        EXPECT_NEAR(alone.history[s].loss, full.history[s + 5].loss, 1e-5 * std::abs(full.history[s + 5].loss))
-            << what << ": one process resumed, step " << s + 6;
-      world->world().barrier();  // rank 0 reads nothing more before the others are done
-    }
+    for (Family family : {Family::Gpt2, Family::Llama3})
+      expect_resumes_exactly_and_in_one_process(
+          l, family, family_of(family) + "_" + std::to_string(l.dp) + std::to_string(l.tp) + std::to_string(l.pp));
   }
 }
 
@@ -733,39 +741,11 @@ TEST(ParallelCheckpoints, ASavedShardedRunResumesExactlyAndInOneProcess) {
 // experts (and their moments), which it writes into the whole model's files: resuming in
 // the same layout continues bit-exactly, and one process resumes it too.
 TEST(ParallelCheckpoints, ASavedExpertParallelRunResumesExactlyAndInOneProcess) {
-  auto with_ep = [](Layout l, int ep) {
-    l.ep = ep;
-    return l;
-  };
   const std::vector<Layout> layouts = {with_ep({2, 1, 1}, 2), with_ep({4, 1, 1}, 4), with_ep({2, 1, 2, "1f1b"}, 2)};
   for (const Layout& l : layouts) {
     if (l.world() != world_size()) continue;
-    const std::string what = "qwen3_moe " + l.name();
-    std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp, l.cp, l.ep});
-    train::TrainConfig c = l.apply(base_config(Family::Qwen3Moe));
-    c.batch.grad_accum = l.pp > 1 ? 2 : 1;
-    c.checkpoint.save_every = 5;
-    c.checkpoint.out_dir = shared_dir("moe_" + std::to_string(l.dp) + std::to_string(l.pp) + std::to_string(l.ep));
-    const train::TrainResult full = train::run_training(c, *world);
-    ASSERT_EQ(full.history.size(), 10u) << what;
-    train::TrainConfig r = c;
-    r.checkpoint.resume = c.checkpoint.out_dir + "/step_00000005";
-    r.checkpoint.save_every = 0;
-    const train::TrainResult resumed = train::run_training(r, *world);
-    ASSERT_EQ(resumed.history.size(), 5u) << what;
-    for (size_t s = 0; s < 5; ++s)
-      EXPECT_EQ(resumed.history[s].loss, full.history[s + 5].loss) << what << ": resumed step " << s + 6;
-    train::TrainConfig one = r;
-    one.parallel.dp = one.parallel.pp = one.parallel.ep = 1;
-    one.batch.grad_accum = c.batch.grad_accum * l.dp;
-    one.checkpoint.out_dir = test::temp_path("one_process_moe_resume_rank" + std::to_string(g_world->rank()));
-    std::unique_ptr<dist::World> self = dist::World::self();
-    const train::TrainResult alone = train::run_training(one, *self);
-    ASSERT_EQ(alone.history.size(), 5u) << what;
-    for (size_t s = 0; s < 5; ++s)
-      EXPECT_NEAR(alone.history[s].loss, full.history[s + 5].loss, 1e-5 * std::abs(full.history[s + 5].loss))
-          << what << ": one process resumed, step " << s + 6;
-    world->world().barrier();
+    expect_resumes_exactly_and_in_one_process(l, Family::Qwen3Moe,
+                                              "moe_" + std::to_string(l.dp) + std::to_string(l.pp) + std::to_string(l.ep));
   }
 }
 
