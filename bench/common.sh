@@ -1,5 +1,4 @@
-# Sourced by the bench/run_*.sh scripts that time tally against PyTorch; $root is the
-# repository.
+# Sourced by the bench/run_*.sh scripts; $root is the repository.
 
 # prepare_peers BINARY...: builds tally (incrementally: a binary older than the sources must
 # not be timed) and checks that each BINARY (under build/) is there, and installs Debian's
@@ -18,6 +17,19 @@ prepare_peers() {
   local widest=Haswell
   grep -qw avx512f /proc/cpuinfo && widest=SkylakeX
   export OPENBLAS_CORETYPE="${OPENBLAS_CORETYPE:-$widest}"
+}
+
+# tally_runs_here: what the scripts that run tally's own CLI (under mpirun too) need: $tally
+# (TALLY=path, or build/tally, built if missing), mpirun allowed to run as root, and $work, a
+# temporary directory with a random training shard ($work/train.bin, 2M GPT-2-range tokens:
+# step time does not depend on which tokens) that is removed when the script exits.
+tally_runs_here() {
+  tally="${TALLY:-$root/build/tally}"
+  [ -x "$tally" ] || bash "$root/scripts/build.sh"
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+  python3 "$root/bench/random_shard.py" "$work/train.bin" 2000000
 }
 
 # record OUT TAGS COMMAND...: runs COMMAND, adds the fields of the JSON object TAGS to the

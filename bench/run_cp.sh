@@ -15,12 +15,8 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 what="${1:-all}"
-tally="${TALLY:-$root/build/tally}"
-[ -x "$tally" ] || bash "$root/scripts/build.sh"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-python3 "$root/bench/random_shard.py" "$work/train.bin" 2000000  # step time does not depend on which tokens
+source "$root/bench/common.sh"
+tally_runs_here
 python3 "$root/bench/random_shard.py" "$work/tiny.bin" 200000 --vocab 97
 
 summarize() {  # summarize LABEL LOG.jsonl STDOUT [key=value ...]

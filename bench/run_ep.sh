@@ -16,12 +16,8 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 steps="${1:-6}"
-tally="${TALLY:-$root/build/tally}"
-[ -x "$tally" ] || bash "$root/scripts/build.sh"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-python3 "$root/bench/random_shard.py" "$work/train.bin" 2000000  # step time does not depend on which tokens
+source "$root/bench/common.sh"
+tally_runs_here
 
 run() {  # run LABEL THEORY_ROWS -- FLAGS...
   local label="$1" rows="$2"; shift 3
