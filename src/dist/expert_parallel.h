@@ -23,8 +23,6 @@ class ExpertParallel final : public nn::ExpertParallelOps {
                   const std::vector<int64_t>& recv_rows) override;
   // Without a graph.
   Tensor exchanged(const Tensor& rows, const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows);
-  // What this step's exchanges moved: bytes handed to the all-to-alls and their seconds.
-  CommStats stats() const { return group_.stats(); }
 
  private:
   Communicator& group_;

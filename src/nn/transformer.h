@@ -383,7 +383,6 @@ class Transformer {
   // every step, is the same whatever the routing. 0 (the default): dropless, as
   // HuggingFace's Qwen3-MoE. A factor of E / k never drops.
   void set_expert_capacity_factor(double factor);
-  double expert_capacity_factor() const { return capacity_factor_; }
   // Rows each expert takes of a microbatch of `tokens` tokens (0: dropless).
   int64_t expert_capacity(int64_t tokens) const;
 
