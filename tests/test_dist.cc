@@ -653,7 +653,7 @@ TEST(Zero, Stage3ReleasesAGatheredLayersStorageWhileItsParameterViewsLive) {
   io::load_llmc(test::fixture_path("gpt2_tiny.bin"), *m);
   const Tensor full_weight = m->params().get("h.0.attn.c_attn.weight").clone();
   dist::ZeroOptimizer z(m->params(), optim::AdamWConfig{}, world().dp_group(), 3);
-  const size_t unit = m->layer_unit(0);
+  const size_t unit = m->layer_units(0)[0];
   const Tensor weight = m->params().get("h.0.attn.c_attn.weight");  // a view of the unit's storage
   const int64_t before = runtime::ledger().stats().allocated;
   z.acquire(unit, false);

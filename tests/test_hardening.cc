@@ -1578,7 +1578,7 @@ TEST(Hardening, AFullDiskIsAnErrorNotATruncatedLog) {
   EXPECT_NE(msg.find("--log-json: writing '/dev/full' failed: No space left on device"), std::string::npos) << msg;
 }
 
-// Expert parallel composes with data and pipeline parallel and recomputation; what it does
+// Expert parallel composes with data and pipeline parallel, ZeRO-1 and recomputation; what it does
 // not compose with yet is refused before anything starts, naming both flags.
 TEST(Hardening, ExpertParallelFlagsThatDoNotComposeAreRefusedNamingThem) {
   train::LayoutFlags f;
@@ -1586,8 +1586,10 @@ TEST(Hardening, ExpertParallelFlagsThatDoNotComposeAreRefusedNamingThem) {
   f.ep = 2;
   train::check_layout_flags(f);  // --dp 2 --ep 2: fine
   f.zero = 1;
+  train::check_layout_flags(f);  // ZeRO-1 shards the experts' moments over their replicas
+  f.zero = 2;
   std::string m = test::message_of<Error>([&] { train::check_layout_flags(f); });
-  EXPECT_NE(m.find("--ep 2 with --zero 1"), std::string::npos) << m;
+  EXPECT_NE(m.find("--ep 2 with --zero 2"), std::string::npos) << m;
   f.zero = 0;
   f.ep = 0;
   m = test::message_of<Error>([&] { train::check_layout_flags(f); });

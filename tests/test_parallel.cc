@@ -326,13 +326,17 @@ TEST(QwenLayouts, MoeMatchesOneProcessWithFlatMemory) {
 // layer's experts, and the tokens its ranks route go to their experts' rank and back by
 // all-to-all. A token sent to the wrong rank or expert, an output combined in the wrong
 // place, an expert gradient reduced over the wrong ranks or a norm missing another rank's
-// experts moves the first loss or gradient norm by far more than 1e-5.
+// experts moves the first loss or gradient norm by far more than 1e-5. Under ZeRO-1 the
+// experts' moments are sharded over the ranks that hold the same experts (dp2 ep2: none
+// but the rank itself) and the rest over all of them: an expert piece updated or gathered
+// over the wrong ranks moves the second step's loss.
 // Dropless, the rows a rank receives follow the routing, and so do its peaks (its live
 // bytes between microbatches do not); with a capacity of E / k (4 / 2: an expert takes up to
 // every token, so none is dropped) every shape is fixed and the peaks are flat too.
 TEST(ExpertParallelLayouts, MoeMatchesOneProcessWithFlatMemory) {
   const std::vector<Layout> some = {with_ep({2, 1, 1}, 2), with_ep({4, 1, 1}, 2), with_ep({4, 1, 1}, 4),
-                                    with_ep({2, 1, 2, "1f1b"}, 2)};
+                                    with_ep({2, 1, 2, "1f1b"}, 2), with_ep({2, 1, 1, "1f1b", 1, false, 1}, 2),
+                                    with_ep({4, 1, 1, "1f1b", 1, false, 1}, 2)};
   bool ran = false;
   for (const Layout& l : some) {
     if (l.world() != world_size()) continue;
@@ -739,13 +743,16 @@ TEST(ParallelCheckpoints, ASavedShardedRunResumesExactlyAndInOneProcess) {
 
 // Expert parallel: the ranks of an expert-parallel group each send rank 0 their own
 // experts (and their moments), which it writes into the whole model's files: resuming in
-// the same layout continues bit-exactly, and one process resumes it too.
+// the same layout continues bit-exactly, and one process resumes it too. Under ZeRO-1
+// (dp4 ep2) each expert's moments are gathered from the two ranks that hold that expert.
 TEST(ParallelCheckpoints, ASavedExpertParallelRunResumesExactlyAndInOneProcess) {
-  const std::vector<Layout> layouts = {with_ep({2, 1, 1}, 2), with_ep({4, 1, 1}, 4), with_ep({2, 1, 2, "1f1b"}, 2)};
+  const std::vector<Layout> layouts = {with_ep({2, 1, 1}, 2), with_ep({4, 1, 1}, 4), with_ep({2, 1, 2, "1f1b"}, 2),
+                                       with_ep({4, 1, 1, "1f1b", 1, false, 1}, 2)};
   for (const Layout& l : layouts) {
     if (l.world() != world_size()) continue;
     expect_resumes_exactly_and_in_one_process(l, Family::Qwen3Moe,
-                                              "moe_" + std::to_string(l.dp) + std::to_string(l.pp) + std::to_string(l.ep));
+                                              "moe_" + std::to_string(l.dp) + std::to_string(l.pp) + std::to_string(l.ep) +
+                                                  "_zero" + std::to_string(l.zero));
   }
 }
 

@@ -93,8 +93,14 @@ void StepEngine::build_model(const FillWeights& fill) {
 // with the model); then what the optimizer's state must come before (the bf16 copy, as
 // the plan orders the parts) and the gradients' reduction.
 void StepEngine::build_optimizer() {
+  // Expert parallel: the experts' model states over the ranks that hold the same experts.
+  std::vector<bool> expert(model_->params().size());
+  for (size_t i = 0; i < expert.size(); ++i) expert[i] = model_->is_expert(i);
+  Communicator* expert_replicas = world_.ep() > 1 ? &world_.expert_replica_group() : nullptr;
   if (config_.zero == 0) adamw_ = std::make_unique<optim::AdamW>(model_->params(), config_.adamw);
-  else if (!zero_) zero_ = std::make_unique<ZeroOptimizer>(model_->params(), config_.adamw, world_.replica_group(), config_.zero);
+  else if (!zero_)
+    zero_ = std::make_unique<ZeroOptimizer>(model_->params(), config_.adamw, world_.replica_group(), config_.zero,
+                                            expert_replicas, expert);
   // ZeRO-2/3's set-up peak: ZeRO-2's parameter block and shards, just made; ZeRO-3's
   // shards and the one whole parameter it read or drew at a time.
   if (config_.zero >= 2) setup_peak_ = runtime::ledger(config_.device).stats().peak_allocated;
@@ -104,12 +110,9 @@ void StepEngine::build_optimizer() {
                                                    : 0);
   // Plain data parallel and ZeRO-1 average full gradients with bucketed all-reduces.
   // Expert parallel: the experts' gradients over the ranks that hold the same experts.
-  if (config_.zero <= 1 && world_.replicas() > 1) {
-    std::vector<bool> expert(model_->params().size());
-    for (size_t i = 0; i < expert.size(); ++i) expert[i] = model_->is_expert(i);
+  if (config_.zero <= 1 && world_.replicas() > 1)
     all_reduce_ = std::make_unique<GradientAllReduce>(model_->params(), world_.replica_group(), config_.bucket_bytes,
-                                                      world_.ep() > 1 ? &world_.expert_replica_group() : nullptr, expert);
-  }
+                                                      expert_replicas, expert);
   // One process's gradients are final once backward has written them, so their norm is
   // summed during the step's last backward, each gradient while it is still in cache
   // (optim/grad_norm.h). Data parallel's change once more, in the all-reduce. On a GPU
@@ -289,7 +292,11 @@ int64_t StepEngine::model_state_bytes() const {
 
 std::string StepEngine::model_state_formula() const {
   const int z = config_.zero;
-  std::string formula = z == 0 ? "16P" : z == 1 ? "8P + 8P/D" : z == 2 ? "4P + 12P/D" : "16P/D";
+  std::string formula = z == 0                       ? "16P"
+                        : z == 1 && world_.ep() > 1 ? "8P + 8P/D (the experts' 8P/(D/E))"
+                        : z == 1                    ? "8P + 8P/D"
+                        : z == 2                    ? "4P + 12P/D"
+                                                    : "16P/D";
   if (config_.matmul_dtype == DType::BF16) formula += " + 2P (bf16 copy)";
   return formula;
 }

@@ -17,9 +17,12 @@ namespace {
 Tensor range(const Tensor& t, int64_t start, int64_t count) { return make_view(t, {count}, {1}, t.offset() + start); }
 }  // namespace
 
-ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig config, Communicator& group, int stage)
+ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig config, Communicator& group, int stage,
+                             Communicator* expert_group, const std::vector<bool>& expert)
     : params_(params), config_(config), group_(group), stage_(stage) {
   TALLY_CHECK(stage >= 1 && stage <= 3, "--zero must be 0, 1, 2 or 3, got ", stage);
+  TALLY_CHECK(!expert_group || stage == 1, "--zero ", stage, " with --ep: ZeRO-2/3 over expert-parallel ranks is not "
+              "supported yet (their gradient shards would need a norm over two groups); use --zero 1");
   // Stage 1 reduces into the model's gradient block; stages 2 and 3 keep gradient shards of
   // their own, so a model built for them needs none (set-up then never holds one).
   // Stage 3 may start from no blocks at all: its values come later, through store().
@@ -27,10 +30,16 @@ ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig conf
   TALLY_CHECK((from_block || stage == 3) && (stage >= 2 || params_.has_grad_block()),
               "ZeRO shards a model whose parameter block (and, for stage 1, gradient block) exists (shard it once, "
               "after loading; stage 3 also takes a model built without blocks)");
-  const int64_t D = group_.size(), r = group_.rank();
   for (size_t u = 0; u < params_.num_units(); ++u) {
     const nn::ParameterUnit& unit = params_.unit(u);
     Piece p;
+    p.group = &group_;
+    if (expert_group && unit.numel() > 0 && expert.at(unit.first)) {
+      for (size_t i = unit.first; i < unit.last; ++i)
+        TALLY_CHECK(expert.at(i), "internal: ZeRO unit '", unit.name, "' mixes experts with other parameters");
+      p.group = expert_group;
+    }
+    const int64_t D = p.group->size(), r = p.group->rank();
     p.unit_begin = unit.begin;
     p.unit_numel = unit.numel();
     p.size = (unit.numel() + D - 1) / D;
@@ -61,7 +70,7 @@ ZeroOptimizer::ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig conf
     // unit is gathered.
     for (size_t u = 0; u < pieces_.size(); ++u) {
       const nn::ParameterUnit& unit = params_.unit(u);
-      const int64_t n = D * pieces_[u].size;
+      const int64_t n = group_of(u).size() * pieces_[u].size;
       auto storage = Storage::create_released(n * static_cast<int64_t>(dtype_size(dt)), dev,
                                               "zero3: unit '" + unit.name + "' is not gathered");
       Tensor whole(std::make_shared<TensorImpl>(storage, Shape{n}, Shape{1}, 0, dt));
@@ -102,7 +111,7 @@ ZeroOptimizer::Footprint ZeroOptimizer::footprint() const {
 }
 
 int64_t ZeroOptimizer::unit_bytes(size_t unit) const {
-  return group_.size() * pieces_[unit].size * static_cast<int64_t>(dtype_size(m_.dtype()));
+  return group_of(unit).size() * pieces_[unit].size * static_cast<int64_t>(dtype_size(m_.dtype()));
 }
 
 // ---------------------------------------------------------------- parameters (stage 3)
@@ -111,7 +120,7 @@ void ZeroOptimizer::gather(size_t u, bool async) {
   Tensor& whole = gathered_[u];
   if (!whole.storage().released() || gathering_[u]) return;
   whole.storage().reacquire(make_owner(Category::Communication, "zero3.gathered(" + params_.unit(u).name + ")"));
-  gathering_[u] = group_.all_gather_async(whole, piece_of(param_shard_, u));
+  gathering_[u] = group_of(u).all_gather_async(whole, piece_of(param_shard_, u));
   if (!async) wait_gather(u);
 }
 
@@ -199,7 +208,7 @@ void ZeroOptimizer::stage_gradients(size_t u) {
   // No zeroing pass: each parameter's gradient starts discarded, so the first gradient
   // backward brings is written, not added (a weight gradient's GEMM runs with beta 0), and
   // start_reduce fills any that none reached. Only the padding past the unit is zeroed.
-  const int64_t padded = group_.size() * pieces_[u].size;
+  const int64_t padded = group_of(u).size() * pieces_[u].size;
   st.buffer = Tensor::empty({padded}, m_.dtype(), m_.device(),
                             make_owner(Category::Gradient, "zero.gradients(" + unit.name + ")"));
   if (padded > unit.numel()) st.buffer.slice(0, unit.numel(), padded).zero_();
@@ -249,7 +258,7 @@ void ZeroOptimizer::start_reduce(size_t u) {
   }
   st.piece = Tensor::empty({pieces_[u].size}, m_.dtype(), m_.device(),
                            make_owner(Category::Communication, "comm:zero.reduce_scatter(" + unit.name + ")"));
-  st.work = group_.reduce_scatter_async(st.piece, st.buffer, ReduceOp::Sum);
+  st.work = group_of(u).reduce_scatter_async(st.piece, st.buffer, ReduceOp::Sum);
   st.active = false;
   st.reduced = true;
 }
@@ -352,8 +361,9 @@ std::shared_ptr<Work> ZeroOptimizer::gather_parameters(size_t u) {
   // A unit of D equal pieces is gathered in place: each rank's piece already sits where
   // the gathered unit puts it, so no buffer and no copy (NCCL's in-place all-gather has
   // the same layout). It runs while AdamW updates the next unit.
-  if (group_.size() * p.size == p.unit_numel)
-    return group_.all_gather_async(range(flat, p.unit_begin, p.unit_numel), range(flat, p.own_begin, p.size));
+  Communicator& g = group_of(u);
+  if (g.size() * p.size == p.unit_numel)
+    return g.all_gather_async(range(flat, p.unit_begin, p.unit_numel), range(flat, p.own_begin, p.size));
   // Otherwise the last pieces are padded: through a send piece and a receive buffer of
   // D equal pieces, and the unit's elements copied back.
   const std::string& name = params_.unit(u).name;
@@ -361,9 +371,9 @@ std::shared_ptr<Work> ZeroOptimizer::gather_parameters(size_t u) {
                               make_owner(Category::Communication, "comm:zero.all_gather(" + name + ").send"));
   if (p.own > 0) send.slice(0, 0, p.own).copy_(range(flat, p.own_begin, p.own));
   if (p.own < p.size) send.slice(0, p.own, p.size).zero_();
-  Tensor recv = Tensor::empty({group_.size() * p.size}, flat.dtype(), flat.device(),
+  Tensor recv = Tensor::empty({g.size() * p.size}, flat.dtype(), flat.device(),
                               make_owner(Category::Communication, "comm:zero.all_gather(" + name + ")"));
-  group_.all_gather(recv, send);
+  g.all_gather(recv, send);
   range(flat, p.unit_begin, p.unit_numel).copy_(recv.slice(0, 0, p.unit_numel));
   return nullptr;
 }
@@ -373,9 +383,9 @@ std::shared_ptr<Work> ZeroOptimizer::gather_parameters(size_t u) {
 Tensor ZeroOptimizer::moment_unit(int which, size_t u) {
   const Tensor& moment = which == 0 ? m_ : v_;
   const Piece& p = pieces_[u];
-  Tensor whole = Tensor::empty({group_.size() * p.size}, moment.dtype(), moment.device(),
+  Tensor whole = Tensor::empty({group_of(u).size() * p.size}, moment.dtype(), moment.device(),
                                make_owner(Category::Communication, "comm:zero.gather_moment(" + params_.unit(u).name + ")"));
-  group_.all_gather(whole, piece_of(moment, u));
+  group_of(u).all_gather(whole, piece_of(moment, u));
   return whole.slice(0, 0, p.unit_numel);
 }
 

@@ -48,7 +48,11 @@ class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResiden
   // as zeros, and the model's values come in through store() once this optimizer is the
   // model's residency (nn::fill_whole_parameters), so no rank ever holds the
   // whole model, not even while it is built.
-  ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig config, Communicator& group, int stage);
+  // Expert parallel (stage 1): the units whose parameters are experts (`expert`, per
+  // parameter) differ between expert-parallel ranks, so they are sharded over
+  // `expert_group`, the ranks that hold the same experts, and the rest over `group`.
+  ZeroOptimizer(nn::ParameterStore& params, optim::AdamWConfig config, Communicator& group, int stage,
+                Communicator* expert_group = nullptr, const std::vector<bool>& expert = {});
   ~ZeroOptimizer() override;
   ZeroOptimizer(const ZeroOptimizer&) = delete;
   ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
@@ -93,6 +97,7 @@ class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResiden
 
  private:
   struct Piece {
+    Communicator* group = nullptr;           // the ranks the unit is sharded over
     int64_t unit_begin = 0, unit_numel = 0;  // the unit in the block
     int64_t size = 0;                        // c: elements per rank
     int64_t own_begin = 0, own = 0;          // this rank's valid elements in the block
@@ -121,6 +126,7 @@ class ZeroOptimizer final : public optim::Optimizer, public nn::ParameterResiden
   // rank's parameter block. Returns the gather in flight, or null when it is done.
   std::shared_ptr<Work> gather_parameters(size_t u);
   Tensor piece_of(const Tensor& shard, size_t unit) const;
+  Communicator& group_of(size_t unit) const { return *pieces_[unit].group; }
   // The elements [begin, end) of the parameter block that both parameter `param` and
   // rank `r`'s piece of its unit cover (empty: begin == end).
   std::pair<int64_t, int64_t> overlap(size_t param, int64_t r) const;

@@ -384,6 +384,7 @@ void Transformer::declare_parameters() {
         // The router, then each expert's up, gate and down (a dense MLP's names under
         // mlp.experts.E).
         p.routerw = declare(h + "mlp.router.weight", {c.n_experts, C}, true, TpSplit::Replicated);
+        p.expert_unit = params_.begin_unit("h." + std::to_string(l) + ".experts");
         const int64_t Fe = c.moe_ffn_hidden;
         for (int64_t e = first_expert(); e < first_expert() + local_experts(); ++e) {
           const std::string x = h + "mlp.experts." + std::to_string(e) + ".";
@@ -466,6 +467,11 @@ struct UnitBorder {
 void Transformer::enter(const std::vector<size_t>& units) const {
   if (!residency_) return;
   for (size_t u : units) residency_->acquire(u, false);
+}
+
+void Transformer::prefetch(const std::vector<size_t>& units) const {
+  if (!residency_) return;
+  for (size_t u : units) residency_->prefetch(u);
 }
 
 void Transformer::leave(const std::vector<size_t>& units) const {
@@ -566,7 +572,7 @@ Tensor Transformer::embed(const Tensor& tokens, int64_t start, bool split) const
   const std::vector<size_t> units{embed_unit()};
   OwnerScope scope("embed");
   enter(units);
-  if (residency_) residency_->prefetch(layer_unit(0));
+  prefetch(layer_units(0));
   // Named steps, not nested calls: C++ leaves argument evaluation order unspecified,
   // and the order ops are recorded in is the order backward runs them in reverse.
   Tensor x;
@@ -667,9 +673,9 @@ Tensor Transformer::layer(int64_t l, const Tensor& input, int64_t start, KvCache
   const Layer& p = layers_[static_cast<size_t>(l)];
   TALLY_CHECK(p.unit != kAbsent, "internal: layer ", l, " is not part of this rank's shard");
   OwnerScope layer_scope("h." + std::to_string(l));
-  const std::vector<size_t> unit{p.unit};
+  const std::vector<size_t> unit = p.units();
   enter(unit);
-  if (residency_) residency_->prefetch(l + 1 < config_.n_layer ? layer_unit(l + 1) : final_unit());
+  prefetch(l + 1 < config_.n_layer ? layer_units(l + 1) : std::vector<size_t>{final_unit()});
   Tensor x = released_in_backward(input, unit);
   if (recompute_ == Recompute::Full && autograd::grad_enabled() && !cache) {
     // Only the layer's input is kept; backward runs the layer again (R5: what the

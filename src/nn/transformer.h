@@ -270,7 +270,9 @@ class Transformer {
   ParameterResidency* residency() const { return residency_; }
   // Units (parameters.h) of the parts this shard holds; layer takes the global index.
   size_t embed_unit() const { return embed_unit_; }
-  size_t layer_unit(int64_t layer) const { return layers_[static_cast<size_t>(layer)].unit; }
+  // A layer's units: its own, and a sparse layer's experts after it (the experts differ
+  // between expert-parallel ranks, so ZeRO shards them over other ranks than the rest).
+  std::vector<size_t> layer_units(int64_t layer) const { return layers_[static_cast<size_t>(layer)].units(); }
   size_t final_unit() const { return final_unit_; }
 
   // FLOPs of one training token (forward + backward) of the whole model, whatever shard
@@ -281,6 +283,7 @@ class Transformer {
   // Unit bookkeeping around a region of the forward (no-ops without a residency).
   void enter(const std::vector<size_t>& units) const;
   void leave(const std::vector<size_t>& units) const;
+  void prefetch(const std::vector<size_t>& units) const;
   Tensor released_in_backward(const Tensor& x, const std::vector<size_t>& units) const;
   Tensor acquired_in_backward(const Tensor& x, const std::vector<size_t>& units) const;
   Tensor border(const Tensor& x, const std::vector<size_t>& units, bool acquire) const;
@@ -341,7 +344,11 @@ class Transformer {
     // shard's experts, first_expert() on).
     size_t routerw = kAbsent;
     std::vector<size_t> expert_up, expert_gate, expert_down;
-    size_t unit = kAbsent;  // kAbsent: a layer of another rank's chunk
+    size_t unit = kAbsent;         // kAbsent: a layer of another rank's chunk
+    size_t expert_unit = kAbsent;  // a sparse layer's experts: a unit of their own
+    std::vector<size_t> units() const {
+      return expert_unit == kAbsent ? std::vector<size_t>{unit} : std::vector<size_t>{unit, expert_unit};
+    }
   };
   std::vector<Layer> layers_;  // indexed by the global layer
   // Sparse layer l's MLP on h (B, T, C): routed to its top-k experts, their outputs summed

@@ -174,8 +174,8 @@ void check_layout_flags(const LayoutFlags& f) {
   TALLY_CHECK(f.ep >= 1, "--ep must be >= 1, got ", f.ep);
   TALLY_CHECK(f.ep == 1 || f.device.is_cpu(), "--ep ", f.ep, " with --device ", f.device.str(),
               ": expert parallel's all-to-alls are MPI's, on the CPU");
-  TALLY_CHECK(f.ep == 1 || f.zero == 0, "--ep ", f.ep, " with --zero ", f.zero,
-              ": ZeRO over expert-parallel ranks is not supported yet (their experts differ); use --zero 0");
+  TALLY_CHECK(f.ep == 1 || f.zero <= 1, "--ep ", f.ep, " with --zero ", f.zero,
+              ": ZeRO-2/3 over expert-parallel ranks is not supported yet (their experts differ); use --zero 1 or 0");
   TALLY_CHECK(f.tp * f.pp == 1 || f.zero <= 1, "--zero ", f.zero, " with --tp/--pp: the model is already sharded by "
               "tensor and pipeline parallelism; use --zero 1 (optimizer state sharded over the data-parallel group)");
   TALLY_CHECK(!f.bf16 || f.zero <= 2, "--dtype bf16 with --zero 3: the GEMMs read a bf16 copy of the whole parameter "
