@@ -310,9 +310,13 @@ TEST(QwenLayouts, MatchOneProcessWithFlatMemory) {
 
 // Qwen3-MoE's routing is a function of each token's hidden state: pipeline stages, data
 // parallel ranks (ZeRO-1 too) and recomputation route every token as one process does.
+// Tensor parallel splits every expert as a dense MLP and sums the layer's output once:
+// a slice's output missing from the sum, or a router gradient not summed over the group
+// (the norm from step 2), moves a loss or gradient norm by far more than 1e-5.
 TEST(QwenLayouts, MoeMatchesOneProcessWithFlatMemory) {
   const std::vector<Layout> some = {{1, 1, 2, "1f1b"}, {2, 1, 1, "1f1b", 1, false, 1}, {2, 1, 2, "1f1b", 1, false, 1},
-                                    {1, 1, 4, "1f1b"}};
+                                    {1, 1, 4, "1f1b"}, {1, 2, 1}, {1, 2, 1, "1f1b", 1, true}, {1, 2, 2, "1f1b"},
+                                    {2, 2, 1, "1f1b", 1, true, 1}};
   bool ran = false;
   for (const Layout& l : some) {
     if (l.world() != world_size()) continue;
@@ -336,7 +340,9 @@ TEST(QwenLayouts, MoeMatchesOneProcessWithFlatMemory) {
 TEST(ExpertParallelLayouts, MoeMatchesOneProcessWithFlatMemory) {
   const std::vector<Layout> some = {with_ep({2, 1, 1}, 2), with_ep({4, 1, 1}, 2), with_ep({4, 1, 1}, 4),
                                     with_ep({2, 1, 2, "1f1b"}, 2), with_ep({2, 1, 1, "1f1b", 1, false, 1}, 2),
-                                    with_ep({4, 1, 1, "1f1b", 1, false, 1}, 2)};
+                                    with_ep({4, 1, 1, "1f1b", 1, false, 1}, 2), with_ep({2, 2, 1}, 2),
+                                    with_ep({2, 2, 1, "1f1b", 1, true, 1}, 2), with_ep({4, 2, 1}, 4),
+                                    with_ep({4, 1, 2, "1f1b"}, 4)};
   bool ran = false;
   for (const Layout& l : some) {
     if (l.world() != world_size()) continue;
@@ -744,14 +750,16 @@ TEST(ParallelCheckpoints, ASavedShardedRunResumesExactlyAndInOneProcess) {
 // Expert parallel: the ranks of an expert-parallel group each send rank 0 their own
 // experts (and their moments), which it writes into the whole model's files: resuming in
 // the same layout continues bit-exactly, and one process resumes it too. Under ZeRO-1
-// (dp4 ep2) each expert's moments are gathered from the two ranks that hold that expert.
+// (dp4 ep2) each expert's moments are gathered from the two ranks that hold that expert;
+// under tp2 x ep2 each expert's slices from the two tensor-parallel ranks of its holder.
 TEST(ParallelCheckpoints, ASavedExpertParallelRunResumesExactlyAndInOneProcess) {
   const std::vector<Layout> layouts = {with_ep({2, 1, 1}, 2), with_ep({4, 1, 1}, 4), with_ep({2, 1, 2, "1f1b"}, 2),
-                                       with_ep({4, 1, 1, "1f1b", 1, false, 1}, 2)};
+                                       with_ep({4, 1, 1, "1f1b", 1, false, 1}, 2), with_ep({2, 2, 1}, 2)};
   for (const Layout& l : layouts) {
     if (l.world() != world_size()) continue;
     expect_resumes_exactly_and_in_one_process(l, Family::Qwen3Moe,
-                                              "moe_" + std::to_string(l.dp) + std::to_string(l.pp) + std::to_string(l.ep) +
+                                              "moe_" + std::to_string(l.dp) + std::to_string(l.tp) + std::to_string(l.pp) +
+                                                  std::to_string(l.ep) +
                                                   "_zero" + std::to_string(l.zero));
   }
 }

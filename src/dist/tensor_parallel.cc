@@ -301,7 +301,7 @@ void sum_replicated_gradients(nn::Transformer& model, Communicator& tp_group, bo
   int64_t total = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     const nn::TpSplit split = model.tp_split(i);
-    if (split != nn::TpSplit::SharedByHeads && !(sequence_parallel && split == nn::TpSplit::Replicated)) continue;
+    if (split != nn::TpSplit::SharedBySlices && !(sequence_parallel && split == nn::TpSplit::Replicated)) continue;
     grads.push_back(params[i].grad());
     TALLY_CHECK(grads.back().defined(), "internal: parameter ", params.spec(i).name, " has no gradient");
     total += grads.back().numel();
@@ -328,7 +328,7 @@ double model_parallel_gradient_norm(const nn::Transformer& model, const World& w
   for (size_t i = 0; i < params.size(); ++i) {
     if (model.is_tied_head_copy(i)) continue;
     const nn::TpSplit split = model.tp_split(i);
-    if ((split == nn::TpSplit::Replicated || split == nn::TpSplit::SharedByHeads) && world.tp_rank() != 0) continue;
+    if ((split == nn::TpSplit::Replicated || split == nn::TpSplit::SharedBySlices) && world.tp_rank() != 0) continue;
     (model.is_expert(i) ? experts : counted).push_back(params[i].grad());
   }
   auto squares_of = [](const std::vector<Tensor>& grads) {

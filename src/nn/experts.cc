@@ -3,6 +3,11 @@
 //   top-k   = the k largest probabilities of each token, their experts e_1..e_k
 //   weights = those k probabilities, renormalized to sum to 1 when norm_topk_prob
 //   out     = sum_j weights_j * expert_{e_j}(h),  expert(x) = W_down (silu(W_gate x) * W_up x)
+// Tensor parallel splits each expert as a dense MLP (gate and up by rows, down by
+// columns): every rank routes the same tokens, its slices' outputs are partial sums, and
+// the layer's output is summed over the group once, after the weighted combine (linear in
+// them). The routing weights' gradient is then a partial sum too, so the router's gradient
+// is summed over the group as Qwen3's q/k norms' are (TpSplit::SharedBySlices).
 // Dropless: every token reaches its k experts. The N*k (token, slot) pairs are grouped by
 // expert, so each expert runs one GEMM over its tokens' rows (a grouped GEMM as a loop over
 // the experts), and the outputs return to their tokens by the inverse grouping. At a
@@ -121,11 +126,16 @@ Tensor with_zero_row(const Tensor& t) {
 Tensor Transformer::experts(const Tensor& h, int64_t l) const {
   const auto& c = config_;
   const Layer& p = layers_[static_cast<size_t>(l)];
-  const int64_t B = h.shape()[0], T = h.shape()[1], C = c.n_embd, k = c.experts_per_token, N = B * T;
+  const int64_t C = c.n_embd, k = c.experts_per_token;
   TALLY_CHECK(shard_.ep == 1 || ep_ops_, "internal: a shard of ", local_experts(), " of ", c.n_experts,
               " experts runs without its expert-parallel group");
   TALLY_CHECK(!h.device().is_cuda(), "experts: Qwen3-MoE's sparse layers run on the CPU only so far (got ", h.str(), ")");
-  const Tensor x = ops::reshape(h, {N, C});
+  // Tensor parallel: every rank routes the same tokens (all of them, under sequence
+  // parallel) and holds a slice of every expert, as of a dense MLP; what it returns is its
+  // slices' part of the output, summed over the group at the end (tensor_parallel.h).
+  const Tensor whole = tp_ops_ ? tp_ops_->into_column_parallel(h) : h;
+  const int64_t B = whole.shape()[0], T = whole.shape()[1], N = B * T;
+  const Tensor x = ops::reshape(whole, {N, C});
   Tensor probs;
   {
     OwnerScope scope("router");
@@ -141,6 +151,7 @@ Tensor Transformer::experts(const Tensor& h, int64_t l) const {
                 "the router's load-balancing loss (output_router_logits) is not supported under --pp yet");
     TALLY_CHECK(recompute_ != Recompute::Full,
                 "the router's load-balancing loss (output_router_logits) is not supported under --recompute full yet");
+    TALLY_CHECK(!tp_ops_, "the router's load-balancing loss (output_router_logits) is not supported under --tp yet");
     router_records_.push_back({ops::sum(probs, {0}), r.load, N});
   }
   Tensor weights = ops::gather(probs, 1, r.expert);  // (N, k)
@@ -152,7 +163,8 @@ Tensor Transformer::experts(const Tensor& h, int64_t l) const {
   const Tensor grouped_weight = ops::embedding(capacity ? with_zero_row(pair_weights) : pair_weights, r.grouped_pair);
   const Tensor weighted = ops::mul(outputs, grouped_weight);
   const Tensor by_pair = ops::embedding(capacity ? with_zero_row(weighted) : weighted, r.pair_position);  // (N*k, C)
-  return ops::reshape(ops::sum(ops::reshape(by_pair, {N, k, C}), {1}), {B, T, C});
+  const Tensor out = ops::reshape(ops::sum(ops::reshape(by_pair, {N, k, C}), {1}), {B, T, C});
+  return tp_ops_ ? tp_ops_->out_of_row_parallel(out) : out;
 }
 
 // This shard's experts over their blocks of `rows` (count[j] rows for local expert j, one

@@ -334,8 +334,8 @@ void Transformer::declare_parameters() {
   TALLY_CHECK(c.n_head % tp == 0 && c.n_kv_head % tp == 0, "--tp ", tp, ": the model's ", c.n_head, " query heads and ",
               c.n_kv_head, " key/value heads must both divide into ", tp, " ranks");
   TALLY_CHECK(F % tp == 0, "--tp ", tp, ": the MLP width ", F, " must divide into ", tp, " ranks");
-  TALLY_CHECK(c.n_experts == 0 || tp == 1, "--tp ", tp, ": tensor parallel over experts is not supported yet (",
-              c.describe(), "); use --pp or --dp");
+  TALLY_CHECK(c.n_experts == 0 || c.moe_ffn_hidden % tp == 0, "--tp ", tp, ": the experts' width ", c.moe_ffn_hidden,
+              " must divide into ", tp, " ranks");
   TALLY_CHECK(shard_.ep >= 1 && shard_.ep_rank >= 0 && shard_.ep_rank < shard_.ep, "model shard: expert-parallel rank ",
               shard_.ep_rank, " of ", shard_.ep);
   TALLY_CHECK(shard_.ep == 1 || (c.n_experts > 0 && c.n_experts % shard_.ep == 0), "--ep ", shard_.ep,
@@ -356,7 +356,7 @@ void Transformer::declare_parameters() {
     return llama ? kAbsent : declare(name, {n}, false, split);
   };
   auto qk_norm = [&](const std::string& name) {
-    return c.has_qk_norm() ? declare(name, {D}, false, TpSplit::SharedByHeads) : kAbsent;
+    return c.has_qk_norm() ? declare(name, {D}, false, TpSplit::SharedBySlices) : kAbsent;
   };
   // Units in forward order: the embeddings, each layer, the final norm (and an untied
   // head) (parameters.h).
@@ -383,9 +383,9 @@ void Transformer::declare_parameters() {
       if (c.sparse_layer(l)) {
         // The router, then each expert's up, gate and down (a dense MLP's names under
         // mlp.experts.E).
-        p.routerw = declare(h + "mlp.router.weight", {c.n_experts, C}, true, TpSplit::Replicated);
+        p.routerw = declare(h + "mlp.router.weight", {c.n_experts, C}, true, TpSplit::SharedBySlices);
         p.expert_unit = params_.begin_unit("h." + std::to_string(l) + ".experts");
-        const int64_t Fe = c.moe_ffn_hidden;
+        const int64_t Fe = c.moe_ffn_hidden / tp;  // each expert split as a dense MLP is
         for (int64_t e = first_expert(); e < first_expert() + local_experts(); ++e) {
           const std::string x = h + "mlp.experts." + std::to_string(e) + ".";
           p.expert_up.push_back(declare_expert(x + "c_fc.weight", {Fe, C}, TpSplit::Rows));
@@ -426,7 +426,7 @@ std::vector<std::pair<Tensor, Tensor>> Transformer::shard_regions(size_t i, cons
   auto rows = [](const Tensor& t, int64_t begin, int64_t n) { return t.slice(0, begin, begin + n); };
   switch (splits_[i]) {
     case TpSplit::Replicated:
-    case TpSplit::SharedByHeads: return {{whole, local}};
+    case TpSplit::SharedBySlices: return {{whole, local}};
     case TpSplit::Rows: {
       const int64_t n = local.shape()[0];
       return {{rows(whole, r * n, n), local}};

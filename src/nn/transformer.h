@@ -165,9 +165,10 @@ enum class TpSplit {
   Rows,        // rows tp_rank*n/tp .. : column-parallel weights and biases, vocabulary
   Columns,     // columns likewise: row-parallel weights
   QkvRows,     // the fused qkv: this rank's block of q rows, of k rows and of v rows
-  // Every rank holds all of it, but its gradient is a sum over the heads, which the ranks
-  // split: summed over the tensor-parallel group (Qwen3's q_norm and k_norm).
-  SharedByHeads,
+  // Every rank holds all of it, but its gradient is a sum over work the ranks split:
+  // summed over the tensor-parallel group (Qwen3's q_norm and k_norm, shared by the heads;
+  // a sparse layer's router, whose weights meet every expert's slices).
+  SharedBySlices,
 };
 
 class Transformer {
