@@ -28,7 +28,9 @@ SwiGLU MLP of moe_intermediate_size, outputs summed with the routing weights. He
 4 experts of width 16, 2 per token, and mlp_only_layers [1]: the middle layer is dense.
 Its file also holds the same step-0 quantities and AdamW run with HuggingFace's
 load-balancing loss added (output_router_logits, load_balancing_loss_func over both sparse
-layers' router logits together, times AUX_COEF).
+layers' router logits together, times AUX_COEF), and once more with each sparse layer's own
+balance loss (Megatron-Core's switch_load_balancing_loss_func) and router z-loss (ST-MoE's)
+added, times BALANCE_COEF and Z_COEF.
 """
 import json
 import math
@@ -55,6 +57,9 @@ INIT_STD = 0.02
 NOISE_STD = 0.02
 RUN1 = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 AUX_COEF = 0.05  # router_aux_loss_coef of the aux_ quantities (large enough to move the gradients)
+# The router_ quantities: each sparse layer's own balance loss (Megatron-Core's
+# switch_load_balancing_loss_func) and router z-loss (ST-MoE's), times these.
+BALANCE_COEF, Z_COEF = 0.05, 0.01
 RUN2 = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, clip=1.0)
 
 FAMILIES = {
@@ -212,7 +217,7 @@ class QwenForCausalLM(nn.Module):
         if not self.tied:
             self.lm_head = nn.Linear(C, V, bias=False)
 
-    def forward(self, idx, targets=None, aux_coef=0.0):
+    def forward(self, idx, targets=None, aux_coef=0.0, balance_coef=0.0, z_coef=0.0):
         x = self.model.embed_tokens(idx)
         cos, sin = rotary_cos_sin(idx.shape[1], self.f["head_dim"])
         for layer in self.model.layers:
@@ -225,7 +230,27 @@ class QwenForCausalLM(nn.Module):
             gate_logits = [l.mlp.router_logits for l in self.model.layers if isinstance(l.mlp, SparseMoeBlock)]
             self.aux_loss = load_balancing_loss(gate_logits, self.f["moe"]["num_experts"], self.f["moe"]["num_experts_per_tok"])
             loss = loss + aux_coef * self.aux_loss
+        if balance_coef > 0 or z_coef > 0:
+            moe = self.f["moe"]
+            gate_logits = [l.mlp.router_logits for l in self.model.layers if isinstance(l.mlp, SparseMoeBlock)]
+            self.balance_loss = sum(switch_balance_loss(g, moe["num_experts"], moe["num_experts_per_tok"]) for g in gate_logits)
+            self.z_loss = sum(router_z_loss(g) for g in gate_logits)
+            loss = loss + balance_coef * self.balance_loss + z_coef * self.z_loss
         return logits, loss
+
+
+def switch_balance_loss(logits, num_experts, top_k):
+    """One layer's: Megatron-Core's switch_load_balancing_loss_func (the counts take no gradient)."""
+    probs = F.softmax(logits, dim=-1, dtype=torch.float)
+    _, selected = torch.topk(probs, top_k, dim=-1)
+    tokens_per_expert = F.one_hot(selected, num_experts).sum(dim=(0, 1)).float()
+    n = logits.shape[0]
+    return torch.sum(probs.sum(dim=0) * tokens_per_expert) * num_experts / (n * n * top_k)
+
+
+def router_z_loss(logits):
+    """One layer's: ST-MoE's z-loss, the mean over tokens of logsumexp(logits)^2."""
+    return torch.mean(torch.square(torch.logsumexp(logits, dim=-1)))
 
 
 def load_balancing_loss(gate_logits, num_experts, top_k):
@@ -297,7 +322,7 @@ def write_hf(family, f, state, directory):
         json.dump(config, out, indent=2)
 
 
-def train(f, init_state, x, y, cfg, decay_2d_only, clip, aux_coef=0.0):
+def train(f, init_state, x, y, cfg, decay_2d_only, clip, aux_coef=0.0, balance_coef=0.0, z_coef=0.0):
     model = QwenForCausalLM(f)
     model.load_state_dict(init_state)
     params = list(model.parameters())
@@ -310,7 +335,7 @@ def train(f, init_state, x, y, cfg, decay_2d_only, clip, aux_coef=0.0):
     losses, norms = [], []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
-        _, loss = model(x, y, aux_coef)
+        _, loss = model(x, y, aux_coef, balance_coef, z_coef)
         loss.backward()
         losses.append(loss.item())
         if clip is not None:
@@ -360,6 +385,16 @@ def generate(family):
         for name, g in state_numpy(model, use_grad=True).items():
             tensors["aux_grad." + name] = g
         tensors["aux_losses"], _ = train(f, init_state, x, y, RUN1, decay_2d_only=False, clip=None, aux_coef=AUX_COEF)
+        model.zero_grad(set_to_none=True)
+        _, router_total = model(x, y, 0.0, BALANCE_COEF, Z_COEF)
+        router_total.backward()
+        tensors["balance_loss"] = np.array(model.balance_loss.item(), dtype=np.float32)
+        tensors["z_loss"] = np.array(model.z_loss.item(), dtype=np.float32)
+        tensors["router_total_loss"] = np.array(router_total.item(), dtype=np.float32)
+        for name, g in state_numpy(model, use_grad=True).items():
+            tensors["router_grad." + name] = g
+        tensors["router_losses"], _ = train(f, init_state, x, y, RUN1, decay_2d_only=False, clip=None,
+                                            balance_coef=BALANCE_COEF, z_coef=Z_COEF)
     metadata = {
         "generator": "scripts/gen_qwen_reference.py", "family": family, "torch_version": torch.__version__,
         "torch_seed": str(f["seed"]), "max_seq_len": str(MAX_T), "vocab_size": str(V), "num_layers": str(f.get("layers", L)),
@@ -374,7 +409,9 @@ def generate(family):
         "losses_wd2d.betas": "0.9,0.95",
     }
     if "moe" in f:
-        metadata.update({"aux_coef": str(AUX_COEF), "aux_losses.optimizer": "as losses, with the load-balancing loss"})
+        metadata.update({"aux_coef": str(AUX_COEF), "aux_losses.optimizer": "as losses, with the load-balancing loss",
+                         "balance_coef": str(BALANCE_COEF), "z_coef": str(Z_COEF),
+                         "router_losses.optimizer": "as losses, with each layer's balance and z-losses"})
     ref_path = os.path.join(FIX, f"{family}_tiny_ref.safetensors")
     safetensors_io.save(ref_path, tensors, metadata)
     safetensors_io.roundtrip_check(ref_path, tensors, metadata)

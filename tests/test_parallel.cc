@@ -355,6 +355,56 @@ TEST(ExpertParallelLayouts, MoeMatchesOneProcessWithFlatMemory) {
   if (!ran) GTEST_SKIP() << "no expert-parallel layout for " << world_size() << " ranks";
 }
 
+// Each sparse layer's balance and z-losses are seeded in that layer's backward, so they
+// join the objective in pipeline stages, recomputed layers, tensor-parallel slices (each
+// rank seeds 1 / T: their gradients are summed over the group) and expert-parallel ranks
+// alike. A seed counted T times, a stage's losses left out of the logged objective or a
+// recomputed layer seeding twice moves the loss or norm by far more than 1e-5.
+TEST(RouterLossLayouts, BalanceAndZLossesMatchOneProcess) {
+  struct Case {
+    Layout layout;
+    const char* recompute;
+  };
+  const std::vector<Case> cases = {{{1, 1, 2, "1f1b"}, "full"},         {{1, 2, 1, "1f1b", 1, true}, "none"},
+                                   {with_ep({2, 1, 1}, 2), "full"},      {with_ep({2, 2, 1}, 2), "none"},
+                                   {with_ep({2, 1, 2, "1f1b"}, 2), "full"}};
+  auto with_losses = [](train::TrainConfig c) {
+    c.compute.moe_balance_loss_coef = 0.05;
+    c.compute.moe_z_loss_coef = 0.01;
+    return c;
+  };
+  bool ran = false;
+  for (const Case& k : cases) {
+    const Layout& l = k.layout;
+    if (l.world() != world_size()) continue;
+    ran = true;
+    const int64_t N = l.pp > 1 ? 4 : 2;
+    train::TrainConfig one = with_losses(base_config(Family::Qwen3Moe));
+    one.batch.grad_accum = N * l.dp;
+    std::unique_ptr<dist::World> self = dist::World::self();
+    const train::TrainResult want = train::run_training(one, *self);
+    train::TrainConfig c = l.apply(with_losses(base_config(Family::Qwen3Moe)));
+    c.batch.grad_accum = N;
+    c.compute.recompute = nn::parse_recompute(k.recompute);
+    c.memory.sanitize = sanitizer::SanitizeMode::Strict;
+    std::unique_ptr<dist::World> world = dist::World::create({l.dp, l.tp, l.pp, l.cp, l.ep});
+    const train::TrainResult got = train::run_training(c, *world);
+    const std::string what = l.name() + "recompute " + k.recompute;
+    ASSERT_EQ(got.history.size(), want.history.size()) << what;
+    for (size_t s = 0; s < got.history.size(); ++s) {
+      const train::StepMetrics &g = got.history[s], &w = want.history[s];
+      EXPECT_NEAR(g.loss, w.loss, 1e-5 * std::abs(w.loss)) << what << ": loss at step " << s + 1;
+      EXPECT_NEAR(g.grad_norm, w.grad_norm, 1e-5 * w.grad_norm) << what << ": gradient norm at step " << s + 1;
+      EXPECT_NEAR(g.balance_loss, w.balance_loss, 1e-5 * w.balance_loss) << what << ": balance loss at step " << s + 1;
+      EXPECT_NEAR(g.z_loss, w.z_loss, 1e-5 * w.z_loss) << what << ": z-loss at step " << s + 1;
+      EXPECT_NEAR(g.ce_loss, w.ce_loss, 1e-5 * w.ce_loss) << what << ": cross-entropy at step " << s + 1;
+    }
+    EXPECT_GT(want.history[0].balance_loss, 1.0) << "two sparse layers, each 1 when perfectly even";
+    expect_flat(got, what, l.ep == 1);
+  }
+  if (!ran) GTEST_SKIP() << "no router-loss layout for " << world_size() << " ranks";
+}
+
 // Seed 003 (verl's Megatron backend, Qwen3-30B-A3B with expert parallel): recomputation
 // kept each checkpointed layer's inputs and their gradients after backward. tally's
 // recomputed MoE layers, their dispatch and combine included, leave nothing behind over

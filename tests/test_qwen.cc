@@ -416,6 +416,47 @@ TEST(QwenMoe, TheLoadBalancingLossAndItsGradientsMatchHuggingFaces) {
   EXPECT_DOUBLE_EQ(io::read_llmc_config(bin).router_aux_loss_coef, m.config().router_aux_loss_coef);
 }
 
+// Each sparse layer's own balance loss (Megatron-Core's switch_load_balancing_loss_func)
+// and router z-loss (ST-MoE's) join the objective through their layers' backward: the
+// forward's loss is the cross-entropy, and the objective adds each loss's value times its
+// coefficient.
+TEST(QwenMoe, TheBalanceAndZLossesAndTheirGradientsMatchPyTorch) {
+  const io::SafetensorsFile reference = ref("qwen3_moe");
+  const nn::Transformer::RouterLosses coef{std::stod(reference.metadata.at("balance_coef")),
+                                           std::stod(reference.metadata.at("z_coef"))};
+  auto objective = [&](const nn::Transformer& m, const Tensor& ce) {
+    const nn::Transformer::RouterLosses v = m.take_router_loss_values();
+    return std::make_tuple(ce.item() + coef.balance * v.balance + coef.z * v.z, v.balance, v.z);
+  };
+  nn::Transformer m(io::read_hf_config(hf_dir("qwen3_moe")));
+  io::load_hf(hf_dir("qwen3_moe"), m);
+  m.set_router_losses(coef);
+  nn::ForwardResult r = m.forward(reference.at("x"), reference.at("y"));
+  const auto [total, balance, z] = objective(m, r.loss);
+  EXPECT_NEAR(balance, reference.at("balance_loss").item(), 1e-6);
+  EXPECT_NEAR(z, reference.at("z_loss").item(), 1e-5);
+  EXPECT_NEAR(total, reference.at("router_total_loss").item(), 1e-5);
+  r.loss.backward();
+  io::SafetensorsFile grads = exported_gradients(m, "qwen_moe_router_grads");
+  for (const std::string& name : grads.order) {
+    test::Diff d = test::compare(grads.at(name), reference.at("router_grad." + name));
+    EXPECT_LT(d.max_abs / std::max(d.ref_scale, 1e-30), 1e-4) << "gradient of " << name;
+  }
+  // Ten AdamW steps with both in the objective.
+  nn::Transformer t(io::read_hf_config(hf_dir("qwen3_moe")));
+  io::load_hf(hf_dir("qwen3_moe"), t);
+  t.set_router_losses(coef);
+  optim::AdamW opt(t.params(), {0.9, 0.999, 1e-8, 0.01, /*decay_all=*/true});
+  const auto expected = reference.at("router_losses").to_vector<double>();
+  for (int i = 0; i < 10; ++i) {
+    Tensor loss = t.forward(reference.at("x"), reference.at("y")).loss;
+    EXPECT_NEAR(std::get<0>(objective(t, loss)), expected[i], 1e-5) << "step " << i;
+    loss.backward();
+    opt.step(1e-3, 1.0);
+    t.params().zero_grad();
+  }
+}
+
 TEST(QwenMoe, TheTrainerLogsTheObjectiveItsCrossEntropyAndTheRouterLoss) {
   train::TrainConfig c = test::tiny_train_config(test::write_random_shard("qwen_moe_aux.bin", 20000, 97, 5));
   c.model.file.clear();

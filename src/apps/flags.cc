@@ -180,6 +180,15 @@ void add_compute_flags(CLI::App& t, train::TrainConfig& c) {
             "(token, expert) pairs, the rest dropped and counted, every expert padded to it so that memory is "
             "the same every step (0 = dropless; experts / k never drops)")
       ->check(CLI::NonNegativeNumber)->capture_default_str();
+  add_value(t, "--moe-balance-loss-coef", k.moe_balance_loss_coef,
+            "Mixture of experts: each sparse layer's load-balancing loss on its own tokens (Switch's, Megatron-Core's "
+            "aux_loss: E / (N^2 k) x sum over experts of choices x probability sums; 1 when even), times this, "
+            "added to the objective (0 = off; beside the model's own router_aux_loss_coef)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  add_value(t, "--moe-z-loss-coef", k.moe_z_loss_coef,
+            "Mixture of experts: each sparse layer's router z-loss (ST-MoE's: the mean over its tokens of "
+            "logsumexp(router logits)^2), times this, added to the objective (0 = off)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
   add_choice<DType>(t, "--dtype", k.dtype, {{"fp32", DType::F32}, {"bf16", DType::BF16}},
                     "GEMM precision: bf16 is mixed precision (bf16 operands for the projections' and attention's "
                     "products; fp32 master weights, gradients, optimizer state, norms, softmax and loss)");

@@ -52,6 +52,14 @@ void StepEngine::build_model(const FillWeights& fill) {
               config_.model.n_experts, " experts a sparse layer over ", world_.replicas(),
               " data-parallel ranks is not supported yet (an expert some rank's tokens skip is reduced late); use "
               "--zero 2 or lower");
+  const nn::Transformer::RouterLosses& losses = config_.router_losses;
+  const bool router_losses = losses.balance > 0 || losses.z > 0;
+  TALLY_CHECK(!router_losses || config_.model.n_experts > 0, "--moe-balance-loss-coef ", losses.balance,
+              " / --moe-z-loss-coef ", losses.z, ": router losses need a mixture of experts, and ",
+              config_.model.describe(), " has no experts");
+  TALLY_CHECK(!router_losses || world_.cp() == 1, "--moe-balance-loss-coef / --moe-z-loss-coef with --cp ", world_.cp(),
+              ": each is a function of a microbatch's routing, and each context-parallel rank routes only its part "
+              "of the sequences; train without them or without --cp");
   // Built on the host (a dry run: on the meta device, which fills nothing).
   const Device built_on = config_.device.is_meta() ? config_.device : Device::cpu();
   model_ = std::make_unique<nn::Transformer>(config_.model, shard_of(world_.pp_rank(), world_.tp_rank(), world_.ep_rank()),
@@ -84,6 +92,7 @@ void StepEngine::build_model(const FillWeights& fill) {
   }
   model_->set_recompute(config_.recompute);
   model_->set_expert_capacity_factor(config_.expert_capacity_factor);
+  model_->set_router_losses(config_.router_losses);
   model_->move_to(config_.device);  // built and loaded on the host; trained where --device says
   if (world_.pp() > 1)
     pipeline_ = std::make_unique<PipelineStage>(*model_, world_.pp_group(), config_.pp_schedule, config_.virtual_stages);
@@ -155,7 +164,22 @@ double StepEngine::forward_backward(int64_t step, data::BatchSource& loader, san
   if (model_->config().router_aux_loss_coef > 0)
     aux_loss_ = world_.replica_group().all_reduce_scalar(aux_loss_sum_, ReduceOp::Sum) / count;
   if (model_->config().n_experts > 0) reduce_expert_load();
-  return total / count;
+  return total / count + reduce_router_losses(count);
+}
+
+// Each rank's sums over the layers it ran, summed over the replicas and the pipeline's
+// stages (tensor-parallel ranks hold the same ones) and averaged as the loss is.
+double StepEngine::reduce_router_losses(double count) {
+  const nn::Transformer::RouterLosses& k = config_.router_losses;
+  if (k.balance <= 0 && k.z <= 0) return 0;
+  const nn::Transformer::RouterLosses mine = model_->take_router_loss_values();
+  Tensor sums = Tensor::empty({2}, DType::F64, Device::cpu(), make_owner(Category::Communication, "moe.router_losses"));
+  sums.data<double>()[0] = mine.balance;
+  sums.data<double>()[1] = mine.z;
+  world_.replica_group().all_reduce(sums);
+  world_.pp_group().all_reduce(sums);
+  router_losses_ = {sums.data<double>()[0] / count, sums.data<double>()[1] / count};
+  return k.balance * router_losses_.balance + k.z * router_losses_.z;
 }
 
 // Each rank counted its own tokens in its own stage's layers: summed over the replicas

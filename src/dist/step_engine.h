@@ -59,6 +59,7 @@ struct EngineConfig {
   int64_t pp_last_stage_layers = 0;
   nn::Recompute recompute = nn::Recompute::None;
   double expert_capacity_factor = 0;  // nn::Transformer::set_expert_capacity_factor (0: dropless)
+  nn::Transformer::RouterLosses router_losses;  // nn::Transformer::set_router_losses (coefficients; 0: off)
   DType matmul_dtype = DType::F32;
   bool chunked_loss = false;
   Device device = Device::cpu();
@@ -128,6 +129,9 @@ class StepEngine {
   // The last step's load-balancing loss (before its coefficient), averaged as the loss is;
   // negative when the model adds none.
   double aux_loss() const { return aux_loss_; }
+  // The last step's balance and z-losses (before their coefficients: each a sum over the
+  // sparse layers), averaged over the microbatches as the loss is; zeros when off.
+  const nn::Transformer::RouterLosses& router_losses() const { return router_losses_; }
   // The last step's expert load over every rank's tokens: the fewest and the most choices
   // one expert of one sparse layer took (-1 without experts), and those dropped past the
   // experts' capacity (none when dispatch is dropless).
@@ -166,6 +170,9 @@ class StepEngine {
   int64_t tp_payload_bytes_ = 0;
   CommStats cp_traffic_, ep_traffic_;
   double aux_loss_sum_ = 0, aux_loss_ = -1;
+  nn::Transformer::RouterLosses router_losses_;
+  // The router losses' share of the step's objective, from every rank's layers.
+  double reduce_router_losses(double count);
   ExpertLoad expert_load_;
   void reduce_expert_load();
 };

@@ -26,6 +26,7 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "autograd/function.h"
 #include "autograd/grad_mode.h"
 #include "core/owner.h"
 #include "nn/transformer.h"
@@ -136,10 +137,11 @@ Tensor Transformer::experts(const Tensor& h, int64_t l) const {
   const Tensor whole = tp_ops_ ? tp_ops_->into_column_parallel(h) : h;
   const int64_t B = whole.shape()[0], T = whole.shape()[1], N = B * T;
   const Tensor x = ops::reshape(whole, {N, C});
-  Tensor probs;
+  Tensor logits, probs;
   {
     OwnerScope scope("router");
-    probs = ops::softmax(linear(x, p.routerw, kAbsent));  // (N, E)
+    logits = linear(x, p.routerw, kAbsent);
+    probs = ops::softmax(logits);  // (N, E)
   }
   const int64_t capacity = expert_capacity(N);
   const Routing r = route(probs, k, capacity);
@@ -163,8 +165,118 @@ Tensor Transformer::experts(const Tensor& h, int64_t l) const {
   const Tensor grouped_weight = ops::embedding(capacity ? with_zero_row(pair_weights) : pair_weights, r.grouped_pair);
   const Tensor weighted = ops::mul(outputs, grouped_weight);
   const Tensor by_pair = ops::embedding(capacity ? with_zero_row(weighted) : weighted, r.pair_position);  // (N*k, C)
-  const Tensor out = ops::reshape(ops::sum(ops::reshape(by_pair, {N, k, C}), {1}), {B, T, C});
+  Tensor out = ops::reshape(ops::sum(ops::reshape(by_pair, {N, k, C}), {1}), {B, T, C});
+  if ((router_losses_.balance > 0 || router_losses_.z > 0) && autograd::grad_enabled())
+    out = with_router_losses(out, logits, probs, r.load);
   return tp_ops_ ? tp_ops_->out_of_row_parallel(out) : out;
+}
+
+namespace {
+
+// z = 1/N sum_n lse_n^2 over logits (N, E), lse_n = log sum_e exp z_ne;
+// dz/dz_ne = 2 lse_n softmax(z)_ne / N.
+struct RouterZLoss {
+  static constexpr const char* kName = "router_z_loss";
+  struct Context : autograd::Context {};  // saved: logits; kept: lse (f64)
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    const Tensor logits = ctx.saved(0), lse = ctx.saved(1);
+    const int64_t N = logits.shape()[0], E = logits.shape()[1];
+    Tensor d = Tensor::empty({N, E}, DType::F32, logits.device(), current_owner("router_z_loss_grad"));
+    if (logits.device().is_meta()) return {d};
+    const double g = grads[0].item();
+    const float* z = logits.data<float>();
+    const double* l = lse.data<double>();
+    float* dp = d.data<float>();
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t e = 0; e < E; ++e)
+        dp[n * E + e] = static_cast<float>(g * 2 * l[n] * std::exp(z[n * E + e] - l[n]) / static_cast<double>(N));
+    return {d};
+  }
+};
+
+Tensor router_z_loss(const Tensor& logits_in) {
+  const Tensor logits = logits_in.contiguous();
+  const int64_t N = logits.shape()[0], E = logits.shape()[1];
+  TALLY_CHECK(logits.dtype() == DType::F32, "experts: the router z-loss reads fp32 logits, got ", logits.str());
+  Tensor loss = Tensor::empty({}, DType::F32, logits.device(), current_owner("router_z_loss"));
+  Tensor lse = Tensor::empty({N}, DType::F64, logits.device(), current_owner("router_z_loss_lse"));
+  if (!logits.device().is_meta()) {
+    const float* z = logits.data<float>();
+    double* l = lse.data<double>();
+    double total = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      const float* row = z + n * E;
+      const double m = *std::max_element(row, row + E);
+      double sum = 0;
+      for (int64_t e = 0; e < E; ++e) sum += std::exp(row[e] - m);
+      l[n] = m + std::log(sum);
+      total += l[n] * l[n];
+    }
+    loss.data<float>()[0] = static_cast<float>(total / static_cast<double>(N));
+  }
+  if (autograd::needs_graph({logits_in})) {
+    auto ctx = std::make_unique<RouterZLoss::Context>();
+    ctx->save_for_backward({logits});
+    ctx->keep(lse);
+    autograd::record<RouterZLoss>(std::move(ctx), {logits}, {loss});
+  }
+  return loss;
+}
+
+// An identity on x whose backward also seeds `loss` with `weight` (d objective / d loss):
+// a loss made inside the model joins the objective where the model runs.
+struct SeedLoss {
+  static constexpr const char* kName = "seed_router_loss";
+  struct Context : autograd::Context {
+    double weight = 0;
+  };
+  static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
+    return {grads[0], Tensor::full({}, ctx.weight, DType::F32, grads[0].device())};
+  }
+};
+
+Tensor seeded(const Tensor& x, const Tensor& loss, double weight) {
+  if (!autograd::needs_graph({x, loss})) return x;
+  Tensor out = x.detach();  // the same values, a fresh tensor for the seed's output
+  auto ctx = std::make_unique<SeedLoss::Context>();
+  ctx->weight = weight;
+  autograd::record<SeedLoss>(std::move(ctx), {x, loss}, {out});
+  return out;
+}
+
+}  // namespace
+
+// Under tensor parallel every rank routes the same tokens and computes the same losses,
+// and their gradients are summed over the group (the router's, and the layer input's in
+// the column-parallel input's backward): each rank seeds 1 / T of them.
+Tensor Transformer::with_router_losses(const Tensor& out, const Tensor& logits, const Tensor& probs,
+                                       const std::vector<int64_t>& load) const {
+  const int64_t N = probs.shape()[0], E = config_.n_experts, k = config_.experts_per_token;
+  const double share = 1.0 / (tp_ops_ ? tp_ops_->size() : 1);
+  Tensor x = out;
+  OwnerScope scope("router_loss");
+  if (router_losses_.balance > 0) {
+    std::vector<float> count(load.begin(), load.end());
+    Tensor counts = Tensor::empty({E}, DType::F32, probs.device(), make_owner(Category::Activation, "moe.router_counts"));
+    if (!counts.device().is_meta()) std::copy(count.begin(), count.end(), counts.data<float>());
+    const double n = static_cast<double>(N);
+    const Tensor balance = ops::scale(ops::sum(ops::mul(ops::sum(probs, {0}), counts)),
+                                      static_cast<double>(E) / (n * n * static_cast<double>(k)));
+    if (!balance.device().is_meta()) router_loss_values_.balance += balance.item();
+    x = seeded(x, balance, router_losses_.balance * share);
+  }
+  if (router_losses_.z > 0) {
+    const Tensor z = router_z_loss(logits);
+    if (!z.device().is_meta()) router_loss_values_.z += z.item();
+    x = seeded(x, z, router_losses_.z * share);
+  }
+  return x;
+}
+
+Transformer::RouterLosses Transformer::take_router_loss_values() const {
+  const RouterLosses values = router_loss_values_;
+  router_loss_values_ = {};
+  return values;
 }
 
 // This shard's experts over their blocks of `rows` (count[j] rows for local expert j, one

@@ -394,7 +394,29 @@ class Transformer {
   // Rows each expert takes of a microbatch of `tokens` tokens (0: dropless).
   int64_t expert_capacity(int64_t tokens) const;
 
+  // Router losses each sparse layer adds to the objective on the tokens it routes, times
+  // their coefficients (0: off), training options beside the model's own (HuggingFace's)
+  // load-balancing loss. Each joins the objective where its layer runs (its gradient is
+  // seeded in the layer's backward), so they work in pipeline stages and recomputed
+  // layers too. Per layer of N tokens, probabilities p (N, E) and router logits z:
+  //   balance = E / (N^2 k) * sum_e C_e S_e   (Switch's, Megatron-Core's aux_loss: C_e the
+  //             choices of e, S_e the sum of its probabilities; 1 when perfectly even)
+  //   z       = 1/N * sum_n (log sum_e exp z_ne)^2   (ST-MoE's router z-loss)
+  struct RouterLosses {
+    double balance = 0, z = 0;
+  };
+  void set_router_losses(RouterLosses coefficients) { router_losses_ = coefficients; }
+  // The sums over the sparse layers of each loss's value (before its coefficient) in the
+  // forwards that trained since the last call (a recomputed layer counts once); clears them.
+  RouterLosses take_router_loss_values() const;
+
  private:
+  RouterLosses router_losses_;
+  mutable RouterLosses router_loss_values_;
+  // The layer's output `out`, with balance and z-loss (N routed tokens of logits and
+  // probabilities, `load` choices per expert) seeded in its backward.
+  Tensor with_router_losses(const Tensor& out, const Tensor& logits, const Tensor& probs,
+                            const std::vector<int64_t>& load) const;
 };
 
 }  // namespace tally::nn

@@ -58,14 +58,19 @@ Settings run_recipe(const TrainConfig& c, const dist::World& world) {
           {"--seed", std::to_string(c.seed)},
           {"--shuffle", c.data.shuffle ? "on" : "off"},
           {"--dtype", c.compute.dtype == DType::BF16 ? "bf16" : "fp32"},
-          {"--moe-capacity-factor", exact(c.compute.moe_capacity_factor)}};
+          {"--moe-capacity-factor", exact(c.compute.moe_capacity_factor)},
+          {"--moe-balance-loss-coef", exact(c.compute.moe_balance_loss_coef)},
+          {"--moe-z-loss-coef", exact(c.compute.moe_z_loss_coef)}};
 }
 
 // Checkpoints older than saved recipes have none and compare equal. A setting added to
 // the recipe later is missing from the recipes saved before it, which ran with its old
 // behaviour: it compares as that value (--shuffle: off).
 std::string recipe_changes(const Settings& saved, const Settings& now) {
-  static const Settings added_later = {{"--shuffle", "off"}, {"--moe-capacity-factor", "0"}};
+  static const Settings added_later = {{"--shuffle", "off"},
+                                       {"--moe-capacity-factor", "0"},
+                                       {"--moe-balance-loss-coef", "0"},
+                                       {"--moe-z-loss-coef", "0"}};
   std::string out;
   for (const auto& [name, value] : now) {
     const std::string* was = nullptr;

@@ -84,6 +84,8 @@ struct ComputeConfig {
   bool chunked_loss = false;      // the head and the loss fused in chunks: the logits never all live
   nn::Recompute recompute = nn::Recompute::None;
   double moe_capacity_factor = 0;  // --moe-capacity-factor: experts' capacity (0: dropless)
+  double moe_balance_loss_coef = 0;  // --moe-balance-loss-coef: each sparse layer's Switch balance loss (0: off)
+  double moe_z_loss_coef = 0;        // --moe-z-loss-coef: each sparse layer's router z-loss (0: off)
   int threads = 0;                // 0: OpenMP's default
   bool profile_ops = false;       // time every kernel; the step line and the JSONL row get the table
 };

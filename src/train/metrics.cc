@@ -229,7 +229,11 @@ const StepMetrics& Metrics::end_step(int64_t step, double loss, double grad_norm
   m.expert_load_min = engine_.expert_load().min;
   m.expert_load_max = engine_.expert_load().max;
   m.expert_dropped = engine_.expert_load().dropped;
-  if (m.aux_loss >= 0) m.ce_loss = m.loss - engine_.model().config().router_aux_loss_coef * m.aux_loss;
+  const ComputeConfig& k = c_.compute;
+  if (k.moe_balance_loss_coef > 0) m.balance_loss = engine_.router_losses().balance;
+  if (k.moe_z_loss_coef > 0) m.z_loss = engine_.router_losses().z;
+  m.ce_loss = m.loss - std::max(0.0, engine_.model().config().router_aux_loss_coef * m.aux_loss) -
+              k.moe_balance_loss_coef * std::max(0.0, m.balance_loss) - k.moe_z_loss_coef * std::max(0.0, m.z_loss);
   if (c_.compute.profile_ops) m.ops = profiler::take();
   measure_pipeline(m);
   tokens_seen_ += tokens_per_step_;
@@ -312,10 +316,11 @@ void Metrics::start_row(const StepMetrics& m) {
   if (world_.ep() > 1) j["ep_payload_bytes"] = m.ep_payload_bytes, j["ep_comm_s"] = m.ep_comm_s;
   if (m.expert_load_max >= 0)  // over the sparse layers' experts, every rank's tokens
     j["expert_load"] = {{"min", m.expert_load_min}, {"max", m.expert_load_max}, {"dropped", m.expert_dropped}};
-  if (m.aux_loss >= 0) {  // `loss` is the objective: the cross-entropy plus the router's loss times its coefficient
-    j["ce_loss"] = m.ce_loss;
-    j["aux_loss"] = m.aux_loss;
-  }
+  // `loss` is the objective: the cross-entropy plus each router loss times its coefficient.
+  if (m.aux_loss >= 0 || m.balance_loss >= 0 || m.z_loss >= 0) j["ce_loss"] = m.ce_loss;
+  if (m.aux_loss >= 0) j["aux_loss"] = m.aux_loss;
+  if (m.balance_loss >= 0) j["balance_loss"] = m.balance_loss;
+  if (m.z_loss >= 0) j["z_loss"] = m.z_loss;
   if (c_.compute.profile_ops) {
     // {"forward": {"ms": 452.1, "kernels": {"gemm": {"ms": 301.2, "calls": 49, "gflop": 42.5}, ...}}, ...}
     nlohmann::json phases = nlohmann::json::object();

@@ -46,7 +46,9 @@ struct StepMetrics {
   int64_t ep_payload_bytes = 0;          // expert parallel: bytes rank 0 sent by all-to-all this step
   double ep_comm_s = 0;                  // expert parallel: seconds those all-to-alls ran (rank 0)
   double aux_loss = -1;                  // the router's load-balancing loss (negative: the model adds none)
-  double ce_loss = 0;                    // with it: the cross-entropy part of `loss`
+  double balance_loss = -1;              // --moe-balance-loss-coef's loss over the sparse layers (negative: off)
+  double z_loss = -1;                    // --moe-z-loss-coef's loss over the sparse layers (negative: off)
+  double ce_loss = 0;                    // with any of them: the cross-entropy part of `loss`
   int64_t expert_load_min = -1, expert_load_max = -1;  // choices one expert of one layer took (-1: no experts)
   int64_t expert_dropped = 0;  // (token, expert) pairs dropped past the experts' capacity (--moe-capacity-factor)
   int64_t pp_sent_bytes = 0;             // pipeline: activation and gradient bytes rank 0 sent this step

@@ -31,6 +31,7 @@ dist::EngineConfig engine_config(const TrainConfig& c, const nn::TransformerConf
   e.pp_last_stage_layers = c.parallel.pp_last_stage_layers;
   e.recompute = c.compute.recompute;
   e.expert_capacity_factor = c.compute.moe_capacity_factor;
+  e.router_losses = {c.compute.moe_balance_loss_coef, c.compute.moe_z_loss_coef};
   e.matmul_dtype = c.compute.dtype;
   e.chunked_loss = c.compute.chunked_loss;
   e.device = c.compute.device;
