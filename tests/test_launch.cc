@@ -677,10 +677,13 @@ TEST(Launch, PlanRunsTheDryRunForEachPipelineStage) {
   EXPECT_EQ(j["dry_runs"][1]["stage"], 1);
   EXPECT_GT(j["dry_runs"][1]["peak_bytes"].get<int64_t>(), 0);
   EXPECT_EQ(j["dry_run"]["rank"], 0);
-  // ZeRO's shards are stood in for; tensor parallel is not: the formulas alone there.
+  // ZeRO's shards are stood in for, and so are tensor-parallel ranks (stage 1's first is
+  // rank 2 of tp 2 x pp 2).
   EXPECT_NE(run(plan + " --zero 1").output.find("rank 2 (pipeline stage 1)"), std::string::npos);
   const std::string tp = std::string(TALLY_CLI) + " plan --model d2 --world 4 --tp 2 --pp 2 --seq-len 64 --grad-accum 2";
-  EXPECT_EQ(run(tp).output.find("dry run"), std::string::npos);
+  const Outcome tp_plan = run(tp);
+  EXPECT_NE(tp_plan.output.find("dry run (the real steps on the meta device), rank 2 (pipeline stage 1)"),
+            std::string::npos) << tp_plan.output;
 }
 
 // A GPU run planned on any machine: cuBLASLt's 32 MiB workspace is part of its peak (the

@@ -232,7 +232,7 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForZeroInOneProcess) {
   }
 }
 
-// What the dry run does not stand in for yet, it names rather than planning it wrong.
+// What the dry run does not stand in for yet (a GPU), it names rather than planning it wrong.
 TEST(Plan, TheDryRunNamesTheLayoutsItDoesNotStandInFor) {
   train::TrainConfig c;
   c.model.preset = "d1";
@@ -245,17 +245,19 @@ TEST(Plan, TheDryRunNamesTheLayoutsItDoesNotStandInFor) {
     }
     return std::string("(ran)");
   };
-  c.parallel.tp = 2;
-  EXPECT_NE(refusal(2).find("the dry run does not stand in for tensor parallel yet (--tp 2)"), std::string::npos)
-      << refusal(2);
-  c.parallel.tp = 1;
   c.compute.device = Device::cuda();
   EXPECT_NE(refusal().find("the dry run stands in for the CPU, not --device cuda:0"), std::string::npos) << refusal();
-  // And it leaves nothing behind on the meta device.
+  // It stands in for a tensor-parallel rank too, and leaves nothing behind on the meta
+  // device either way.
   c.compute.device = Device::cpu();
   c.batch.batch_size = 1;
   c.batch.seq_len = 8;
   train::dry_run(c, mc, true);
+  EXPECT_EQ(runtime::ledger(Device::meta()).stats().allocated, 0);
+  c.model.preset = "d2";  // two heads
+  c.parallel.tp = 2;
+  c.parallel.sequence_parallel = true;
+  train::dry_run(c, nn::TransformerConfig::preset("d2"), true, 2, 1);
   EXPECT_EQ(runtime::ledger(Device::meta()).stats().allocated, 0);
 }
 

@@ -163,7 +163,7 @@ int run_plan(const PlanArgs& a) {
   // Where it can, the dry run also runs the steps on the meta device: once for each rank
   // whose steps differ (each pipeline stage).
   std::vector<train::DryRun> dry;
-  if (train::dry_run_refusal(c, world).empty())
+  if (train::dry_run_refusal(c).empty())
     for (int rank : train::dry_run_roles(c, world)) dry.push_back(train::dry_run(c, model, validates, world, rank));
   if (a.json) {
     std::printf("%s\n", train::plan_json(plan, dry).c_str());

@@ -105,6 +105,9 @@ class Communicator {
   std::vector<int64_t> exchange_counts(const std::vector<int64_t>& counts);
 
   // ---- scalars, for metrics and agreement
+  // Where a scalar collective's buffer lives: the host, or for a dry run's stand-in the
+  // meta device, so that the dry run's ledger counts its bytes as the real run's does.
+  virtual Device scalar_device() const { return Device::cpu(); }
   double all_reduce_scalar(double value, ReduceOp op);
   std::vector<double> all_gather_scalar(double value);
 };

@@ -13,9 +13,11 @@ namespace tally::dist {
 
 namespace {
 
-// A fresh tensor for a tensor-parallel op's result, owned by the current module path.
-Tensor output(const Shape& shape, DType dtype, const char* what) {
-  return Tensor::empty(shape, dtype, Device::cpu(), current_owner(what));
+// A fresh tensor for a tensor-parallel op's result, owned by the current module path, on
+// the device of its input: the CPU, or the meta device of a dry run, where the ops make
+// the tensors the real run makes and compute nothing.
+Tensor output(const Shape& shape, DType dtype, Device device, const char* what) {
+  return Tensor::empty(shape, dtype, device, current_owner(what));
 }
 
 // The four mappings share one shape: forward runs one raw collective, backward its
@@ -79,10 +81,12 @@ struct VocabEmbedding {
   static std::vector<Tensor> backward(Context& ctx, std::vector<Tensor>& grads) {
     Tensor tokens = ctx.saved(0);
     Tensor g = grads[0].is_contiguous() ? grads[0] : ops::contiguous(grads[0]);
-    TALLY_CHECK(g.dtype() == DType::F32 && g.device().is_cpu(), "vocabulary-parallel embedding: backward takes an fp32 CPU gradient, got ", g.str());
+    TALLY_CHECK(g.dtype() == DType::F32 && (g.device().is_cpu() || g.device().is_meta()),
+                "vocabulary-parallel embedding: backward takes an fp32 CPU gradient, got ", g.str());
     const autograd::GradSink sink = ctx.grad_sink(0, DType::F32);
-    Tensor dw = sink ? sink.buffer : Tensor::zeros({ctx.rows, ctx.width}, g.dtype(), Device::cpu(), current_owner("vocab_embedding_grad"));
+    Tensor dw = sink ? sink.buffer : Tensor::zeros({ctx.rows, ctx.width}, g.dtype(), g.device(), current_owner("vocab_embedding_grad"));
     if (sink.overwrite) dw.fill_(0.0);  // the loop adds: rows no token of this block hit must read zero
+    if (g.device().is_meta()) return {sink ? Tensor() : dw, Tensor()};
     const int32_t* ids = tokens.data<int32_t>();
     const float* gp = g.data<float>();
     float* dp = dw.data<float>();
@@ -124,8 +128,9 @@ struct VocabCrossEntropy {
     const int64_t N = logits.shape()[0], V = logits.shape()[1];
     // The gradient in the logits' dtype: bf16 logits (mixed precision) get a bf16 gradient,
     // each element computed in fp64 and rounded to fp32, then to bf16.
-    Tensor dl = Tensor::empty({N, V}, logits.dtype(), Device::cpu(), current_owner("vocab_cross_entropy_grad"));
+    Tensor dl = Tensor::empty({N, V}, logits.dtype(), logits.device(), current_owner("vocab_cross_entropy_grad"));
     const double scale = grads[0].item() / static_cast<double>(std::max<int64_t>(ctx.counted, 1));
+    if (logits.device().is_meta()) return {dl, Tensor()};  // (item() made the host copy a real run makes)
     const int32_t* tp = targets.data<int32_t>();
     const double* lsep = lse.data<double>();
     with_logits(logits, [&](const auto* lp) {
@@ -154,7 +159,7 @@ struct VocabCrossEntropy {
 }  // namespace
 
 Tensor TensorParallel::all_reduced(const Tensor& x) {
-  Tensor out = output(x.shape(), x.dtype(), "tp_all_reduce");
+  Tensor out = output(x.shape(), x.dtype(), x.device(), "tp_all_reduce");
   out.copy_(x);
   group_.all_reduce(out);
   return out;
@@ -164,10 +169,10 @@ Tensor TensorParallel::gather_sequence(const Tensor& x) {
   TALLY_CHECK(x.dim() == 3, "sequence parallel: expected (B, T/tp, C), got ", x.str());
   const int64_t n = size(), B = x.shape()[0], Ts = x.shape()[1], C = x.shape()[2];
   Tensor in = x.is_contiguous() ? x : ops::contiguous(x);
-  Tensor blocks = Tensor::empty({n, B, Ts, C}, x.dtype(), Device::cpu(), make_owner(Category::Communication, "comm:sp_all_gather"));
+  Tensor blocks = Tensor::empty({n, B, Ts, C}, x.dtype(), x.device(), make_owner(Category::Communication, "comm:sp_all_gather"));
   group_.all_gather(blocks, in);
   // (tp, B, Ts, C) -> (B, tp, Ts, C) = (B, T, C)
-  Tensor out = output({B, n * Ts, C}, x.dtype(), "sp_all_gather");
+  Tensor out = output({B, n * Ts, C}, x.dtype(), x.device(), "sp_all_gather");
   out.view({B, n, Ts, C}).copy_(blocks.permute({1, 0, 2, 3}));
   return out;
 }
@@ -178,9 +183,9 @@ Tensor TensorParallel::reduce_scatter_sequence(const Tensor& x) {
   TALLY_CHECK(T % n == 0, "sequence parallel: the sequence length ", T, " must divide into ", n, " tensor-parallel ranks");
   const int64_t Ts = T / n;
   // (B, T, C) = (B, tp, Ts, C) -> (tp, B, Ts, C): rank r's block is its slice of every row.
-  Tensor blocks = Tensor::empty({n, B, Ts, C}, x.dtype(), Device::cpu(), make_owner(Category::Communication, "comm:sp_reduce_scatter"));
+  Tensor blocks = Tensor::empty({n, B, Ts, C}, x.dtype(), x.device(), make_owner(Category::Communication, "comm:sp_reduce_scatter"));
   blocks.copy_(x.reshape({B, n, Ts, C}).permute({1, 0, 2, 3}));
-  Tensor out = output({B, Ts, C}, x.dtype(), "sp_reduce_scatter");
+  Tensor out = output({B, Ts, C}, x.dtype(), x.device(), "sp_reduce_scatter");
   group_.reduce_scatter(out, blocks);
   return out;
 }
@@ -193,19 +198,15 @@ Tensor TensorParallel::out_of_row_parallel(const Tensor& x) {
   return mapped(*this, sequence_parallel_ ? Mapping::ScatterOut : Mapping::ReduceOut, x);
 }
 
-Tensor TensorParallel::vocab_parallel_embedding(const Tensor& weight_shard, const Tensor& tokens, int64_t vocab_start) {
-  TALLY_CHECK(weight_shard.dim() == 2 && weight_shard.dtype() == DType::F32 && weight_shard.is_contiguous(),
-              "vocab-parallel embedding: weight must be contiguous float32 (V/tp, C), got ", weight_shard.str());
-  TALLY_CHECK(tokens.dtype() == DType::I32, "vocab-parallel embedding: tokens must be int32, got ", tokens.str());
+namespace {
+// out (n, C): the rows of `weight_shard` (vocabulary ids vocab_start ..) for the ids in
+// its block, zeros for the others (the group's size: `ranks`).
+void fill_vocab_rows(const Tensor& out, const Tensor& ids, const Tensor& weight_shard, int64_t vocab_start, int ranks) {
   const int64_t rows = weight_shard.shape()[0], C = weight_shard.shape()[1];
-  Tensor ids = tokens.is_contiguous() ? tokens : ops::contiguous(tokens);
-  Shape shape = tokens.shape();
-  shape.push_back(C);
-  Tensor out = output(shape, DType::F32, "vocab_parallel_embedding");
   const int32_t* ip = ids.data<int32_t>();
   const float* wp = weight_shard.data<float>();
   float* op = out.data<float>();
-  const int64_t n = ids.numel(), vocab = rows * size();
+  const int64_t n = ids.numel(), vocab = rows * ranks;
   for (int64_t i = 0; i < n; ++i)
     TALLY_CHECK(ip[i] >= 0 && ip[i] < vocab, "vocab-parallel embedding: token ", ip[i], " at position ", i,
                 " is outside the vocabulary [0, ", vocab, ")");
@@ -220,6 +221,19 @@ Tensor TensorParallel::vocab_parallel_embedding(const Tensor& weight_shard, cons
       for (int64_t j = 0; j < C; ++j) d[j] = s[j];
     }
   }
+}
+}  // namespace
+
+Tensor TensorParallel::vocab_parallel_embedding(const Tensor& weight_shard, const Tensor& tokens, int64_t vocab_start) {
+  TALLY_CHECK(weight_shard.dim() == 2 && weight_shard.dtype() == DType::F32 && weight_shard.is_contiguous(),
+              "vocab-parallel embedding: weight must be contiguous float32 (V/tp, C), got ", weight_shard.str());
+  TALLY_CHECK(tokens.dtype() == DType::I32, "vocab-parallel embedding: tokens must be int32, got ", tokens.str());
+  const int64_t rows = weight_shard.shape()[0], C = weight_shard.shape()[1];
+  Tensor ids = tokens.is_contiguous() ? tokens : ops::contiguous(tokens);
+  Shape shape = tokens.shape();
+  shape.push_back(C);
+  Tensor out = output(shape, DType::F32, weight_shard.device(), "vocab_parallel_embedding");
+  if (!out.device().is_meta()) fill_vocab_rows(out, ids, weight_shard, vocab_start, size());
   if (autograd::needs_graph({weight_shard})) {
     auto ctx = std::make_unique<VocabEmbedding::Context>();
     ctx->vocab_start = vocab_start;
@@ -230,6 +244,7 @@ Tensor TensorParallel::vocab_parallel_embedding(const Tensor& weight_shard, cons
   }
   return out;
 }
+
 
 Tensor TensorParallel::vocab_parallel_cross_entropy(const Tensor& logits_shard, const Tensor& targets,
                                                      int64_t vocab_start, int64_t vocab_size) {
@@ -242,46 +257,54 @@ Tensor TensorParallel::vocab_parallel_cross_entropy(const Tensor& logits_shard, 
   Tensor tgt = targets.is_contiguous() ? targets : ops::contiguous(targets);
   const int64_t N = logits.shape()[0], V = logits.shape()[1];
   const int64_t valid = std::clamp<int64_t>(vocab_size - vocab_start, 0, V);  // the rest is padding
-  const int32_t* tp = tgt.data<int32_t>();
-  for (int64_t i = 0; i < N; ++i)
+  const bool values = !logits.device().is_meta();  // a dry run: the same tensors, no arithmetic
+  const int32_t* tp = values ? tgt.data<int32_t>() : nullptr;
+  for (int64_t i = 0; values && i < N; ++i)
     TALLY_CHECK(tp[i] < vocab_size, "vocab-parallel cross-entropy: target ", tp[i], " in row ", i,
                 " is outside the vocabulary [0, ", vocab_size, ") (negative targets are ignored)");
-  Tensor row_max = Tensor::empty({N}, DType::F64, Device::cpu(), current_owner("vocab_ce_stats"));
-  Tensor sums = Tensor::empty({2, N}, DType::F64, Device::cpu(), current_owner("vocab_ce_stats"));
-  double* mp = row_max.data<double>();
-  double* sp = sums.data<double>();
-  with_logits(logits, [&](const auto* lp) {
-    // Row maxima over the group.
+  Tensor row_max = Tensor::empty({N}, DType::F64, logits.device(), current_owner("vocab_ce_stats"));
+  Tensor sums = Tensor::empty({2, N}, DType::F64, logits.device(), current_owner("vocab_ce_stats"));
+  double* mp = values ? row_max.data<double>() : nullptr;
+  double* sp = values ? sums.data<double>() : nullptr;
+  if (values) {
+    with_logits(logits, [&](const auto* lp) {
 #pragma omp parallel for
-    for (int64_t i = 0; i < N; ++i) {
-      double m = -std::numeric_limits<double>::infinity();
-      for (int64_t j = 0; j < valid; ++j) m = std::max(m, as_double(lp[i * V + j]));
-      mp[i] = m;
-    }
-    group_.all_reduce(row_max, ReduceOp::Max);
-    // Sums of exponentials and the target's logit (from the rank that holds it): one all-reduce.
-#pragma omp parallel for
-    for (int64_t i = 0; i < N; ++i) {
-      double s = 0;
-      for (int64_t j = 0; j < valid; ++j) s += std::exp(as_double(lp[i * V + j]) - mp[i]);
-      sp[i] = s;
-      const int64_t t = static_cast<int64_t>(tp[i]) - vocab_start;
-      sp[N + i] = tp[i] >= 0 && t >= 0 && t < valid ? as_double(lp[i * V + t]) : 0.0;
-    }
-  });
-  group_.all_reduce(sums);
-  Tensor lse = Tensor::empty({N}, DType::F64, Device::cpu(), current_owner("vocab_ce_lse"));
-  double* lsep = lse.data<double>();
-  double total = 0;
-  int64_t counted = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    lsep[i] = mp[i] + std::log(sp[i]);
-    if (tp[i] < 0) continue;
-    total += lsep[i] - sp[N + i];
-    ++counted;
+      for (int64_t i = 0; i < N; ++i) {
+        double m = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < valid; ++j) m = std::max(m, as_double(lp[i * V + j]));
+        mp[i] = m;
+      }
+    });
   }
-  Tensor loss = output({}, DType::F32, "vocab_parallel_cross_entropy");
-  loss.data<float>()[0] = static_cast<float>(total / static_cast<double>(std::max<int64_t>(counted, 1)));
+  group_.all_reduce(row_max, ReduceOp::Max);  // row maxima over the group
+  if (values) {
+    // Sums of exponentials and the target's logit (from the rank that holds it): one all-reduce.
+    with_logits(logits, [&](const auto* lp) {
+#pragma omp parallel for
+      for (int64_t i = 0; i < N; ++i) {
+        double s = 0;
+        for (int64_t j = 0; j < valid; ++j) s += std::exp(as_double(lp[i * V + j]) - mp[i]);
+        sp[i] = s;
+        const int64_t t = static_cast<int64_t>(tp[i]) - vocab_start;
+        sp[N + i] = tp[i] >= 0 && t >= 0 && t < valid ? as_double(lp[i * V + t]) : 0.0;
+      }
+    });
+  }
+  group_.all_reduce(sums);
+  Tensor lse = Tensor::empty({N}, DType::F64, logits.device(), current_owner("vocab_ce_lse"));
+  Tensor loss = output({}, DType::F32, logits.device(), "vocab_parallel_cross_entropy");
+  int64_t counted = 0;
+  if (values) {
+    double* lsep = lse.data<double>();
+    double total = 0;
+    for (int64_t i = 0; i < N; ++i) {
+      lsep[i] = mp[i] + std::log(sp[i]);
+      if (tp[i] < 0) continue;
+      total += lsep[i] - sp[N + i];
+      ++counted;
+    }
+    loss.data<float>()[0] = static_cast<float>(total / static_cast<double>(std::max<int64_t>(counted, 1)));
+  }
   if (autograd::needs_graph({logits_shard})) {
     auto ctx = std::make_unique<VocabCrossEntropy::Context>();
     ctx->vocab_start = vocab_start;
@@ -307,7 +330,7 @@ void sum_replicated_gradients(nn::Transformer& model, Communicator& tp_group, bo
     total += grads.back().numel();
   }
   if (total == 0) return;
-  Tensor packed = Tensor::empty({total}, grads[0].dtype(), Device::cpu(), make_owner(Category::Communication, "comm:sp_grad_sum"));
+  Tensor packed = Tensor::empty({total}, grads[0].dtype(), grads[0].device(), make_owner(Category::Communication, "comm:sp_grad_sum"));
   int64_t at = 0;
   for (const Tensor& g : grads) {
     packed.slice(0, at, at + g.numel()).copy_(g.reshape({-1}));

@@ -46,12 +46,13 @@ struct DryRun {
 DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bool validates, int64_t world_size = 1,
                int rank = 0);
 // The ranks whose steps differ in shape, one dry run each: the first rank of every pipeline
-// stage (the data- and context-parallel ranks of a stage make the same allocations).
+// stage (the data-, context- and tensor-parallel ranks of a stage make the same
+// allocations: each tensor-parallel rank holds an equal slice).
 std::vector<int> dry_run_roles(const TrainConfig& config, int64_t world_size);
 
-// Why the dry run does not stand in for a run of `config` on `world` ranks, or "" when it
-// does (today: on the CPU, without tensor parallel over several ranks).
-std::string dry_run_refusal(const TrainConfig& config, int64_t world);
+// Why the dry run does not stand in for a run of `config`, or "" when it does (today: on
+// the CPU).
+std::string dry_run_refusal(const TrainConfig& config);
 
 // The dry run as `tally plan` prints it: each step's peak, and at the run's peak the bytes
 // of each kind of memory and the largest owners.

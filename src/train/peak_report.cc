@@ -40,7 +40,7 @@ PeakReport::PeakReport(const TrainConfig& c, const dist::World& world, const dis
   if (dropless_experts) {
     unplanned_ = "the plan's formulas leave the experts out; `tally plan` runs this step on the meta device, experts "
                  "included (exact at a --moe-capacity-factor)";
-  } else if ((c.parallel.cp > 1 || model.n_experts > 0) && dry_run_refusal(c, world.size()).empty()) {
+  } else if ((c.parallel.cp > 1 || model.n_experts > 0) && dry_run_refusal(c).empty()) {
     const DryRun dry = dry_run(c, model, validates, world.size(), world.rank());
     planned_peak_ = dry.steps.empty() ? 0 : dry.steps.back().peak_bytes;
     rank_planned_peaks_.clear();
