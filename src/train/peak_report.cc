@@ -31,16 +31,16 @@ PeakReport::PeakReport(const TrainConfig& c, const dist::World& world, const dis
   planned_peak_ = mine.predicted_peak_bytes;
   parts_ = mine.parts;
   notes_ = plan.notes;
-  // The formulas have no experts and no context parallelism. Context parallel's steps, and
-  // experts at a capacity (every shape fixed), are planned by the dry run standing in for
-  // each rank (train/dry_run.h), its steady step's peak; where it cannot stand in, and for
-  // dropless experts, the plan says what it leaves out rather than warn (tally plan's dry
-  // run runs dropless experts at a declared routing bound).
+  // The peak is planned by the dry run standing in for each rank (train/dry_run.h), its
+  // steady step's peak, wherever it stands in (the CPU); the formulas above give the parts
+  // and the set-up, and plan a GPU, but they have no experts and no context parallelism.
+  // Dropless experts are planned at a declared routing bound only (`tally plan` says so):
+  // the plan says what it leaves out rather than warn.
   const bool dropless_experts = model.n_experts > 0 && c.compute.moe_capacity_factor == 0;
   if (dropless_experts) {
     unplanned_ = "the plan's formulas leave the experts out; `tally plan` runs this step on the meta device, experts "
                  "included (exact at a --moe-capacity-factor)";
-  } else if ((c.parallel.cp > 1 || model.n_experts > 0) && dry_run_refusal(c).empty()) {
+  } else if (dry_run_refusal(c).empty()) {
     const DryRun dry = dry_run(c, model, validates, world.size(), world.rank());
     planned_peak_ = dry.steps.empty() ? 0 : dry.steps.back().peak_bytes;
     rank_planned_peaks_.clear();
