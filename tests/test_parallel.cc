@@ -340,7 +340,7 @@ TEST(ExpertParallelLayouts, MoeMatchesOneProcessWithFlatMemory) {
                                     with_ep({2, 1, 2, "1f1b"}, 2), with_ep({2, 1, 1, "1f1b", 1, false, 1}, 2),
                                     with_ep({4, 1, 1, "1f1b", 1, false, 1}, 2), with_ep({2, 2, 1}, 2),
                                     with_ep({2, 2, 1, "1f1b", 1, true, 1}, 2), with_ep({4, 2, 1}, 4),
-                                    with_ep({4, 1, 2, "1f1b"}, 4)};
+                                    with_ep({4, 1, 2, "1f1b"}, 4), with_ep({8, 1, 1, "1f1b", 1, false, 1}, 4)};
   bool ran = false;
   for (const Layout& l : some) {
     if (l.world() != world_size()) continue;
