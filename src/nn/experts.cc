@@ -116,6 +116,15 @@ Routing route(const Tensor& probs, int64_t k, int64_t capacity) {
   return r;
 }
 
+// Each expert's choices (E) as fp32, a factor of the balance losses (no values on the meta
+// device).
+Tensor choice_counts(const std::vector<int64_t>& count, Device device) {
+  Tensor t = Tensor::empty({static_cast<int64_t>(count.size())}, DType::F32, device,
+                           make_owner(Category::Activation, "moe.router_counts"));
+  if (!device.is_meta()) std::copy(count.begin(), count.end(), t.data<float>());
+  return t;
+}
+
 // A zero row appended to `t` (n, w): what padding rows and dropped pairs read.
 Tensor with_zero_row(const Tensor& t) {
   const Tensor zero = Tensor::zeros({1, t.shape()[1]}, t.dtype(), t.device(), make_owner(Category::Activation, "moe.capacity"));
@@ -256,9 +265,7 @@ Tensor Transformer::with_router_losses(const Tensor& out, const Tensor& logits, 
   Tensor x = out;
   OwnerScope scope("router_loss");
   if (router_losses_.balance > 0) {
-    std::vector<float> count(load.begin(), load.end());
-    Tensor counts = Tensor::empty({E}, DType::F32, probs.device(), make_owner(Category::Activation, "moe.router_counts"));
-    if (!counts.device().is_meta()) std::copy(count.begin(), count.end(), counts.data<float>());
+    const Tensor counts = choice_counts(load, probs.device());
     const double n = static_cast<double>(N);
     const Tensor balance = ops::scale(ops::sum(ops::mul(ops::sum(probs, {0}), counts)),
                                       static_cast<double>(E) / (n * n * static_cast<double>(k)));
@@ -381,17 +388,16 @@ Tensor Transformer::take_router_loss() const {
   // aux = E / R^2 * sum_e C_e S_e: C_e the choices of e, S_e the sum of its probabilities,
   // both over all R rows of all sparse layers.
   const int64_t E = config_.n_experts;
-  std::vector<float> count(static_cast<size_t>(E), 0.f);
+  std::vector<int64_t> count(static_cast<size_t>(E), 0);
   int64_t rows = 0;
   Tensor sum;
   for (const RouterRecord& record : router_records_) {
-    for (int64_t e = 0; e < E; ++e) count[static_cast<size_t>(e)] += static_cast<float>(record.count[static_cast<size_t>(e)]);
+    for (int64_t e = 0; e < E; ++e) count[static_cast<size_t>(e)] += record.count[static_cast<size_t>(e)];
     rows += record.tokens;
     sum = sum.defined() ? ops::add(sum, record.probability_sum) : record.probability_sum;
   }
   router_records_.clear();
-  Tensor counts = Tensor::empty({E}, DType::F32, sum.device(), make_owner(Category::Activation, "moe.router_counts"));
-  if (!counts.device().is_meta()) std::copy(count.begin(), count.end(), counts.data<float>());
+  const Tensor counts = choice_counts(count, sum.device());
   const double R = static_cast<double>(rows);
   return ops::scale(ops::sum(ops::mul(sum, counts)), static_cast<double>(E) / (R * R));
 }
