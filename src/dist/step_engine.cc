@@ -60,6 +60,9 @@ void StepEngine::build_model(const FillWeights& fill) {
   TALLY_CHECK(!router_losses || world_.cp() == 1, "--moe-balance-loss-coef / --moe-z-loss-coef with --cp ", world_.cp(),
               ": each is a function of a microbatch's routing, and each context-parallel rank routes only its part "
               "of the sequences; train without them or without --cp");
+  TALLY_CHECK(config_.model.router_aux_loss_coef == 0 || world_.cp() == 1, "--cp ", world_.cp(),
+              ": the load-balancing loss is a function of every token's routing in the batch, and each rank sees only "
+              "its part of the sequences; train without it (router_aux_loss_coef 0) or without --cp");
   // Built on the host (a dry run: on the meta device, which fills nothing).
   const Device built_on = config_.device.is_meta() ? config_.device : Device::cpu();
   model_ = std::make_unique<nn::Transformer>(config_.model, shard_of(world_.pp_rank(), world_.tp_rank(), world_.ep_rank()),
@@ -80,9 +83,6 @@ void StepEngine::build_model(const FillWeights& fill) {
     TALLY_CHECK(config_.device.runs_as() == DeviceType::CPU, "--cp ", world_.cp(),
                 ": context parallelism runs on the CPU (its collectives are MPI's); --device ", config_.device.str(),
                 " is not supported with it");
-    TALLY_CHECK(config_.model.router_aux_loss_coef == 0, "--cp ", world_.cp(),
-                ": the load-balancing loss is a function of every token's routing in the batch, and each rank sees only "
-                "its part of the sequences; train without it (router_aux_loss_coef 0) or without --cp");
     context_parallel_ = std::make_unique<ContextParallel>(world_.cp_group());
     model_->set_context_parallel(context_parallel_.get());
   }
@@ -173,13 +173,19 @@ double StepEngine::reduce_router_losses(double count) {
   const nn::Transformer::RouterLosses& k = config_.router_losses;
   if (k.balance <= 0 && k.z <= 0) return 0;
   const nn::Transformer::RouterLosses mine = model_->take_router_loss_values();
-  Tensor sums = Tensor::empty({2}, DType::F64, Device::cpu(), make_owner(Category::Communication, "moe.router_losses"));
-  sums.data<double>()[0] = mine.balance;
-  sums.data<double>()[1] = mine.z;
-  world_.replica_group().all_reduce(sums);
-  world_.pp_group().all_reduce(sums);
-  router_losses_ = {sums.data<double>()[0] / count, sums.data<double>()[1] / count};
+  const std::vector<double> sums = summed_over_replicas_and_stages({mine.balance, mine.z}, "moe.router_losses");
+  router_losses_ = {sums[0] / count, sums[1] / count};
   return k.balance * router_losses_.balance + k.z * router_losses_.z;
+}
+
+std::vector<double> StepEngine::summed_over_replicas_and_stages(const std::vector<double>& values,
+                                                                const char* owner) const {
+  Tensor t = Tensor::empty({static_cast<int64_t>(values.size())}, DType::F64, Device::cpu(),
+                           make_owner(Category::Communication, owner));
+  std::copy(values.begin(), values.end(), t.data<double>());
+  world_.replica_group().all_reduce(t);
+  world_.pp_group().all_reduce(t);
+  return t.to_vector<double>();
 }
 
 // Each rank counted its own tokens in its own stage's layers: summed over the replicas
@@ -191,14 +197,10 @@ void StepEngine::reduce_expert_load() {
   std::vector<int64_t> local = model_->take_expert_load();
   local.resize(static_cast<size_t>(sparse * c.n_experts), 0);
   local.push_back(model_->take_dropped_pairs());  // last: the pairs dropped past capacity
-  Tensor load = Tensor::empty({static_cast<int64_t>(local.size())}, DType::F64, Device::cpu(),
-                              make_owner(Category::Communication, "moe.expert_load"));
-  std::copy(local.begin(), local.end(), load.data<double>());
-  world_.replica_group().all_reduce(load);
-  world_.pp_group().all_reduce(load);
-  const double* d = load.data<double>();
-  const auto [lo, hi] = std::minmax_element(d, d + load.numel() - 1);
-  expert_load_ = {static_cast<int64_t>(*lo), static_cast<int64_t>(*hi), static_cast<int64_t>(d[load.numel() - 1])};
+  const std::vector<double> load =
+      summed_over_replicas_and_stages(std::vector<double>(local.begin(), local.end()), "moe.expert_load");
+  const auto [lo, hi] = std::minmax_element(load.begin(), load.end() - 1);
+  expert_load_ = {static_cast<int64_t>(*lo), static_cast<int64_t>(*hi), static_cast<int64_t>(load.back())};
 }
 
 // Microbatches one after another, each forward then backward: the loader's buffers are

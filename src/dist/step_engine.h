@@ -173,6 +173,8 @@ class StepEngine {
   nn::Transformer::RouterLosses router_losses_;
   // The router losses' share of the step's objective, from every rank's layers.
   double reduce_router_losses(double count);
+  // `values` summed over the replicas (data and context parallel) and the pipeline's stages.
+  std::vector<double> summed_over_replicas_and_stages(const std::vector<double>& values, const char* owner) const;
   ExpertLoad expert_load_;
   void reduce_expert_load();
 };
