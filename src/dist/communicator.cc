@@ -222,9 +222,10 @@ double Communicator::all_reduce_scalar(double value, ReduceOp op) {
 }
 
 std::vector<double> Communicator::all_gather_scalar(double value) {
-  Tensor in = Tensor::empty({1}, DType::F64, Device::cpu(), make_owner(Category::Communication, "comm:all_gather_scalar"));
+  Tensor in = Tensor::empty({1}, DType::F64, scalar_device(), make_owner(Category::Communication, "comm:all_gather_scalar"));
+  Tensor out = Tensor::empty({size()}, DType::F64, scalar_device(), make_owner(Category::Communication, "comm:all_gather"));
+  if (in.device().is_meta()) return std::vector<double>(static_cast<size_t>(size()), value);  // as all_reduce_scalar
   in.fill_(value);
-  Tensor out = Tensor::empty({size()}, DType::F64, Device::cpu(), make_owner(Category::Communication, "comm:all_gather"));
   all_gather(out, in);
   return out.to_vector<double>();
 }
