@@ -108,6 +108,38 @@ TEST(Ops, SumOverRowsIsRoundedOnceAndTheSameOnAnyThreadCount) {
     EXPECT_EQ(one[j], two[j]) << "column " << j << ": the thread count changed the sum";
 }
 
+TEST(Ops, SumOverAnyRunOfDimsMatchesTheSumOfEachElement) {
+  // Leading, middle and trailing runs of reduced dims (a sparse layer's (N, k, C) ->
+  // (N, 1, C) and its weights' (R, C) -> (R, 1) among them), a size-1 dim inside a run,
+  // nothing reduced, and two runs apart, threaded (the tensor has 2 x 2^15 elements) and
+  // not; on fp64, each output against its elements summed in order.
+  const Shape shape{8, 16, 1, 32, 16};
+  const Tensor x = test::random_tensor(shape, 91);
+  const std::vector<double> xs = x.to_vector<double>();
+  for (const std::vector<int64_t>& dims : std::vector<std::vector<int64_t>>{
+           {0}, {0, 1}, {1}, {1, 2, 3}, {3, 4}, {4}, {2}, {1, 3}, {0, 4}, {0, 1, 2, 3, 4}}) {
+    Shape keep = shape;
+    int64_t outputs = 1;
+    for (int64_t d : dims) keep[static_cast<size_t>(d)] = 1;
+    for (int64_t n : keep) outputs *= n;
+    std::vector<double> exact(static_cast<size_t>(outputs), 0.0);
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      int64_t rest = i, o = 0, stride = 1;
+      for (int64_t d = x.dim() - 1; d >= 0; --d) {
+        const int64_t at = rest % shape[d];
+        rest /= shape[d];
+        o += (keep[d] == 1 ? 0 : at) * stride;
+        stride *= keep[d];
+      }
+      exact[static_cast<size_t>(o)] += xs[static_cast<size_t>(i)];
+    }
+    const std::vector<double> got = ops::sum(x, dims, true).to_vector<double>();
+    ASSERT_EQ(got.size(), exact.size());
+    for (size_t j = 0; j < exact.size(); ++j)
+      ASSERT_NEAR(got[j], exact[j], 1e-12 * (1 + std::abs(exact[j]))) << "dims " << ::testing::PrintToString(dims) << ", output " << j;
+  }
+}
+
 TEST(OpsVsTorch, SumAll) {
   Tensor x = input("sum_all.x");
   check_case("sum_all", ops::sum(x), {{"x", x}});

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "runtime/cpu/kernels.h"
 #include "runtime/cpu/strided.h"
@@ -193,6 +194,28 @@ void add_inplace(const Tensor& dst, const Tensor& src, double alpha) {
   dst.storage().bump_version();
 }
 
+namespace {
+// A reduction of x to out's shape as (outer, reduced, inner): the dims out keeps before
+// one run of reduced dims, that run, and the kept dims after it (dims of size 1 go with
+// either). False when the reduced dims are not one run.
+struct ReductionBlocks {
+  int64_t outer = 1, reduced = 1, inner = 1;
+};
+bool one_reduced_run(const Shape& x, const Shape& out, ReductionBlocks& b) {
+  int run = 0;  // 0: before the run, 1: in it, 2: after it
+  for (size_t d = 0; d < x.size(); ++d) {
+    if (x[d] == 1) continue;
+    const bool reduced = out[d] == 1;
+    if (reduced && run == 2) return false;
+    if (reduced) run = 1;
+    else if (run == 1) run = 2;
+    (reduced ? b.reduced : run == 0 ? b.outer : b.inner) *= x[d];
+  }
+  if (run == 0) std::swap(b.outer, b.inner);  // nothing reduced: one row of all of it
+  return true;
+}
+}  // namespace
+
 void sum_into(const Tensor& out, const Tensor& x) {
   TALLY_CHECK(out.dim() == x.dim(), "sum_into: rank mismatch ", out.str(), " vs ", x.str());
   for (int64_t d = 0; d < x.dim(); ++d)
@@ -213,15 +236,11 @@ void sum_into(const Tensor& out, const Tensor& x) {
     Shape ocontig = contiguous_strides(out.shape());
     for (int64_t d = 0; d < x.dim(); ++d) ostr[d] = out.shape()[d] == 1 ? 0 : ocontig[d];
     std::vector<double> acc(static_cast<size_t>(n_out), 0.0);
-    // Fast path: reducing leading dims of a contiguous tensor (bias gradients: (N,C)->(C)).
-    bool leading = x.is_contiguous();
-    int64_t inner = 1;
-    {
-      int64_t d = x.dim() - 1;
-      for (; d >= 0 && out.shape()[d] == x.shape()[d]; --d) inner *= x.shape()[d];
-      for (; d >= 0; --d) leading = leading && out.shape()[d] == 1;
-    }
-    if (leading && inner == n_out && n_out > 0) {
+    ReductionBlocks blocks;
+    const bool run = x.is_contiguous() && n_in > 0 && one_reduced_run(x.shape(), out.shape(), blocks);
+    const int64_t inner = blocks.inner;
+    if (run && blocks.outer == 1) {
+      // Reducing leading dims (bias gradients: (N, C) -> (C)).
       // Whole rows at a time (contiguous, vectorized loads; a column at a time would stride
       // through memory, 30x slower on a (1024, 3072) bias gradient). The rows go in fixed
       // blocks, each summed by one thread into its own partial, and the partials are added
@@ -260,6 +279,27 @@ void sum_into(const Tensor& out, const Tensor& x) {
           double sum = 0;
           for (int64_t blk = 0; blk < blocks; ++blk) sum += partial[static_cast<size_t>(blk * inner + j)];
           acc[static_cast<size_t>(j)] = sum;
+        }
+      }
+    } else if (run) {
+      // Reducing middle or trailing dims ((N, k, C) -> (N, 1, C), (R, C) -> (R, 1)): each
+      // output row of `inner` is its own sum, in order, so rows go to threads freely.
+      const int64_t outer = blocks.outer, reduced = blocks.reduced;
+#pragma omp parallel for schedule(static) if (n_in > (1 << 15))
+      for (int64_t o = 0; o < outer; ++o) {
+        const In* block = px + o * reduced * inner;
+        double* a = acc.data() + o * inner;
+        if (inner == 1) {
+          double sum = 0;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t r = 0; r < reduced; ++r) sum += convert<double>(block[r]);
+          a[0] = sum;
+          continue;
+        }
+        for (int64_t r = 0; r < reduced; ++r) {
+          const In* row = block + r * inner;
+#pragma omp simd
+          for (int64_t j = 0; j < inner; ++j) a[j] += convert<double>(row[j]);
         }
       }
     } else {
