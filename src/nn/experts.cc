@@ -287,20 +287,18 @@ Transformer::RouterLosses Transformer::take_router_loss_values() const {
 }
 
 // This shard's experts over their blocks of `rows` (count[j] rows for local expert j, one
-// block after another), each its SwiGLU MLP: one GEMM per expert and projection.
+// block after another), each its SwiGLU MLP: one GEMM per expert and projection. The
+// blocks are one split, whose backward writes the rows' gradient once, block by block.
 Tensor Transformer::local_mlps(const Tensor& rows, const std::vector<int64_t>& count, int64_t l) const {
   const Layer& p = layers_[static_cast<size_t>(l)];
+  const std::vector<Tensor> blocks = ops::split(rows, count, 0);
   std::vector<Tensor> outputs;
-  int64_t begin = 0;
   for (size_t j = 0; j < count.size(); ++j) {
-    const int64_t n = count[j];
-    if (n == 0) continue;
+    if (count[j] == 0) continue;
     OwnerScope scope("experts." + std::to_string(first_expert() + static_cast<int64_t>(j)));
-    const Tensor in = ops::slice(rows, 0, begin, begin + n);
-    const Tensor gate = linear(in, p.expert_gate[j], kAbsent, matmul_dtype_);
-    const Tensor up = linear(in, p.expert_up[j], kAbsent, matmul_dtype_);
+    const Tensor gate = linear(blocks[j], p.expert_gate[j], kAbsent, matmul_dtype_);
+    const Tensor up = linear(blocks[j], p.expert_up[j], kAbsent, matmul_dtype_);
     outputs.push_back(linear(ops::swiglu(gate, up), p.expert_down[j], kAbsent));
-    begin += n;
   }
   // A shard whose experts took no rows returns the empty rows themselves, with their graph.
   return outputs.empty() ? rows : outputs.size() == 1 ? outputs[0] : ops::cat(outputs, 0);
