@@ -125,6 +125,7 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
     c.compute.recompute = nn::parse_recompute(s.recompute);
     const train::TrainResult r = train::run_training(c);
     const int64_t measured = r.history.back().peak_bytes;
+    const memory::PeakMoment real_moment = runtime::ledger(Device::cpu()).peak_moment();  // the second step's
     train::PlanInput in;
     in.model = mc;
     in.batch_size = s.batch;
@@ -153,6 +154,12 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
     ASSERT_EQ(dry.steps.size(), 2u) << what;
     EXPECT_EQ(dry.steps.back().peak_bytes, measured) << what;
     EXPECT_EQ(dry.steps.front().peak_bytes, r.history.front().peak_bytes) << what;
+    // At the same moment: the same allocation, in the same phase of the same microbatch.
+    const memory::PeakMoment& moment = dry.steps.back().moment;
+    EXPECT_EQ(real_moment.bytes, measured) << what;
+    EXPECT_EQ(train::moment_text(moment), train::moment_text(real_moment)) << what;
+    EXPECT_EQ(moment.owner.step, 1) << what;
+    EXPECT_NE(std::string(moment.phase), "") << what;
   }
 }
 

@@ -32,6 +32,7 @@ thread_local bool t_own_clock = false;  // this thread has set its clock
 thread_local std::string t_module_path;
 thread_local NameId t_module_path_id = 0;
 thread_local Category t_category = Category::Activation;
+thread_local const char* t_phase = "";
 
 // current_owner("op") runs for every allocation an op makes: a small per-thread cache
 // maps (path id, op name) to the interned "path:op" so the hot path builds no string.
@@ -156,6 +157,10 @@ ModulePathScope::~ModulePathScope() {
   t_module_path = std::move(previous_);
   t_module_path_id = previous_id_;
 }
+
+PhaseMark::PhaseMark(const char* phase) : previous_(t_phase) { t_phase = phase; }
+PhaseMark::~PhaseMark() { t_phase = previous_; }
+const char* current_phase() { return t_phase; }
 
 CategoryScope::CategoryScope(Category c) : previous_(t_category) { t_category = c; }
 CategoryScope::~CategoryScope() { t_category = previous_; }

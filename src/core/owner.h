@@ -109,6 +109,22 @@ class CategoryScope {
   Category previous_;
 };
 
+// Names the part of a step the thread is in until the scope ends ("forward",
+// "backward", "optimizer", ...; `phase` a string literal), then the enclosing one again:
+// what the ledger says of the moment a peak happened (memory/ledger.h). A thread outside
+// any is in "".
+class PhaseMark {
+ public:
+  explicit PhaseMark(const char* phase);
+  ~PhaseMark();
+  PhaseMark(const PhaseMark&) = delete;
+  PhaseMark& operator=(const PhaseMark&) = delete;
+
+ private:
+  const char* previous_;
+};
+const char* current_phase();
+
 const std::string& current_module_path();
 NameId current_module_path_id();
 

@@ -263,6 +263,7 @@ class PipelineStage::Step {
   }
 
   void forward(size_t i) {
+    const PhaseMark phase("forward");
     const PipelineAction& a = actions_[i];
     auto [tokens, targets] = i == 0 ? std::move(first_batch_) : batch_(a.microbatch);
     InFlight f;
@@ -284,6 +285,7 @@ class PipelineStage::Step {
   }
 
   void backward(size_t i) {
+    const PhaseMark phase("backward");
     const PipelineAction& a = actions_[i];
     auto it = flight_.find({a.microbatch, a.chunk});
     TALLY_CHECK(it != flight_.end(), "internal: pipeline backward of microbatch ", a.microbatch, " chunk ", a.chunk,

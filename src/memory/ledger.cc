@@ -57,7 +57,10 @@ uint32_t Ledger::record_alloc(int64_t bytes, const OwnerTag& owner, std::weak_pt
     history_.push_back({now_us(), bytes, owner.category, owner.name, owner.step, owner.microbatch, rec.stack, false, id});
   }
   *id_out = id;
-  if (new_peak && track_peak_owners_) snapshot_peak_owners();
+  if (new_peak && track_peak_owners_) {
+    snapshot_peak_owners();
+    peak_moment_ = {owner, current_phase(), stats_.peak_allocated};
+  }
   return slot;
 }
 
@@ -81,6 +84,11 @@ void Ledger::track_peak_owners(bool on) {
 std::vector<OwnerBytes> Ledger::peak_owners() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return peak_owners_;
+}
+
+PeakMoment Ledger::peak_moment() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return peak_moment_;
 }
 
 LiveAllocation* Ledger::record_at(uint32_t slot, uint64_t id) {

@@ -62,6 +62,15 @@ struct MemoryEvent {
 
 class CachingAllocator;
 
+// The moment a peak was reached: the allocation that raised it (its owner, whose name
+// holds the module path and the op, and the step and microbatch it was made in) and the
+// phase of the step its thread was in (core/owner.h's PhaseMark; "" for none).
+struct PeakMoment {
+  OwnerTag owner;
+  const char* phase = "";
+  int64_t bytes = 0;  // the peak it made (0: none tracked yet)
+};
+
 // Live bytes of one owner (category and name) at a moment.
 struct OwnerBytes {
   Category category = Category::Other;
@@ -90,6 +99,7 @@ class Ledger {
   // for every step. reset_peaks() keeps the last snapshot until the peak rises again.
   void track_peak_owners(bool on);
   std::vector<OwnerBytes> peak_owners() const;
+  PeakMoment peak_moment() const;  // of the same snapshot
 
   // History: alloc/free events, optionally with native stacks.
   void enable_history(bool enabled, bool with_stacks = false);
@@ -122,6 +132,7 @@ class Ledger {
   void snapshot_peak_owners();  // mutex_ held
   bool track_peak_owners_ = false;
   std::vector<OwnerBytes> peak_owners_;
+  PeakMoment peak_moment_;
   bool history_enabled_ = false;
   bool history_stacks_ = false;
   std::vector<MemoryEvent> history_;

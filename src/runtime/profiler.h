@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "core/owner.h"
+
 namespace tally::runtime::profiler {
 
 // Turns timing on or off for the calling thread (and clears its table when turning on).
@@ -86,11 +88,12 @@ class KernelScope {
   std::chrono::steady_clock::time_point start_;
 };
 
-// Names the phase kernels run in until the scope ends (then the enclosing one again).
-// `phase` must outlive the report: a string literal.
+// Names the phase kernels run in until the scope ends (then the enclosing one again),
+// for the profiler and the ledger (a PhaseMark). `phase` must outlive the report: a
+// string literal.
 class PhaseScope {
  public:
-  explicit PhaseScope(const char* phase) : state_(detail::thread_state()), outer_(state_.phase) {
+  explicit PhaseScope(const char* phase) : mark_(phase), state_(detail::thread_state()), outer_(state_.phase) {
     state_.phase = phase;
     if (state_.on) start_ = std::chrono::steady_clock::now(), timed_ = true;
   }
@@ -102,6 +105,7 @@ class PhaseScope {
   PhaseScope& operator=(const PhaseScope&) = delete;
 
  private:
+  PhaseMark mark_;  // the ledger's name for the phase (core/owner.h)
   detail::ThreadState& state_;
   const char* outer_;
   bool timed_ = false;

@@ -27,7 +27,7 @@ DryRunStep run_step(int64_t step, const TrainConfig& c, dist::StepEngine& engine
   engine.optimizer_step(learning_rate(c.optimizer, c.batch.steps, step), optim::clip_scale(norm, c.optimizer.grad_clip));
   off.end_step();
   engine.synchronize();
-  return {ledger.stats().peak_allocated, ledger.peak_owners()};
+  return {ledger.stats().peak_allocated, ledger.peak_owners(), ledger.peak_moment()};
 }
 
 // A --mem-trace run's host history is the real run's: the few host scalars the dry run's
@@ -114,6 +114,15 @@ DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bo
   return run;
 }
 
+std::string moment_text(const memory::PeakMoment& m) {
+  const OwnerTag& o = m.owner;
+  std::string out = o.step >= 0 ? "step " + std::to_string(o.step + 1) : "set-up";
+  const std::string phase = *m.phase ? m.phase : o.step >= 0 ? "between phases" : "";
+  if (!phase.empty()) out += ", " + phase;
+  if (o.microbatch >= 0) out += " of microbatch " + std::to_string(o.microbatch + 1);
+  return out + ", allocating " + o.name_str() + " (" + category_name(o.category) + ")";
+}
+
 std::string dry_run_text(const DryRun& run, bool name_rank) {
   std::string out = "dry run (the real steps on the meta device)";
   if (name_rank) out += ", rank " + std::to_string(run.rank) + " (pipeline stage " + std::to_string(run.stage) + ")";
@@ -135,6 +144,7 @@ std::string dry_run_text(const DryRun& run, bool name_rank) {
     else it->second += o.bytes;
   }
   std::sort(kinds.begin(), kinds.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  out += "  the peak: " + moment_text(run.steps[peak_step].moment) + "\n";
   out += "  at step " + std::to_string(peak_step + 1) + "'s peak:";
   for (size_t k = 0; k < kinds.size(); ++k) out += (k ? ", " : " ") + kinds[k].first + " " + memory::format_bytes(kinds[k].second);
   out += "\n  largest owners:";

@@ -26,6 +26,7 @@ namespace tally::train {
 struct DryRunStep {
   int64_t peak_bytes = 0;                  // the ledger's peak over the step
   std::vector<memory::OwnerBytes> at_peak;  // who held the bytes at that moment, largest first
+  memory::PeakMoment moment;               // and the moment: phase, microbatch, allocation
 };
 
 struct DryRun {
@@ -54,8 +55,12 @@ std::vector<int> dry_run_roles(const TrainConfig& config, int64_t world_size);
 // the CPU).
 std::string dry_run_refusal(const TrainConfig& config);
 
-// The dry run as `tally plan` prints it: each step's peak, and at the run's peak the bytes
-// of each kind of memory and the largest owners.
+// A peak's moment as the plan says it: "step 2, backward of microbatch 4, allocating
+// h.1.mlp:swiglu_dgate (activation)" (steps and microbatches counted from 1).
+std::string moment_text(const memory::PeakMoment& moment);
+
+// The dry run as `tally plan` prints it: each step's peak, and at the run's peak its
+// moment, the bytes of each kind of memory and the largest owners.
 // `name_rank`: say which rank it stood in for.
 std::string dry_run_text(const DryRun& run, bool name_rank = false);
 

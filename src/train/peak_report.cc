@@ -103,10 +103,11 @@ void PeakReport::compare_with_plan(const StepMetrics& m, const memory::Stats& s)
   std::string said;
   for (const std::string& note : notes_)
     if (note.rfind("set-up", 0) != 0) said += (said.empty() ? "; the plan noted: " : "; ") + note;
-  std::fprintf(stderr, "tally: warning: rank %lld's measured peak %s is %+.1f%% off the plan %s: %s; "
+  const memory::Ledger& ledger = runtime::ledger(c_.compute.device);
+  std::fprintf(stderr, "tally: warning: rank %lld's measured peak %s is %+.1f%% off the plan %s: %s; it came at %s; "
                "--mem-trace F.html shows who holds what%s\n", static_cast<long long>(world_.rank()),
                format_bytes(s.peak_allocated).c_str(), 100.0 * off, format_bytes(planned_peak_).c_str(),
-               explain_peak(parts_, runtime::ledger(c_.compute.device).peak_owners()).c_str(), said.c_str());
+               explain_peak(parts_, ledger.peak_owners()).c_str(), moment_text(ledger.peak_moment()).c_str(), said.c_str());
 }
 
 void PeakReport::report_setup(const StepMetrics& m, int64_t resume_peak) {

@@ -942,6 +942,11 @@ nlohmann::json dry_run_json(const DryRun& dry_run) {
   nlohmann::json out{{"rank", dry_run.rank},     {"stage", dry_run.stage},        {"step_peak_bytes", steps},
                      {"peak_bytes", dry_run.peak_bytes()}, {"at_peak", at_peak}};
   if (!dry_run.bound.empty()) out["bound"] = dry_run.bound;
+  if (peak) {
+    const OwnerTag& o = peak->moment.owner;
+    out["moment"] = {{"step", o.step}, {"phase", peak->moment.phase}, {"microbatch", o.microbatch},
+                     {"allocation", o.name_str()}, {"category", category_name(o.category)}};
+  }
   return out;
 }
 }  // namespace
