@@ -18,6 +18,7 @@
 #include "nn/llmc_layout.h"
 #include "runtime/backend.h"
 #include "train/dry_run.h"
+#include "train/fit.h"
 #include "train/plan.h"
 #include "train/trainer.h"
 
@@ -560,4 +561,125 @@ TEST(Plan, AShardIsBuiltOneWholeParameterAtATimeWithTheWholeModelsValues) {
       }
     }
   }
+}
+
+// ---- tally plan --fit (train/fit.h)
+
+namespace {
+// The largest of a layout's stages' dry-run peaks.
+int64_t dry_run_peak(const train::TrainConfig& c, const nn::TransformerConfig& mc, int64_t world) {
+  int64_t peak = 0;
+  for (int rank : train::dry_run_roles(c, world)) peak = std::max(peak, train::dry_run(c, mc, false, world, rank).peak_bytes());
+  return peak;
+}
+
+train::TrainConfig fit_base(const std::string& preset) {
+  train::TrainConfig c;
+  c.model.preset = preset;
+  c.batch.batch_size = 2;
+  c.batch.seq_len = 32;
+  c.batch.steps = 2;
+  return c;
+}
+}  // namespace
+
+TEST(Fit, ReadsMemorySizesAndNamesTheFlagOfOneItCannot) {
+  EXPECT_EQ(train::parse_memory_size("80GiB"), 80LL << 30);
+  EXPECT_EQ(train::parse_memory_size("512 MiB"), 512LL << 20);
+  EXPECT_EQ(train::parse_memory_size("1.5TB"), 1500000000000LL);
+  EXPECT_EQ(train::parse_memory_size("4096"), 4096);
+  for (const std::string bad : {"", "GiB", "-1GiB", "0", "80 GiBs", "1e30GB", "nan"}) {
+    try {
+      train::parse_memory_size(bad);
+      ADD_FAILURE() << "'" << bad << "' was taken";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--fit " + bad + ": expected a memory size"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// The search plans a layout with at most 2 microbatches a step, or 4 x P under a pipeline:
+// the peak of the whole step's microbatches, to the byte, on every stage.
+TEST(Fit, FewerMicrobatchesPlanTheSamePeak) {
+  const nn::TransformerConfig mc = nn::TransformerConfig::preset("d4");
+  struct Layout {
+    int dp, tp, pp;
+    dist::PipelineSchedule schedule;
+    int virtual_stages, zero;
+    nn::Recompute recompute;
+    int64_t microbatches;
+  };
+  using S = dist::PipelineSchedule;
+  for (const Layout& l : std::vector<Layout>{{1, 1, 1, S::OneFOneB, 1, 0, nn::Recompute::None, 12},
+                                             {4, 1, 1, S::OneFOneB, 1, 2, nn::Recompute::Full, 9},
+                                             {2, 2, 1, S::OneFOneB, 1, 1, nn::Recompute::Selective, 6},
+                                             {1, 1, 2, S::OneFOneB, 1, 0, nn::Recompute::None, 20},
+                                             {2, 1, 2, S::Interleaved, 2, 1, nn::Recompute::None, 20},
+                                             {1, 2, 2, S::OneFOneB, 1, 0, nn::Recompute::Full, 12}}) {
+    train::TrainConfig c = fit_base("d4");
+    c.parallel.dp = l.dp, c.parallel.tp = l.tp, c.parallel.pp = l.pp, c.parallel.pp_schedule = l.schedule;
+    c.parallel.virtual_stages = l.virtual_stages, c.parallel.zero = l.zero;
+    c.compute.recompute = l.recompute;
+    c.batch.grad_accum = l.microbatches;
+    const int64_t world = static_cast<int64_t>(l.dp) * l.tp * l.pp;
+    const train::TrainConfig planned = train::with_planned_microbatches(c);
+    EXPECT_LT(planned.batch.grad_accum, l.microbatches);
+    for (int rank : train::dry_run_roles(c, world))
+      EXPECT_EQ(train::dry_run(planned, mc, false, world, rank).peak_bytes(), train::dry_run(c, mc, false, world, rank).peak_bytes())
+          << "dp " << l.dp << " tp " << l.tp << " pp " << l.pp << " zero " << l.zero << ", rank " << rank << ": "
+          << planned.batch.grad_accum << " microbatches against " << l.microbatches;
+  }
+}
+
+// Every layout it lists fits, fastest first by the estimate, with the peak a dry run of the
+// whole step gives; tightening the memory drops exactly the layouts over it.
+TEST(Fit, ListsTheLayoutsThatFitFastestFirstWithTheirDryRunPeaks) {
+  const nn::TransformerConfig mc = nn::TransformerConfig::preset("d4");
+  train::FitOptions o;
+  o.world = 4;
+  o.global_batch = 16;
+  o.flops_per_s = 1e11;
+  o.link_bytes_per_s = 1e9;
+  o.top = 6;
+  o.memory_bytes = 1LL << 40;
+  const train::FitResult all = train::fit_layouts(fit_base("d4"), mc, o);
+  ASSERT_EQ(all.fits.size(), 6u);
+  EXPECT_EQ(all.global_batch, 16);
+  EXPECT_GT(all.refused, 0);  // ZeRO-2/3 beside --tp or --pp, among others
+  for (size_t i = 0; i < all.fits.size(); ++i) {
+    const train::FitCandidate& f = all.fits[i];
+    const train::ParallelismConfig& p = f.config.parallel;
+    EXPECT_EQ(p.dp * p.tp * p.pp, 4) << f.flags();
+    EXPECT_EQ(f.config.batch.batch_size * f.config.batch.grad_accum * p.dp, 16) << f.flags();
+    if (i > 0) {
+      EXPECT_LE(all.fits[i - 1].estimate.total_s(), f.estimate.total_s()) << f.flags();
+    }
+    EXPECT_EQ(f.peak_bytes, dry_run_peak(f.config, mc, 4)) << f.flags();
+  }
+  // The estimate's compute term by hand: 6 x parameters + 6 L q_dim T FLOPs a token, on
+  // every rank at the rate; one rank's tensor-parallel bytes at the link's.
+  const train::FitCandidate& best = all.fits.front();
+  const double tokens = 16.0 * 32;
+  const double per_token = 6.0 * static_cast<double>(nn::Transformer::layout_only(mc).num_parameters()) + 6.0 * 4 * 256 * 32;
+  const train::StepEstimate e = train::estimate_step(best.config, mc, 4, o.flops_per_s, o.link_bytes_per_s);
+  EXPECT_NEAR(e.total_s(), best.estimate.total_s(), 1e-12);
+  ASSERT_EQ(best.config.compute.recompute, nn::Recompute::None) << best.flags();
+  EXPECT_NEAR(e.compute_s, tokens * per_token / (4 * o.flops_per_s), 1e-9) << best.flags();
+  // Below the largest peak, the layouts over the memory go and the others stay in order.
+  int64_t largest = 0;
+  for (const train::FitCandidate& f : all.fits) largest = std::max(largest, f.peak_bytes);
+  o.memory_bytes = largest - 1;
+  o.top = 1000;
+  const train::FitResult tight = train::fit_layouts(fit_base("d4"), mc, o);
+  ASSERT_FALSE(tight.fits.empty());
+  for (const train::FitCandidate& f : tight.fits) EXPECT_LE(f.peak_bytes, o.memory_bytes) << f.flags();
+  std::vector<std::string> kept, expected;
+  for (const train::FitCandidate& f : tight.fits) kept.push_back(f.flags());
+  for (const train::FitCandidate& f : all.fits)
+    if (f.peak_bytes <= o.memory_bytes) expected.push_back(f.flags());
+  kept.resize(std::min(kept.size(), expected.size()));
+  EXPECT_EQ(kept, expected);
+  EXPECT_NE(train::fit_text(tight, o, "d4").find("fit "), std::string::npos);
+  const auto json = nlohmann::json::parse(train::fit_json(tight, o));
+  EXPECT_EQ(json["fit"]["fits"].size(), tight.fits.size());
 }

@@ -25,6 +25,7 @@
 #include "ops/install.h"
 #include "apps/flags.h"
 #include "train/dry_run.h"
+#include "train/fit.h"
 #include "train/plan.h"
 #include "train/plot.h"
 #include "train/sampler.h"
@@ -135,7 +136,31 @@ struct PlanArgs {
   train::TrainConfig run;
   int world = 0;  // ranks the job would run on (0: --dp x --tp x --pp)
   bool val = false, json = false;
+  std::string fit;  // --fit MEMORY: search the layouts of --world that fit
+  int64_t global_batch = 0;
+  double fit_tflops = 0, fit_link_gbps = 25;
+  int fit_top = 10;
 };
+
+// tally plan --fit: the layouts of the world that fit (train/fit.h).
+int run_fit(const PlanArgs& a, const train::TrainConfig& c, const nn::TransformerConfig& model, bool validates) {
+  TALLY_CHECK(a.world > 0, "--fit searches the layouts of a world: give it --world N (the ranks of the job)");
+  TALLY_CHECK(a.global_batch >= 0 && a.fit_tflops >= 0 && a.fit_link_gbps > 0 && a.fit_top >= 1,
+              "--global-batch and --fit-tflops must be >= 0, --fit-link-gbps > 0 and --fit-top >= 1");
+  train::FitOptions o;
+  o.memory_bytes = train::parse_memory_size(a.fit);
+  o.world = a.world;
+  o.global_batch = a.global_batch;
+  o.flops_per_s = a.fit_tflops * 1e12;
+  o.link_bytes_per_s = a.fit_link_gbps * 1e9;
+  o.top = a.fit_top;
+  o.validates = validates;
+  const train::FitResult r = train::fit_layouts(c, model, o);
+  if (a.json) std::printf("%s\n", train::fit_json(r, o).c_str());
+  else
+    std::printf("%s", train::fit_text(r, o, c.model.file.empty() ? c.model.preset : c.model.file).c_str());
+  return 0;
+}
 
 int run_plan(const PlanArgs& a) {
   train::TrainConfig c = a.run;
@@ -146,6 +171,8 @@ int run_plan(const PlanArgs& a) {
   c.validate_settings();
   TALLY_CHECK(c.batch.seq_len <= model.max_seq_len, "--seq-len ", c.batch.seq_len,
               " exceeds the model's maximum sequence length ", model.max_seq_len);
+  const bool validates = a.val || !c.data.val.empty();
+  if (!a.fit.empty()) return run_fit(a, c, model, validates);
   const train::ParallelismConfig& p = c.parallel;
   TALLY_CHECK(a.world >= 0 && p.dp >= 0, "--world and --dp must be >= 0, got --world ", a.world, " --dp ", p.dp);
   // --world 0: the ranks --dp x --tp x --cp x --pp make (one data-parallel rank without --dp).
@@ -157,7 +184,6 @@ int run_plan(const PlanArgs& a) {
               p.cp > 1 ? " x --cp " + std::to_string(p.cp) : std::string(), " x --pp ", p.pp, " is not --world ", world);
   TALLY_CHECK(world % model_parallel == 0, "--world ", world, " is not a multiple of --tp ", p.tp, " x --cp ", p.cp,
               " x --pp ", p.pp);
-  const bool validates = a.val || !c.data.val.empty();
   const train::PlanInput in = train::plan_input(c, model, world, validates);
   const train::MemoryPlan plan = train::plan_memory(in);
   // Where it can, the dry run also runs the steps on the meta device: once for each rank
@@ -472,6 +498,18 @@ void add_plan(CLI::App& app, PlanArgs& pl) {
   apps::add_value(*q, "--world", pl.world, "Ranks the job would run on (mpirun -np; 0 = --dp x --tp x --pp)")->capture_default_str();
   q->add_flag("--val", pl.val, "The run validates (as --val-data says): count its loader's buffers");
   q->add_flag("--json", pl.json, "Print the plan as JSON");
+  apps::add_value(*q, "--fit", pl.fit,
+                  "Search the layouts of --world that fit this memory a rank (e.g. 80GiB), best first by an estimated "
+                  "step time; each is planned by the dry run");
+  apps::add_value(*q, "--global-batch", pl.global_batch,
+                  "With --fit: sequences a step, held fixed over the layouts (0: --batch-size x --grad-accum x --dp)")
+      ->capture_default_str();
+  apps::add_value(*q, "--fit-tflops", pl.fit_tflops,
+                  "With --fit: each rank's TFLOP/s for the estimate (0: the GEMM peak measured in this process)")
+      ->capture_default_str();
+  apps::add_value(*q, "--fit-link-gbps", pl.fit_link_gbps, "With --fit: each rank's link, GB/s, for the estimate")
+      ->capture_default_str();
+  apps::add_value(*q, "--fit-top", pl.fit_top, "With --fit: the layouts to list")->capture_default_str();
 }
 
 void add_plot(CLI::App& app, PlotArgs& pa) {
