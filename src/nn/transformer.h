@@ -393,6 +393,9 @@ class Transformer {
   void set_expert_capacity_factor(double factor);
   // Rows each expert takes of a microbatch of `tokens` tokens (0: dropless).
   int64_t expert_capacity(int64_t tokens) const;
+  // Sparse layer l's MLP alone on h (B, T, C), as its layer runs it after the norm:
+  // routing, the experts and the weighted combine (bench/experts.cc times it).
+  Tensor sparse_mlp(const Tensor& h, int64_t l) const { return experts(h, l); }
 
   // Router losses each sparse layer adds to the objective on the tokens it routes, times
   // their coefficients (0: off), training options beside the model's own (HuggingFace's)
