@@ -161,6 +161,12 @@ TEST(Plan, PredictsTheMeasuredPeakToTheByteForSeveralShapes) {
     EXPECT_EQ(train::moment_text(moment), train::moment_text(real_moment)) << what;
     EXPECT_EQ(moment.owner.step, 1) << what;
     EXPECT_NE(std::string(moment.phase), "") << what;
+    // Validation after the last step, a batch without a graph beside everything the run
+    // keeps, to the byte.
+    EXPECT_EQ(dry.validation.peak_bytes, r.history.back().val_peak_bytes) << what << ": validation";
+    if (s.val) {
+      EXPECT_GT(dry.validation.peak_bytes, 0) << what;
+    }
   }
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "autograd/grad_mode.h"
 #include "data/loader.h"
 #include "dist/step_engine.h"
 #include "optim/adamw.h"
@@ -26,6 +27,19 @@ DryRunStep run_step(int64_t step, const TrainConfig& c, dist::StepEngine& engine
   const double norm = engine.grad_norm();
   engine.optimizer_step(learning_rate(c.optimizer, c.batch.steps, step), optim::clip_scale(norm, c.optimizer.grad_clip));
   off.end_step();
+  engine.synchronize();
+  return {ledger.stats().peak_allocated, ledger.peak_owners(), ledger.peak_moment()};
+}
+
+// One validation batch as train::Evaluator::validate runs each.
+DryRunStep run_validation(dist::StepEngine& engine, data::BatchSource& batches, memory::Ledger& ledger) {
+  ledger.reset_peaks();
+  {
+    autograd::InferenceModeGuard inference;
+    OwnerScope scope("eval");
+    const PhaseMark phase("validation");
+    engine.evaluate(batches.batch_from(0));
+  }
   engine.synchronize();
   return {ledger.stats().peak_allocated, ledger.peak_owners(), ledger.peak_moment()};
 }
@@ -55,7 +69,7 @@ std::string dry_run_refusal(const TrainConfig& c) {
 }
 
 int64_t DryRun::peak_bytes() const {
-  int64_t peak = 0;
+  int64_t peak = validation.peak_bytes;
   for (const DryRunStep& s : steps) peak = std::max(peak, s.peak_bytes);
   return peak;
 }
@@ -108,6 +122,7 @@ DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bo
     run.setup_peak_bytes = ledger.stats().peak_allocated;
     for (int64_t step = 0; step < std::min<int64_t>(2, c.batch.steps); ++step)
       run.steps.push_back(run_step(step, c, engine, train, ledger));
+    if (val) run.validation = run_validation(engine, *val, ledger);
   }
   ledger.track_peak_owners(false);
   Clock::set(clock.step, clock.microbatch);
@@ -132,10 +147,14 @@ std::string dry_run_text(const DryRun& run, bool name_rank) {
     out += (s ? ", step " : " step ") + std::to_string(s + 1) + " " + memory::format_bytes(run.steps[s].peak_bytes);
     if (run.steps[s].peak_bytes > run.steps[peak_step].peak_bytes) peak_step = s;
   }
+  if (run.validation.peak_bytes > 0) out += ", validation " + memory::format_bytes(run.validation.peak_bytes);
   out += "\n";
   if (!run.bound.empty()) out += "  planned at a declared bound: " + run.bound + "\n";
   if (run.steps.empty()) return out;
-  const std::vector<memory::OwnerBytes>& owners = run.steps[peak_step].at_peak;
+  // The run's peak: the largest step's, or validation's when it is larger.
+  const bool validation = run.validation.peak_bytes > run.steps[peak_step].peak_bytes;
+  const DryRunStep& peak = validation ? run.validation : run.steps[peak_step];
+  const std::vector<memory::OwnerBytes>& owners = peak.at_peak;
   std::vector<std::pair<std::string, int64_t>> kinds;
   for (const memory::OwnerBytes& o : owners) {
     const std::string kind = memory_kind(o.category);
@@ -144,8 +163,8 @@ std::string dry_run_text(const DryRun& run, bool name_rank) {
     else it->second += o.bytes;
   }
   std::sort(kinds.begin(), kinds.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
-  out += "  the peak: " + moment_text(run.steps[peak_step].moment) + "\n";
-  out += "  at step " + std::to_string(peak_step + 1) + "'s peak:";
+  out += "  the peak: " + moment_text(peak.moment) + "\n";
+  out += validation ? "  at validation's peak:" : "  at step " + std::to_string(peak_step + 1) + "'s peak:";
   for (size_t k = 0; k < kinds.size(); ++k) out += (k ? ", " : " ") + kinds[k].first + " " + memory::format_bytes(kinds[k].second);
   out += "\n  largest owners:";
   for (size_t i = 0; i < std::min<size_t>(5, owners.size()); ++i)

@@ -7,7 +7,8 @@
 // What runs: set-up (the model shard, its optimizer, the loader's buffers), then steps 0
 // and 1 (the first optimizer step and a steady one), each as the trainer runs it:
 // forward and backward of every microbatch, the gradients' reduction, their norm, the
-// update. It stands in for one process on the CPU, or one rank of a layout of data,
+// update; then, when the run validates, one validation batch as the trainer's validation
+// runs each (every batch has the same shape). It stands in for one process on the CPU, or one rank of a layout of data,
 // context and pipeline parallel ranks on the CPU, whose collectives it makes on
 // communicators that move nothing (dist::World::stand_in): the buffers the rank's step
 // makes for them are made all the same; ZeRO's shards, staging and gathers too. Not yet:
@@ -33,10 +34,13 @@ struct DryRun {
   int rank = 0, stage = 0;  // the rank it stood in for, and its pipeline stage
   int64_t setup_peak_bytes = 0;  // building the model, its optimizer and the loader
   std::vector<DryRunStep> steps;  // steps 0 and 1
+  // A validation batch after them, when the run validates (peak_bytes 0 otherwise): its
+  // forward without a graph, beside the model states, the optimizer's and the loaders'.
+  DryRunStep validation;
   // What stands in for the data where the step depends on it: "" or, for experts, the
   // routing it planned at (nn/experts.cc).
   std::string bound;
-  // The run's peak: the largest step's.
+  // The run's peak: the largest step's, or validation's when it is larger.
   int64_t peak_bytes() const;
 };
 

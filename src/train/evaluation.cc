@@ -22,6 +22,7 @@ bool Evaluator::validates_at(int64_t step, bool last, const RunData& data) const
 double Evaluator::validate(dist::StepEngine& engine, RunData& data) const {
   autograd::InferenceModeGuard inference;
   OwnerScope scope("eval");
+  const PhaseMark phase("validation");
   data::TokenLoader& loader = *data.val();
   double total = 0;
   for (int64_t i = 0; i < data.val_batches(); ++i) total += engine.evaluate(loader.batch_from(i * loader.tokens_per_batch()));

@@ -336,8 +336,12 @@ void Metrics::start_row(const StepMetrics& m) {
   row_ = std::move(j);
 }
 
+void Metrics::begin_validation() { runtime::ledger(c_.compute.device).reset_peaks(); }
+
 void Metrics::record_val(double loss) {
   row_["val_loss"] = loss;
+  last_.val_peak_bytes = runtime::ledger(c_.compute.device).stats().peak_allocated;
+  row_["val_peak_bytes"] = last_.val_peak_bytes;
   log(fmt("val loss %.4f", loss));
   curve_.add_val(last_.step, loss);
   if (loss < best_val_) best_val_ = loss, best_val_step_ = last_.step;

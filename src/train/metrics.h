@@ -52,6 +52,7 @@ struct StepMetrics {
   int64_t expert_load_min = -1, expert_load_max = -1;  // choices one expert of one layer took (-1: no experts)
   int64_t expert_dropped = 0;  // (token, expert) pairs dropped past the experts' capacity (--moe-capacity-factor)
   int64_t pp_sent_bytes = 0;             // pipeline: activation and gradient bytes rank 0 sent this step
+  int64_t val_peak_bytes = 0;            // this rank's peak while it validated after the step (0: it did not)
   runtime::profiler::Report ops;         // --profile-ops: this rank's time per phase and kernel
 };
 
@@ -77,6 +78,8 @@ class Metrics {
   void print_step() const;
   // This rank's memory statistics as the step ended.
   const memory::Stats& rank_stats() const { return rank_stats_; }
+  // Validation after a step: its peak is measured from here to record_val.
+  void begin_validation();
   void record_val(double loss);
   // The step's JSONL row, written before the step's checkpoint: a checkpointed step always
   // has its row.

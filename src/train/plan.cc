@@ -937,11 +937,13 @@ nlohmann::json dry_run_json(const DryRun& dry_run) {
     steps.push_back(s.peak_bytes);
     if (!peak || s.peak_bytes > peak->peak_bytes) peak = &s;
   }
+  if (peak && dry_run.validation.peak_bytes > peak->peak_bytes) peak = &dry_run.validation;
   if (peak)
     for (const memory::OwnerBytes& o : peak->at_peak) at_peak[name_of(o.name)] = at_peak.value(name_of(o.name), int64_t{0}) + o.bytes;
   nlohmann::json out{{"rank", dry_run.rank},     {"stage", dry_run.stage},        {"step_peak_bytes", steps},
                      {"peak_bytes", dry_run.peak_bytes()}, {"at_peak", at_peak}};
   if (!dry_run.bound.empty()) out["bound"] = dry_run.bound;
+  if (dry_run.validation.peak_bytes > 0) out["validation_peak_bytes"] = dry_run.validation.peak_bytes;
   if (peak) {
     const OwnerTag& o = peak->moment.owner;
     out["moment"] = {{"step", o.step}, {"phase", peak->moment.phase}, {"microbatch", o.microbatch},

@@ -149,8 +149,10 @@ std::vector<int64_t> unit_numels(const nn::TransformerConfig& c);
 std::string plan_text(const MemoryPlan& plan, const PlanInput& input);
 // {"ranks": [{"rank": 0, "stage": 0, "predicted_peak_bytes": N, "parts": {...}}, ...], "activations": {...}},
 // and with a dry run (train/dry_run.h) "dry_run": {"step_peak_bytes": [...], "peak_bytes": N,
-// "at_peak": {owner: bytes}, "moment": {"step", "phase", "microbatch" (from 0; -1: none),
-// "allocation", "category"}, "bound": what stood in for the data (experts' routing), when any}.
+// "validation_peak_bytes": N (when it validates), "at_peak": {owner: bytes} and "moment": {"step",
+// "phase", "microbatch" (from 0; -1: none), "allocation", "category"} of the run's peak (the
+// largest step's, or validation's when larger), "bound": what stood in for the data (experts'
+// routing), when any}.
 struct DryRun;
 std::string plan_json(const MemoryPlan& plan, const std::vector<DryRun>& dry_runs = {});
 

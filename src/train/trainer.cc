@@ -92,7 +92,10 @@ TrainResult run_training(const TrainConfig& c, const dist::World& world, const O
     if (peaks.due(step, start)) peaks.report(m, metrics.rank_stats(), checkpointer.resume_peak_bytes());
     metrics.print_step();
     const bool last = step + 1 == steps;
-    if (evaluator.validates_at(m.step, last, data)) metrics.record_val(result.final_val_loss = evaluator.validate(engine, data));
+    if (evaluator.validates_at(m.step, last, data)) {
+      metrics.begin_validation();
+      metrics.record_val(result.final_val_loss = evaluator.validate(engine, data));
+    }
     const std::exception_ptr sample_error = evaluator.samples_at(m.step, last) ? evaluator.sample(engine, last) : nullptr;
     metrics.write_row();
     if (checkpointer.saves_at(m.step, last)) {
