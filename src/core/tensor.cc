@@ -147,11 +147,13 @@ double Tensor::item() const {
 
 template <class T> std::vector<T> Tensor::to_vector() const {
   Tensor src = *this;
-  // A meta tensor reads as zeros, after the host copy the device it stands in for would
-  // make (on the meta device itself when that is the CPU: the copy is the run's memory).
+  // A meta tensor reads as zeros, after the copy the device it stands in for would make:
+  // the CPU's host copy (on the meta device itself: the copy is the run's memory), a CUDA
+  // device's staging of the converted or strided values before their transfer.
   if (device().is_meta()) {
-    if (device().runs_as() == DeviceType::CPU && (dtype() != DTypeOf<T>::value || !is_contiguous()))
-      Tensor::empty(shape(), DTypeOf<T>::value, device(), current_owner("to_vector"));
+    if (dtype() != DTypeOf<T>::value || !is_contiguous())
+      Tensor::empty(shape(), DTypeOf<T>::value, device(),
+                    current_owner(device().runs_as() == DeviceType::CPU ? "to_vector" : "device_staging"));
     return std::vector<T>(static_cast<size_t>(numel()), T{});
   }
   if (!device().is_cpu() || dtype() != DTypeOf<T>::value || !is_contiguous()) {

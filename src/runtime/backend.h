@@ -112,6 +112,11 @@ class Backend : public DeviceHooks {
   virtual void adamw_update(const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
                             const Tensor& p_compute, const AdamWScalars& k, bool zero_grad);
 
+  // A meta backend drops what it keeps from one dry run to the next (the GEMM library's
+  // workspace it stands in for), so that the next starts as a fresh process does; a real
+  // backend keeps its own.
+  virtual void end_stand_in() {}
+
   // ---- indexing
   virtual void gather(const Tensor& out, const Tensor& x, int64_t dim, const Tensor& index);
   virtual void scatter_add(const Tensor& dx, int64_t dim, const Tensor& index, const Tensor& src);
@@ -146,8 +151,8 @@ void install_backends();
 void register_cpu_backend();   // runtime/cpu/cpu_backend.cc
 void register_meta_backend();  // runtime/meta/meta_backend.cc
 void register_cuda_backend();  // runtime/cuda/cuda_backend.cc (TALLY_CUDA builds)
-// Number of devices of `type` this process can use (CPU: 1; meta: 1, standing in for the
-// CPU).
+// Number of devices of `type` this process can use (CPU: 1; meta: 2, meta(cpu) and
+// meta(cuda), indexed by the DeviceType they stand in for).
 int device_count(DeviceType type);
 // Bytes the GEMM library of a device of this type keeps for itself once the first GEMM
 // runs (a persistent allocation the ledger shows; the memory plan counts it), known
