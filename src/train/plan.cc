@@ -404,6 +404,9 @@ MemoryPlan plan_steps(const PlanInput& in) {
   const bool on_cpu = in.device.is_cpu();
   const int64_t library_workspace = runtime::library_workspace_bytes(on_cpu ? DeviceType::CPU : DeviceType::CUDA);
   const int64_t loader = (in.val_loader && on_cpu ? 2 : 1) * 2 * BT * kFloat;
+  // A GPU's step copies each microbatch's tokens to the device; the loss's backward frees
+  // the targets' copy, so backward's moments hold the inputs alone.
+  const int64_t targets_freed = on_cpu ? 0 : BT * kFloat;
   // At the peak (the start of backward): dL/d(final norm output) is allocated while the
   // cross-entropy's log-sum-exp has been freed (the logits' gradient took the logits'
   // place). The chunked loss holds one chunk of logits, then of their gradient, in place.
@@ -605,7 +608,8 @@ MemoryPlan plan_steps(const PlanInput& in) {
                 {in.zero >= 1 ? "optimizer state (AdamW m, v: this rank's pieces)" : "optimizer state (AdamW m, v)",
                  in.zero >= 1 ? 2 * shard : 2 * P * kFloat},
                 {"activations (one microbatch)", activations},
-                {"loader buffers", loader},
+                {on_cpu ? "loader buffers" : "loader buffers (the microbatch's inputs on the device)",
+                 loader - targets_freed},
                 {"transient at the peak", transient},
                 // The loss (and, when scaled by 1/(N*D), its scaled copy): scalars.
                 {"loss", in.grad_accum * D > 1 ? 2 * kFloat : kFloat}};
@@ -677,7 +681,8 @@ MemoryPlan plan_steps(const PlanInput& in) {
     const int64_t others = rp.predicted_peak_bytes - activations - transient;
     const int64_t loss_bytes = rp.parts[6].second;
     auto total = [&](const Moment& m) {
-      return checked_add(checked_add(others, m.activations, "plan"), m.transient, "plan") - (m.in_forward ? loss_bytes : 0);
+      return checked_add(checked_add(others, m.activations, "plan"), m.transient, "plan") -
+             (m.in_forward ? loss_bytes - targets_freed : 0);
     };
     // ZeRO-2/3 change what lives between these moments. At a layer's MLP backward
     // (measured from traces, 1 and 2 ranks): the layer's gradient is being staged, the
@@ -741,6 +746,7 @@ MemoryPlan plan_steps(const PlanInput& in) {
         rp.parts.erase(rp.parts.begin() + static_cast<std::ptrdiff_t>(zero_parts_begin), rp.parts.end());
         rp.parts.insert(rp.parts.end(), zero_parts[peak].begin(), zero_parts[peak].end());
       } else if (moments[peak].in_forward) {
+        rp.parts[4] = {"loader buffers", loader};
         rp.parts.erase(rp.parts.begin() + 6);
       }
       rp.predicted_peak_bytes = at_peak;
