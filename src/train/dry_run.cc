@@ -64,7 +64,7 @@ class HostHistoryPaused {
 }  // namespace
 
 std::string dry_run_refusal(const TrainConfig& c) {
-  if (!c.compute.device.is_cpu()) return "the dry run stands in for the CPU, not --device " + c.compute.device.str();
+  if (c.compute.device.is_meta()) return "the dry run stands in for a real device, not --device " + c.compute.device.str();
   return "";
 }
 
@@ -115,15 +115,17 @@ DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bo
   {
     dist::StepEngine engine(*world, engine_config(c, model), [](nn::Transformer&) {});
     // The loader's buffers, as RunData opens them after the engine: training's, and
-    // validation's when the run validates.
-    data::ShapeOnlyBatches train(c.batch.batch_size, c.batch.seq_len, c.compute.device);
+    // validation's when the run validates, on the host (a GPU's step copies each batch).
+    const Device host = Device::meta(DeviceType::CPU);
+    data::ShapeOnlyBatches train(c.batch.batch_size, c.batch.seq_len, host);
     std::unique_ptr<data::ShapeOnlyBatches> val;
-    if (validates) val = std::make_unique<data::ShapeOnlyBatches>(c.batch.batch_size, c.batch.seq_len, c.compute.device);
+    if (validates) val = std::make_unique<data::ShapeOnlyBatches>(c.batch.batch_size, c.batch.seq_len, host);
     run.setup_peak_bytes = ledger.stats().peak_allocated;
     for (int64_t step = 0; step < std::min<int64_t>(2, c.batch.steps); ++step)
       run.steps.push_back(run_step(step, c, engine, train, ledger));
     if (val) run.validation = run_validation(engine, *val, ledger);
   }
+  runtime::backend(c.compute.device).end_stand_in();
   ledger.track_peak_owners(false);
   Clock::set(clock.step, clock.microbatch);
   return run;

@@ -8,11 +8,12 @@
 // and 1 (the first optimizer step and a steady one), each as the trainer runs it:
 // forward and backward of every microbatch, the gradients' reduction, their norm, the
 // update; then, when the run validates, one validation batch as the trainer's validation
-// runs each (every batch has the same shape). It stands in for one process on the CPU, or one rank of a layout of data,
-// context and pipeline parallel ranks on the CPU, whose collectives it makes on
-// communicators that move nothing (dist::World::stand_in): the buffers the rank's step
-// makes for them are made all the same; ZeRO's shards, staging and gathers too. Not yet:
-// --tp over several ranks, a GPU.
+// runs each (every batch has the same shape). It stands in for one process, or one rank
+// of a layout of data, tensor, context, pipeline and expert parallel ranks, whose
+// collectives it makes on communicators that move nothing (dist::World::stand_in): the
+// buffers the rank's step makes for them are made all the same; ZeRO's shards, staging
+// and gathers too. On the CPU (meta(cpu)) or a GPU (meta(cuda): the CUDA kernels' scratch
+// and cuBLASLt's workspace; the loader's buffers on the host, as a GPU run keeps them).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -46,7 +47,7 @@ struct DryRun {
 
 // Runs `config`'s first two steps of `model` on the meta device (`validates`: the run has
 // a validation loader, whose buffers live through it). Throws naming what it does not
-// stand in for yet (a layout of several ranks, a GPU).
+// stand in for (dry_run_refusal).
 // `world_size` > 1: it stands in for rank `rank` of the layout `config` gives that world.
 DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bool validates, int64_t world_size = 1,
                int rank = 0);
@@ -55,8 +56,8 @@ DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bo
 // allocations: each tensor-parallel rank holds an equal slice).
 std::vector<int> dry_run_roles(const TrainConfig& config, int64_t world_size);
 
-// Why the dry run does not stand in for a run of `config`, or "" when it does (today: on
-// the CPU).
+// Why the dry run does not stand in for a run of `config`, or "" when it does (any real
+// device).
 std::string dry_run_refusal(const TrainConfig& config);
 
 // A peak's moment as the plan says it: "step 2, backward of microbatch 4, allocating

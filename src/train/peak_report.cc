@@ -32,8 +32,8 @@ PeakReport::PeakReport(const TrainConfig& c, const dist::World& world, const dis
   parts_ = mine.parts;
   notes_ = plan.notes;
   // The peak is planned by the dry run standing in for each rank (train/dry_run.h), its
-  // steady step's peak, wherever it stands in (the CPU); the formulas above give the parts
-  // and the set-up, and plan a GPU, but they have no experts and no context parallelism.
+  // steady step's peak, on the CPU or a GPU; the formulas above give the parts and the
+  // set-up, but they have no experts and no context parallelism.
   // Dropless experts are planned at a declared routing bound only (`tally plan` says so):
   // the plan says what it leaves out rather than warn.
   const bool dropless_experts = model.n_experts > 0 && c.compute.moe_capacity_factor == 0;
