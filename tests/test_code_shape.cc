@@ -159,9 +159,6 @@ std::vector<LongFunction> long_functions(const fs::path& path, int limit) {
 
 TEST(CodeShape, NoFunctionOfTheTopFloorsIsLongerThan120Lines) {
   constexpr int kLimit = 120;
-  // The one exception, by name: the hand-written planner, which the dry run of the real step
-  // on a meta device replaces (the dry-run planner issue); it goes with it, and so does this.
-  const std::vector<std::string> known = {"src/train/plan.cc: plan_steps"};
   const fs::path root = fs::path(TALLY_SOURCE_DIR) / "src";
   std::string report;
   int files = 0;
@@ -171,9 +168,6 @@ TEST(CodeShape, NoFunctionOfTheTopFloorsIsLongerThan120Lines) {
       if (ext != ".cc" && ext != ".h") continue;
       ++files;
       for (const LongFunction& f : long_functions(entry.path(), kLimit)) {
-        const std::string relative = fs::relative(entry.path(), root.parent_path()).string();
-        const std::string name = f.where.substr(f.where.rfind(' ') + 1);
-        if (std::find(known.begin(), known.end(), relative + ": " + name) != known.end()) continue;
         report += "  " + f.where + ": " + std::to_string(f.lines) + " lines\n";
       }
     }

@@ -97,20 +97,14 @@ void expect_same_run(const train::TrainResult& got, const train::TrainResult& wa
 // a caller's own checks of its parts and notes.
 train::MemoryPlan expect_planned_peaks(const train::TrainResult& r, const train::TrainConfig& c,
                                        const nn::TransformerConfig& model, const std::string& what) {
-  train::PlanInput in;
-  in.model = model;
-  in.batch_size = c.batch.batch_size;
-  in.seq_len = c.batch.seq_len;
-  in.grad_accum = c.batch.grad_accum;
-  in.world = world().dp();
-  in.zero = c.parallel.zero;
-  const train::MemoryPlan plan = train::plan_memory(in);
+  const train::MemoryPlan plan = train::plan_memory(c, model, world().dp(), !c.data.val.empty());
   const std::vector<int64_t>& measured = r.history.back().rank_peak_bytes;
   EXPECT_EQ(measured.size(), plan.ranks.size()) << what;
   for (size_t rank = 0; rank < std::min(measured.size(), plan.ranks.size()); ++rank)
     EXPECT_EQ(measured[rank], plan.ranks[rank].predicted_peak_bytes) << what << " rank " << rank;
-  // Set-up: ZeRO-2/3 build the whole parameter block (without gradients) and their shards
-  // beside it; the run measures that moment and the plan predicts it (0 for the others).
+  // Set-up: ZeRO-2 builds the whole parameter block (without gradients) and its shards
+  // beside it, ZeRO-3 its shards and one whole parameter; the run measures that moment and
+  // the plan predicts it (0 for the others).
   int64_t planned_setup = 0;
   for (const train::RankPlan& rp : plan.ranks) planned_setup = std::max(planned_setup, rp.setup_bytes);
   EXPECT_EQ(r.predicted_setup_bytes, planned_setup) << what;
@@ -472,8 +466,9 @@ TEST(DataParallel, UnitsThatTheRanksDoNotDivideTrainAsOneProcessInEveryZeroStage
   c.parallel.zero = 1;
   const train::TrainResult r = train::run_training(c, world());
   const train::MemoryPlan plan = expect_planned_peaks(r, c, cfg, "zero 1, odd width");
-  ASSERT_FALSE(plan.ranks.empty());
-  EXPECT_NE(plan.ranks[0].parts.back().first.find("all-gather"), std::string::npos) << plan.ranks[0].parts.back().first;
+  ASSERT_FALSE(plan.dry_runs.empty());
+  const memory::PeakMoment& moment = plan.dry_runs.front().steps.back().moment;
+  EXPECT_EQ(std::string(moment.phase), "optimizer") << train::moment_text(moment);
 }
 
 // ------------------------------------------------------------------ flat memory on every rank
@@ -594,11 +589,7 @@ TEST(Plan, PredictsEveryRanksPeakToTheByteForDataParallelAndEveryZeroStage) {
           expect_planned_peaks(r, c, nn::TransformerConfig::preset("d1"),
                                "shape " + std::to_string(shape) + " zero " + std::to_string(zero) + " accum " +
                                    std::to_string(accum));
-      // (The small microbatch under ZeRO-3 keeps the note that the embeddings unit,
-      // gathered in forward, outweighs its activations; the measured peak is still planned.)
-      if (shape == 0 || zero < 3) {
-        EXPECT_TRUE(plan.notes.empty()) << plan.notes.front();
-      }
+      EXPECT_TRUE(plan.notes.empty()) << plan.notes.front();
     }
   }
 }

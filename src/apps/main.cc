@@ -181,24 +181,12 @@ int run_plan(const PlanArgs& a) {
   const int64_t model_parallel = checked_mul(checked_mul(p.tp, p.pp, "--tp x --pp"), p.cp, "--tp x --pp x --cp");
   const int64_t world = a.world > 0 ? a.world : checked_mul(std::max(p.dp, 1), model_parallel, "--dp x --tp x --cp x --pp");
   TALLY_CHECK(world <= 1 << 20, "--world ", world, " is more ranks than the plan models (at most 2^20)");
-  // (plan_memory checks that --world is a multiple of --tp x --pp.)
   TALLY_CHECK(p.dp == 0 || p.dp * model_parallel == world, "--dp ", p.dp, " x --tp ", p.tp,
               p.cp > 1 ? " x --cp " + std::to_string(p.cp) : std::string(), " x --pp ", p.pp, " is not --world ", world);
-  TALLY_CHECK(world % model_parallel == 0, "--world ", world, " is not a multiple of --tp ", p.tp, " x --cp ", p.cp,
-              " x --pp ", p.pp);
-  const train::PlanInput in = train::plan_input(c, model, world, validates);
-  const train::MemoryPlan plan = train::plan_memory(in);
-  // Where it can, the dry run also runs the steps on the meta device: once for each rank
-  // whose steps differ (each pipeline stage).
-  std::vector<train::DryRun> dry;
-  if (train::dry_run_refusal(c).empty())
-    for (int rank : train::dry_run_roles(c, world)) dry.push_back(train::dry_run(c, model, validates, world, rank));
-  if (a.json) {
-    std::printf("%s\n", train::plan_json(plan, dry).c_str());
-    return 0;
-  }
-  std::printf("%s\n", train::plan_text(plan, in).c_str());
-  for (const train::DryRun& d : dry) std::printf("%s", train::dry_run_text(d, world > 1).c_str());
+  // The dry run of the run's steps on the meta device, once for each rank whose steps
+  // differ (each pipeline stage); plan_memory checks the layout as train does.
+  const train::MemoryPlan plan = train::plan_memory(c, model, world, validates);
+  std::printf("%s\n", a.json ? train::plan_json(plan).c_str() : train::plan_text(plan, c, model, world).c_str());
   return 0;
 }
 

@@ -85,8 +85,11 @@ namespace {
 // a split over one tensor-parallel rank): then it is filled in place.
 bool holds_whole(const ParameterSpec& local, const ParameterSpec& whole) { return local.shape == whole.shape; }
 
-Tensor whole_scratch(const ParameterSpec& spec) {
-  return Tensor::empty(spec.shape, DType::F32, Device::cpu(), make_owner(Category::Other, "model.whole_parameter"));
+// On the host, where the model is built (a dry run's model: on the meta device, which
+// stands in for the host).
+Tensor whole_scratch(const ParameterSpec& spec, Device model_device) {
+  const Device host = model_device.is_meta() ? Device::meta(DeviceType::CPU) : Device::cpu();
+  return Tensor::empty(spec.shape, DType::F32, host, make_owner(Category::Other, "model.whole_parameter"));
 }
 }  // namespace
 
@@ -111,7 +114,7 @@ void fill_whole_parameters(Transformer& model, const WholeParameterFill& fill) {
       }
       const size_t i = it->second;
       if (keeper) {
-        const Tensor scratch = whole_scratch(spec);
+        const Tensor scratch = whole_scratch(spec, model.device());
         fill(t, w, spec, scratch);
         keeper->store(i, scratch);
         continue;
@@ -120,7 +123,7 @@ void fill_whole_parameters(Transformer& model, const WholeParameterFill& fill) {
       if (holds_whole(params.spec(i), spec)) {
         fill(t, w, spec, param);
       } else {
-        const Tensor scratch = whole_scratch(spec);
+        const Tensor scratch = whole_scratch(spec, model.device());
         fill(t, w, spec, scratch);
         for (auto& [from, to] : model.shard_regions(i, scratch, param)) to.copy_(from);
       }

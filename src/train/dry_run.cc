@@ -3,8 +3,10 @@
 #include <algorithm>
 
 #include "autograd/grad_mode.h"
+#include "core/checked.h"
 #include "data/loader.h"
 #include "dist/step_engine.h"
+#include "nn/llmc_layout.h"
 #include "optim/adamw.h"
 #include "runtime/backend.h"
 #include "sanitizer/sanitizer.h"
@@ -74,6 +76,15 @@ int64_t DryRun::peak_bytes() const {
   return peak;
 }
 
+TrainConfig with_planned_microbatches(const TrainConfig& c) {
+  TrainConfig planned = c;
+  const int64_t enough = c.parallel.pp > 1 ? 4 * c.parallel.pp * c.parallel.virtual_stages : 2;
+  if (c.parallel.pp_schedule != dist::PipelineSchedule::GPipe)
+    planned.batch.grad_accum = std::min(c.batch.grad_accum, enough);
+  planned.batch.steps = std::min<int64_t>(c.batch.steps, 2);
+  return planned;
+}
+
 std::vector<int> dry_run_roles(const TrainConfig& c, int64_t world) {
   const ParallelismConfig& p = c.parallel;
   const int64_t per_stage = world / std::max(p.pp, 1);
@@ -87,6 +98,10 @@ DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bo
   const ParallelismConfig& p = config.parallel;
   const std::string refusal = dry_run_refusal(config);
   TALLY_CHECK(refusal.empty(), refusal);
+  // The microbatch's logits, its largest activation: a batch too large to count names the
+  // flags that make it.
+  checked_product({config.batch.batch_size, config.batch.seq_len, model.padded_vocab_size, 4}, "the activations of --batch-size ",
+                  config.batch.batch_size, " x --seq-len ", config.batch.seq_len, " tokens a microbatch");
   TrainConfig c = config;
   c.on_microbatch_loss = nullptr;  // the run's own hook sees the run's losses, not these
   c.compute.device = Device::meta(config.compute.device.type);
@@ -113,14 +128,18 @@ DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bo
                 "GEMMs and their transients" + (p.ep > 1 ? ", and under --ep the rows a rank receives" : "") +
                 "; --moe-capacity-factor fixes them)";
   {
-    dist::StepEngine engine(*world, engine_config(c, model), [](nn::Transformer&) {});
+    // Set-up fills the model one whole parameter at a time through a scratch (values:
+    // none, on the meta device).
+    dist::StepEngine engine(*world, engine_config(c, model), [](nn::Transformer& m) {
+      nn::fill_whole_parameters(m, [](const nn::LlmcTensor&, size_t, const nn::ParameterSpec&, const Tensor&) {});
+    });
     // The loader's buffers, as RunData opens them after the engine: training's, and
     // validation's when the run validates, on the host (a GPU's step copies each batch).
     const Device host = Device::meta(DeviceType::CPU);
     data::ShapeOnlyBatches train(c.batch.batch_size, c.batch.seq_len, host);
     std::unique_ptr<data::ShapeOnlyBatches> val;
     if (validates) val = std::make_unique<data::ShapeOnlyBatches>(c.batch.batch_size, c.batch.seq_len, host);
-    run.setup_peak_bytes = ledger.stats().peak_allocated;
+    run.setup_peak_bytes = engine.setup_peak_bytes();
     for (int64_t step = 0; step < std::min<int64_t>(2, c.batch.steps); ++step)
       run.steps.push_back(run_step(step, c, engine, train, ledger));
     if (val) run.validation = run_validation(engine, *val, ledger);
@@ -147,24 +166,17 @@ std::string dry_run_text(const DryRun& run, bool name_rank) {
   size_t peak_step = 0;
   for (size_t s = 0; s < run.steps.size(); ++s) {
     out += (s ? ", step " : " step ") + std::to_string(s + 1) + " " + memory::format_bytes(run.steps[s].peak_bytes);
-    if (run.steps[s].peak_bytes > run.steps[peak_step].peak_bytes) peak_step = s;
+    if (run.steps[s].peak_bytes >= run.steps[peak_step].peak_bytes) peak_step = s;  // (plan.cc's run_peak)
   }
   if (run.validation.peak_bytes > 0) out += ", validation " + memory::format_bytes(run.validation.peak_bytes);
   out += "\n";
   if (!run.bound.empty()) out += "  planned at a declared bound: " + run.bound + "\n";
   if (run.steps.empty()) return out;
-  // The run's peak: the largest step's, or validation's when it is larger.
+  // The run's peak: the largest step's (the later on a tie), or validation's when larger.
   const bool validation = run.validation.peak_bytes > run.steps[peak_step].peak_bytes;
   const DryRunStep& peak = validation ? run.validation : run.steps[peak_step];
   const std::vector<memory::OwnerBytes>& owners = peak.at_peak;
-  std::vector<std::pair<std::string, int64_t>> kinds;
-  for (const memory::OwnerBytes& o : owners) {
-    const std::string kind = memory_kind(o.category);
-    auto it = std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == kind; });
-    if (it == kinds.end()) kinds.emplace_back(kind, o.bytes);
-    else it->second += o.bytes;
-  }
-  std::sort(kinds.begin(), kinds.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  const memory::PlanParts kinds = peak_parts(run);
   out += "  the peak: " + moment_text(peak.moment) + "\n";
   out += validation ? "  at validation's peak:" : "  at step " + std::to_string(peak_step + 1) + "'s peak:";
   for (size_t k = 0; k < kinds.size(); ++k) out += (k ? ", " : " ") + kinds[k].first + " " + memory::format_bytes(kinds[k].second);

@@ -33,7 +33,9 @@ struct DryRunStep {
 
 struct DryRun {
   int rank = 0, stage = 0;  // the rank it stood in for, and its pipeline stage
-  int64_t setup_peak_bytes = 0;  // building the model, its optimizer and the loader
+  // Set-up's peak where the engine measures one (dist::StepEngine::setup_peak_bytes:
+  // tensor or pipeline parallel, ZeRO-2/3), else 0.
+  int64_t setup_peak_bytes = 0;
   std::vector<DryRunStep> steps;  // steps 0 and 1
   // A validation batch after them, when the run validates (peak_bytes 0 otherwise): its
   // forward without a graph, beside the model states, the optimizer's and the loaders'.
@@ -51,6 +53,12 @@ struct DryRun {
 // `world_size` > 1: it stands in for rank `rank` of the layout `config` gives that world.
 DryRun dry_run(const TrainConfig& config, const nn::TransformerConfig& model, bool validates, int64_t world_size = 1,
                int rank = 0);
+// The config whose dry run finds `c`'s peak in fewer microbatches: two steps of at most 2
+// microbatches without a pipeline, 4 x P x V with one (1F1B and interleaved 1F1B; GPipe,
+// which holds them all, keeps its own). From there on a step's peak repeats: memory is
+// flat over microbatches, and a 1F1B schedule is periodic once warm, each steady round
+// the one before.
+TrainConfig with_planned_microbatches(const TrainConfig& c);
 // The ranks whose steps differ in shape, one dry run each: the first rank of every pipeline
 // stage (the data-, context- and tensor-parallel ranks of a stage make the same
 // allocations: each tensor-parallel rank holds an equal slice).

@@ -132,15 +132,6 @@ StepEstimate estimate_step(const TrainConfig& c, const nn::TransformerConfig& mo
   return estimate(c, model, world, token_flops(model, c.batch.seq_len), flops_per_s, link_bytes_per_s);
 }
 
-TrainConfig with_planned_microbatches(const TrainConfig& c) {
-  TrainConfig planned = c;
-  const int64_t enough = c.parallel.pp > 1 ? 4 * c.parallel.pp : 2;
-  if (c.parallel.pp_schedule != dist::PipelineSchedule::GPipe)
-    planned.batch.grad_accum = std::min(c.batch.grad_accum, enough);
-  planned.batch.steps = 2;
-  return planned;
-}
-
 FitResult fit_layouts(const TrainConfig& base, const nn::TransformerConfig& model, const FitOptions& o) {
   TALLY_CHECK(o.memory_bytes > 0 && o.world >= 1 && o.top >= 1, "--fit needs a memory, --world >= 1 and --fit-top >= 1");
   FitResult r;

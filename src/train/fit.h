@@ -16,9 +16,9 @@
 // (train/dry_run.h), every pipeline stage's, until `top` fit: the memory figures are the
 // dry run's, exact; the times are the model's. A layout whose model states alone
 // (16 bytes a parameter of its shard, less what ZeRO shards) exceed MEMORY is not run. The
-// dry run of a layout runs at most 2 microbatches a step without a pipeline and 4 x P with
-// one: from there on a step's peak repeats (memory is flat over microbatches; a 1F1B or
-// interleaved stage holds at most P of them; Fit.FewerMicrobatchesPlanTheSamePeak).
+// dry run of a layout runs at most 2 microbatches a step without a pipeline and 4 x P x V
+// with one (train::with_planned_microbatches): from there on a step's peak repeats
+// (Fit.FewerMicrobatchesPlanTheSamePeak).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -85,9 +85,6 @@ struct FitResult {
 StepEstimate estimate_step(const TrainConfig& c, const nn::TransformerConfig& model, int64_t world,
                            double flops_per_s, double link_bytes_per_s);
 FitResult fit_layouts(const TrainConfig& base, const nn::TransformerConfig& model, const FitOptions& options);
-// The config a dry run of `c` needs to find its peak: at most 2 microbatches without a
-// pipeline, 4 x P with one (see above).
-TrainConfig with_planned_microbatches(const TrainConfig& c);
 std::string fit_text(const FitResult& result, const FitOptions& options, const std::string& model_name);
 std::string fit_json(const FitResult& result, const FitOptions& options);
 

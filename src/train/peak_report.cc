@@ -22,35 +22,24 @@ std::string fmt(const char* format, auto... args) {
 PeakReport::PeakReport(const TrainConfig& c, const dist::World& world, const dist::StepEngine& engine,
                        const nn::TransformerConfig& model, bool validates)
     : c_(c), world_(world), engine_(engine) {
-  const MemoryPlan plan = plan_memory(plan_input(c, model, world.size(), validates));
-  for (const RankPlan& r : plan.ranks) {
-    rank_planned_peaks_.push_back(r.predicted_peak_bytes);
-    predicted_setup_ = std::max(predicted_setup_, r.setup_bytes);
+  // The dry run stands in for this rank (train/dry_run.h): its steady step's peak, and at
+  // it the kinds of memory alive; set-up's peak, the largest over ranks.
+  const DryRun dry = dry_run(c, model, validates, world.size(), world.rank());
+  planned_peak_ = dry.steps.empty() ? 0 : dry.steps.back().peak_bytes;
+  for (double p : world.world().all_gather_scalar(static_cast<double>(planned_peak_)))
+    rank_planned_peaks_.push_back(static_cast<int64_t>(p));
+  predicted_setup_ = static_cast<int64_t>(
+      world.world().all_reduce_scalar(static_cast<double>(dry.setup_peak_bytes), dist::ReduceOp::Max));
+  if (!dry.steps.empty()) {
+    DryRun steady;
+    steady.steps = {dry.steps.back()};
+    parts_ = peak_parts(steady);
   }
-  const RankPlan& mine = plan.ranks[static_cast<size_t>(world.rank())];
-  planned_peak_ = mine.predicted_peak_bytes;
-  parts_ = mine.parts;
-  notes_ = plan.notes;
-  // The peak is planned by the dry run standing in for each rank (train/dry_run.h), its
-  // steady step's peak, on the CPU or a GPU; the formulas above give the parts and the
-  // set-up, but they have no experts and no context parallelism.
-  // Dropless experts are planned at a declared routing bound only (`tally plan` says so):
-  // the plan says what it leaves out rather than warn.
-  const bool dropless_experts = model.n_experts > 0 && c.compute.moe_capacity_factor == 0;
-  if (dropless_experts) {
-    unplanned_ = "the plan's formulas leave the experts out; `tally plan` runs this step on the meta device, experts "
-                 "included (exact at a --moe-capacity-factor)";
-  } else if (dry_run_refusal(c).empty()) {
-    const DryRun dry = dry_run(c, model, validates, world.size(), world.rank());
-    planned_peak_ = dry.steps.empty() ? 0 : dry.steps.back().peak_bytes;
-    rank_planned_peaks_.clear();
-    for (double p : world.world().all_gather_scalar(static_cast<double>(planned_peak_)))
-      rank_planned_peaks_.push_back(static_cast<int64_t>(p));
-    planned_by_ = "tally plan's dry run";
-  } else if (c.parallel.cp > 1 || model.n_experts > 0) {
-    unplanned_ = c.parallel.cp > 1 ? "the plan's formulas leave context parallelism out (they plan whole sequences on each rank)"
-                                   : "the plan's formulas leave the experts out";
-  }
+  // Dropless experts are planned at a declared routing bound only (`tally plan` says
+  // which): the plan says so rather than warn.
+  if (!dry.bound.empty())
+    unplanned_ = "dropless experts are planned at the balanced routing bound; the real routing moves the peak "
+                 "(exact at a --moe-capacity-factor)";
   // Who holds the peak, for the check against the plan after the second step.
   runtime::ledger(c.compute.device).track_peak_owners(true);
 }
@@ -91,7 +80,7 @@ void PeakReport::compare_with_plan(const StepMetrics& m, const memory::Stats& s)
   const double off_max = static_cast<double>(m.peak_bytes - m.predicted_peak_bytes) /
                          static_cast<double>(std::max<int64_t>(m.predicted_peak_bytes, 1));
   log(fmt("memory: planned peak %s (%s%s), measured %s: %+.2f%%", format_bytes(m.predicted_peak_bytes).c_str(),
-          planned_by_.c_str(), world_.size() > 1 ? "; the largest over ranks, each rank's own checked" : "",
+          "tally plan's dry run", world_.size() > 1 ? "; the largest over ranks, each rank's own checked" : "",
           format_bytes(m.peak_bytes).c_str(), 100.0 * off_max));
   if (!unplanned_.empty()) {
     log("memory: " + unplanned_);
@@ -99,15 +88,11 @@ void PeakReport::compare_with_plan(const StepMetrics& m, const memory::Stats& s)
   }
   const double off = static_cast<double>(s.peak_allocated - planned_peak_) / static_cast<double>(planned_peak_);
   if (std::abs(off) <= 0.05) return;
-  // A moment the plan itself said may not hold (tally plan prints its notes) is named.
-  std::string said;
-  for (const std::string& note : notes_)
-    if (note.rfind("set-up", 0) != 0) said += (said.empty() ? "; the plan noted: " : "; ") + note;
   const memory::Ledger& ledger = runtime::ledger(c_.compute.device);
   std::fprintf(stderr, "tally: warning: rank %lld's measured peak %s is %+.1f%% off the plan %s: %s; it came at %s; "
-               "--mem-trace F.html shows who holds what%s\n", static_cast<long long>(world_.rank()),
+               "--mem-trace F.html shows who holds what\n", static_cast<long long>(world_.rank()),
                format_bytes(s.peak_allocated).c_str(), 100.0 * off, format_bytes(planned_peak_).c_str(),
-               explain_peak(parts_, ledger.peak_owners()).c_str(), moment_text(ledger.peak_moment()).c_str(), said.c_str());
+               explain_peak(parts_, ledger.peak_owners()).c_str(), moment_text(ledger.peak_moment()).c_str());
 }
 
 void PeakReport::report_setup(const StepMetrics& m, int64_t resume_peak) {

@@ -1,5 +1,5 @@
-// The run's memory against its plan: every rank's peak predicted from the configuration
-// alone (train/plan.h) before the first step, and after the second step (the first also
+// The run's memory against its plan: every rank's peak predicted by the dry run
+// (train/dry_run.h) before the first step, and after the second step (the first also
 // builds caches) the measured peak beside it, with its parts, set-up's and a resume's
 // peaks, and what the data-parallel reduction moved. A rank whose peak is more than 5%
 // off its plan says so, naming the kind of memory and its largest owner.
@@ -46,11 +46,9 @@ class PeakReport {
   std::vector<int64_t> rank_planned_peaks_;
   int64_t planned_peak_ = 0;  // this rank's
   memory::PlanParts parts_;
-  std::vector<std::string> notes_;  // where the plan said its peak moment may not hold
   int64_t predicted_setup_ = 0;
   int64_t setup_peak_ = 0, resume_peak_ = 0;
-  std::string unplanned_;  // what the formulas leave out (experts, context parallel), or empty
-  std::string planned_by_ = "tally plan";  // the formulas, or the dry run
+  std::string unplanned_;  // why the plan is a bound here (dropless experts), or empty
 };
 
 }  // namespace tally::train
