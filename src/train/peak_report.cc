@@ -106,7 +106,7 @@ void PeakReport::report_setup(const StepMetrics& m, int64_t resume_peak) {
             "free at start-up",
             format_bytes(resume_peak_).c_str(), format_bytes(m.peak_bytes).c_str()));
   if (predicted_setup_ <= 0) return;
-  const char* what = world_.tp() * world_.pp() > 1 ? "this rank's shard built, one whole parameter read beside it"
+  const char* what = world_.tp() * world_.pp() * world_.ep() > 1 ? "this rank's shard built, one whole parameter read beside it"
                      : c_.parallel.zero == 3        ? "this rank's ZeRO-3 shards, one whole parameter read beside them"
                                                     : "the parameter block and this rank's ZeRO-2 shards: its model states";
   log(fmt("memory: set-up peak %s (largest over ranks: %s), planned %s%s%s", format_bytes(setup_peak_).c_str(), what,

@@ -127,7 +127,6 @@ MemoryPlan plan_memory(const TrainConfig& c, const nn::TransformerConfig& model,
     for (const auto& [op, bytes] : ops) total += bytes;
     if (total > most) most = total, plan.activations_by_op = std::move(ops), plan.activations_stage = d.stage;
   }
-  if (!plan.dry_runs.front().bound.empty()) plan.notes.push_back("planned at a bound: " + plan.dry_runs.front().bound);
   return plan;
 }
 

@@ -38,7 +38,9 @@ struct MemoryPlan {
   // largest first.
   memory::PlanParts activations_by_op;
   int activations_stage = 0;
-  std::vector<std::string> notes;  // where the plan is a bound rather than exact
+  // What the plan simplified (a step of many microbatches run as a few); a bound that stood
+  // in for the data is each dry run's own (DryRun::bound).
+  std::vector<std::string> notes;
 };
 
 // The plan of `config` run on `world` ranks (`validates`: it has --val-data). Checks the
