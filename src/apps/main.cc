@@ -145,8 +145,6 @@ struct PlanArgs {
 // tally plan --fit: the layouts of the world that fit (train/fit.h).
 int run_fit(const PlanArgs& a, const train::TrainConfig& c, const nn::TransformerConfig& model, bool validates) {
   TALLY_CHECK(a.world > 0, "--fit searches the layouts of a world: give it --world N (the ranks of the job)");
-  const std::string refusal = train::dry_run_refusal(c);
-  TALLY_CHECK(refusal.empty(), "--fit plans each layout by the dry run, and ", refusal);
   TALLY_CHECK(a.global_batch >= 0 && a.fit_tflops >= 0 && a.fit_link_gbps > 0 && a.fit_top >= 1,
               "--global-batch and --fit-tflops must be >= 0, --fit-link-gbps > 0 and --fit-top >= 1");
   train::FitOptions o;

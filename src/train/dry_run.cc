@@ -70,9 +70,11 @@ std::string dry_run_refusal(const TrainConfig& c) {
   return "";
 }
 
-int64_t DryRun::peak_bytes() const {
-  int64_t peak = validation.peak_bytes;
-  for (const DryRunStep& s : steps) peak = std::max(peak, s.peak_bytes);
+const DryRunStep* DryRun::peak() const {
+  const DryRunStep* peak = nullptr;
+  for (const DryRunStep& s : steps)
+    if (!peak || s.peak_bytes >= peak->peak_bytes) peak = &s;
+  if (validation.peak_bytes > (peak ? peak->peak_bytes : 0)) peak = &validation;
   return peak;
 }
 
@@ -81,7 +83,6 @@ TrainConfig with_planned_microbatches(const TrainConfig& c) {
   const int64_t enough = c.parallel.pp > 1 ? 4 * c.parallel.pp * c.parallel.virtual_stages : 2;
   if (c.parallel.pp_schedule != dist::PipelineSchedule::GPipe)
     planned.batch.grad_accum = std::min(c.batch.grad_accum, enough);
-  planned.batch.steps = std::min<int64_t>(c.batch.steps, 2);
   return planned;
 }
 
@@ -163,22 +164,18 @@ std::string dry_run_text(const DryRun& run, bool name_rank) {
   std::string out = "dry run (the real steps on the meta device)";
   if (name_rank) out += ", rank " + std::to_string(run.rank) + " (pipeline stage " + std::to_string(run.stage) + ")";
   out += ":";
-  size_t peak_step = 0;
-  for (size_t s = 0; s < run.steps.size(); ++s) {
+  for (size_t s = 0; s < run.steps.size(); ++s)
     out += (s ? ", step " : " step ") + std::to_string(s + 1) + " " + memory::format_bytes(run.steps[s].peak_bytes);
-    if (run.steps[s].peak_bytes >= run.steps[peak_step].peak_bytes) peak_step = s;  // (plan.cc's run_peak)
-  }
   if (run.validation.peak_bytes > 0) out += ", validation " + memory::format_bytes(run.validation.peak_bytes);
   out += "\n";
   if (!run.bound.empty()) out += "  planned at a declared bound: " + run.bound + "\n";
   if (run.steps.empty()) return out;
-  // The run's peak: the largest step's (the later on a tie), or validation's when larger.
-  const bool validation = run.validation.peak_bytes > run.steps[peak_step].peak_bytes;
-  const DryRunStep& peak = validation ? run.validation : run.steps[peak_step];
+  const DryRunStep& peak = *run.peak();
   const std::vector<memory::OwnerBytes>& owners = peak.at_peak;
-  const memory::PlanParts kinds = peak_parts(run);
+  const memory::PlanParts kinds = peak_parts(peak);
   out += "  the peak: " + moment_text(peak.moment) + "\n";
-  out += validation ? "  at validation's peak:" : "  at step " + std::to_string(peak_step + 1) + "'s peak:";
+  out += &peak == &run.validation ? std::string("  at validation's peak:")
+                                  : "  at step " + std::to_string(&peak - run.steps.data() + 1) + "'s peak:";
   for (size_t k = 0; k < kinds.size(); ++k) out += (k ? ", " : " ") + kinds[k].first + " " + memory::format_bytes(kinds[k].second);
   out += "\n  largest owners:";
   for (size_t i = 0; i < std::min<size_t>(5, owners.size()); ++i)

@@ -43,8 +43,10 @@ struct DryRun {
   // What stands in for the data where the step depends on it: "" or, for experts, the
   // routing it planned at (nn/experts.cc).
   std::string bound;
-  // The run's peak: the largest step's, or validation's when it is larger.
-  int64_t peak_bytes() const;
+  // The run's peak: the largest step's (the later on a tie: the steady one), or
+  // validation's when it is larger; nullptr when nothing ran.
+  const DryRunStep* peak() const;
+  int64_t peak_bytes() const { return peak() ? peak()->peak_bytes : 0; }
 };
 
 // Runs `config`'s first two steps of `model` on the meta device (`validates`: the run has

@@ -30,11 +30,7 @@ PeakReport::PeakReport(const TrainConfig& c, const dist::World& world, const dis
     rank_planned_peaks_.push_back(static_cast<int64_t>(p));
   predicted_setup_ = static_cast<int64_t>(
       world.world().all_reduce_scalar(static_cast<double>(dry.setup_peak_bytes), dist::ReduceOp::Max));
-  if (!dry.steps.empty()) {
-    DryRun steady;
-    steady.steps = {dry.steps.back()};
-    parts_ = peak_parts(steady);
-  }
+  if (!dry.steps.empty()) parts_ = peak_parts(dry.steps.back());
   // Dropless experts are planned at a declared routing bound only (`tally plan` says
   // which): the plan says so rather than warn.
   if (!dry.bound.empty())

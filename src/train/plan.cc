@@ -62,14 +62,6 @@ bool is_activation(Category c) {
   return c == Category::Activation || c == Category::SavedForBackward || c == Category::Workspace;
 }
 
-const DryRunStep* run_peak(const DryRun& run) {
-  const DryRunStep* peak = nullptr;
-  for (const DryRunStep& s : run.steps)  // the later step on a tie: the steady one
-    if (!peak || s.peak_bytes >= peak->peak_bytes) peak = &s;
-  if (peak && run.validation.peak_bytes > peak->peak_bytes) peak = &run.validation;
-  return peak;
-}
-
 // Adds `bytes` under `name`, keeping the first-seen order; then largest first.
 void add_part(memory::PlanParts& parts, const std::string& name, int64_t bytes) {
   auto it = std::find_if(parts.begin(), parts.end(), [&](const auto& p) { return p.first == name; });
@@ -82,7 +74,7 @@ void largest_first(memory::PlanParts& parts) {
 
 memory::PlanParts activations_by_op(const DryRun& run) {
   memory::PlanParts ops;
-  if (const DryRunStep* peak = run_peak(run))
+  if (const DryRunStep* peak = run.peak())
     for (const memory::OwnerBytes& o : peak->at_peak)
       if (is_activation(o.category)) add_part(ops, op_of(name_of(o.name)), o.bytes);
   largest_first(ops);
@@ -91,10 +83,9 @@ memory::PlanParts activations_by_op(const DryRun& run) {
 
 }  // namespace
 
-memory::PlanParts peak_parts(const DryRun& run) {
+memory::PlanParts peak_parts(const DryRunStep& peak) {
   memory::PlanParts kinds;
-  if (const DryRunStep* peak = run_peak(run))
-    for (const memory::OwnerBytes& o : peak->at_peak) add_part(kinds, memory_kind(o.category), o.bytes);
+  for (const memory::OwnerBytes& o : peak.at_peak) add_part(kinds, memory_kind(o.category), o.bytes);
   largest_first(kinds);
   return kinds;
 }
@@ -106,8 +97,6 @@ MemoryPlan plan_memory(const TrainConfig& c, const nn::TransformerConfig& model,
   TALLY_CHECK(world % model_parallel == 0, "--world ", world, " is not a multiple of --tp ", p.tp, " x --cp ", p.cp,
               " x --pp ", p.pp);
   check_layout(c, world);
-  const std::string refusal = dry_run_refusal(c);
-  TALLY_CHECK(refusal.empty(), "plan: ", refusal);
   MemoryPlan plan;
   const TrainConfig planned = with_planned_microbatches(c);
   if (planned.batch.grad_accum < c.batch.grad_accum)
@@ -117,7 +106,8 @@ MemoryPlan plan_memory(const TrainConfig& c, const nn::TransformerConfig& model,
   const int64_t per_stage = world / p.pp;
   for (int64_t r = 0; r < world; ++r) {
     const DryRun& d = plan.dry_runs[static_cast<size_t>(r / per_stage)];
-    plan.ranks.push_back({static_cast<int>(r), d.stage, peak_parts(d), d.peak_bytes(), d.setup_peak_bytes});
+    plan.ranks.push_back({static_cast<int>(r), d.stage, d.peak() ? peak_parts(*d.peak()) : memory::PlanParts{},
+                          d.peak_bytes(), d.setup_peak_bytes});
   }
   // The stage whose peak holds the most activations shows them.
   int64_t most = -1;
@@ -232,7 +222,7 @@ namespace {
 nlohmann::json dry_run_json(const DryRun& dry_run) {
   nlohmann::json steps = nlohmann::json::array(), at_peak = nlohmann::json::object();
   for (const DryRunStep& s : dry_run.steps) steps.push_back(s.peak_bytes);
-  const DryRunStep* peak = run_peak(dry_run);
+  const DryRunStep* peak = dry_run.peak();
   if (peak)
     for (const memory::OwnerBytes& o : peak->at_peak) at_peak[name_of(o.name)] = at_peak.value(name_of(o.name), int64_t{0}) + o.bytes;
   nlohmann::json out{{"rank", dry_run.rank},     {"stage", dry_run.stage},        {"step_peak_bytes", steps},

@@ -49,8 +49,8 @@ MemoryPlan plan_memory(const TrainConfig& config, const nn::TransformerConfig& m
 // Parameters of a config (padded vocabulary rows included), by unit in the block's order.
 int64_t parameter_count(const nn::TransformerConfig& c);
 std::vector<int64_t> unit_numels(const nn::TransformerConfig& c);
-// The kinds of memory alive at a dry run's peak, largest first.
-memory::PlanParts peak_parts(const DryRun& run);
+// The kinds of memory alive at a dry run's peak (DryRun::peak), largest first.
+memory::PlanParts peak_parts(const DryRunStep& peak);
 std::string plan_text(const MemoryPlan& plan, const TrainConfig& config, const nn::TransformerConfig& model,
                       int64_t world);
 // {"ranks": [{"rank": 0, "stage": 0, "predicted_peak_bytes": N, "setup_bytes": N, "parts": {...}}, ...],
